@@ -1,0 +1,26 @@
+//! CUDA 12.9 driver ABI tables shared by the simulated driver and the GPU
+//! sharing hook.
+//!
+//! The data lives in [`generated`], produced by `scripts/gen_cuda_abi.py` from
+//! the real `cuda.h`/`cudaTypedefs.h`; the modules here add lookups on top:
+//!
+//! * [`proc_address`]: `cuGetProcAddress` resolution ([`resolve`]).
+//! * [`errors`]: `CUresult` names/descriptions, also as static C strings.
+//! * [`device_attributes`]: `CUdevice_attribute` names.
+
+pub mod device_attributes;
+pub mod errors;
+#[rustfmt::skip]
+pub mod generated;
+pub mod proc_address;
+
+pub use device_attributes::{device_attribute_name, device_attribute_value};
+pub use errors::{error_name, error_name_cstr, error_string, error_string_cstr};
+pub use generated::{
+    DEVICE_ATTRIBUTES, ENTRY_POINTS, ERROR_CSTRS, ERRORS, HEADER_CUDA_VERSION, SYMBOLS, result,
+};
+pub use proc_address::{
+    CU_GET_PROC_ADDRESS_DEFAULT, CU_GET_PROC_ADDRESS_LEGACY_STREAM,
+    CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, EntryPoint, Resolution, entry_points, resolve,
+    symbols,
+};

@@ -1,0 +1,644 @@
+//! Pure model of the simulated GPUs: stream queues with dependencies, one kernel at a time per
+//! device, and time-slicing between contexts the way the NVIDIA driver does it.
+//!
+//! No I/O, no threads, no clock: every call takes `now` (CLOCK_MONOTONIC nanoseconds), so the
+//! scheduling rules can be tested in virtual time. The device process wraps it in sockets.
+//!
+//! Timeline rules:
+//! - a device runs one kernel at a time; kernels of different contexts never overlap;
+//! - the context holding the device keeps it for one time slice while it has ready work; at the
+//!   end of the slice, if another context has ready work, the running kernel is preempted (unless
+//!   preemption is off) and the next context in round-robin order gets the device after the
+//!   switch cost; an idle context gives the device up at once;
+//! - decisions are committed at device time `cursor`; the model may run ahead of `now` only
+//!   within the current slice of the current context, where nothing another client does can
+//!   change the outcome. Completions committed ahead become visible when `now` reaches them.
+
+use serde::Serialize;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+pub type ConnId = u32;
+/// A client's object id, made unique across clients by the connection it came on.
+pub type Key = (ConnId, u64);
+
+/// How many completion times each stream remembers for dependency and wait lookups.
+const HISTORY: usize = 256;
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    /// Memory capacity of each simulated device, in bytes; its length is the device count.
+    pub device_memory: Vec<u64>,
+    pub timeslice_ns: u64,
+    pub switch_cost_ns: u64,
+    /// Whether a running kernel is preempted at the end of its context's slice.
+    pub preempt: bool,
+    /// Duration of a kernel that is neither `gpushare_spin*` nor configured by name.
+    pub default_kernel_ns: u64,
+    pub kernel_ns: HashMap<String, u64>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            device_memory: vec![80 << 30],
+            timeslice_ns: 1_000_000,
+            switch_cost_ns: 25_000,
+            preempt: true,
+            default_kernel_ns: 5_000,
+            kernel_ns: HashMap::new(),
+        }
+    }
+}
+
+/// One line of the device-side trace: a kernel, or the part of one that ran before preemption.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TraceRecord {
+    pub device: u32,
+    pub pid: u32,
+    pub ctx: u64,
+    pub stream: u64,
+    pub kernel: Arc<str>,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// The kernel did not finish in this record: it was preempted and continues later.
+    pub preempted: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Work {
+    Kernel { name: Arc<str>, remaining_ns: u64 },
+    Marker,
+    /// `notified` once the client has been asked to run it.
+    HostFunc { notified: bool },
+}
+
+#[derive(Debug)]
+struct QueuedOp {
+    seq: u64,
+    submit_ns: u64,
+    deps: Vec<(Key, u64)>,
+    work: Work,
+}
+
+#[derive(Debug)]
+struct Stream {
+    ctx: Key,
+    priority: i32,
+    queue: VecDeque<QueuedOp>,
+    done_upto: u64,
+    /// `(seq, end_ns)` of the latest completions, ascending.
+    history: VecDeque<(u64, u64)>,
+    destroyed: bool,
+}
+
+#[derive(Debug)]
+struct Context {
+    device: u32,
+    streams: Vec<u64>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Running {
+    stream: Key,
+    seg_start: u64,
+}
+
+#[derive(Debug, Default)]
+struct Device {
+    /// Contexts in creation order: the round-robin order.
+    ctxs: Vec<Key>,
+    cursor: u64,
+    active: Option<Key>,
+    slice_end: u64,
+    last_ctx: Option<Key>,
+    running: Option<Running>,
+    mem_used: u64,
+    mem_total: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitError {
+    UnknownStream,
+    UnknownFunction,
+}
+
+#[derive(Debug)]
+pub struct Model {
+    cfg: ModelConfig,
+    devices: Vec<Device>,
+    ctxs: HashMap<Key, Context>,
+    streams: HashMap<Key, Stream>,
+    functions: HashMap<Key, Arc<str>>,
+    pids: HashMap<ConnId, u32>,
+    /// Memory held per (connection, device), released when the connection closes.
+    held: HashMap<(ConnId, u32), u64>,
+    trace: Vec<TraceRecord>,
+    host_calls: Vec<(Key, u64)>,
+}
+
+impl Model {
+    pub fn new(cfg: ModelConfig) -> Self {
+        let devices = cfg
+            .device_memory
+            .iter()
+            .map(|&mem_total| Device { mem_total, ..Device::default() })
+            .collect();
+        Model {
+            cfg,
+            devices,
+            ctxs: HashMap::new(),
+            streams: HashMap::new(),
+            functions: HashMap::new(),
+            pids: HashMap::new(),
+            held: HashMap::new(),
+            trace: Vec::new(),
+            host_calls: Vec::new(),
+        }
+    }
+
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    pub fn connect(&mut self, conn: ConnId, pid: u32) {
+        self.pids.insert(conn, pid);
+    }
+
+    /// Forget everything a client had: its queued work is dropped and its memory released,
+    /// as when a process dies on a real GPU.
+    pub fn disconnect(&mut self, conn: ConnId, now: u64) {
+        let ctxs: Vec<Key> = self.ctxs.keys().filter(|k| k.0 == conn).copied().collect();
+        for ctx in ctxs {
+            self.destroy_context(ctx, now);
+        }
+        self.functions.retain(|k, _| k.0 != conn);
+        let held: Vec<_> = self.held.keys().filter(|k| k.0 == conn).copied().collect();
+        for key in held {
+            let bytes = self.held.remove(&key).unwrap_or(0);
+            let dev = &mut self.devices[key.1 as usize];
+            dev.mem_used = dev.mem_used.saturating_sub(bytes);
+        }
+        self.pids.remove(&conn);
+    }
+
+    pub fn create_context(&mut self, key: Key, device: u32) -> bool {
+        let Some(dev) = self.devices.get_mut(device as usize) else {
+            return false;
+        };
+        dev.ctxs.push(key);
+        self.ctxs.insert(key, Context { device, streams: Vec::new() });
+        true
+    }
+
+    /// Drop a context and its streams with whatever they still had queued.
+    pub fn destroy_context(&mut self, key: Key, now: u64) {
+        let Some(ctx) = self.ctxs.remove(&key) else {
+            return;
+        };
+        let dev = &mut self.devices[ctx.device as usize];
+        dev.ctxs.retain(|k| *k != key);
+        if dev.active == Some(key) {
+            dev.active = None;
+        }
+        if let Some(run) = dev.running
+            && run.stream.0 == key.0
+            && ctx.streams.contains(&run.stream.1)
+        {
+            // The kernel stops where the device is now (or where it was committed to).
+            let end = now.clamp(run.seg_start, dev.cursor.max(run.seg_start));
+            let kernel = match &self.streams[&run.stream].queue.front().map(|o| &o.work) {
+                Some(Work::Kernel { name, .. }) => name.clone(),
+                _ => Arc::from("?"),
+            };
+            self.trace.push(TraceRecord {
+                device: ctx.device,
+                pid: self.pids.get(&key.0).copied().unwrap_or(0),
+                ctx: key.1,
+                stream: run.stream.1,
+                kernel,
+                start_ns: run.seg_start,
+                end_ns: end,
+                preempted: true,
+            });
+            dev.running = None;
+            dev.cursor = end;
+        }
+        for s in ctx.streams {
+            self.streams.remove(&(key.0, s));
+        }
+    }
+
+    pub fn create_stream(&mut self, key: Key, ctx: Key, priority: i32) -> bool {
+        let Some(c) = self.ctxs.get_mut(&ctx) else {
+            return false;
+        };
+        c.streams.push(key.1);
+        self.streams.insert(
+            key,
+            Stream {
+                ctx,
+                priority,
+                queue: VecDeque::new(),
+                done_upto: 0,
+                history: VecDeque::new(),
+                destroyed: false,
+            },
+        );
+        true
+    }
+
+    /// Streams are released once their queued work has completed, as the driver documents.
+    pub fn destroy_stream(&mut self, key: Key) {
+        if let Some(s) = self.streams.get_mut(&key) {
+            s.destroyed = true;
+        }
+        self.reap_stream(key);
+    }
+
+    fn reap_stream(&mut self, key: Key) {
+        let Some(s) = self.streams.get(&key) else {
+            return;
+        };
+        if s.destroyed && s.queue.is_empty() {
+            let ctx = s.ctx;
+            self.streams.remove(&key);
+            if let Some(c) = self.ctxs.get_mut(&ctx) {
+                c.streams.retain(|&id| id != key.1);
+            }
+        }
+    }
+
+    pub fn register_function(&mut self, key: Key, name: &str) {
+        self.functions.insert(key, Arc::from(name));
+    }
+
+    /// Device time a kernel needs: `gpushare_spin*` kernels spin for their first argument.
+    fn kernel_duration(&self, name: &str, arg0: Option<u64>) -> u64 {
+        if name.starts_with("gpushare_spin") {
+            if let Some(ns) = arg0 {
+                return ns;
+            }
+        }
+        self.cfg.kernel_ns.get(name).copied().unwrap_or(self.cfg.default_kernel_ns)
+    }
+
+    pub fn submit(
+        &mut self,
+        now: u64,
+        stream: Key,
+        seq: u64,
+        deps: &[(u64, u64)],
+        op: &gpushare_sim_wire::Op,
+    ) -> Result<(), SubmitError> {
+        use gpushare_sim_wire::Op;
+        let work = match op {
+            Op::Kernel { function, arg0 } => {
+                let name = self
+                    .functions
+                    .get(&(stream.0, *function))
+                    .ok_or(SubmitError::UnknownFunction)?
+                    .clone();
+                let remaining_ns = self.kernel_duration(&name, *arg0);
+                Work::Kernel { name, remaining_ns }
+            }
+            Op::Marker => Work::Marker,
+            Op::HostFunc => Work::HostFunc { notified: false },
+        };
+        let conn = stream.0;
+        let s = self.streams.get_mut(&stream).ok_or(SubmitError::UnknownStream)?;
+        s.queue.push_back(QueuedOp {
+            seq,
+            submit_ns: now,
+            deps: deps.iter().map(|&(st, q)| ((conn, st), q)).collect(),
+            work,
+        });
+        Ok(())
+    }
+
+    /// The client finished running a host function: the stream moves on from `now`.
+    pub fn host_func_done(&mut self, now: u64, stream: Key, seq: u64) {
+        let Some(s) = self.streams.get_mut(&stream) else {
+            return;
+        };
+        if let Some(op) = s.queue.front()
+            && op.seq == seq
+            && matches!(op.work, Work::HostFunc { notified: true })
+        {
+            Self::complete_front(s, now);
+            self.reap_stream(stream);
+        }
+    }
+
+    fn complete_front(s: &mut Stream, end: u64) {
+        if let Some(op) = s.queue.pop_front() {
+            s.done_upto = op.seq;
+            s.history.push_back((op.seq, end));
+            if s.history.len() > HISTORY {
+                s.history.pop_front();
+            }
+        }
+    }
+
+    /// When op `seq` of `stream` completes (possibly in the future), if that is decided yet.
+    /// Ops of streams that no longer exist count as long done.
+    pub fn completion(&self, stream: Key, seq: u64) -> Option<u64> {
+        let Some(s) = self.streams.get(&stream) else {
+            return Some(0);
+        };
+        if seq > s.done_upto {
+            return None;
+        }
+        match s.history.binary_search_by_key(&seq, |&(q, _)| q) {
+            Ok(i) => Some(s.history[i].1),
+            Err(0) => Some(0),
+            Err(i) => Some(s.history[i - 1].1),
+        }
+    }
+
+    /// When the head op of `stream` may start, once every dependency's completion is decided.
+    fn head_ready(&self, key: Key) -> Option<u64> {
+        let s = &self.streams[&key];
+        let op = s.queue.front()?;
+        let mut t = op.submit_ns.max(s.history.back().map_or(0, |h| h.1));
+        for &(dep, seq) in &op.deps {
+            t = t.max(self.completion(dep, seq)?);
+        }
+        Some(t)
+    }
+
+    /// Best kernel of `ctx` that may start by `at`: highest priority (lowest number), then oldest.
+    fn ready_kernel(&self, ctx: Key, at: u64) -> Option<Key> {
+        let c = self.ctxs.get(&ctx)?;
+        c.streams
+            .iter()
+            .map(|&id| (ctx.0, id))
+            .filter(|k| {
+                matches!(
+                    self.streams[k].queue.front().map(|o| &o.work),
+                    Some(Work::Kernel { .. })
+                )
+            })
+            .filter_map(|k| self.head_ready(k).filter(|&t| t <= at).map(|t| (k, t)))
+            .min_by_key(|&(k, t)| (self.streams[&k].priority, t, self.streams[&k].queue[0].seq))
+            .map(|(k, _)| k)
+    }
+
+    /// Earliest decided start time of any kernel waiting on `device`.
+    fn earliest_kernel(&self, device: usize) -> Option<u64> {
+        self.devices[device]
+            .ctxs
+            .iter()
+            .flat_map(|ctx| self.ctxs[ctx].streams.iter().map(move |&id| (ctx.0, id)))
+            .filter(|k| {
+                matches!(
+                    self.streams[k].queue.front().map(|o| &o.work),
+                    Some(Work::Kernel { .. })
+                )
+            })
+            .filter_map(|k| self.head_ready(k))
+            .min()
+    }
+
+    /// Process everything decidable up to `now`.
+    pub fn advance(&mut self, now: u64) {
+        loop {
+            let mut progress = false;
+            for d in 0..self.devices.len() {
+                while self.step_device(d, now) {
+                    progress = true;
+                }
+            }
+            progress |= self.resolve_non_kernels(now);
+            if !progress {
+                break;
+            }
+        }
+    }
+
+    /// Complete markers whose dependencies are decided; ask clients to run due host functions.
+    fn resolve_non_kernels(&mut self, now: u64) -> bool {
+        let mut progress = false;
+        let keys: Vec<Key> = self.streams.keys().copied().collect();
+        for key in keys {
+            loop {
+                let Some(op) = self.streams.get(&key).and_then(|s| s.queue.front()) else {
+                    break;
+                };
+                let is_marker = matches!(op.work, Work::Marker);
+                let fresh_host = matches!(op.work, Work::HostFunc { notified: false });
+                let seq = op.seq;
+                if !is_marker && !fresh_host {
+                    break;
+                }
+                let Some(ready) = self.head_ready(key) else {
+                    break;
+                };
+                let s = self.streams.get_mut(&key).expect("stream checked above");
+                if is_marker {
+                    Self::complete_front(s, ready);
+                    progress = true;
+                    self.reap_stream(key);
+                    continue;
+                }
+                if ready <= now {
+                    if let Some(QueuedOp { work: Work::HostFunc { notified }, .. }) =
+                        s.queue.front_mut()
+                    {
+                        *notified = true;
+                    }
+                    self.host_calls.push((key, seq));
+                    progress = true;
+                }
+                break;
+            }
+        }
+        progress
+    }
+
+    /// One scheduling step on device `d`; false when nothing more is decidable at `now`.
+    fn step_device(&mut self, d: usize, now: u64) -> bool {
+        let preempt = self.cfg.preempt;
+        if let Some(run) = self.devices[d].running {
+            let dev = &self.devices[d];
+            let cap = if preempt { dev.slice_end } else { u64::MAX };
+            let cursor = dev.cursor;
+            if cursor < cap {
+                let s = self.streams.get_mut(&run.stream).expect("running stream exists");
+                let Some(QueuedOp { work: Work::Kernel { remaining_ns, .. }, .. }) =
+                    s.queue.front_mut()
+                else {
+                    unreachable!("running stream's head is a kernel")
+                };
+                let ran = (*remaining_ns).min(cap - cursor);
+                *remaining_ns -= ran;
+                let finished = *remaining_ns == 0;
+                self.devices[d].cursor = cursor + ran;
+                if finished {
+                    self.end_segment(d, false);
+                }
+                return true;
+            }
+            // Slice over with the kernel unfinished: decide only once the device reaches it.
+            if cursor > now {
+                return false;
+            }
+            let active = self.devices[d].active.expect("running implies an active context");
+            if self.other_ready_context(d, active, cursor).is_none() {
+                self.devices[d].slice_end = cursor + self.cfg.timeslice_ns;
+                return true;
+            }
+            self.end_segment(d, true);
+        }
+
+        let dev = &self.devices[d];
+        let cursor = dev.cursor;
+        if let Some(active) = dev.active
+            && cursor < dev.slice_end
+            && let Some(stream) = self.ready_kernel(active, cursor)
+        {
+            self.devices[d].running = Some(Running { stream, seg_start: cursor });
+            return true;
+        }
+        if cursor > now {
+            return false;
+        }
+        let next = match dev.active {
+            Some(a) => self
+                .other_ready_context(d, a, cursor)
+                .or_else(|| self.ready_kernel(a, cursor).map(|_| a)),
+            None => self.other_ready_context_from(d, 0, cursor),
+        };
+        let Some(next) = next else {
+            match self.earliest_kernel(d) {
+                Some(t) if t <= now && t > cursor => {
+                    self.devices[d].cursor = t;
+                    return true;
+                }
+                _ => {
+                    self.devices[d].cursor = now.max(cursor);
+                    return false;
+                }
+            }
+        };
+        let switch = self.cfg.switch_cost_ns;
+        let slice = self.cfg.timeslice_ns;
+        let dev = &mut self.devices[d];
+        if dev.last_ctx.is_some_and(|l| l != next) {
+            dev.cursor += switch;
+        }
+        dev.active = Some(next);
+        dev.last_ctx = Some(next);
+        dev.slice_end = dev.cursor + slice;
+        let at = dev.cursor;
+        let stream = self.ready_kernel(next, cursor).expect("chosen context has a ready kernel");
+        self.devices[d].running = Some(Running { stream, seg_start: at });
+        true
+    }
+
+    /// Next context after `after` in round-robin order with a kernel ready by `at`.
+    fn other_ready_context(&self, d: usize, after: Key, at: u64) -> Option<Key> {
+        let ctxs = &self.devices[d].ctxs;
+        let start = ctxs.iter().position(|k| *k == after).map_or(0, |i| i + 1);
+        self.other_ready_context_from(d, start, at).filter(|k| *k != after)
+    }
+
+    fn other_ready_context_from(&self, d: usize, start: usize, at: u64) -> Option<Key> {
+        let ctxs = &self.devices[d].ctxs;
+        (0..ctxs.len())
+            .map(|i| ctxs[(start + i) % ctxs.len()])
+            .find(|&k| self.ready_kernel(k, at).is_some())
+    }
+
+    /// Close the running kernel's trace segment at the cursor; complete it unless preempted.
+    fn end_segment(&mut self, d: usize, preempted: bool) {
+        let dev = &mut self.devices[d];
+        let run = dev.running.take().expect("a kernel is running");
+        let end = dev.cursor;
+        let s = self.streams.get_mut(&run.stream).expect("running stream exists");
+        let kernel = match s.queue.front().map(|o| &o.work) {
+            Some(Work::Kernel { name, .. }) => name.clone(),
+            _ => unreachable!("running stream's head is a kernel"),
+        };
+        let ctx = s.ctx;
+        if !preempted {
+            Self::complete_front(s, end);
+        }
+        self.trace.push(TraceRecord {
+            device: d as u32,
+            pid: self.pids.get(&run.stream.0).copied().unwrap_or(0),
+            ctx: ctx.1,
+            stream: run.stream.1,
+            kernel,
+            start_ns: run.seg_start,
+            end_ns: end,
+            preempted,
+        });
+        self.reap_stream(run.stream);
+    }
+
+    /// The earliest future instant at which [`Model::advance`] can decide more.
+    pub fn next_wakeup(&self, now: u64) -> Option<u64> {
+        let mut t: Option<u64> = None;
+        let mut consider = |x: u64| {
+            if x > now {
+                t = Some(t.map_or(x, |t| t.min(x)));
+            }
+        };
+        for (i, dev) in self.devices.iter().enumerate() {
+            consider(dev.cursor);
+            if let Some(e) = self.earliest_kernel(i) {
+                consider(e);
+            }
+        }
+        for (&key, s) in &self.streams {
+            if matches!(s.queue.front().map(|o| &o.work), Some(Work::HostFunc { notified: false }))
+                && let Some(r) = self.head_ready(key)
+            {
+                consider(r);
+            }
+        }
+        t
+    }
+
+    pub fn take_trace(&mut self) -> Vec<TraceRecord> {
+        std::mem::take(&mut self.trace)
+    }
+
+    /// Host functions whose turn has come, as `(stream, seq)`.
+    pub fn take_host_calls(&mut self) -> Vec<(Key, u64)> {
+        std::mem::take(&mut self.host_calls)
+    }
+
+    /// Reserve `bytes` on `device` for `conn`; false when that would exceed the capacity.
+    pub fn alloc(&mut self, conn: ConnId, device: u32, bytes: u64) -> bool {
+        let Some(dev) = self.devices.get_mut(device as usize) else {
+            return false;
+        };
+        if dev.mem_used.saturating_add(bytes) > dev.mem_total {
+            return false;
+        }
+        dev.mem_used += bytes;
+        *self.held.entry((conn, device)).or_default() += bytes;
+        true
+    }
+
+    pub fn free(&mut self, conn: ConnId, device: u32, bytes: u64) {
+        let Some(held) = self.held.get_mut(&(conn, device)) else {
+            return;
+        };
+        let bytes = bytes.min(*held);
+        *held -= bytes;
+        let dev = &mut self.devices[device as usize];
+        dev.mem_used -= bytes;
+    }
+
+    /// `(free, total)` bytes of `device`.
+    pub fn mem_info(&self, device: u32) -> Option<(u64, u64)> {
+        let dev = self.devices.get(device as usize)?;
+        Some((dev.mem_total - dev.mem_used, dev.mem_total))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,354 @@
+//! The device process's I/O shell around [`Model`]: a Unix socket that every simulated driver
+//! connects to, one reader thread per client, and a clock thread that advances the timeline in
+//! real time, answers waits when their work completes and writes the device trace.
+
+use crate::model::{ConnId, Key, Model, ModelConfig, SubmitError, TraceRecord};
+use gpushare_sim_wire::{self as wire, DeviceInfo, PROTOCOL_VERSION, Reply, Request};
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// CLOCK_MONOTONIC in nanoseconds: the device's and the trace's time base.
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+pub struct ServerConfig {
+    pub model: ModelConfig,
+    pub socket: PathBuf,
+    pub trace: Option<PathBuf>,
+}
+
+struct Waiter {
+    conn: ConnId,
+    req: u64,
+    ops: Vec<(Key, u64)>,
+}
+
+struct State {
+    model: Model,
+    writers: HashMap<ConnId, Arc<Mutex<UnixStream>>>,
+    waiters: Vec<Waiter>,
+    trace: Option<BufWriter<File>>,
+    next_conn: ConnId,
+    stopping: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    /// Signalled whenever the model changed, so the clock thread re-plans its next wake-up.
+    changed: Condvar,
+    devices: Vec<DeviceInfo>,
+}
+
+/// A running device server; dropping it without [`Server::shutdown`] leaves threads running.
+pub struct Server {
+    shared: Arc<Shared>,
+    socket: PathBuf,
+    clock: Option<JoinHandle<()>>,
+}
+
+type Outbox = Vec<(ConnId, Reply)>;
+
+impl Server {
+    pub fn start(cfg: ServerConfig) -> anyhow::Result<Server> {
+        let _ = std::fs::remove_file(&cfg.socket);
+        let listener = UnixListener::bind(&cfg.socket).map_err(|e| {
+            anyhow::anyhow!("cannot listen on {}: {e}; pick another --socket path", cfg.socket.display())
+        })?;
+        let trace = match &cfg.trace {
+            Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| {
+                anyhow::anyhow!("cannot create trace file {}: {e}", p.display())
+            })?)),
+            None => None,
+        };
+        let devices = device_infos(&cfg.model.device_memory);
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                model: Model::new(cfg.model),
+                writers: HashMap::new(),
+                waiters: Vec::new(),
+                trace,
+                next_conn: 1,
+                stopping: false,
+            }),
+            changed: Condvar::new(),
+            devices,
+        });
+        let s = shared.clone();
+        std::thread::Builder::new()
+            .name("sim-accept".into())
+            .spawn(move || accept_loop(listener, s))?;
+        let s = shared.clone();
+        let clock = std::thread::Builder::new()
+            .name("sim-clock".into())
+            .spawn(move || clock_loop(s))?;
+        Ok(Server { shared, socket: cfg.socket, clock: Some(clock) })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Stop the clock, flush the trace and remove the socket.
+    pub fn shutdown(mut self) -> anyhow::Result<()> {
+        {
+            let mut st = lock(&self.shared);
+            st.stopping = true;
+            self.shared.changed.notify_all();
+        }
+        if let Some(h) = self.clock.take() {
+            let _ = h.join();
+        }
+        let mut st = lock(&self.shared);
+        let now = now_ns();
+        st.model.advance(now);
+        write_trace(&mut st);
+        if let Some(t) = st.trace.as_mut() {
+            t.flush()?;
+        }
+        let _ = std::fs::remove_file(&self.socket);
+        Ok(())
+    }
+}
+
+fn lock(shared: &Shared) -> MutexGuard<'_, State> {
+    // A panicking client thread must not take the whole device down with it.
+    shared.state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Static identity of each simulated GPU (an H100-class part, as the attribute table says).
+fn device_infos(memory: &[u64]) -> Vec<DeviceInfo> {
+    memory
+        .iter()
+        .enumerate()
+        .map(|(i, &total_memory)| {
+            let mut uuid = *b"gpushare-sim-gpu";
+            uuid[12..].copy_from_slice(&(i as u32).to_be_bytes());
+            DeviceInfo {
+                name: "NVIDIA H100 80GB HBM3".into(),
+                uuid,
+                total_memory,
+                pci_bus: 0x18 + i as u32,
+            }
+        })
+        .collect()
+}
+
+fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        let Ok(writer) = stream.try_clone() else { continue };
+        let conn = {
+            let mut st = lock(&shared);
+            if st.stopping {
+                return;
+            }
+            let conn = st.next_conn;
+            st.next_conn += 1;
+            st.writers.insert(conn, Arc::new(Mutex::new(writer)));
+            conn
+        };
+        let s = shared.clone();
+        let _ = std::thread::Builder::new()
+            .name(format!("sim-client-{conn}"))
+            .spawn(move || client_loop(conn, stream, s));
+    }
+}
+
+fn client_loop(conn: ConnId, mut stream: UnixStream, shared: Arc<Shared>) {
+    let mut buf = Vec::new();
+    loop {
+        match wire::recv::<Request>(&mut stream, &mut buf) {
+            Ok(Some(req)) => {
+                let mut out = Outbox::new();
+                {
+                    let mut st = lock(&shared);
+                    let now = now_ns();
+                    handle(&mut st, &shared.devices, conn, req, now, &mut out);
+                    pump(&mut st, now, &mut out);
+                }
+                shared.changed.notify_all();
+                deliver(&shared, out);
+            }
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!(conn, "dropping client after a bad frame: {e}");
+                break;
+            }
+        }
+    }
+    let mut out = Outbox::new();
+    {
+        let mut st = lock(&shared);
+        let now = now_ns();
+        st.model.disconnect(conn, now);
+        st.writers.remove(&conn);
+        st.waiters.retain(|w| w.conn != conn);
+        pump(&mut st, now, &mut out);
+    }
+    shared.changed.notify_all();
+    deliver(&shared, out);
+}
+
+fn handle(st: &mut State, devices: &[DeviceInfo], conn: ConnId, req: Request, now: u64, out: &mut Outbox) {
+    let m = &mut st.model;
+    let err = |req: Option<u64>, message: String| (conn, Reply::Error { req, message });
+    match req {
+        Request::Hello { version, pid } => {
+            if version != PROTOCOL_VERSION {
+                out.push(err(
+                    None,
+                    format!(
+                        "simulated driver speaks protocol {version}, device speaks {PROTOCOL_VERSION}: \
+                         rebuild libcuda.so and gpushare-sim from the same checkout"
+                    ),
+                ));
+                return;
+            }
+            m.connect(conn, pid);
+            out.push((conn, Reply::Hello { devices: devices.to_vec() }));
+        }
+        Request::CreateContext { ctx, device } => {
+            if !m.create_context((conn, ctx), device) {
+                out.push(err(None, format!("no simulated device {device}")));
+            }
+        }
+        Request::DestroyContext { ctx } => m.destroy_context((conn, ctx), now),
+        Request::CreateStream { stream, ctx, priority } => {
+            if !m.create_stream((conn, stream), (conn, ctx), priority) {
+                out.push(err(None, format!("stream {stream} names unknown context {ctx}")));
+            }
+        }
+        Request::DestroyStream { stream } => m.destroy_stream((conn, stream)),
+        Request::RegisterFunction { function, name } => m.register_function((conn, function), &name),
+        Request::Submit { stream, seq, deps, op } => {
+            if let Err(e) = m.submit(now, (conn, stream), seq, &deps, &op) {
+                let what = match e {
+                    SubmitError::UnknownStream => "unknown stream",
+                    SubmitError::UnknownFunction => "unknown function",
+                };
+                out.push(err(None, format!("submit to stream {stream}: {what}")));
+            }
+        }
+        Request::HostFuncDone { stream, seq } => m.host_func_done(now, (conn, stream), seq),
+        Request::Wait { req, ops } => st.waiters.push(Waiter {
+            conn,
+            req,
+            ops: ops.into_iter().map(|(s, q)| ((conn, s), q)).collect(),
+        }),
+        Request::Query { req, ops } => {
+            m.advance(now);
+            let ends = ops
+                .iter()
+                .map(|&(s, q)| m.completion((conn, s), q).filter(|&e| e <= now))
+                .collect();
+            out.push((conn, Reply::Status { req, ends }));
+        }
+        Request::Alloc { req, device, bytes } => {
+            let ok = m.alloc(conn, device, bytes);
+            out.push((conn, Reply::Alloc { req, ok }));
+        }
+        Request::Free { device, bytes } => m.free(conn, device, bytes),
+        Request::MemInfo { req, device } => match m.mem_info(device) {
+            Some((free, total)) => out.push((conn, Reply::MemInfo { req, free, total })),
+            None => out.push(err(Some(req), format!("no simulated device {device}"))),
+        },
+    }
+}
+
+/// Advance the model to `now` and collect everything that became due.
+fn pump(st: &mut State, now: u64, out: &mut Outbox) {
+    st.model.advance(now);
+    write_trace(st);
+    for ((conn, stream), seq) in st.model.take_host_calls() {
+        out.push((conn, Reply::RunHostFunc { stream, seq }));
+    }
+    let model = &st.model;
+    st.waiters.retain(|w| match waiter_end(model, w) {
+        Some(end) if end <= now => {
+            out.push((w.conn, Reply::Done { req: w.req, end_ns: end }));
+            false
+        }
+        _ => true,
+    });
+}
+
+/// When every op a waiter waits for is done, if that is decided yet.
+fn waiter_end(model: &Model, w: &Waiter) -> Option<u64> {
+    w.ops.iter().try_fold(0, |acc, &(s, q)| Some(acc.max(model.completion(s, q)?)))
+}
+
+fn write_trace(st: &mut State) {
+    let records: Vec<TraceRecord> = st.model.take_trace();
+    let Some(out) = st.trace.as_mut() else { return };
+    for r in records {
+        if serde_json::to_writer(&mut *out, &r).is_err() || out.write_all(b"\n").is_err() {
+            tracing::error!("cannot write the device trace; further records are lost");
+            st.trace = None;
+            return;
+        }
+    }
+}
+
+fn deliver(shared: &Shared, out: Outbox) {
+    if out.is_empty() {
+        return;
+    }
+    let mut buf = Vec::new();
+    for (conn, reply) in out {
+        let writer = lock(shared).writers.get(&conn).cloned();
+        let Some(writer) = writer else { continue };
+        if wire::encode(&reply, &mut buf).is_ok() {
+            let mut w = writer.lock().unwrap_or_else(|e| e.into_inner());
+            // A client that went away is cleaned up by its reader thread.
+            let _ = w.write_all(&buf);
+        }
+    }
+}
+
+fn clock_loop(shared: Arc<Shared>) {
+    // SAFETY: prctl(PR_SET_TIMERSLACK) only changes this thread's timer slack.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
+    let mut st = lock(&shared);
+    loop {
+        if st.stopping {
+            return;
+        }
+        let now = now_ns();
+        let mut out = Outbox::new();
+        pump(&mut st, now, &mut out);
+        if !out.is_empty() {
+            drop(st);
+            deliver(&shared, out);
+            st = lock(&shared);
+            continue;
+        }
+        let model = &st.model;
+        let waiter_wake = st
+            .waiters
+            .iter()
+            .filter_map(|w| waiter_end(model, w))
+            .filter(|&e| e > now)
+            .min();
+        let wake = [model.next_wakeup(now), waiter_wake].into_iter().flatten().min();
+        st = match wake {
+            Some(t) => {
+                let d = Duration::from_nanos(t.saturating_sub(now_ns()));
+                if d.is_zero() {
+                    continue;
+                }
+                shared.changed.wait_timeout(st, d).unwrap_or_else(|e| e.into_inner()).0
+            }
+            None => shared.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
+        };
+    }
+}

@@ -1,0 +1,73 @@
+//! Human-friendly sizes (`80GiB`, `512MiB`, `4096`) and durations (`1ms`, `25us`, `5s`) for
+//! command-line flags, as DESIGN §7 specifies.
+
+/// Parse a byte size: a number with an optional `B`, `KiB`, `MiB`, `GiB`, `TiB` (or `K`/`M`/`G`/`T`,
+/// binary as well; `KB`/`MB`/`GB`/`TB` are decimal).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KiB" => 1 << 10,
+        "M" | "MiB" => 1 << 20,
+        "G" | "GiB" => 1 << 30,
+        "T" | "TiB" => 1 << 40,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        u => return Err(format!("unknown size unit {u:?} in {s:?}; use e.g. 512MiB or 80GiB")),
+    };
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size; use e.g. 512MiB or 80GiB"))?;
+    if !n.is_finite() || n < 0.0 {
+        return Err(format!("{s:?} is not a size; use e.g. 512MiB or 80GiB"));
+    }
+    Ok((n * mult as f64).round() as u64)
+}
+
+/// Parse a duration into nanoseconds: a number with `ns`, `us`, `µs`, `ms` or `s`.
+pub fn parse_duration_ns(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let mult = match unit {
+        "ns" => 1.0,
+        "us" | "µs" => 1e3,
+        "ms" => 1e6,
+        "s" => 1e9,
+        "" => return Err(format!("{s:?} needs a unit: ns, us, ms or s (e.g. 1ms)")),
+        u => return Err(format!("unknown duration unit {u:?} in {s:?}; use ns, us, ms or s")),
+    };
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration; use e.g. 1ms or 25us"))?;
+    if !n.is_finite() || n < 0.0 {
+        return Err(format!("{s:?} is not a duration; use e.g. 1ms or 25us"));
+    }
+    Ok((n * mult).round() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_size("2GB"), Ok(2_000_000_000));
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("GiB").is_err());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration_ns("1ms"), Ok(1_000_000));
+        assert_eq!(parse_duration_ns("25us"), Ok(25_000));
+        assert_eq!(parse_duration_ns("5s"), Ok(5_000_000_000));
+        assert_eq!(parse_duration_ns("0.5ms"), Ok(500_000));
+        assert!(parse_duration_ns("10").is_err());
+        assert!(parse_duration_ns("10min").is_err());
+    }
+}
