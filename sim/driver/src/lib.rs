@@ -1,1 +1,23 @@
-//! Simulated CUDA driver (in progress).
+//! The simulated CUDA driver: a `libcuda.so` (SONAME `libcuda.so.1`) that real driver-API
+//! programs load unmodified. Every call follows the driver's documented semantics; stream work
+//! is timed by the shared device process (`gpushare-sim`), memory is real host memory so copies
+//! round-trip.
+//!
+//! Layout: [`ffi`] holds the C types and the `entry!` export macros; [`client`] the connection
+//! to the device; [`state`] the process's driver objects; the `api_*` modules the exported
+//! entry points by area; [`ptx`] the PTX reader.
+
+#[macro_use]
+mod ffi;
+mod api_context;
+mod api_device;
+mod api_event;
+mod api_graph;
+mod api_launch;
+mod api_memory;
+mod api_module;
+mod api_proc_address;
+mod api_stream;
+mod client;
+mod ptx;
+mod state;

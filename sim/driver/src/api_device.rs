@@ -1,0 +1,222 @@
+//! Initialisation, driver version, errors and device queries. The simulated part is an
+//! H100-class GPU; its attribute table answers what real programs ask.
+
+use crate::ffi::*;
+use crate::state::{driver, init};
+use gpushare_cuda_abi::device_attribute_value;
+use std::ffi::{c_char, c_int, c_uint};
+
+/// The CUDA version this driver claims (12.9, the ABI it implements).
+pub const DRIVER_VERSION: i32 = 12090;
+
+entry!(fn cuInit(flags: c_uint) {
+    if flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    init()
+});
+
+entry!(fn cuDriverGetVersion(version: *mut c_int) { put(version, DRIVER_VERSION) });
+
+entry!(fn cuGetErrorString(error: CUresult, s: *mut *const c_char) {
+    let text = gpushare_cuda_abi::error_string_cstr(error).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    put(s, text.as_ptr())
+});
+
+entry!(fn cuGetErrorName(error: CUresult, s: *mut *const c_char) {
+    let text = gpushare_cuda_abi::error_name_cstr(error).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    put(s, text.as_ptr())
+});
+
+entry!(fn cuDeviceGetCount(count: *mut c_int) { put(count, driver()?.device_count() as c_int) });
+
+entry!(fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) {
+    put(device, driver()?.check_device(ordinal)? as CUdevice)
+});
+
+entry!(fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUdevice) {
+    let d = driver()?;
+    let info = &d.client.devices[d.check_device(dev)? as usize];
+    if name.is_null() || len <= 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let bytes = info.name.as_bytes();
+    let n = bytes.len().min(len as usize - 1);
+    let mut out = bytes[..n].to_vec();
+    out.push(0);
+    copy_bytes(name as u64, out.as_ptr() as u64, out.len());
+    Ok(())
+});
+
+fn device_uuid(uuid: *mut [u8; 16], dev: CUdevice) -> CuResult {
+    let d = driver()?;
+    put(uuid, d.client.devices[d.check_device(dev)? as usize].uuid)
+}
+
+entry!(fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: CUdevice) { device_uuid(uuid, dev) });
+
+entry!(fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: CUdevice) { device_uuid(uuid, dev) });
+
+entry!(fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) {
+    let d = driver()?;
+    put(bytes, d.client.devices[d.check_device(dev)? as usize].total_memory as usize)
+});
+
+entry!(fn cuDeviceComputeCapability(major: *mut c_int, minor: *mut c_int, dev: CUdevice) {
+    driver()?.check_device(dev)?;
+    put(major, 9)?;
+    put(minor, 0)
+});
+
+entry!(fn cuDeviceGetPCIBusId(id: *mut c_char, len: c_int, dev: CUdevice) {
+    let d = driver()?;
+    let bus = d.client.devices[d.check_device(dev)? as usize].pci_bus;
+    let text = format!("00000000:{bus:02X}:00.0\0");
+    if id.is_null() || len <= 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let n = text.len().min(len as usize);
+    copy_bytes(id as u64, text.as_ptr() as u64, n);
+    if n == len as usize {
+        put(id.wrapping_add(n - 1), 0)?;
+    }
+    Ok(())
+});
+
+entry!(fn cuDeviceCanAccessPeer(can: *mut c_int, dev: CUdevice, peer: CUdevice) {
+    let d = driver()?;
+    d.check_device(dev)?;
+    d.check_device(peer)?;
+    put(can, 0)
+});
+
+entry!(fn cuDeviceGetAttribute(value: *mut c_int, attrib: c_int, dev: CUdevice) {
+    let d = driver()?;
+    let info = &d.client.devices[d.check_device(dev)? as usize];
+    let v = match attribute(attrib as u32) {
+        Some(Attr::Fixed(v)) => v,
+        Some(Attr::PciBus) => info.pci_bus as c_int,
+        None => return Err(CUDA_ERROR_INVALID_VALUE),
+    };
+    put(value, v)
+});
+
+enum Attr {
+    Fixed(c_int),
+    PciBus,
+}
+
+/// H100 SXM5 values; attributes not listed answer `CUDA_ERROR_INVALID_VALUE`.
+const ATTRIBUTES: &[(&str, i32)] = &[
+    ("MAX_THREADS_PER_BLOCK", 1024),
+    ("MAX_BLOCK_DIM_X", 1024),
+    ("MAX_BLOCK_DIM_Y", 1024),
+    ("MAX_BLOCK_DIM_Z", 64),
+    ("MAX_GRID_DIM_X", i32::MAX),
+    ("MAX_GRID_DIM_Y", 65535),
+    ("MAX_GRID_DIM_Z", 65535),
+    ("MAX_SHARED_MEMORY_PER_BLOCK", 49152),
+    ("TOTAL_CONSTANT_MEMORY", 65536),
+    ("WARP_SIZE", 32),
+    ("MAX_PITCH", i32::MAX),
+    ("MAX_REGISTERS_PER_BLOCK", 65536),
+    ("CLOCK_RATE", 1_980_000),
+    ("TEXTURE_ALIGNMENT", 512),
+    ("GPU_OVERLAP", 1),
+    ("MULTIPROCESSOR_COUNT", 132),
+    ("KERNEL_EXEC_TIMEOUT", 0),
+    ("INTEGRATED", 0),
+    ("CAN_MAP_HOST_MEMORY", 1),
+    ("COMPUTE_MODE", 0),
+    ("SURFACE_ALIGNMENT", 512),
+    ("CONCURRENT_KERNELS", 1),
+    ("ECC_ENABLED", 1),
+    ("PCI_DEVICE_ID", 0),
+    ("TCC_DRIVER", 0),
+    ("MEMORY_CLOCK_RATE", 2_619_000),
+    ("GLOBAL_MEMORY_BUS_WIDTH", 5120),
+    ("L2_CACHE_SIZE", 52_428_800),
+    ("MAX_THREADS_PER_MULTIPROCESSOR", 2048),
+    ("ASYNC_ENGINE_COUNT", 3),
+    ("UNIFIED_ADDRESSING", 1),
+    ("PCI_DOMAIN_ID", 0),
+    ("TEXTURE_PITCH_ALIGNMENT", 32),
+    ("COMPUTE_CAPABILITY_MAJOR", 9),
+    ("COMPUTE_CAPABILITY_MINOR", 0),
+    ("STREAM_PRIORITIES_SUPPORTED", 1),
+    ("GLOBAL_L1_CACHE_SUPPORTED", 1),
+    ("LOCAL_L1_CACHE_SUPPORTED", 1),
+    ("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", 233_472),
+    ("MAX_REGISTERS_PER_MULTIPROCESSOR", 65536),
+    ("MANAGED_MEMORY", 1),
+    ("MULTI_GPU_BOARD", 0),
+    ("MULTI_GPU_BOARD_GROUP_ID", 0),
+    ("HOST_NATIVE_ATOMIC_SUPPORTED", 0),
+    ("SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO", 2),
+    ("PAGEABLE_MEMORY_ACCESS", 0),
+    ("CONCURRENT_MANAGED_ACCESS", 1),
+    ("COMPUTE_PREEMPTION_SUPPORTED", 1),
+    ("CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM", 1),
+    ("COOPERATIVE_LAUNCH", 1),
+    ("COOPERATIVE_MULTI_DEVICE_LAUNCH", 1),
+    ("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 232_448),
+    ("CAN_FLUSH_REMOTE_WRITES", 0),
+    ("HOST_REGISTER_SUPPORTED", 1),
+    ("PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES", 0),
+    ("DIRECT_MANAGED_MEM_ACCESS_FROM_HOST", 0),
+    ("VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 1),
+    ("HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", 1),
+    ("HANDLE_TYPE_WIN32_HANDLE_SUPPORTED", 0),
+    ("HANDLE_TYPE_WIN32_KMT_HANDLE_SUPPORTED", 0),
+    ("MAX_BLOCKS_PER_MULTIPROCESSOR", 32),
+    ("GENERIC_COMPRESSION_SUPPORTED", 1),
+    ("MAX_PERSISTING_L2_CACHE_SIZE", 32_505_856),
+    ("MAX_ACCESS_POLICY_WINDOW_SIZE", 134_213_632),
+    ("RESERVED_SHARED_MEMORY_PER_BLOCK", 1024),
+    ("SPARSE_CUDA_ARRAY_SUPPORTED", 1),
+    ("READ_ONLY_HOST_REGISTER_SUPPORTED", 1),
+    ("TIMELINE_SEMAPHORE_INTEROP_SUPPORTED", 1),
+    // cudarc and others then use the plain allocator, like on drivers without pools.
+    ("MEMORY_POOLS_SUPPORTED", 0),
+    ("GPU_DIRECT_RDMA_SUPPORTED", 0),
+    ("CLUSTER_LAUNCH", 1),
+    ("DEFERRED_MAPPING_CUDA_ARRAY_SUPPORTED", 1),
+    ("CAN_USE_64_BIT_STREAM_MEM_OPS", 1),
+    ("CAN_USE_STREAM_WAIT_VALUE_NOR", 1),
+    ("DMA_BUF_SUPPORTED", 1),
+    ("IPC_EVENT_SUPPORTED", 1),
+    ("MEM_SYNC_DOMAIN_COUNT", 4),
+    ("NUMA_CONFIG", 0),
+    ("NUMA_ID", -1),
+    ("MPS_ENABLED", 0),
+    ("HOST_NUMA_ID", 0),
+];
+
+fn attribute(attr: u32) -> Option<Attr> {
+    if device_attribute_value("CU_DEVICE_ATTRIBUTE_PCI_BUS_ID") == Some(attr) {
+        return Some(Attr::PciBus);
+    }
+    ATTRIBUTES
+        .iter()
+        .find(|(name, _)| {
+            device_attribute_value(&format!("CU_DEVICE_ATTRIBUTE_{name}")) == Some(attr)
+        })
+        .map(|&(_, v)| Attr::Fixed(v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_listed_attribute_exists_in_the_header() {
+        for (name, _) in ATTRIBUTES {
+            assert!(
+                device_attribute_value(&format!("CU_DEVICE_ATTRIBUTE_{name}")).is_some(),
+                "{name}"
+            );
+        }
+        assert!(matches!(attribute(115), Some(Attr::Fixed(0))), "memory pools reported off");
+        assert!(attribute(9999).is_none());
+    }
+}

@@ -1,0 +1,107 @@
+//! Events: records are zero-duration stream ops; their device completion time is the event's
+//! timestamp, so `cuEventElapsedTime` measures device time exactly.
+
+use crate::ffi::*;
+use crate::state::{Event, driver, with_state};
+use gpushare_sim_wire::Op;
+use std::ffi::c_uint;
+
+const CU_EVENT_BLOCKING_SYNC: u32 = 0x1;
+const CU_EVENT_INTERPROCESS: u32 = 0x4;
+
+entry!(fn cuEventCreate(ph: *mut Handle, flags: c_uint) {
+    if flags & !(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS) != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    with_state(|_, st| {
+        st.current()?;
+        let e = st.new_id();
+        st.events.insert(e, Event { flags, ..Event::default() });
+        put(ph, handle(e))
+    })
+});
+
+fn destroy(h: Handle) -> CuResult {
+    with_state(|_, st| st.events.remove(&id(h)).map(|_| ()).ok_or(CUDA_ERROR_INVALID_HANDLE))
+}
+
+entry!(fn cuEventDestroy(h: Handle) { destroy(h) });
+entry!(fn cuEventDestroy_v2(h: Handle) { destroy(h) });
+
+fn record(h: Handle, stream: Handle, pt: bool) -> CuResult {
+    with_state(|d, st| {
+        let s = st.resolve_stream(&d.client, stream, pt)?;
+        if !st.events.contains_key(&id(h)) {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        if let Some(cap) = st.streams[&s].capture.clone() {
+            if cap.invalidated {
+                return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+            }
+            let ev = st.events.get_mut(&id(h)).expect("checked above");
+            ev.captured = Some((cap.graph, cap.id, cap.deps));
+            return Ok(());
+        }
+        let r = st.submit(&d.client, s, Op::Marker, &[])?;
+        let ev = st.events.get_mut(&id(h)).expect("checked above");
+        ev.record = Some(r);
+        ev.done_ns = None;
+        ev.captured = None;
+        Ok(())
+    })
+}
+
+entry_pt!(cuEventRecord / cuEventRecord_ptsz, |pt| fn(h: Handle, stream: Handle) { record(h, stream, pt) });
+
+entry_pt!(cuEventRecordWithFlags / cuEventRecordWithFlags_ptsz, |pt| fn(h: Handle, stream: Handle, _flags: c_uint) {
+    record(h, stream, pt)
+});
+
+/// The event's completion time if it has completed (`Some(0)` for a never-recorded event, which
+/// counts as complete), `None` while pending; `wait` blocks until it completes.
+fn completion(h: Handle, wait: bool) -> CuResult<u64> {
+    let d = driver()?;
+    let rec = {
+        let st = d.lock();
+        let ev = st.events.get(&id(h)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        match (ev.done_ns, ev.record) {
+            (Some(t), _) => return Ok(t),
+            (None, None) => return Ok(0),
+            (None, Some(r)) => r,
+        }
+    };
+    let end = if wait {
+        d.client.wait(vec![rec])?
+    } else {
+        d.client.query(vec![rec])?.first().copied().flatten().ok_or(CUDA_ERROR_NOT_READY)?
+    };
+    let mut st = d.lock();
+    if let Some(ev) = st.events.get_mut(&id(h))
+        && ev.record == Some(rec)
+    {
+        ev.done_ns = Some(end);
+    }
+    Ok(end)
+}
+
+entry!(fn cuEventQuery(h: Handle) { completion(h, false).map(|_| ()) });
+entry!(fn cuEventSynchronize(h: Handle) { completion(h, true).map(|_| ()) });
+
+fn elapsed(ms: *mut f32, start: Handle, end: Handle) -> CuResult {
+    {
+        let d = driver()?;
+        let st = d.lock();
+        for h in [start, end] {
+            let ev = st.events.get(&id(h)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            if ev.flags & CU_EVENT_DISABLE_TIMING != 0 || ev.record.is_none() {
+                return Err(CUDA_ERROR_INVALID_HANDLE);
+            }
+        }
+    }
+    let t0 = completion(start, false)?;
+    let t1 = completion(end, false)?;
+    put(ms, (t1 as f64 - t0 as f64) as f32 / 1e6)
+}
+
+entry!(fn cuEventElapsedTime(ms: *mut f32, start: Handle, end: Handle) { elapsed(ms, start, end) });
+entry!(fn cuEventElapsedTime_v2(ms: *mut f32, start: Handle, end: Handle) { elapsed(ms, start, end) });

@@ -1,0 +1,256 @@
+//! CUDA graphs: built by stream capture or node by node, instantiated into a fixed node list,
+//! and launched as ordinary stream work (nodes in dependency order on the launch stream).
+
+use crate::api_launch::{check_dims, kernel_arg0};
+use crate::api_memory::{copy_checked, memset_checked};
+use crate::client::HostCall;
+use crate::ffi::*;
+use crate::state::{Graph, Node, NodeKind, State, with_state};
+use gpushare_sim_wire::Op;
+use std::ffi::{c_char, c_uint};
+
+/// If `stream` is capturing, append `kind` after the capture's frontier and report `true`.
+pub fn capture_node(st: &mut State, stream: u64, kind: NodeKind) -> CuResult<bool> {
+    let Some(cap) = st.streams.get(&stream).and_then(|s| s.capture.clone()) else {
+        return Ok(false);
+    };
+    if cap.invalidated {
+        return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    }
+    let g = st.graphs.get_mut(&cap.graph).ok_or(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)?;
+    g.nodes.push(Node { kind, deps: cap.deps });
+    let idx = g.nodes.len() - 1;
+    let c = st.streams.get_mut(&stream).and_then(|s| s.capture.as_mut());
+    c.expect("capturing stream").deps = vec![idx];
+    Ok(true)
+}
+
+entry!(fn cuGraphCreate(ph: *mut Handle, flags: c_uint) {
+    if flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    with_state(|_, st| {
+        let g = st.new_id();
+        st.graphs.insert(g, Graph::default());
+        put(ph, handle(g))
+    })
+});
+
+entry!(fn cuGraphDestroy(h: Handle) {
+    with_state(|_, st| {
+        st.graphs.remove(&id(h)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        st.graph_nodes.retain(|_, (g, _)| *g != id(h));
+        Ok(())
+    })
+});
+
+/// Add a node to a graph after the given dependency nodes; returns the new node's handle.
+fn add_node(st: &mut State, graph: Handle, deps: *const Handle, n: usize, kind: NodeKind) -> CuResult<Handle> {
+    let deps = slice(deps, n)?
+        .iter()
+        .map(|h| match st.graph_nodes.get(&id(*h)) {
+            Some(&(g, i)) if g == id(graph) => Ok(i),
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
+        })
+        .collect::<CuResult<Vec<_>>>()?;
+    let g = st.graphs.get_mut(&id(graph)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    g.nodes.push(Node { kind, deps });
+    let idx = g.nodes.len() - 1;
+    let node = st.new_id();
+    st.graph_nodes.insert(node, (id(graph), idx));
+    Ok(handle(node))
+}
+
+fn add_kernel_node(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize, p: *const KernelNodeParams) -> CuResult {
+    let p = get(p)?;
+    check_dims(p.grid, p.block)?;
+    with_state(|_, st| {
+        // Arguments are copied when the node is created, as the driver documents.
+        let arg0 = kernel_arg0(st, id(p.func), p.kernel_params, p.extra)?;
+        let node = add_node(st, graph, deps, n, NodeKind::Kernel { function: id(p.func), arg0 })?;
+        put(out, node)
+    })
+}
+
+entry!(fn cuGraphAddKernelNode(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize, p: *const KernelNodeParams) {
+    add_kernel_node(out, graph, deps, n, p)
+});
+entry!(fn cuGraphAddKernelNode_v2(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize, p: *const KernelNodeParams) {
+    add_kernel_node(out, graph, deps, n, p)
+});
+
+entry!(fn cuGraphAddEmptyNode(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize) {
+    with_state(|_, st| put(out, add_node(st, graph, deps, n, NodeKind::Empty)?))
+});
+
+entry!(fn cuGraphAddMemsetNode(
+    out: *mut Handle,
+    graph: Handle,
+    deps: *const Handle,
+    n: usize,
+    p: *const MemsetNodeParams,
+    _ctx: Handle,
+) {
+    let p = get(p)?;
+    if ![1, 2, 4].contains(&p.element_size) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let kind = NodeKind::Memset {
+        dst: p.dst,
+        value: p.value,
+        element_size: p.element_size,
+        width: p.width,
+        height: p.height.max(1),
+        pitch: p.pitch,
+    };
+    with_state(|_, st| put(out, add_node(st, graph, deps, n, kind)?))
+});
+
+entry!(fn cuGraphAddHostNode(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize, p: *const HostNodeParams) {
+    let p = get(p)?;
+    let func = p.func.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let kind = NodeKind::Host { func, data: p.user_data as usize };
+    with_state(|_, st| put(out, add_node(st, graph, deps, n, kind)?))
+});
+
+entry!(fn cuGraphGetNodes(graph: Handle, nodes: *mut Handle, count: *mut usize) {
+    with_state(|_, st| {
+        let g = st.graphs.get(&id(graph)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let total = g.nodes.len();
+        if nodes.is_null() {
+            return put(count, total);
+        }
+        let want = get(count)?.min(total);
+        for idx in 0..want {
+            let existing = st.graph_nodes.iter().find(|(_, v)| **v == (id(graph), idx)).map(|(k, _)| *k);
+            let node = match existing {
+                Some(n) => n,
+                None => {
+                    let n = st.new_id();
+                    st.graph_nodes.insert(n, (id(graph), idx));
+                    n
+                }
+            };
+            put(nodes.wrapping_add(idx), handle(node))?;
+        }
+        put(count, want)
+    })
+});
+
+fn instantiate(out: *mut Handle, graph: Handle) -> CuResult {
+    with_state(|_, st| {
+        let g = st.graphs.get(&id(graph)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let nodes = g.nodes.clone();
+        let e = st.new_id();
+        st.execs.insert(e, nodes);
+        put(out, handle(e))
+    })
+}
+
+entry!(fn cuGraphInstantiateWithFlags(out: *mut Handle, graph: Handle, _flags: u64) { instantiate(out, graph) });
+
+entry!(fn cuGraphInstantiate_v2(
+    out: *mut Handle,
+    graph: Handle,
+    err_node: *mut Handle,
+    _log: *mut c_char,
+    _log_size: usize,
+) {
+    if !err_node.is_null() {
+        put(err_node, std::ptr::null_mut())?;
+    }
+    instantiate(out, graph)
+});
+
+/// `CUDA_GRAPH_INSTANTIATE_PARAMS`: flags, upload stream, error node out, result out.
+#[repr(C)]
+pub struct InstantiateParams {
+    flags: u64,
+    upload_stream: Handle,
+    err_node: Handle,
+    result: c_uint,
+}
+
+entry_pt!(cuGraphInstantiateWithParams / cuGraphInstantiateWithParams_ptsz, |_pt| fn(
+    out: *mut Handle,
+    graph: Handle,
+    params: *mut InstantiateParams,
+) {
+    let r = instantiate(out, graph);
+    if !params.is_null() {
+        // SAFETY: non-null pointer to the caller's params struct; we write its result field.
+        unsafe { (*params).result = if r.is_ok() { 0 } else { 1 } };
+    }
+    r
+});
+
+entry!(fn cuGraphExecDestroy(h: Handle) {
+    with_state(|_, st| st.execs.remove(&id(h)).map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE))
+});
+
+entry_pt!(cuGraphUpload / cuGraphUpload_ptsz, |pt| fn(exec: Handle, stream: Handle) {
+    with_state(|d, st| {
+        st.resolve_stream(&d.client, stream, pt)?;
+        st.execs.contains_key(&id(exec)).then_some(()).ok_or(CUDA_ERROR_INVALID_VALUE)
+    })
+});
+
+entry_pt!(cuGraphLaunch / cuGraphLaunch_ptsz, |pt| fn(exec: Handle, stream: Handle) {
+    with_state(|d, st| {
+        let s = st.resolve_stream(&d.client, stream, pt)?;
+        let nodes = st.execs.get(&id(exec)).ok_or(CUDA_ERROR_INVALID_VALUE)?.clone();
+        if st.streams[&s].capture.is_some() {
+            return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        // Nodes only depend on earlier nodes, so index order is a dependency order.
+        for node in nodes {
+            match node.kind {
+                NodeKind::Empty => {}
+                NodeKind::Kernel { function, arg0 } => {
+                    st.submit(&d.client, s, Op::Kernel { function, arg0 }, &[])?;
+                }
+                NodeKind::Memset { dst, value, element_size, width, height, pitch } => {
+                    memset_checked(st, dst, value, element_size, width, height, pitch)?;
+                }
+                NodeKind::Memcpy { dst, src, len } => copy_checked(st, dst, src, len)?,
+                NodeKind::Host { func, data } => {
+                    let key = (s, st.streams[&s].seq + 1);
+                    let calls = &d.client.host_calls;
+                    calls.lock().unwrap_or_else(|e| e.into_inner()).insert(key, HostCall::Func(func, data));
+                    st.submit(&d.client, s, Op::HostFunc, &[])?;
+                }
+                NodeKind::EventRecord { event } => {
+                    let r = st.submit(&d.client, s, Op::Marker, &[])?;
+                    if let Some(ev) = st.events.get_mut(&event) {
+                        ev.record = Some(r);
+                        ev.done_ns = None;
+                    }
+                }
+                NodeKind::EventWait { event } => {
+                    if let Some(r) = st.events.get(&event).and_then(|e| e.record) {
+                        st.submit(&d.client, s, Op::Marker, &[r])?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    })
+});
+
+entry!(fn cuGraphNodeGetType(node: Handle, ty: *mut c_uint) {
+    with_state(|_, st| {
+        let &(g, i) = st.graph_nodes.get(&id(node)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let kind = &st.graphs.get(&g).ok_or(CUDA_ERROR_INVALID_VALUE)?.nodes[i].kind;
+        // CUgraphNodeType values from cuda.h.
+        let t = match kind {
+            NodeKind::Kernel { .. } => 0,
+            NodeKind::Memcpy { .. } => 1,
+            NodeKind::Memset { .. } => 2,
+            NodeKind::Host { .. } => 3,
+            NodeKind::Empty => 5,
+            NodeKind::EventWait { .. } => 6,
+            NodeKind::EventRecord { .. } => 7,
+        };
+        put(ty, t)
+    })
+});

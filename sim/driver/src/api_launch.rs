@@ -1,0 +1,136 @@
+//! Kernel launches, every path the driver offers: plain, extended, cooperative and
+//! multi-device cooperative, each also with per-thread default stream semantics.
+
+use crate::api_graph::capture_node;
+use crate::ffi::*;
+use crate::state::{NodeKind, State, with_state};
+use gpushare_sim_wire::Op;
+use std::ffi::{c_uint, c_void};
+
+/// Reject launch shapes a real H100 rejects.
+pub fn check_dims(grid: [u32; 3], block: [u32; 3]) -> CuResult {
+    let threads = block.iter().map(|&b| b as u64).product::<u64>();
+    let grid_ok = grid[0] >= 1 && grid[1] >= 1 && grid[1] <= 65535 && grid[2] >= 1 && grid[2] <= 65535
+        && grid[0] <= i32::MAX as u32;
+    let block_ok = block[0] >= 1 && block[0] <= 1024 && block[1] >= 1 && block[1] <= 1024
+        && block[2] >= 1 && block[2] <= 64;
+    if !grid_ok || !block_ok || threads > 1024 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(())
+}
+
+/// Read the launch's first argument when it is 8 bytes wide: the duration of `gpushare_spin*`
+/// kernels. Arguments come either from `kernelParams` or from an `extra` parameter buffer.
+pub fn kernel_arg0(
+    st: &State,
+    function: u64,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CuResult<Option<u64>> {
+    let f = st.functions.get(&function).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    if f.params.first() != Some(&8) {
+        if !f.params.is_empty() && params.is_null() && extra.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        return Ok(None);
+    }
+    if !params.is_null() {
+        let p0 = get(params as *const *const u64)?;
+        return get(p0).map(Some);
+    }
+    // `extra` is a list of (key, value) pointers ending with CU_LAUNCH_PARAM_END.
+    let (mut buf, mut size) = (std::ptr::null::<u8>(), 0usize);
+    let mut i = 0;
+    loop {
+        let key = get(extra.wrapping_add(i) as *const usize)?;
+        if key == CU_LAUNCH_PARAM_END {
+            break;
+        }
+        let value = get(extra.wrapping_add(i + 1) as *const *const c_void)?;
+        match key {
+            CU_LAUNCH_PARAM_BUFFER_POINTER => buf = value.cast(),
+            CU_LAUNCH_PARAM_BUFFER_SIZE => size = get(value as *const usize)?,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        }
+        i += 2;
+    }
+    if buf.is_null() || size < 8 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    get(buf as *const u64).map(Some)
+}
+
+/// Queue one kernel on a stream (or into the graph the stream is capturing).
+pub fn launch(
+    stream: Handle,
+    per_thread: bool,
+    function: Handle,
+    grid: [u32; 3],
+    block: [u32; 3],
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CuResult {
+    check_dims(grid, block)?;
+    with_state(|d, st| {
+        let s = st.resolve_stream(&d.client, stream, per_thread)?;
+        let function = id(function);
+        let arg0 = kernel_arg0(st, function, params, extra)?;
+        if capture_node(st, s, NodeKind::Kernel { function, arg0 })? {
+            return Ok(());
+        }
+        st.submit(&d.client, s, Op::Kernel { function, arg0 }, &[]).map(|_| ())
+    })
+}
+
+entry_pt!(cuLaunchKernel / cuLaunchKernel_ptsz, |pt| fn(
+    f: Handle,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    _shared: c_uint,
+    stream: Handle,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) {
+    launch(stream, pt, f, [gx, gy, gz], [bx, by, bz], params, extra)
+});
+
+entry_pt!(cuLaunchKernelEx / cuLaunchKernelEx_ptsz, |pt| fn(
+    config: *const CUlaunchConfig,
+    f: Handle,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) {
+    let c = get(config)?;
+    launch(c.stream, pt, f, c.grid, c.block, params, extra)
+});
+
+entry_pt!(cuLaunchCooperativeKernel / cuLaunchCooperativeKernel_ptsz, |pt| fn(
+    f: Handle,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    _shared: c_uint,
+    stream: Handle,
+    params: *mut *mut c_void,
+) {
+    launch(stream, pt, f, [gx, gy, gz], [bx, by, bz], params, std::ptr::null_mut())
+});
+
+entry!(fn cuLaunchCooperativeKernelMultiDevice(list: *mut CudaLaunchParams, n: c_uint, _flags: c_uint) {
+    let launches = slice(list as *const CudaLaunchParams, n as usize)?;
+    if launches.is_empty() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    for l in launches {
+        launch(l.stream, false, l.function, l.grid, l.block, l.kernel_params, std::ptr::null_mut())?;
+    }
+    Ok(())
+});

@@ -1,0 +1,181 @@
+//! Connection to the device process: fire-and-forget sends for stream work, blocking requests
+//! for waits and allocations, and a reader thread that routes replies and runs host functions.
+
+use crate::ffi::*;
+use gpushare_sim_wire::{self as wire, DeviceInfo, PROTOCOL_VERSION, Reply, Request};
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+
+/// A host function waiting for its turn on the device.
+pub enum HostCall {
+    Func(HostFn, usize),
+    Callback(StreamCallback, usize, usize),
+}
+
+/// The socket's sending half with its encode buffer; one lock keeps frames whole.
+type Writer = Arc<Mutex<(UnixStream, Vec<u8>)>>;
+
+pub struct Client {
+    writer: Writer,
+    pending: Arc<Mutex<HashMap<u64, Sender<Reply>>>>,
+    next_req: AtomicU64,
+    pub host_calls: Arc<Mutex<HashMap<(u64, u64), HostCall>>>,
+    pub devices: Vec<DeviceInfo>,
+}
+
+impl Client {
+    /// Connect to the device named by `GPUSHARE_SIM_SOCKET` and say hello.
+    pub fn connect() -> CuResult<Client> {
+        let Some(path) = std::env::var_os(wire::SOCKET_ENV) else {
+            eprintln!(
+                "gpushare-sim libcuda: {} is not set; run the program under `gpushare-sim run -- CMD`",
+                wire::SOCKET_ENV
+            );
+            return Err(CUDA_ERROR_NO_DEVICE);
+        };
+        let mut stream = UnixStream::connect(&path).map_err(|e| {
+            eprintln!("gpushare-sim libcuda: cannot reach the simulated device at {path:?}: {e}");
+            CUDA_ERROR_NO_DEVICE
+        })?;
+        wire::send(&mut stream, &Request::Hello { version: PROTOCOL_VERSION, pid: std::process::id() })
+            .map_err(|_| CUDA_ERROR_NO_DEVICE)?;
+        let mut buf = Vec::new();
+        let devices = match wire::recv::<Reply>(&mut stream, &mut buf) {
+            Ok(Some(Reply::Hello { devices })) => devices,
+            Ok(Some(Reply::Error { message, .. })) => {
+                eprintln!("gpushare-sim libcuda: {message}");
+                return Err(CUDA_ERROR_SYSTEM_DRIVER_MISMATCH);
+            }
+            _ => return Err(CUDA_ERROR_NO_DEVICE),
+        };
+        let reader = stream.try_clone().map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
+        let client = Client {
+            writer: Arc::new(Mutex::new((stream, Vec::new()))),
+            pending: Arc::default(),
+            next_req: AtomicU64::new(1),
+            host_calls: Arc::default(),
+            devices,
+        };
+        let (host_tx, host_rx) = channel();
+        let pending = client.pending.clone();
+        std::thread::Builder::new()
+            .name("sim-driver-rx".into())
+            .spawn(move || read_loop(reader, pending, host_tx))
+            .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
+        let calls = client.host_calls.clone();
+        let writer = client.writer.clone();
+        std::thread::Builder::new()
+            .name("sim-driver-host".into())
+            .spawn(move || host_loop(host_rx, calls, writer))
+            .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
+        Ok(client)
+    }
+
+    /// Send without waiting for an answer.
+    pub fn send(&self, msg: &Request) -> CuResult {
+        send_on(&self.writer, msg)
+    }
+
+    /// Send a request built around a fresh request id and block until its reply.
+    pub fn call(&self, make: impl FnOnce(u64) -> Request) -> CuResult<Reply> {
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = channel();
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(req, tx);
+        if let Err(e) = self.send(&make(req)) {
+            self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&req);
+            return Err(e);
+        }
+        match rx.recv() {
+            Ok(Reply::Error { .. }) => Err(CUDA_ERROR_INVALID_VALUE),
+            Ok(reply) => Ok(reply),
+            Err(_) => Err(CUDA_ERROR_DEVICE_UNAVAILABLE),
+        }
+    }
+
+    /// Block until every op has completed; returns the latest completion time.
+    pub fn wait(&self, ops: Vec<wire::OpRef>) -> CuResult<u64> {
+        if ops.is_empty() {
+            return Ok(0);
+        }
+        match self.call(|req| Request::Wait { req, ops })? {
+            Reply::Done { end_ns, .. } => Ok(end_ns),
+            _ => Err(CUDA_ERROR_UNKNOWN),
+        }
+    }
+
+    /// Completion time of each op, `None` while pending.
+    pub fn query(&self, ops: Vec<wire::OpRef>) -> CuResult<Vec<Option<u64>>> {
+        match self.call(|req| Request::Query { req, ops })? {
+            Reply::Status { ends, .. } => Ok(ends),
+            _ => Err(CUDA_ERROR_UNKNOWN),
+        }
+    }
+}
+
+fn send_on(writer: &Writer, msg: &Request) -> CuResult {
+    let mut w = writer.lock().unwrap_or_else(|e| e.into_inner());
+    let (stream, buf) = &mut *w;
+    wire::encode(msg, buf).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+    stream.write_all(buf).map_err(|_| CUDA_ERROR_DEVICE_UNAVAILABLE)
+}
+
+fn reply_req(r: &Reply) -> Option<u64> {
+    match r {
+        Reply::Done { req, .. }
+        | Reply::Status { req, .. }
+        | Reply::Alloc { req, .. }
+        | Reply::MemInfo { req, .. } => Some(*req),
+        Reply::Error { req, .. } => *req,
+        Reply::Hello { .. } | Reply::RunHostFunc { .. } => None,
+    }
+}
+
+fn read_loop(
+    mut stream: UnixStream,
+    pending: Arc<Mutex<HashMap<u64, Sender<Reply>>>>,
+    host_tx: Sender<(u64, u64)>,
+) {
+    let mut buf = Vec::new();
+    while let Ok(Some(reply)) = wire::recv::<Reply>(&mut stream, &mut buf) {
+        if let Reply::RunHostFunc { stream, seq } = reply {
+            let _ = host_tx.send((stream, seq));
+            continue;
+        }
+        if let Some(req) = reply_req(&reply) {
+            let tx = pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&req);
+            if let Some(tx) = tx {
+                let _ = tx.send(reply);
+            }
+        }
+    }
+    // The device went away: fail every waiter instead of hanging it.
+    pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+/// Host functions run on their own thread, in device order, as the driver's callback thread does.
+fn host_loop(
+    rx: Receiver<(u64, u64)>,
+    calls: Arc<Mutex<HashMap<(u64, u64), HostCall>>>,
+    writer: Writer,
+) {
+    for (stream, seq) in rx {
+        let call = calls.lock().unwrap_or_else(|e| e.into_inner()).remove(&(stream, seq));
+        match call {
+            // SAFETY: the application registered this function and its argument with
+            // cuLaunchHostFunc / cuStreamAddCallback; it is called exactly once, as promised.
+            Some(HostCall::Func(f, data)) => unsafe { f(data as *mut _) },
+            // SAFETY: as above, for cuStreamAddCallback's signature.
+            Some(HostCall::Callback(f, s, data)) => unsafe {
+                f(s as Handle, CUDA_SUCCESS, data as *mut _)
+            },
+            None => {}
+        }
+        if send_on(&writer, &Request::HostFuncDone { stream, seq }).is_err() {
+            return;
+        }
+    }
+}

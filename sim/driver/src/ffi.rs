@@ -1,0 +1,173 @@
+//! C types of the driver API and the helpers every entry point uses to cross the FFI boundary
+//! safely: no panic escapes, null pointers become `CUDA_ERROR_INVALID_VALUE`.
+
+use std::ffi::{CStr, c_char, c_void};
+
+pub use gpushare_cuda_abi::result::*;
+
+pub type CUresult = u32;
+pub type CUdevice = i32;
+pub type CUdeviceptr = u64;
+/// Opaque handles: our object ids, cast to pointers.
+pub type Handle = *mut c_void;
+
+/// A driver call's outcome before it becomes a `CUresult`.
+pub type CuResult<T = ()> = Result<T, CUresult>;
+
+pub const CU_STREAM_LEGACY: usize = 0x1;
+pub const CU_STREAM_PER_THREAD: usize = 0x2;
+pub const CU_STREAM_NON_BLOCKING: u32 = 0x1;
+pub const CU_EVENT_DISABLE_TIMING: u32 = 0x2;
+pub const CU_LAUNCH_PARAM_END: usize = 0x00;
+pub const CU_LAUNCH_PARAM_BUFFER_POINTER: usize = 0x01;
+pub const CU_LAUNCH_PARAM_BUFFER_SIZE: usize = 0x02;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUlaunchConfig {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_mem_bytes: u32,
+    pub stream: Handle,
+    pub attrs: *mut c_void,
+    pub num_attrs: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CudaLaunchParams {
+    pub function: Handle,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_mem_bytes: u32,
+    pub stream: Handle,
+    pub kernel_params: *mut *mut c_void,
+}
+
+/// `CUDA_KERNEL_NODE_PARAMS` (v1 is a prefix of v2).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct KernelNodeParams {
+    pub func: Handle,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_mem_bytes: u32,
+    pub kernel_params: *mut *mut c_void,
+    pub extra: *mut *mut c_void,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct MemsetNodeParams {
+    pub dst: CUdeviceptr,
+    pub pitch: usize,
+    pub value: u32,
+    pub element_size: u32,
+    pub width: usize,
+    pub height: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct HostNodeParams {
+    pub func: Option<HostFn>,
+    pub user_data: *mut c_void,
+}
+
+pub type HostFn = unsafe extern "C" fn(*mut c_void);
+pub type StreamCallback = unsafe extern "C" fn(Handle, CUresult, *mut c_void);
+
+/// Run an entry point's body, turning its error or a panic into a `CUresult`.
+pub fn guard(f: impl FnOnce() -> CuResult) -> CUresult {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(())) => CUDA_SUCCESS,
+        Ok(Err(e)) => e,
+        Err(_) => CUDA_ERROR_UNKNOWN,
+    }
+}
+
+/// Export a driver entry point. The body returns [`CuResult`]; pointer arguments are only
+/// touched through the helpers below.
+macro_rules! entry {
+    ($(#[$m:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        $(#[$m])*
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $name($($arg: $ty),*) -> $crate::ffi::CUresult {
+            $crate::ffi::guard(|| -> $crate::ffi::CuResult { $body })
+        }
+    };
+}
+
+/// Export a stream-ordered entry point twice: legacy default stream semantics under `$legacy`
+/// and per-thread default stream semantics under `$per_thread` (`_ptsz`/`_ptds`). The body sees
+/// `$pt: bool`.
+macro_rules! entry_pt {
+    ($legacy:ident / $per_thread:ident, |$pt:ident| fn($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
+        entry!(fn $legacy($($arg: $ty),*) {
+            let $pt = false;
+            $body
+        });
+        entry!(fn $per_thread($($arg: $ty),*) {
+            let $pt = true;
+            $body
+        });
+    };
+}
+
+/// Store `value` through an out-pointer.
+pub fn put<T>(ptr: *mut T, value: T) -> CuResult {
+    if ptr.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: the caller passed a non-null out-pointer for a `T`, as the API contract requires.
+    unsafe { ptr.write_unaligned(value) };
+    Ok(())
+}
+
+/// Read a `T` the caller passed by pointer.
+pub fn get<T: Copy>(ptr: *const T) -> CuResult<T> {
+    if ptr.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: the caller passed a non-null pointer to a valid `T`, as the API contract requires.
+    Ok(unsafe { ptr.read_unaligned() })
+}
+
+/// Borrow a caller's NUL-terminated string.
+pub fn c_str<'a>(ptr: *const c_char) -> CuResult<&'a CStr> {
+    if ptr.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: non-null and NUL-terminated per the API contract.
+    Ok(unsafe { CStr::from_ptr(ptr) })
+}
+
+/// Borrow `len` elements the caller passed by pointer (empty when `len` is 0).
+pub fn slice<'a, T>(ptr: *const T, len: usize) -> CuResult<&'a [T]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: the caller promises `len` valid elements at `ptr`.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// Copy host bytes between caller-provided addresses (validated by the caller of this helper).
+pub fn copy_bytes(dst: u64, src: u64, len: usize) {
+    if len == 0 {
+        return;
+    }
+    // SAFETY: both ranges were checked to lie inside live allocations or caller host buffers;
+    // `copy` tolerates overlap, as cuMemcpy between overlapping ranges of one buffer may.
+    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+}
+
+pub fn handle(id: u64) -> Handle {
+    id as usize as Handle
+}
+
+pub fn id(h: Handle) -> u64 {
+    h as usize as u64
+}

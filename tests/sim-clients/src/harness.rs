@@ -1,0 +1,138 @@
+//! Find the built simulator and run client programs on it.
+//!
+//! Tests and benchmarks do not build the simulator themselves: `gpushare-sim` and `libcuda.so`
+//! must already be in the target directory the running executable lives in (`cargo build
+//! --workspace`, which `scripts/test` runs first). [`Sim::locate`] finds them there and fails
+//! with [`BUILD_HINT`] otherwise.
+//!
+//! ```no_run
+//! use gpushare_sim_clients::harness::Sim;
+//!
+//! let sim = Sim::locate();
+//! let out = sim.run(&["--gpus", "2"], ["sh", "-c", "exit 3"]).output().unwrap();
+//! assert_eq!(out.status.code(), Some(3));
+//! ```
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// What to do when the simulator has not been built.
+pub const BUILD_HINT: &str = "run `cargo build --workspace` first (scripts/test does this)";
+
+/// The cargo target profile directory (e.g. `target/debug`) of the running executable.
+///
+/// Test executables live in `target/debug/deps/`, benchmarks and examples one level down too;
+/// plain binaries in `target/debug/` itself.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("cannot locate the running executable");
+    let mut dir = exe.parent().expect("executable has a directory").to_path_buf();
+    if matches!(
+        dir.file_name().and_then(OsStr::to_str),
+        Some("deps" | "examples")
+    ) {
+        dir.pop();
+    }
+    dir
+}
+
+/// The built simulator.
+#[derive(Debug, Clone)]
+pub struct Sim {
+    /// The `gpushare-sim` launcher.
+    pub bin: PathBuf,
+    /// The simulated driver, `libcuda.so`.
+    pub libcuda: PathBuf,
+}
+
+impl Sim {
+    /// Find `gpushare-sim` and `libcuda.so` in [`target_dir`], or explain what is missing.
+    pub fn try_locate() -> Result<Sim, String> {
+        let dir = target_dir();
+        let sim = Sim {
+            bin: dir.join("gpushare-sim"),
+            libcuda: dir.join("libcuda.so"),
+        };
+        for p in [&sim.bin, &sim.libcuda] {
+            if !p.is_file() {
+                return Err(format!("{} is missing: {BUILD_HINT}", p.display()));
+            }
+        }
+        Ok(sim)
+    }
+
+    /// [`try_locate`](Sim::try_locate), panicking with [`BUILD_HINT`] if the simulator is not built.
+    pub fn locate() -> Sim {
+        Sim::try_locate().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Directory holding `libcuda.so`, for linking C clients (`-L`).
+    pub fn lib_dir(&self) -> &Path {
+        self.libcuda.parent().expect("libcuda.so has a directory")
+    }
+
+    /// `gpushare-sim run SIM_ARGS... -- CMD...`, ready to spawn.
+    pub fn run<I, S>(&self, sim_args: &[&str], cmd: I) -> Command
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut c = Command::new(&self.bin);
+        c.arg("run").args(sim_args).arg("--").args(cmd);
+        c
+    }
+
+    /// Compile a C client with gcc (warnings are errors). With `link_libcuda` it is linked
+    /// against the simulated `libcuda.so` (found at run time through `gpushare-sim run`'s
+    /// `LD_LIBRARY_PATH`), otherwise against `libdl` only. The directory of `source` and
+    /// [`c_dir`] are on the include path.
+    pub fn compile_c(&self, source: &Path, out: &Path, link_libcuda: bool) -> Result<(), String> {
+        let mut gcc = Command::new("gcc");
+        gcc.args(["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror"])
+            .arg("-I")
+            .arg(source.parent().unwrap_or(Path::new(".")))
+            .arg("-I")
+            .arg(c_dir())
+            .arg(source)
+            .arg("-o")
+            .arg(out);
+        if link_libcuda {
+            gcc.arg("-L").arg(self.lib_dir()).arg("-lcuda");
+        }
+        gcc.arg("-ldl");
+        let output = gcc.output().map_err(|e| format!("cannot run gcc: {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "gcc {} failed ({}):\n{}",
+                source.display(),
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The C clients' sources (`tests/sim-clients/c`).
+pub fn c_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("c")
+}
+
+/// Human-readable exit status, stdout and stderr of a finished command, for assertion messages.
+pub fn describe(output: &Output) -> String {
+    format!(
+        "status: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// Every line of `stdout` that parses as a JSON object, in order.
+pub fn json_lines(stdout: &[u8]) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l.trim()).ok())
+        .filter(|v| v.is_object())
+        .collect()
+}

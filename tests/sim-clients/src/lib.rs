@@ -1,0 +1,14 @@
+//! Real CUDA driver-API clients for the simulated GPU, and the tools to judge their runs.
+//!
+//! - [`trace`]: parse the device trace `gpushare-sim run --trace FILE` writes, and compute what
+//!   tests and benchmarks assert on: overlaps, busy shares, utilisation.
+//! - [`harness`]: find the built simulator (`gpushare-sim`, `libcuda.so`) next to a test or
+//!   benchmark executable and run commands under it.
+//! - [`ptx`]: the hand-written PTX module (`gpushare_spin`, `touch`) every client loads.
+//!
+//! The `cudarc-client` binary of this package is a real cudarc 0.19 program; the C programs in
+//! `c/` use the driver API directly (linked, or through `cuGetProcAddress`).
+
+pub mod harness;
+pub mod ptx;
+pub mod trace;
