@@ -136,7 +136,7 @@ entry!(fn cuCtxGetStreamPriorityRange(least: *mut c_int, greatest: *mut c_int) {
     Ok(())
 });
 
-/// Limits the simulated device accepts and remembers nothing about (stack size, printf FIFO…).
+// Limits the simulated device accepts and remembers nothing about (stack size, printf FIFO…).
 entry!(fn cuCtxGetLimit(value: *mut usize, limit: c_int) {
     with_state(|_, st| st.current().map(|_| ()))?;
     let v = match limit {

@@ -5,7 +5,7 @@ use crate::api_launch::{check_dims, kernel_arg0};
 use crate::api_memory::{copy_checked, memset_checked};
 use crate::client::HostCall;
 use crate::ffi::*;
-use crate::state::{Graph, Node, NodeKind, State, with_state};
+use crate::state::{Graph, NodeKind, State, with_state};
 use gpushare_sim_wire::Op;
 use std::ffi::{c_char, c_uint};
 
@@ -18,7 +18,7 @@ pub fn capture_node(st: &mut State, stream: u64, kind: NodeKind) -> CuResult<boo
         return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     }
     let g = st.graphs.get_mut(&cap.graph).ok_or(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)?;
-    g.nodes.push(Node { kind, deps: cap.deps });
+    g.nodes.push(kind);
     let idx = g.nodes.len() - 1;
     let c = st.streams.get_mut(&stream).and_then(|s| s.capture.as_mut());
     c.expect("capturing stream").deps = vec![idx];
@@ -46,15 +46,13 @@ entry!(fn cuGraphDestroy(h: Handle) {
 
 /// Add a node to a graph after the given dependency nodes; returns the new node's handle.
 fn add_node(st: &mut State, graph: Handle, deps: *const Handle, n: usize, kind: NodeKind) -> CuResult<Handle> {
-    let deps = slice(deps, n)?
-        .iter()
-        .map(|h| match st.graph_nodes.get(&id(*h)) {
-            Some(&(g, i)) if g == id(graph) => Ok(i),
-            _ => Err(CUDA_ERROR_INVALID_VALUE),
-        })
-        .collect::<CuResult<Vec<_>>>()?;
+    for h in slice(deps, n)? {
+        if !matches!(st.graph_nodes.get(&id(*h)), Some(&(g, _)) if g == id(graph)) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+    }
     let g = st.graphs.get_mut(&id(graph)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    g.nodes.push(Node { kind, deps });
+    g.nodes.push(kind);
     let idx = g.nodes.len() - 1;
     let node = st.new_id();
     st.graph_nodes.insert(node, (id(graph), idx));
@@ -204,7 +202,7 @@ entry_pt!(cuGraphLaunch / cuGraphLaunch_ptsz, |pt| fn(exec: Handle, stream: Hand
         }
         // Nodes only depend on earlier nodes, so index order is a dependency order.
         for node in nodes {
-            match node.kind {
+            match node {
                 NodeKind::Empty => {}
                 NodeKind::Kernel { function, arg0 } => {
                     st.submit(&d.client, s, Op::Kernel { function, arg0 }, &[])?;
@@ -218,13 +216,6 @@ entry_pt!(cuGraphLaunch / cuGraphLaunch_ptsz, |pt| fn(exec: Handle, stream: Hand
                     let calls = &d.client.host_calls;
                     calls.lock().unwrap_or_else(|e| e.into_inner()).insert(key, HostCall::Func(func, data));
                     st.submit(&d.client, s, Op::HostFunc, &[])?;
-                }
-                NodeKind::EventRecord { event } => {
-                    let r = st.submit(&d.client, s, Op::Marker, &[])?;
-                    if let Some(ev) = st.events.get_mut(&event) {
-                        ev.record = Some(r);
-                        ev.done_ns = None;
-                    }
                 }
                 NodeKind::EventWait { event } => {
                     if let Some(r) = st.events.get(&event).and_then(|e| e.record) {
@@ -240,7 +231,7 @@ entry_pt!(cuGraphLaunch / cuGraphLaunch_ptsz, |pt| fn(exec: Handle, stream: Hand
 entry!(fn cuGraphNodeGetType(node: Handle, ty: *mut c_uint) {
     with_state(|_, st| {
         let &(g, i) = st.graph_nodes.get(&id(node)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let kind = &st.graphs.get(&g).ok_or(CUDA_ERROR_INVALID_VALUE)?.nodes[i].kind;
+        let kind = &st.graphs.get(&g).ok_or(CUDA_ERROR_INVALID_VALUE)?.nodes[i];
         // CUgraphNodeType values from cuda.h.
         let t = match kind {
             NodeKind::Kernel { .. } => 0,
@@ -249,7 +240,6 @@ entry!(fn cuGraphNodeGetType(node: Handle, ty: *mut c_uint) {
             NodeKind::Host { .. } => 3,
             NodeKind::Empty => 5,
             NodeKind::EventWait { .. } => 6,
-            NodeKind::EventRecord { .. } => 7,
         };
         put(ty, t)
     })

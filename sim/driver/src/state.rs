@@ -27,7 +27,7 @@ pub fn init() -> CuResult {
         })
     });
     match r {
-        Ok(d) if d.pid != std::process::id() => Err(CUDA_ERROR_INITIALIZATION_ERROR),
+        Ok(d) if d.pid != std::process::id() => Err(CUDA_ERROR_NOT_INITIALIZED),
         Ok(_) => Ok(()),
         Err(e) => Err(*e),
     }
@@ -37,7 +37,7 @@ pub fn init() -> CuResult {
 pub fn driver() -> CuResult<&'static Driver> {
     match DRIVER.get() {
         Some(Ok(d)) if d.pid == std::process::id() => Ok(d),
-        Some(Ok(_)) => Err(CUDA_ERROR_INITIALIZATION_ERROR),
+        Some(Ok(_)) => Err(CUDA_ERROR_NOT_INITIALIZED),
         _ => Err(CUDA_ERROR_NOT_INITIALIZED),
     }
 }
@@ -140,7 +140,8 @@ pub struct Module {
 }
 
 pub struct Function {
-    pub name: String,
+    /// NUL-terminated for cuFuncGetName.
+    pub name: std::ffi::CString,
     pub params: Vec<usize>,
     pub ptx_version: i32,
     pub module: u64,
@@ -163,13 +164,8 @@ pub struct Alloc {
     pub kind: AllocKind,
 }
 
-/// One node of a graph, with the nodes it depends on (indices into the graph).
-#[derive(Clone)]
-pub struct Node {
-    pub kind: NodeKind,
-    pub deps: Vec<usize>,
-}
-
+/// One node of a graph. Graphs run their nodes one after another on the launch stream (a
+/// valid order: nodes only ever depend on earlier nodes), so edges need not be kept.
 #[derive(Clone)]
 pub enum NodeKind {
     Empty,
@@ -177,13 +173,12 @@ pub enum NodeKind {
     Memset { dst: u64, value: u32, element_size: u32, width: usize, height: usize, pitch: usize },
     Memcpy { dst: u64, src: u64, len: usize },
     Host { func: HostFn, data: usize },
-    EventRecord { event: u64 },
     EventWait { event: u64 },
 }
 
 #[derive(Default)]
 pub struct Graph {
-    pub nodes: Vec<Node>,
+    pub nodes: Vec<NodeKind>,
 }
 
 pub struct State {
@@ -196,7 +191,7 @@ pub struct State {
     pub modules: HashMap<u64, Module>,
     pub functions: HashMap<u64, Function>,
     pub graphs: HashMap<u64, Graph>,
-    pub execs: HashMap<u64, Vec<Node>>,
+    pub execs: HashMap<u64, Vec<NodeKind>>,
     /// Graph node handles: id → (graph, index).
     pub graph_nodes: HashMap<u64, (u64, usize)>,
     pub allocs: BTreeMap<u64, Alloc>,

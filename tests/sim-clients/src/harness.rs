@@ -15,7 +15,8 @@
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 /// What to do when the simulator has not been built.
 pub const BUILD_HINT: &str = "run `cargo build --workspace` first (scripts/test does this)";
@@ -135,4 +136,54 @@ pub fn json_lines(stdout: &[u8]) -> Vec<serde_json::Value> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l.trim()).ok())
         .filter(|v| v.is_object())
         .collect()
+}
+
+/// Run `cmd` to completion in a process group of its own, collecting stdout and stderr. If it is
+/// still running after `timeout`, the whole group (e.g. `gpushare-sim` and the clients it
+/// started) is killed and this panics with what was printed so far.
+pub fn output_with_timeout(mut cmd: Command, timeout: Duration) -> Output {
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
+
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {:?}: {e}", cmd.get_program()));
+    let reader = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = pipe.read_to_end(&mut buf);
+            buf
+        })
+    };
+    let out = reader(Box::new(child.stdout.take().expect("piped stdout")));
+    let err = reader(Box::new(child.stderr.take().expect("piped stderr")));
+    let deadline = Instant::now() + timeout;
+    let (status, timed_out) = loop {
+        match child.try_wait().expect("wait for child") {
+            Some(status) => break (status, false),
+            None if Instant::now() >= deadline => {
+                // SAFETY: plain syscall; the group is the one this function created (pgid = pid).
+                unsafe { libc::killpg(child.id() as libc::pid_t, libc::SIGKILL) };
+                break (child.wait().expect("wait for killed child"), true);
+            }
+            None => std::thread::sleep(Duration::from_millis(5)),
+        }
+    };
+    let output = Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    };
+    if timed_out {
+        panic!(
+            "{:?} did not finish within {timeout:?}; killed\n{}",
+            cmd.get_program(),
+            describe(&output)
+        );
+    }
+    output
 }

@@ -1,0 +1,818 @@
+//! Device, managed, pinned-host, stream-ordered, virtual (VMM) and array memory, plus copies
+//! and memsets.
+//!
+//! Device memory is real host memory (an anonymous `MAP_NORESERVE` mapping per allocation, so an
+//! untouched 40 GiB buffer costs nothing) and the device pointer is its address, which keeps
+//! copies exact and managed memory host-accessible. The device process holds the books of each
+//! GPU's capacity, so processes sharing a GPU run out of memory together, as on real hardware.
+//!
+//! Copies and memsets act when called, which is a valid schedule of stream order because the
+//! simulated kernels never touch memory; where the driver documents that a call returns only
+//! once data is in place (synchronous copies, device-to-pageable-host copies), the call first
+//! waits for the stream's prior work.
+
+use crate::api_graph::capture_node;
+use crate::ffi::*;
+use crate::state::{Alloc, AllocKind, Driver, NodeKind, State, driver, with_state};
+use gpushare_sim_wire::{Reply, Request};
+use std::ffi::{c_uint, c_void};
+
+/// Allocation granularity charged against the device's capacity.
+const CHARGE_ALIGN: u64 = 512;
+/// Pitch alignment of cuMemAllocPitch, as on current GPUs.
+const PITCH_ALIGN: usize = 512;
+/// Granularity of cuMemCreate / cuMemMap (2 MiB, as the driver reports).
+const VMM_GRANULARITY: usize = 2 << 20;
+
+fn page_round(size: usize) -> usize {
+    let page = 4096;
+    size.div_ceil(page) * page
+}
+
+/// Map `size` bytes of zeroed, lazily backed memory, `PROT_NONE` unless `access`.
+fn map(size: usize, access: bool) -> CuResult<u64> {
+    let prot = if access { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_NONE };
+    // SAFETY: an anonymous private mapping at an address the kernel chooses; no existing memory
+    // is affected.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            page_round(size),
+            prot,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED { Err(CUDA_ERROR_OUT_OF_MEMORY) } else { Ok(p as u64) }
+}
+
+fn unmap(addr: u64, size: usize) {
+    // SAFETY: `addr..addr+size` is a mapping this module created and no longer hands out.
+    unsafe { libc::munmap(addr as *mut c_void, page_round(size)) };
+}
+
+/// Reserve `bytes` of the device's capacity in the device process.
+fn charge(d: &Driver, device: u32, bytes: u64) -> CuResult {
+    match d.client.call(|req| Request::Alloc { req, device, bytes })? {
+        Reply::Alloc { ok: true, .. } => Ok(()),
+        _ => Err(CUDA_ERROR_OUT_OF_MEMORY),
+    }
+}
+
+fn uncharge(d: &Driver, device: u32, bytes: u64) -> CuResult {
+    if bytes == 0 {
+        return Ok(());
+    }
+    d.client.send(&Request::Free { device, bytes })
+}
+
+/// Allocate device (or managed) memory on the current context's device.
+fn allocate(size: usize, kind: AllocKind) -> CuResult<u64> {
+    if size == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let d = driver()?;
+    let device = d.lock().current_device()?;
+    let charged = (size as u64).div_ceil(CHARGE_ALIGN) * CHARGE_ALIGN;
+    charge(d, device, charged)?;
+    let addr = match map(size, true) {
+        Ok(a) => a,
+        Err(e) => {
+            uncharge(d, device, charged)?;
+            return Err(e);
+        }
+    };
+    let alloc = Alloc { size, mapped: size, device, charged, kind };
+    d.lock().allocs.insert(addr, alloc);
+    Ok(addr)
+}
+
+/// Free an allocation made by [`allocate`], given its base address.
+fn release(ptr: u64) -> CuResult {
+    let d = driver()?;
+    let a = {
+        let mut st = d.lock();
+        match st.allocs.get(&ptr) {
+            Some(a) if matches!(a.kind, AllocKind::Device | AllocKind::Managed) => {}
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        }
+        st.allocs.remove(&ptr).expect("checked above")
+    };
+    unmap(ptr, a.mapped);
+    uncharge(d, a.device, a.charged)
+}
+
+entry!(fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) {
+    let a = allocate(size, AllocKind::Device)?;
+    put(dptr, a).inspect_err(|_| {
+        let _ = release(a);
+    })
+});
+
+entry!(fn cuMemAllocPitch_v2(
+    dptr: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    elem_size: c_uint,
+) {
+    if ![4, 8, 16].contains(&elem_size) || width == 0 || height == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let p = width.div_ceil(PITCH_ALIGN) * PITCH_ALIGN;
+    let a = allocate(p.checked_mul(height).ok_or(CUDA_ERROR_INVALID_VALUE)?, AllocKind::Device)?;
+    put(pitch, p)?;
+    put(dptr, a)
+});
+
+entry!(fn cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) {
+    // CU_MEM_ATTACH_GLOBAL = 1, CU_MEM_ATTACH_HOST = 2.
+    if flags != 1 && flags != 2 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    put(dptr, allocate(size, AllocKind::Managed)?)
+});
+
+entry!(fn cuMemFree_v2(ptr: CUdeviceptr) {
+    if ptr == 0 {
+        return Ok(());
+    }
+    release(ptr)
+});
+
+entry_pt!(cuMemAllocAsync / cuMemAllocAsync_ptsz, |pt| fn(dptr: *mut CUdeviceptr, size: usize, stream: Handle) {
+    with_state(|d, st| st.resolve_stream(&d.client, stream, pt).map(|_| ()))?;
+    put(dptr, allocate(size, AllocKind::Device)?)
+});
+
+entry_pt!(cuMemAllocFromPoolAsync / cuMemAllocFromPoolAsync_ptsz, |pt| fn(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: Handle,
+    stream: Handle,
+) {
+    if pool.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    with_state(|d, st| st.resolve_stream(&d.client, stream, pt).map(|_| ()))?;
+    put(dptr, allocate(size, AllocKind::Device)?)
+});
+
+entry_pt!(cuMemFreeAsync / cuMemFreeAsync_ptsz, |pt| fn(ptr: CUdeviceptr, stream: Handle) {
+    with_state(|d, st| st.resolve_stream(&d.client, stream, pt).map(|_| ()))?;
+    release(ptr)
+});
+
+entry!(fn cuDeviceGetDefaultMemPool(pool: *mut Handle, dev: CUdevice) {
+    let d = driver()?;
+    put(pool, handle(0x100 + d.check_device(dev)? as u64))
+});
+
+entry!(fn cuDeviceGetMemPool(pool: *mut Handle, dev: CUdevice) {
+    let d = driver()?;
+    put(pool, handle(0x100 + d.check_device(dev)? as u64))
+});
+
+entry!(fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
+    let d = driver()?;
+    let device = d.lock().current_device()?;
+    match d.client.call(|req| Request::MemInfo { req, device })? {
+        Reply::MemInfo { free: f, total: t, .. } => {
+            put(free, f as usize)?;
+            put(total, t as usize)
+        }
+        _ => Err(CUDA_ERROR_UNKNOWN),
+    }
+});
+
+entry!(fn cuMemGetAddressRange_v2(base: *mut CUdeviceptr, size: *mut usize, ptr: CUdeviceptr) {
+    with_state(|_, st| {
+        let (b, a) = st.find_alloc(ptr, 0).ok_or(CUDA_ERROR_NOT_FOUND)?;
+        if !base.is_null() {
+            put(base, b)?;
+        }
+        if !size.is_null() {
+            put(size, a.size)?;
+        }
+        Ok(())
+    })
+});
+
+// --- page-locked host memory -------------------------------------------------------------
+
+fn host_alloc(pp: *mut *mut c_void, size: usize) -> CuResult {
+    if size == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let p = map(size, true)?;
+    with_state(|_, st| {
+        st.pinned.insert(p, size);
+        Ok(())
+    })?;
+    put(pp, p as *mut c_void)
+}
+
+entry!(fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) { host_alloc(pp, size) });
+entry!(fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, _flags: c_uint) { host_alloc(pp, size) });
+
+entry!(fn cuMemFreeHost(p: *mut c_void) {
+    let size = with_state(|_, st| st.pinned.remove(&(p as u64)).ok_or(CUDA_ERROR_INVALID_VALUE))?;
+    unmap(p as u64, size);
+    Ok(())
+});
+
+entry!(fn cuMemHostRegister_v2(p: *mut c_void, size: usize, _flags: c_uint) {
+    if p.is_null() || size == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    with_state(|_, st| {
+        if st.pinned.insert(p as u64, size).is_some() {
+            return Err(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+        }
+        Ok(())
+    })
+});
+
+entry!(fn cuMemHostUnregister(p: *mut c_void) {
+    with_state(|_, st| {
+        st.pinned.remove(&(p as u64)).map(|_| ()).ok_or(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+    })
+});
+
+entry!(fn cuMemHostGetDevicePointer_v2(dptr: *mut CUdeviceptr, p: *mut c_void, flags: c_uint) {
+    if flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    with_state(|_, st| {
+        if !st.is_pinned(p as u64, 1) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // Unified addressing: the host address is the device address.
+        put(dptr, p as u64)
+    })
+});
+
+entry!(fn cuMemHostGetFlags(flags: *mut c_uint, p: *mut c_void) {
+    with_state(|_, st| {
+        if !st.is_pinned(p as u64, 1) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        put(flags, 0)
+    })
+});
+
+entry!(fn cuPointerGetAttribute(data: *mut c_void, attribute: c_uint, ptr: CUdeviceptr) {
+    with_state(|_, st| {
+        let dev = st.find_alloc(ptr, 0).map(|(b, a)| (b, a.size, a.device, a.kind));
+        let pinned = st.is_pinned(ptr, 1);
+        let (base, size, device, kind) = match dev {
+            Some(x) => x,
+            None if pinned => (ptr, 0, 0, AllocKind::Device),
+            None => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        let host = dev.is_none();
+        match attribute {
+            // CONTEXT
+            1 => put(data as *mut Handle, handle(st.current().unwrap_or(0))),
+            // MEMORY_TYPE: HOST = 1, DEVICE = 2
+            2 => put(data as *mut c_uint, if host { 1 } else { 2 }),
+            // DEVICE_POINTER
+            3 => put(data as *mut u64, ptr),
+            // HOST_POINTER: only host and managed memory have one
+            4 if host || kind == AllocKind::Managed => put(data as *mut u64, ptr),
+            4 => Err(CUDA_ERROR_INVALID_VALUE),
+            // IS_MANAGED
+            8 => put(data as *mut c_uint, (kind == AllocKind::Managed && !host) as c_uint),
+            // DEVICE_ORDINAL
+            9 => put(data as *mut i32, device as i32),
+            // RANGE_START_ADDR, RANGE_SIZE
+            11 => put(data as *mut u64, base),
+            12 => put(data as *mut usize, size),
+            // MAPPED
+            13 => put(data as *mut c_uint, 1),
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
+        }
+    })
+});
+
+// --- copies and memsets ------------------------------------------------------------------
+
+/// Which side of a copy must be device memory of this process.
+#[derive(Clone, Copy)]
+enum Dir {
+    HtoD,
+    DtoH,
+    DtoD,
+    /// Unified addressing: either side may be host or device memory.
+    Any,
+}
+
+fn check_dev(st: &State, ptr: u64, len: usize) -> CuResult {
+    st.find_alloc(ptr, len).map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
+}
+
+fn check_copy(st: &State, dir: Dir, dst: u64, src: u64, len: usize) -> CuResult {
+    if len > 0 && (dst == 0 || src == 0) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    match dir {
+        Dir::HtoD => check_dev(st, dst, len),
+        Dir::DtoH => check_dev(st, src, len),
+        Dir::DtoD => check_dev(st, dst, len).and_then(|_| check_dev(st, src, len)),
+        Dir::Any => Ok(()),
+    }
+}
+
+/// Copy now, after checking that the device side lies inside a live allocation.
+pub fn copy_checked(st: &State, dst: u64, src: u64, len: usize) -> CuResult {
+    check_copy(st, Dir::Any, dst, src, len)?;
+    copy_bytes(dst, src, len);
+    Ok(())
+}
+
+/// A synchronous copy: ordered after prior work on the default stream, done on return.
+fn copy_sync(pt: bool, dir: Dir, dst: u64, src: u64, len: usize) -> CuResult {
+    let d = driver()?;
+    let fence = {
+        let mut st = d.lock();
+        check_copy(&st, dir, dst, src, len)?;
+        let s = st.resolve_stream(&d.client, std::ptr::null_mut(), pt)?;
+        st.check_not_capturing(s)?;
+        st.fence(&d.client, s)?
+    };
+    d.client.wait(vec![fence])?;
+    copy_bytes(dst, src, len);
+    Ok(())
+}
+
+/// An asynchronous copy; into pageable host memory it returns only once the data is there.
+fn copy_async(stream: Handle, pt: bool, dir: Dir, dst: u64, src: u64, len: usize) -> CuResult {
+    let d = driver()?;
+    let fence = {
+        let mut st = d.lock();
+        check_copy(&st, dir, dst, src, len)?;
+        let s = st.resolve_stream(&d.client, stream, pt)?;
+        if capture_node(&mut st, s, NodeKind::Memcpy { dst, src, len })? {
+            return Ok(());
+        }
+        let to_pageable = match dir {
+            Dir::DtoH => !st.is_pinned(dst, len),
+            Dir::Any => st.find_alloc(dst, len).is_none() && !st.is_pinned(dst, len),
+            _ => false,
+        };
+        if !to_pageable {
+            copy_bytes(dst, src, len);
+            return Ok(());
+        }
+        st.fence(&d.client, s)?
+    };
+    d.client.wait(vec![fence])?;
+    copy_bytes(dst, src, len);
+    Ok(())
+}
+
+entry_pt!(cuMemcpyHtoD_v2 / cuMemcpyHtoD_v2_ptds, |pt| fn(dst: CUdeviceptr, src: *const c_void, n: usize) {
+    copy_sync(pt, Dir::HtoD, dst, src as u64, n)
+});
+entry_pt!(cuMemcpyDtoH_v2 / cuMemcpyDtoH_v2_ptds, |pt| fn(dst: *mut c_void, src: CUdeviceptr, n: usize) {
+    copy_sync(pt, Dir::DtoH, dst as u64, src, n)
+});
+entry_pt!(cuMemcpyDtoD_v2 / cuMemcpyDtoD_v2_ptds, |pt| fn(dst: CUdeviceptr, src: CUdeviceptr, n: usize) {
+    copy_sync(pt, Dir::DtoD, dst, src, n)
+});
+entry_pt!(cuMemcpy / cuMemcpy_ptds, |pt| fn(dst: CUdeviceptr, src: CUdeviceptr, n: usize) {
+    copy_sync(pt, Dir::Any, dst, src, n)
+});
+entry_pt!(cuMemcpyHtoDAsync_v2 / cuMemcpyHtoDAsync_v2_ptsz, |pt| fn(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    n: usize,
+    stream: Handle,
+) {
+    copy_async(stream, pt, Dir::HtoD, dst, src as u64, n)
+});
+entry_pt!(cuMemcpyDtoHAsync_v2 / cuMemcpyDtoHAsync_v2_ptsz, |pt| fn(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    n: usize,
+    stream: Handle,
+) {
+    copy_async(stream, pt, Dir::DtoH, dst as u64, src, n)
+});
+entry_pt!(cuMemcpyDtoDAsync_v2 / cuMemcpyDtoDAsync_v2_ptsz, |pt| fn(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    n: usize,
+    stream: Handle,
+) {
+    copy_async(stream, pt, Dir::DtoD, dst, src, n)
+});
+entry_pt!(cuMemcpyAsync / cuMemcpyAsync_ptsz, |pt| fn(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: Handle) {
+    copy_async(stream, pt, Dir::Any, dst, src, n)
+});
+entry_pt!(cuMemcpyPeer / cuMemcpyPeer_ptds, |pt| fn(
+    dst: CUdeviceptr,
+    _dst_ctx: Handle,
+    src: CUdeviceptr,
+    _src_ctx: Handle,
+    n: usize,
+) {
+    copy_sync(pt, Dir::DtoD, dst, src, n)
+});
+entry_pt!(cuMemcpyPeerAsync / cuMemcpyPeerAsync_ptsz, |pt| fn(
+    dst: CUdeviceptr,
+    _dst_ctx: Handle,
+    src: CUdeviceptr,
+    _src_ctx: Handle,
+    n: usize,
+    stream: Handle,
+) {
+    copy_async(stream, pt, Dir::DtoD, dst, src, n)
+});
+
+/// `CUDA_MEMCPY2D`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Memcpy2D {
+    src_x: usize,
+    src_y: usize,
+    src_type: c_uint,
+    src_host: *const c_void,
+    src_device: CUdeviceptr,
+    src_array: Handle,
+    src_pitch: usize,
+    dst_x: usize,
+    dst_y: usize,
+    dst_type: c_uint,
+    dst_host: *mut c_void,
+    dst_device: CUdeviceptr,
+    dst_array: Handle,
+    dst_pitch: usize,
+    width: usize,
+    height: usize,
+}
+
+/// Resolve one side of a 2D copy to its start address (`CUmemorytype`: 1 host, 2 device,
+/// 3 array, 4 unified).
+fn side(kind: c_uint, host: u64, device: u64, x: usize, y: usize, pitch: usize) -> CuResult<u64> {
+    let base = match kind {
+        1 => host,
+        2 | 4 => device,
+        3 => return Err(CUDA_ERROR_NOT_SUPPORTED),
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    };
+    Ok(base + (y * pitch + x) as u64)
+}
+
+fn copy_2d(p: *const Memcpy2D, sync_stream: Option<(Handle, bool)>) -> CuResult {
+    let p = get(p)?;
+    if p.height > 0 && (p.src_pitch < p.width || p.dst_pitch < p.width) && p.height > 1 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let src = side(p.src_type, p.src_host as u64, p.src_device, p.src_x, p.src_y, p.src_pitch)?;
+    let dst = side(p.dst_type, p.dst_host as u64, p.dst_device, p.dst_x, p.dst_y, p.dst_pitch)?;
+    let d = driver()?;
+    let fence = {
+        let mut st = d.lock();
+        for row in 0..p.height as u64 {
+            let (s, t) = (src + row * p.src_pitch as u64, dst + row * p.dst_pitch as u64);
+            if p.src_type == 2 {
+                check_dev(&st, s, p.width)?;
+            }
+            if p.dst_type == 2 {
+                check_dev(&st, t, p.width)?;
+            }
+        }
+        match sync_stream {
+            Some((h, pt)) => {
+                let s = st.resolve_stream(&d.client, h, pt)?;
+                st.check_not_capturing(s)?;
+                Some(st.fence(&d.client, s)?)
+            }
+            None => None,
+        }
+    };
+    if let Some(f) = fence {
+        d.client.wait(vec![f])?;
+    }
+    for row in 0..p.height as u64 {
+        copy_bytes(dst + row * p.dst_pitch as u64, src + row * p.src_pitch as u64, p.width);
+    }
+    Ok(())
+}
+
+entry_pt!(cuMemcpy2D_v2 / cuMemcpy2D_v2_ptds, |pt| fn(p: *const Memcpy2D) {
+    copy_2d(p, Some((std::ptr::null_mut(), pt)))
+});
+entry_pt!(cuMemcpy2DUnaligned_v2 / cuMemcpy2DUnaligned_v2_ptds, |pt| fn(p: *const Memcpy2D) {
+    copy_2d(p, Some((std::ptr::null_mut(), pt)))
+});
+entry_pt!(cuMemcpy2DAsync_v2 / cuMemcpy2DAsync_v2_ptsz, |pt| fn(p: *const Memcpy2D, stream: Handle) {
+    // Pageable destinations make it synchronous, as for 1D copies.
+    let pageable_dst = get(p)?.dst_type == 1;
+    copy_2d(p, pageable_dst.then_some((stream, pt)))
+});
+
+/// Fill `height` rows of `width` elements, `pitch` bytes apart, after checking the range.
+pub fn memset_checked(
+    st: &State,
+    dst: u64,
+    value: u32,
+    element_size: u32,
+    width: usize,
+    height: usize,
+    pitch: usize,
+) -> CuResult {
+    let row_bytes = width * element_size as usize;
+    let pitch = if height <= 1 { row_bytes } else { pitch };
+    if height > 1 && pitch < row_bytes {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    for row in 0..height {
+        check_dev(st, dst + (row * pitch) as u64, row_bytes)?;
+    }
+    for row in 0..height {
+        let start = dst + (row * pitch) as u64;
+        // SAFETY: the row lies inside a live allocation of this process (checked above).
+        let bytes = unsafe { std::slice::from_raw_parts_mut(start as *mut u8, row_bytes) };
+        match element_size {
+            1 => bytes.fill(value as u8),
+            2 => bytes.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&(value as u16).to_ne_bytes())),
+            _ => bytes.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&value.to_ne_bytes())),
+        }
+    }
+    Ok(())
+}
+
+/// A memset, asynchronous with respect to the host in every variant, as documented.
+#[allow(clippy::too_many_arguments)]
+fn memset(stream: Handle, pt: bool, dst: u64, value: u32, element_size: u32, width: usize, height: usize, pitch: usize) -> CuResult {
+    with_state(|d, st| {
+        let s = st.resolve_stream(&d.client, stream, pt)?;
+        let node = NodeKind::Memset { dst, value, element_size, width, height, pitch };
+        if capture_node(st, s, node)? {
+            return Ok(());
+        }
+        memset_checked(st, dst, value, element_size, width, height, pitch)
+    })
+}
+
+const NULL: Handle = std::ptr::null_mut();
+
+entry_pt!(cuMemsetD8_v2 / cuMemsetD8_v2_ptds, |pt| fn(dst: CUdeviceptr, v: u8, n: usize) {
+    memset(NULL, pt, dst, v as u32, 1, n, 1, 0)
+});
+entry_pt!(cuMemsetD16_v2 / cuMemsetD16_v2_ptds, |pt| fn(dst: CUdeviceptr, v: u16, n: usize) {
+    memset(NULL, pt, dst, v as u32, 2, n, 1, 0)
+});
+entry_pt!(cuMemsetD32_v2 / cuMemsetD32_v2_ptds, |pt| fn(dst: CUdeviceptr, v: u32, n: usize) {
+    memset(NULL, pt, dst, v, 4, n, 1, 0)
+});
+entry_pt!(cuMemsetD8Async / cuMemsetD8Async_ptsz, |pt| fn(dst: CUdeviceptr, v: u8, n: usize, s: Handle) {
+    memset(s, pt, dst, v as u32, 1, n, 1, 0)
+});
+entry_pt!(cuMemsetD16Async / cuMemsetD16Async_ptsz, |pt| fn(dst: CUdeviceptr, v: u16, n: usize, s: Handle) {
+    memset(s, pt, dst, v as u32, 2, n, 1, 0)
+});
+entry_pt!(cuMemsetD32Async / cuMemsetD32Async_ptsz, |pt| fn(dst: CUdeviceptr, v: u32, n: usize, s: Handle) {
+    memset(s, pt, dst, v, 4, n, 1, 0)
+});
+entry_pt!(cuMemsetD2D8_v2 / cuMemsetD2D8_v2_ptds, |pt| fn(dst: CUdeviceptr, pitch: usize, v: u8, w: usize, h: usize) {
+    memset(NULL, pt, dst, v as u32, 1, w, h, pitch)
+});
+entry_pt!(cuMemsetD2D16_v2 / cuMemsetD2D16_v2_ptds, |pt| fn(dst: CUdeviceptr, pitch: usize, v: u16, w: usize, h: usize) {
+    memset(NULL, pt, dst, v as u32, 2, w, h, pitch)
+});
+entry_pt!(cuMemsetD2D32_v2 / cuMemsetD2D32_v2_ptds, |pt| fn(dst: CUdeviceptr, pitch: usize, v: u32, w: usize, h: usize) {
+    memset(NULL, pt, dst, v, 4, w, h, pitch)
+});
+entry_pt!(cuMemsetD2D8Async / cuMemsetD2D8Async_ptsz, |pt| fn(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u8,
+    w: usize,
+    h: usize,
+    s: Handle,
+) {
+    memset(s, pt, dst, v as u32, 1, w, h, pitch)
+});
+entry_pt!(cuMemsetD2D16Async / cuMemsetD2D16Async_ptsz, |pt| fn(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u16,
+    w: usize,
+    h: usize,
+    s: Handle,
+) {
+    memset(s, pt, dst, v as u32, 2, w, h, pitch)
+});
+entry_pt!(cuMemsetD2D32Async / cuMemsetD2D32Async_ptsz, |pt| fn(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u32,
+    w: usize,
+    h: usize,
+    s: Handle,
+) {
+    memset(s, pt, dst, v, 4, w, h, pitch)
+});
+
+/// Hints that change nothing on the simulated device, accepted for valid ranges.
+fn check_managed_range(ptr: u64, len: usize) -> CuResult {
+    with_state(|_, st| check_dev(st, ptr, len))
+}
+
+entry_pt!(cuMemPrefetchAsync / cuMemPrefetchAsync_ptsz, |_pt| fn(ptr: CUdeviceptr, n: usize, _dev: CUdevice, _s: Handle) {
+    check_managed_range(ptr, n)
+});
+entry!(fn cuMemAdvise(ptr: CUdeviceptr, n: usize, _advice: c_uint, _dev: CUdevice) { check_managed_range(ptr, n) });
+
+// --- virtual memory management -------------------------------------------------------------
+
+/// Physical allocations made by cuMemCreate: handle → (device, bytes).
+fn vmm_handles() -> &'static std::sync::Mutex<std::collections::HashMap<u64, (u32, u64)>> {
+    static H: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<u64, (u32, u64)>>> =
+        std::sync::OnceLock::new();
+    H.get_or_init(Default::default)
+}
+
+/// `CUmemAllocationProp`, the fields we read: type, requested handle types, location.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct AllocationProp {
+    kind: c_uint,
+    handle_types: c_uint,
+    location_type: c_uint,
+    location_id: i32,
+}
+
+entry!(fn cuMemGetAllocationGranularity(gran: *mut usize, prop: *const AllocationProp, _option: c_uint) {
+    get(prop)?;
+    put(gran, VMM_GRANULARITY)
+});
+
+entry!(fn cuMemCreate(out: *mut u64, size: usize, prop: *const AllocationProp, flags: u64) {
+    let p = get(prop)?;
+    // CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1.
+    if flags != 0 || p.kind != 1 || p.location_type != 1 || size == 0 || size % VMM_GRANULARITY != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let d = driver()?;
+    let device = d.check_device(p.location_id)?;
+    charge(d, device, size as u64)?;
+    let h = d.lock().new_id();
+    vmm_handles().lock().unwrap_or_else(|e| e.into_inner()).insert(h, (device, size as u64));
+    put(out, h)
+});
+
+/// Give back the memory of a cuMemCreate handle or an array.
+fn release_handle(h: u64) -> CuResult {
+    let d = driver()?;
+    let entry = vmm_handles().lock().unwrap_or_else(|e| e.into_inner()).remove(&h);
+    let (device, bytes) = entry.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    uncharge(d, device, bytes)
+}
+
+entry!(fn cuMemRelease(h: u64) { release_handle(h) });
+
+entry!(fn cuMemAddressReserve(ptr: *mut CUdeviceptr, size: usize, _align: usize, _addr: CUdeviceptr, _flags: u64) {
+    if size == 0 || size % VMM_GRANULARITY != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    put(ptr, map(size, false)?)
+});
+
+entry!(fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) {
+    with_state(|_, st| {
+        if st.find_alloc(ptr, size).is_some_and(|(_, a)| a.kind == AllocKind::Device) {
+            return Err(CUDA_ERROR_INVALID_VALUE); // still mapped
+        }
+        Ok(())
+    })?;
+    unmap(ptr, size);
+    Ok(())
+});
+
+entry!(fn cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, h: u64, flags: u64) {
+    let (device, bytes) = vmm_handles()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&h)
+        .copied()
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    if flags != 0 || offset as u64 + size as u64 > bytes {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: `ptr..ptr+size` lies in a range reserved by cuMemAddressReserve (PROT_NONE).
+    let r = unsafe { libc::mprotect(ptr as *mut c_void, size, libc::PROT_READ | libc::PROT_WRITE) };
+    if r != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    with_state(|_, st| {
+        st.allocs.insert(ptr, Alloc { size, mapped: 0, device, charged: 0, kind: AllocKind::Device });
+        Ok(())
+    })
+});
+
+entry!(fn cuMemUnmap(ptr: CUdeviceptr, size: usize) {
+    with_state(|_, st| match st.allocs.get(&ptr) {
+        Some(a) if a.mapped == 0 && a.size == size => {
+            st.allocs.remove(&ptr);
+            Ok(())
+        }
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    })?;
+    // SAFETY: the range was mapped by cuMemMap; dropping its pages and access returns it to the
+    // reserved state.
+    unsafe {
+        libc::madvise(ptr as *mut c_void, size, libc::MADV_DONTNEED);
+        libc::mprotect(ptr as *mut c_void, size, libc::PROT_NONE);
+    }
+    Ok(())
+});
+
+entry!(fn cuMemSetAccess(ptr: CUdeviceptr, size: usize, _desc: *const c_void, count: usize) {
+    if count == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    with_state(|_, st| check_dev(st, ptr, size))
+});
+
+// --- arrays --------------------------------------------------------------------------------
+
+/// `CUDA_ARRAY3D_DESCRIPTOR`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Array3DDesc {
+    width: usize,
+    height: usize,
+    depth: usize,
+    format: c_uint,
+    channels: c_uint,
+    flags: c_uint,
+}
+
+/// `CUDA_ARRAY_DESCRIPTOR`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ArrayDesc {
+    width: usize,
+    height: usize,
+    format: c_uint,
+    channels: c_uint,
+}
+
+/// Bytes per channel of a `CUarray_format`.
+fn format_bytes(format: c_uint) -> CuResult<usize> {
+    Ok(match format {
+        0x01 | 0x08 => 1,
+        0x02 | 0x09 | 0x10 => 2,
+        0x03 | 0x0a | 0x20 => 4,
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    })
+}
+
+/// Arrays own device memory but no address: they are charged and tracked by handle.
+fn array_create(out: *mut Handle, bytes: usize) -> CuResult {
+    if bytes == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let d = driver()?;
+    let device = d.lock().current_device()?;
+    charge(d, device, bytes as u64)?;
+    let h = d.lock().new_id();
+    vmm_handles().lock().unwrap_or_else(|e| e.into_inner()).insert(h, (device, bytes as u64));
+    put(out, handle(h))
+}
+
+fn array_bytes(w: usize, h: usize, depth: usize, format: c_uint, channels: c_uint) -> CuResult<usize> {
+    if ![1, 2, 4].contains(&channels) || w == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(w * h.max(1) * depth.max(1) * format_bytes(format)? * channels as usize)
+}
+
+entry!(fn cuArrayCreate_v2(out: *mut Handle, desc: *const ArrayDesc) {
+    let d = get(desc)?;
+    array_create(out, array_bytes(d.width, d.height, 1, d.format, d.channels)?)
+});
+
+entry!(fn cuArray3DCreate_v2(out: *mut Handle, desc: *const Array3DDesc) {
+    let d = get(desc)?;
+    array_create(out, array_bytes(d.width, d.height, d.depth, d.format, d.channels)?)
+});
+
+entry!(fn cuMipmappedArrayCreate(out: *mut Handle, desc: *const Array3DDesc, levels: c_uint) {
+    let d = get(desc)?;
+    let mut total = 0;
+    let (mut w, mut h, mut z) = (d.width, d.height, d.depth);
+    for _ in 0..levels.max(1) {
+        total += array_bytes(w, h, z, d.format, d.channels)?;
+        (w, h, z) = ((w / 2).max(1), (h / 2).max(1), (z / 2).max(1));
+    }
+    array_create(out, total)
+});
+
+entry!(fn cuArrayDestroy(h: Handle) { release_handle(id(h)) });
+entry!(fn cuMipmappedArrayDestroy(h: Handle) { release_handle(id(h)) });

@@ -1,0 +1,98 @@
+//! `cuGetProcAddress` / `_v2`: the CUDA 11.3+ runtime and NVIDIA's Python bindings find every
+//! driver function through it, asking for a base name and the ABI version they were built for.
+//! The version table comes from the real headers (`gpushare-cuda-abi`); the functions from the
+//! build-generated list of our own exports, never from `dlsym` (a preloaded hook may override it).
+
+use crate::ffi::*;
+use gpushare_cuda_abi::{Resolution, resolve};
+use std::ffi::{c_char, c_int, c_void};
+
+/// An exported function's address; only ever read.
+pub struct Export(pub *const c_void);
+// SAFETY: the pointers are addresses of functions in this library, immutable for its lifetime.
+unsafe impl Sync for Export {}
+
+include!(concat!(env!("OUT_DIR"), "/exports.rs"));
+
+/// Our implementation of the real driver symbol `symbol`, if we have one.
+pub fn export(symbol: &str) -> Option<*const c_void> {
+    EXPORTS.binary_search_by(|(n, _)| (*n).cmp(symbol)).ok().map(|i| EXPORTS[i].1.0)
+}
+
+/// `CUdriverProcAddressQueryResult`.
+const SUCCESS: c_int = 0;
+const SYMBOL_NOT_FOUND: c_int = 1;
+const VERSION_NOT_SUFFICIENT: c_int = 2;
+
+fn get_proc_address(
+    symbol: *const c_char,
+    pfn: *mut *const c_void,
+    version: c_int,
+    flags: u64,
+    status: *mut c_int,
+) -> CuResult {
+    let name = c_str(symbol)?.to_str().map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+    if pfn.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let (found, st) = match resolve(name, version, flags) {
+        Resolution::Found(sym) => match export(sym) {
+            Some(p) => (Some(p), SUCCESS),
+            None => (None, SYMBOL_NOT_FOUND),
+        },
+        Resolution::VersionNotSufficient => (None, VERSION_NOT_SUFFICIENT),
+        Resolution::NotFound => (None, SYMBOL_NOT_FOUND),
+    };
+    put(pfn, found.unwrap_or(std::ptr::null()))?;
+    if !status.is_null() {
+        put(status, st)?;
+    }
+    found.map(|_| ()).ok_or(CUDA_ERROR_NOT_FOUND)
+}
+
+entry!(fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *const c_void, version: c_int, flags: u64) {
+    get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut())
+});
+
+entry!(fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *const c_void,
+    version: c_int,
+    flags: u64,
+    status: *mut c_int,
+) {
+    get_proc_address(symbol, pfn, version, flags, status)
+});
+
+// Private export tables of the CUDA runtime: not part of the simulated driver.
+entry!(fn cuGetExportTable(table: *mut *const c_void, _uuid: *const c_void) {
+    if !table.is_null() {
+        put(table, std::ptr::null())?;
+    }
+    Err(CUDA_ERROR_NOT_SUPPORTED)
+});
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_export_is_a_real_driver_symbol() {
+        let real: Vec<&str> = gpushare_cuda_abi::symbols().collect();
+        for (name, _) in EXPORTS {
+            assert!(real.contains(name), "{name} is not a CUDA 12.9 driver symbol");
+        }
+        assert!(EXPORTS.windows(2).all(|w| w[0].0 < w[1].0), "sorted and unique");
+    }
+
+    #[test]
+    fn versions_resolve_to_our_functions() {
+        let find = |n: &str, v: i32, f: u64| resolve(n, v, f).symbol().and_then(export);
+        assert_eq!(find("cuMemAlloc", 3020, 0), export("cuMemAlloc_v2"));
+        assert_eq!(find("cuLaunchKernel", 4000, 0), export("cuLaunchKernel"));
+        assert_eq!(find("cuLaunchKernel", 12000, 2), export("cuLaunchKernel_ptsz"));
+        assert_eq!(find("cuCtxCreate", 12050, 0), export("cuCtxCreate_v4"));
+        assert_eq!(find("cuGetProcAddress", 12000, 0), export("cuGetProcAddress_v2"));
+        assert!(find("cuLaunchKernel", 4000, 0).is_some());
+    }
+}

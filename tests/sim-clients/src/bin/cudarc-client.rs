@@ -1,0 +1,405 @@
+//! `cudarc-client`: a real cudarc 0.19 program (safe API, libcuda loaded with dlopen at first
+//! use) that exercises the CUDA driver. Each subcommand prints one JSON line of results on stdout
+//! and exits non-zero with a message on stderr when a call fails or a result is wrong.
+//!
+//! Run it on the simulated GPU with `gpushare-sim run -- cudarc-client smoke`; it runs unchanged
+//! on a real GPU.
+
+use clap::{Parser, Subcommand};
+use cudarc::driver::sys::{CUevent_flags, CUresult};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    result,
+};
+use cudarc::nvrtc::Ptx;
+use gpushare_sim_clients::ptx::{SPIN_KERNEL, SPIN_PTX, TOUCH_KERNEL};
+use serde_json::{Value, json};
+use std::ffi::c_void;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(name = "cudarc-client", about = "cudarc driver-API client for the simulated GPU")]
+struct Cli {
+    /// CUDA device ordinal to use.
+    #[arg(long, default_value_t = 0, global = true)]
+    device: usize,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Context, streams, allocation, copies, memset, PTX module, launches, events, stream waits.
+    Smoke,
+    /// Launch KERNELS spin kernels of MS each on one stream; print the wall time.
+    Spin {
+        /// Device time of each kernel, in milliseconds.
+        #[arg(long)]
+        ms_per_kernel: f64,
+        /// Number of kernels.
+        #[arg(long)]
+        kernels: u64,
+        /// Synchronise the stream after every K kernels (default: only at the end).
+        #[arg(long, value_name = "K")]
+        sync_every: Option<u64>,
+    },
+    /// Allocating more than the device has fails with CUDA_ERROR_OUT_OF_MEMORY; 1 MiB then works.
+    Oom {
+        /// Also fill the device in quarters: four succeed, a fifth fails, freeing one makes room.
+        #[arg(long)]
+        fill: bool,
+    },
+    /// Host time per cuLaunchKernel of a 1 µs spin kernel, launched back to back.
+    LaunchLatency {
+        /// Number of timed launches.
+        #[arg(long, default_value_t = 20_000)]
+        n: u64,
+    },
+}
+
+/// A failure, with the call or check that failed.
+struct Failure(String);
+
+type Res<T> = Result<T, Failure>;
+
+trait At<T> {
+    /// Name the driver call that produced this result.
+    fn at(self, what: &str) -> Res<T>;
+}
+
+impl<T> At<T> for Result<T, DriverError> {
+    fn at(self, what: &str) -> Res<T> {
+        self.map_err(|e| Failure(format!("{what}: {}", error_name(&e))))
+    }
+}
+
+fn error_name(e: &DriverError) -> String {
+    match e.error_name() {
+        Ok(name) => format!("{} ({:?} = {})", name.to_string_lossy(), e.0, e.0 as i32),
+        Err(_) => format!("{:?} = {} (cuGetErrorName failed)", e.0, e.0 as i32),
+    }
+}
+
+fn check(ok: bool, what: impl FnOnce() -> String) -> Res<()> {
+    if ok { Ok(()) } else { Err(Failure(what())) }
+}
+
+const ONE_THREAD: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (1, 1, 1),
+    shared_mem_bytes: 0,
+};
+
+fn timing_event_flags() -> Option<CUevent_flags> {
+    Some(CUevent_flags::CU_EVENT_DEFAULT)
+}
+
+/// Load the PTX module and its two functions.
+fn load(ctx: &Arc<CudaContext>) -> Res<(Arc<CudaModule>, CudaFunction, CudaFunction)> {
+    let module = ctx
+        .load_module(Ptx::from_src(SPIN_PTX))
+        .at("cuModuleLoadData (gpushare_spin.ptx)")?;
+    let spin = module
+        .load_function(SPIN_KERNEL)
+        .at("cuModuleGetFunction(gpushare_spin)")?;
+    let touch = module.load_function(TOUCH_KERNEL).at("cuModuleGetFunction(touch)")?;
+    Ok((module, spin, touch))
+}
+
+/// Launch `gpushare_spin(ns)` with one thread on `stream`.
+fn spin(stream: &CudaStream, f: &CudaFunction, ns: u64) -> Res<()> {
+    let mut b = stream.launch_builder(f);
+    b.arg(&ns);
+    // SAFETY: gpushare_spin takes exactly one u64 parameter and touches no memory.
+    unsafe { b.launch(ONE_THREAD) }.at("cuLaunchKernel(gpushare_spin)")?;
+    Ok(())
+}
+
+/// Device time between two timing events recorded around `work` on `stream`, in ms.
+fn timed(stream: &Arc<CudaStream>, what: &str, work: impl FnOnce() -> Res<()>) -> Res<f32> {
+    let start = stream
+        .record_event(timing_event_flags())
+        .at(&format!("cuEventRecord (start of {what})"))?;
+    work()?;
+    let end = stream
+        .record_event(timing_event_flags())
+        .at(&format!("cuEventRecord (end of {what})"))?;
+    start
+        .elapsed_ms(&end)
+        .at(&format!("cuEventElapsedTime ({what})"))
+}
+
+fn smoke(device: usize) -> Res<Value> {
+    let ctx = CudaContext::new(device).at("CudaContext::new")?;
+    let device_count = CudaContext::device_count().at("cuDeviceGetCount")?;
+    let name = ctx.name().at("cuDeviceGetName")?;
+    let total_mem = ctx.total_mem().at("cuDeviceTotalMem")?;
+    let (cc_major, cc_minor) = ctx.compute_capability().at("cuDeviceGetAttribute(compute capability)")?;
+    let (free, total) = ctx.mem_get_info().at("cuMemGetInfo")?;
+    check(total as u64 == total_mem as u64 && free <= total, || {
+        format!("cuMemGetInfo: free {free} total {total}, but cuDeviceTotalMem says {total_mem}")
+    })?;
+
+    let stream = ctx.new_stream().at("cuStreamCreate")?;
+
+    // Copies round-trip.
+    const N: usize = 1 << 20;
+    let host: Vec<u32> = (0..N as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ 0x5555).collect();
+    // SAFETY: the buffer is written before it is read.
+    let mut buf = unsafe { stream.alloc::<u32>(N) }.at("cuMemAlloc (4 MiB)")?;
+    stream.memcpy_htod(&host, &mut buf).at("cuMemcpyHtoDAsync (4 MiB)")?;
+    let back = stream.clone_dtoh(&buf).at("cuMemcpyDtoHAsync (4 MiB)")?;
+    check(back == host, || {
+        let i = back.iter().zip(&host).position(|(a, b)| a != b);
+        format!("HtoD/DtoH round trip differs (first difference at index {i:?})")
+    })?;
+    let copy = stream.clone_dtod(&buf).at("cuMemcpyDtoDAsync (4 MiB)")?;
+    let back = stream.clone_dtoh(&copy).at("cuMemcpyDtoHAsync (DtoD copy)")?;
+    check(back == host, || "DtoD copy differs from the source".into())?;
+    stream.memset_zeros(&mut buf).at("cuMemsetD8Async")?;
+    let zeros = stream.clone_dtoh(&buf).at("cuMemcpyDtoHAsync (after memset)")?;
+    check(zeros.iter().all(|&v| v == 0), || {
+        format!("memset_zeros left {} non-zero words", zeros.iter().filter(|&&v| v != 0).count())
+    })?;
+    let (free_after, _) = ctx.mem_get_info().at("cuMemGetInfo (after alloc)")?;
+    check(free_after + 2 * N * 4 <= free, || {
+        format!("two 4 MiB buffers allocated, but free memory went from {free} to {free_after}")
+    })?;
+
+    // Module, functions, a missing function.
+    let (module, spin_f, touch_f) = load(&ctx)?;
+    let missing = match module.load_function("no_such_kernel") {
+        Err(DriverError(CUresult::CUDA_ERROR_NOT_FOUND)) => "CUDA_ERROR_NOT_FOUND".to_string(),
+        Err(e) => {
+            return Err(Failure(format!(
+                "cuModuleGetFunction(no_such_kernel): expected CUDA_ERROR_NOT_FOUND, got {}",
+                error_name(&e)
+            )));
+        }
+        Ok(_) => return Err(Failure("cuModuleGetFunction(no_such_kernel) succeeded".into())),
+    };
+
+    // A 2 ms spin timed with events.
+    let spin_ms = timed(&stream, "2 ms spin", || spin(&stream, &spin_f, 2_000_000))?;
+
+    // The two-parameter kernel on the created stream.
+    let mut b = stream.launch_builder(&touch_f);
+    let n = N as u32;
+    b.arg(&mut buf).arg(&n);
+    // SAFETY: touch(ptr, n) writes n u32 values into buf, which holds N of them.
+    unsafe { b.launch(LaunchConfig::for_num_elems(n)) }.at("cuLaunchKernel(touch)")?;
+    stream.synchronize().at("cuStreamSynchronize")?;
+
+    // The legacy default stream and the per-thread default stream.
+    let default = ctx.default_stream();
+    let default_ms = timed(&default, "spin on the default stream", || {
+        spin(&default, &spin_f, 500_000)
+    })?;
+    default.synchronize().at("cuStreamSynchronize (default stream)")?;
+    let per_thread = ctx.per_thread_stream();
+    let per_thread_ms = timed(&per_thread, "spin on the per-thread stream", || {
+        spin(&per_thread, &spin_f, 500_000)
+    })?;
+    per_thread.synchronize().at("cuStreamSynchronize (per-thread stream)")?;
+
+    // Cross-stream ordering: 1 ms on `stream`; s2 waits for it and runs 0.5 ms; `stream` joins
+    // s2 and runs 0.25 ms. Measured on `stream`, the whole chain takes 1.75 ms.
+    let s2 = ctx.new_stream().at("cuStreamCreate (second stream)")?;
+    let cross_stream_ms = timed(&stream, "cross-stream chain", || {
+        spin(&stream, &spin_f, 1_000_000)?;
+        let ev = stream.record_event(None).at("cuEventRecord (stream -> s2)")?;
+        s2.wait(&ev).at("cuStreamWaitEvent (s2 waits on stream)")?;
+        spin(&s2, &spin_f, 500_000)?;
+        stream.join(&s2).at("cuStreamWaitEvent (stream joins s2)")?;
+        spin(&stream, &spin_f, 250_000)
+    })?;
+    ctx.synchronize().at("cuCtxSynchronize")?;
+
+    Ok(json!({
+        "pid": std::process::id(),
+        "device": device,
+        "device_count": device_count,
+        "name": name,
+        "compute_capability": [cc_major, cc_minor],
+        "total_mem": total_mem,
+        "mem_free": free,
+        "mem_total": total,
+        "round_trip_bytes": N * 4,
+        "missing_function": missing,
+        "spin_ms": spin_ms,
+        "default_stream_ms": default_ms,
+        "per_thread_stream_ms": per_thread_ms,
+        "cross_stream_ms": cross_stream_ms,
+    }))
+}
+
+fn spin_cmd(device: usize, ms_per_kernel: f64, kernels: u64, sync_every: Option<u64>) -> Res<Value> {
+    check(ms_per_kernel >= 0.0 && ms_per_kernel.is_finite(), || {
+        format!("--ms-per-kernel {ms_per_kernel} must be a non-negative number")
+    })?;
+    check(sync_every != Some(0), || "--sync-every must be at least 1".into())?;
+    let ns = (ms_per_kernel * 1e6).round() as u64;
+    let ctx = CudaContext::new(device).at("CudaContext::new")?;
+    let stream = ctx.new_stream().at("cuStreamCreate")?;
+    let (_module, spin_f, _) = load(&ctx)?;
+    let wall = Instant::now();
+    let device_ms = timed(&stream, "spin kernels", || {
+        for i in 1..=kernels {
+            spin(&stream, &spin_f, ns)?;
+            if sync_every.is_some_and(|k| i % k == 0) {
+                stream.synchronize().at("cuStreamSynchronize")?;
+            }
+        }
+        Ok(())
+    })?;
+    stream.synchronize().at("cuStreamSynchronize")?;
+    let wall_ms = wall.elapsed().as_secs_f64() * 1e3;
+    Ok(json!({
+        "pid": std::process::id(),
+        "device": device,
+        "kernels": kernels,
+        "ms_per_kernel": ms_per_kernel,
+        "sync_every": sync_every,
+        "wall_ms": wall_ms,
+        "device_ms": device_ms,
+    }))
+}
+
+fn oom(device: usize, fill: bool) -> Res<Value> {
+    let ctx = CudaContext::new(device).at("CudaContext::new")?;
+    let stream = ctx.default_stream();
+    let total = ctx.total_mem().at("cuDeviceTotalMem")?;
+    // SAFETY: never read; this allocation must fail.
+    match unsafe { stream.alloc::<u8>(total + 1) } {
+        Err(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {}
+        Err(e) => {
+            return Err(Failure(format!(
+                "cuMemAlloc(total + 1 = {} bytes): expected CUDA_ERROR_OUT_OF_MEMORY, got {}",
+                total + 1,
+                error_name(&e)
+            )));
+        }
+        Ok(_) => {
+            return Err(Failure(format!(
+                "cuMemAlloc(total + 1 = {} bytes) succeeded on a {total}-byte device",
+                total + 1
+            )));
+        }
+    }
+    // SAFETY: never read.
+    let small = unsafe { stream.alloc::<u8>(1 << 20) }.at("cuMemAlloc (1 MiB after OOM)")?;
+    drop(small);
+
+    let mut quarters_allocated = None;
+    let mut realloc_after_free = None;
+    if fill {
+        let quarter = total / 4;
+        let mut held = Vec::new();
+        let mut first_error = None;
+        for _ in 0..5 {
+            // SAFETY: never read.
+            match unsafe { stream.alloc::<u8>(quarter) } {
+                Ok(b) => held.push(b),
+                Err(e) => {
+                    first_error = Some(e);
+                    break;
+                }
+            }
+        }
+        check(held.len() == 4, || {
+            format!("filling the device with {quarter}-byte quarters: {} succeeded, expected 4", held.len())
+        })?;
+        check(first_error == Some(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)), || {
+            format!(
+                "the fifth quarter should fail with CUDA_ERROR_OUT_OF_MEMORY, got {:?}",
+                first_error.as_ref().map(error_name)
+            )
+        })?;
+        let (free, _) = ctx.mem_get_info().at("cuMemGetInfo (device full)")?;
+        check(free < quarter, || format!("device full but cuMemGetInfo reports {free} bytes free"))?;
+        held.pop();
+        // SAFETY: never read.
+        let again = unsafe { stream.alloc::<u8>(quarter) }.at("cuMemAlloc (a quarter after freeing one)")?;
+        held.push(again);
+        quarters_allocated = Some(4);
+        realloc_after_free = Some(true);
+    }
+    Ok(json!({
+        "pid": std::process::id(),
+        "device": device,
+        "total": total,
+        "oom": "CUDA_ERROR_OUT_OF_MEMORY",
+        "small_alloc_after_oom": true,
+        "quarters_allocated": quarters_allocated,
+        "realloc_after_free": realloc_after_free,
+    }))
+}
+
+fn launch_latency(device: usize, n: u64) -> Res<Value> {
+    check(n > 0, || "--n must be at least 1".into())?;
+    const KERNEL_NS: u64 = 1_000;
+    let ctx = CudaContext::new(device).at("CudaContext::new")?;
+    let stream = ctx.new_stream().at("cuStreamCreate")?;
+    let (_module, spin_f, _) = load(&ctx)?;
+    for _ in 0..100 {
+        spin(&stream, &spin_f, KERNEL_NS)?;
+    }
+    stream.synchronize().at("cuStreamSynchronize (warm-up)")?;
+
+    // Raw cuLaunchKernel, as a framework calling the driver directly would.
+    let f = spin_f.cu_function();
+    let s = stream.cu_stream();
+    let mut arg = KERNEL_NS;
+    let t = Instant::now();
+    for _ in 0..n {
+        let mut params = [&mut arg as *mut u64 as *mut c_void];
+        // SAFETY: gpushare_spin takes one u64; `arg` outlives the call (params are copied).
+        unsafe { result::launch_kernel(f, (1, 1, 1), (1, 1, 1), 0, s, &mut params) }
+            .at("cuLaunchKernel")?;
+    }
+    let raw_ns = t.elapsed().as_nanos() as f64 / n as f64;
+    stream.synchronize().at("cuStreamSynchronize")?;
+
+    // Through cudarc's launch builder (adds a cuCtxGetCurrent per launch).
+    let t = Instant::now();
+    for _ in 0..n {
+        spin(&stream, &spin_f, KERNEL_NS)?;
+    }
+    let builder_ns = t.elapsed().as_nanos() as f64 / n as f64;
+    let t = Instant::now();
+    stream.synchronize().at("cuStreamSynchronize")?;
+    let drain_ms = t.elapsed().as_secs_f64() * 1e3;
+    Ok(json!({
+        "pid": std::process::id(),
+        "device": device,
+        "n": n,
+        "kernel_ns": KERNEL_NS,
+        "ns_per_launch": raw_ns,
+        "ns_per_launch_builder": builder_ns,
+        "final_sync_ms": drain_ms,
+    }))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let (name, result) = match cli.cmd {
+        Cmd::Smoke => ("smoke", smoke(cli.device)),
+        Cmd::Spin { ms_per_kernel, kernels, sync_every } => {
+            ("spin", spin_cmd(cli.device, ms_per_kernel, kernels, sync_every))
+        }
+        Cmd::Oom { fill } => ("oom", oom(cli.device, fill)),
+        Cmd::LaunchLatency { n } => ("launch-latency", launch_latency(cli.device, n)),
+    };
+    match result {
+        Ok(v) => {
+            println!("{v}");
+            ExitCode::SUCCESS
+        }
+        Err(Failure(msg)) => {
+            eprintln!("cudarc-client {name}: FAILED: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
