@@ -11,7 +11,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 #[derive(Parser)]
-#[command(name = "gpushare-sim", version, about = "Simulated NVIDIA GPUs shared by every process of a command")]
+#[command(
+    name = "gpushare-sim",
+    version,
+    about = "Simulated NVIDIA GPUs shared by every process of a command"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -128,8 +132,15 @@ fn prepare(device: &DeviceArgs) -> anyhow::Result<(RunDir, Server)> {
     if model.timeslice_ns == 0 {
         bail!("--timeslice must be greater than zero");
     }
-    let socket = device.socket.clone().unwrap_or_else(|| dir.join("device.sock"));
-    let server = Server::start(ServerConfig { model, socket, trace: device.trace.clone() })?;
+    let socket = device
+        .socket
+        .clone()
+        .unwrap_or_else(|| dir.join("device.sock"));
+    let server = Server::start(ServerConfig {
+        model,
+        socket,
+        trace: device.trace.clone(),
+    })?;
     Ok((run_dir, server))
 }
 
@@ -178,7 +189,11 @@ fn serve(device: DeviceArgs) -> anyhow::Result<ExitCode> {
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
     let (dir, server) = prepare(&device)?;
-    println!("{}={}", gpushare_sim_wire::SOCKET_ENV, server.socket().display());
+    println!(
+        "{}={}",
+        gpushare_sim_wire::SOCKET_ENV,
+        server.socket().display()
+    );
     println!("LD_LIBRARY_PATH={}", dir.0.display());
     let mut sig: libc::c_int = 0;
     // SAFETY: `set` is initialised above and `sig` is a valid out-pointer.

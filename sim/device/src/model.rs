@@ -67,10 +67,15 @@ pub struct TraceRecord {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Work {
-    Kernel { name: Arc<str>, remaining_ns: u64 },
+    Kernel {
+        name: Arc<str>,
+        remaining_ns: u64,
+    },
     Marker,
     /// `notified` once the client has been asked to run it.
-    HostFunc { notified: bool },
+    HostFunc {
+        notified: bool,
+    },
 }
 
 #[derive(Debug)]
@@ -142,7 +147,10 @@ impl Model {
         let devices = cfg
             .device_memory
             .iter()
-            .map(|&mem_total| Device { mem_total, ..Device::default() })
+            .map(|&mem_total| Device {
+                mem_total,
+                ..Device::default()
+            })
             .collect();
         Model {
             cfg,
@@ -187,7 +195,13 @@ impl Model {
             return false;
         };
         dev.ctxs.push(key);
-        self.ctxs.insert(key, Context { device, streams: Vec::new() });
+        self.ctxs.insert(
+            key,
+            Context {
+                device,
+                streams: Vec::new(),
+            },
+        );
         true
     }
 
@@ -280,7 +294,11 @@ impl Model {
                 return ns;
             }
         }
-        self.cfg.kernel_ns.get(name).copied().unwrap_or(self.cfg.default_kernel_ns)
+        self.cfg
+            .kernel_ns
+            .get(name)
+            .copied()
+            .unwrap_or(self.cfg.default_kernel_ns)
     }
 
     pub fn submit(
@@ -306,7 +324,10 @@ impl Model {
             Op::HostFunc => Work::HostFunc { notified: false },
         };
         let conn = stream.0;
-        let s = self.streams.get_mut(&stream).ok_or(SubmitError::UnknownStream)?;
+        let s = self
+            .streams
+            .get_mut(&stream)
+            .ok_or(SubmitError::UnknownStream)?;
         s.queue.push_back(QueuedOp {
             seq,
             submit_ns: now,
@@ -442,8 +463,10 @@ impl Model {
                     continue;
                 }
                 if ready <= now {
-                    if let Some(QueuedOp { work: Work::HostFunc { notified }, .. }) =
-                        s.queue.front_mut()
+                    if let Some(QueuedOp {
+                        work: Work::HostFunc { notified },
+                        ..
+                    }) = s.queue.front_mut()
                     {
                         *notified = true;
                     }
@@ -464,9 +487,14 @@ impl Model {
             let cap = if preempt { dev.slice_end } else { u64::MAX };
             let cursor = dev.cursor;
             if cursor < cap {
-                let s = self.streams.get_mut(&run.stream).expect("running stream exists");
-                let Some(QueuedOp { work: Work::Kernel { remaining_ns, .. }, .. }) =
-                    s.queue.front_mut()
+                let s = self
+                    .streams
+                    .get_mut(&run.stream)
+                    .expect("running stream exists");
+                let Some(QueuedOp {
+                    work: Work::Kernel { remaining_ns, .. },
+                    ..
+                }) = s.queue.front_mut()
                 else {
                     unreachable!("running stream's head is a kernel")
                 };
@@ -483,7 +511,9 @@ impl Model {
             if cursor > now {
                 return false;
             }
-            let active = self.devices[d].active.expect("running implies an active context");
+            let active = self.devices[d]
+                .active
+                .expect("running implies an active context");
             if self.other_ready_context(d, active, cursor).is_none() {
                 self.devices[d].slice_end = cursor + self.cfg.timeslice_ns;
                 return true;
@@ -497,7 +527,10 @@ impl Model {
             && cursor < dev.slice_end
             && let Some(stream) = self.ready_kernel(active, cursor)
         {
-            self.devices[d].running = Some(Running { stream, seg_start: cursor });
+            self.devices[d].running = Some(Running {
+                stream,
+                seg_start: cursor,
+            });
             return true;
         }
         if cursor > now {
@@ -531,8 +564,13 @@ impl Model {
         dev.last_ctx = Some(next);
         dev.slice_end = dev.cursor + slice;
         let at = dev.cursor;
-        let stream = self.ready_kernel(next, cursor).expect("chosen context has a ready kernel");
-        self.devices[d].running = Some(Running { stream, seg_start: at });
+        let stream = self
+            .ready_kernel(next, cursor)
+            .expect("chosen context has a ready kernel");
+        self.devices[d].running = Some(Running {
+            stream,
+            seg_start: at,
+        });
         true
     }
 
@@ -540,7 +578,8 @@ impl Model {
     fn other_ready_context(&self, d: usize, after: Key, at: u64) -> Option<Key> {
         let ctxs = &self.devices[d].ctxs;
         let start = ctxs.iter().position(|k| *k == after).map_or(0, |i| i + 1);
-        self.other_ready_context_from(d, start, at).filter(|k| *k != after)
+        self.other_ready_context_from(d, start, at)
+            .filter(|k| *k != after)
     }
 
     fn other_ready_context_from(&self, d: usize, start: usize, at: u64) -> Option<Key> {
@@ -555,7 +594,10 @@ impl Model {
         let dev = &mut self.devices[d];
         let run = dev.running.take().expect("a kernel is running");
         let end = dev.cursor;
-        let s = self.streams.get_mut(&run.stream).expect("running stream exists");
+        let s = self
+            .streams
+            .get_mut(&run.stream)
+            .expect("running stream exists");
         let kernel = match s.queue.front().map(|o| &o.work) {
             Some(Work::Kernel { name, .. }) => name.clone(),
             _ => unreachable!("running stream's head is a kernel"),
@@ -592,8 +634,10 @@ impl Model {
             }
         }
         for (&key, s) in &self.streams {
-            if matches!(s.queue.front().map(|o| &o.work), Some(Work::HostFunc { notified: false }))
-                && let Some(r) = self.head_ready(key)
+            if matches!(
+                s.queue.front().map(|o| &o.work),
+                Some(Work::HostFunc { notified: false })
+            ) && let Some(r) = self.head_ready(key)
             {
                 consider(r);
             }

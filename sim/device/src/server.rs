@@ -15,7 +15,10 @@ use std::time::Duration;
 
 /// CLOCK_MONOTONIC in nanoseconds: the device's and the trace's time base.
 pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -62,7 +65,10 @@ impl Server {
     pub fn start(cfg: ServerConfig) -> anyhow::Result<Server> {
         let _ = std::fs::remove_file(&cfg.socket);
         let listener = UnixListener::bind(&cfg.socket).map_err(|e| {
-            anyhow::anyhow!("cannot listen on {}: {e}; pick another --socket path", cfg.socket.display())
+            anyhow::anyhow!(
+                "cannot listen on {}: {e}; pick another --socket path",
+                cfg.socket.display()
+            )
         })?;
         let trace = match &cfg.trace {
             Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| {
@@ -91,7 +97,11 @@ impl Server {
         let clock = std::thread::Builder::new()
             .name("sim-clock".into())
             .spawn(move || clock_loop(s))?;
-        Ok(Server { shared, socket: cfg.socket, clock: Some(clock) })
+        Ok(Server {
+            shared,
+            socket: cfg.socket,
+            clock: Some(clock),
+        })
     }
 
     pub fn socket(&self) -> &Path {
@@ -146,7 +156,9 @@ fn device_infos(memory: &[u64]) -> Vec<DeviceInfo> {
 fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
-        let Ok(writer) = stream.try_clone() else { continue };
+        let Ok(writer) = stream.try_clone() else {
+            continue;
+        };
         let conn = {
             let mut st = lock(&shared);
             if st.stopping {
@@ -199,7 +211,14 @@ fn client_loop(conn: ConnId, mut stream: UnixStream, shared: Arc<Shared>) {
     deliver(&shared, out);
 }
 
-fn handle(st: &mut State, devices: &[DeviceInfo], conn: ConnId, req: Request, now: u64, out: &mut Outbox) {
+fn handle(
+    st: &mut State,
+    devices: &[DeviceInfo],
+    conn: ConnId,
+    req: Request,
+    now: u64,
+    out: &mut Outbox,
+) {
     let m = &mut st.model;
     let err = |req: Option<u64>, message: String| (conn, Reply::Error { req, message });
     match req {
@@ -215,7 +234,12 @@ fn handle(st: &mut State, devices: &[DeviceInfo], conn: ConnId, req: Request, no
                 return;
             }
             m.connect(conn, pid);
-            out.push((conn, Reply::Hello { devices: devices.to_vec() }));
+            out.push((
+                conn,
+                Reply::Hello {
+                    devices: devices.to_vec(),
+                },
+            ));
         }
         Request::CreateContext { ctx, device } => {
             if !m.create_context((conn, ctx), device) {
@@ -223,14 +247,28 @@ fn handle(st: &mut State, devices: &[DeviceInfo], conn: ConnId, req: Request, no
             }
         }
         Request::DestroyContext { ctx } => m.destroy_context((conn, ctx), now),
-        Request::CreateStream { stream, ctx, priority } => {
+        Request::CreateStream {
+            stream,
+            ctx,
+            priority,
+        } => {
             if !m.create_stream((conn, stream), (conn, ctx), priority) {
-                out.push(err(None, format!("stream {stream} names unknown context {ctx}")));
+                out.push(err(
+                    None,
+                    format!("stream {stream} names unknown context {ctx}"),
+                ));
             }
         }
         Request::DestroyStream { stream } => m.destroy_stream((conn, stream)),
-        Request::RegisterFunction { function, name } => m.register_function((conn, function), &name),
-        Request::Submit { stream, seq, deps, op } => {
+        Request::RegisterFunction { function, name } => {
+            m.register_function((conn, function), &name)
+        }
+        Request::Submit {
+            stream,
+            seq,
+            deps,
+            op,
+        } => {
             if let Err(e) = m.submit(now, (conn, stream), seq, &deps, &op) {
                 let what = match e {
                     SubmitError::UnknownStream => "unknown stream",
@@ -275,7 +313,13 @@ fn pump(st: &mut State, now: u64, out: &mut Outbox) {
     let model = &st.model;
     st.waiters.retain(|w| match waiter_end(model, w) {
         Some(end) if end <= now => {
-            out.push((w.conn, Reply::Done { req: w.req, end_ns: end }));
+            out.push((
+                w.conn,
+                Reply::Done {
+                    req: w.req,
+                    end_ns: end,
+                },
+            ));
             false
         }
         _ => true,
@@ -284,7 +328,9 @@ fn pump(st: &mut State, now: u64, out: &mut Outbox) {
 
 /// When every op a waiter waits for is done, if that is decided yet.
 fn waiter_end(model: &Model, w: &Waiter) -> Option<u64> {
-    w.ops.iter().try_fold(0, |acc, &(s, q)| Some(acc.max(model.completion(s, q)?)))
+    w.ops
+        .iter()
+        .try_fold(0, |acc, &(s, q)| Some(acc.max(model.completion(s, q)?)))
 }
 
 fn write_trace(st: &mut State) {
@@ -339,14 +385,21 @@ fn clock_loop(shared: Arc<Shared>) {
             .filter_map(|w| waiter_end(model, w))
             .filter(|&e| e > now)
             .min();
-        let wake = [model.next_wakeup(now), waiter_wake].into_iter().flatten().min();
+        let wake = [model.next_wakeup(now), waiter_wake]
+            .into_iter()
+            .flatten()
+            .min();
         st = match wake {
             Some(t) => {
                 let d = Duration::from_nanos(t.saturating_sub(now_ns()));
                 if d.is_zero() {
                     continue;
                 }
-                shared.changed.wait_timeout(st, d).unwrap_or_else(|e| e.into_inner()).0
+                shared
+                    .changed
+                    .wait_timeout(st, d)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0
             }
             None => shared.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
         };

@@ -5,7 +5,9 @@
 /// binary as well; `KB`/`MB`/`GB`/`TB` are decimal).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let mult: u64 = match unit.trim() {
         "" | "B" => 1,
@@ -17,9 +19,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,
         "TB" => 1_000_000_000_000,
-        u => return Err(format!("unknown size unit {u:?} in {s:?}; use e.g. 512MiB or 80GiB")),
+        u => {
+            return Err(format!(
+                "unknown size unit {u:?} in {s:?}; use e.g. 512MiB or 80GiB"
+            ));
+        }
     };
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size; use e.g. 512MiB or 80GiB"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size; use e.g. 512MiB or 80GiB"))?;
     if !n.is_finite() || n < 0.0 {
         return Err(format!("{s:?} is not a size; use e.g. 512MiB or 80GiB"));
     }
@@ -29,7 +37,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// Parse a duration into nanoseconds: a number with `ns`, `us`, `µs`, `ms` or `s`.
 pub fn parse_duration_ns(s: &str) -> Result<u64, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
     let mult = match unit {
         "ns" => 1.0,
@@ -37,9 +47,15 @@ pub fn parse_duration_ns(s: &str) -> Result<u64, String> {
         "ms" => 1e6,
         "s" => 1e9,
         "" => return Err(format!("{s:?} needs a unit: ns, us, ms or s (e.g. 1ms)")),
-        u => return Err(format!("unknown duration unit {u:?} in {s:?}; use ns, us, ms or s")),
+        u => {
+            return Err(format!(
+                "unknown duration unit {u:?} in {s:?}; use ns, us, ms or s"
+            ));
+        }
     };
-    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration; use e.g. 1ms or 25us"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration; use e.g. 1ms or 25us"))?;
     if !n.is_finite() || n < 0.0 {
         return Err(format!("{s:?} is not a duration; use e.g. 1ms or 25us"));
     }

@@ -13,169 +13,232 @@ fn create(pctx: *mut Handle, flags: c_uint, dev: CUdevice) -> CuResult {
     put(pctx, handle(ctx))
 }
 
-entry!(fn cuCtxCreate_v2(pctx: *mut Handle, flags: c_uint, dev: CUdevice) { create(pctx, flags, dev) });
-
-entry!(fn cuCtxCreate_v3(
-    pctx: *mut Handle,
-    _params: *mut c_void,
-    _num_params: c_int,
-    flags: c_uint,
-    dev: CUdevice,
-) {
-    create(pctx, flags, dev)
-});
-
-entry!(fn cuCtxCreate_v4(pctx: *mut Handle, _params: *mut c_void, flags: c_uint, dev: CUdevice) {
-    create(pctx, flags, dev)
-});
-
-entry!(fn cuCtxDestroy_v2(ctx: Handle) {
-    let d = driver()?;
-    let tail = d.lock().ctx_tail(id(ctx));
-    // Destroying a context waits for its work, as the real driver does.
-    d.client.wait(tail)?;
-    let mut st = d.lock();
-    if st.primary.iter().any(|p| p.ctx == Some(id(ctx))) {
-        return Err(CUDA_ERROR_INVALID_CONTEXT);
+entry!(
+    fn cuCtxCreate_v2(pctx: *mut Handle, flags: c_uint, dev: CUdevice) {
+        create(pctx, flags, dev)
     }
-    st.destroy_context(&d.client, id(ctx))
-});
+);
 
-entry!(fn cuCtxGetCurrent(pctx: *mut Handle) {
-    driver()?;
-    put(pctx, handle(current_ctx().unwrap_or(0)))
-});
-
-entry!(fn cuCtxSetCurrent(ctx: Handle) {
-    let d = driver()?;
-    if ctx.is_null() {
-        state::set_current(None);
-        return Ok(());
+entry!(
+    fn cuCtxCreate_v3(
+        pctx: *mut Handle,
+        _params: *mut c_void,
+        _num_params: c_int,
+        flags: c_uint,
+        dev: CUdevice,
+    ) {
+        create(pctx, flags, dev)
     }
-    if !d.lock().contexts.contains_key(&id(ctx)) {
-        return Err(CUDA_ERROR_INVALID_CONTEXT);
+);
+
+entry!(
+    fn cuCtxCreate_v4(pctx: *mut Handle, _params: *mut c_void, flags: c_uint, dev: CUdevice) {
+        create(pctx, flags, dev)
     }
-    state::set_current(Some(id(ctx)));
-    Ok(())
-});
+);
 
-entry!(fn cuCtxPushCurrent_v2(ctx: Handle) {
-    let d = driver()?;
-    if !d.lock().contexts.contains_key(&id(ctx)) {
-        return Err(CUDA_ERROR_INVALID_CONTEXT);
+entry!(
+    fn cuCtxDestroy_v2(ctx: Handle) {
+        let d = driver()?;
+        let tail = d.lock().ctx_tail(id(ctx));
+        // Destroying a context waits for its work, as the real driver does.
+        d.client.wait(tail)?;
+        let mut st = d.lock();
+        if st.primary.iter().any(|p| p.ctx == Some(id(ctx))) {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        st.destroy_context(&d.client, id(ctx))
     }
-    state::push_current(id(ctx));
-    Ok(())
-});
+);
 
-entry!(fn cuCtxPopCurrent_v2(pctx: *mut Handle) {
-    driver()?;
-    let ctx = state::pop_current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
-    if !pctx.is_null() {
-        put(pctx, handle(ctx))?;
+entry!(
+    fn cuCtxGetCurrent(pctx: *mut Handle) {
+        driver()?;
+        put(pctx, handle(current_ctx().unwrap_or(0)))
     }
-    Ok(())
-});
+);
 
-entry!(fn cuCtxGetDevice(dev: *mut CUdevice) {
-    with_state(|_, st| put(dev, st.current_device()? as CUdevice))
-});
-
-entry!(fn cuCtxGetFlags(flags: *mut c_uint) {
-    with_state(|_, st| {
-        let ctx = st.current()?;
-        put(flags, st.contexts[&ctx].flags)
-    })
-});
-
-entry!(fn cuCtxSetFlags(flags: c_uint) {
-    with_state(|_, st| {
-        let ctx = st.current()?;
-        st.contexts.get_mut(&ctx).expect("current context exists").flags = flags;
+entry!(
+    fn cuCtxSetCurrent(ctx: Handle) {
+        let d = driver()?;
+        if ctx.is_null() {
+            state::set_current(None);
+            return Ok(());
+        }
+        if !d.lock().contexts.contains_key(&id(ctx)) {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        state::set_current(Some(id(ctx)));
         Ok(())
-    })
-});
+    }
+);
 
-entry!(fn cuCtxGetApiVersion(ctx: Handle, version: *mut c_uint) {
-    with_state(|_, st| {
-        let c = if ctx.is_null() { st.current()? } else { id(ctx) };
-        if !st.contexts.contains_key(&c) {
+entry!(
+    fn cuCtxPushCurrent_v2(ctx: Handle) {
+        let d = driver()?;
+        if !d.lock().contexts.contains_key(&id(ctx)) {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
-        put(version, 12090)
-    })
-});
+        state::push_current(id(ctx));
+        Ok(())
+    }
+);
 
-entry!(fn cuCtxGetId(ctx: Handle, out: *mut u64) {
-    with_state(|_, st| {
-        let c = if ctx.is_null() { st.current()? } else { id(ctx) };
-        if !st.contexts.contains_key(&c) {
-            return Err(CUDA_ERROR_INVALID_CONTEXT);
+entry!(
+    fn cuCtxPopCurrent_v2(pctx: *mut Handle) {
+        driver()?;
+        let ctx = state::pop_current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        if !pctx.is_null() {
+            put(pctx, handle(ctx))?;
         }
-        put(out, c)
-    })
-});
-
-entry!(fn cuCtxSynchronize() {
-    let d = driver()?;
-    let tail = {
-        let st = d.lock();
-        st.ctx_tail(st.current()?)
-    };
-    d.client.wait(tail).map(|_| ())
-});
-
-entry!(fn cuCtxGetStreamPriorityRange(least: *mut c_int, greatest: *mut c_int) {
-    driver()?;
-    if !least.is_null() {
-        put(least, 0)?;
+        Ok(())
     }
-    if !greatest.is_null() {
-        put(greatest, -5)?;
+);
+
+entry!(
+    fn cuCtxGetDevice(dev: *mut CUdevice) {
+        with_state(|_, st| put(dev, st.current_device()? as CUdevice))
     }
-    Ok(())
-});
+);
+
+entry!(
+    fn cuCtxGetFlags(flags: *mut c_uint) {
+        with_state(|_, st| {
+            let ctx = st.current()?;
+            put(flags, st.contexts[&ctx].flags)
+        })
+    }
+);
+
+entry!(
+    fn cuCtxSetFlags(flags: c_uint) {
+        with_state(|_, st| {
+            let ctx = st.current()?;
+            st.contexts
+                .get_mut(&ctx)
+                .expect("current context exists")
+                .flags = flags;
+            Ok(())
+        })
+    }
+);
+
+entry!(
+    fn cuCtxGetApiVersion(ctx: Handle, version: *mut c_uint) {
+        with_state(|_, st| {
+            let c = if ctx.is_null() {
+                st.current()?
+            } else {
+                id(ctx)
+            };
+            if !st.contexts.contains_key(&c) {
+                return Err(CUDA_ERROR_INVALID_CONTEXT);
+            }
+            put(version, 12090)
+        })
+    }
+);
+
+entry!(
+    fn cuCtxGetId(ctx: Handle, out: *mut u64) {
+        with_state(|_, st| {
+            let c = if ctx.is_null() {
+                st.current()?
+            } else {
+                id(ctx)
+            };
+            if !st.contexts.contains_key(&c) {
+                return Err(CUDA_ERROR_INVALID_CONTEXT);
+            }
+            put(out, c)
+        })
+    }
+);
+
+entry!(
+    fn cuCtxSynchronize() {
+        let d = driver()?;
+        let tail = {
+            let st = d.lock();
+            st.ctx_tail(st.current()?)
+        };
+        d.client.wait(tail).map(|_| ())
+    }
+);
+
+entry!(
+    fn cuCtxGetStreamPriorityRange(least: *mut c_int, greatest: *mut c_int) {
+        driver()?;
+        if !least.is_null() {
+            put(least, 0)?;
+        }
+        if !greatest.is_null() {
+            put(greatest, -5)?;
+        }
+        Ok(())
+    }
+);
 
 // Limits the simulated device accepts and remembers nothing about (stack size, printf FIFO…).
-entry!(fn cuCtxGetLimit(value: *mut usize, limit: c_int) {
-    with_state(|_, st| st.current().map(|_| ()))?;
-    let v = match limit {
-        0 => 1024,      // stack size
-        1 => 1 << 20,   // printf FIFO
-        2 => 8 << 20,   // malloc heap
-        3 => 2,         // device runtime sync depth
-        4 => 2048,      // pending launch count
-        5 => 32,        // max L2 fetch granularity
-        6 => 0,         // persisting L2 cache size
-        _ => return Err(CUDA_ERROR_UNSUPPORTED_LIMIT),
-    };
-    put(value, v)
-});
+entry!(
+    fn cuCtxGetLimit(value: *mut usize, limit: c_int) {
+        with_state(|_, st| st.current().map(|_| ()))?;
+        let v = match limit {
+            0 => 1024,    // stack size
+            1 => 1 << 20, // printf FIFO
+            2 => 8 << 20, // malloc heap
+            3 => 2,       // device runtime sync depth
+            4 => 2048,    // pending launch count
+            5 => 32,      // max L2 fetch granularity
+            6 => 0,       // persisting L2 cache size
+            _ => return Err(CUDA_ERROR_UNSUPPORTED_LIMIT),
+        };
+        put(value, v)
+    }
+);
 
-entry!(fn cuCtxSetLimit(limit: c_int, _value: usize) {
-    with_state(|_, st| st.current().map(|_| ()))?;
-    if (0..=6).contains(&limit) { Ok(()) } else { Err(CUDA_ERROR_UNSUPPORTED_LIMIT) }
-});
+entry!(
+    fn cuCtxSetLimit(limit: c_int, _value: usize) {
+        with_state(|_, st| st.current().map(|_| ()))?;
+        if (0..=6).contains(&limit) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_UNSUPPORTED_LIMIT)
+        }
+    }
+);
 
-entry!(fn cuCtxGetCacheConfig(config: *mut c_int) {
-    with_state(|_, st| st.current().map(|_| ()))?;
-    put(config, 0)
-});
+entry!(
+    fn cuCtxGetCacheConfig(config: *mut c_int) {
+        with_state(|_, st| st.current().map(|_| ()))?;
+        put(config, 0)
+    }
+);
 
-entry!(fn cuCtxSetCacheConfig(_config: c_int) { with_state(|_, st| st.current().map(|_| ())) });
+entry!(
+    fn cuCtxSetCacheConfig(_config: c_int) {
+        with_state(|_, st| st.current().map(|_| ()))
+    }
+);
 
-entry!(fn cuDevicePrimaryCtxRetain(pctx: *mut Handle, dev: CUdevice) {
-    let d = driver()?;
-    let device = d.check_device(dev)? as usize;
-    let mut st = d.lock();
-    let p = st.primary[device];
-    let ctx = match p.ctx {
-        Some(c) => c,
-        None => st.create_context(&d.client, device as u32, p.flags)?,
-    };
-    st.primary[device] = Primary { ctx: Some(ctx), refs: p.refs + 1, flags: p.flags };
-    put(pctx, handle(ctx))
-});
+entry!(
+    fn cuDevicePrimaryCtxRetain(pctx: *mut Handle, dev: CUdevice) {
+        let d = driver()?;
+        let device = d.check_device(dev)? as usize;
+        let mut st = d.lock();
+        let p = st.primary[device];
+        let ctx = match p.ctx {
+            Some(c) => c,
+            None => st.create_context(&d.client, device as u32, p.flags)?,
+        };
+        st.primary[device] = Primary {
+            ctx: Some(ctx),
+            refs: p.refs + 1,
+            flags: p.flags,
+        };
+        put(pctx, handle(ctx))
+    }
+);
 
 fn primary_release(dev: CUdevice) -> CuResult {
     let d = driver()?;
@@ -202,21 +265,43 @@ fn primary_reset(dev: CUdevice) -> CuResult {
     d.client.wait(tail)?;
     let mut st = d.lock();
     let flags = st.primary[device].flags;
-    st.primary[device] = Primary { ctx: None, refs: 0, flags };
+    st.primary[device] = Primary {
+        ctx: None,
+        refs: 0,
+        flags,
+    };
     st.destroy_context(&d.client, ctx)
 }
 
-entry!(fn cuDevicePrimaryCtxRelease(dev: CUdevice) { primary_release(dev) });
-entry!(fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) { primary_release(dev) });
-entry!(fn cuDevicePrimaryCtxReset(dev: CUdevice) { primary_reset(dev) });
-entry!(fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) { primary_reset(dev) });
+entry!(
+    fn cuDevicePrimaryCtxRelease(dev: CUdevice) {
+        primary_release(dev)
+    }
+);
+entry!(
+    fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) {
+        primary_release(dev)
+    }
+);
+entry!(
+    fn cuDevicePrimaryCtxReset(dev: CUdevice) {
+        primary_reset(dev)
+    }
+);
+entry!(
+    fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) {
+        primary_reset(dev)
+    }
+);
 
-entry!(fn cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut c_uint, active: *mut c_int) {
-    let d = driver()?;
-    let p = d.lock().primary[d.check_device(dev)? as usize];
-    put(flags, p.flags)?;
-    put(active, p.ctx.is_some() as c_int)
-});
+entry!(
+    fn cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut c_uint, active: *mut c_int) {
+        let d = driver()?;
+        let p = d.lock().primary[d.check_device(dev)? as usize];
+        put(flags, p.flags)?;
+        put(active, p.ctx.is_some() as c_int)
+    }
+);
 
 fn primary_set_flags(dev: CUdevice, flags: c_uint) -> CuResult {
     let d = driver()?;
@@ -225,5 +310,13 @@ fn primary_set_flags(dev: CUdevice, flags: c_uint) -> CuResult {
     Ok(())
 }
 
-entry!(fn cuDevicePrimaryCtxSetFlags(dev: CUdevice, flags: c_uint) { primary_set_flags(dev, flags) });
-entry!(fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: c_uint) { primary_set_flags(dev, flags) });
+entry!(
+    fn cuDevicePrimaryCtxSetFlags(dev: CUdevice, flags: c_uint) {
+        primary_set_flags(dev, flags)
+    }
+);
+entry!(
+    fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: c_uint) {
+        primary_set_flags(dev, flags)
+    }
+);

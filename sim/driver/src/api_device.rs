@@ -9,97 +9,136 @@ use std::ffi::{c_char, c_int, c_uint};
 /// The CUDA version this driver claims (12.9, the ABI it implements).
 pub const DRIVER_VERSION: i32 = 12090;
 
-entry!(fn cuInit(flags: c_uint) {
-    if flags != 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuInit(flags: c_uint) {
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        init()
     }
-    init()
-});
+);
 
-entry!(fn cuDriverGetVersion(version: *mut c_int) { put(version, DRIVER_VERSION) });
-
-entry!(fn cuGetErrorString(error: CUresult, s: *mut *const c_char) {
-    let text = gpushare_cuda_abi::error_string_cstr(error).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    put(s, text.as_ptr())
-});
-
-entry!(fn cuGetErrorName(error: CUresult, s: *mut *const c_char) {
-    let text = gpushare_cuda_abi::error_name_cstr(error).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    put(s, text.as_ptr())
-});
-
-entry!(fn cuDeviceGetCount(count: *mut c_int) { put(count, driver()?.device_count() as c_int) });
-
-entry!(fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) {
-    put(device, driver()?.check_device(ordinal)? as CUdevice)
-});
-
-entry!(fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUdevice) {
-    let d = driver()?;
-    let info = &d.client.devices[d.check_device(dev)? as usize];
-    if name.is_null() || len <= 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuDriverGetVersion(version: *mut c_int) {
+        put(version, DRIVER_VERSION)
     }
-    let bytes = info.name.as_bytes();
-    let n = bytes.len().min(len as usize - 1);
-    let mut out = bytes[..n].to_vec();
-    out.push(0);
-    copy_bytes(name as u64, out.as_ptr() as u64, out.len());
-    Ok(())
-});
+);
+
+entry!(
+    fn cuGetErrorString(error: CUresult, s: *mut *const c_char) {
+        let text = gpushare_cuda_abi::error_string_cstr(error).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        put(s, text.as_ptr())
+    }
+);
+
+entry!(
+    fn cuGetErrorName(error: CUresult, s: *mut *const c_char) {
+        let text = gpushare_cuda_abi::error_name_cstr(error).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        put(s, text.as_ptr())
+    }
+);
+
+entry!(
+    fn cuDeviceGetCount(count: *mut c_int) {
+        put(count, driver()?.device_count() as c_int)
+    }
+);
+
+entry!(
+    fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) {
+        put(device, driver()?.check_device(ordinal)? as CUdevice)
+    }
+);
+
+entry!(
+    fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUdevice) {
+        let d = driver()?;
+        let info = &d.client.devices[d.check_device(dev)? as usize];
+        if name.is_null() || len <= 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let bytes = info.name.as_bytes();
+        let n = bytes.len().min(len as usize - 1);
+        let mut out = bytes[..n].to_vec();
+        out.push(0);
+        copy_bytes(name as u64, out.as_ptr() as u64, out.len());
+        Ok(())
+    }
+);
 
 fn device_uuid(uuid: *mut [u8; 16], dev: CUdevice) -> CuResult {
     let d = driver()?;
     put(uuid, d.client.devices[d.check_device(dev)? as usize].uuid)
 }
 
-entry!(fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: CUdevice) { device_uuid(uuid, dev) });
-
-entry!(fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: CUdevice) { device_uuid(uuid, dev) });
-
-entry!(fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) {
-    let d = driver()?;
-    put(bytes, d.client.devices[d.check_device(dev)? as usize].total_memory as usize)
-});
-
-entry!(fn cuDeviceComputeCapability(major: *mut c_int, minor: *mut c_int, dev: CUdevice) {
-    driver()?.check_device(dev)?;
-    put(major, 9)?;
-    put(minor, 0)
-});
-
-entry!(fn cuDeviceGetPCIBusId(id: *mut c_char, len: c_int, dev: CUdevice) {
-    let d = driver()?;
-    let bus = d.client.devices[d.check_device(dev)? as usize].pci_bus;
-    let text = format!("00000000:{bus:02X}:00.0\0");
-    if id.is_null() || len <= 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: CUdevice) {
+        device_uuid(uuid, dev)
     }
-    let n = text.len().min(len as usize);
-    copy_bytes(id as u64, text.as_ptr() as u64, n);
-    if n == len as usize {
-        put(id.wrapping_add(n - 1), 0)?;
+);
+
+entry!(
+    fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: CUdevice) {
+        device_uuid(uuid, dev)
     }
-    Ok(())
-});
+);
 
-entry!(fn cuDeviceCanAccessPeer(can: *mut c_int, dev: CUdevice, peer: CUdevice) {
-    let d = driver()?;
-    d.check_device(dev)?;
-    d.check_device(peer)?;
-    put(can, 0)
-});
+entry!(
+    fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) {
+        let d = driver()?;
+        put(
+            bytes,
+            d.client.devices[d.check_device(dev)? as usize].total_memory as usize,
+        )
+    }
+);
 
-entry!(fn cuDeviceGetAttribute(value: *mut c_int, attrib: c_int, dev: CUdevice) {
-    let d = driver()?;
-    let info = &d.client.devices[d.check_device(dev)? as usize];
-    let v = match attribute(attrib as u32) {
-        Some(Attr::Fixed(v)) => v,
-        Some(Attr::PciBus) => info.pci_bus as c_int,
-        None => return Err(CUDA_ERROR_INVALID_VALUE),
-    };
-    put(value, v)
-});
+entry!(
+    fn cuDeviceComputeCapability(major: *mut c_int, minor: *mut c_int, dev: CUdevice) {
+        driver()?.check_device(dev)?;
+        put(major, 9)?;
+        put(minor, 0)
+    }
+);
+
+entry!(
+    fn cuDeviceGetPCIBusId(id: *mut c_char, len: c_int, dev: CUdevice) {
+        let d = driver()?;
+        let bus = d.client.devices[d.check_device(dev)? as usize].pci_bus;
+        let text = format!("00000000:{bus:02X}:00.0\0");
+        if id.is_null() || len <= 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let n = text.len().min(len as usize);
+        copy_bytes(id as u64, text.as_ptr() as u64, n);
+        if n == len as usize {
+            put(id.wrapping_add(n - 1), 0)?;
+        }
+        Ok(())
+    }
+);
+
+entry!(
+    fn cuDeviceCanAccessPeer(can: *mut c_int, dev: CUdevice, peer: CUdevice) {
+        let d = driver()?;
+        d.check_device(dev)?;
+        d.check_device(peer)?;
+        put(can, 0)
+    }
+);
+
+entry!(
+    fn cuDeviceGetAttribute(value: *mut c_int, attrib: c_int, dev: CUdevice) {
+        let d = driver()?;
+        let info = &d.client.devices[d.check_device(dev)? as usize];
+        let v = match attribute(attrib as u32) {
+            Some(Attr::Fixed(v)) => v,
+            Some(Attr::PciBus) => info.pci_bus as c_int,
+            None => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        put(value, v)
+    }
+);
 
 enum Attr {
     Fixed(c_int),
@@ -164,7 +203,7 @@ const ATTRIBUTES: &[(&str, i32)] = &[
     ("HOST_REGISTER_SUPPORTED", 1),
     ("PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES", 0),
     ("DIRECT_MANAGED_MEM_ACCESS_FROM_HOST", 0),
-    ("VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", 1),
+    ("VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED", 1),
     ("HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", 1),
     ("HANDLE_TYPE_WIN32_HANDLE_SUPPORTED", 0),
     ("HANDLE_TYPE_WIN32_KMT_HANDLE_SUPPORTED", 0),
@@ -216,7 +255,10 @@ mod tests {
                 "{name}"
             );
         }
-        assert!(matches!(attribute(115), Some(Attr::Fixed(0))), "memory pools reported off");
+        assert!(
+            matches!(attribute(115), Some(Attr::Fixed(0))),
+            "memory pools reported off"
+        );
         assert!(attribute(9999).is_none());
     }
 }

@@ -9,24 +9,46 @@ use std::ffi::c_uint;
 const CU_EVENT_BLOCKING_SYNC: u32 = 0x1;
 const CU_EVENT_INTERPROCESS: u32 = 0x4;
 
-entry!(fn cuEventCreate(ph: *mut Handle, flags: c_uint) {
-    if flags & !(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS) != 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuEventCreate(ph: *mut Handle, flags: c_uint) {
+        if flags & !(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS) != 0
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        with_state(|_, st| {
+            st.current()?;
+            let e = st.new_id();
+            st.events.insert(
+                e,
+                Event {
+                    flags,
+                    ..Event::default()
+                },
+            );
+            put(ph, handle(e))
+        })
     }
-    with_state(|_, st| {
-        st.current()?;
-        let e = st.new_id();
-        st.events.insert(e, Event { flags, ..Event::default() });
-        put(ph, handle(e))
-    })
-});
+);
 
 fn destroy(h: Handle) -> CuResult {
-    with_state(|_, st| st.events.remove(&id(h)).map(|_| ()).ok_or(CUDA_ERROR_INVALID_HANDLE))
+    with_state(|_, st| {
+        st.events
+            .remove(&id(h))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    })
 }
 
-entry!(fn cuEventDestroy(h: Handle) { destroy(h) });
-entry!(fn cuEventDestroy_v2(h: Handle) { destroy(h) });
+entry!(
+    fn cuEventDestroy(h: Handle) {
+        destroy(h)
+    }
+);
+entry!(
+    fn cuEventDestroy_v2(h: Handle) {
+        destroy(h)
+    }
+);
 
 fn record(h: Handle, stream: Handle, pt: bool) -> CuResult {
     with_state(|d, st| {
@@ -73,7 +95,12 @@ fn completion(h: Handle, wait: bool) -> CuResult<u64> {
     let end = if wait {
         d.client.wait(vec![rec])?
     } else {
-        d.client.query(vec![rec])?.first().copied().flatten().ok_or(CUDA_ERROR_NOT_READY)?
+        d.client
+            .query(vec![rec])?
+            .first()
+            .copied()
+            .flatten()
+            .ok_or(CUDA_ERROR_NOT_READY)?
     };
     let mut st = d.lock();
     if let Some(ev) = st.events.get_mut(&id(h))
@@ -84,8 +111,16 @@ fn completion(h: Handle, wait: bool) -> CuResult<u64> {
     Ok(end)
 }
 
-entry!(fn cuEventQuery(h: Handle) { completion(h, false).map(|_| ()) });
-entry!(fn cuEventSynchronize(h: Handle) { completion(h, true).map(|_| ()) });
+entry!(
+    fn cuEventQuery(h: Handle) {
+        completion(h, false).map(|_| ())
+    }
+);
+entry!(
+    fn cuEventSynchronize(h: Handle) {
+        completion(h, true).map(|_| ())
+    }
+);
 
 fn elapsed(ms: *mut f32, start: Handle, end: Handle) -> CuResult {
     {
@@ -103,5 +138,13 @@ fn elapsed(ms: *mut f32, start: Handle, end: Handle) -> CuResult {
     put(ms, (t1 as f64 - t0 as f64) as f32 / 1e6)
 }
 
-entry!(fn cuEventElapsedTime(ms: *mut f32, start: Handle, end: Handle) { elapsed(ms, start, end) });
-entry!(fn cuEventElapsedTime_v2(ms: *mut f32, start: Handle, end: Handle) { elapsed(ms, start, end) });
+entry!(
+    fn cuEventElapsedTime(ms: *mut f32, start: Handle, end: Handle) {
+        elapsed(ms, start, end)
+    }
+);
+entry!(
+    fn cuEventElapsedTime_v2(ms: *mut f32, start: Handle, end: Handle) {
+        elapsed(ms, start, end)
+    }
+);

@@ -17,7 +17,10 @@ pub fn capture_node(st: &mut State, stream: u64, kind: NodeKind) -> CuResult<boo
     if cap.invalidated {
         return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     }
-    let g = st.graphs.get_mut(&cap.graph).ok_or(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)?;
+    let g = st
+        .graphs
+        .get_mut(&cap.graph)
+        .ok_or(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)?;
     g.nodes.push(kind);
     let idx = g.nodes.len() - 1;
     let c = st.streams.get_mut(&stream).and_then(|s| s.capture.as_mut());
@@ -25,33 +28,46 @@ pub fn capture_node(st: &mut State, stream: u64, kind: NodeKind) -> CuResult<boo
     Ok(true)
 }
 
-entry!(fn cuGraphCreate(ph: *mut Handle, flags: c_uint) {
-    if flags != 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuGraphCreate(ph: *mut Handle, flags: c_uint) {
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        with_state(|_, st| {
+            let g = st.new_id();
+            st.graphs.insert(g, Graph::default());
+            put(ph, handle(g))
+        })
     }
-    with_state(|_, st| {
-        let g = st.new_id();
-        st.graphs.insert(g, Graph::default());
-        put(ph, handle(g))
-    })
-});
+);
 
-entry!(fn cuGraphDestroy(h: Handle) {
-    with_state(|_, st| {
-        st.graphs.remove(&id(h)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        st.graph_nodes.retain(|_, (g, _)| *g != id(h));
-        Ok(())
-    })
-});
+entry!(
+    fn cuGraphDestroy(h: Handle) {
+        with_state(|_, st| {
+            st.graphs.remove(&id(h)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            st.graph_nodes.retain(|_, (g, _)| *g != id(h));
+            Ok(())
+        })
+    }
+);
 
 /// Add a node to a graph after the given dependency nodes; returns the new node's handle.
-fn add_node(st: &mut State, graph: Handle, deps: *const Handle, n: usize, kind: NodeKind) -> CuResult<Handle> {
+fn add_node(
+    st: &mut State,
+    graph: Handle,
+    deps: *const Handle,
+    n: usize,
+    kind: NodeKind,
+) -> CuResult<Handle> {
     for h in slice(deps, n)? {
         if !matches!(st.graph_nodes.get(&id(*h)), Some(&(g, _)) if g == id(graph)) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
     }
-    let g = st.graphs.get_mut(&id(graph)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let g = st
+        .graphs
+        .get_mut(&id(graph))
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
     g.nodes.push(kind);
     let idx = g.nodes.len() - 1;
     let node = st.new_id();
@@ -59,81 +75,133 @@ fn add_node(st: &mut State, graph: Handle, deps: *const Handle, n: usize, kind: 
     Ok(handle(node))
 }
 
-fn add_kernel_node(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize, p: *const KernelNodeParams) -> CuResult {
+fn add_kernel_node(
+    out: *mut Handle,
+    graph: Handle,
+    deps: *const Handle,
+    n: usize,
+    p: *const KernelNodeParams,
+) -> CuResult {
     let p = get(p)?;
     check_dims(p.grid, p.block)?;
     with_state(|_, st| {
         // Arguments are copied when the node is created, as the driver documents.
         let arg0 = kernel_arg0(st, id(p.func), p.kernel_params, p.extra)?;
-        let node = add_node(st, graph, deps, n, NodeKind::Kernel { function: id(p.func), arg0 })?;
+        let node = add_node(
+            st,
+            graph,
+            deps,
+            n,
+            NodeKind::Kernel {
+                function: id(p.func),
+                arg0,
+            },
+        )?;
         put(out, node)
     })
 }
 
-entry!(fn cuGraphAddKernelNode(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize, p: *const KernelNodeParams) {
-    add_kernel_node(out, graph, deps, n, p)
-});
-entry!(fn cuGraphAddKernelNode_v2(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize, p: *const KernelNodeParams) {
-    add_kernel_node(out, graph, deps, n, p)
-});
-
-entry!(fn cuGraphAddEmptyNode(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize) {
-    with_state(|_, st| put(out, add_node(st, graph, deps, n, NodeKind::Empty)?))
-});
-
-entry!(fn cuGraphAddMemsetNode(
-    out: *mut Handle,
-    graph: Handle,
-    deps: *const Handle,
-    n: usize,
-    p: *const MemsetNodeParams,
-    _ctx: Handle,
-) {
-    let p = get(p)?;
-    if ![1, 2, 4].contains(&p.element_size) {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuGraphAddKernelNode(
+        out: *mut Handle,
+        graph: Handle,
+        deps: *const Handle,
+        n: usize,
+        p: *const KernelNodeParams,
+    ) {
+        add_kernel_node(out, graph, deps, n, p)
     }
-    let kind = NodeKind::Memset {
-        dst: p.dst,
-        value: p.value,
-        element_size: p.element_size,
-        width: p.width,
-        height: p.height.max(1),
-        pitch: p.pitch,
-    };
-    with_state(|_, st| put(out, add_node(st, graph, deps, n, kind)?))
-});
+);
+entry!(
+    fn cuGraphAddKernelNode_v2(
+        out: *mut Handle,
+        graph: Handle,
+        deps: *const Handle,
+        n: usize,
+        p: *const KernelNodeParams,
+    ) {
+        add_kernel_node(out, graph, deps, n, p)
+    }
+);
 
-entry!(fn cuGraphAddHostNode(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize, p: *const HostNodeParams) {
-    let p = get(p)?;
-    let func = p.func.ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    let kind = NodeKind::Host { func, data: p.user_data as usize };
-    with_state(|_, st| put(out, add_node(st, graph, deps, n, kind)?))
-});
+entry!(
+    fn cuGraphAddEmptyNode(out: *mut Handle, graph: Handle, deps: *const Handle, n: usize) {
+        with_state(|_, st| put(out, add_node(st, graph, deps, n, NodeKind::Empty)?))
+    }
+);
 
-entry!(fn cuGraphGetNodes(graph: Handle, nodes: *mut Handle, count: *mut usize) {
-    with_state(|_, st| {
-        let g = st.graphs.get(&id(graph)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let total = g.nodes.len();
-        if nodes.is_null() {
-            return put(count, total);
+entry!(
+    fn cuGraphAddMemsetNode(
+        out: *mut Handle,
+        graph: Handle,
+        deps: *const Handle,
+        n: usize,
+        p: *const MemsetNodeParams,
+        _ctx: Handle,
+    ) {
+        let p = get(p)?;
+        if ![1, 2, 4].contains(&p.element_size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let want = get(count)?.min(total);
-        for idx in 0..want {
-            let existing = st.graph_nodes.iter().find(|(_, v)| **v == (id(graph), idx)).map(|(k, _)| *k);
-            let node = match existing {
-                Some(n) => n,
-                None => {
-                    let n = st.new_id();
-                    st.graph_nodes.insert(n, (id(graph), idx));
-                    n
-                }
-            };
-            put(nodes.wrapping_add(idx), handle(node))?;
-        }
-        put(count, want)
-    })
-});
+        let kind = NodeKind::Memset {
+            dst: p.dst,
+            value: p.value,
+            element_size: p.element_size,
+            width: p.width,
+            height: p.height.max(1),
+            pitch: p.pitch,
+        };
+        with_state(|_, st| put(out, add_node(st, graph, deps, n, kind)?))
+    }
+);
+
+entry!(
+    fn cuGraphAddHostNode(
+        out: *mut Handle,
+        graph: Handle,
+        deps: *const Handle,
+        n: usize,
+        p: *const HostNodeParams,
+    ) {
+        let p = get(p)?;
+        let func = p.func.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let kind = NodeKind::Host {
+            func,
+            data: p.user_data as usize,
+        };
+        with_state(|_, st| put(out, add_node(st, graph, deps, n, kind)?))
+    }
+);
+
+entry!(
+    fn cuGraphGetNodes(graph: Handle, nodes: *mut Handle, count: *mut usize) {
+        with_state(|_, st| {
+            let g = st.graphs.get(&id(graph)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            let total = g.nodes.len();
+            if nodes.is_null() {
+                return put(count, total);
+            }
+            let want = get(count)?.min(total);
+            for idx in 0..want {
+                let existing = st
+                    .graph_nodes
+                    .iter()
+                    .find(|(_, v)| **v == (id(graph), idx))
+                    .map(|(k, _)| *k);
+                let node = match existing {
+                    Some(n) => n,
+                    None => {
+                        let n = st.new_id();
+                        st.graph_nodes.insert(n, (id(graph), idx));
+                        n
+                    }
+                };
+                put(nodes.wrapping_add(idx), handle(node))?;
+            }
+            put(count, want)
+        })
+    }
+);
 
 fn instantiate(out: *mut Handle, graph: Handle) -> CuResult {
     with_state(|_, st| {
@@ -145,20 +213,26 @@ fn instantiate(out: *mut Handle, graph: Handle) -> CuResult {
     })
 }
 
-entry!(fn cuGraphInstantiateWithFlags(out: *mut Handle, graph: Handle, _flags: u64) { instantiate(out, graph) });
-
-entry!(fn cuGraphInstantiate_v2(
-    out: *mut Handle,
-    graph: Handle,
-    err_node: *mut Handle,
-    _log: *mut c_char,
-    _log_size: usize,
-) {
-    if !err_node.is_null() {
-        put(err_node, std::ptr::null_mut())?;
+entry!(
+    fn cuGraphInstantiateWithFlags(out: *mut Handle, graph: Handle, _flags: u64) {
+        instantiate(out, graph)
     }
-    instantiate(out, graph)
-});
+);
+
+entry!(
+    fn cuGraphInstantiate_v2(
+        out: *mut Handle,
+        graph: Handle,
+        err_node: *mut Handle,
+        _log: *mut c_char,
+        _log_size: usize,
+    ) {
+        if !err_node.is_null() {
+            put(err_node, std::ptr::null_mut())?;
+        }
+        instantiate(out, graph)
+    }
+);
 
 /// `CUDA_GRAPH_INSTANTIATE_PARAMS`: flags, upload stream, error node out, result out.
 #[repr(C)]
@@ -182,9 +256,16 @@ entry_pt!(cuGraphInstantiateWithParams / cuGraphInstantiateWithParams_ptsz, |_pt
     r
 });
 
-entry!(fn cuGraphExecDestroy(h: Handle) {
-    with_state(|_, st| st.execs.remove(&id(h)).map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE))
-});
+entry!(
+    fn cuGraphExecDestroy(h: Handle) {
+        with_state(|_, st| {
+            st.execs
+                .remove(&id(h))
+                .map(|_| ())
+                .ok_or(CUDA_ERROR_INVALID_VALUE)
+        })
+    }
+);
 
 entry_pt!(cuGraphUpload / cuGraphUpload_ptsz, |pt| fn(exec: Handle, stream: Handle) {
     with_state(|d, st| {
@@ -228,19 +309,24 @@ entry_pt!(cuGraphLaunch / cuGraphLaunch_ptsz, |pt| fn(exec: Handle, stream: Hand
     })
 });
 
-entry!(fn cuGraphNodeGetType(node: Handle, ty: *mut c_uint) {
-    with_state(|_, st| {
-        let &(g, i) = st.graph_nodes.get(&id(node)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let kind = &st.graphs.get(&g).ok_or(CUDA_ERROR_INVALID_VALUE)?.nodes[i];
-        // CUgraphNodeType values from cuda.h.
-        let t = match kind {
-            NodeKind::Kernel { .. } => 0,
-            NodeKind::Memcpy { .. } => 1,
-            NodeKind::Memset { .. } => 2,
-            NodeKind::Host { .. } => 3,
-            NodeKind::Empty => 5,
-            NodeKind::EventWait { .. } => 6,
-        };
-        put(ty, t)
-    })
-});
+entry!(
+    fn cuGraphNodeGetType(node: Handle, ty: *mut c_uint) {
+        with_state(|_, st| {
+            let &(g, i) = st
+                .graph_nodes
+                .get(&id(node))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            let kind = &st.graphs.get(&g).ok_or(CUDA_ERROR_INVALID_VALUE)?.nodes[i];
+            // CUgraphNodeType values from cuda.h.
+            let t = match kind {
+                NodeKind::Kernel { .. } => 0,
+                NodeKind::Memcpy { .. } => 1,
+                NodeKind::Memset { .. } => 2,
+                NodeKind::Host { .. } => 3,
+                NodeKind::Empty => 5,
+                NodeKind::EventWait { .. } => 6,
+            };
+            put(ty, t)
+        })
+    }
+);

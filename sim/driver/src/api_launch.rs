@@ -10,10 +10,18 @@ use std::ffi::{c_uint, c_void};
 /// Reject launch shapes a real H100 rejects.
 pub fn check_dims(grid: [u32; 3], block: [u32; 3]) -> CuResult {
     let threads = block.iter().map(|&b| b as u64).product::<u64>();
-    let grid_ok = grid[0] >= 1 && grid[1] >= 1 && grid[1] <= 65535 && grid[2] >= 1 && grid[2] <= 65535
+    let grid_ok = grid[0] >= 1
+        && grid[1] >= 1
+        && grid[1] <= 65535
+        && grid[2] >= 1
+        && grid[2] <= 65535
         && grid[0] <= i32::MAX as u32;
-    let block_ok = block[0] >= 1 && block[0] <= 1024 && block[1] >= 1 && block[1] <= 1024
-        && block[2] >= 1 && block[2] <= 64;
+    let block_ok = block[0] >= 1
+        && block[0] <= 1024
+        && block[1] >= 1
+        && block[1] <= 1024
+        && block[2] >= 1
+        && block[2] <= 64;
     if !grid_ok || !block_ok || threads > 1024 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -28,7 +36,10 @@ pub fn kernel_arg0(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CuResult<Option<u64>> {
-    let f = st.functions.get(&function).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    let f = st
+        .functions
+        .get(&function)
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
     if f.params.first() != Some(&8) {
         if !f.params.is_empty() && params.is_null() && extra.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -79,7 +90,8 @@ pub fn launch(
         if capture_node(st, s, NodeKind::Kernel { function, arg0 })? {
             return Ok(());
         }
-        st.submit(&d.client, s, Op::Kernel { function, arg0 }, &[]).map(|_| ())
+        st.submit(&d.client, s, Op::Kernel { function, arg0 }, &[])
+            .map(|_| ())
     })
 }
 
@@ -124,13 +136,27 @@ entry_pt!(cuLaunchCooperativeKernel / cuLaunchCooperativeKernel_ptsz, |pt| fn(
     launch(stream, pt, f, [gx, gy, gz], [bx, by, bz], params, std::ptr::null_mut())
 });
 
-entry!(fn cuLaunchCooperativeKernelMultiDevice(list: *mut CudaLaunchParams, n: c_uint, _flags: c_uint) {
-    let launches = slice(list as *const CudaLaunchParams, n as usize)?;
-    if launches.is_empty() {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuLaunchCooperativeKernelMultiDevice(
+        list: *mut CudaLaunchParams,
+        n: c_uint,
+        _flags: c_uint,
+    ) {
+        let launches = slice(list as *const CudaLaunchParams, n as usize)?;
+        if launches.is_empty() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        for l in launches {
+            launch(
+                l.stream,
+                false,
+                l.function,
+                l.grid,
+                l.block,
+                l.kernel_params,
+                std::ptr::null_mut(),
+            )?;
+        }
+        Ok(())
     }
-    for l in launches {
-        launch(l.stream, false, l.function, l.grid, l.block, l.kernel_params, std::ptr::null_mut())?;
-    }
-    Ok(())
-});
+);

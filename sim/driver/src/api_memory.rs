@@ -31,7 +31,11 @@ fn page_round(size: usize) -> usize {
 
 /// Map `size` bytes of zeroed, lazily backed memory, `PROT_NONE` unless `access`.
 fn map(size: usize, access: bool) -> CuResult<u64> {
-    let prot = if access { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_NONE };
+    let prot = if access {
+        libc::PROT_READ | libc::PROT_WRITE
+    } else {
+        libc::PROT_NONE
+    };
     // SAFETY: an anonymous private mapping at an address the kernel chooses; no existing memory
     // is affected.
     let p = unsafe {
@@ -44,7 +48,11 @@ fn map(size: usize, access: bool) -> CuResult<u64> {
             0,
         )
     };
-    if p == libc::MAP_FAILED { Err(CUDA_ERROR_OUT_OF_MEMORY) } else { Ok(p as u64) }
+    if p == libc::MAP_FAILED {
+        Err(CUDA_ERROR_OUT_OF_MEMORY)
+    } else {
+        Ok(p as u64)
+    }
 }
 
 fn unmap(addr: u64, size: usize) {
@@ -83,7 +91,13 @@ fn allocate(size: usize, kind: AllocKind) -> CuResult<u64> {
             return Err(e);
         }
     };
-    let alloc = Alloc { size, mapped: size, device, charged, kind };
+    let alloc = Alloc {
+        size,
+        mapped: size,
+        device,
+        charged,
+        kind,
+    };
     d.lock().allocs.insert(addr, alloc);
     Ok(addr)
 }
@@ -103,43 +117,54 @@ fn release(ptr: u64) -> CuResult {
     uncharge(d, a.device, a.charged)
 }
 
-entry!(fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) {
-    let a = allocate(size, AllocKind::Device)?;
-    put(dptr, a).inspect_err(|_| {
-        let _ = release(a);
-    })
-});
-
-entry!(fn cuMemAllocPitch_v2(
-    dptr: *mut CUdeviceptr,
-    pitch: *mut usize,
-    width: usize,
-    height: usize,
-    elem_size: c_uint,
-) {
-    if ![4, 8, 16].contains(&elem_size) || width == 0 || height == 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) {
+        let a = allocate(size, AllocKind::Device)?;
+        put(dptr, a).inspect_err(|_| {
+            let _ = release(a);
+        })
     }
-    let p = width.div_ceil(PITCH_ALIGN) * PITCH_ALIGN;
-    let a = allocate(p.checked_mul(height).ok_or(CUDA_ERROR_INVALID_VALUE)?, AllocKind::Device)?;
-    put(pitch, p)?;
-    put(dptr, a)
-});
+);
 
-entry!(fn cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) {
-    // CU_MEM_ATTACH_GLOBAL = 1, CU_MEM_ATTACH_HOST = 2.
-    if flags != 1 && flags != 2 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuMemAllocPitch_v2(
+        dptr: *mut CUdeviceptr,
+        pitch: *mut usize,
+        width: usize,
+        height: usize,
+        elem_size: c_uint,
+    ) {
+        if ![4, 8, 16].contains(&elem_size) || width == 0 || height == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = width.div_ceil(PITCH_ALIGN) * PITCH_ALIGN;
+        let a = allocate(
+            p.checked_mul(height).ok_or(CUDA_ERROR_INVALID_VALUE)?,
+            AllocKind::Device,
+        )?;
+        put(pitch, p)?;
+        put(dptr, a)
     }
-    put(dptr, allocate(size, AllocKind::Managed)?)
-});
+);
 
-entry!(fn cuMemFree_v2(ptr: CUdeviceptr) {
-    if ptr == 0 {
-        return Ok(());
+entry!(
+    fn cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: c_uint) {
+        // CU_MEM_ATTACH_GLOBAL = 1, CU_MEM_ATTACH_HOST = 2.
+        if flags != 1 && flags != 2 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        put(dptr, allocate(size, AllocKind::Managed)?)
     }
-    release(ptr)
-});
+);
+
+entry!(
+    fn cuMemFree_v2(ptr: CUdeviceptr) {
+        if ptr == 0 {
+            return Ok(());
+        }
+        release(ptr)
+    }
+);
 
 entry_pt!(cuMemAllocAsync / cuMemAllocAsync_ptsz, |pt| fn(dptr: *mut CUdeviceptr, size: usize, stream: Handle) {
     with_state(|d, st| st.resolve_stream(&d.client, stream, pt).map(|_| ()))?;
@@ -164,40 +189,50 @@ entry_pt!(cuMemFreeAsync / cuMemFreeAsync_ptsz, |pt| fn(ptr: CUdeviceptr, stream
     release(ptr)
 });
 
-entry!(fn cuDeviceGetDefaultMemPool(pool: *mut Handle, dev: CUdevice) {
-    let d = driver()?;
-    put(pool, handle(0x100 + d.check_device(dev)? as u64))
-});
-
-entry!(fn cuDeviceGetMemPool(pool: *mut Handle, dev: CUdevice) {
-    let d = driver()?;
-    put(pool, handle(0x100 + d.check_device(dev)? as u64))
-});
-
-entry!(fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
-    let d = driver()?;
-    let device = d.lock().current_device()?;
-    match d.client.call(|req| Request::MemInfo { req, device })? {
-        Reply::MemInfo { free: f, total: t, .. } => {
-            put(free, f as usize)?;
-            put(total, t as usize)
-        }
-        _ => Err(CUDA_ERROR_UNKNOWN),
+entry!(
+    fn cuDeviceGetDefaultMemPool(pool: *mut Handle, dev: CUdevice) {
+        let d = driver()?;
+        put(pool, handle(0x100 + d.check_device(dev)? as u64))
     }
-});
+);
 
-entry!(fn cuMemGetAddressRange_v2(base: *mut CUdeviceptr, size: *mut usize, ptr: CUdeviceptr) {
-    with_state(|_, st| {
-        let (b, a) = st.find_alloc(ptr, 0).ok_or(CUDA_ERROR_NOT_FOUND)?;
-        if !base.is_null() {
-            put(base, b)?;
+entry!(
+    fn cuDeviceGetMemPool(pool: *mut Handle, dev: CUdevice) {
+        let d = driver()?;
+        put(pool, handle(0x100 + d.check_device(dev)? as u64))
+    }
+);
+
+entry!(
+    fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
+        let d = driver()?;
+        let device = d.lock().current_device()?;
+        match d.client.call(|req| Request::MemInfo { req, device })? {
+            Reply::MemInfo {
+                free: f, total: t, ..
+            } => {
+                put(free, f as usize)?;
+                put(total, t as usize)
+            }
+            _ => Err(CUDA_ERROR_UNKNOWN),
         }
-        if !size.is_null() {
-            put(size, a.size)?;
-        }
-        Ok(())
-    })
-});
+    }
+);
+
+entry!(
+    fn cuMemGetAddressRange_v2(base: *mut CUdeviceptr, size: *mut usize, ptr: CUdeviceptr) {
+        with_state(|_, st| {
+            let (b, a) = st.find_alloc(ptr, 0).ok_or(CUDA_ERROR_NOT_FOUND)?;
+            if !base.is_null() {
+                put(base, b)?;
+            }
+            if !size.is_null() {
+                put(size, a.size)?;
+            }
+            Ok(())
+        })
+    }
+);
 
 // --- page-locked host memory -------------------------------------------------------------
 
@@ -213,88 +248,120 @@ fn host_alloc(pp: *mut *mut c_void, size: usize) -> CuResult {
     put(pp, p as *mut c_void)
 }
 
-entry!(fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) { host_alloc(pp, size) });
-entry!(fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, _flags: c_uint) { host_alloc(pp, size) });
-
-entry!(fn cuMemFreeHost(p: *mut c_void) {
-    let size = with_state(|_, st| st.pinned.remove(&(p as u64)).ok_or(CUDA_ERROR_INVALID_VALUE))?;
-    unmap(p as u64, size);
-    Ok(())
-});
-
-entry!(fn cuMemHostRegister_v2(p: *mut c_void, size: usize, _flags: c_uint) {
-    if p.is_null() || size == 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) {
+        host_alloc(pp, size)
     }
-    with_state(|_, st| {
-        if st.pinned.insert(p as u64, size).is_some() {
-            return Err(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
-        }
+);
+entry!(
+    fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, _flags: c_uint) {
+        host_alloc(pp, size)
+    }
+);
+
+entry!(
+    fn cuMemFreeHost(p: *mut c_void) {
+        let size = with_state(|_, st| {
+            st.pinned
+                .remove(&(p as u64))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)
+        })?;
+        unmap(p as u64, size);
         Ok(())
-    })
-});
-
-entry!(fn cuMemHostUnregister(p: *mut c_void) {
-    with_state(|_, st| {
-        st.pinned.remove(&(p as u64)).map(|_| ()).ok_or(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
-    })
-});
-
-entry!(fn cuMemHostGetDevicePointer_v2(dptr: *mut CUdeviceptr, p: *mut c_void, flags: c_uint) {
-    if flags != 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    with_state(|_, st| {
-        if !st.is_pinned(p as u64, 1) {
+);
+
+entry!(
+    fn cuMemHostRegister_v2(p: *mut c_void, size: usize, _flags: c_uint) {
+        if p.is_null() || size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        // Unified addressing: the host address is the device address.
-        put(dptr, p as u64)
-    })
-});
+        with_state(|_, st| {
+            if st.pinned.insert(p as u64, size).is_some() {
+                return Err(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+            }
+            Ok(())
+        })
+    }
+);
 
-entry!(fn cuMemHostGetFlags(flags: *mut c_uint, p: *mut c_void) {
-    with_state(|_, st| {
-        if !st.is_pinned(p as u64, 1) {
+entry!(
+    fn cuMemHostUnregister(p: *mut c_void) {
+        with_state(|_, st| {
+            st.pinned
+                .remove(&(p as u64))
+                .map(|_| ())
+                .ok_or(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+        })
+    }
+);
+
+entry!(
+    fn cuMemHostGetDevicePointer_v2(dptr: *mut CUdeviceptr, p: *mut c_void, flags: c_uint) {
+        if flags != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        put(flags, 0)
-    })
-});
+        with_state(|_, st| {
+            if !st.is_pinned(p as u64, 1) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            // Unified addressing: the host address is the device address.
+            put(dptr, p as u64)
+        })
+    }
+);
 
-entry!(fn cuPointerGetAttribute(data: *mut c_void, attribute: c_uint, ptr: CUdeviceptr) {
-    with_state(|_, st| {
-        let dev = st.find_alloc(ptr, 0).map(|(b, a)| (b, a.size, a.device, a.kind));
-        let pinned = st.is_pinned(ptr, 1);
-        let (base, size, device, kind) = match dev {
-            Some(x) => x,
-            None if pinned => (ptr, 0, 0, AllocKind::Device),
-            None => return Err(CUDA_ERROR_INVALID_VALUE),
-        };
-        let host = dev.is_none();
-        match attribute {
-            // CONTEXT
-            1 => put(data as *mut Handle, handle(st.current().unwrap_or(0))),
-            // MEMORY_TYPE: HOST = 1, DEVICE = 2
-            2 => put(data as *mut c_uint, if host { 1 } else { 2 }),
-            // DEVICE_POINTER
-            3 => put(data as *mut u64, ptr),
-            // HOST_POINTER: only host and managed memory have one
-            4 if host || kind == AllocKind::Managed => put(data as *mut u64, ptr),
-            4 => Err(CUDA_ERROR_INVALID_VALUE),
-            // IS_MANAGED
-            8 => put(data as *mut c_uint, (kind == AllocKind::Managed && !host) as c_uint),
-            // DEVICE_ORDINAL
-            9 => put(data as *mut i32, device as i32),
-            // RANGE_START_ADDR, RANGE_SIZE
-            11 => put(data as *mut u64, base),
-            12 => put(data as *mut usize, size),
-            // MAPPED
-            13 => put(data as *mut c_uint, 1),
-            _ => Err(CUDA_ERROR_INVALID_VALUE),
-        }
-    })
-});
+entry!(
+    fn cuMemHostGetFlags(flags: *mut c_uint, p: *mut c_void) {
+        with_state(|_, st| {
+            if !st.is_pinned(p as u64, 1) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            put(flags, 0)
+        })
+    }
+);
+
+entry!(
+    fn cuPointerGetAttribute(data: *mut c_void, attribute: c_uint, ptr: CUdeviceptr) {
+        with_state(|_, st| {
+            let dev = st
+                .find_alloc(ptr, 0)
+                .map(|(b, a)| (b, a.size, a.device, a.kind));
+            let pinned = st.is_pinned(ptr, 1);
+            let (base, size, device, kind) = match dev {
+                Some(x) => x,
+                None if pinned => (ptr, 0, 0, AllocKind::Device),
+                None => return Err(CUDA_ERROR_INVALID_VALUE),
+            };
+            let host = dev.is_none();
+            match attribute {
+                // CONTEXT
+                1 => put(data as *mut Handle, handle(st.current().unwrap_or(0))),
+                // MEMORY_TYPE: HOST = 1, DEVICE = 2
+                2 => put(data as *mut c_uint, if host { 1 } else { 2 }),
+                // DEVICE_POINTER
+                3 => put(data as *mut u64, ptr),
+                // HOST_POINTER: only host and managed memory have one
+                4 if host || kind == AllocKind::Managed => put(data as *mut u64, ptr),
+                4 => Err(CUDA_ERROR_INVALID_VALUE),
+                // IS_MANAGED
+                8 => put(
+                    data as *mut c_uint,
+                    (kind == AllocKind::Managed && !host) as c_uint,
+                ),
+                // DEVICE_ORDINAL
+                9 => put(data as *mut i32, device as i32),
+                // RANGE_START_ADDR, RANGE_SIZE
+                11 => put(data as *mut u64, base),
+                12 => put(data as *mut usize, size),
+                // MAPPED
+                13 => put(data as *mut c_uint, 1),
+                _ => Err(CUDA_ERROR_INVALID_VALUE),
+            }
+        })
+    }
+);
 
 // --- copies and memsets ------------------------------------------------------------------
 
@@ -309,7 +376,9 @@ enum Dir {
 }
 
 fn check_dev(st: &State, ptr: u64, len: usize) -> CuResult {
-    st.find_alloc(ptr, len).map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
+    st.find_alloc(ptr, len)
+        .map(|_| ())
+        .ok_or(CUDA_ERROR_INVALID_VALUE)
 }
 
 fn check_copy(st: &State, dir: Dir, dst: u64, src: u64, len: usize) -> CuResult {
@@ -470,13 +539,30 @@ fn copy_2d(p: *const Memcpy2D, sync_stream: Option<(Handle, bool)>) -> CuResult 
     if p.height > 0 && (p.src_pitch < p.width || p.dst_pitch < p.width) && p.height > 1 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    let src = side(p.src_type, p.src_host as u64, p.src_device, p.src_x, p.src_y, p.src_pitch)?;
-    let dst = side(p.dst_type, p.dst_host as u64, p.dst_device, p.dst_x, p.dst_y, p.dst_pitch)?;
+    let src = side(
+        p.src_type,
+        p.src_host as u64,
+        p.src_device,
+        p.src_x,
+        p.src_y,
+        p.src_pitch,
+    )?;
+    let dst = side(
+        p.dst_type,
+        p.dst_host as u64,
+        p.dst_device,
+        p.dst_x,
+        p.dst_y,
+        p.dst_pitch,
+    )?;
     let d = driver()?;
     let fence = {
         let mut st = d.lock();
         for row in 0..p.height as u64 {
-            let (s, t) = (src + row * p.src_pitch as u64, dst + row * p.dst_pitch as u64);
+            let (s, t) = (
+                src + row * p.src_pitch as u64,
+                dst + row * p.dst_pitch as u64,
+            );
             if p.src_type == 2 {
                 check_dev(&st, s, p.width)?;
             }
@@ -497,7 +583,11 @@ fn copy_2d(p: *const Memcpy2D, sync_stream: Option<(Handle, bool)>) -> CuResult 
         d.client.wait(vec![f])?;
     }
     for row in 0..p.height as u64 {
-        copy_bytes(dst + row * p.dst_pitch as u64, src + row * p.src_pitch as u64, p.width);
+        copy_bytes(
+            dst + row * p.dst_pitch as u64,
+            src + row * p.src_pitch as u64,
+            p.width,
+        );
     }
     Ok(())
 }
@@ -538,8 +628,12 @@ pub fn memset_checked(
         let bytes = unsafe { std::slice::from_raw_parts_mut(start as *mut u8, row_bytes) };
         match element_size {
             1 => bytes.fill(value as u8),
-            2 => bytes.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&(value as u16).to_ne_bytes())),
-            _ => bytes.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&value.to_ne_bytes())),
+            2 => bytes
+                .chunks_exact_mut(2)
+                .for_each(|c| c.copy_from_slice(&(value as u16).to_ne_bytes())),
+            _ => bytes
+                .chunks_exact_mut(4)
+                .for_each(|c| c.copy_from_slice(&value.to_ne_bytes())),
         }
     }
     Ok(())
@@ -547,10 +641,26 @@ pub fn memset_checked(
 
 /// A memset, asynchronous with respect to the host in every variant, as documented.
 #[allow(clippy::too_many_arguments)]
-fn memset(stream: Handle, pt: bool, dst: u64, value: u32, element_size: u32, width: usize, height: usize, pitch: usize) -> CuResult {
+fn memset(
+    stream: Handle,
+    pt: bool,
+    dst: u64,
+    value: u32,
+    element_size: u32,
+    width: usize,
+    height: usize,
+    pitch: usize,
+) -> CuResult {
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, stream, pt)?;
-        let node = NodeKind::Memset { dst, value, element_size, width, height, pitch };
+        let node = NodeKind::Memset {
+            dst,
+            value,
+            element_size,
+            width,
+            height,
+            pitch,
+        };
         if capture_node(st, s, node)? {
             return Ok(());
         }
@@ -626,7 +736,11 @@ fn check_managed_range(ptr: u64, len: usize) -> CuResult {
 entry_pt!(cuMemPrefetchAsync / cuMemPrefetchAsync_ptsz, |_pt| fn(ptr: CUdeviceptr, n: usize, _dev: CUdevice, _s: Handle) {
     check_managed_range(ptr, n)
 });
-entry!(fn cuMemAdvise(ptr: CUdeviceptr, n: usize, _advice: c_uint, _dev: CUdevice) { check_managed_range(ptr, n) });
+entry!(
+    fn cuMemAdvise(ptr: CUdeviceptr, n: usize, _advice: c_uint, _dev: CUdevice) {
+        check_managed_range(ptr, n)
+    }
+);
 
 // --- virtual memory management -------------------------------------------------------------
 
@@ -647,97 +761,149 @@ pub struct AllocationProp {
     location_id: i32,
 }
 
-entry!(fn cuMemGetAllocationGranularity(gran: *mut usize, prop: *const AllocationProp, _option: c_uint) {
-    get(prop)?;
-    put(gran, VMM_GRANULARITY)
-});
-
-entry!(fn cuMemCreate(out: *mut u64, size: usize, prop: *const AllocationProp, flags: u64) {
-    let p = get(prop)?;
-    // CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1.
-    if flags != 0 || p.kind != 1 || p.location_type != 1 || size == 0 || size % VMM_GRANULARITY != 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuMemGetAllocationGranularity(
+        gran: *mut usize,
+        prop: *const AllocationProp,
+        _option: c_uint,
+    ) {
+        get(prop)?;
+        put(gran, VMM_GRANULARITY)
     }
-    let d = driver()?;
-    let device = d.check_device(p.location_id)?;
-    charge(d, device, size as u64)?;
-    let h = d.lock().new_id();
-    vmm_handles().lock().unwrap_or_else(|e| e.into_inner()).insert(h, (device, size as u64));
-    put(out, h)
-});
+);
+
+entry!(
+    fn cuMemCreate(out: *mut u64, size: usize, prop: *const AllocationProp, flags: u64) {
+        let p = get(prop)?;
+        // CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1.
+        if flags != 0
+            || p.kind != 1
+            || p.location_type != 1
+            || size == 0
+            || size % VMM_GRANULARITY != 0
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let d = driver()?;
+        let device = d.check_device(p.location_id)?;
+        charge(d, device, size as u64)?;
+        let h = d.lock().new_id();
+        vmm_handles()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(h, (device, size as u64));
+        put(out, h)
+    }
+);
 
 /// Give back the memory of a cuMemCreate handle or an array.
 fn release_handle(h: u64) -> CuResult {
     let d = driver()?;
-    let entry = vmm_handles().lock().unwrap_or_else(|e| e.into_inner()).remove(&h);
+    let entry = vmm_handles()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&h);
     let (device, bytes) = entry.ok_or(CUDA_ERROR_INVALID_VALUE)?;
     uncharge(d, device, bytes)
 }
 
-entry!(fn cuMemRelease(h: u64) { release_handle(h) });
-
-entry!(fn cuMemAddressReserve(ptr: *mut CUdeviceptr, size: usize, _align: usize, _addr: CUdeviceptr, _flags: u64) {
-    if size == 0 || size % VMM_GRANULARITY != 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuMemRelease(h: u64) {
+        release_handle(h)
     }
-    put(ptr, map(size, false)?)
-});
+);
 
-entry!(fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) {
-    with_state(|_, st| {
-        if st.find_alloc(ptr, size).is_some_and(|(_, a)| a.kind == AllocKind::Device) {
-            return Err(CUDA_ERROR_INVALID_VALUE); // still mapped
+entry!(
+    fn cuMemAddressReserve(
+        ptr: *mut CUdeviceptr,
+        size: usize,
+        _align: usize,
+        _addr: CUdeviceptr,
+        _flags: u64,
+    ) {
+        if size == 0 || size % VMM_GRANULARITY != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        Ok(())
-    })?;
-    unmap(ptr, size);
-    Ok(())
-});
-
-entry!(fn cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, h: u64, flags: u64) {
-    let (device, bytes) = vmm_handles()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&h)
-        .copied()
-        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-    if flags != 0 || offset as u64 + size as u64 > bytes {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+        put(ptr, map(size, false)?)
     }
-    // SAFETY: `ptr..ptr+size` lies in a range reserved by cuMemAddressReserve (PROT_NONE).
-    let r = unsafe { libc::mprotect(ptr as *mut c_void, size, libc::PROT_READ | libc::PROT_WRITE) };
-    if r != 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
-    }
-    with_state(|_, st| {
-        st.allocs.insert(ptr, Alloc { size, mapped: 0, device, charged: 0, kind: AllocKind::Device });
-        Ok(())
-    })
-});
+);
 
-entry!(fn cuMemUnmap(ptr: CUdeviceptr, size: usize) {
-    with_state(|_, st| match st.allocs.get(&ptr) {
-        Some(a) if a.mapped == 0 && a.size == size => {
-            st.allocs.remove(&ptr);
+entry!(
+    fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) {
+        with_state(|_, st| {
+            if st
+                .find_alloc(ptr, size)
+                .is_some_and(|(_, a)| a.kind == AllocKind::Device)
+            {
+                return Err(CUDA_ERROR_INVALID_VALUE); // still mapped
+            }
             Ok(())
-        }
-        _ => Err(CUDA_ERROR_INVALID_VALUE),
-    })?;
-    // SAFETY: the range was mapped by cuMemMap; dropping its pages and access returns it to the
-    // reserved state.
-    unsafe {
-        libc::madvise(ptr as *mut c_void, size, libc::MADV_DONTNEED);
-        libc::mprotect(ptr as *mut c_void, size, libc::PROT_NONE);
+        })?;
+        unmap(ptr, size);
+        Ok(())
     }
-    Ok(())
-});
+);
 
-entry!(fn cuMemSetAccess(ptr: CUdeviceptr, size: usize, _desc: *const c_void, count: usize) {
-    if count == 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+entry!(
+    fn cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, h: u64, flags: u64) {
+        let (device, bytes) = vmm_handles()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&h)
+            .copied()
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if flags != 0 || offset as u64 + size as u64 > bytes {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: `ptr..ptr+size` lies in a range reserved by cuMemAddressReserve (PROT_NONE).
+        let r =
+            unsafe { libc::mprotect(ptr as *mut c_void, size, libc::PROT_READ | libc::PROT_WRITE) };
+        if r != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        with_state(|_, st| {
+            st.allocs.insert(
+                ptr,
+                Alloc {
+                    size,
+                    mapped: 0,
+                    device,
+                    charged: 0,
+                    kind: AllocKind::Device,
+                },
+            );
+            Ok(())
+        })
     }
-    with_state(|_, st| check_dev(st, ptr, size))
-});
+);
+
+entry!(
+    fn cuMemUnmap(ptr: CUdeviceptr, size: usize) {
+        with_state(|_, st| match st.allocs.get(&ptr) {
+            Some(a) if a.mapped == 0 && a.size == size => {
+                st.allocs.remove(&ptr);
+                Ok(())
+            }
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
+        })?;
+        // SAFETY: the range was mapped by cuMemMap; dropping its pages and access returns it to the
+        // reserved state.
+        unsafe {
+            libc::madvise(ptr as *mut c_void, size, libc::MADV_DONTNEED);
+            libc::mprotect(ptr as *mut c_void, size, libc::PROT_NONE);
+        }
+        Ok(())
+    }
+);
+
+entry!(
+    fn cuMemSetAccess(ptr: CUdeviceptr, size: usize, _desc: *const c_void, count: usize) {
+        if count == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        with_state(|_, st| check_dev(st, ptr, size))
+    }
+);
 
 // --- arrays --------------------------------------------------------------------------------
 
@@ -782,37 +948,66 @@ fn array_create(out: *mut Handle, bytes: usize) -> CuResult {
     let device = d.lock().current_device()?;
     charge(d, device, bytes as u64)?;
     let h = d.lock().new_id();
-    vmm_handles().lock().unwrap_or_else(|e| e.into_inner()).insert(h, (device, bytes as u64));
+    vmm_handles()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(h, (device, bytes as u64));
     put(out, handle(h))
 }
 
-fn array_bytes(w: usize, h: usize, depth: usize, format: c_uint, channels: c_uint) -> CuResult<usize> {
+fn array_bytes(
+    w: usize,
+    h: usize,
+    depth: usize,
+    format: c_uint,
+    channels: c_uint,
+) -> CuResult<usize> {
     if ![1, 2, 4].contains(&channels) || w == 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     Ok(w * h.max(1) * depth.max(1) * format_bytes(format)? * channels as usize)
 }
 
-entry!(fn cuArrayCreate_v2(out: *mut Handle, desc: *const ArrayDesc) {
-    let d = get(desc)?;
-    array_create(out, array_bytes(d.width, d.height, 1, d.format, d.channels)?)
-});
-
-entry!(fn cuArray3DCreate_v2(out: *mut Handle, desc: *const Array3DDesc) {
-    let d = get(desc)?;
-    array_create(out, array_bytes(d.width, d.height, d.depth, d.format, d.channels)?)
-});
-
-entry!(fn cuMipmappedArrayCreate(out: *mut Handle, desc: *const Array3DDesc, levels: c_uint) {
-    let d = get(desc)?;
-    let mut total = 0;
-    let (mut w, mut h, mut z) = (d.width, d.height, d.depth);
-    for _ in 0..levels.max(1) {
-        total += array_bytes(w, h, z, d.format, d.channels)?;
-        (w, h, z) = ((w / 2).max(1), (h / 2).max(1), (z / 2).max(1));
+entry!(
+    fn cuArrayCreate_v2(out: *mut Handle, desc: *const ArrayDesc) {
+        let d = get(desc)?;
+        array_create(
+            out,
+            array_bytes(d.width, d.height, 1, d.format, d.channels)?,
+        )
     }
-    array_create(out, total)
-});
+);
 
-entry!(fn cuArrayDestroy(h: Handle) { release_handle(id(h)) });
-entry!(fn cuMipmappedArrayDestroy(h: Handle) { release_handle(id(h)) });
+entry!(
+    fn cuArray3DCreate_v2(out: *mut Handle, desc: *const Array3DDesc) {
+        let d = get(desc)?;
+        array_create(
+            out,
+            array_bytes(d.width, d.height, d.depth, d.format, d.channels)?,
+        )
+    }
+);
+
+entry!(
+    fn cuMipmappedArrayCreate(out: *mut Handle, desc: *const Array3DDesc, levels: c_uint) {
+        let d = get(desc)?;
+        let mut total = 0;
+        let (mut w, mut h, mut z) = (d.width, d.height, d.depth);
+        for _ in 0..levels.max(1) {
+            total += array_bytes(w, h, z, d.format, d.channels)?;
+            (w, h, z) = ((w / 2).max(1), (h / 2).max(1), (z / 2).max(1));
+        }
+        array_create(out, total)
+    }
+);
+
+entry!(
+    fn cuArrayDestroy(h: Handle) {
+        release_handle(id(h))
+    }
+);
+entry!(
+    fn cuMipmappedArrayDestroy(h: Handle) {
+        release_handle(id(h))
+    }
+);

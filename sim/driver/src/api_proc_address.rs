@@ -16,7 +16,10 @@ include!(concat!(env!("OUT_DIR"), "/exports.rs"));
 
 /// Our implementation of the real driver symbol `symbol`, if we have one.
 pub fn export(symbol: &str) -> Option<*const c_void> {
-    EXPORTS.binary_search_by(|(n, _)| (*n).cmp(symbol)).ok().map(|i| EXPORTS[i].1.0)
+    EXPORTS
+        .binary_search_by(|(n, _)| (*n).cmp(symbol))
+        .ok()
+        .map(|i| EXPORTS[i].1.0)
 }
 
 /// `CUdriverProcAddressQueryResult`.
@@ -31,7 +34,9 @@ fn get_proc_address(
     flags: u64,
     status: *mut c_int,
 ) -> CuResult {
-    let name = c_str(symbol)?.to_str().map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+    let name = c_str(symbol)?
+        .to_str()
+        .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
     if pfn.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -50,27 +55,38 @@ fn get_proc_address(
     found.map(|_| ()).ok_or(CUDA_ERROR_NOT_FOUND)
 }
 
-entry!(fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *const c_void, version: c_int, flags: u64) {
-    get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut())
-});
+entry!(
+    fn cuGetProcAddress(
+        symbol: *const c_char,
+        pfn: *mut *const c_void,
+        version: c_int,
+        flags: u64,
+    ) {
+        get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut())
+    }
+);
 
-entry!(fn cuGetProcAddress_v2(
-    symbol: *const c_char,
-    pfn: *mut *const c_void,
-    version: c_int,
-    flags: u64,
-    status: *mut c_int,
-) {
-    get_proc_address(symbol, pfn, version, flags, status)
-});
+entry!(
+    fn cuGetProcAddress_v2(
+        symbol: *const c_char,
+        pfn: *mut *const c_void,
+        version: c_int,
+        flags: u64,
+        status: *mut c_int,
+    ) {
+        get_proc_address(symbol, pfn, version, flags, status)
+    }
+);
 
 // Private export tables of the CUDA runtime: not part of the simulated driver.
-entry!(fn cuGetExportTable(table: *mut *const c_void, _uuid: *const c_void) {
-    if !table.is_null() {
-        put(table, std::ptr::null())?;
+entry!(
+    fn cuGetExportTable(table: *mut *const c_void, _uuid: *const c_void) {
+        if !table.is_null() {
+            put(table, std::ptr::null())?;
+        }
+        Err(CUDA_ERROR_NOT_SUPPORTED)
     }
-    Err(CUDA_ERROR_NOT_SUPPORTED)
-});
+);
 
 #[cfg(test)]
 mod tests {
@@ -80,9 +96,15 @@ mod tests {
     fn every_export_is_a_real_driver_symbol() {
         let real: Vec<&str> = gpushare_cuda_abi::symbols().collect();
         for (name, _) in EXPORTS {
-            assert!(real.contains(name), "{name} is not a CUDA 12.9 driver symbol");
+            assert!(
+                real.contains(name),
+                "{name} is not a CUDA 12.9 driver symbol"
+            );
         }
-        assert!(EXPORTS.windows(2).all(|w| w[0].0 < w[1].0), "sorted and unique");
+        assert!(
+            EXPORTS.windows(2).all(|w| w[0].0 < w[1].0),
+            "sorted and unique"
+        );
     }
 
     #[test]
@@ -90,9 +112,15 @@ mod tests {
         let find = |n: &str, v: i32, f: u64| resolve(n, v, f).symbol().and_then(export);
         assert_eq!(find("cuMemAlloc", 3020, 0), export("cuMemAlloc_v2"));
         assert_eq!(find("cuLaunchKernel", 4000, 0), export("cuLaunchKernel"));
-        assert_eq!(find("cuLaunchKernel", 12000, 2), export("cuLaunchKernel_ptsz"));
+        assert_eq!(
+            find("cuLaunchKernel", 12000, 2),
+            export("cuLaunchKernel_ptsz")
+        );
         assert_eq!(find("cuCtxCreate", 12050, 0), export("cuCtxCreate_v4"));
-        assert_eq!(find("cuGetProcAddress", 12000, 0), export("cuGetProcAddress_v2"));
+        assert_eq!(
+            find("cuGetProcAddress", 12000, 0),
+            export("cuGetProcAddress_v2")
+        );
         assert!(find("cuLaunchKernel", 4000, 0).is_some());
     }
 }

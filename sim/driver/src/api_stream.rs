@@ -20,11 +20,17 @@ fn create(ph: *mut Handle, flags: c_uint, priority: c_int) -> CuResult {
     })
 }
 
-entry!(fn cuStreamCreate(ph: *mut Handle, flags: c_uint) { create(ph, flags, 0) });
+entry!(
+    fn cuStreamCreate(ph: *mut Handle, flags: c_uint) {
+        create(ph, flags, 0)
+    }
+);
 
-entry!(fn cuStreamCreateWithPriority(ph: *mut Handle, flags: c_uint, priority: c_int) {
-    create(ph, flags, priority)
-});
+entry!(
+    fn cuStreamCreateWithPriority(ph: *mut Handle, flags: c_uint, priority: c_int) {
+        create(ph, flags, priority)
+    }
+);
 
 fn destroy(h: Handle) -> CuResult {
     with_state(|d, st| {
@@ -37,12 +43,21 @@ fn destroy(h: Handle) -> CuResult {
         if let Some(c) = st.contexts.get_mut(&ctx) {
             c.streams.retain(|&x| x != s);
         }
-        d.client.send(&gpushare_sim_wire::Request::DestroyStream { stream: s })
+        d.client
+            .send(&gpushare_sim_wire::Request::DestroyStream { stream: s })
     })
 }
 
-entry!(fn cuStreamDestroy(h: Handle) { destroy(h) });
-entry!(fn cuStreamDestroy_v2(h: Handle) { destroy(h) });
+entry!(
+    fn cuStreamDestroy(h: Handle) {
+        destroy(h)
+    }
+);
+entry!(
+    fn cuStreamDestroy_v2(h: Handle) {
+        destroy(h)
+    }
+);
 
 entry_pt!(cuStreamSynchronize / cuStreamSynchronize_ptsz, |pt| fn(h: Handle) {
     let d = driver()?;
@@ -138,7 +153,12 @@ entry_pt!(cuStreamGetId / cuStreamGetId_ptsz, |pt| fn(h: Handle, out: *mut u64) 
 });
 
 /// Queue a host call on a stream (or into the graph it is capturing).
-fn host_call(h: Handle, pt: bool, func: Option<HostFn>, call: impl FnOnce(u64) -> HostCall) -> CuResult {
+fn host_call(
+    h: Handle,
+    pt: bool,
+    func: Option<HostFn>,
+    call: impl FnOnce(u64) -> HostCall,
+) -> CuResult {
     let f = func.ok_or(CUDA_ERROR_INVALID_VALUE)?;
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, h, pt)?;
@@ -151,7 +171,10 @@ fn host_call(h: Handle, pt: bool, func: Option<HostFn>, call: impl FnOnce(u64) -
         // Registered before the submit, so it is there when the device asks for it.
         let key = (s, st.streams[&s].seq + 1);
         let calls = &d.client.host_calls;
-        calls.lock().unwrap_or_else(|e| e.into_inner()).insert(key, call);
+        calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, call);
         if let Err(e) = st.submit(&d.client, s, Op::HostFunc, &[]) {
             calls.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
             return Err(e);
@@ -272,7 +295,9 @@ entry_pt!(cuStreamGetCaptureInfo_v2 / cuStreamGetCaptureInfo_v2_ptsz, |pt| fn(
     Ok(())
 });
 
-entry!(fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) {
-    driver()?;
-    get(mode).map(|_| ())
-});
+entry!(
+    fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) {
+        driver()?;
+        get(mode).map(|_| ())
+    }
+);

@@ -41,8 +41,14 @@ impl Client {
             eprintln!("gpushare-sim libcuda: cannot reach the simulated device at {path:?}: {e}");
             CUDA_ERROR_NO_DEVICE
         })?;
-        wire::send(&mut stream, &Request::Hello { version: PROTOCOL_VERSION, pid: std::process::id() })
-            .map_err(|_| CUDA_ERROR_NO_DEVICE)?;
+        wire::send(
+            &mut stream,
+            &Request::Hello {
+                version: PROTOCOL_VERSION,
+                pid: std::process::id(),
+            },
+        )
+        .map_err(|_| CUDA_ERROR_NO_DEVICE)?;
         let mut buf = Vec::new();
         let devices = match wire::recv::<Reply>(&mut stream, &mut buf) {
             Ok(Some(Reply::Hello { devices })) => devices,
@@ -52,7 +58,9 @@ impl Client {
             }
             _ => return Err(CUDA_ERROR_NO_DEVICE),
         };
-        let reader = stream.try_clone().map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
+        let reader = stream
+            .try_clone()
+            .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
         let client = Client {
             writer: Arc::new(Mutex::new((stream, Vec::new()))),
             pending: Arc::default(),
@@ -84,9 +92,15 @@ impl Client {
     pub fn call(&self, make: impl FnOnce(u64) -> Request) -> CuResult<Reply> {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = channel();
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(req, tx);
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(req, tx);
         if let Err(e) = self.send(&make(req)) {
-            self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&req);
+            self.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&req);
             return Err(e);
         }
         match rx.recv() {
@@ -120,7 +134,9 @@ fn send_on(writer: &Writer, msg: &Request) -> CuResult {
     let mut w = writer.lock().unwrap_or_else(|e| e.into_inner());
     let (stream, buf) = &mut *w;
     wire::encode(msg, buf).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
-    stream.write_all(buf).map_err(|_| CUDA_ERROR_DEVICE_UNAVAILABLE)
+    stream
+        .write_all(buf)
+        .map_err(|_| CUDA_ERROR_DEVICE_UNAVAILABLE)
 }
 
 fn reply_req(r: &Reply) -> Option<u64> {
@@ -146,7 +162,10 @@ fn read_loop(
             continue;
         }
         if let Some(req) = reply_req(&reply) {
-            let tx = pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&req);
+            let tx = pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&req);
             if let Some(tx) = tx {
                 let _ = tx.send(reply);
             }
@@ -163,7 +182,10 @@ fn host_loop(
     writer: Writer,
 ) {
     for (stream, seq) in rx {
-        let call = calls.lock().unwrap_or_else(|e| e.into_inner()).remove(&(stream, seq));
+        let call = calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(stream, seq));
         match call {
             // SAFETY: the application registered this function and its argument with
             // cuLaunchHostFunc / cuStreamAddCallback; it is called exactly once, as promised.

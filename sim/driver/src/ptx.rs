@@ -54,7 +54,10 @@ fn type_size(t: &str) -> Option<usize> {
 /// Size of a declaration like `.param .align 8 .b8 name[24]` or `.global .u32 x = 1`.
 fn decl_size(tokens: &[&str]) -> Option<(String, usize)> {
     let ty = tokens.iter().find_map(|t| type_size(t))?;
-    let name_tok = tokens.iter().rev().find(|t| !t.starts_with('.') && !t.chars().all(|c| c.is_ascii_digit()))?;
+    let name_tok = tokens
+        .iter()
+        .rev()
+        .find(|t| !t.starts_with('.') && !t.chars().all(|c| c.is_ascii_digit()))?;
     let (name, count) = match name_tok.split_once('[') {
         Some((n, rest)) => {
             let count = rest.trim_end_matches(']').parse::<usize>().unwrap_or(1);
@@ -93,10 +96,14 @@ pub fn parse(src: &str) -> Result<Module, PtxError> {
             _ if depth == 0 && tail.starts_with(".version") => {
                 let v = tail[8..].split_whitespace().next().unwrap_or("");
                 let (major, minor) = v.split_once('.').unwrap_or((v, "0"));
-                version = major.parse::<i32>().unwrap_or(0) * 10 + minor.parse::<i32>().unwrap_or(0);
+                version =
+                    major.parse::<i32>().unwrap_or(0) * 10 + minor.parse::<i32>().unwrap_or(0);
                 rest = &tail[8..];
             }
-            _ if depth == 0 && tail.starts_with(".entry") && !tail[6..].starts_with(|c: char| c.is_alphanumeric() || c == '_') => {
+            _ if depth == 0
+                && tail.starts_with(".entry")
+                && !tail[6..].starts_with(|c: char| c.is_alphanumeric() || c == '_') =>
+            {
                 let body = &tail[6..];
                 let name: String = body
                     .trim_start()
@@ -106,25 +113,34 @@ pub fn parse(src: &str) -> Result<Module, PtxError> {
                 if name.is_empty() {
                     return Err(PtxError::Malformed("an .entry without a name".into()));
                 }
-                let header_end = body.find('{').ok_or_else(|| PtxError::Malformed(format!("entry {name} has no body")))?;
+                let header_end = body
+                    .find('{')
+                    .ok_or_else(|| PtxError::Malformed(format!("entry {name} has no body")))?;
                 let header = &body[..header_end];
                 let mut params = Vec::new();
                 if let (Some(open), Some(close)) = (header.find('('), header.rfind(')')) {
-                    for decl in header[open + 1..close].split(',').filter(|d| !d.trim().is_empty()) {
+                    for decl in header[open + 1..close]
+                        .split(',')
+                        .filter(|d| !d.trim().is_empty())
+                    {
                         let tokens: Vec<&str> = decl.split_whitespace().collect();
-                        let (_, size) = decl_size(&tokens)
-                            .ok_or_else(|| PtxError::Malformed(format!("parameter {decl:?} of {name}")))?;
+                        let (_, size) = decl_size(&tokens).ok_or_else(|| {
+                            PtxError::Malformed(format!("parameter {decl:?} of {name}"))
+                        })?;
                         params.push(size);
                     }
                 }
                 kernels.push(Kernel { name, params });
                 rest = &body[header_end..];
             }
-            _ if depth == 0 && tail.starts_with(".global") && !tail[7..].starts_with(|c: char| c.is_alphanumeric()) => {
+            _ if depth == 0
+                && tail.starts_with(".global")
+                && !tail[7..].starts_with(|c: char| c.is_alphanumeric()) =>
+            {
                 let end = tail.find(';').unwrap_or(tail.len());
                 let decl = tail[..end].split('=').next().unwrap_or("");
                 let line_start = rest[..i].rfind('\n').map_or(0, |n| n + 1);
-                let is_extern = rest[line_start..i].contains(".extern");
+                let is_extern = rest[line_start..i].contains("extern");
                 let tokens: Vec<&str> = decl.split_whitespace().collect();
                 if !is_extern && let Some(g) = decl_size(&tokens) {
                     globals.push(g);
@@ -134,7 +150,11 @@ pub fn parse(src: &str) -> Result<Module, PtxError> {
             _ => rest = &tail[1..],
         }
     }
-    Ok(Module { version, kernels, globals })
+    Ok(Module {
+        version,
+        kernels,
+        globals,
+    })
 }
 
 #[cfg(test)]
@@ -179,9 +199,18 @@ $L__BB0_1:
         assert_eq!(
             m.kernels,
             vec![
-                Kernel { name: "gpushare_spin".into(), params: vec![8] },
-                Kernel { name: "touch".into(), params: vec![8, 4, 24] },
-                Kernel { name: "noargs".into(), params: vec![] },
+                Kernel {
+                    name: "gpushare_spin".into(),
+                    params: vec![8]
+                },
+                Kernel {
+                    name: "touch".into(),
+                    params: vec![8, 4, 24]
+                },
+                Kernel {
+                    name: "noargs".into(),
+                    params: vec![]
+                },
             ]
         );
         assert_eq!(m.globals, vec![("counter".into(), 4), ("table".into(), 64)]);
@@ -190,6 +219,9 @@ $L__BB0_1:
     #[test]
     fn rejects_what_is_not_ptx() {
         assert_eq!(parse("\x7fELF..."), Err(PtxError::NotPtx));
-        assert!(matches!(parse(".version 8.0\n.target sm_90\n.entry f( { "), Err(PtxError::Malformed(_))));
+        assert!(matches!(
+            parse(".version 8.0\n.target sm_90\n.entry f( { "),
+            Err(PtxError::Malformed(_))
+        ));
     }
 }

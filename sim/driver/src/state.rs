@@ -169,11 +169,30 @@ pub struct Alloc {
 #[derive(Clone)]
 pub enum NodeKind {
     Empty,
-    Kernel { function: u64, arg0: Option<u64> },
-    Memset { dst: u64, value: u32, element_size: u32, width: usize, height: usize, pitch: usize },
-    Memcpy { dst: u64, src: u64, len: usize },
-    Host { func: HostFn, data: usize },
-    EventWait { event: u64 },
+    Kernel {
+        function: u64,
+        arg0: Option<u64>,
+    },
+    Memset {
+        dst: u64,
+        value: u32,
+        element_size: u32,
+        width: usize,
+        height: usize,
+        pitch: usize,
+    },
+    Memcpy {
+        dst: u64,
+        src: u64,
+        len: usize,
+    },
+    Host {
+        func: HostFn,
+        data: usize,
+    },
+    EventWait {
+        event: u64,
+    },
 }
 
 #[derive(Default)]
@@ -235,7 +254,15 @@ impl State {
     pub fn create_context(&mut self, client: &Client, device: u32, flags: u32) -> CuResult<u64> {
         let ctx = self.new_id();
         client.send(&Request::CreateContext { ctx, device })?;
-        self.contexts.insert(ctx, Context { device, flags, legacy: 0, streams: Vec::new() });
+        self.contexts.insert(
+            ctx,
+            Context {
+                device,
+                flags,
+                legacy: 0,
+                streams: Vec::new(),
+            },
+        );
         let legacy = self.create_stream(client, ctx, 0, 0, true)?;
         self.contexts.get_mut(&ctx).expect("just inserted").legacy = legacy;
         Ok(ctx)
@@ -250,15 +277,36 @@ impl State {
         legacy: bool,
     ) -> CuResult<u64> {
         let id = self.new_id();
-        client.send(&Request::CreateStream { stream: id, ctx, priority })?;
-        self.streams.insert(id, Stream { ctx, flags, priority, seq: 0, legacy, capture: None });
-        self.contexts.get_mut(&ctx).ok_or(CUDA_ERROR_INVALID_CONTEXT)?.streams.push(id);
+        client.send(&Request::CreateStream {
+            stream: id,
+            ctx,
+            priority,
+        })?;
+        self.streams.insert(
+            id,
+            Stream {
+                ctx,
+                flags,
+                priority,
+                seq: 0,
+                legacy,
+                capture: None,
+            },
+        );
+        self.contexts
+            .get_mut(&ctx)
+            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?
+            .streams
+            .push(id);
         Ok(id)
     }
 
     /// Destroy a context's objects here and on the device.
     pub fn destroy_context(&mut self, client: &Client, ctx: u64) -> CuResult {
-        let c = self.contexts.remove(&ctx).ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        let c = self
+            .contexts
+            .remove(&ctx)
+            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
         for s in &c.streams {
             self.streams.remove(s);
         }
@@ -269,7 +317,11 @@ impl State {
 
     pub fn current(&self) -> CuResult<u64> {
         let ctx = current_ctx().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
-        if self.contexts.contains_key(&ctx) { Ok(ctx) } else { Err(CUDA_ERROR_INVALID_CONTEXT) }
+        if self.contexts.contains_key(&ctx) {
+            Ok(ctx)
+        } else {
+            Err(CUDA_ERROR_INVALID_CONTEXT)
+        }
     }
 
     pub fn current_device(&self) -> CuResult<u32> {
@@ -278,7 +330,12 @@ impl State {
 
     /// The stream a `CUstream` handle means for this thread. `per_thread` selects what the null
     /// handle means: the legacy default stream, or this thread's per-thread default stream.
-    pub fn resolve_stream(&mut self, client: &Client, h: Handle, per_thread: bool) -> CuResult<u64> {
+    pub fn resolve_stream(
+        &mut self,
+        client: &Client,
+        h: Handle,
+        per_thread: bool,
+    ) -> CuResult<u64> {
         let raw = h as usize;
         let special = match raw {
             0 if per_thread => Some(true),
@@ -288,7 +345,11 @@ impl State {
         };
         let Some(pt) = special else {
             let id = raw as u64;
-            return if self.streams.contains_key(&id) { Ok(id) } else { Err(CUDA_ERROR_INVALID_HANDLE) };
+            return if self.streams.contains_key(&id) {
+                Ok(id)
+            } else {
+                Err(CUDA_ERROR_INVALID_HANDLE)
+            };
         };
         let ctx = self.current()?;
         if !pt {
@@ -327,13 +388,27 @@ impl State {
     }
 
     /// Queue `op` on `stream` after its implicit dependencies and `extra`; returns its ref.
-    pub fn submit(&mut self, client: &Client, stream: u64, op: Op, extra: &[OpRef]) -> CuResult<OpRef> {
+    pub fn submit(
+        &mut self,
+        client: &Client,
+        stream: u64,
+        op: Op,
+        extra: &[OpRef],
+    ) -> CuResult<OpRef> {
         let mut deps = extra.to_vec();
         self.implicit_deps(stream, &mut deps);
-        let s = self.streams.get_mut(&stream).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        let s = self
+            .streams
+            .get_mut(&stream)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         s.seq += 1;
         let seq = s.seq;
-        client.send(&Request::Submit { stream, seq, deps, op })?;
+        client.send(&Request::Submit {
+            stream,
+            seq,
+            deps,
+            op,
+        })?;
         Ok((stream, seq))
     }
 
@@ -347,13 +422,21 @@ impl State {
         self.contexts[&ctx]
             .streams
             .iter()
-            .filter_map(|s| self.streams.get(s).filter(|st| st.seq > 0).map(|st| (*s, st.seq)))
+            .filter_map(|s| {
+                self.streams
+                    .get(s)
+                    .filter(|st| st.seq > 0)
+                    .map(|st| (*s, st.seq))
+            })
             .collect()
     }
 
     /// Error unless `stream` may be used for host-synchronous work (not being captured).
     pub fn check_not_capturing(&mut self, stream: u64) -> CuResult {
-        let s = self.streams.get_mut(&stream).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        let s = self
+            .streams
+            .get_mut(&stream)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         if let Some(c) = s.capture.as_mut() {
             c.invalidated = true;
             return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);

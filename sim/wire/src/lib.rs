@@ -5,14 +5,11 @@
 //! stream operations are fire-and-forget so that a simulated launch costs about what a real one
 //! does (one `write`); only queries, waits and allocations carry a request id and get a reply.
 
+pub use gpushare_frame::{MAX_FRAME, WireError, encode, recv, send};
 use serde::{Deserialize, Serialize};
-use std::io::{self, Read, Write};
 
 /// Bumped on every incompatible change; checked in [`Request::Hello`].
 pub const PROTOCOL_VERSION: u32 = 1;
-
-/// Largest frame either side accepts; anything bigger is a corrupt or hostile stream.
-pub const MAX_FRAME: usize = 1 << 20;
 
 /// Environment variable naming the device socket, set by `gpushare-sim run`.
 pub const SOCKET_ENV: &str = "GPUSHARE_SIM_SOCKET";
@@ -36,23 +33,64 @@ pub enum Op {
 /// Client → device.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
-    Hello { version: u32, pid: u32 },
-    CreateContext { ctx: u64, device: u32 },
-    DestroyContext { ctx: u64 },
-    CreateStream { stream: u64, ctx: u64, priority: i32 },
-    DestroyStream { stream: u64 },
-    RegisterFunction { function: u64, name: String },
+    Hello {
+        version: u32,
+        pid: u32,
+    },
+    CreateContext {
+        ctx: u64,
+        device: u32,
+    },
+    DestroyContext {
+        ctx: u64,
+    },
+    CreateStream {
+        stream: u64,
+        ctx: u64,
+        priority: i32,
+    },
+    DestroyStream {
+        stream: u64,
+    },
+    RegisterFunction {
+        function: u64,
+        name: String,
+    },
     /// Queue `op` as number `seq` of `stream`; it also waits for every op in `deps`.
-    Submit { stream: u64, seq: u64, deps: Vec<OpRef>, op: Op },
-    HostFuncDone { stream: u64, seq: u64 },
+    Submit {
+        stream: u64,
+        seq: u64,
+        deps: Vec<OpRef>,
+        op: Op,
+    },
+    HostFuncDone {
+        stream: u64,
+        seq: u64,
+    },
     /// Reply [`Reply::Done`] once every op in `ops` has completed on the device.
-    Wait { req: u64, ops: Vec<OpRef> },
+    Wait {
+        req: u64,
+        ops: Vec<OpRef>,
+    },
     /// Reply [`Reply::Status`] at once.
-    Query { req: u64, ops: Vec<OpRef> },
+    Query {
+        req: u64,
+        ops: Vec<OpRef>,
+    },
     /// Reserve device memory; reply [`Reply::Alloc`].
-    Alloc { req: u64, device: u32, bytes: u64 },
-    Free { device: u32, bytes: u64 },
-    MemInfo { req: u64, device: u32 },
+    Alloc {
+        req: u64,
+        device: u32,
+        bytes: u64,
+    },
+    Free {
+        device: u32,
+        bytes: u64,
+    },
+    MemInfo {
+        req: u64,
+        device: u32,
+    },
 }
 
 /// Static description of one simulated GPU.
@@ -67,68 +105,37 @@ pub struct DeviceInfo {
 /// Device → client.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Reply {
-    Hello { devices: Vec<DeviceInfo> },
+    Hello {
+        devices: Vec<DeviceInfo>,
+    },
     /// Every op waited for completed; `end_ns` is the latest completion (CLOCK_MONOTONIC).
-    Done { req: u64, end_ns: u64 },
+    Done {
+        req: u64,
+        end_ns: u64,
+    },
     /// Completion time of each queried op, `None` while pending.
-    Status { req: u64, ends: Vec<Option<u64>> },
-    Alloc { req: u64, ok: bool },
-    MemInfo { req: u64, free: u64, total: u64 },
-    RunHostFunc { stream: u64, seq: u64 },
+    Status {
+        req: u64,
+        ends: Vec<Option<u64>>,
+    },
+    Alloc {
+        req: u64,
+        ok: bool,
+    },
+    MemInfo {
+        req: u64,
+        free: u64,
+        total: u64,
+    },
+    RunHostFunc {
+        stream: u64,
+        seq: u64,
+    },
     /// The device refused a request (unknown stream, bad version…); `message` says why.
-    Error { req: Option<u64>, message: String },
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum WireError {
-    #[error("i/o: {0}")]
-    Io(#[from] io::Error),
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
-    TooLarge(usize),
-    #[error("undecodable frame: {0}")]
-    Decode(#[from] postcard::Error),
-}
-
-/// Serialise `msg` as one frame into `buf` (cleared first), ready for a single `write_all`.
-pub fn encode<T: Serialize>(msg: &T, buf: &mut Vec<u8>) -> Result<(), WireError> {
-    buf.clear();
-    buf.extend_from_slice(&[0; 4]);
-    let body = postcard::to_extend(msg, std::mem::take(buf))?;
-    *buf = body;
-    let len = buf.len() - 4;
-    if len > MAX_FRAME {
-        return Err(WireError::TooLarge(len));
-    }
-    buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
-    Ok(())
-}
-
-/// Write one frame.
-pub fn send<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), WireError> {
-    let mut buf = Vec::new();
-    encode(msg, &mut buf)?;
-    w.write_all(&buf)?;
-    Ok(())
-}
-
-/// Read one frame; `Ok(None)` on a clean end of stream between frames.
-pub fn recv<T: for<'de> Deserialize<'de>>(
-    r: &mut impl Read,
-    buf: &mut Vec<u8>,
-) -> Result<Option<T>, WireError> {
-    let mut len = [0u8; 4];
-    match r.read_exact(&mut len) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e.into()),
-    }
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME {
-        return Err(WireError::TooLarge(len));
-    }
-    buf.resize(len, 0);
-    r.read_exact(buf)?;
-    Ok(Some(postcard::from_bytes(buf)?))
+    Error {
+        req: Option<u64>,
+        message: String,
+    },
 }
 
 #[cfg(test)]
@@ -157,14 +164,6 @@ mod tests {
             assert_eq!(recv::<Request>(&mut r, &mut buf).unwrap().as_ref(), Some(m));
         }
         assert!(recv::<Request>(&mut r, &mut buf).unwrap().is_none());
-    }
-
-    #[test]
-    fn oversized_frame_is_rejected() {
-        let mut wire = ((MAX_FRAME + 1) as u32).to_le_bytes().to_vec();
-        wire.extend_from_slice(&[0; 16]);
-        let err = recv::<Request>(&mut &wire[..], &mut Vec::new()).unwrap_err();
-        assert!(matches!(err, WireError::TooLarge(_)));
     }
 
     proptest! {

@@ -27,7 +27,10 @@ pub const BUILD_HINT: &str = "run `cargo build --workspace` first (scripts/test 
 /// plain binaries in `target/debug/` itself.
 pub fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("cannot locate the running executable");
-    let mut dir = exe.parent().expect("executable has a directory").to_path_buf();
+    let mut dir = exe
+        .parent()
+        .expect("executable has a directory")
+        .to_path_buf();
     if matches!(
         dir.file_name().and_then(OsStr::to_str),
         Some("deps" | "examples")

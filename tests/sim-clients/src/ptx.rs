@@ -28,9 +28,13 @@ mod tests {
         let mut out = String::new();
         for line in header.lines() {
             let line = line.trim();
-            let Some(body) = line.strip_prefix('"') else { continue };
+            let Some(body) = line.strip_prefix('"') else {
+                continue;
+            };
             let body = body.trim_end_matches(';');
-            let body = body.strip_suffix('"').expect("literal line ends with a quote");
+            let body = body
+                .strip_suffix('"')
+                .expect("literal line ends with a quote");
             let mut chars = body.chars();
             while let Some(c) = chars.next() {
                 if c != '\\' {

@@ -81,7 +81,10 @@ pub struct Window {
 impl Window {
     /// `[start_ns, end_ns)`; panics if `end_ns < start_ns`.
     pub fn new(start_ns: u64, end_ns: u64) -> Self {
-        assert!(start_ns <= end_ns, "window ends ({end_ns}) before it starts ({start_ns})");
+        assert!(
+            start_ns <= end_ns,
+            "window ends ({end_ns}) before it starts ({start_ns})"
+        );
         Window { start_ns, end_ns }
     }
 
@@ -111,7 +114,11 @@ impl Window {
     pub fn shrink(&self, ns: u64) -> Window {
         let start = self.start_ns.saturating_add(ns);
         let end = self.end_ns.saturating_sub(ns);
-        if start < end { Window::new(start, end) } else { Window::new(start, start) }
+        if start < end {
+            Window::new(start, end)
+        } else {
+            Window::new(start, start)
+        }
     }
 }
 
@@ -267,14 +274,19 @@ impl Trace {
     /// the records' intervals, clipped to `window`). Devices are not told apart: filter first
     /// to count one device.
     pub fn busy_ns(&self, window: Window) -> u64 {
-        let mut clipped: Vec<Window> =
-            self.records.iter().filter_map(|r| r.window().intersect(&window)).collect();
+        let mut clipped: Vec<Window> = self
+            .records
+            .iter()
+            .filter_map(|r| r.window().intersect(&window))
+            .collect();
         clipped.sort();
         let mut total = 0;
         let mut current: Option<Window> = None;
         for w in clipped {
             current = match current {
-                Some(c) if w.start_ns <= c.end_ns => Some(Window::new(c.start_ns, c.end_ns.max(w.end_ns))),
+                Some(c) if w.start_ns <= c.end_ns => {
+                    Some(Window::new(c.start_ns, c.end_ns.max(w.end_ns)))
+                }
                 Some(c) => {
                     total += c.len_ns();
                     Some(w)
@@ -365,12 +377,19 @@ mod tests {
 
     #[test]
     fn rejects_missing_and_backwards_accepts_extra() {
-        let missing = r#"{"device":0,"pid":1,"ctx":1,"stream":1,"kernel":"k","start_ns":1,"end_ns":2}"#;
-        assert!(matches!(Trace::parse(missing), Err(TraceError::Json { line: 1, .. })));
+        let missing =
+            r#"{"device":0,"pid":1,"ctx":1,"stream":1,"kernel":"k","start_ns":1,"end_ns":2}"#;
+        assert!(matches!(
+            Trace::parse(missing),
+            Err(TraceError::Json { line: 1, .. })
+        ));
         let extra = r#"{"device":0,"pid":1,"ctx":1,"stream":1,"kernel":"k","start_ns":1,"end_ns":2,"preempted":false,"x":1}"#;
         assert_eq!(Trace::parse(extra).unwrap().len(), 1);
         let backwards = r#"{"device":0,"pid":1,"ctx":1,"stream":1,"kernel":"k","start_ns":3,"end_ns":2,"preempted":false}"#;
-        assert!(matches!(Trace::parse(backwards), Err(TraceError::Backwards { .. })));
+        assert!(matches!(
+            Trace::parse(backwards),
+            Err(TraceError::Backwards { .. })
+        ));
     }
 
     #[test]
@@ -386,7 +405,11 @@ mod tests {
         assert_eq!(o.len(), 1);
         assert_eq!((o[0].0.start_ns, o[0].1.start_ns), (10, 15));
         // Contained record: reported against the long one.
-        let t = Trace::from_records(vec![rec(0, 1, 0, 100), rec(0, 2, 10, 20), rec(0, 2, 30, 40)]);
+        let t = Trace::from_records(vec![
+            rec(0, 1, 0, 100),
+            rec(0, 2, 10, 20),
+            rec(0, 2, 30, 40),
+        ]);
         assert_eq!(t.overlaps().len(), 2);
     }
 
@@ -417,7 +440,10 @@ mod tests {
         assert_eq!(a.intersect(&b), Some(Window::new(5, 10)));
         assert_eq!(a.intersect(&Window::new(10, 20)), None);
         assert_eq!(a.overlap_ns(&b), 5);
-        assert_eq!(common_window([a, b, Window::new(7, 30)]), Some(Window::new(7, 10)));
+        assert_eq!(
+            common_window([a, b, Window::new(7, 30)]),
+            Some(Window::new(7, 10))
+        );
         assert_eq!(common_window([a, Window::new(11, 12)]), None);
         assert_eq!(common_window(std::iter::empty()), None);
         assert_eq!(Window::new(0, 100).shrink(10), Window::new(10, 90));

@@ -23,7 +23,10 @@ fn client(m: &mut Model, conn: ConnId, device: u32) {
 }
 
 fn spin(m: &mut Model, now: u64, conn: ConnId, stream: u64, seq: u64, ns: u64) {
-    let op = Op::Kernel { function: 1, arg0: Some(ns) };
+    let op = Op::Kernel {
+        function: 1,
+        arg0: Some(ns),
+    };
     m.submit(now, (conn, stream), seq, &[], &op).unwrap();
 }
 
@@ -40,7 +43,12 @@ fn assert_no_overlap(trace: &[TraceRecord]) {
     t.sort_by_key(|r| (r.device, r.start_ns));
     for w in t.windows(2) {
         if w[0].device == w[1].device {
-            assert!(w[0].end_ns <= w[1].start_ns, "overlap: {:?} {:?}", w[0], w[1]);
+            assert!(
+                w[0].end_ns <= w[1].start_ns,
+                "overlap: {:?} {:?}",
+                w[0],
+                w[1]
+            );
         }
     }
 }
@@ -70,7 +78,10 @@ fn work_is_not_committed_beyond_the_current_slice() {
     }
     m.advance(0);
     assert!(m.completion((1, 1), 2).is_some());
-    assert!(m.completion((1, 1), 3).is_none(), "third kernel is past the 1 ms slice");
+    assert!(
+        m.completion((1, 1), 3).is_none(),
+        "third kernel is past the 1 ms slice"
+    );
     assert_eq!(m.next_wakeup(0), Some(MS));
     m.advance(5 * MS);
     assert_eq!(m.completion((1, 1), 10), Some(5 * MS));
@@ -118,7 +129,11 @@ fn without_preemption_kernels_finish_before_the_switch() {
     m.advance(20 * MS);
     let trace = m.take_trace();
     assert_eq!(trace.len(), 2);
-    assert!(trace.iter().all(|r| !r.preempted && r.end_ns - r.start_ns == 5 * MS));
+    assert!(
+        trace
+            .iter()
+            .all(|r| !r.preempted && r.end_ns - r.start_ns == 5 * MS)
+    );
     assert_no_overlap(&trace);
 }
 
@@ -142,7 +157,10 @@ fn dependencies_order_streams() {
     client(&mut m, 1, 0);
     assert!(m.create_stream((1, 2), (1, 1), 0));
     spin(&mut m, 0, 1, 1, 1, 300 * US);
-    let op = Op::Kernel { function: 1, arg0: Some(100 * US) };
+    let op = Op::Kernel {
+        function: 1,
+        arg0: Some(100 * US),
+    };
     m.submit(0, (1, 2), 1, &[(1, 1)], &op).unwrap();
     m.submit(0, (1, 2), 2, &[], &Op::Marker).unwrap();
     m.advance(MS);
@@ -170,7 +188,10 @@ fn host_function_holds_its_stream_until_done() {
     m.submit(0, (1, 1), 2, &[], &Op::HostFunc).unwrap();
     spin(&mut m, 0, 1, 1, 3, 100 * US);
     m.advance(50 * US);
-    assert!(m.take_host_calls().is_empty(), "kernel before it still runs");
+    assert!(
+        m.take_host_calls().is_empty(),
+        "kernel before it still runs"
+    );
     m.advance(150 * US);
     assert_eq!(m.take_host_calls(), vec![((1, 1), 2)]);
     m.advance(400 * US);
@@ -200,12 +221,44 @@ fn configured_and_default_kernel_durations() {
     client(&mut m, 1, 0);
     m.register_function((1, 2), "gemm");
     m.register_function((1, 3), "other");
-    m.submit(0, (1, 1), 1, &[], &Op::Kernel { function: 2, arg0: None }).unwrap();
-    m.submit(0, (1, 1), 2, &[], &Op::Kernel { function: 3, arg0: Some(9) }).unwrap();
+    m.submit(
+        0,
+        (1, 1),
+        1,
+        &[],
+        &Op::Kernel {
+            function: 2,
+            arg0: None,
+        },
+    )
+    .unwrap();
+    m.submit(
+        0,
+        (1, 1),
+        2,
+        &[],
+        &Op::Kernel {
+            function: 3,
+            arg0: Some(9),
+        },
+    )
+    .unwrap();
     m.advance(MS);
     assert_eq!(m.completion((1, 1), 1), Some(70 * US));
     assert_eq!(m.completion((1, 1), 2), Some(75 * US));
-    assert_eq!(m.submit(0, (1, 1), 3, &[], &Op::Kernel { function: 9, arg0: None }), Err(SubmitError::UnknownFunction));
+    assert_eq!(
+        m.submit(
+            0,
+            (1, 1),
+            3,
+            &[],
+            &Op::Kernel {
+                function: 9,
+                arg0: None
+            }
+        ),
+        Err(SubmitError::UnknownFunction)
+    );
 }
 
 #[test]

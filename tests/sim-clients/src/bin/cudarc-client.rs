@@ -20,7 +20,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Parser)]
-#[command(name = "cudarc-client", about = "cudarc driver-API client for the simulated GPU")]
+#[command(
+    name = "cudarc-client",
+    about = "cudarc driver-API client for the simulated GPU"
+)]
 struct Cli {
     /// CUDA device ordinal to use.
     #[arg(long, default_value_t = 0, global = true)]
@@ -104,7 +107,9 @@ fn load(ctx: &Arc<CudaContext>) -> Res<(Arc<CudaModule>, CudaFunction, CudaFunct
     let spin = module
         .load_function(SPIN_KERNEL)
         .at("cuModuleGetFunction(gpushare_spin)")?;
-    let touch = module.load_function(TOUCH_KERNEL).at("cuModuleGetFunction(touch)")?;
+    let touch = module
+        .load_function(TOUCH_KERNEL)
+        .at("cuModuleGetFunction(touch)")?;
     Ok((module, spin, touch))
 }
 
@@ -117,8 +122,23 @@ fn spin(stream: &CudaStream, f: &CudaFunction, ns: u64) -> Res<()> {
     Ok(())
 }
 
+/// Device time of a 2 ms kernel queued ahead of timed work by [`timed`].
+const PAD_NS: u64 = 2_000_000;
+
 /// Device time between two timing events recorded around `work` on `stream`, in ms.
-fn timed(stream: &Arc<CudaStream>, what: &str, work: impl FnOnce() -> Res<()>) -> Res<f32> {
+///
+/// With `pad`, a [`PAD_NS`] spin kernel is queued first, so the start event completes when it
+/// does and `work` follows at once on the device: the result is the device time of `work`
+/// alone, without the host's launch latency (as when timing a kernel on a busy real GPU).
+fn timed(
+    stream: &Arc<CudaStream>,
+    pad: Option<&CudaFunction>,
+    what: &str,
+    work: impl FnOnce() -> Res<()>,
+) -> Res<f32> {
+    if let Some(spin_f) = pad {
+        spin(stream, spin_f, PAD_NS)?;
+    }
     let start = stream
         .record_event(timing_event_flags())
         .at(&format!("cuEventRecord (start of {what})"))?;
@@ -136,7 +156,9 @@ fn smoke(device: usize) -> Res<Value> {
     let device_count = CudaContext::device_count().at("cuDeviceGetCount")?;
     let name = ctx.name().at("cuDeviceGetName")?;
     let total_mem = ctx.total_mem().at("cuDeviceTotalMem")?;
-    let (cc_major, cc_minor) = ctx.compute_capability().at("cuDeviceGetAttribute(compute capability)")?;
+    let (cc_major, cc_minor) = ctx
+        .compute_capability()
+        .at("cuDeviceGetAttribute(compute capability)")?;
     let (free, total) = ctx.mem_get_info().at("cuMemGetInfo")?;
     check(total as u64 == total_mem as u64 && free <= total, || {
         format!("cuMemGetInfo: free {free} total {total}, but cuDeviceTotalMem says {total_mem}")
@@ -146,22 +168,33 @@ fn smoke(device: usize) -> Res<Value> {
 
     // Copies round-trip.
     const N: usize = 1 << 20;
-    let host: Vec<u32> = (0..N as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ 0x5555).collect();
+    let host: Vec<u32> = (0..N as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) ^ 0x5555)
+        .collect();
     // SAFETY: the buffer is written before it is read.
     let mut buf = unsafe { stream.alloc::<u32>(N) }.at("cuMemAlloc (4 MiB)")?;
-    stream.memcpy_htod(&host, &mut buf).at("cuMemcpyHtoDAsync (4 MiB)")?;
+    stream
+        .memcpy_htod(&host, &mut buf)
+        .at("cuMemcpyHtoDAsync (4 MiB)")?;
     let back = stream.clone_dtoh(&buf).at("cuMemcpyDtoHAsync (4 MiB)")?;
     check(back == host, || {
         let i = back.iter().zip(&host).position(|(a, b)| a != b);
         format!("HtoD/DtoH round trip differs (first difference at index {i:?})")
     })?;
     let copy = stream.clone_dtod(&buf).at("cuMemcpyDtoDAsync (4 MiB)")?;
-    let back = stream.clone_dtoh(&copy).at("cuMemcpyDtoHAsync (DtoD copy)")?;
+    let back = stream
+        .clone_dtoh(&copy)
+        .at("cuMemcpyDtoHAsync (DtoD copy)")?;
     check(back == host, || "DtoD copy differs from the source".into())?;
     stream.memset_zeros(&mut buf).at("cuMemsetD8Async")?;
-    let zeros = stream.clone_dtoh(&buf).at("cuMemcpyDtoHAsync (after memset)")?;
+    let zeros = stream
+        .clone_dtoh(&buf)
+        .at("cuMemcpyDtoHAsync (after memset)")?;
     check(zeros.iter().all(|&v| v == 0), || {
-        format!("memset_zeros left {} non-zero words", zeros.iter().filter(|&&v| v != 0).count())
+        format!(
+            "memset_zeros left {} non-zero words",
+            zeros.iter().filter(|&&v| v != 0).count()
+        )
     })?;
     let (free_after, _) = ctx.mem_get_info().at("cuMemGetInfo (after alloc)")?;
     check(free_after + 2 * N * 4 <= free, || {
@@ -178,11 +211,22 @@ fn smoke(device: usize) -> Res<Value> {
                 error_name(&e)
             )));
         }
-        Ok(_) => return Err(Failure("cuModuleGetFunction(no_such_kernel) succeeded".into())),
+        Ok(_) => {
+            return Err(Failure(
+                "cuModuleGetFunction(no_such_kernel) succeeded".into(),
+            ));
+        }
     };
 
-    // A 2 ms spin timed with events.
-    let spin_ms = timed(&stream, "2 ms spin", || spin(&stream, &spin_f, 2_000_000))?;
+    // A 2 ms spin timed with events: behind a pad kernel (device time only) and on an idle
+    // stream (device time plus the host time from the start event's record to the launch).
+    let pad = Some(&spin_f);
+    let spin_ms = timed(&stream, pad, "2 ms spin", || {
+        spin(&stream, &spin_f, 2_000_000)
+    })?;
+    let spin_idle_ms = timed(&stream, None, "2 ms spin, idle stream", || {
+        spin(&stream, &spin_f, 2_000_000)
+    })?;
 
     // The two-parameter kernel on the created stream.
     let mut b = stream.launch_builder(&touch_f);
@@ -194,22 +238,28 @@ fn smoke(device: usize) -> Res<Value> {
 
     // The legacy default stream and the per-thread default stream.
     let default = ctx.default_stream();
-    let default_ms = timed(&default, "spin on the default stream", || {
+    let default_ms = timed(&default, pad, "spin on the default stream", || {
         spin(&default, &spin_f, 500_000)
     })?;
-    default.synchronize().at("cuStreamSynchronize (default stream)")?;
+    default
+        .synchronize()
+        .at("cuStreamSynchronize (default stream)")?;
     let per_thread = ctx.per_thread_stream();
-    let per_thread_ms = timed(&per_thread, "spin on the per-thread stream", || {
+    let per_thread_ms = timed(&per_thread, pad, "spin on the per-thread stream", || {
         spin(&per_thread, &spin_f, 500_000)
     })?;
-    per_thread.synchronize().at("cuStreamSynchronize (per-thread stream)")?;
+    per_thread
+        .synchronize()
+        .at("cuStreamSynchronize (per-thread stream)")?;
 
     // Cross-stream ordering: 1 ms on `stream`; s2 waits for it and runs 0.5 ms; `stream` joins
     // s2 and runs 0.25 ms. Measured on `stream`, the whole chain takes 1.75 ms.
     let s2 = ctx.new_stream().at("cuStreamCreate (second stream)")?;
-    let cross_stream_ms = timed(&stream, "cross-stream chain", || {
+    let cross_stream_ms = timed(&stream, pad, "cross-stream chain", || {
         spin(&stream, &spin_f, 1_000_000)?;
-        let ev = stream.record_event(None).at("cuEventRecord (stream -> s2)")?;
+        let ev = stream
+            .record_event(None)
+            .at("cuEventRecord (stream -> s2)")?;
         s2.wait(&ev).at("cuStreamWaitEvent (s2 waits on stream)")?;
         spin(&s2, &spin_f, 500_000)?;
         stream.join(&s2).at("cuStreamWaitEvent (stream joins s2)")?;
@@ -229,23 +279,31 @@ fn smoke(device: usize) -> Res<Value> {
         "round_trip_bytes": N * 4,
         "missing_function": missing,
         "spin_ms": spin_ms,
+        "spin_idle_stream_ms": spin_idle_ms,
         "default_stream_ms": default_ms,
         "per_thread_stream_ms": per_thread_ms,
         "cross_stream_ms": cross_stream_ms,
     }))
 }
 
-fn spin_cmd(device: usize, ms_per_kernel: f64, kernels: u64, sync_every: Option<u64>) -> Res<Value> {
+fn spin_cmd(
+    device: usize,
+    ms_per_kernel: f64,
+    kernels: u64,
+    sync_every: Option<u64>,
+) -> Res<Value> {
     check(ms_per_kernel >= 0.0 && ms_per_kernel.is_finite(), || {
         format!("--ms-per-kernel {ms_per_kernel} must be a non-negative number")
     })?;
-    check(sync_every != Some(0), || "--sync-every must be at least 1".into())?;
+    check(sync_every != Some(0), || {
+        "--sync-every must be at least 1".into()
+    })?;
     let ns = (ms_per_kernel * 1e6).round() as u64;
     let ctx = CudaContext::new(device).at("CudaContext::new")?;
     let stream = ctx.new_stream().at("cuStreamCreate")?;
     let (_module, spin_f, _) = load(&ctx)?;
     let wall = Instant::now();
-    let device_ms = timed(&stream, "spin kernels", || {
+    let device_ms = timed(&stream, None, "spin kernels", || {
         for i in 1..=kernels {
             spin(&stream, &spin_f, ns)?;
             if sync_every.is_some_and(|k| i % k == 0) {
@@ -309,19 +367,28 @@ fn oom(device: usize, fill: bool) -> Res<Value> {
             }
         }
         check(held.len() == 4, || {
-            format!("filling the device with {quarter}-byte quarters: {} succeeded, expected 4", held.len())
-        })?;
-        check(first_error == Some(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)), || {
             format!(
-                "the fifth quarter should fail with CUDA_ERROR_OUT_OF_MEMORY, got {:?}",
-                first_error.as_ref().map(error_name)
+                "filling the device with {quarter}-byte quarters: {} succeeded, expected 4",
+                held.len()
             )
         })?;
+        check(
+            first_error == Some(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)),
+            || {
+                format!(
+                    "the fifth quarter should fail with CUDA_ERROR_OUT_OF_MEMORY, got {:?}",
+                    first_error.as_ref().map(error_name)
+                )
+            },
+        )?;
         let (free, _) = ctx.mem_get_info().at("cuMemGetInfo (device full)")?;
-        check(free < quarter, || format!("device full but cuMemGetInfo reports {free} bytes free"))?;
+        check(free < quarter, || {
+            format!("device full but cuMemGetInfo reports {free} bytes free")
+        })?;
         held.pop();
         // SAFETY: never read.
-        let again = unsafe { stream.alloc::<u8>(quarter) }.at("cuMemAlloc (a quarter after freeing one)")?;
+        let again = unsafe { stream.alloc::<u8>(quarter) }
+            .at("cuMemAlloc (a quarter after freeing one)")?;
         held.push(again);
         quarters_allocated = Some(4);
         realloc_after_free = Some(true);
@@ -386,9 +453,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let (name, result) = match cli.cmd {
         Cmd::Smoke => ("smoke", smoke(cli.device)),
-        Cmd::Spin { ms_per_kernel, kernels, sync_every } => {
-            ("spin", spin_cmd(cli.device, ms_per_kernel, kernels, sync_every))
-        }
+        Cmd::Spin {
+            ms_per_kernel,
+            kernels,
+            sync_every,
+        } => (
+            "spin",
+            spin_cmd(cli.device, ms_per_kernel, kernels, sync_every),
+        ),
         Cmd::Oom { fill } => ("oom", oom(cli.device, fill)),
         Cmd::LaunchLatency { n } => ("launch-latency", launch_latency(cli.device, n)),
     };

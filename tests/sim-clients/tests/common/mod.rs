@@ -84,12 +84,16 @@ impl Env {
 
 /// `v[key]` as f64, or a panic naming the key.
 pub fn f64_field(v: &serde_json::Value, key: &str) -> f64 {
-    v[key].as_f64().unwrap_or_else(|| panic!("no number {key:?} in {v}"))
+    v[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no number {key:?} in {v}"))
 }
 
 /// `v[key]` as u64, or a panic naming the key.
 pub fn u64_field(v: &serde_json::Value, key: &str) -> u64 {
-    v[key].as_u64().unwrap_or_else(|| panic!("no integer {key:?} in {v}"))
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no integer {key:?} in {v}"))
 }
 
 /// Assert `got` is within `tol` (relative) of `want`.

@@ -1,0 +1,94 @@
+//! Framing shared by gpushare's socket protocols (hook ↔ scheduler, simulated driver ↔ device):
+//! a little-endian `u32` length, then a `postcard` body. Decoders reject oversized or
+//! undecodable frames with an error, never a panic.
+
+use serde::{Deserialize, Serialize};
+use std::io::{self, Read, Write};
+
+/// Largest frame either side accepts; anything bigger is a corrupt or hostile stream.
+pub const MAX_FRAME: usize = 1 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
+    TooLarge(usize),
+    #[error("undecodable frame: {0}")]
+    Decode(#[from] postcard::Error),
+}
+
+/// Serialise `msg` as one frame into `buf` (cleared first), ready for a single `write_all`.
+pub fn encode<T: Serialize>(msg: &T, buf: &mut Vec<u8>) -> Result<(), WireError> {
+    buf.clear();
+    buf.extend_from_slice(&[0; 4]);
+    let body = postcard::to_extend(msg, std::mem::take(buf))?;
+    *buf = body;
+    let len = buf.len() - 4;
+    if len > MAX_FRAME {
+        return Err(WireError::TooLarge(len));
+    }
+    buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok(())
+}
+
+/// Write one frame.
+pub fn send<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), WireError> {
+    let mut buf = Vec::new();
+    encode(msg, &mut buf)?;
+    w.write_all(&buf)?;
+    Ok(())
+}
+
+/// Read one frame; `Ok(None)` on a clean end of stream between frames.
+pub fn recv<T: for<'de> Deserialize<'de>>(
+    r: &mut impl Read,
+    buf: &mut Vec<u8>,
+) -> Result<Option<T>, WireError> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(WireError::TooLarge(len));
+    }
+    buf.resize(len, 0);
+    r.read_exact(buf)?;
+    Ok(Some(postcard::from_bytes(buf)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trip_and_clean_end() {
+        let mut wire = Vec::new();
+        send(&mut wire, &(1u32, "two".to_string())).unwrap();
+        let mut r = &wire[..];
+        let mut buf = Vec::new();
+        assert_eq!(recv::<(u32, String)>(&mut r, &mut buf).unwrap(), Some((1, "two".into())));
+        assert_eq!(recv::<(u32, String)>(&mut r, &mut buf).unwrap(), None);
+    }
+
+    #[test]
+    fn oversized_frame_is_rejected() {
+        let mut wire = ((MAX_FRAME + 1) as u32).to_le_bytes().to_vec();
+        wire.extend_from_slice(&[0; 16]);
+        let err = recv::<u32>(&mut &wire[..], &mut Vec::new()).unwrap_err();
+        assert!(matches!(err, WireError::TooLarge(_)));
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let mut r = &bytes[..];
+            let mut buf = Vec::new();
+            while let Ok(Some(_)) = recv::<(u64, Vec<String>)>(&mut r, &mut buf) {}
+        }
+    }
+}
