@@ -1,3 +1,9 @@
-//! gpushare's scheduler: the pure fair-share policy core ([`policy`]) and the daemon around it.
+//! gpushare's scheduler: the pure fair-share policy core ([`policy`], one instance per GPU) and
+//! the daemon around it: configuration ([`config`]), client identity from the socket
+//! ([`identity`]), the socket server ([`daemon`]) and the status report ([`status`]).
 
+pub mod config;
+pub mod daemon;
+pub mod identity;
 pub mod policy;
+pub mod status;

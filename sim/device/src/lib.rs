@@ -4,4 +4,3 @@
 
 pub mod model;
 pub mod server;
-pub mod units;

@@ -4,7 +4,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use gpushare_sim_device::model::ModelConfig;
 use gpushare_sim_device::server::{Server, ServerConfig};
-use gpushare_sim_device::units::{parse_duration_ns, parse_size};
+use gpushare_units::{parse_duration_ns, parse_size};
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};

@@ -70,9 +70,9 @@ static void launch_spin(CUstream s, unsigned long long ns) {
 }
 
 /* Device time (ms) between events recorded on `s` before and after whatever `s` gets next.
- * timer_start first queues a 2 ms pad kernel, so the start event completes when the pad does and
+ * timer_start first queues a 5 ms pad kernel, so the start event completes when the pad does and
  * the timed work follows at once: host launch latency is not part of the measurement. */
-#define PAD_NS (2 * MS)
+#define PAD_NS (5 * MS)
 struct timer {
     CUevent start, end;
     CUstream s;

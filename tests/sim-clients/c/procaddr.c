@@ -165,9 +165,9 @@ int main(void) {
     CUevent e0, e1;
     CK(event_create(&e0, CU_EVENT_DEFAULT));
     CK(event_create(&e1, CU_EVENT_DEFAULT));
-    /* Each timed kernel is queued behind a 2 ms pad kernel, so the start event completes when the
+    /* Each timed kernel is queued behind a 5 ms pad kernel, so the start event completes when the
      * pad does and the timed kernel follows at once: host launch latency is not measured. */
-    unsigned long long pad = 2 * MS;
+    unsigned long long pad = 5 * MS;
     void *pad_args[] = {&pad};
     unsigned long long ns = 1 * MS;
     void *args[] = {&ns};
@@ -191,8 +191,8 @@ int main(void) {
     CK(event_record(e1, CU_STREAM_PER_THREAD));
     CK(stream_sync_ptsz(NULL));
     unsigned long long waited = now_ns() - t0;
-    EXPECT(waited >= (unsigned long long)(4 * MS * (1 - TOL)),
-           "cuStreamSynchronize_ptsz(0) returned %.3f ms after 2 + 2 ms of kernels were launched "
+    EXPECT(waited >= (unsigned long long)(7 * MS * (1 - TOL)),
+           "cuStreamSynchronize_ptsz(0) returned %.3f ms after 5 + 2 ms of kernels were launched "
            "on the per-thread stream", waited / 1e6);
     CK(event_sync(e1));
     CK(event_elapsed(&ms, e0, e1));

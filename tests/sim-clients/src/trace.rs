@@ -45,9 +45,10 @@ pub struct Record {
     pub device: u32,
     /// Process that launched the kernel.
     pub pid: u32,
-    /// Context (an id unique within the device process).
+    /// Context, as the launching process knows it: `(pid, ctx)` identifies a context (different
+    /// processes may use the same number).
     pub ctx: u64,
-    /// Stream (an id unique within the device process).
+    /// Stream, as the launching process knows it: `(pid, stream)` identifies a stream.
     pub stream: u64,
     /// Kernel (entry point) name.
     pub kernel: String,

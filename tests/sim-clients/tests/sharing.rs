@@ -105,6 +105,22 @@ fn two_processes_share_one_device_evenly() {
         util >= 0.95,
         "device utilisation {util:.4} in {window}, expected >= 0.95"
     );
+    // Contended, the 2 ms kernels are preempted at the end of each 1 ms time slice.
+    let contended = trace.filter(|r| r.window().intersect(&window.shrink(5_000_000)).is_some());
+    let longest = contended
+        .records()
+        .iter()
+        .map(|r| r.duration_ns())
+        .max()
+        .unwrap();
+    assert!(
+        longest <= 1_000_000,
+        "a {longest} ns record while both processes were busy: the default time slice is 1 ms"
+    );
+    assert!(
+        contended.records().iter().any(|r| r.preempted),
+        "no preempted slice while both processes were busy"
+    );
     // Both processes needed about twice their own device time.
     for v in &results {
         let wall_ms = v["wall_ms"].as_f64().unwrap();

@@ -122,8 +122,8 @@ fn spin(stream: &CudaStream, f: &CudaFunction, ns: u64) -> Res<()> {
     Ok(())
 }
 
-/// Device time of a 2 ms kernel queued ahead of timed work by [`timed`].
-const PAD_NS: u64 = 2_000_000;
+/// Device time of a 5 ms kernel queued ahead of timed work by [`timed`].
+const PAD_NS: u64 = 5_000_000;
 
 /// Device time between two timing events recorded around `work` on `stream`, in ms.
 ///

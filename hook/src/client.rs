@@ -1,0 +1,264 @@
+//! The process's connection to `gpushare-scheduler`, the hook's settings, and the per-process
+//! state (one [`Gate`] per GPU). Created lazily on the first gated launch, again after `fork`.
+
+use crate::gate::Gate;
+use crate::log::debug;
+use crate::real;
+use gpushare_protocol::{ClientMsg, GroupSpec, PROTOCOL_VERSION, ServerMsg};
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::{Mutex, Once};
+use std::time::Duration;
+
+/// What to do when the scheduler cannot be reached.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum FailPolicy {
+    /// Run unthrottled, with one warning on stderr, and keep trying to reconnect.
+    Open,
+    /// Hold launches until the scheduler is back.
+    Closed,
+}
+
+/// Settings from the environment (set by `gpushare run`, or by hand).
+pub struct Settings {
+    pub socket: PathBuf,
+    pub fail: FailPolicy,
+    /// A holder that launched nothing for this long gives its token back.
+    pub idle_release_ns: u64,
+    pub declared: Option<GroupSpec>,
+}
+
+impl Settings {
+    fn from_env() -> Settings {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let num = |k: &str, d: f64| var(k).and_then(|v| v.parse::<f64>().ok()).unwrap_or(d);
+        let declared = var("GPUSHARE_GROUP").map(|name| GroupSpec {
+            name,
+            request: num("GPUSHARE_REQUEST", 0.0),
+            limit: num("GPUSHARE_LIMIT", 1.0),
+            weight: num("GPUSHARE_WEIGHT", 1.0),
+            memory: var("GPUSHARE_MEMORY").and_then(|m| gpushare_units::parse_size(&m).ok()),
+        });
+        Settings {
+            socket: var(gpushare_protocol::SOCKET_ENV)
+                .unwrap_or_else(|| gpushare_protocol::DEFAULT_SOCKET.into())
+                .into(),
+            fail: match var("GPUSHARE_FAIL").as_deref() {
+                Some("closed") => FailPolicy::Closed,
+                _ => FailPolicy::Open,
+            },
+            idle_release_ns: var("GPUSHARE_IDLE_RELEASE")
+                .and_then(|v| gpushare_units::parse_duration_ns(&v).ok())
+                .unwrap_or(2_000_000),
+            declared,
+        }
+    }
+}
+
+/// Everything the hook knows in this process.
+pub struct Hook {
+    pid: u32,
+    pub settings: Settings,
+    pub gates: Vec<Gate>,
+    writer: Mutex<Option<UnixStream>>,
+    connected: AtomicBool,
+}
+
+static HOOK: AtomicPtr<Hook> = AtomicPtr::new(std::ptr::null_mut());
+static INIT: Mutex<()> = Mutex::new(());
+
+/// The hook of this process, created on first use (after `cuInit`, which the application has
+/// called before it can launch). `None` while the driver has no devices to gate.
+pub fn hook() -> Option<&'static Hook> {
+    let p = HOOK.load(Ordering::Acquire);
+    // SAFETY: a non-null pointer is a leaked `Hook`, never freed.
+    if let Some(h) = unsafe { p.as_ref() }
+        && h.pid == std::process::id()
+    {
+        return Some(h);
+    }
+    let _guard = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: as above.
+    if let Some(h) = unsafe { HOOK.load(Ordering::Acquire).as_ref() }
+        && h.pid == std::process::id()
+    {
+        return Some(h);
+    }
+    // First use, or first use after fork: the parent's connection and tokens are not ours.
+    let h: &'static Hook = Box::leak(Box::new(Hook::new()?));
+    HOOK.store(h as *const Hook as *mut Hook, Ordering::Release);
+    h.start();
+    Some(h)
+}
+
+impl Hook {
+    fn new() -> Option<Hook> {
+        let mut count = 0;
+        // SAFETY: real driver entry point with a valid out-pointer.
+        if unsafe { real::cuDeviceGetCount()?(&mut count) } != 0 || count <= 0 {
+            return None;
+        }
+        let gates = (0..count)
+            .map(|dev| {
+                let mut uuid = [0u8; 16];
+                // SAFETY: valid out-pointer and device ordinal.
+                unsafe { real::cuDeviceGetUuid()?(&mut uuid, dev) };
+                Some(Gate::new(uuid))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Hook {
+            pid: std::process::id(),
+            settings: Settings::from_env(),
+            gates,
+            writer: Mutex::new(None),
+            connected: AtomicBool::new(false),
+        })
+    }
+
+    fn start(&'static self) {
+        self.connect();
+        let _ = std::thread::Builder::new()
+            .name("gpushare-watch".into())
+            .spawn(move || self.watch());
+    }
+
+    /// The gate of the GPU the calling thread's current context is on.
+    #[inline]
+    pub fn gate_for_current(&self) -> Option<&Gate> {
+        if self.gates.len() == 1 {
+            return self.gates.first();
+        }
+        let mut dev = 0;
+        // SAFETY: real driver entry point with a valid out-pointer.
+        if unsafe { real::cuCtxGetDevice()?(&mut dev) } != 0 {
+            return None;
+        }
+        self.gates.get(dev as usize)
+    }
+
+    pub fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
+    /// Connect and say hello; on success a reader thread delivers grants from then on.
+    fn connect(&'static self) -> bool {
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        if self.is_connected() {
+            return true;
+        }
+        let attempt = || -> Result<UnixStream, String> {
+            let mut s = UnixStream::connect(&self.settings.socket)
+                .map_err(|e| format!("cannot reach gpushare-scheduler at {}: {e}", self.settings.socket.display()))?;
+            let hello = ClientMsg::Hello { version: PROTOCOL_VERSION, declared: self.settings.declared.clone() };
+            gpushare_protocol::send(&mut s, &hello).map_err(|e| e.to_string())?;
+            s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
+            match gpushare_protocol::recv::<ServerMsg>(&mut s, &mut Vec::new()) {
+                Ok(Some(ServerMsg::Welcome { group })) => debug!("connected as group {group}"),
+                Ok(Some(ServerMsg::Error { message, .. })) => return Err(message),
+                other => return Err(format!("unexpected answer from the scheduler: {other:?}")),
+            }
+            s.set_read_timeout(None).map_err(|e| e.to_string())?;
+            Ok(s)
+        };
+        match attempt() {
+            Ok(s) => {
+                let Ok(reader) = s.try_clone() else { return false };
+                *w = Some(s);
+                self.connected.store(true, Ordering::Release);
+                let _ = std::thread::Builder::new()
+                    .name("gpushare-rx".into())
+                    .spawn(move || self.read_loop(reader));
+                for g in &self.gates {
+                    g.on_connected();
+                }
+                true
+            }
+            Err(msg) => {
+                self.on_unreachable(&msg);
+                false
+            }
+        }
+    }
+
+    fn on_unreachable(&self, msg: &str) {
+        match self.settings.fail {
+            FailPolicy::Open => {
+                static WARN: Once = Once::new();
+                WARN.call_once(|| {
+                    eprintln!("gpushare: {msg}; running WITHOUT GPU sharing limits (fail-open). Start the daemon, or set GPUSHARE_FAIL=closed to wait for it.");
+                });
+                for g in &self.gates {
+                    g.set_unthrottled();
+                }
+            }
+            FailPolicy::Closed => debug!("{msg}; waiting for the scheduler (fail-closed)"),
+        }
+    }
+
+    /// Send a message; false (and the gates reset) when the scheduler is gone.
+    pub fn send(&self, msg: &ClientMsg) -> bool {
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(s) = w.as_mut() else { return false };
+        let mut buf = Vec::new();
+        if gpushare_protocol::encode(msg, &mut buf).is_ok() && s.write_all(&buf).is_ok() {
+            return true;
+        }
+        *w = None;
+        false
+    }
+
+    fn gate(&self, uuid: &[u8; 16]) -> Option<&Gate> {
+        self.gates.iter().find(|g| &g.uuid == uuid)
+    }
+
+    fn read_loop(&'static self, mut s: UnixStream) {
+        let mut buf = Vec::new();
+        while let Ok(Some(msg)) = gpushare_protocol::recv::<ServerMsg>(&mut s, &mut buf) {
+            match msg {
+                ServerMsg::Grant { gpu, token, deadline_ns, quota_ns } => {
+                    if let Some(g) = self.gate(&gpu) {
+                        g.on_grant(self, token, deadline_ns, quota_ns);
+                    }
+                }
+                ServerMsg::Revoke { gpu, token } => {
+                    if let Some(g) = self.gate(&gpu) {
+                        g.on_revoke(token);
+                    }
+                }
+                ServerMsg::Error { message, fatal } => {
+                    eprintln!("gpushare: scheduler: {message}");
+                    if fatal {
+                        break;
+                    }
+                }
+                ServerMsg::Welcome { .. } | ServerMsg::Status { .. } => {}
+            }
+        }
+        debug!("lost the scheduler connection");
+        self.connected.store(false, Ordering::Release);
+        *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        for g in &self.gates {
+            g.on_disconnected();
+        }
+        self.on_unreachable("lost the connection to gpushare-scheduler");
+    }
+
+    /// Background duties: give back tokens that expired or sit idle, reconnect when needed.
+    fn watch(&'static self) {
+        let period = Duration::from_nanos((self.settings.idle_release_ns / 2).clamp(200_000, 50_000_000));
+        let mut last_attempt = crate::now_ns();
+        loop {
+            std::thread::sleep(period);
+            let now = crate::now_ns();
+            if !self.is_connected() && now - last_attempt > 500_000_000 {
+                last_attempt = now;
+                self.connect();
+            }
+            for g in &self.gates {
+                g.watch(self, now);
+            }
+        }
+    }
+}

@@ -1,0 +1,321 @@
+//! The token gate of one GPU in this process.
+//!
+//! Fast path ([`Gate::enter`]): count the launch as in progress, load the token deadline and
+//! compare it with the clock. Everything else happens on the slow path under a mutex:
+//! - waiting for a grant;
+//! - pacing: every K launches a fence event is recorded on the launching stream; while more
+//!   than the queue budget (an eighth of the quota) of estimated GPU work is queued, the
+//!   launcher waits for the oldest fence. The GPU time per launch is learned from the elapsed
+//!   time between consecutive fences, so K adapts: many tiny kernels pay for one fence per
+//!   batch, long kernels are paced one by one;
+//! - draining at expiry or when idle: stop admitting, wait for in-progress launches, synchronise
+//!   every context used, and report grant → drained as the time this process held the GPU.
+
+use crate::client::Hook;
+use crate::log::debug;
+use crate::real;
+use gpushare_protocol::ClientMsg;
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+type P = *mut c_void;
+
+/// Deadline meaning "no limits" (fail-open).
+const UNLIMITED: u64 = u64::MAX;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Token {
+    None,
+    Requested,
+    Held { token: u64, granted_ns: u64, quota_ns: u64 },
+    Unthrottled,
+}
+
+struct Fence {
+    event: P,
+    ctx: P,
+    /// Launch count when it was recorded: every earlier launch on its stream is before it.
+    launches: u64,
+}
+
+struct Inner {
+    token: Token,
+    fences: VecDeque<Fence>,
+    /// Most recently completed fence (timing reference for the next one).
+    last_done: Option<Fence>,
+    pool: Vec<(P, P)>,
+    ctxs: Vec<P>,
+    ns_per_launch: Option<f64>,
+    /// Launch count seen by the watcher last time (idle detection).
+    watched_launches: u64,
+    /// Launch count at the last drain: everything before it has completed.
+    drained_launches: u64,
+}
+
+// SAFETY: the raw pointers are driver handles (contexts, events), usable from any thread.
+unsafe impl Send for Inner {}
+
+pub struct Gate {
+    pub uuid: [u8; 16],
+    /// Absolute CLOCK_MONOTONIC deadline of the held token; 0 when none.
+    deadline: AtomicU64,
+    /// Launches between admission and return from the driver.
+    in_progress: AtomicU32,
+    launches: AtomicU64,
+    next_pace: AtomicU64,
+    inner: Mutex<Inner>,
+    changed: Condvar,
+}
+
+impl Gate {
+    pub fn new(uuid: [u8; 16]) -> Gate {
+        Gate {
+            uuid,
+            deadline: AtomicU64::new(0),
+            in_progress: AtomicU32::new(0),
+            launches: AtomicU64::new(0),
+            next_pace: AtomicU64::new(1),
+            inner: Mutex::new(Inner {
+                token: Token::None,
+                fences: VecDeque::new(),
+                last_done: None,
+                pool: Vec::new(),
+                ctxs: Vec::new(),
+                ns_per_launch: None,
+                watched_launches: 0,
+                drained_launches: 0,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Admit one launch (returns once this process may use the GPU); pair with [`Gate::leave`].
+    #[inline]
+    pub fn enter(&self, hook: &Hook) {
+        self.in_progress.fetch_add(1, Ordering::AcqRel);
+        let deadline = self.deadline.load(Ordering::Acquire);
+        if deadline != 0 && (deadline == UNLIMITED || crate::now_ns() < deadline) {
+            return;
+        }
+        self.in_progress.fetch_sub(1, Ordering::AcqRel);
+        self.enter_slow(hook);
+    }
+
+    /// The launch returned; every K launches, record a fence on `stream` and pace.
+    #[inline]
+    pub fn leave(&self, stream: Option<(P, bool)>) {
+        let n = self.launches.fetch_add(1, Ordering::Relaxed) + 1;
+        self.in_progress.fetch_sub(1, Ordering::AcqRel);
+        if n >= self.next_pace.load(Ordering::Relaxed)
+            && let Some((stream, per_thread)) = stream
+        {
+            self.pace(stream, per_thread, n);
+        }
+    }
+
+    fn enter_slow(&self, hook: &Hook) {
+        let mut g = self.lock();
+        loop {
+            match g.token {
+                Token::Unthrottled => break,
+                Token::Held { .. } => {
+                    let d = self.deadline.load(Ordering::Acquire);
+                    if d != 0 && crate::now_ns() < d {
+                        break;
+                    }
+                    self.drain_and_release(hook, &mut g);
+                }
+                Token::None => {
+                    if hook.send(&ClientMsg::Acquire { gpu: self.uuid }) {
+                        g.token = Token::Requested;
+                    } else {
+                        g = self.changed.wait_timeout(g, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0;
+                    }
+                }
+                Token::Requested => {
+                    g = self.changed.wait_timeout(g, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0;
+                }
+            }
+        }
+        self.in_progress.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn on_grant(&self, hook: &Hook, token: u64, deadline_ns: u64, quota_ns: u64) {
+        let mut g = self.lock();
+        if g.token != Token::Requested {
+            // Nobody here wants it (any more): hand it straight back.
+            hook.send(&ClientMsg::Release { gpu: self.uuid, token, used_ns: 0 });
+            return;
+        }
+        g.token = Token::Held { token, granted_ns: crate::now_ns(), quota_ns };
+        g.watched_launches = self.launches.load(Ordering::Relaxed);
+        self.deadline.store(deadline_ns.max(1), Ordering::Release);
+        self.changed.notify_all();
+    }
+
+    /// The token overran: stop admitting at once; the next launch or the watcher drains it.
+    pub fn on_revoke(&self, token: u64) {
+        let g = self.lock();
+        if matches!(g.token, Token::Held { token: t, .. } if t == token) {
+            self.deadline.store(1, Ordering::Release);
+        }
+    }
+
+    pub fn on_connected(&self) {
+        let mut g = self.lock();
+        if g.token == Token::Unthrottled {
+            g.token = Token::None;
+            self.deadline.store(0, Ordering::Release);
+        }
+        self.changed.notify_all();
+    }
+
+    /// The scheduler is gone (it released our token when the socket closed).
+    pub fn on_disconnected(&self) {
+        let mut g = self.lock();
+        if g.token != Token::Unthrottled {
+            g.token = Token::None;
+            self.deadline.store(0, Ordering::Release);
+        }
+        self.changed.notify_all();
+    }
+
+    pub fn set_unthrottled(&self) {
+        let mut g = self.lock();
+        g.token = Token::Unthrottled;
+        self.deadline.store(UNLIMITED, Ordering::Release);
+        self.changed.notify_all();
+    }
+
+    /// Watcher duty: release a token that expired or whose holder stopped launching.
+    pub fn watch(&self, hook: &Hook, now: u64) {
+        let mut g = self.lock();
+        let Token::Held { .. } = g.token else { return };
+        let launches = self.launches.load(Ordering::Relaxed);
+        let expired = now >= self.deadline.load(Ordering::Acquire);
+        let idle = launches == g.watched_launches && self.in_progress.load(Ordering::Acquire) == 0;
+        g.watched_launches = launches;
+        if expired || idle {
+            self.drain_and_release(hook, &mut g);
+        }
+    }
+
+    /// Stop admitting, let in-progress launches return, wait for this process's GPU work, and
+    /// give the token back with the time it was held.
+    fn drain_and_release(&self, hook: &Hook, g: &mut Inner) {
+        let Token::Held { token, granted_ns, .. } = g.token else { return };
+        self.deadline.store(0, Ordering::Release);
+        while self.in_progress.load(Ordering::Acquire) != 0 {
+            std::thread::yield_now();
+        }
+        for &ctx in &g.ctxs {
+            sync_context(ctx);
+        }
+        let done: Vec<Fence> = g.fences.drain(..).chain(g.last_done.take()).collect();
+        for f in done {
+            g.pool.push((f.ctx, f.event));
+        }
+        g.drained_launches = self.launches.load(Ordering::Relaxed);
+        let used_ns = crate::now_ns().saturating_sub(granted_ns);
+        g.token = Token::None;
+        debug!("release token {token} after {used_ns} ns");
+        hook.send(&ClientMsg::Release { gpu: self.uuid, token, used_ns });
+    }
+
+    /// Record a fence after launch `n` and wait while too much work is queued.
+    fn pace(&self, stream: P, per_thread: bool, n: u64) {
+        let mut g = self.lock();
+        let Token::Held { quota_ns, .. } = g.token else {
+            self.next_pace.store(n + 1, Ordering::Relaxed);
+            return;
+        };
+        let budget = (quota_ns / 8).max(100_000) as f64;
+        let mut ctx: P = std::ptr::null_mut();
+        // SAFETY: real driver call with a valid out-pointer.
+        let Some(get_ctx) = real::cuCtxGetCurrent() else { return };
+        if unsafe { get_ctx(&mut ctx) } != 0 || ctx.is_null() {
+            return;
+        }
+        if !g.ctxs.contains(&ctx) {
+            g.ctxs.push(ctx);
+        }
+        let Some(event) = take_event(&mut g.pool, ctx) else { return };
+        let record = if per_thread { real::cuEventRecord_ptsz() } else { real::cuEventRecord() };
+        // SAFETY: event of the current context, recorded on the stream just launched on.
+        if record.is_none_or(|r| unsafe { r(event, stream) } != 0) {
+            g.pool.push((ctx, event));
+            return;
+        }
+        g.fences.push_back(Fence { event, ctx, launches: n });
+        loop {
+            let completed = g.last_done.as_ref().map_or(0, |f| f.launches).max(g.drained_launches);
+            let queued_launches = n.saturating_sub(completed);
+            let too_much = match g.ns_per_launch {
+                Some(est) => queued_launches as f64 * est > budget,
+                None => true,
+            };
+            if g.fences.len() < 2 || !too_much {
+                break;
+            }
+            let f = g.fences.pop_front().expect("two fences queued");
+            // SAFETY: a fence event recorded above.
+            if real::cuEventSynchronize().is_none_or(|s| unsafe { s(f.event) } != 0) {
+                g.pool.push((f.ctx, f.event));
+                break;
+            }
+            if let Some(prev) = g.last_done.take() {
+                if prev.ctx == f.ctx && f.launches > prev.launches {
+                    let mut ms = 0f32;
+                    // SAFETY: two completed timing events of one context.
+                    let ok = real::cuEventElapsedTime().is_some_and(|e| unsafe { e(&mut ms, prev.event, f.event) } == 0);
+                    if ok {
+                        let per = (ms as f64 * 1e6).max(0.0) / (f.launches - prev.launches) as f64;
+                        g.ns_per_launch = Some(g.ns_per_launch.map_or(per, |e| 0.7 * e + 0.3 * per));
+                    }
+                }
+                g.pool.push((prev.ctx, prev.event));
+            }
+            g.last_done = Some(f);
+        }
+        let k = match g.ns_per_launch {
+            Some(est) if est > 0.0 => (budget / (2.0 * est)).clamp(1.0, 256.0) as u64,
+            _ => 1,
+        };
+        self.next_pace.store(n + k, Ordering::Relaxed);
+    }
+}
+
+/// A pooled timing event of `ctx`, or a new one.
+fn take_event(pool: &mut Vec<(P, P)>, ctx: P) -> Option<P> {
+    if let Some(i) = pool.iter().position(|(c, _)| *c == ctx) {
+        return Some(pool.swap_remove(i).1);
+    }
+    let mut e: P = std::ptr::null_mut();
+    // SAFETY: creates an event in the calling thread's current context (`ctx`).
+    let ok = real::cuEventCreate().is_some_and(|c| unsafe { c(&mut e, 0) } == 0);
+    ok.then_some(e)
+}
+
+/// Wait for all work of `ctx`, from whatever thread we are on.
+fn sync_context(ctx: P) {
+    let (Some(push), Some(sync), Some(pop)) =
+        (real::cuCtxPushCurrent_v2(), real::cuCtxSynchronize(), real::cuCtxPopCurrent_v2())
+    else {
+        return;
+    };
+    let mut popped: P = std::ptr::null_mut();
+    // SAFETY: push/pop are balanced; `ctx` is a context this process launched into.
+    unsafe {
+        if push(ctx) == 0 {
+            sync();
+            pop(&mut popped);
+        }
+    }
+}

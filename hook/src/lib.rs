@@ -1,0 +1,26 @@
+//! `libgpushare.so`: preloaded into tenant processes, it holds each kernel launch until the
+//! process has its GPU's time token from `gpushare-scheduler`, bounds the work queued on the GPU,
+//! and reports how long it really held the GPU.
+//!
+//! Layers, each in its own module: [`real`] finds the real driver (and the real `dlsym`);
+//! [`intercept`] is the FFI surface (exported `cu*` launch symbols, `dlsym`,
+//! `cuGetProcAddress`); [`gate`] is the per-GPU token gate with its launch fast path;
+//! [`client`] talks to the scheduler.
+//!
+//! Rules for a guest in someone else's process: nothing runs at load time; no panic crosses
+//! `extern "C"`; the fast path is atomics and one clock read; no output unless `GPUSHARE_LOG`
+//! is set (or the scheduler is unreachable in fail-open mode, which warns once).
+
+mod client;
+mod gate;
+mod intercept;
+mod log;
+mod real;
+
+/// CLOCK_MONOTONIC in nanoseconds (vDSO, no syscall): the time base of token deadlines.
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

@@ -1,0 +1,99 @@
+//! The hook ↔ scheduler protocol. One Unix stream socket per process; frames from
+//! [`gpushare_frame`]. The first message is always [`ClientMsg::Hello`] with
+//! [`PROTOCOL_VERSION`]; the scheduler answers [`ServerMsg::Welcome`] or a fatal
+//! [`ServerMsg::Error`] that says what to do.
+//!
+//! Identity is not in these messages: the scheduler takes it from the socket (`SO_PEERCRED`,
+//! `/proc/<pid>/cgroup`). A declared group is honoured only when the daemon runs with `--dev`.
+
+pub use gpushare_frame::{MAX_FRAME, WireError, encode, recv, send};
+use serde::{Deserialize, Serialize};
+
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Environment variable naming the scheduler socket.
+pub const SOCKET_ENV: &str = "GPUSHARE_SOCKET";
+/// Where the scheduler listens when `GPUSHARE_SOCKET` is not set.
+pub const DEFAULT_SOCKET: &str = "/run/gpushare/gpushare.sock";
+
+/// A GPU, by the UUID the driver reports (`cuDeviceGetUuid`), so device renumbering by
+/// `CUDA_VISIBLE_DEVICES` cannot confuse the scheduler.
+pub type GpuUuid = [u8; 16];
+
+/// A group's declared policy (development mode, `gpushare run --group …`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupSpec {
+    pub name: String,
+    pub request: f64,
+    pub limit: f64,
+    pub weight: f64,
+    /// Memory cap in bytes, if any.
+    pub memory: Option<u64>,
+}
+
+/// Client (hook or CLI) → scheduler.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ClientMsg {
+    Hello { version: u32, declared: Option<GroupSpec> },
+    /// The process wants the GPU's token.
+    Acquire { gpu: GpuUuid },
+    /// The process gives the token back; `used_ns` is how long it held the GPU, from the
+    /// grant until its work drained (more than the quota when it overran).
+    Release { gpu: GpuUuid, token: u64, used_ns: u64 },
+    /// Admin: the scheduler's view as JSON ([`ServerMsg::Status`]).
+    Status,
+}
+
+/// Scheduler → client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ServerMsg {
+    Welcome { group: String },
+    /// The token of `gpu` until `deadline_ns` (absolute CLOCK_MONOTONIC).
+    Grant { gpu: GpuUuid, token: u64, deadline_ns: u64, quota_ns: u64 },
+    /// The token overran its deadline and grace: stop launching and release it.
+    Revoke { gpu: GpuUuid, token: u64 },
+    Status { json: String },
+    /// `fatal`: the connection is closed after this message.
+    Error { message: String, fatal: bool },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trip() {
+        let msgs = [
+            ClientMsg::Hello {
+                version: PROTOCOL_VERSION,
+                declared: Some(GroupSpec {
+                    name: "a".into(),
+                    request: 0.5,
+                    limit: 1.0,
+                    weight: 1.0,
+                    memory: Some(4 << 30),
+                }),
+            },
+            ClientMsg::Release { gpu: [7; 16], token: 3, used_ns: 20_000_000 },
+        ];
+        let mut wire = Vec::new();
+        for m in &msgs {
+            send(&mut wire, m).unwrap();
+        }
+        let (mut r, mut buf) = (&wire[..], Vec::new());
+        for m in &msgs {
+            assert_eq!(recv::<ClientMsg>(&mut r, &mut buf).unwrap().as_ref(), Some(m));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn decoders_reject_garbage_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let (mut r, mut buf) = (&bytes[..], Vec::new());
+            while let Ok(Some(_)) = recv::<ClientMsg>(&mut r, &mut buf) {}
+            let (mut r, mut buf) = (&bytes[..], Vec::new());
+            while let Ok(Some(_)) = recv::<ServerMsg>(&mut r, &mut buf) {}
+        }
+    }
+}

@@ -1,0 +1,43 @@
+//! `gpushare-scheduler`: the node daemon handing out GPU time tokens.
+
+use clap::Parser;
+use gpushare_scheduler::daemon::{DaemonOptions, run};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "gpushare-scheduler", version, about = "gpushare node daemon: fair, capped shares of GPU time")]
+struct Cli {
+    /// TOML configuration (groups, quota, grace…); reloaded when the file changes.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Socket to listen on [default: $GPUSHARE_SOCKET or /run/gpushare/gpushare.sock].
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Development mode: clients may declare their own group and shares (`gpushare run --group`).
+    #[arg(long)]
+    dev: bool,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("GPUSHARE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let socket = cli.socket.unwrap_or_else(|| {
+        std::env::var_os(gpushare_protocol::SOCKET_ENV)
+            .map(PathBuf::from)
+            .unwrap_or_else(|| gpushare_protocol::DEFAULT_SOCKET.into())
+    });
+    match run(DaemonOptions { socket, config_path: cli.config, dev: cli.dev }) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpushare-scheduler: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

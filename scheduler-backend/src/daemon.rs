@@ -1,0 +1,427 @@
+//! The daemon's I/O shell around the per-GPU [`Policy`] instances: a Unix socket, one reader
+//! thread per client, a timer thread for revocations and cap refills, and a config watcher for
+//! hot reload. All decisions come from the policy; this module only routes messages.
+
+use crate::config::{Config, GroupConfig};
+use crate::identity::{self, Peer};
+use crate::policy::{ClientId, Decision, GroupParams, Policy};
+use crate::status::{ClientReport, GpuReport, GroupReport, Report, uuid_string};
+use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+pub struct DaemonOptions {
+    pub socket: PathBuf,
+    pub config_path: Option<PathBuf>,
+    /// Clients may declare their own group and shares.
+    pub dev: bool,
+}
+
+struct Client {
+    writer: Arc<Mutex<UnixStream>>,
+    pid: u32,
+    /// `None` until the client is matched to a group (status-only clients never are).
+    group: Option<String>,
+    peer: Peer,
+}
+
+struct State {
+    config: Config,
+    dev: bool,
+    /// Every group the policies know: from the config, and declared ones in dev mode.
+    groups: BTreeMap<String, GroupParams>,
+    policies: BTreeMap<GpuUuid, Policy>,
+    clients: HashMap<ClientId, Client>,
+    next_client: ClientId,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+type Outbox = Vec<(ClientId, ServerMsg)>;
+
+fn lock(s: &Shared) -> MutexGuard<'_, State> {
+    s.state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Run the daemon until the process is killed.
+pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
+    let config = match &opts.config_path {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    if let Some(dir) = opts.socket.parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("cannot create {}: {e}; pick another --socket", dir.display()))?;
+    }
+    let _ = std::fs::remove_file(&opts.socket);
+    let listener = UnixListener::bind(&opts.socket)
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}; pick another --socket", opts.socket.display()))?;
+    // Tenants run as other users: anyone may connect; identity comes from SO_PEERCRED.
+    std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o666))?;
+    let mut groups = BTreeMap::new();
+    for g in &config.groups {
+        groups.insert(g.name.clone(), g.params);
+    }
+    let shared = Arc::new(Shared {
+        state: Mutex::new(State {
+            config,
+            dev: opts.dev,
+            groups,
+            policies: BTreeMap::new(),
+            clients: HashMap::new(),
+            next_client: 1,
+        }),
+        changed: Condvar::new(),
+    });
+    tracing::info!(socket = %opts.socket.display(), dev = opts.dev, "gpushare-scheduler listening");
+    let s = shared.clone();
+    std::thread::Builder::new().name("timer".into()).spawn(move || timer_loop(s))?;
+    if let Some(path) = opts.config_path.clone() {
+        let s = shared.clone();
+        std::thread::Builder::new().name("config".into()).spawn(move || reload_loop(s, path))?;
+    }
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        let s = shared.clone();
+        let _ = std::thread::Builder::new().name("client".into()).spawn(move || serve(s, stream));
+    }
+    Ok(())
+}
+
+fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
+    let Ok(peer) = identity::peer(&stream) else { return };
+    let Ok(writer) = stream.try_clone() else { return };
+    let writer = Arc::new(Mutex::new(writer));
+    let mut buf = Vec::new();
+    let id = match gpushare_protocol::recv::<ClientMsg>(&mut stream, &mut buf) {
+        Ok(Some(ClientMsg::Hello { version, declared })) => {
+            let hello = {
+                let mut st = lock(&shared);
+                hello(&mut st, &peer, version, declared, writer.clone())
+            };
+            match hello {
+                Ok((id, group)) => {
+                    send(&writer, &ServerMsg::Welcome { group });
+                    id
+                }
+                Err(message) => {
+                    tracing::warn!(pid = peer.pid, "refused: {message}");
+                    send(&writer, &ServerMsg::Error { message, fatal: true });
+                    return;
+                }
+            }
+        }
+        Ok(_) => {
+            send(&writer, &ServerMsg::Error { message: "the first message must be Hello".into(), fatal: true });
+            return;
+        }
+        Err(_) => return,
+    };
+    loop {
+        match gpushare_protocol::recv::<ClientMsg>(&mut stream, &mut buf) {
+            Ok(Some(msg)) => {
+                let out = {
+                    let mut st = lock(&shared);
+                    let mut out = handle(&mut st, id, msg, now_ns());
+                    collect(&mut st, &mut out);
+                    deliver(&st, out)
+                };
+                shared.changed.notify_all();
+                for (w, m) in out {
+                    send(&w, &m);
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!(pid = peer.pid, "dropping client after a malformed message: {e}");
+                break;
+            }
+        }
+    }
+    let out = {
+        let mut st = lock(&shared);
+        let now = now_ns();
+        st.clients.remove(&id);
+        for p in st.policies.values_mut() {
+            p.disconnect(id, now);
+        }
+        let mut out = Outbox::new();
+        collect(&mut st, &mut out);
+        deliver(&st, out)
+    };
+    shared.changed.notify_all();
+    for (w, m) in out {
+        send(&w, &m);
+    }
+}
+
+/// Register a client and find its group. Errors are messages for the user.
+fn hello(
+    st: &mut State,
+    peer: &Peer,
+    version: u32,
+    declared: Option<GroupSpec>,
+    writer: Arc<Mutex<UnixStream>>,
+) -> Result<(ClientId, String), String> {
+    if version != PROTOCOL_VERSION {
+        return Err(format!(
+            "client speaks protocol {version}, scheduler {PROTOCOL_VERSION}: install libgpushare.so and gpushare-scheduler from the same release"
+        ));
+    }
+    let group = match declared {
+        Some(spec) if st.dev => {
+            let params = GroupParams { request: spec.request, limit: spec.limit, weight: spec.weight };
+            Policy::new(st.config.policy.clone()).set_group(&spec.name, params).map_err(|e| e.to_string())?;
+            set_group(st, &spec.name, params);
+            Some(spec.name)
+        }
+        Some(spec) => match st.config.group_for(peer) {
+            Some(g) => Some(g.name.clone()),
+            None => {
+                return Err(format!(
+                    "group {:?} was declared, but the scheduler is not in --dev mode and no [[group]] of its config matches uid {} / cgroup {:?}",
+                    spec.name, peer.uid, peer.cgroup
+                ));
+            }
+        },
+        None => match st.config.group_for(peer) {
+            Some(g) => Some(g.name.clone()),
+            None if st.dev => {
+                let name = format!("uid-{}", peer.uid);
+                set_group(st, &name, GroupParams { request: 0.0, limit: 1.0, weight: 1.0 });
+                Some(name)
+            }
+            None => None,
+        },
+    };
+    let id = st.next_client;
+    st.next_client += 1;
+    st.clients.insert(id, Client { writer, pid: peer.pid, group: group.clone(), peer: peer.clone() });
+    Ok((id, group.unwrap_or_default()))
+}
+
+fn set_group(st: &mut State, name: &str, params: GroupParams) {
+    st.groups.insert(name.to_string(), params);
+    for p in st.policies.values_mut() {
+        let _ = p.set_group(name, params);
+    }
+}
+
+fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
+    let mut out = Outbox::new();
+    match msg {
+        ClientMsg::Hello { .. } => {
+            out.push((id, ServerMsg::Error { message: "Hello sent twice".into(), fatal: false }));
+        }
+        ClientMsg::Acquire { gpu } => {
+            let Some(client) = st.clients.get(&id) else { return out };
+            let Some(group) = client.group.clone() else {
+                let p = &client.peer;
+                out.push((id, ServerMsg::Error {
+                    message: format!(
+                        "no group of the scheduler's config matches uid {} gid {} cgroup {:?}: add a [[group]] for it, or run gpushare-scheduler --dev and `gpushare run --group NAME`",
+                        p.uid, p.gid, p.cgroup
+                    ),
+                    fatal: true,
+                }));
+                return out;
+            };
+            let policy = policy_for(st, gpu);
+            if !policy.status(now).groups.iter().any(|g| g.clients.contains(&id))
+                && let Err(e) = policy.connect(id, &group)
+            {
+                out.push((id, ServerMsg::Error { message: e.to_string(), fatal: true }));
+                return out;
+            }
+            if let Err(e) = policy.acquire(id, now) {
+                out.push((id, ServerMsg::Error { message: e.to_string(), fatal: false }));
+            }
+        }
+        ClientMsg::Release { gpu, token, used_ns } => {
+            if let Some(p) = st.policies.get_mut(&gpu)
+                && let Err(e) = p.release(id, token, used_ns, now)
+            {
+                out.push((id, ServerMsg::Error { message: e.to_string(), fatal: false }));
+            }
+        }
+        ClientMsg::Status => {
+            let json = serde_json::to_string(&report(st, now)).unwrap_or_default();
+            out.push((id, ServerMsg::Status { json }));
+        }
+    }
+    out
+}
+
+/// The policy of `gpu`, created with every known group on first use.
+fn policy_for(st: &mut State, gpu: GpuUuid) -> &mut Policy {
+    let cfg = st.config.policy.clone();
+    let groups = &st.groups;
+    st.policies.entry(gpu).or_insert_with(|| {
+        let mut p = Policy::new(cfg);
+        for (name, params) in groups {
+            let _ = p.set_group(name, *params);
+        }
+        p
+    })
+}
+
+/// Turn every pending policy decision into a message.
+fn collect(st: &mut State, out: &mut Outbox) {
+    for (gpu, p) in st.policies.iter_mut() {
+        for d in p.take_decisions() {
+            match d {
+                Decision::Grant { client, token, deadline_ns, quota_ns } => {
+                    out.push((client, ServerMsg::Grant { gpu: *gpu, token, deadline_ns, quota_ns }))
+                }
+                Decision::Revoke { client, token } => {
+                    tracing::info!(client, token, "revoking a token held past its deadline and grace");
+                    out.push((client, ServerMsg::Revoke { gpu: *gpu, token }))
+                }
+            }
+        }
+    }
+}
+
+type Delivery = Vec<(Arc<Mutex<UnixStream>>, ServerMsg)>;
+
+fn deliver(st: &State, out: Outbox) -> Delivery {
+    out.into_iter().filter_map(|(id, m)| st.clients.get(&id).map(|c| (c.writer.clone(), m))).collect()
+}
+
+fn send(w: &Mutex<UnixStream>, msg: &ServerMsg) {
+    let mut buf = Vec::new();
+    if gpushare_protocol::encode(msg, &mut buf).is_ok() {
+        let mut s = w.lock().unwrap_or_else(|e| e.into_inner());
+        // A client that went away is cleaned up by its reader thread.
+        let _ = s.write_all(&buf);
+    }
+}
+
+fn report(st: &State, now: u64) -> Report {
+    let client = |id: &ClientId| {
+        st.clients
+            .get(id)
+            .map(|c| ClientReport { pid: c.pid, group: c.group.clone().unwrap_or_default() })
+    };
+    let gpus = st
+        .policies
+        .iter()
+        .map(|(uuid, p)| {
+            let s = p.status(now);
+            GpuReport {
+                uuid: uuid_string(uuid),
+                holder: s.holder.as_ref().and_then(client),
+                waiting: s.waiting.iter().filter_map(client).collect(),
+                groups: s
+                    .groups
+                    .iter()
+                    .map(|g| GroupReport {
+                        name: g.name.clone(),
+                        request: g.params.request,
+                        limit: g.params.limit,
+                        weight: g.params.weight,
+                        effective_request: g.effective_request,
+                        target_share: g.target_share,
+                        achieved_share: g.achieved_share,
+                        busy_seconds: g.busy_ns as f64 / 1e9,
+                        tokens: g.tokens,
+                        waits: g.waits,
+                        overruns: g.overruns,
+                        revocations: g.revocations,
+                        pids: g.clients.iter().filter_map(|c| st.clients.get(c).map(|c| c.pid)).collect(),
+                        active: g.active,
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    Report { dev_mode: st.dev, gpus }
+}
+
+fn timer_loop(shared: Arc<Shared>) {
+    // SAFETY: prctl(PR_SET_TIMERSLACK) only changes this thread's timer slack.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
+    let mut st = lock(&shared);
+    loop {
+        let now = now_ns();
+        for p in st.policies.values_mut() {
+            p.tick(now);
+        }
+        let mut out = Outbox::new();
+        collect(&mut st, &mut out);
+        if !out.is_empty() {
+            let d = deliver(&st, out);
+            drop(st);
+            for (w, m) in d {
+                send(&w, &m);
+            }
+            st = lock(&shared);
+            continue;
+        }
+        let wake = st.policies.values().filter_map(|p| p.next_wakeup(now)).min();
+        st = match wake {
+            Some(t) => {
+                let d = Duration::from_nanos(t.saturating_sub(now_ns()).max(1_000));
+                shared.changed.wait_timeout(st, d).unwrap_or_else(|e| e.into_inner()).0
+            }
+            None => shared.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
+        };
+    }
+}
+
+/// Re-read the config when its file changes; a broken file keeps the previous config.
+fn reload_loop(shared: Arc<Shared>, path: PathBuf) {
+    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen: Option<SystemTime> = mtime(&path);
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let m = mtime(&path);
+        if m == seen {
+            continue;
+        }
+        seen = m;
+        match Config::load(&path) {
+            Ok(cfg) => {
+                let mut st = lock(&shared);
+                apply(&mut st, cfg, now_ns());
+                tracing::info!(path = %path.display(), "configuration reloaded");
+                drop(st);
+                shared.changed.notify_all();
+            }
+            Err(e) => tracing::error!("keeping the previous configuration: {e}"),
+        }
+    }
+}
+
+fn apply(st: &mut State, cfg: Config, now: u64) {
+    let removed: Vec<GroupConfig> =
+        st.config.groups.iter().filter(|old| !cfg.groups.iter().any(|g| g.name == old.name)).cloned().collect();
+    for g in removed {
+        st.groups.remove(&g.name);
+        for p in st.policies.values_mut() {
+            p.remove_group(&g.name, now);
+        }
+    }
+    for p in st.policies.values_mut() {
+        p.set_config(cfg.policy.clone());
+    }
+    for g in &cfg.groups {
+        set_group(st, &g.name, g.params);
+    }
+    st.config = cfg;
+}

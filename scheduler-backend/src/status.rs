@@ -1,0 +1,88 @@
+//! What `gpushare status` shows: built by the daemon, sent as JSON, rendered by the CLI.
+
+use serde::{Deserialize, Serialize};
+use std::fmt::Write;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    pub dev_mode: bool,
+    pub gpus: Vec<GpuReport>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GpuReport {
+    /// `GPU-xxxxxxxx-xxxx-…`, as nvidia-smi prints it.
+    pub uuid: String,
+    pub holder: Option<ClientReport>,
+    pub waiting: Vec<ClientReport>,
+    pub groups: Vec<GroupReport>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ClientReport {
+    pub pid: u32,
+    pub group: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GroupReport {
+    pub name: String,
+    pub request: f64,
+    pub limit: f64,
+    pub weight: f64,
+    pub effective_request: f64,
+    pub target_share: f64,
+    pub achieved_share: f64,
+    pub busy_seconds: f64,
+    pub tokens: u64,
+    pub waits: u64,
+    pub overruns: u64,
+    pub revocations: u64,
+    pub pids: Vec<u32>,
+    pub active: bool,
+}
+
+/// `GPU-8-4-4-4-12` hex form of a driver UUID.
+pub fn uuid_string(u: &[u8; 16]) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+/// The human-readable table of `gpushare status`.
+pub fn render(r: &Report) -> String {
+    let mut out = String::new();
+    if r.gpus.is_empty() {
+        out.push_str("no GPU has been used through gpushare yet\n");
+    }
+    for g in &r.gpus {
+        let holder = g.holder.as_ref().map_or("-".to_string(), |c| format!("pid {} ({})", c.pid, c.group));
+        let waiting: Vec<String> = g.waiting.iter().map(|c| format!("{} ({})", c.pid, c.group)).collect();
+        let _ = writeln!(out, "{}  holder: {holder}  waiting: {}", g.uuid, if waiting.is_empty() { "-".into() } else { waiting.join(", ") });
+        let _ = writeln!(
+            out,
+            "  {:<16} {:>7} {:>6} {:>6} {:>7} {:>8} {:>9} {:>7} {:>6} {:>8}  pids",
+            "GROUP", "REQUEST", "LIMIT", "WEIGHT", "TARGET", "ACHIEVED", "BUSY(s)", "TOKENS", "WAITS", "OVERRUNS"
+        );
+        for x in &g.groups {
+            let pids: Vec<String> = x.pids.iter().map(u32::to_string).collect();
+            let _ = writeln!(
+                out,
+                "  {:<16} {:>7.2} {:>6.2} {:>6.2} {:>7.3} {:>8.3} {:>9.3} {:>7} {:>6} {:>8}  {}",
+                x.name, x.effective_request, x.limit, x.weight, x.target_share, x.achieved_share,
+                x.busy_seconds, x.tokens, x.waits, x.overruns, pids.join(",")
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuid_format() {
+        let u = *b"gpushare-sim-gpu";
+        assert_eq!(uuid_string(&u), "GPU-67707573-6861-7265-2d73-696d2d677075");
+    }
+}
