@@ -71,7 +71,10 @@ mod tests {
         send(&mut wire, &(1u32, "two".to_string())).unwrap();
         let mut r = &wire[..];
         let mut buf = Vec::new();
-        assert_eq!(recv::<(u32, String)>(&mut r, &mut buf).unwrap(), Some((1, "two".into())));
+        assert_eq!(
+            recv::<(u32, String)>(&mut r, &mut buf).unwrap(),
+            Some((1, "two".into()))
+        );
         assert_eq!(recv::<(u32, String)>(&mut r, &mut buf).unwrap(), None);
     }
 

@@ -149,11 +149,19 @@ impl Hook {
             return true;
         }
         let attempt = || -> Result<UnixStream, String> {
-            let mut s = UnixStream::connect(&self.settings.socket)
-                .map_err(|e| format!("cannot reach gpushare-scheduler at {}: {e}", self.settings.socket.display()))?;
-            let hello = ClientMsg::Hello { version: PROTOCOL_VERSION, declared: self.settings.declared.clone() };
+            let mut s = UnixStream::connect(&self.settings.socket).map_err(|e| {
+                format!(
+                    "cannot reach gpushare-scheduler at {}: {e}",
+                    self.settings.socket.display()
+                )
+            })?;
+            let hello = ClientMsg::Hello {
+                version: PROTOCOL_VERSION,
+                declared: self.settings.declared.clone(),
+            };
             gpushare_protocol::send(&mut s, &hello).map_err(|e| e.to_string())?;
-            s.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
+            s.set_read_timeout(Some(Duration::from_secs(5)))
+                .map_err(|e| e.to_string())?;
             match gpushare_protocol::recv::<ServerMsg>(&mut s, &mut Vec::new()) {
                 Ok(Some(ServerMsg::Welcome { group })) => debug!("connected as group {group}"),
                 Ok(Some(ServerMsg::Error { message, .. })) => return Err(message),
@@ -164,7 +172,9 @@ impl Hook {
         };
         match attempt() {
             Ok(s) => {
-                let Ok(reader) = s.try_clone() else { return false };
+                let Ok(reader) = s.try_clone() else {
+                    return false;
+                };
                 *w = Some(s);
                 self.connected.store(true, Ordering::Release);
                 let _ = std::thread::Builder::new()
@@ -217,7 +227,12 @@ impl Hook {
         let mut buf = Vec::new();
         while let Ok(Some(msg)) = gpushare_protocol::recv::<ServerMsg>(&mut s, &mut buf) {
             match msg {
-                ServerMsg::Grant { gpu, token, deadline_ns, quota_ns } => {
+                ServerMsg::Grant {
+                    gpu,
+                    token,
+                    deadline_ns,
+                    quota_ns,
+                } => {
                     if let Some(g) = self.gate(&gpu) {
                         g.on_grant(self, token, deadline_ns, quota_ns);
                     }
@@ -247,7 +262,8 @@ impl Hook {
 
     /// Background duties: give back tokens that expired or sit idle, reconnect when needed.
     fn watch(&'static self) {
-        let period = Duration::from_nanos((self.settings.idle_release_ns / 2).clamp(200_000, 50_000_000));
+        let period =
+            Duration::from_nanos((self.settings.idle_release_ns / 2).clamp(200_000, 50_000_000));
         let mut last_attempt = crate::now_ns();
         loop {
             std::thread::sleep(period);

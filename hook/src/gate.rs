@@ -30,7 +30,11 @@ const UNLIMITED: u64 = u64::MAX;
 enum Token {
     None,
     Requested,
-    Held { token: u64, granted_ns: u64, quota_ns: u64 },
+    Held {
+        token: u64,
+        granted_ns: u64,
+        quota_ns: u64,
+    },
     Unthrottled,
 }
 
@@ -136,11 +140,19 @@ impl Gate {
                     if hook.send(&ClientMsg::Acquire { gpu: self.uuid }) {
                         g.token = Token::Requested;
                     } else {
-                        g = self.changed.wait_timeout(g, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0;
+                        g = self
+                            .changed
+                            .wait_timeout(g, Duration::from_millis(100))
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
                     }
                 }
                 Token::Requested => {
-                    g = self.changed.wait_timeout(g, Duration::from_millis(100)).unwrap_or_else(|e| e.into_inner()).0;
+                    g = self
+                        .changed
+                        .wait_timeout(g, Duration::from_millis(100))
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
                 }
             }
         }
@@ -151,10 +163,18 @@ impl Gate {
         let mut g = self.lock();
         if g.token != Token::Requested {
             // Nobody here wants it (any more): hand it straight back.
-            hook.send(&ClientMsg::Release { gpu: self.uuid, token, used_ns: 0 });
+            hook.send(&ClientMsg::Release {
+                gpu: self.uuid,
+                token,
+                used_ns: 0,
+            });
             return;
         }
-        g.token = Token::Held { token, granted_ns: crate::now_ns(), quota_ns };
+        g.token = Token::Held {
+            token,
+            granted_ns: crate::now_ns(),
+            quota_ns,
+        };
         g.watched_launches = self.launches.load(Ordering::Relaxed);
         self.deadline.store(deadline_ns.max(1), Ordering::Release);
         self.changed.notify_all();
@@ -210,7 +230,12 @@ impl Gate {
     /// Stop admitting, let in-progress launches return, wait for this process's GPU work, and
     /// give the token back with the time it was held.
     fn drain_and_release(&self, hook: &Hook, g: &mut Inner) {
-        let Token::Held { token, granted_ns, .. } = g.token else { return };
+        let Token::Held {
+            token, granted_ns, ..
+        } = g.token
+        else {
+            return;
+        };
         self.deadline.store(0, Ordering::Release);
         while self.in_progress.load(Ordering::Acquire) != 0 {
             std::thread::yield_now();
@@ -226,7 +251,11 @@ impl Gate {
         let used_ns = crate::now_ns().saturating_sub(granted_ns);
         g.token = Token::None;
         debug!("release token {token} after {used_ns} ns");
-        hook.send(&ClientMsg::Release { gpu: self.uuid, token, used_ns });
+        hook.send(&ClientMsg::Release {
+            gpu: self.uuid,
+            token,
+            used_ns,
+        });
     }
 
     /// Record a fence after launch `n` and wait while too much work is queued.
@@ -239,23 +268,39 @@ impl Gate {
         let budget = (quota_ns / 8).max(100_000) as f64;
         let mut ctx: P = std::ptr::null_mut();
         // SAFETY: real driver call with a valid out-pointer.
-        let Some(get_ctx) = real::cuCtxGetCurrent() else { return };
+        let Some(get_ctx) = real::cuCtxGetCurrent() else {
+            return;
+        };
         if unsafe { get_ctx(&mut ctx) } != 0 || ctx.is_null() {
             return;
         }
         if !g.ctxs.contains(&ctx) {
             g.ctxs.push(ctx);
         }
-        let Some(event) = take_event(&mut g.pool, ctx) else { return };
-        let record = if per_thread { real::cuEventRecord_ptsz() } else { real::cuEventRecord() };
+        let Some(event) = take_event(&mut g.pool, ctx) else {
+            return;
+        };
+        let record = if per_thread {
+            real::cuEventRecord_ptsz()
+        } else {
+            real::cuEventRecord()
+        };
         // SAFETY: event of the current context, recorded on the stream just launched on.
         if record.is_none_or(|r| unsafe { r(event, stream) } != 0) {
             g.pool.push((ctx, event));
             return;
         }
-        g.fences.push_back(Fence { event, ctx, launches: n });
+        g.fences.push_back(Fence {
+            event,
+            ctx,
+            launches: n,
+        });
         loop {
-            let completed = g.last_done.as_ref().map_or(0, |f| f.launches).max(g.drained_launches);
+            let completed = g
+                .last_done
+                .as_ref()
+                .map_or(0, |f| f.launches)
+                .max(g.drained_launches);
             let queued_launches = n.saturating_sub(completed);
             let too_much = match g.ns_per_launch {
                 Some(est) => queued_launches as f64 * est > budget,
@@ -274,10 +319,12 @@ impl Gate {
                 if prev.ctx == f.ctx && f.launches > prev.launches {
                     let mut ms = 0f32;
                     // SAFETY: two completed timing events of one context.
-                    let ok = real::cuEventElapsedTime().is_some_and(|e| unsafe { e(&mut ms, prev.event, f.event) } == 0);
+                    let ok = real::cuEventElapsedTime()
+                        .is_some_and(|e| unsafe { e(&mut ms, prev.event, f.event) } == 0);
                     if ok {
                         let per = (ms as f64 * 1e6).max(0.0) / (f.launches - prev.launches) as f64;
-                        g.ns_per_launch = Some(g.ns_per_launch.map_or(per, |e| 0.7 * e + 0.3 * per));
+                        g.ns_per_launch =
+                            Some(g.ns_per_launch.map_or(per, |e| 0.7 * e + 0.3 * per));
                     }
                 }
                 g.pool.push((prev.ctx, prev.event));
@@ -305,9 +352,11 @@ fn take_event(pool: &mut Vec<(P, P)>, ctx: P) -> Option<P> {
 
 /// Wait for all work of `ctx`, from whatever thread we are on.
 fn sync_context(ctx: P) {
-    let (Some(push), Some(sync), Some(pop)) =
-        (real::cuCtxPushCurrent_v2(), real::cuCtxSynchronize(), real::cuCtxPopCurrent_v2())
-    else {
+    let (Some(push), Some(sync), Some(pop)) = (
+        real::cuCtxPushCurrent_v2(),
+        real::cuCtxSynchronize(),
+        real::cuCtxPopCurrent_v2(),
+    ) else {
         return;
     };
     let mut popped: P = std::ptr::null_mut();

@@ -68,22 +68,38 @@ fn config_stream(config: *const c_void) -> P {
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cuLaunchKernelEx(config: *const c_void, f: P, params: *mut P, extra: *mut P) -> CUresult {
+pub extern "C" fn cuLaunchKernelEx(
+    config: *const c_void,
+    f: P,
+    params: *mut P,
+    extra: *mut P,
+) -> CUresult {
     // SAFETY: forwards the caller's arguments unchanged.
-    gated(Some((config_stream(config), false)), || real::cuLaunchKernelEx().map(|r| unsafe { r(config, f, params, extra) }))
+    gated(Some((config_stream(config), false)), || {
+        real::cuLaunchKernelEx().map(|r| unsafe { r(config, f, params, extra) })
+    })
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cuLaunchKernelEx_ptsz(config: *const c_void, f: P, params: *mut P, extra: *mut P) -> CUresult {
+pub extern "C" fn cuLaunchKernelEx_ptsz(
+    config: *const c_void,
+    f: P,
+    params: *mut P,
+    extra: *mut P,
+) -> CUresult {
     // SAFETY: forwards the caller's arguments unchanged.
-    gated(Some((config_stream(config), true)), || real::cuLaunchKernelEx_ptsz().map(|r| unsafe { r(config, f, params, extra) }))
+    gated(Some((config_stream(config), true)), || {
+        real::cuLaunchKernelEx_ptsz().map(|r| unsafe { r(config, f, params, extra) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuLaunchCooperativeKernelMultiDevice(list: P, n: u32, flags: u32) -> CUresult {
     // One launch per device in one call: gated on the current GPU, not paced per stream.
     // SAFETY: forwards the caller's arguments unchanged.
-    gated(None, || real::cuLaunchCooperativeKernelMultiDevice().map(|r| unsafe { r(list, n, flags) }))
+    gated(None, || {
+        real::cuLaunchCooperativeKernelMultiDevice().map(|r| unsafe { r(list, n, flags) })
+    })
 }
 
 /// Managed symbols and their wrappers, sorted by name.
@@ -94,8 +110,14 @@ fn wrappers() -> [(&'static str, P); 11] {
         ("cuGraphLaunch", cuGraphLaunch as P),
         ("cuGraphLaunch_ptsz", cuGraphLaunch_ptsz as P),
         ("cuLaunchCooperativeKernel", cuLaunchCooperativeKernel as P),
-        ("cuLaunchCooperativeKernelMultiDevice", cuLaunchCooperativeKernelMultiDevice as P),
-        ("cuLaunchCooperativeKernel_ptsz", cuLaunchCooperativeKernel_ptsz as P),
+        (
+            "cuLaunchCooperativeKernelMultiDevice",
+            cuLaunchCooperativeKernelMultiDevice as P,
+        ),
+        (
+            "cuLaunchCooperativeKernel_ptsz",
+            cuLaunchCooperativeKernel_ptsz as P,
+        ),
         ("cuLaunchKernel", cuLaunchKernel as P),
         ("cuLaunchKernelEx", cuLaunchKernelEx as P),
         ("cuLaunchKernelEx_ptsz", cuLaunchKernelEx_ptsz as P),
@@ -105,7 +127,10 @@ fn wrappers() -> [(&'static str, P); 11] {
 
 fn wrapper(symbol: &[u8]) -> Option<P> {
     let table = wrappers();
-    table.binary_search_by(|(n, _)| n.as_bytes().cmp(symbol)).ok().map(|i| table[i].1)
+    table
+        .binary_search_by(|(n, _)| n.as_bytes().cmp(symbol))
+        .ok()
+        .map(|i| table[i].1)
 }
 
 thread_local! {
@@ -119,14 +144,20 @@ thread_local! {
 /// Same contract as the C library's `dlsym`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn dlsym(handle: P, symbol: *const c_char) -> P {
-    let Some(real_dlsym) = real::dlsym() else { return std::ptr::null_mut() };
+    let Some(real_dlsym) = real::dlsym() else {
+        return std::ptr::null_mut();
+    };
     if symbol.is_null() || IN_DLSYM.with(|f| f.replace(true)) {
         // SAFETY: the caller's arguments, unchanged.
         return unsafe { real_dlsym(handle, symbol) };
     }
     // SAFETY: non-null, NUL-terminated per dlsym's contract.
     let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
-    let found = if name.starts_with(b"cu") { wrapper(name) } else { None };
+    let found = if name.starts_with(b"cu") {
+        wrapper(name)
+    } else {
+        None
+    };
     // SAFETY: the caller's arguments, unchanged.
     let r = found.unwrap_or_else(|| unsafe { real_dlsym(handle, symbol) });
     IN_DLSYM.with(|f| f.set(false));
@@ -140,7 +171,9 @@ fn swap_in_wrapper(symbol: *const c_char, pfn: *mut P, version: c_int, flags: u6
         return;
     }
     // SAFETY: non-null, NUL-terminated per cuGetProcAddress's contract.
-    let Ok(name) = unsafe { CStr::from_ptr(symbol) }.to_str() else { return };
+    let Ok(name) = unsafe { CStr::from_ptr(symbol) }.to_str() else {
+        return;
+    };
     if let Resolution::Found(sym) = resolve(name, version, flags)
         && let Some(w) = wrapper(sym.as_bytes())
     {
@@ -150,10 +183,17 @@ fn swap_in_wrapper(symbol: *const c_char, pfn: *mut P, version: c_int, flags: u6
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cuGetProcAddress(symbol: *const c_char, pfn: *mut P, version: c_int, flags: u64) -> CUresult {
+pub extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut P,
+    version: c_int,
+    flags: u64,
+) -> CUresult {
     let run = || {
         // SAFETY: forwards the caller's arguments unchanged.
-        let r = real::cuGetProcAddress().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(symbol, pfn, version, flags) });
+        let r = real::cuGetProcAddress().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
+            f(symbol, pfn, version, flags)
+        });
         if r == 0 {
             swap_in_wrapper(symbol, pfn, version, flags);
         }
@@ -172,8 +212,9 @@ pub extern "C" fn cuGetProcAddress_v2(
 ) -> CUresult {
     let run = || {
         // SAFETY: forwards the caller's arguments unchanged.
-        let r = real::cuGetProcAddress_v2()
-            .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(symbol, pfn, version, flags, status) });
+        let r = real::cuGetProcAddress_v2().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
+            f(symbol, pfn, version, flags, status)
+        });
         if r == 0 {
             swap_in_wrapper(symbol, pfn, version, flags);
         }
@@ -199,10 +240,19 @@ mod tests {
     #[test]
     fn every_launch_variant_is_managed() {
         for entry in gpushare_cuda_abi::ENTRY_POINTS {
-            let launches = ["cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel",
-                "cuLaunchCooperativeKernelMultiDevice", "cuGraphLaunch"];
+            let launches = [
+                "cuLaunchKernel",
+                "cuLaunchKernelEx",
+                "cuLaunchCooperativeKernel",
+                "cuLaunchCooperativeKernelMultiDevice",
+                "cuGraphLaunch",
+            ];
             if launches.contains(&entry.name) {
-                assert!(wrapper(entry.symbol.as_bytes()).is_some(), "{} is not gated", entry.symbol);
+                assert!(
+                    wrapper(entry.symbol.as_bytes()).is_some(),
+                    "{} is not gated",
+                    entry.symbol
+                );
             }
         }
     }

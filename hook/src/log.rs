@@ -4,7 +4,9 @@ use std::sync::OnceLock;
 
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("GPUSHARE_LOG").is_some_and(|v| !v.is_empty() && v != "off"))
+    *ON.get_or_init(|| {
+        std::env::var_os("GPUSHARE_LOG").is_some_and(|v| !v.is_empty() && v != "off")
+    })
 }
 
 macro_rules! debug {

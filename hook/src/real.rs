@@ -39,7 +39,9 @@ fn driver() -> *mut c_void {
     static HANDLE: OnceLock<usize> = OnceLock::new();
     *HANDLE.get_or_init(|| {
         let path = std::env::var("GPUSHARE_REAL_LIBCUDA").unwrap_or_else(|_| "libcuda.so.1".into());
-        let Ok(c) = std::ffi::CString::new(path) else { return 0 };
+        let Ok(c) = std::ffi::CString::new(path) else {
+            return 0;
+        };
         // SAFETY: dlopen of a NUL-terminated path; the handle is kept for the process lifetime.
         unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) as usize }
     }) as *mut c_void

@@ -34,12 +34,19 @@ pub struct GroupSpec {
 /// Client (hook or CLI) → scheduler.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ClientMsg {
-    Hello { version: u32, declared: Option<GroupSpec> },
+    Hello {
+        version: u32,
+        declared: Option<GroupSpec>,
+    },
     /// The process wants the GPU's token.
     Acquire { gpu: GpuUuid },
     /// The process gives the token back; `used_ns` is how long it held the GPU, from the
     /// grant until its work drained (more than the quota when it overran).
-    Release { gpu: GpuUuid, token: u64, used_ns: u64 },
+    Release {
+        gpu: GpuUuid,
+        token: u64,
+        used_ns: u64,
+    },
     /// Admin: the scheduler's view as JSON ([`ServerMsg::Status`]).
     Status,
 }
@@ -47,14 +54,29 @@ pub enum ClientMsg {
 /// Scheduler → client.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ServerMsg {
-    Welcome { group: String },
+    Welcome {
+        group: String,
+    },
     /// The token of `gpu` until `deadline_ns` (absolute CLOCK_MONOTONIC).
-    Grant { gpu: GpuUuid, token: u64, deadline_ns: u64, quota_ns: u64 },
+    Grant {
+        gpu: GpuUuid,
+        token: u64,
+        deadline_ns: u64,
+        quota_ns: u64,
+    },
     /// The token overran its deadline and grace: stop launching and release it.
-    Revoke { gpu: GpuUuid, token: u64 },
-    Status { json: String },
+    Revoke {
+        gpu: GpuUuid,
+        token: u64,
+    },
+    Status {
+        json: String,
+    },
     /// `fatal`: the connection is closed after this message.
-    Error { message: String, fatal: bool },
+    Error {
+        message: String,
+        fatal: bool,
+    },
 }
 
 #[cfg(test)]
@@ -75,7 +97,11 @@ mod tests {
                     memory: Some(4 << 30),
                 }),
             },
-            ClientMsg::Release { gpu: [7; 16], token: 3, used_ns: 20_000_000 },
+            ClientMsg::Release {
+                gpu: [7; 16],
+                token: 3,
+                used_ns: 20_000_000,
+            },
         ];
         let mut wire = Vec::new();
         for m in &msgs {
@@ -83,7 +109,10 @@ mod tests {
         }
         let (mut r, mut buf) = (&wire[..], Vec::new());
         for m in &msgs {
-            assert_eq!(recv::<ClientMsg>(&mut r, &mut buf).unwrap().as_ref(), Some(m));
+            assert_eq!(
+                recv::<ClientMsg>(&mut r, &mut buf).unwrap().as_ref(),
+                Some(m)
+            );
         }
     }
 

@@ -34,11 +34,15 @@ fn main() {
             .to_string_lossy()
             .to_string();
         let text = std::fs::read_to_string(&path).expect("readable source");
-        for (i, _) in text.match_indices("entry!(fn ") {
-            names.push((module.clone(), ident(&text[i + 10..]).to_string()));
+        // Invocations look like `entry!(fn NAME(` or, after rustfmt, `entry!(\n    fn NAME(`.
+        for (i, _) in text.match_indices("entry!(") {
+            let rest = text[i + 7..].trim_start();
+            if let Some(after) = rest.strip_prefix("fn ") {
+                names.push((module.clone(), ident(after.trim_start()).to_string()));
+            }
         }
         for (i, _) in text.match_indices("entry_pt!(") {
-            let rest = &text[i + 10..];
+            let rest = text[i + 10..].trim_start();
             let first = ident(rest);
             if first.is_empty() {
                 continue; // the macro's own definition

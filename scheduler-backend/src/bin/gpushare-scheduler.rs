@@ -6,7 +6,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "gpushare-scheduler", version, about = "gpushare node daemon: fair, capped shares of GPU time")]
+#[command(
+    name = "gpushare-scheduler",
+    version,
+    about = "gpushare node daemon: fair, capped shares of GPU time"
+)]
 struct Cli {
     /// TOML configuration (groups, quota, grace…); reloaded when the file changes.
     #[arg(long, value_name = "FILE")]
@@ -33,7 +37,11 @@ fn main() -> ExitCode {
             .map(PathBuf::from)
             .unwrap_or_else(|| gpushare_protocol::DEFAULT_SOCKET.into())
     });
-    match run(DaemonOptions { socket, config_path: cli.config, dev: cli.dev }) {
+    match run(DaemonOptions {
+        socket,
+        config_path: cli.config,
+        dev: cli.dev,
+    }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("gpushare-scheduler: {e:#}");

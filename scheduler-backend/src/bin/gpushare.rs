@@ -11,7 +11,11 @@ use std::process::{Command, ExitCode};
 use std::time::Duration;
 
 #[derive(Parser)]
-#[command(name = "gpushare", version, about = "Share GPUs with guaranteed and capped slices of GPU time")]
+#[command(
+    name = "gpushare",
+    version,
+    about = "Share GPUs with guaranteed and capped slices of GPU time"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -62,12 +66,18 @@ fn hook_path() -> anyhow::Result<PathBuf> {
     }
     let exe = std::env::current_exe()?;
     let dir = exe.parent().context("executable has no directory")?;
-    for cand in [dir.join("libgpushare.so"), dir.join("../lib/libgpushare.so")] {
+    for cand in [
+        dir.join("libgpushare.so"),
+        dir.join("../lib/libgpushare.so"),
+    ] {
         if cand.is_file() {
             return Ok(std::fs::canonicalize(cand)?);
         }
     }
-    bail!("libgpushare.so is not next to {}; set GPUSHARE_HOOK to its path", exe.display())
+    bail!(
+        "libgpushare.so is not next to {}; set GPUSHARE_HOOK to its path",
+        exe.display()
+    )
 }
 
 fn fetch_status() -> anyhow::Result<Report> {
@@ -76,7 +86,13 @@ fn fetch_status() -> anyhow::Result<Report> {
         format!("cannot reach gpushare-scheduler at {}; is it running? (set GPUSHARE_SOCKET if it listens elsewhere)", path.display())
     })?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    gpushare_protocol::send(&mut s, &ClientMsg::Hello { version: PROTOCOL_VERSION, declared: None })?;
+    gpushare_protocol::send(
+        &mut s,
+        &ClientMsg::Hello {
+            version: PROTOCOL_VERSION,
+            declared: None,
+        },
+    )?;
     gpushare_protocol::send(&mut s, &ClientMsg::Status)?;
     let mut buf = Vec::new();
     loop {
@@ -91,7 +107,14 @@ fn fetch_status() -> anyhow::Result<Report> {
 
 fn main() -> ExitCode {
     let result = match Cli::parse().cmd {
-        Cmd::Run { group, request, limit, weight, memory, cmd } => (|| -> anyhow::Result<ExitCode> {
+        Cmd::Run {
+            group,
+            request,
+            limit,
+            weight,
+            memory,
+            cmd,
+        } => (|| -> anyhow::Result<ExitCode> {
             let hook = hook_path()?;
             let mut c = Command::new(&cmd[0]);
             c.args(&cmd[1..]);
@@ -101,7 +124,10 @@ fn main() -> ExitCode {
             };
             c.env("LD_PRELOAD", preload).env("GPUSHARE_HOOK", &hook);
             if let Some(g) = group {
-                if !(0.0..=1.0).contains(&request) || !(request..=1.0).contains(&limit) || weight <= 0.0 {
+                if !(0.0..=1.0).contains(&request)
+                    || !(request..=1.0).contains(&limit)
+                    || weight <= 0.0
+                {
                     bail!("need 0 <= --request <= --limit <= 1 and --weight > 0");
                 }
                 c.env("GPUSHARE_GROUP", g)

@@ -71,7 +71,10 @@ pub enum Work {
         name: Arc<str>,
         remaining_ns: u64,
     },
-    Marker,
+    /// `keep`: an event record, whose completion time outlives the stream's history.
+    Marker {
+        keep: bool,
+    },
     /// `notified` once the client has been asked to run it.
     HostFunc {
         notified: bool,
@@ -140,6 +143,8 @@ pub struct Model {
     held: HashMap<(ConnId, u32), u64>,
     trace: Vec<TraceRecord>,
     host_calls: Vec<(Key, u64)>,
+    /// Completion times of event records, until the client forgets them.
+    events: HashMap<(Key, u64), u64>,
 }
 
 impl Model {
@@ -162,6 +167,7 @@ impl Model {
             held: HashMap::new(),
             trace: Vec::new(),
             host_calls: Vec::new(),
+            events: HashMap::new(),
         }
     }
 
@@ -181,6 +187,7 @@ impl Model {
             self.destroy_context(ctx, now);
         }
         self.functions.retain(|k, _| k.0 != conn);
+        self.events.retain(|k, _| k.0.0 != conn);
         let held: Vec<_> = self.held.keys().filter(|k| k.0 == conn).copied().collect();
         for key in held {
             let bytes = self.held.remove(&key).unwrap_or(0);
@@ -320,7 +327,8 @@ impl Model {
                 let remaining_ns = self.kernel_duration(&name, *arg0);
                 Work::Kernel { name, remaining_ns }
             }
-            Op::Marker => Work::Marker,
+            Op::Marker => Work::Marker { keep: false },
+            Op::Event => Work::Marker { keep: true },
             Op::HostFunc => Work::HostFunc { notified: false },
         };
         let conn = stream.0;
@@ -361,9 +369,18 @@ impl Model {
         }
     }
 
+    /// The client no longer needs the time of an event record.
+    pub fn forget_event(&mut self, stream: Key, seq: u64) {
+        self.events.remove(&(stream, seq));
+    }
+
     /// When op `seq` of `stream` completes (possibly in the future), if that is decided yet.
-    /// Ops of streams that no longer exist count as long done.
+    /// Event records are exact however old; other ops older than the stream's history, or of
+    /// streams that no longer exist, count as long done (time 0).
     pub fn completion(&self, stream: Key, seq: u64) -> Option<u64> {
+        if let Some(&t) = self.events.get(&(stream, seq)) {
+            return Some(t);
+        }
         let Some(s) = self.streams.get(&stream) else {
             return Some(0);
         };
@@ -446,7 +463,8 @@ impl Model {
                 let Some(op) = self.streams.get(&key).and_then(|s| s.queue.front()) else {
                     break;
                 };
-                let is_marker = matches!(op.work, Work::Marker);
+                let keep = matches!(op.work, Work::Marker { keep: true });
+                let is_marker = matches!(op.work, Work::Marker { .. });
                 let fresh_host = matches!(op.work, Work::HostFunc { notified: false });
                 let seq = op.seq;
                 if !is_marker && !fresh_host {
@@ -458,6 +476,9 @@ impl Model {
                 let s = self.streams.get_mut(&key).expect("stream checked above");
                 if is_marker {
                     Self::complete_front(s, ready);
+                    if keep {
+                        self.events.insert((key, seq), ready);
+                    }
                     progress = true;
                     self.reap_stream(key);
                     continue;
@@ -543,15 +564,15 @@ impl Model {
             None => self.other_ready_context_from(d, 0, cursor),
         };
         let Some(next) = next else {
+            // Idle until the earliest kernel's ready time. The cursor stays put otherwise: work
+            // that becomes ready later (after a marker or host function resolves) starts when
+            // it became ready, not when the model happened to look.
             match self.earliest_kernel(d) {
                 Some(t) if t <= now && t > cursor => {
                     self.devices[d].cursor = t;
                     return true;
                 }
-                _ => {
-                    self.devices[d].cursor = now.max(cursor);
-                    return false;
-                }
+                _ => return false,
             }
         };
         let switch = self.cfg.switch_cost_ns;

@@ -278,6 +278,7 @@ fn handle(
             }
         }
         Request::HostFuncDone { stream, seq } => m.host_func_done(now, (conn, stream), seq),
+        Request::ForgetEvent { stream, seq } => m.forget_event((conn, stream), seq),
         Request::Wait { req, ops } => st.waiters.push(Waiter {
             conn,
             req,

@@ -2,8 +2,8 @@
 //! timestamp, so `cuEventElapsedTime` measures device time exactly.
 
 use crate::ffi::*;
-use crate::state::{Event, driver, with_state};
-use gpushare_sim_wire::Op;
+use crate::state::{Driver, Event, driver, with_state};
+use gpushare_sim_wire::{Op, OpRef, Request};
 use std::ffi::c_uint;
 
 const CU_EVENT_BLOCKING_SYNC: u32 = 0x1;
@@ -31,12 +31,18 @@ entry!(
 );
 
 fn destroy(h: Handle) -> CuResult {
-    with_state(|_, st| {
-        st.events
-            .remove(&id(h))
-            .map(|_| ())
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    with_state(|d, st| {
+        let ev = st.events.remove(&id(h)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        forget(d, ev.record)
     })
+}
+
+/// Tell the device it may drop the time of a previous record.
+fn forget(d: &Driver, record: Option<OpRef>) -> CuResult {
+    match record {
+        Some((stream, seq)) => d.client.send(&Request::ForgetEvent { stream, seq }),
+        None => Ok(()),
+    }
 }
 
 entry!(
@@ -64,12 +70,12 @@ fn record(h: Handle, stream: Handle, pt: bool) -> CuResult {
             ev.captured = Some((cap.graph, cap.id, cap.deps));
             return Ok(());
         }
-        let r = st.submit(&d.client, s, Op::Marker, &[])?;
+        let r = st.submit(&d.client, s, Op::Event, &[])?;
         let ev = st.events.get_mut(&id(h)).expect("checked above");
-        ev.record = Some(r);
+        let old = ev.record.replace(r);
         ev.done_ns = None;
         ev.captured = None;
-        Ok(())
+        forget(d, old)
     })
 }
 

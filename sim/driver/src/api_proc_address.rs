@@ -108,6 +108,24 @@ mod tests {
     }
 
     #[test]
+    fn the_table_has_every_kind_of_entry_point() {
+        // Both macro forms, before and after rustfmt reflows them.
+        for name in [
+            "cuInit",
+            "cuGetErrorName",
+            "cuMemAlloc_v2",
+            "cuGetProcAddress_v2",
+            "cuLaunchKernel_ptsz",
+        ] {
+            assert!(
+                export(name).is_some(),
+                "{name} missing from the export table"
+            );
+        }
+        assert!(EXPORTS.len() > 200, "only {} exports", EXPORTS.len());
+    }
+
+    #[test]
     fn versions_resolve_to_our_functions() {
         let find = |n: &str, v: i32, f: u64| resolve(n, v, f).symbol().and_then(export);
         assert_eq!(find("cuMemAlloc", 3020, 0), export("cuMemAlloc_v2"));

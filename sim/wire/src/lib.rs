@@ -23,8 +23,11 @@ pub enum Op {
     /// A kernel: `function` was announced with [`Request::RegisterFunction`]; `arg0` is the value
     /// of its first parameter when that is 8 bytes wide (the duration of `gpushare_spin*`).
     Kernel { function: u64, arg0: Option<u64> },
-    /// Zero-duration marker (event record, stream join): completes once its dependencies have.
+    /// Zero-duration marker (stream join, fence): completes once its dependencies have.
     Marker,
+    /// An event record: a marker whose completion time the device keeps (for
+    /// `cuEventElapsedTime` long after) until [`Request::ForgetEvent`].
+    Event,
     /// Host function: the device asks the client to run it ([`Reply::RunHostFunc`]) and the
     /// stream waits until the client answers with [`Request::HostFuncDone`].
     HostFunc,
@@ -64,6 +67,11 @@ pub enum Request {
         op: Op,
     },
     HostFuncDone {
+        stream: u64,
+        seq: u64,
+    },
+    /// The event recorded as `(stream, seq)` was re-recorded or destroyed.
+    ForgetEvent {
         stream: u64,
         seq: u64,
     },
@@ -146,12 +154,18 @@ mod tests {
     #[test]
     fn round_trip() {
         let msgs = vec![
-            Request::Hello { version: PROTOCOL_VERSION, pid: 7 },
+            Request::Hello {
+                version: PROTOCOL_VERSION,
+                pid: 7,
+            },
             Request::Submit {
                 stream: 3,
                 seq: 9,
                 deps: vec![(1, 2)],
-                op: Op::Kernel { function: 4, arg0: Some(1_000_000) },
+                op: Op::Kernel {
+                    function: 4,
+                    arg0: Some(1_000_000),
+                },
             },
         ];
         let mut wire = Vec::new();

@@ -291,3 +291,29 @@ fn a_killed_client_frees_the_device() {
     assert!(done <= 200 * US + 25 * US + 100 * US, "done at {done}");
     assert_no_overlap(&m.take_trace());
 }
+
+#[test]
+fn event_times_survive_any_amount_of_later_work() {
+    let mut m = model(true);
+    client(&mut m, 1, 0);
+    spin(&mut m, 0, 1, 1, 1, 10 * US);
+    m.submit(0, (1, 1), 2, &[], &Op::Event).unwrap();
+    for seq in 3..1000 {
+        spin(&mut m, 0, 1, 1, seq, 10 * US);
+    }
+    m.submit(0, (1, 1), 1000, &[], &Op::Event).unwrap();
+    m.advance(100 * MS);
+    assert_eq!(
+        m.completion((1, 1), 2),
+        Some(10 * US),
+        "exact after 997 later kernels"
+    );
+    assert_eq!(m.completion((1, 1), 1000), Some(998 * 10 * US));
+    // A fence (plain marker) that old is only known to be long done.
+    m.forget_event((1, 1), 1000);
+    assert_eq!(
+        m.completion((1, 1), 1000),
+        Some(998 * 10 * US),
+        "still in the recent history"
+    );
+}

@@ -407,10 +407,12 @@ fn oom(device: usize, fill: bool) -> Res<Value> {
 fn launch_latency(device: usize, n: u64) -> Res<Value> {
     check(n > 0, || "--n must be at least 1".into())?;
     const KERNEL_NS: u64 = 1_000;
+    const WARM_UP: u64 = 100;
     let ctx = CudaContext::new(device).at("CudaContext::new")?;
     let stream = ctx.new_stream().at("cuStreamCreate")?;
     let (_module, spin_f, _) = load(&ctx)?;
-    for _ in 0..100 {
+    // Warm up the launch path (connection buffers, allocator, caches) with a tenth of the run.
+    for _ in 0..WARM_UP.max(n / 10) {
         spin(&stream, &spin_f, KERNEL_NS)?;
     }
     stream.synchronize().at("cuStreamSynchronize (warm-up)")?;
@@ -442,6 +444,7 @@ fn launch_latency(device: usize, n: u64) -> Res<Value> {
         "pid": std::process::id(),
         "device": device,
         "n": n,
+        "warm_up": WARM_UP.max(n / 10),
         "kernel_ns": KERNEL_NS,
         "ns_per_launch": raw_ns,
         "ns_per_launch_builder": builder_ns,

@@ -1,0 +1,967 @@
+//! The fair-share policy core: a pure state machine, one instance per GPU.
+//!
+//! No I/O, no threads, no clock: every call carries `now` (nanoseconds of `CLOCK_MONOTONIC`),
+//! and what the policy decides (grant a token, revoke one) is queued as [`Decision`]s that the
+//! daemon's I/O shell drains with [`Policy::take_decisions`] after every call. The shell also
+//! asks [`Policy::next_wakeup`] when to call [`Policy::tick`] next. Fairness is therefore tested
+//! in virtual time (see the simulator in `policy/sim.rs`).
+//!
+//! # Model
+//!
+//! *Clients* are processes; each belongs to a *group* (a container, pod or user) with a
+//! [`GroupParams`]: `request` (guaranteed share), `limit` (hard cap), `weight` (split of spare
+//! time). One client at a time holds the GPU's token. It asks with [`Policy::acquire`], receives
+//! a [`Decision::Grant`] with an absolute deadline, runs, and gives the token back with
+//! [`Policy::release`], reporting how long its work really occupied the GPU (grant → drained).
+//! A group is *active* while one of its clients waits for or holds the token.
+//!
+//! # Algorithm
+//!
+//! 1. **Targets.** The active groups' target shares come from [`water_fill`]: effective
+//!    requests first (scaled down if they sum to more than 1), the rest split by weight among
+//!    groups below their limit, limits capping and their excess redistributed. Recomputed
+//!    lazily whenever the active set or the parameters change.
+//! 2. **Credit.** While the token is held, every active group accrues credit at its target
+//!    rate; the holder is debited its quota at grant and settled to its real charge at release.
+//!    Credit a group cannot absorb (above the upper bound, because it wanted less than its target)
+//!    is redistributed by weight to the active groups below their limit — so unused share is
+//!    split by weight, not equally. Credits are then shifted to mean zero over the active groups
+//!    (only differences matter; this removes drift from handoff gaps) and bounded to
+//!    `[−2B, +B]`, `B = 2·quota + grace`: an idle group cannot bank priority, a long overrun is
+//!    charged in full up to `2B`.
+//! 3. **Caps.** Each group with `limit < 1` has a token bucket filling at `limit` ns per ns up to
+//!    `2·quota`, debited like the credit (quota reserved at grant, settled at release; debt is
+//!    kept, up to one window at the limit). It may take the token only when the bucket holds a
+//!    full quota (see "Deviations" below); the quota granted is `min(quota, allowance)`.
+//! 4. **Selection.** A free token goes at once to the waiting, not-capped group with the largest
+//!    credit (ties: the one waiting longest); within a group clients are served in FIFO order of
+//!    their requests, i.e. round-robin. The token is never left free while such a group waits
+//!    (work conservation); if only capped groups wait, [`Policy::next_wakeup`] says when the first
+//!    bucket will have refilled.
+//! 5. **Timeouts.** A holder still holding at `deadline + grace` is revoked (charged the time
+//!    since its grant provisionally) and the next client is granted in the same call; its late
+//!    release settles the charge to what it reports (never less than the provisional charge).
+//!    A disconnect releases at once, charging the time elapsed since the grant.
+//!
+//! Usage charged is `min(used_ns, now − grant)`: the client's own measure of occupancy, which
+//! cannot exceed the time it held the token.
+//!
+//! # Deviations from the first sketch
+//!
+//! - A capped group waits for a full quota in its bucket rather than `min_quota_ns`: granting the
+//!   refill in crumbs of 2 ms multiplies handoffs (each costs the tenant a drain and an IPC round
+//!   trip out of its own share) without changing its long-run share; a lone tenant capped at 0.3
+//!   gets one full 20 ms token every 66.7 ms. `min_quota_ns` stays the floor of any grant.
+//! - Debits are reserved at grant and settled at release (rather than charged only at release),
+//!   so the hard cap also holds while a token is in flight and a holder's credit does not
+//!   saturate during its own turn.
+
+mod water_fill;
+
+pub use water_fill::{effective_requests, water_fill};
+
+#[cfg(test)]
+mod sim;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, VecDeque};
+
+/// A client of the scheduler: one process's connection, as numbered by the daemon.
+pub type ClientId = u64;
+
+/// A group's share parameters on one GPU (DESIGN §2).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct GroupParams {
+    /// Guaranteed minimum share of GPU time, 0..=1.
+    pub request: f64,
+    /// Hard cap on the share of GPU time, request..=1 (1 = uncapped).
+    pub limit: f64,
+    /// Relative weight for splitting spare time, > 0 (default 1).
+    pub weight: f64,
+}
+
+impl Default for GroupParams {
+    /// No guarantee, no cap, weight 1.
+    fn default() -> Self {
+        GroupParams {
+            request: 0.0,
+            limit: 1.0,
+            weight: 1.0,
+        }
+    }
+}
+
+impl GroupParams {
+    /// Checks `0 ≤ request ≤ limit ≤ 1`, `weight > 0`, all finite. The error says what to change.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, v) in [
+            ("request", self.request),
+            ("limit", self.limit),
+            ("weight", self.weight),
+        ] {
+            if !v.is_finite() {
+                return Err(format!("{name} must be a finite number, got {v}"));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.request) {
+            return Err(format!(
+                "request {} must be a fraction of GPU time between 0 and 1 (e.g. 0.3)",
+                self.request
+            ));
+        }
+        if self.limit < self.request || self.limit > 1.0 {
+            return Err(format!(
+                "limit {} must lie between the request {} and 1; raise the limit or lower the request",
+                self.limit, self.request
+            ));
+        }
+        if self.weight <= 0.0 {
+            return Err(format!(
+                "weight {} must be greater than 0 (the default is 1)",
+                self.weight
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Timing parameters of the policy (hot-reloadable with [`Policy::set_config`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PolicyConfig {
+    /// Default token length.
+    pub quota_ns: u64,
+    /// Never grant less than this.
+    pub min_quota_ns: u64,
+    /// A holder is revoked at deadline + grace.
+    pub grace_ns: u64,
+    /// Window of the achieved share reported in [`GroupStatus::achieved_share`].
+    pub window_ns: u64,
+}
+
+impl Default for PolicyConfig {
+    /// 20 ms quota, 2 ms minimum quota, 20 ms grace, 5 s window.
+    fn default() -> Self {
+        PolicyConfig {
+            quota_ns: 20_000_000,
+            min_quota_ns: 2_000_000,
+            grace_ns: 20_000_000,
+            window_ns: 5_000_000_000,
+        }
+    }
+}
+
+/// What the shell must do, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Give `client` the token until `deadline_ns` (absolute, CLOCK_MONOTONIC).
+    Grant {
+        client: ClientId,
+        token: u64,
+        deadline_ns: u64,
+        quota_ns: u64,
+    },
+    /// The holder overran deadline + grace: the token is taken away; the next client may be granted already.
+    Revoke { client: ClientId, token: u64 },
+}
+
+/// Errors of the policy's calls.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PolicyError {
+    #[error("unknown group {0:?}")]
+    UnknownGroup(String),
+    #[error("invalid parameters for group {group:?}: {reason}")]
+    InvalidParams { group: String, reason: String },
+    #[error("unknown client {0}")]
+    UnknownClient(ClientId),
+}
+
+/// What the policy sees on one GPU ([`Policy::status`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct GpuStatus {
+    /// The client holding the token.
+    pub holder: Option<ClientId>,
+    /// Clients waiting for the token, longest waiting first.
+    pub waiting: Vec<ClientId>,
+    /// Every configured group, by name.
+    pub groups: Vec<GroupStatus>,
+    /// The holder's token.
+    pub holder_token: Option<u64>,
+    /// The holder's group.
+    pub holder_group: Option<String>,
+    /// The holder's deadline (it is revoked at deadline + grace).
+    pub holder_deadline_ns: Option<u64>,
+    /// Sum of the groups' achieved shares: how busy the GPU was over the window.
+    pub busy_share: f64,
+}
+
+/// One group's configuration, targets and accounting.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct GroupStatus {
+    pub name: String,
+    pub params: GroupParams,
+    /// The request, scaled down if the requests of all configured groups sum to more than 1.
+    pub effective_request: f64,
+    /// Water-filled share among the currently active groups (0 when not active).
+    pub target_share: f64,
+    /// Usage within the last window / window (includes the current holder's time so far).
+    pub achieved_share: f64,
+    /// Total usage charged, ns.
+    pub busy_ns: u64,
+    /// Tokens granted.
+    pub tokens: u64,
+    /// Requests that could not be granted at once.
+    pub waits: u64,
+    /// Tokens used beyond their quota (including revoked ones).
+    pub overruns: u64,
+    /// Tokens revoked at deadline + grace.
+    pub revocations: u64,
+    /// Connected clients.
+    pub clients: Vec<ClientId>,
+    /// A client of the group waits for or holds the token.
+    pub active: bool,
+    /// Scheduling credit, ns (relative; positive = behind its target).
+    pub credit_ns: f64,
+    /// Token-bucket allowance, ns (`None` when `limit` is 1: never capped).
+    pub allowance_ns: Option<f64>,
+    /// Waiting but held back by its limit until the bucket refills.
+    pub capped: bool,
+}
+
+/// Float slack (ns) when comparing a bucket against the threshold.
+const NS_EPS: f64 = 0.5;
+/// Usage intervals kept per group for the windowed share; older ones are merged beyond this.
+const MAX_USAGE_ENTRIES: usize = 4096;
+/// Revoked tokens awaiting their late release, at most.
+const MAX_REVOKED: usize = 1024;
+
+/// A token in flight (or revoked, awaiting its late release).
+#[derive(Debug, Clone)]
+struct Hold {
+    client: ClientId,
+    group: String,
+    token: u64,
+    granted_at: u64,
+    deadline_ns: u64,
+    quota_ns: u64,
+    /// Debited from credit and bucket so far (the reserve, then the settled charge).
+    applied: u64,
+    /// Added to the usage statistics so far.
+    recorded: u64,
+}
+
+/// Charged usage over `[start, end)` (`busy ≤ end − start` once merged).
+#[derive(Debug, Clone)]
+struct Usage {
+    token: u64,
+    start: u64,
+    end: u64,
+    busy: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Group {
+    params: GroupParams,
+    clients: Vec<ClientId>,
+    /// Waiting clients with their request sequence number, FIFO.
+    queue: VecDeque<(ClientId, u64)>,
+    holding: bool,
+    target: f64,
+    credit: f64,
+    allowance: f64,
+    allowance_at: u64,
+    usage: VecDeque<Usage>,
+    busy_ns: u64,
+    tokens: u64,
+    waits: u64,
+    overruns: u64,
+    revocations: u64,
+}
+
+impl Group {
+    fn new(params: GroupParams, now: u64, depth: f64) -> Group {
+        Group {
+            params,
+            clients: Vec::new(),
+            queue: VecDeque::new(),
+            holding: false,
+            target: 0.0,
+            credit: 0.0,
+            allowance: depth,
+            allowance_at: now,
+            usage: VecDeque::new(),
+            busy_ns: 0,
+            tokens: 0,
+            waits: 0,
+            overruns: 0,
+            revocations: 0,
+        }
+    }
+
+    fn active(&self) -> bool {
+        self.holding || !self.queue.is_empty()
+    }
+
+    fn capped(&self) -> bool {
+        self.params.limit < 1.0
+    }
+
+    /// Bucket content at `now` (infinite for an uncapped group).
+    fn allowance(&self, now: u64, depth: f64) -> f64 {
+        if !self.capped() {
+            return f64::INFINITY;
+        }
+        let dt = now.saturating_sub(self.allowance_at) as f64;
+        (self.allowance + self.params.limit * dt).min(depth)
+    }
+
+    fn refill(&mut self, now: u64, depth: f64) {
+        if self.capped() {
+            self.allowance = self.allowance(now, depth);
+            self.allowance_at = self.allowance_at.max(now);
+        }
+    }
+
+    /// Lowest the bucket may go: one window's worth of allowance (at least one bucket), so one
+    /// pathological report cannot lock a group out for longer than a window.
+    fn bucket_floor(&self, depth: f64, window_ns: u64) -> f64 {
+        -(depth.max(self.params.limit * window_ns as f64))
+    }
+
+    fn record_usage(&mut self, token: u64, start: u64, extra: u64) {
+        if extra == 0 {
+            return;
+        }
+        if let Some(u) = self.usage.iter_mut().rev().take(64).find(|u| u.token == token) {
+            u.end += extra;
+            u.busy += extra;
+            return;
+        }
+        self.usage.push_back(Usage {
+            token,
+            start,
+            end: start + extra,
+            busy: extra,
+        });
+        if self.usage.len() > MAX_USAGE_ENTRIES {
+            let a = self.usage.pop_front().expect("non-empty");
+            let b = self.usage.front_mut().expect("non-empty");
+            b.start = a.start.min(b.start);
+            b.end = a.end.max(b.end);
+            b.busy += a.busy;
+        }
+    }
+
+    fn prune_usage(&mut self, horizon: u64) {
+        while self.usage.front().is_some_and(|u| u.end <= horizon) {
+            self.usage.pop_front();
+        }
+    }
+
+    /// Usage within `[from, to)`.
+    fn usage_within(&self, from: u64, to: u64) -> f64 {
+        self.usage
+            .iter()
+            .map(|u| {
+                let span = u.end.saturating_sub(u.start);
+                let overlap = u.end.min(to).saturating_sub(u.start.max(from));
+                if span == 0 {
+                    0.0
+                } else {
+                    u.busy as f64 * overlap as f64 / span as f64
+                }
+            })
+            .sum()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Client {
+    group: String,
+    /// Request sequence number while waiting.
+    waiting: Option<u64>,
+}
+
+/// The fair-share policy of one GPU. See the [module documentation](self).
+#[derive(Debug, Clone)]
+pub struct Policy {
+    cfg: PolicyConfig,
+    groups: BTreeMap<String, Group>,
+    clients: BTreeMap<ClientId, Client>,
+    holder: Option<Hold>,
+    revoked: BTreeMap<u64, Hold>,
+    next_token: u64,
+    /// Latest time seen; calls with an earlier `now` are treated as happening now.
+    now: u64,
+    seq: u64,
+    targets_dirty: bool,
+    decisions: Vec<Decision>,
+}
+
+/// Makes a configuration usable: quota ≥ 1 ns, `min_quota ≤ quota`, window ≥ 1 ns.
+fn sanitize(mut cfg: PolicyConfig) -> PolicyConfig {
+    cfg.quota_ns = cfg.quota_ns.max(1);
+    cfg.min_quota_ns = cfg.min_quota_ns.min(cfg.quota_ns);
+    cfg.window_ns = cfg.window_ns.max(1);
+    cfg
+}
+
+impl Policy {
+    /// A policy with no groups. The configuration is used as given, except that a zero quota
+    /// becomes 1 ns and `min_quota_ns` is lowered to `quota_ns` if above it.
+    pub fn new(cfg: PolicyConfig) -> Policy {
+        Policy {
+            cfg: sanitize(cfg),
+            groups: BTreeMap::new(),
+            clients: BTreeMap::new(),
+            holder: None,
+            revoked: BTreeMap::new(),
+            next_token: 1,
+            now: 0,
+            seq: 0,
+            targets_dirty: false,
+            decisions: Vec::new(),
+        }
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &PolicyConfig {
+        &self.cfg
+    }
+
+    /// Hot reload of the timing parameters. The current holder keeps its deadline; buckets and
+    /// credits are clamped to the new bounds.
+    pub fn set_config(&mut self, cfg: PolicyConfig) {
+        let now = self.now;
+        let old_depth = self.bucket_depth();
+        self.cfg = sanitize(cfg);
+        let depth = self.bucket_depth();
+        let (lo, hi) = self.credit_bounds();
+        let window = self.cfg.window_ns;
+        for g in self.groups.values_mut() {
+            g.refill(now, old_depth);
+            let floor = g.bucket_floor(depth, window);
+            g.allowance = g.allowance.clamp(floor, depth);
+            g.credit = g.credit.clamp(lo, hi);
+        }
+    }
+
+    /// Creates or updates (hot reload) a group. Takes effect for the next token; if it makes a
+    /// waiting group eligible, [`Policy::next_wakeup`] reports it.
+    pub fn set_group(&mut self, name: &str, p: GroupParams) -> Result<(), PolicyError> {
+        p.validate().map_err(|reason| PolicyError::InvalidParams {
+            group: name.to_string(),
+            reason,
+        })?;
+        let now = self.now;
+        let depth = self.bucket_depth();
+        let window = self.cfg.window_ns;
+        match self.groups.get_mut(name) {
+            Some(g) => {
+                g.refill(now, depth);
+                let was_capped = g.capped();
+                g.params = p;
+                if !was_capped {
+                    // The bucket was not maintained while uncapped: start full.
+                    g.allowance = depth;
+                    g.allowance_at = now;
+                }
+                let floor = g.bucket_floor(depth, window);
+                g.allowance = g.allowance.clamp(floor, depth);
+            }
+            None => {
+                self.groups
+                    .insert(name.to_string(), Group::new(p, now, depth));
+            }
+        }
+        self.targets_dirty = true;
+        Ok(())
+    }
+
+    /// Removes a group; its clients are disconnected (a holder releases at once). Unknown names
+    /// are ignored.
+    pub fn remove_group(&mut self, name: &str, now: u64) {
+        let Some(g) = self.groups.get(name) else {
+            return;
+        };
+        let clients = g.clients.clone();
+        let now = self.advance(now);
+        for c in clients {
+            self.detach(c, now);
+        }
+        self.groups.remove(name);
+        self.revoked.retain(|_, h| h.group != name);
+        self.targets_dirty = true;
+        self.schedule(now);
+    }
+
+    /// Connects `client` to `group`. Connecting again to the same group does nothing; connecting
+    /// to another group moves the client (as if it had disconnected, at the latest time seen).
+    pub fn connect(&mut self, client: ClientId, group: &str) -> Result<(), PolicyError> {
+        if !self.groups.contains_key(group) {
+            return Err(PolicyError::UnknownGroup(group.to_string()));
+        }
+        let mut moved = false;
+        if let Some(c) = self.clients.get(&client) {
+            if c.group == group {
+                return Ok(());
+            }
+            self.detach(client, self.now);
+            moved = true;
+        }
+        self.clients.insert(
+            client,
+            Client {
+                group: group.to_string(),
+                waiting: None,
+            },
+        );
+        self.groups
+            .get_mut(group)
+            .expect("checked above")
+            .clients
+            .push(client);
+        if moved {
+            self.schedule(self.now);
+        }
+        Ok(())
+    }
+
+    /// Disconnects `client`: it stops waiting, and if it holds the token the token is released
+    /// at once (charged the time elapsed since the grant) and the next client granted. Unknown
+    /// clients are ignored.
+    pub fn disconnect(&mut self, client: ClientId, now: u64) {
+        if !self.clients.contains_key(&client) {
+            return;
+        }
+        let now = self.advance(now);
+        self.detach(client, now);
+        self.schedule(now);
+    }
+
+    /// `client` wants the token. Idempotent while it waits; a holder asking again queues for
+    /// its next turn.
+    pub fn acquire(&mut self, client: ClientId, now: u64) -> Result<(), PolicyError> {
+        if !self.clients.contains_key(&client) {
+            return Err(PolicyError::UnknownClient(client));
+        }
+        let now = self.advance(now);
+        let c = self.clients.get_mut(&client).expect("checked above");
+        if c.waiting.is_some() {
+            return Ok(());
+        }
+        let seq = self.seq;
+        self.seq += 1;
+        c.waiting = Some(seq);
+        let group = c.group.clone();
+        let g = self.groups.get_mut(&group).expect("clients belong to groups");
+        if !g.active() {
+            self.targets_dirty = true;
+        }
+        g.queue.push_back((client, seq));
+        self.schedule(now);
+        if self.clients[&client].waiting.is_some() {
+            self.groups.get_mut(&group).expect("exists").waits += 1;
+        }
+        Ok(())
+    }
+
+    /// `client` gives back `token`, having occupied the GPU for `used_ns` (grant → drained).
+    /// The next client is granted in the same call. Also accepted for a token that was revoked:
+    /// then the late usage is charged. A stale token (already released) is ignored.
+    pub fn release(
+        &mut self,
+        client: ClientId,
+        token: u64,
+        used_ns: u64,
+        now: u64,
+    ) -> Result<(), PolicyError> {
+        if !self.clients.contains_key(&client) {
+            return Err(PolicyError::UnknownClient(client));
+        }
+        let now = self.advance(now);
+        if self
+            .holder
+            .as_ref()
+            .is_some_and(|h| h.token == token && h.client == client)
+        {
+            let mut h = self.holder.take().expect("checked");
+            let charge = used_ns.min(now - h.granted_at);
+            self.charge(&mut h, charge, now);
+            if let Some(g) = self.groups.get_mut(&h.group) {
+                g.holding = false;
+                if charge > h.quota_ns {
+                    g.overruns += 1;
+                }
+                if !g.active() {
+                    self.targets_dirty = true;
+                }
+            }
+            self.schedule(now);
+        } else if self
+            .revoked
+            .get(&token)
+            .is_some_and(|h| h.client == client)
+        {
+            let mut h = self.revoked.remove(&token).expect("checked");
+            let charge = used_ns
+                .min(now.saturating_sub(h.granted_at))
+                .max(h.applied);
+            self.charge(&mut h, charge, now);
+        }
+        Ok(())
+    }
+
+    /// Handles timeouts at `now`: revokes a holder past deadline + grace (and grants the next
+    /// client), and grants a capped group whose bucket has refilled.
+    pub fn tick(&mut self, now: u64) {
+        let now = self.advance(now);
+        if self.holder.as_ref().is_some_and(|h| {
+            now >= h
+                .deadline_ns
+                .saturating_add(self.cfg.grace_ns)
+        }) {
+            let mut h = self.holder.take().expect("checked");
+            let elapsed = now - h.granted_at;
+            self.charge(&mut h, elapsed, now);
+            if let Some(g) = self.groups.get_mut(&h.group) {
+                g.holding = false;
+                g.revocations += 1;
+                g.overruns += 1;
+                if !g.active() {
+                    self.targets_dirty = true;
+                }
+            }
+            self.decisions.push(Decision::Revoke {
+                client: h.client,
+                token: h.token,
+            });
+            if self.revoked.len() >= MAX_REVOKED {
+                self.revoked.pop_first();
+            }
+            self.revoked.insert(h.token, h);
+        }
+        self.schedule(now);
+    }
+
+    /// The decisions taken since the last call, in order.
+    pub fn take_decisions(&mut self) -> Vec<Decision> {
+        std::mem::take(&mut self.decisions)
+    }
+
+    /// The earliest time at which [`Policy::tick`] has something to do: the holder's revocation
+    /// time, or (token free) when the first waiting capped group's bucket holds a quota. May be
+    /// in the past (then tick at once); `None` when nothing is pending.
+    pub fn next_wakeup(&self, _now: u64) -> Option<u64> {
+        if let Some(h) = &self.holder {
+            return Some(h.deadline_ns.saturating_add(self.cfg.grace_ns));
+        }
+        let depth = self.bucket_depth();
+        let thr = self.cap_threshold();
+        self.groups
+            .values()
+            .filter(|g| !g.queue.is_empty())
+            .filter_map(|g| {
+                let a = g.allowance(self.now, depth);
+                if a >= thr - NS_EPS {
+                    Some(self.now)
+                } else if g.params.limit > 0.0 {
+                    let wait = ((thr - a) / g.params.limit).ceil();
+                    Some(self.now.saturating_add(wait as u64))
+                } else {
+                    None
+                }
+            })
+            .min()
+    }
+
+    /// What the policy sees at `now`.
+    pub fn status(&self, now: u64) -> GpuStatus {
+        let now = now.max(self.now);
+        let names: Vec<&String> = self.groups.keys().collect();
+        let all: Vec<GroupParams> = self.groups.values().map(|g| g.params).collect();
+        let eff = effective_requests(&all);
+        let active: Vec<GroupParams> = self
+            .groups
+            .values()
+            .filter(|g| g.active())
+            .map(|g| g.params)
+            .collect();
+        let mut targets = water_fill(&active).into_iter();
+        let window = self.cfg.window_ns;
+        let from = now.saturating_sub(window);
+        let depth = self.bucket_depth();
+        let thr = self.cap_threshold();
+        let mut groups = Vec::with_capacity(names.len());
+        for (i, (name, g)) in self.groups.iter().enumerate() {
+            let mut used = g.usage_within(from, now);
+            if let Some(h) = self.holder.as_ref().filter(|h| &h.group == name) {
+                used += now.saturating_sub(h.granted_at.max(from)) as f64;
+            }
+            let allowance = g.capped().then(|| g.allowance(now, depth));
+            groups.push(GroupStatus {
+                name: name.clone(),
+                params: g.params,
+                effective_request: eff[i],
+                target_share: if g.active() {
+                    targets.next().unwrap_or(0.0)
+                } else {
+                    0.0
+                },
+                achieved_share: used / window as f64,
+                busy_ns: g.busy_ns,
+                tokens: g.tokens,
+                waits: g.waits,
+                overruns: g.overruns,
+                revocations: g.revocations,
+                clients: g.clients.clone(),
+                active: g.active(),
+                credit_ns: g.credit,
+                allowance_ns: allowance,
+                capped: !g.queue.is_empty() && allowance.is_some_and(|a| a < thr - NS_EPS),
+            });
+        }
+        let mut waiting: Vec<(u64, ClientId)> = self
+            .clients
+            .iter()
+            .filter_map(|(&id, c)| c.waiting.map(|s| (s, id)))
+            .collect();
+        waiting.sort_unstable();
+        GpuStatus {
+            holder: self.holder.as_ref().map(|h| h.client),
+            waiting: waiting.into_iter().map(|(_, id)| id).collect(),
+            busy_share: groups.iter().map(|g| g.achieved_share).sum(),
+            groups,
+            holder_token: self.holder.as_ref().map(|h| h.token),
+            holder_group: self.holder.as_ref().map(|h| h.group.clone()),
+            holder_deadline_ns: self.holder.as_ref().map(|h| h.deadline_ns),
+        }
+    }
+
+    /// The current holder and its token.
+    pub fn holder(&self) -> Option<(ClientId, u64)> {
+        self.holder.as_ref().map(|h| (h.client, h.token))
+    }
+
+    /// The group `client` is connected to.
+    pub fn client_group(&self, client: ClientId) -> Option<&str> {
+        self.clients.get(&client).map(|c| c.group.as_str())
+    }
+
+    /// A group's parameters.
+    pub fn group_params(&self, name: &str) -> Option<GroupParams> {
+        self.groups.get(name).map(|g| g.params)
+    }
+
+    // ---- internals ----
+
+    /// Bucket depth: two quotas.
+    fn bucket_depth(&self) -> f64 {
+        2.0 * self.cfg.quota_ns as f64
+    }
+
+    /// Allowance a capped group needs before it may take the token: a full quota.
+    fn cap_threshold(&self) -> f64 {
+        self.cfg.quota_ns.max(self.cfg.min_quota_ns) as f64
+    }
+
+    /// Credit bounds `(−2B, B)`, `B = 2·quota + grace`.
+    fn credit_bounds(&self) -> (f64, f64) {
+        let b = 2.0 * self.cfg.quota_ns as f64 + self.cfg.grace_ns as f64;
+        (-2.0 * b, b)
+    }
+
+    fn refresh_targets(&mut self) {
+        if !self.targets_dirty {
+            return;
+        }
+        self.targets_dirty = false;
+        let active: Vec<GroupParams> = self
+            .groups
+            .values()
+            .filter(|g| g.active())
+            .map(|g| g.params)
+            .collect();
+        let mut targets = water_fill(&active).into_iter();
+        for g in self.groups.values_mut() {
+            g.target = if g.active() {
+                targets.next().unwrap_or(0.0)
+            } else {
+                0.0
+            };
+        }
+    }
+
+    /// Moves the clock to `now` (never backwards), accruing credit for the time passed.
+    fn advance(&mut self, now: u64) -> u64 {
+        let now = now.max(self.now);
+        let dt = now - self.now;
+        if dt > 0 {
+            self.refresh_targets();
+            if self.holder.is_some() {
+                self.accrue(dt as f64);
+            }
+            self.now = now;
+        }
+        now
+    }
+
+    /// Credit accrual over `dt` ns of held token: target rate, overflow redistributed by weight
+    /// to groups below their limit, then shifted to mean zero and bounded.
+    fn accrue(&mut self, dt: f64) {
+        let (lo, hi) = self.credit_bounds();
+        let mut overflow = 0.0;
+        for g in self.groups.values_mut().filter(|g| g.active()) {
+            g.credit += g.target * dt;
+            if g.credit > hi {
+                overflow += g.credit - hi;
+                g.credit = hi;
+            }
+        }
+        let recipient = |g: &Group| g.active() && g.credit < hi && g.target < g.params.limit;
+        for _ in 0..=self.groups.len() {
+            if overflow <= 1e-6 {
+                break;
+            }
+            let weights: f64 = self
+                .groups
+                .values()
+                .filter(|g| recipient(g))
+                .map(|g| g.params.weight)
+                .sum();
+            if weights <= 0.0 {
+                break;
+            }
+            let pool = std::mem::take(&mut overflow);
+            for g in self.groups.values_mut().filter(|g| recipient(g)) {
+                g.credit += pool * g.params.weight / weights;
+                if g.credit > hi {
+                    overflow += g.credit - hi;
+                    g.credit = hi;
+                }
+            }
+        }
+        let (sum, n) = self
+            .groups
+            .values()
+            .filter(|g| g.active())
+            .fold((0.0, 0usize), |(s, n), g| (s + g.credit, n + 1));
+        if n > 0 {
+            let mean = sum / n as f64;
+            for g in self.groups.values_mut().filter(|g| g.active()) {
+                g.credit = (g.credit - mean).max(lo);
+            }
+        }
+    }
+
+    /// Settles `h` to a total charge of `total` ns: credit and bucket by the difference from
+    /// what was already applied, statistics by what was not yet recorded.
+    fn charge(&mut self, h: &mut Hold, total: u64, now: u64) {
+        let (lo, _) = self.credit_bounds();
+        let depth = self.bucket_depth();
+        let window = self.cfg.window_ns;
+        let Some(g) = self.groups.get_mut(&h.group) else {
+            return;
+        };
+        let delta = total as f64 - h.applied as f64;
+        g.credit = (g.credit - delta).max(lo);
+        if g.capped() {
+            g.refill(now, depth);
+            let floor = g.bucket_floor(depth, window);
+            g.allowance = (g.allowance - delta).clamp(floor, depth);
+        }
+        h.applied = total;
+        if total > h.recorded {
+            let extra = total - h.recorded;
+            g.busy_ns += extra;
+            g.record_usage(h.token, h.granted_at + h.recorded, extra);
+            h.recorded = total;
+        }
+        g.prune_usage(now.saturating_sub(window));
+    }
+
+    /// Removes `client` from its group, the queue and the token (charging elapsed time),
+    /// without granting anyone.
+    fn detach(&mut self, client: ClientId, now: u64) {
+        let Some(c) = self.clients.remove(&client) else {
+            return;
+        };
+        if let Some(g) = self.groups.get_mut(&c.group) {
+            g.clients.retain(|&id| id != client);
+            g.queue.retain(|&(id, _)| id != client);
+        }
+        if self.holder.as_ref().is_some_and(|h| h.client == client) {
+            let mut h = self.holder.take().expect("checked");
+            let elapsed = now.saturating_sub(h.granted_at);
+            self.charge(&mut h, elapsed, now);
+            if let Some(g) = self.groups.get_mut(&h.group) {
+                g.holding = false;
+            }
+        }
+        self.revoked.retain(|_, h| h.client != client);
+        self.targets_dirty = true;
+    }
+
+    /// Grants a free token to the best eligible waiting group, if any.
+    fn schedule(&mut self, now: u64) {
+        if self.holder.is_some() {
+            return;
+        }
+        let depth = self.bucket_depth();
+        let thr = self.cap_threshold();
+        let best = self
+            .groups
+            .iter()
+            .filter(|(_, g)| !g.queue.is_empty() && g.allowance(now, depth) >= thr - NS_EPS)
+            .max_by(|(_, a), (_, b)| {
+                a.credit
+                    .total_cmp(&b.credit)
+                    .then_with(|| b.queue[0].1.cmp(&a.queue[0].1))
+            })
+            .map(|(name, _)| name.clone());
+        let Some(name) = best else {
+            return;
+        };
+        let (lo, _) = self.credit_bounds();
+        let window = self.cfg.window_ns;
+        let g = self.groups.get_mut(&name).expect("exists");
+        let (client, _) = g.queue.pop_front().expect("non-empty");
+        let quota_ns = if g.capped() {
+            g.refill(now, depth);
+            (g.allowance.floor().max(0.0) as u64)
+                .min(self.cfg.quota_ns)
+                .max(self.cfg.min_quota_ns)
+        } else {
+            self.cfg.quota_ns
+        };
+        g.credit = (g.credit - quota_ns as f64).max(lo);
+        if g.capped() {
+            let floor = g.bucket_floor(depth, window);
+            g.allowance = (g.allowance - quota_ns as f64).max(floor);
+        }
+        g.holding = true;
+        g.tokens += 1;
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.waiting = None;
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        let deadline_ns = now.saturating_add(quota_ns);
+        self.holder = Some(Hold {
+            client,
+            group: name,
+            token,
+            granted_at: now,
+            deadline_ns,
+            quota_ns,
+            applied: quota_ns,
+            recorded: 0,
+        });
+        self.decisions.push(Decision::Grant {
+            client,
+            token,
+            deadline_ns,
+            quota_ns,
+        });
+    }
+}

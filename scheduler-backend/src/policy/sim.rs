@@ -1,0 +1,490 @@
+//! A virtual-time simulator driving a [`Policy`] (tests only).
+//!
+//! Simulated tenants (one client each) follow a demand pattern, the GPU is serial, every token
+//! costs a handoff (grant → the client's first kernel runs) out of its quota, and work may
+//! overrun the quota. The simulator behaves like the daemon's shell: it feeds the policy events
+//! at their virtual times, executes its decisions and calls `tick` at `next_wakeup`. It records
+//! per group the time the token was held (what the policy charges) and the device work, in bins,
+//! and checks on the way that the policy never grants a client that is not waiting, never grants
+//! a second token, and never leaves the token free while a group without a cap waits.
+
+use super::{ClientId, Decision, GroupParams, Policy, PolicyConfig};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+pub const MS: u64 = 1_000_000;
+pub const S: u64 = 1_000_000_000;
+
+/// splitmix64: small, deterministic, good enough for workloads.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    pub fn range(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * self.unit()
+    }
+}
+
+/// When and how much a tenant uses the GPU.
+#[derive(Debug, Clone)]
+pub enum Demand {
+    /// Always has work: asks again at once and uses its whole quota.
+    Busy,
+    /// Asks again at once but uses a uniformly random fraction `lo..hi` of its quota.
+    Fraction { lo: f64, hi: f64 },
+    /// Busy for `on_ns`, idle for `off_ns`, repeating; starts `phase_ns` into the cycle.
+    OnOff {
+        on_ns: u64,
+        off_ns: u64,
+        phase_ns: u64,
+    },
+    /// Uses `use_ns` (at most its quota), releases early, thinks `think_ns`, asks again.
+    Short { use_ns: u64, think_ns: u64 },
+    /// Never asks.
+    Idle,
+    /// Busy, but the first token granted at or after `at_ns` is held without any GPU work until
+    /// `until_ns` (a stopped process), then released reporting the whole time as used.
+    Stuck { at_ns: u64, until_ns: u64 },
+}
+
+#[derive(Debug, Clone)]
+pub struct Tenant {
+    /// Index into the simulator's groups.
+    pub group: usize,
+    pub demand: Demand,
+    /// With probability `.0`, a token's work runs past its quota by up to `.1` ns.
+    pub overrun: Option<(f64, u64)>,
+}
+
+impl Tenant {
+    pub fn new(group: usize, demand: Demand) -> Tenant {
+        Tenant {
+            group,
+            demand,
+            overrun: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Idle,
+    Waiting,
+    Holding(u64),
+    Revoked,
+    Gone,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    Acquire,
+    Release { token: u64, used: u64 },
+}
+
+/// Run-wide measurements.
+#[derive(Debug, Default, Clone)]
+pub struct Stats {
+    /// ∫ min(1, Σ limits of the active groups) dt: the busy time work conservation promises.
+    pub promised_ns: f64,
+    /// Time the token was held by someone.
+    pub held_ns: f64,
+    /// Time the token was free while a group with limit 1 waited (must stay 0).
+    pub idle_with_uncapped_waiter_ns: u64,
+    pub grants: u64,
+    pub revocations: u64,
+    /// Per tenant, the longest time between asking and being granted.
+    pub max_wait_ns: Vec<u64>,
+    /// The longest time the token stayed with one holder (grant → release or revocation).
+    pub max_hold_ns: u64,
+    /// Policy calls made.
+    pub calls: u64,
+}
+
+pub struct Sim {
+    pub policy: Policy,
+    pub now: u64,
+    pub groups: Vec<(String, GroupParams)>,
+    pub tenants: Vec<Tenant>,
+    states: Vec<State>,
+    asked_at: Vec<u64>,
+    granted_at: u64,
+    stuck_done: Vec<bool>,
+    heap: BinaryHeap<Reverse<(u64, u64, usize, Ev)>>,
+    seq: u64,
+    wakeup: Option<u64>,
+    rng: Rng,
+    /// Time from grant to the client's first kernel, paid out of its quota.
+    pub handoff_ns: u64,
+    pub bin_ns: u64,
+    /// Per group, per bin: ns the group held the GPU (handoff + work: what it reports).
+    pub held: Vec<Vec<f64>>,
+    /// Per group, per bin: ns of device work.
+    pub work: Vec<Vec<f64>>,
+    holder: Option<usize>,
+    pub stats: Stats,
+}
+
+fn client_of(tenant: usize) -> ClientId {
+    tenant as ClientId + 1
+}
+
+fn add_interval(bins: &mut Vec<f64>, bin_ns: u64, a: u64, b: u64) {
+    if b <= a {
+        return;
+    }
+    let last = ((b - 1) / bin_ns) as usize;
+    if bins.len() <= last {
+        bins.resize(last + 1, 0.0);
+    }
+    let mut t = a;
+    while t < b {
+        let bin = t / bin_ns;
+        let end = ((bin + 1) * bin_ns).min(b);
+        bins[bin as usize] += (end - t) as f64;
+        t = end;
+    }
+}
+
+impl Sim {
+    /// Groups and tenants; tenant `i` is client `i + 1`. Handoff 50 µs, 10 ms bins.
+    pub fn new(
+        cfg: PolicyConfig,
+        groups: &[(&str, GroupParams)],
+        tenants: Vec<Tenant>,
+        seed: u64,
+    ) -> Sim {
+        let mut policy = Policy::new(cfg);
+        for (name, p) in groups {
+            policy.set_group(name, *p).expect("valid test parameters");
+        }
+        let n = tenants.len();
+        let mut sim = Sim {
+            policy,
+            now: 0,
+            groups: groups.iter().map(|(n, p)| (n.to_string(), *p)).collect(),
+            tenants,
+            states: vec![State::Idle; n],
+            asked_at: vec![0; n],
+            granted_at: 0,
+            stuck_done: vec![false; n],
+            heap: BinaryHeap::new(),
+            seq: 0,
+            wakeup: None,
+            rng: Rng::new(seed),
+            handoff_ns: 50_000,
+            bin_ns: 10 * MS,
+            held: vec![Vec::new(); groups.len()],
+            work: vec![Vec::new(); groups.len()],
+            holder: None,
+            stats: Stats {
+                max_wait_ns: vec![0; n],
+                ..Stats::default()
+            },
+        };
+        for i in 0..n {
+            let g = &sim.groups[sim.tenants[i].group].0;
+            sim.policy.connect(client_of(i), g).expect("known group");
+            sim.next_ask(i, true);
+        }
+        sim
+    }
+
+    fn push(&mut self, at: u64, tenant: usize, ev: Ev) {
+        self.seq += 1;
+        self.heap.push(Reverse((at, self.seq, tenant, ev)));
+    }
+
+    /// Schedules tenant `i`'s next request after a release (or at the start).
+    fn next_ask(&mut self, i: usize, start: bool) {
+        let now = self.now;
+        match self.tenants[i].demand.clone() {
+            Demand::Busy | Demand::Fraction { .. } | Demand::Stuck { .. } => {
+                // Stagger the very first requests a little so ties are not all at t = 0.
+                let at = if start { now + i as u64 * 1000 } else { now };
+                self.push(at, i, Ev::Acquire);
+            }
+            Demand::Short { think_ns, .. } => {
+                let at = if start { now + i as u64 * 1000 } else { now + think_ns };
+                self.push(at, i, Ev::Acquire);
+            }
+            Demand::OnOff {
+                on_ns,
+                off_ns,
+                phase_ns,
+            } => {
+                let period = on_ns + off_ns;
+                let pos = (now + phase_ns) % period;
+                let at = if pos < on_ns { now } else { now + period - pos };
+                self.push(at, i, Ev::Acquire);
+            }
+            Demand::Idle => {}
+        }
+    }
+
+    /// Simulates until `end`.
+    pub fn run_until(&mut self, end: u64) {
+        let mut last_tick = None;
+        let mut ticks_at_same_time = 0;
+        loop {
+            let next_ev = self.heap.peek().map(|Reverse((t, ..))| *t);
+            let t = match (next_ev, self.wakeup) {
+                (Some(a), Some(b)) => a.min(b),
+                (Some(a), None) => a,
+                (None, Some(b)) => b,
+                (None, None) => end,
+            };
+            if t >= end {
+                self.integrate(end);
+                return;
+            }
+            self.integrate(t);
+            let is_tick = self.wakeup.is_some_and(|w| w <= next_ev.unwrap_or(u64::MAX));
+            if is_tick {
+                if last_tick == Some(t) {
+                    ticks_at_same_time += 1;
+                } else {
+                    ticks_at_same_time = 0;
+                }
+                last_tick = Some(t);
+                assert!(
+                    ticks_at_same_time < 10,
+                    "next_wakeup keeps asking for a tick at {t} that does nothing"
+                );
+                self.stats.calls += 1;
+                self.policy.tick(t);
+            } else {
+                let Reverse((_, _, i, ev)) = self.heap.pop().expect("peeked");
+                self.handle(i, ev);
+            }
+            self.process();
+            self.wakeup = self.policy.next_wakeup(self.now).map(|w| w.max(t));
+        }
+    }
+
+    fn integrate(&mut self, t: u64) {
+        if t <= self.now {
+            return;
+        }
+        let dt = t - self.now;
+        let mut active = vec![false; self.groups.len()];
+        let mut uncapped_waiting = false;
+        for (i, s) in self.states.iter().enumerate() {
+            let g = self.tenants[i].group;
+            match s {
+                State::Waiting => {
+                    active[g] = true;
+                    if self.groups[g].1.limit >= 1.0 {
+                        uncapped_waiting = true;
+                    }
+                }
+                State::Holding(_) => active[g] = true,
+                _ => {}
+            }
+        }
+        let limits: f64 = (0..self.groups.len())
+            .filter(|&g| active[g])
+            .map(|g| self.groups[g].1.limit)
+            .sum();
+        self.stats.promised_ns += limits.min(1.0) * dt as f64;
+        if self.holder.is_some() {
+            self.stats.held_ns += dt as f64;
+        } else if uncapped_waiting {
+            self.stats.idle_with_uncapped_waiter_ns += dt;
+        }
+        self.now = t;
+    }
+
+    fn acquire_now(&mut self, i: usize) {
+        if self.states[i] != State::Idle {
+            return;
+        }
+        self.states[i] = State::Waiting;
+        self.asked_at[i] = self.now;
+        self.stats.calls += 1;
+        self.policy
+            .acquire(client_of(i), self.now)
+            .expect("connected");
+        self.process();
+    }
+
+    fn handle(&mut self, i: usize, ev: Ev) {
+        match ev {
+            Ev::Acquire => self.acquire_now(i),
+            Ev::Release { token, used } => {
+                if self.states[i] == State::Gone {
+                    return;
+                }
+                match self.states[i] {
+                    State::Holding(t) if t == token => {
+                        self.holder = None;
+                        self.stats.max_hold_ns =
+                            self.stats.max_hold_ns.max(self.now - self.granted_at);
+                        self.states[i] = State::Idle;
+                    }
+                    State::Revoked => self.states[i] = State::Idle,
+                    s => panic!("tenant {i} releases token {token} in state {s:?}"),
+                }
+                self.stats.calls += 1;
+                self.policy
+                    .release(client_of(i), token, used, self.now)
+                    .expect("connected");
+                self.process();
+                self.next_ask(i, false);
+            }
+        }
+    }
+
+    /// Executes the policy's decisions, checking them.
+    fn process(&mut self) {
+        for d in self.policy.take_decisions() {
+            match d {
+                Decision::Grant {
+                    client,
+                    token,
+                    deadline_ns,
+                    quota_ns,
+                } => {
+                    let i = (client - 1) as usize;
+                    assert_eq!(self.states[i], State::Waiting, "granted a client not waiting");
+                    assert!(self.holder.is_none(), "granted a second token");
+                    assert_eq!(deadline_ns, self.now + quota_ns);
+                    assert!(quota_ns >= self.policy.config().min_quota_ns);
+                    self.stats.grants += 1;
+                    let waited = self.now - self.asked_at[i];
+                    self.stats.max_wait_ns[i] = self.stats.max_wait_ns[i].max(waited);
+                    self.holder = Some(i);
+                    self.granted_at = self.now;
+                    self.states[i] = State::Holding(token);
+                    self.run_token(i, token, quota_ns);
+                }
+                Decision::Revoke { client, token } => {
+                    let i = (client - 1) as usize;
+                    assert_eq!(self.states[i], State::Holding(token), "revoked a non-holder");
+                    assert_eq!(self.holder, Some(i));
+                    let grace = self.policy.config().grace_ns;
+                    assert!(self.now - self.granted_at >= grace, "revoked too early");
+                    self.stats.max_hold_ns =
+                        self.stats.max_hold_ns.max(self.now - self.granted_at);
+                    self.stats.revocations += 1;
+                    self.holder = None;
+                    self.states[i] = State::Revoked;
+                }
+            }
+        }
+    }
+
+    /// Plans the work of tenant `i` under a fresh token.
+    fn run_token(&mut self, i: usize, token: u64, quota_ns: u64) {
+        let now = self.now;
+        let t = self.tenants[i].clone();
+        let stuck = match t.demand {
+            Demand::Stuck { at_ns, until_ns } if !self.stuck_done[i] && now >= at_ns => {
+                Some(until_ns)
+            }
+            _ => None,
+        };
+        if let Some(until_ns) = stuck {
+            self.stuck_done[i] = true;
+            let until = until_ns.max(now + 1);
+            self.push(
+                until,
+                i,
+                Ev::Release {
+                    token,
+                    used: until - now,
+                },
+            );
+            return;
+        }
+        let h = self.handoff_ns;
+        let room = quota_ns.saturating_sub(h);
+        let mut work = match t.demand {
+            Demand::Busy | Demand::OnOff { .. } | Demand::Stuck { .. } | Demand::Idle => room,
+            Demand::Fraction { lo, hi } => (room as f64 * self.rng.range(lo, hi)) as u64,
+            Demand::Short { use_ns, .. } => use_ns.min(room),
+        };
+        if let Some((p, extra)) = t.overrun {
+            if self.rng.unit() < p {
+                work += (extra as f64 * self.rng.unit()) as u64;
+            }
+        }
+        let used = h + work;
+        add_interval(&mut self.held[t.group], self.bin_ns, now, now + used);
+        add_interval(&mut self.work[t.group], self.bin_ns, now + h, now + used);
+        self.push(now + used, i, Ev::Release { token, used });
+    }
+
+    /// Tenant `i`'s process dies (its connection closes).
+    pub fn kill(&mut self, i: usize) {
+        self.states[i] = State::Gone;
+        if self.holder == Some(i) {
+            self.holder = None;
+        }
+        self.stats.calls += 1;
+        self.policy.disconnect(client_of(i), self.now);
+        self.process();
+        self.wakeup = self.policy.next_wakeup(self.now).map(|w| w.max(self.now));
+    }
+
+    /// Hot reload of a group's parameters (as the shell would do on a config change).
+    pub fn set_group(&mut self, g: usize, p: GroupParams) {
+        self.groups[g].1 = p;
+        let name = self.groups[g].0.clone();
+        self.policy.set_group(&name, p).expect("valid");
+        self.policy.tick(self.now);
+        self.process();
+        self.wakeup = self.policy.next_wakeup(self.now).map(|w| w.max(self.now));
+    }
+
+    fn bins_share(&self, bins: &[f64], from: u64, to: u64) -> f64 {
+        let (a, b) = ((from / self.bin_ns) as usize, (to / self.bin_ns) as usize);
+        let sum: f64 = bins.iter().take(b).skip(a).sum();
+        sum / (to - from) as f64
+    }
+
+    /// Share of `[from, to)` group `g` held the GPU (bin-aligned bounds).
+    pub fn held_share(&self, g: usize, from: u64, to: u64) -> f64 {
+        self.bins_share(&self.held[g], from, to)
+    }
+
+    /// Share of `[from, to)` the device ran group `g`'s work.
+    pub fn work_share(&self, g: usize, from: u64, to: u64) -> f64 {
+        self.bins_share(&self.work[g], from, to)
+    }
+
+    /// Device utilisation over `[from, to)`.
+    pub fn utilisation(&self, from: u64, to: u64) -> f64 {
+        (0..self.groups.len())
+            .map(|g| self.work_share(g, from, to))
+            .sum()
+    }
+
+    /// Shares of group `g` over every window of `win` starting at `from`, `from + step`, …
+    /// and ending by `to`.
+    pub fn window_shares(&self, g: usize, win: u64, step: u64, from: u64, to: u64) -> Vec<f64> {
+        let mut out = Vec::new();
+        let mut a = from;
+        while a + win <= to {
+            out.push(self.work_share(g, a, a + win));
+            a += step;
+        }
+        out
+    }
+}
