@@ -134,7 +134,9 @@ impl Gate {
                     if d != 0 && crate::now_ns() < d {
                         break;
                     }
-                    self.drain_and_release(hook, &mut g);
+                    // This launch wants the GPU again: queue for it in the same breath, so the
+                    // scheduler weighs this process against the others for the next turn.
+                    self.drain_and_release(hook, &mut g, true);
                 }
                 Token::None => {
                     if hook.send(&ClientMsg::Acquire { gpu: self.uuid }) {
@@ -223,13 +225,14 @@ impl Gate {
         let idle = launches == g.watched_launches && self.in_progress.load(Ordering::Acquire) == 0;
         g.watched_launches = launches;
         if expired || idle {
-            self.drain_and_release(hook, &mut g);
+            self.drain_and_release(hook, &mut g, false);
         }
     }
 
     /// Stop admitting, let in-progress launches return, wait for this process's GPU work, and
-    /// give the token back with the time it was held.
-    fn drain_and_release(&self, hook: &Hook, g: &mut Inner) {
+    /// give the token back with the time it was held. With `again`, ask for the next turn first
+    /// (the scheduler then chooses among all who want the GPU, this process included).
+    fn drain_and_release(&self, hook: &Hook, g: &mut Inner, again: bool) {
         let Token::Held {
             token, granted_ns, ..
         } = g.token
@@ -251,6 +254,9 @@ impl Gate {
         let used_ns = crate::now_ns().saturating_sub(granted_ns);
         g.token = Token::None;
         debug!("release token {token} after {used_ns} ns");
+        if again && hook.send(&ClientMsg::Acquire { gpu: self.uuid }) {
+            g.token = Token::Requested;
+        }
         hook.send(&ClientMsg::Release {
             gpu: self.uuid,
             token,

@@ -21,25 +21,32 @@
 //!    requests first (scaled down if they sum to more than 1), the rest split by weight among
 //!    groups below their limit, limits capping and their excess redistributed. Recomputed
 //!    lazily whenever the active set or the parameters change.
-//! 2. **Credit.** While the token is held, every active group accrues credit at its target
-//!    rate; the holder is debited its quota at grant and settled to its real charge at release.
-//!    Credit a group cannot absorb (above the upper bound, because it wanted less than its target)
-//!    is redistributed by weight to the active groups below their limit — so unused share is
-//!    split by weight, not equally. Credits are then shifted to mean zero over the active groups
-//!    (only differences matter; this removes drift from handoff gaps) and bounded to
-//!    `[−2B, +B]`, `B = 2·quota + grace`: an idle group cannot bank priority, a long overrun is
-//!    charged in full up to `2B`.
+//! 2. **Credit** (a deficit counter, ns). While the token is held, each active group accrues
+//!    credit at its target share (normalised over the active set, so exactly the held time is
+//!    handed out — what will be charged for it). The holder is debited its quota at grant and
+//!    settled to its real charge at release. Credit a group cannot absorb above the upper bound
+//!    (it wants less than its target) is passed on by weight to the active groups below their
+//!    limit, so unused share is split by weight. All credits are re-centred on their mean (a
+//!    uniform shift: no difference, hence no decision, changes) and bounded to `[−2B, +B]`,
+//!    `B = 2·quota + grace`: an idle group cannot bank more than `B` of priority, and an overrun
+//!    is charged in full up to `2B` of debt.
 //! 3. **Caps.** Each group with `limit < 1` has a token bucket filling at `limit` ns per ns up to
-//!    `2·quota`, debited like the credit (quota reserved at grant, settled at release; debt is
-//!    kept, up to one window at the limit). It may take the token only when the bucket holds a
-//!    full quota (see "Deviations" below); the quota granted is `min(quota, allowance)`.
+//!    `2·quota`, debited like the credit (quota reserved at grant, settled at release; debt kept
+//!    up to one window's worth). It may take the token only when its bucket holds a full quota,
+//!    and never with `limit = 0`.
 //! 4. **Selection.** A free token goes at once to the waiting, not-capped group with the largest
-//!    credit (ties: the one waiting longest); within a group clients are served in FIFO order of
-//!    their requests, i.e. round-robin. The token is never left free while such a group waits
-//!    (work conservation); if only capped groups wait, [`Policy::next_wakeup`] says when the first
-//!    bucket will have refilled.
-//! 5. **Timeouts.** A holder still holding at `deadline + grace` is revoked (charged the time
-//!    since its grant provisionally) and the next client is granted in the same call; its late
+//!    credit (ties: the one waiting longest); within a group clients are served in the order they
+//!    asked, i.e. round-robin. The token is never left free while such a group waits (work
+//!    conservation); if only capped groups wait, [`Policy::next_wakeup`] says when the first
+//!    bucket refills.
+//! 5. **Adaptive quota.** A group that just released (or was active within the last quota) is not
+//!    waiting at the instant the token is handed on, although it usually asks again at once. If
+//!    it is owed more than the grantee, the grant is shortened by the difference (never below
+//!    `min_quota_ns`, never beyond the bucket of a capped group), so the token comes back sooner.
+//!    This makes the shares exact whether clients release then ask, or ask then release, and
+//!    lets a short, bursty user in within about a minimum quota.
+//! 6. **Timeouts.** A holder still holding at `deadline + grace` is revoked (charged the time
+//!    since its grant, provisionally) and the next client is granted in the same call; its late
 //!    release settles the charge to what it reports (never less than the provisional charge).
 //!    A disconnect releases at once, charging the time elapsed since the grant.
 //!
@@ -51,10 +58,12 @@
 //! - A capped group waits for a full quota in its bucket rather than `min_quota_ns`: granting the
 //!   refill in crumbs of 2 ms multiplies handoffs (each costs the tenant a drain and an IPC round
 //!   trip out of its own share) without changing its long-run share; a lone tenant capped at 0.3
-//!   gets one full 20 ms token every 66.7 ms. `min_quota_ns` stays the floor of any grant.
+//!   gets one full 20 ms token every 66.7 ms. `min_quota_ns` stays the floor of every grant.
 //! - Debits are reserved at grant and settled at release (rather than charged only at release),
-//!   so the hard cap also holds while a token is in flight and a holder's credit does not
-//!   saturate during its own turn.
+//!   so the hard cap also holds while a token is in flight.
+//! - Grants may be shorter than `quota_ns` (adaptive quota, point 5). Without it, with the
+//!   natural client protocol (release, then ask again) two busy groups would simply alternate
+//!   and split 1:1 whatever their shares.
 
 mod water_fill;
 
@@ -270,7 +279,13 @@ struct Group {
     credit: f64,
     allowance: f64,
     allowance_at: u64,
+    /// Refill cut off by the depth since the last grant: while a token is in flight only its
+    /// quota is reserved, so an overrun settled at release is partly paid from this, making the
+    /// bucket exactly one debited with the true usage at grant.
+    clamp_lost: f64,
     usage: VecDeque<Usage>,
+    /// Last time the group stopped holding or had a client leave the queue.
+    last_active: u64,
     busy_ns: u64,
     tokens: u64,
     waits: u64,
@@ -289,7 +304,9 @@ impl Group {
             credit: 0.0,
             allowance: depth,
             allowance_at: now,
+            clamp_lost: 0.0,
             usage: VecDeque::new(),
+            last_active: 0,
             busy_ns: 0,
             tokens: 0,
             waits: 0,
@@ -315,9 +332,17 @@ impl Group {
         (self.allowance + self.params.limit * dt).min(depth)
     }
 
+    /// May take the token now: not capped, or a bucket holding `thr` (never with limit 0).
+    fn eligible(&self, now: u64, depth: f64, thr: f64) -> bool {
+        self.params.limit > 0.0 && self.allowance(now, depth) >= thr - NS_EPS
+    }
+
     fn refill(&mut self, now: u64, depth: f64) {
         if self.capped() {
-            self.allowance = self.allowance(now, depth);
+            let dt = now.saturating_sub(self.allowance_at) as f64;
+            let raw = self.allowance + self.params.limit * dt;
+            self.clamp_lost += (raw - depth.max(self.allowance)).max(0.0);
+            self.allowance = raw.min(depth);
             self.allowance_at = self.allowance_at.max(now);
         }
     }
@@ -396,6 +421,8 @@ pub struct Policy {
     seq: u64,
     targets_dirty: bool,
     decisions: Vec<Decision>,
+    /// The token is kept free for this group until this time (anticipation after its release).
+    anticipation: Option<(String, u64)>,
 }
 
 /// Makes a configuration usable: quota ≥ 1 ns, `min_quota ≤ quota`, window ≥ 1 ns.
@@ -421,6 +448,7 @@ impl Policy {
             seq: 0,
             targets_dirty: false,
             decisions: Vec::new(),
+            anticipation: None,
         }
     }
 
@@ -590,12 +618,19 @@ impl Policy {
             self.charge(&mut h, charge, now);
             if let Some(g) = self.groups.get_mut(&h.group) {
                 g.holding = false;
+                g.last_active = now;
                 if charge > h.quota_ns {
                     g.overruns += 1;
                 }
                 if !g.active() {
                     self.targets_dirty = true;
                 }
+            }
+            // Only a holder cut off by its deadline still has work and will ask again at once;
+            // one that released early has drained (a short user between bursts).
+            let cut_off = charge + self.anticipation_window() >= h.quota_ns;
+            if cut_off {
+                self.anticipate(&h.group, now);
             }
             self.schedule(now);
         } else if self
@@ -626,6 +661,7 @@ impl Policy {
             self.charge(&mut h, elapsed, now);
             if let Some(g) = self.groups.get_mut(&h.group) {
                 g.holding = false;
+                g.last_active = now;
                 g.revocations += 1;
                 g.overruns += 1;
                 if !g.active() {
@@ -658,21 +694,35 @@ impl Policy {
         }
         let depth = self.bucket_depth();
         let thr = self.cap_threshold();
+        let reserved = self.anticipation.as_ref().filter(|(_, until)| *until > self.now);
         self.groups
-            .values()
-            .filter(|g| !g.queue.is_empty())
-            .filter_map(|g| {
+            .iter()
+            .filter(|(_, g)| !g.queue.is_empty())
+            .filter_map(|(name, g)| {
                 let a = g.allowance(self.now, depth);
-                if a >= thr - NS_EPS {
-                    Some(self.now)
+                let at = if g.eligible(self.now, depth, thr) {
+                    self.now
                 } else if g.params.limit > 0.0 {
                     let wait = ((thr - a) / g.params.limit).ceil();
-                    Some(self.now.saturating_add(wait as u64))
+                    self.now.saturating_add(wait as u64)
                 } else {
-                    None
-                }
+                    return None;
+                };
+                Some(match reserved {
+                    Some((r, until)) if r != name => at.max(*until),
+                    _ => at,
+                })
             })
             .min()
+    }
+
+    /// The group the free token is being kept for, and until when (see the module
+    /// documentation, "Anticipation").
+    pub fn anticipating(&self) -> Option<(&str, u64)> {
+        self.anticipation
+            .as_ref()
+            .filter(|(_, until)| *until > self.now && self.holder.is_none())
+            .map(|(g, until)| (g.as_str(), *until))
     }
 
     /// What the policy sees at `now`.
@@ -718,7 +768,7 @@ impl Policy {
                 active: g.active(),
                 credit_ns: g.credit,
                 allowance_ns: allowance,
-                capped: !g.queue.is_empty() && allowance.is_some_and(|a| a < thr - NS_EPS),
+                capped: !g.queue.is_empty() && !g.eligible(now, depth, thr),
             });
         }
         let mut waiting: Vec<(u64, ClientId)> = self
@@ -806,13 +856,26 @@ impl Policy {
         now
     }
 
-    /// Credit accrual over `dt` ns of held token: target rate, overflow redistributed by weight
-    /// to groups below their limit, then shifted to mean zero and bounded.
+    /// Credit accrual over `dt` ns of held token: each active group at its target share
+    /// normalised over the active set (so exactly `dt` is handed out, matching the usage that
+    /// will be charged for that time); credit a group cannot absorb above the upper bound is
+    /// redistributed by weight to the active groups below their limit; finally all groups,
+    /// active or not, are shifted by their common mean — which leaves every difference, and so
+    /// every decision, unchanged, but keeps the values centred on the bounds.
     fn accrue(&mut self, dt: f64) {
         let (lo, hi) = self.credit_bounds();
+        let total: f64 = self
+            .groups
+            .values()
+            .filter(|g| g.active())
+            .map(|g| g.target)
+            .sum();
+        if total <= 0.0 {
+            return;
+        }
         let mut overflow = 0.0;
         for g in self.groups.values_mut().filter(|g| g.active()) {
-            g.credit += g.target * dt;
+            g.credit += g.target / total * dt;
             if g.credit > hi {
                 overflow += g.credit - hi;
                 g.credit = hi;
@@ -841,16 +904,9 @@ impl Policy {
                 }
             }
         }
-        let (sum, n) = self
-            .groups
-            .values()
-            .filter(|g| g.active())
-            .fold((0.0, 0usize), |(s, n), g| (s + g.credit, n + 1));
-        if n > 0 {
-            let mean = sum / n as f64;
-            for g in self.groups.values_mut().filter(|g| g.active()) {
-                g.credit = (g.credit - mean).max(lo);
-            }
+        let mean = self.groups.values().map(|g| g.credit).sum::<f64>() / self.groups.len() as f64;
+        for g in self.groups.values_mut() {
+            g.credit = (g.credit - mean).max(lo);
         }
     }
 
@@ -868,7 +924,13 @@ impl Policy {
         if g.capped() {
             g.refill(now, depth);
             let floor = g.bucket_floor(depth, window);
-            g.allowance = (g.allowance - delta).clamp(floor, depth);
+            let refund = if delta > 0.0 {
+                g.clamp_lost.min(delta)
+            } else {
+                0.0
+            };
+            g.clamp_lost = 0.0;
+            g.allowance = (g.allowance - delta + refund).clamp(floor, depth);
         }
         h.applied = total;
         if total > h.recorded {
@@ -889,6 +951,7 @@ impl Policy {
         if let Some(g) = self.groups.get_mut(&c.group) {
             g.clients.retain(|&id| id != client);
             g.queue.retain(|&(id, _)| id != client);
+            g.last_active = now;
         }
         if self.holder.as_ref().is_some_and(|h| h.client == client) {
             let mut h = self.holder.take().expect("checked");
@@ -896,48 +959,112 @@ impl Policy {
             self.charge(&mut h, elapsed, now);
             if let Some(g) = self.groups.get_mut(&h.group) {
                 g.holding = false;
+                g.last_active = now;
             }
         }
         self.revoked.retain(|_, h| h.client != client);
         self.targets_dirty = true;
     }
 
+    /// How long a free token is kept for a group that just released it: a quarter of the
+    /// minimum quota (500 µs by default), far more than a client needs to ask again.
+    fn anticipation_window(&self) -> u64 {
+        (self.cfg.min_quota_ns / 4).max(1)
+    }
+
+    /// The eligible waiting group that would get the token now, with its credit.
+    fn best_waiter(&self, now: u64) -> Option<(&String, f64)> {
+        let depth = self.bucket_depth();
+        let thr = self.cap_threshold();
+        let reserved = self
+            .anticipation
+            .as_ref()
+            .filter(|(_, until)| now < *until)
+            .map(|(r, _)| r);
+        self.groups
+            .iter()
+            .filter(|(n, g)| {
+                !g.queue.is_empty()
+                    && g.eligible(now, depth, thr)
+                    && reserved.is_none_or(|r| r == *n)
+            })
+            .max_by(|(_, a), (_, b)| {
+                a.credit
+                    .total_cmp(&b.credit)
+                    .then_with(|| b.queue[0].1.cmp(&a.queue[0].1))
+            })
+            .map(|(n, g)| (n, g.credit))
+    }
+
+    /// After `released` gave the token back at its deadline: if it is owed so much more than the best waiter
+    /// that even a minimum-quota grant to that waiter would overshoot, keep the token for it for
+    /// the anticipation window (it usually asks again at once).
+    fn anticipate(&mut self, released: &str, now: u64) {
+        self.anticipation = None;
+        let depth = self.bucket_depth();
+        let thr = self.cap_threshold();
+        let Some(r) = self.groups.get(released) else {
+            return;
+        };
+        if r.active() || r.clients.is_empty() || !r.eligible(now, depth, thr) {
+            return;
+        }
+        let slack = self.cfg.quota_ns.saturating_sub(self.cfg.min_quota_ns) as f64;
+        let owed = self
+            .best_waiter(now)
+            .is_some_and(|(_, best)| r.credit - best > slack);
+        if owed {
+            let until = now + self.anticipation_window();
+            self.anticipation = Some((released.to_string(), until));
+        }
+    }
+
     /// Grants a free token to the best eligible waiting group, if any.
+    ///
+    /// Adaptive quota: a group that is not waiting right now but was active within the last
+    /// quota (typically the one that just released: it asks again at once; or a short user
+    /// between two bursts) and is owed more than the grantee would have been chosen had it been
+    /// waiting. The grant is shortened by the difference (never below `min_quota_ns`), so the
+    /// token comes back to it sooner instead of after a whole quota.
     fn schedule(&mut self, now: u64) {
         if self.holder.is_some() {
             return;
         }
         let depth = self.bucket_depth();
         let thr = self.cap_threshold();
-        let best = self
-            .groups
-            .iter()
-            .filter(|(_, g)| !g.queue.is_empty() && g.allowance(now, depth) >= thr - NS_EPS)
-            .max_by(|(_, a), (_, b)| {
-                a.credit
-                    .total_cmp(&b.credit)
-                    .then_with(|| b.queue[0].1.cmp(&a.queue[0].1))
-            })
-            .map(|(name, _)| name.clone());
-        let Some(name) = best else {
+        let Some(name) = self.best_waiter(now).map(|(n, _)| n.clone()) else {
             return;
         };
+        self.anticipation = None;
         let (lo, _) = self.credit_bounds();
         let window = self.cfg.window_ns;
+        let (quota, min_quota) = (self.cfg.quota_ns, self.cfg.min_quota_ns);
+        let own = self.groups[&name].credit;
+        let lead = self
+            .groups
+            .iter()
+            .filter(|(n, g)| {
+                **n != name
+                    && !g.active()
+                    && !g.clients.is_empty()
+                    && now.saturating_sub(g.last_active) <= quota
+                    && g.eligible(now, depth, thr)
+            })
+            .map(|(_, g)| g.credit - own)
+            .fold(0.0, f64::max);
         let g = self.groups.get_mut(&name).expect("exists");
         let (client, _) = g.queue.pop_front().expect("non-empty");
-        let quota_ns = if g.capped() {
+        let mut quota_ns = ((quota as f64 - lead).max(0.0) as u64).max(min_quota);
+        if g.capped() {
             g.refill(now, depth);
-            (g.allowance.floor().max(0.0) as u64)
-                .min(self.cfg.quota_ns)
-                .max(self.cfg.min_quota_ns)
-        } else {
-            self.cfg.quota_ns
-        };
+            quota_ns = quota_ns.min(g.allowance.floor().max(0.0) as u64);
+        }
+        let quota_ns = quota_ns.max(min_quota);
         g.credit = (g.credit - quota_ns as f64).max(lo);
         if g.capped() {
             let floor = g.bucket_floor(depth, window);
             g.allowance = (g.allowance - quota_ns as f64).max(floor);
+            g.clamp_lost = 0.0;
         }
         g.holding = true;
         g.tokens += 1;

@@ -71,6 +71,9 @@ pub struct Tenant {
     pub demand: Demand,
     /// With probability `.0`, a token's work runs past its quota by up to `.1` ns.
     pub overrun: Option<(f64, u64)>,
+    /// A tenant that asks again at once asks *before* releasing (holder queues for its next
+    /// turn) instead of right after.
+    pub ask_before_release: bool,
 }
 
 impl Tenant {
@@ -79,6 +82,7 @@ impl Tenant {
             group,
             demand,
             overrun: None,
+            ask_before_release: false,
         }
     }
 }
@@ -105,12 +109,21 @@ pub struct Stats {
     pub promised_ns: f64,
     /// Time the token was held by someone.
     pub held_ns: f64,
+    /// Time the token was kept free for a group that had just released it (anticipation).
+    pub anticipation_ns: u64,
     /// Time the token was free while a group with limit 1 waited (must stay 0).
     pub idle_with_uncapped_waiter_ns: u64,
+    /// Time the token was free while a capped group waited that was below its limit, i.e. had
+    /// not used more than `limit · (t − s) + quota` over any trailing interval `(s, t]`
+    /// (must stay 0).
+    pub idle_with_capped_waiter_below_limit_ns: u64,
     pub grants: u64,
     pub revocations: u64,
     /// Per tenant, the longest time between asking and being granted.
     pub max_wait_ns: Vec<u64>,
+    /// Per tenant, total time between asking and being granted, and the number of grants.
+    pub total_wait_ns: Vec<u64>,
+    pub grants_of: Vec<u64>,
     /// The longest time the token stayed with one holder (grant → release or revocation).
     pub max_hold_ns: u64,
     /// Policy calls made.
@@ -138,6 +151,9 @@ pub struct Sim {
     /// Per group, per bin: ns of device work.
     pub work: Vec<Vec<f64>>,
     holder: Option<usize>,
+    /// Per group, `X = max over s of [usage(s, t) − limit · (t − s)]` as of the time given
+    /// (usage counted at grant), kept by the recursion `X ← max(0, X − limit · Δt) + used`.
+    excess: Vec<(f64, u64)>,
     pub stats: Stats,
 }
 
@@ -193,8 +209,11 @@ impl Sim {
             held: vec![Vec::new(); groups.len()],
             work: vec![Vec::new(); groups.len()],
             holder: None,
+            excess: vec![(0.0, 0); groups.len()],
             stats: Stats {
                 max_wait_ns: vec![0; n],
+                total_wait_ns: vec![0; n],
+                grants_of: vec![0; n],
                 ..Stats::default()
             },
         };
@@ -305,10 +324,39 @@ impl Sim {
         self.stats.promised_ns += limits.min(1.0) * dt as f64;
         if self.holder.is_some() {
             self.stats.held_ns += dt as f64;
+        } else if self.policy.anticipating().is_some() {
+            self.stats.anticipation_ns += dt;
         } else if uncapped_waiting {
             self.stats.idle_with_uncapped_waiter_ns += dt;
+        } else {
+            let waiting_capped: Vec<usize> = (0..self.groups.len())
+                .filter(|&g| {
+                    let l = self.groups[g].1.limit;
+                    l > 0.0 && l < 1.0
+                })
+                .filter(|&g| {
+                    (0..self.tenants.len())
+                        .any(|i| self.tenants[i].group == g && self.states[i] == State::Waiting)
+                })
+                .collect();
+            if waiting_capped.iter().any(|&g| !self.at_limit(g)) {
+                self.stats.idle_with_capped_waiter_below_limit_ns += dt;
+            }
         }
         self.now = t;
+    }
+
+    /// Whether group `g` has, at the current time, used more than `limit · (now − s) + quota`
+    /// over some trailing interval `(s, now]`: a token bucket of depth two quotas, counting
+    /// usage at grant, would hold less than the quota it needs to grant.
+    fn at_limit(&self, g: usize) -> bool {
+        let quota = self.policy.config().quota_ns as f64;
+        self.excess_at(g, self.now) >= quota - 1000.0
+    }
+
+    fn excess_at(&self, g: usize, t: u64) -> f64 {
+        let (x, at) = self.excess[g];
+        (x - self.groups[g].1.limit * t.saturating_sub(at) as f64).max(0.0)
     }
 
     fn acquire_now(&mut self, i: usize) {
@@ -341,6 +389,25 @@ impl Sim {
                     State::Revoked => self.states[i] = State::Idle,
                     s => panic!("tenant {i} releases token {token} in state {s:?}"),
                 }
+                let again_at_once = matches!(
+                    self.tenants[i].demand,
+                    Demand::Busy | Demand::Fraction { .. } | Demand::Stuck { .. }
+                );
+                if again_at_once && self.tenants[i].ask_before_release {
+                    // Queue for the next turn first; the policy may hand it the very next token.
+                    self.states[i] = State::Waiting;
+                    self.asked_at[i] = self.now;
+                    self.stats.calls += 2;
+                    self.policy
+                        .acquire(client_of(i), self.now)
+                        .expect("connected");
+                    self.process();
+                    self.policy
+                        .release(client_of(i), token, used, self.now)
+                        .expect("connected");
+                    self.process();
+                    return;
+                }
                 self.stats.calls += 1;
                 self.policy
                     .release(client_of(i), token, used, self.now)
@@ -369,6 +436,8 @@ impl Sim {
                     self.stats.grants += 1;
                     let waited = self.now - self.asked_at[i];
                     self.stats.max_wait_ns[i] = self.stats.max_wait_ns[i].max(waited);
+                    self.stats.total_wait_ns[i] += waited;
+                    self.stats.grants_of[i] += 1;
                     self.holder = Some(i);
                     self.granted_at = self.now;
                     self.states[i] = State::Holding(token);
@@ -403,6 +472,8 @@ impl Sim {
         if let Some(until_ns) = stuck {
             self.stuck_done[i] = true;
             let until = until_ns.max(now + 1);
+            // It will report the whole time, and be charged it.
+            self.excess[t.group] = (self.excess_at(t.group, now) + (until - now) as f64, now);
             self.push(
                 until,
                 i,
@@ -426,6 +497,7 @@ impl Sim {
             }
         }
         let used = h + work;
+        self.excess[t.group] = (self.excess_at(t.group, now) + used as f64, now);
         add_interval(&mut self.held[t.group], self.bin_ns, now, now + used);
         add_interval(&mut self.work[t.group], self.bin_ns, now + h, now + used);
         self.push(now + used, i, Ev::Release { token, used });
@@ -467,6 +539,11 @@ impl Sim {
     /// Share of `[from, to)` the device ran group `g`'s work.
     pub fn work_share(&self, g: usize, from: u64, to: u64) -> f64 {
         self.bins_share(&self.work[g], from, to)
+    }
+
+    /// Tenant `i`'s mean wait between asking and being granted.
+    pub fn mean_wait_ns(&self, i: usize) -> f64 {
+        self.stats.total_wait_ns[i] as f64 / self.stats.grants_of[i].max(1) as f64
     }
 
     /// Device utilisation over `[from, to)`.

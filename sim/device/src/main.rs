@@ -4,6 +4,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use gpushare_sim_device::model::ModelConfig;
 use gpushare_sim_device::server::{Server, ServerConfig};
+use gpushare_sim_device::trace::Trace;
 use gpushare_units::{parse_duration_ns, parse_size};
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
@@ -36,6 +37,11 @@ enum Cmd {
     Serve {
         #[command(flatten)]
         device: DeviceArgs,
+    },
+    /// Summarise a trace: per device, each process's busy time and share, and utilisation.
+    Report {
+        /// Trace written by --trace.
+        trace: PathBuf,
     },
 }
 
@@ -203,6 +209,31 @@ fn serve(device: DeviceArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn report(path: &Path) -> anyhow::Result<ExitCode> {
+    let trace = Trace::read(path)?;
+    let Some(span) = trace.span() else {
+        println!("{}: no kernels", path.display());
+        return Ok(ExitCode::SUCCESS);
+    };
+    for device in trace.devices() {
+        let on = trace.filter(|r| r.device == device);
+        let w = on.span().unwrap_or(span);
+        println!(
+            "GPU {device}: {:.3} s from first to last kernel, utilisation {:.3}",
+            w.len_ns() as f64 / 1e9,
+            trace.utilization(device, w)
+        );
+        println!("  {:>8} {:>10} {:>7} {:>9}", "PID", "BUSY(s)", "SHARE", "KERNELS");
+        let busy = trace.busy_by_pid(device, w);
+        let shares = trace.shares(device, w);
+        for (pid, ns) in busy {
+            let kernels = on.records().iter().filter(|r| r.pid == pid && !r.preempted).count();
+            println!("  {pid:>8} {:>10.3} {:>7.3} {kernels:>9}", ns as f64 / 1e9, shares[&pid]);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -215,6 +246,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Run { device, cmd } => run(device, cmd),
         Cmd::Serve { device } => serve(device),
+        Cmd::Report { trace } => report(&trace),
     };
     match result {
         Ok(code) => code,

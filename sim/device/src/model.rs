@@ -14,7 +14,7 @@
 //!   within the current slice of the current context, where nothing another client does can
 //!   change the outcome. Completions committed ahead become visible when `now` reaches them.
 
-use serde::Serialize;
+use crate::trace::Record;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -49,20 +49,6 @@ impl Default for ModelConfig {
             kernel_ns: HashMap::new(),
         }
     }
-}
-
-/// One line of the device-side trace: a kernel, or the part of one that ran before preemption.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct TraceRecord {
-    pub device: u32,
-    pub pid: u32,
-    pub ctx: u64,
-    pub stream: u64,
-    pub kernel: Arc<str>,
-    pub start_ns: u64,
-    pub end_ns: u64,
-    /// The kernel did not finish in this record: it was preempted and continues later.
-    pub preempted: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,7 +127,7 @@ pub struct Model {
     pids: HashMap<ConnId, u32>,
     /// Memory held per (connection, device), released when the connection closes.
     held: HashMap<(ConnId, u32), u64>,
-    trace: Vec<TraceRecord>,
+    trace: Vec<Record>,
     host_calls: Vec<(Key, u64)>,
     /// Completion times of event records, until the client forgets them.
     events: HashMap<(Key, u64), u64>,
@@ -232,12 +218,12 @@ impl Model {
                 Some(Work::Kernel { name, .. }) => name.clone(),
                 _ => Arc::from("?"),
             };
-            self.trace.push(TraceRecord {
+            self.trace.push(Record {
                 device: ctx.device,
                 pid: self.pids.get(&key.0).copied().unwrap_or(0),
                 ctx: key.1,
                 stream: run.stream.1,
-                kernel,
+                kernel: kernel.to_string(),
                 start_ns: run.seg_start,
                 end_ns: end,
                 preempted: true,
@@ -627,12 +613,12 @@ impl Model {
         if !preempted {
             Self::complete_front(s, end);
         }
-        self.trace.push(TraceRecord {
+        self.trace.push(Record {
             device: d as u32,
             pid: self.pids.get(&run.stream.0).copied().unwrap_or(0),
             ctx: ctx.1,
             stream: run.stream.1,
-            kernel,
+            kernel: kernel.to_string(),
             start_ns: run.seg_start,
             end_ns: end,
             preempted,
@@ -666,7 +652,7 @@ impl Model {
         t
     }
 
-    pub fn take_trace(&mut self) -> Vec<TraceRecord> {
+    pub fn take_trace(&mut self) -> Vec<Record> {
         std::mem::take(&mut self.trace)
     }
 

@@ -2,7 +2,8 @@
 //! connects to, one reader thread per client, and a clock thread that advances the timeline in
 //! real time, answers waits when their work completes and writes the device trace.
 
-use crate::model::{ConnId, Key, Model, ModelConfig, SubmitError, TraceRecord};
+use crate::model::{ConnId, Key, Model, ModelConfig, SubmitError};
+use crate::trace::Record;
 use gpushare_sim_wire::{self as wire, DeviceInfo, PROTOCOL_VERSION, Reply, Request};
 use std::collections::HashMap;
 use std::fs::File;
@@ -335,7 +336,7 @@ fn waiter_end(model: &Model, w: &Waiter) -> Option<u64> {
 }
 
 fn write_trace(st: &mut State) {
-    let records: Vec<TraceRecord> = st.model.take_trace();
+    let records: Vec<Record> = st.model.take_trace();
     let Some(out) = st.trace.as_mut() else { return };
     for r in records {
         if serde_json::to_writer(&mut *out, &r).is_err() || out.write_all(b"\n").is_err() {

@@ -11,4 +11,5 @@
 
 pub mod harness;
 pub mod ptx;
-pub mod trace;
+/// The device trace and its figures live with the device that writes it.
+pub use gpushare_sim_device::trace;

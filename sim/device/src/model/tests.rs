@@ -1,6 +1,7 @@
 //! Virtual-time tests of the device model.
 
 use super::*;
+use crate::trace::Record;
 use gpushare_sim_wire::Op;
 
 const MS: u64 = 1_000_000;
@@ -30,7 +31,7 @@ fn spin(m: &mut Model, now: u64, conn: ConnId, stream: u64, seq: u64, ns: u64) {
     m.submit(now, (conn, stream), seq, &[], &op).unwrap();
 }
 
-fn busy_by_conn(trace: &[TraceRecord], pid: u32, from: u64, to: u64) -> u64 {
+fn busy_by_conn(trace: &[Record], pid: u32, from: u64, to: u64) -> u64 {
     trace
         .iter()
         .filter(|r| r.pid == pid)
@@ -38,7 +39,7 @@ fn busy_by_conn(trace: &[TraceRecord], pid: u32, from: u64, to: u64) -> u64 {
         .sum()
 }
 
-fn assert_no_overlap(trace: &[TraceRecord]) {
+fn assert_no_overlap(trace: &[Record]) {
     let mut t: Vec<_> = trace.to_vec();
     t.sort_by_key(|r| (r.device, r.start_ns));
     for w in t.windows(2) {
@@ -66,7 +67,7 @@ fn lone_kernels_run_back_to_back_and_complete_on_time() {
     assert_eq!(m.completion((1, 1), 3), Some(t0 + 300 * US));
     let trace = m.take_trace();
     assert_eq!(trace.len(), 3);
-    assert_eq!(trace[0].kernel.as_ref(), "gpushare_spin");
+    assert_eq!(trace[0].kernel.as_str(), "gpushare_spin");
 }
 
 #[test]

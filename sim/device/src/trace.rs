@@ -19,7 +19,7 @@
 //!   shares are meaningful.
 //!
 //! ```
-//! use gpushare_sim_clients::trace::{Trace, common_window};
+//! use gpushare_sim_device::trace::{Trace, common_window};
 //!
 //! let trace = Trace::parse(concat!(
 //!     r#"{"device":0,"pid":1,"ctx":1,"stream":1,"kernel":"k","start_ns":0,"end_ns":10,"preempted":false}"#, "\n",
