@@ -59,7 +59,6 @@ impl Settings {
 
 /// Everything the hook knows in this process.
 pub struct Hook {
-    pid: u32,
     pub settings: Settings,
     pub gates: Vec<Gate>,
     writer: Mutex<Option<UnixStream>>,
@@ -71,26 +70,39 @@ static INIT: Mutex<()> = Mutex::new(());
 
 /// The hook of this process, created on first use (after `cuInit`, which the application has
 /// called before it can launch). `None` while the driver has no devices to gate.
+///
+/// The fast path is one atomic load: a fork handler clears the pointer in the child, whose
+/// connection and tokens must be its own.
+#[inline]
 pub fn hook() -> Option<&'static Hook> {
-    let p = HOOK.load(Ordering::Acquire);
     // SAFETY: a non-null pointer is a leaked `Hook`, never freed.
-    if let Some(h) = unsafe { p.as_ref() }
-        && h.pid == std::process::id()
-    {
+    if let Some(h) = unsafe { HOOK.load(Ordering::Acquire).as_ref() } {
         return Some(h);
     }
+    init_hook()
+}
+
+#[cold]
+fn init_hook() -> Option<&'static Hook> {
     let _guard = INIT.lock().unwrap_or_else(|e| e.into_inner());
     // SAFETY: as above.
-    if let Some(h) = unsafe { HOOK.load(Ordering::Acquire).as_ref() }
-        && h.pid == std::process::id()
-    {
+    if let Some(h) = unsafe { HOOK.load(Ordering::Acquire).as_ref() } {
         return Some(h);
     }
-    // First use, or first use after fork: the parent's connection and tokens are not ours.
+    static AT_FORK: Once = Once::new();
+    AT_FORK.call_once(|| {
+        // SAFETY: registers a child-side handler that only stores to an atomic.
+        unsafe { libc::pthread_atfork(None, None, Some(forget_parent_hook)) };
+    });
     let h: &'static Hook = Box::leak(Box::new(Hook::new()?));
     HOOK.store(h as *const Hook as *mut Hook, Ordering::Release);
     h.start();
     Some(h)
+}
+
+/// In a forked child: the parent's hook (connection, threads, tokens) is not ours.
+extern "C" fn forget_parent_hook() {
+    HOOK.store(std::ptr::null_mut(), Ordering::Release);
 }
 
 impl Hook {
@@ -109,7 +121,6 @@ impl Hook {
             })
             .collect::<Option<Vec<_>>>()?;
         Some(Hook {
-            pid: std::process::id(),
             settings: Settings::from_env(),
             gates,
             writer: Mutex::new(None),

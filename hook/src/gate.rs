@@ -338,7 +338,7 @@ impl Gate {
             g.last_done = Some(f);
         }
         let k = match g.ns_per_launch {
-            Some(est) if est > 0.0 => (budget / (2.0 * est)).clamp(1.0, 256.0) as u64,
+            Some(est) if est > 0.0 => (budget / (2.0 * est)).clamp(1.0, 4096.0) as u64,
             _ => 1,
         };
         self.next_pace.store(n + k, Ordering::Relaxed);

@@ -4,12 +4,14 @@
 //!   tests and benchmarks assert on: overlaps, busy shares, utilisation.
 //! - [`harness`]: find the built simulator (`gpushare-sim`, `libcuda.so`) next to a test or
 //!   benchmark executable and run commands under it.
+//! - [`node`]: a simulated node (device + scheduler) and tenants under `gpushare run`.
 //! - [`ptx`]: the hand-written PTX module (`gpushare_spin`, `touch`) every client loads.
 //!
 //! The `cudarc-client` binary of this package is a real cudarc 0.19 program; the C programs in
 //! `c/` use the driver API directly (linked, or through `cuGetProcAddress`).
 
 pub mod harness;
+pub mod node;
 pub mod ptx;
 /// The device trace and its figures live with the device that writes it.
 pub use gpushare_sim_device::trace;
