@@ -6,8 +6,10 @@
 //!
 //! * [`proc_address`]: `cuGetProcAddress` resolution ([`resolve`]).
 //! * [`errors`]: `CUresult` names/descriptions, also as static C strings.
+//! * [`arrays`]: array descriptors and their size in memory.
 //! * [`device_attributes`]: `CUdevice_attribute` names.
 
+pub mod arrays;
 pub mod device_attributes;
 pub mod errors;
 #[rustfmt::skip]

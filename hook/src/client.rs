@@ -8,7 +8,9 @@ use gpushare_protocol::{ClientMsg, GroupSpec, PROTOCOL_VERSION, ServerMsg};
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::mpsc::{SyncSender, sync_channel};
 use std::sync::{Mutex, Once};
 use std::time::Duration;
 
@@ -63,6 +65,11 @@ pub struct Hook {
     pub gates: Vec<Gate>,
     writer: Mutex<Option<UnixStream>>,
     connected: AtomicBool,
+    /// Requests waiting for their answer, by request id.
+    pending: Mutex<HashMap<u64, SyncSender<ServerMsg>>>,
+    next_req: AtomicU64,
+    /// Memory this process holds per GPU, by allocation (pointer or handle).
+    pub memory: crate::memory::Books,
 }
 
 static HOOK: AtomicPtr<Hook> = AtomicPtr::new(std::ptr::null_mut());
@@ -125,6 +132,9 @@ impl Hook {
             gates,
             writer: Mutex::new(None),
             connected: AtomicBool::new(false),
+            pending: Mutex::new(HashMap::new()),
+            next_req: AtomicU64::new(1),
+            memory: crate::memory::Books::default(),
         })
     }
 
@@ -194,6 +204,13 @@ impl Hook {
                 for g in &self.gates {
                     g.on_connected();
                 }
+                // A restarted scheduler learns what this process already holds.
+                for (i, g) in self.gates.iter().enumerate() {
+                    let bytes = self.memory.held(i);
+                    if bytes > 0 {
+                        self.send(&ClientMsg::MemSync { gpu: g.uuid, bytes });
+                    }
+                }
                 true
             }
             Err(msg) => {
@@ -230,6 +247,30 @@ impl Hook {
         false
     }
 
+    /// Send a request made around a fresh request id and wait (at most 5 s) for its answer;
+    /// `None` when the scheduler is not there to answer.
+    pub fn call(&self, make: impl FnOnce(u64) -> ClientMsg) -> Option<ServerMsg> {
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = sync_channel(1);
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(req, tx);
+        let answer = if self.send(&make(req)) { rx.recv_timeout(Duration::from_secs(5)).ok() } else { None };
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&req);
+        answer
+    }
+
+    /// Index of the gate of the current context's GPU.
+    pub fn current_index(&self) -> Option<usize> {
+        if self.gates.len() == 1 {
+            return Some(0);
+        }
+        let mut dev = 0;
+        // SAFETY: real driver entry point with a valid out-pointer.
+        if unsafe { real::cuCtxGetDevice()?(&mut dev) } != 0 {
+            return None;
+        }
+        ((dev as usize) < self.gates.len()).then_some(dev as usize)
+    }
+
     fn gate(&self, uuid: &[u8; 16]) -> Option<&Gate> {
         self.gates.iter().find(|g| &g.uuid == uuid)
     }
@@ -259,11 +300,18 @@ impl Hook {
                         break;
                     }
                 }
+                ServerMsg::Memory { req, .. } => {
+                    let tx = self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&req);
+                    if let Some(tx) = tx {
+                        let _ = tx.send(msg);
+                    }
+                }
                 ServerMsg::Welcome { .. } | ServerMsg::Status { .. } => {}
             }
         }
         debug!("lost the scheduler connection");
         self.connected.store(false, Ordering::Release);
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
         *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
         for g in &self.gates {
             g.on_disconnected();

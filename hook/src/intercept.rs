@@ -7,6 +7,7 @@
 //!    swapped for its wrapper.
 
 use crate::client::hook;
+use crate::memory;
 use crate::real;
 use gpushare_cuda_abi::{Resolution, resolve};
 use std::cell::Cell;
@@ -102,26 +103,38 @@ pub extern "C" fn cuLaunchCooperativeKernelMultiDevice(list: P, n: u32, flags: u
     })
 }
 
-/// Managed symbols and their wrappers, sorted by name.
-fn wrappers() -> [(&'static str, P); 11] {
+/// Managed symbols (launches, allocations, frees, memory queries) and their wrappers, sorted
+/// by name.
+fn wrappers() -> [(&'static str, P); 28] {
     [
+        ("cuArray3DCreate_v2", memory::cuArray3DCreate_v2 as P),
+        ("cuArrayCreate_v2", memory::cuArrayCreate_v2 as P),
+        ("cuArrayDestroy", memory::cuArrayDestroy as P),
+        ("cuDeviceTotalMem_v2", memory::cuDeviceTotalMem_v2 as P),
         ("cuGetProcAddress", cuGetProcAddress as P),
         ("cuGetProcAddress_v2", cuGetProcAddress_v2 as P),
         ("cuGraphLaunch", cuGraphLaunch as P),
         ("cuGraphLaunch_ptsz", cuGraphLaunch_ptsz as P),
         ("cuLaunchCooperativeKernel", cuLaunchCooperativeKernel as P),
-        (
-            "cuLaunchCooperativeKernelMultiDevice",
-            cuLaunchCooperativeKernelMultiDevice as P,
-        ),
-        (
-            "cuLaunchCooperativeKernel_ptsz",
-            cuLaunchCooperativeKernel_ptsz as P,
-        ),
         ("cuLaunchKernel", cuLaunchKernel as P),
         ("cuLaunchKernelEx", cuLaunchKernelEx as P),
         ("cuLaunchKernelEx_ptsz", cuLaunchKernelEx_ptsz as P),
         ("cuLaunchKernel_ptsz", cuLaunchKernel_ptsz as P),
+        ("cuMemAllocAsync", memory::cuMemAllocAsync as P),
+        ("cuMemAllocAsync_ptsz", memory::cuMemAllocAsync_ptsz as P),
+        ("cuMemAllocFromPoolAsync", memory::cuMemAllocFromPoolAsync as P),
+        ("cuMemAllocFromPoolAsync_ptsz", memory::cuMemAllocFromPoolAsync_ptsz as P),
+        ("cuMemAllocManaged", memory::cuMemAllocManaged as P),
+        ("cuMemAllocPitch_v2", memory::cuMemAllocPitch_v2 as P),
+        ("cuMemAlloc_v2", memory::cuMemAlloc_v2 as P),
+        ("cuMemCreate", memory::cuMemCreate as P),
+        ("cuMemFreeAsync", memory::cuMemFreeAsync as P),
+        ("cuMemFreeAsync_ptsz", memory::cuMemFreeAsync_ptsz as P),
+        ("cuMemFree_v2", memory::cuMemFree_v2 as P),
+        ("cuMemGetInfo_v2", memory::cuMemGetInfo_v2 as P),
+        ("cuMemRelease", memory::cuMemRelease as P),
+        ("cuMipmappedArrayCreate", memory::cuMipmappedArrayCreate as P),
+        ("cuMipmappedArrayDestroy", memory::cuMipmappedArrayDestroy as P),
     ]
 }
 

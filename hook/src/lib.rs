@@ -5,7 +5,8 @@
 //! Layers, each in its own module: [`real`] finds the real driver (and the real `dlsym`);
 //! [`intercept`] is the FFI surface (exported `cu*` launch symbols, `dlsym`,
 //! `cuGetProcAddress`); [`gate`] is the per-GPU token gate with its launch fast path;
-//! [`client`] talks to the scheduler.
+//! [`client`] talks to the scheduler; [`memory`] holds every allocation to the group's GPU
+//! memory cap.
 //!
 //! Rules for a guest in someone else's process: nothing runs at load time; no panic crosses
 //! `extern "C"`; the fast path is atomics and one clock read; no output unless `GPUSHARE_LOG`
@@ -15,6 +16,7 @@ mod client;
 mod gate;
 mod intercept;
 mod log;
+mod memory;
 mod real;
 
 /// CLOCK_MONOTONIC in nanoseconds (vDSO, no syscall): the time base of token deadlines.

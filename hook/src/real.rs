@@ -122,5 +122,24 @@ real_fns! {
     cuGraphLaunch: fn(P, P);
     cuGraphLaunch_ptsz: fn(P, P);
     cuGetProcAddress: fn(*const c_char, *mut P, i32, u64);
+    cuMemAlloc_v2: fn(*mut u64, usize);
+    cuMemAllocPitch_v2: fn(*mut u64, *mut usize, usize, usize, u32);
+    cuMemAllocManaged: fn(*mut u64, usize, u32);
+    cuMemAllocAsync: fn(*mut u64, usize, P);
+    cuMemAllocAsync_ptsz: fn(*mut u64, usize, P);
+    cuMemAllocFromPoolAsync: fn(*mut u64, usize, P, P);
+    cuMemAllocFromPoolAsync_ptsz: fn(*mut u64, usize, P, P);
+    cuMemCreate: fn(*mut u64, usize, *const c_void, u64);
+    cuArrayCreate_v2: fn(*mut P, *const c_void);
+    cuArray3DCreate_v2: fn(*mut P, *const c_void);
+    cuMipmappedArrayCreate: fn(*mut P, *const c_void, u32);
+    cuMemFree_v2: fn(u64);
+    cuMemFreeAsync: fn(u64, P);
+    cuMemFreeAsync_ptsz: fn(u64, P);
+    cuMemRelease: fn(u64);
+    cuArrayDestroy: fn(P);
+    cuMipmappedArrayDestroy: fn(P);
+    cuMemGetInfo_v2: fn(*mut usize, *mut usize);
+    cuDeviceTotalMem_v2: fn(*mut usize, i32);
     cuGetProcAddress_v2: fn(*const c_char, *mut P, i32, u64, *mut i32);
 }

@@ -49,6 +49,15 @@ pub enum ClientMsg {
     },
     /// Admin: the scheduler's view as JSON ([`ServerMsg::Status`]).
     Status,
+    /// Reserve `bytes` of the group's memory cap on `gpu` before allocating; answered by
+    /// [`ServerMsg::Memory`]. Rolled back with [`ClientMsg::MemFree`] if the allocation fails.
+    MemReserve { req: u64, gpu: GpuUuid, bytes: u64 },
+    /// Give back memory reserved earlier (a free, or a failed allocation). No answer.
+    MemFree { gpu: GpuUuid, bytes: u64 },
+    /// The group's cap and use on `gpu` (for `cuMemGetInfo`); answered by [`ServerMsg::Memory`].
+    MemQuery { req: u64, gpu: GpuUuid },
+    /// After reconnecting: what this process holds on `gpu`, so restarted books are right.
+    MemSync { gpu: GpuUuid, bytes: u64 },
 }
 
 /// Scheduler → client.
@@ -71,6 +80,14 @@ pub enum ServerMsg {
     },
     Status {
         json: String,
+    },
+    /// Answer to a reservation (`granted`) or query: the group's cap (`None`: uncapped) and
+    /// what the group uses on that GPU, this reservation included.
+    Memory {
+        req: u64,
+        granted: bool,
+        cap: Option<u64>,
+        used: u64,
     },
     /// `fatal`: the connection is closed after this message.
     Error {

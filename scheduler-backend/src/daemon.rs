@@ -4,6 +4,7 @@
 
 use crate::config::{Config, GroupConfig};
 use crate::identity::{self, Peer};
+use crate::memory::MemoryBooks;
 use crate::policy::{ClientId, Decision, GroupParams, Policy};
 use crate::status::{ClientReport, GpuReport, GroupReport, Report, uuid_string};
 use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
@@ -43,6 +44,7 @@ struct State {
     /// Every group the policies know: from the config, and declared ones in dev mode.
     groups: BTreeMap<String, GroupParams>,
     policies: BTreeMap<GpuUuid, Policy>,
+    memory: MemoryBooks,
     clients: HashMap<ClientId, Client>,
     next_client: ClientId,
 }
@@ -74,8 +76,10 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     // Tenants run as other users: anyone may connect; identity comes from SO_PEERCRED.
     std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o666))?;
     let mut groups = BTreeMap::new();
+    let mut memory = MemoryBooks::default();
     for g in &config.groups {
         groups.insert(g.name.clone(), g.params);
+        memory.set_cap(&g.name, g.memory);
     }
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
@@ -83,6 +87,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             dev: opts.dev,
             groups,
             policies: BTreeMap::new(),
+            memory,
             clients: HashMap::new(),
             next_client: 1,
         }),
@@ -157,6 +162,7 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
         let mut st = lock(&shared);
         let now = now_ns();
         st.clients.remove(&id);
+        st.memory.forget_client(id);
         for p in st.policies.values_mut() {
             p.disconnect(id, now);
         }
@@ -188,6 +194,7 @@ fn hello(
             let params = GroupParams { request: spec.request, limit: spec.limit, weight: spec.weight };
             Policy::new(st.config.policy.clone()).set_group(&spec.name, params).map_err(|e| e.to_string())?;
             set_group(st, &spec.name, params);
+            st.memory.set_cap(&spec.name, spec.memory);
             Some(spec.name)
         }
         Some(spec) => match st.config.group_for(peer) {
@@ -229,16 +236,7 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
             out.push((id, ServerMsg::Error { message: "Hello sent twice".into(), fatal: false }));
         }
         ClientMsg::Acquire { gpu } => {
-            let Some(client) = st.clients.get(&id) else { return out };
-            let Some(group) = client.group.clone() else {
-                let p = &client.peer;
-                out.push((id, ServerMsg::Error {
-                    message: format!(
-                        "no group of the scheduler's config matches uid {} gid {} cgroup {:?}: add a [[group]] for it, or run gpushare-scheduler --dev and `gpushare run --group NAME`",
-                        p.uid, p.gid, p.cgroup
-                    ),
-                    fatal: true,
-                }));
+            let Some(group) = group_of(st, id, &mut out) else {
                 return out;
             };
             let policy = policy_for(st, gpu);
@@ -259,12 +257,47 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
                 out.push((id, ServerMsg::Error { message: e.to_string(), fatal: false }));
             }
         }
+        ClientMsg::MemReserve { req, gpu, bytes } => match group_of(st, id, &mut out) {
+            Some(group) => {
+                let u = st.memory.reserve(id, &group, gpu, bytes);
+                out.push((id, ServerMsg::Memory { req, granted: u.granted, cap: u.cap, used: u.used }));
+            }
+            None => out.push((id, ServerMsg::Memory { req, granted: false, cap: Some(0), used: 0 })),
+        },
+        ClientMsg::MemQuery { req, gpu } => {
+            if let Some(group) = group_of(st, id, &mut out) {
+                let u = st.memory.query(&group, &gpu);
+                out.push((id, ServerMsg::Memory { req, granted: true, cap: u.cap, used: u.used }));
+            }
+        }
+        ClientMsg::MemFree { gpu, bytes } => st.memory.free(id, gpu, bytes),
+        ClientMsg::MemSync { gpu, bytes } => {
+            if let Some(group) = group_of(st, id, &mut out) {
+                st.memory.sync(id, &group, gpu, bytes);
+            }
+        }
         ClientMsg::Status => {
             let json = serde_json::to_string(&report(st, now)).unwrap_or_default();
             out.push((id, ServerMsg::Status { json }));
         }
     }
     out
+}
+
+/// The client's group, or (queued in `out`) the error that tells the user how to get one.
+fn group_of(st: &State, id: ClientId, out: &mut Outbox) -> Option<String> {
+    let client = st.clients.get(&id)?;
+    if client.group.is_none() {
+        let p = &client.peer;
+        out.push((id, ServerMsg::Error {
+            message: format!(
+                "no group of the scheduler's config matches uid {} gid {} cgroup {:?}: add a [[group]] for it, or run gpushare-scheduler --dev and `gpushare run --group NAME`",
+                p.uid, p.gid, p.cgroup
+            ),
+            fatal: true,
+        }));
+    }
+    client.group.clone()
 }
 
 /// The policy of `gpu`, created with every known group on first use.
@@ -422,6 +455,7 @@ fn apply(st: &mut State, cfg: Config, now: u64) {
     }
     for g in &cfg.groups {
         set_group(st, &g.name, g.params);
+        st.memory.set_cap(&g.name, g.memory);
     }
     st.config = cfg;
 }

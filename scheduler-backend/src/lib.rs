@@ -5,5 +5,6 @@
 pub mod config;
 pub mod daemon;
 pub mod identity;
+pub mod memory;
 pub mod policy;
 pub mod status;

@@ -357,7 +357,13 @@ impl Group {
         if extra == 0 {
             return;
         }
-        if let Some(u) = self.usage.iter_mut().rev().take(64).find(|u| u.token == token) {
+        if let Some(u) = self
+            .usage
+            .iter_mut()
+            .rev()
+            .take(64)
+            .find(|u| u.token == token)
+        {
             u.end += extra;
             u.busy += extra;
             return;
@@ -582,7 +588,10 @@ impl Policy {
         self.seq += 1;
         c.waiting = Some(seq);
         let group = c.group.clone();
-        let g = self.groups.get_mut(&group).expect("clients belong to groups");
+        let g = self
+            .groups
+            .get_mut(&group)
+            .expect("clients belong to groups");
         if !g.active() {
             self.targets_dirty = true;
         }
@@ -633,15 +642,9 @@ impl Policy {
                 self.anticipate(&h.group, now);
             }
             self.schedule(now);
-        } else if self
-            .revoked
-            .get(&token)
-            .is_some_and(|h| h.client == client)
-        {
+        } else if self.revoked.get(&token).is_some_and(|h| h.client == client) {
             let mut h = self.revoked.remove(&token).expect("checked");
-            let charge = used_ns
-                .min(now.saturating_sub(h.granted_at))
-                .max(h.applied);
+            let charge = used_ns.min(now.saturating_sub(h.granted_at)).max(h.applied);
             self.charge(&mut h, charge, now);
         }
         Ok(())
@@ -651,11 +654,11 @@ impl Policy {
     /// client), and grants a capped group whose bucket has refilled.
     pub fn tick(&mut self, now: u64) {
         let now = self.advance(now);
-        if self.holder.as_ref().is_some_and(|h| {
-            now >= h
-                .deadline_ns
-                .saturating_add(self.cfg.grace_ns)
-        }) {
+        if self
+            .holder
+            .as_ref()
+            .is_some_and(|h| now >= h.deadline_ns.saturating_add(self.cfg.grace_ns))
+        {
             let mut h = self.holder.take().expect("checked");
             let elapsed = now - h.granted_at;
             self.charge(&mut h, elapsed, now);
@@ -694,7 +697,10 @@ impl Policy {
         }
         let depth = self.bucket_depth();
         let thr = self.cap_threshold();
-        let reserved = self.anticipation.as_ref().filter(|(_, until)| *until > self.now);
+        let reserved = self
+            .anticipation
+            .as_ref()
+            .filter(|(_, until)| *until > self.now);
         self.groups
             .iter()
             .filter(|(_, g)| !g.queue.is_empty())

@@ -55,7 +55,8 @@ pub enum Demand {
         off_ns: u64,
         phase_ns: u64,
     },
-    /// Uses `use_ns` (at most its quota), releases early, thinks `think_ns`, asks again.
+    /// Bursts of `use_ns` of work (over several tokens if a grant is shorter), released early,
+    /// then `think_ns` of CPU before the next burst.
     Short { use_ns: u64, think_ns: u64 },
     /// Never asks.
     Idle,
@@ -139,6 +140,8 @@ pub struct Sim {
     asked_at: Vec<u64>,
     granted_at: u64,
     stuck_done: Vec<bool>,
+    /// Short users: work left of the current burst (cut off by a short grant).
+    burst_left: Vec<u64>,
     heap: BinaryHeap<Reverse<(u64, u64, usize, Ev)>>,
     seq: u64,
     wakeup: Option<u64>,
@@ -200,6 +203,7 @@ impl Sim {
             asked_at: vec![0; n],
             granted_at: 0,
             stuck_done: vec![false; n],
+            burst_left: vec![0; n],
             heap: BinaryHeap::new(),
             seq: 0,
             wakeup: None,
@@ -240,7 +244,14 @@ impl Sim {
                 self.push(at, i, Ev::Acquire);
             }
             Demand::Short { think_ns, .. } => {
-                let at = if start { now + i as u64 * 1000 } else { now + think_ns };
+                // Cut off mid-burst: asks again at once for the rest.
+                let at = if start {
+                    now + i as u64 * 1000
+                } else if self.burst_left[i] > 0 {
+                    now
+                } else {
+                    now + think_ns
+                };
                 self.push(at, i, Ev::Acquire);
             }
             Demand::OnOff {
@@ -274,7 +285,9 @@ impl Sim {
                 return;
             }
             self.integrate(t);
-            let is_tick = self.wakeup.is_some_and(|w| w <= next_ev.unwrap_or(u64::MAX));
+            let is_tick = self
+                .wakeup
+                .is_some_and(|w| w <= next_ev.unwrap_or(u64::MAX));
             if is_tick {
                 if last_tick == Some(t) {
                     ticks_at_same_time += 1;
@@ -429,7 +442,11 @@ impl Sim {
                     quota_ns,
                 } => {
                     let i = (client - 1) as usize;
-                    assert_eq!(self.states[i], State::Waiting, "granted a client not waiting");
+                    assert_eq!(
+                        self.states[i],
+                        State::Waiting,
+                        "granted a client not waiting"
+                    );
                     assert!(self.holder.is_none(), "granted a second token");
                     assert_eq!(deadline_ns, self.now + quota_ns);
                     assert!(quota_ns >= self.policy.config().min_quota_ns);
@@ -445,12 +462,15 @@ impl Sim {
                 }
                 Decision::Revoke { client, token } => {
                     let i = (client - 1) as usize;
-                    assert_eq!(self.states[i], State::Holding(token), "revoked a non-holder");
+                    assert_eq!(
+                        self.states[i],
+                        State::Holding(token),
+                        "revoked a non-holder"
+                    );
                     assert_eq!(self.holder, Some(i));
                     let grace = self.policy.config().grace_ns;
                     assert!(self.now - self.granted_at >= grace, "revoked too early");
-                    self.stats.max_hold_ns =
-                        self.stats.max_hold_ns.max(self.now - self.granted_at);
+                    self.stats.max_hold_ns = self.stats.max_hold_ns.max(self.now - self.granted_at);
                     self.stats.revocations += 1;
                     self.holder = None;
                     self.states[i] = State::Revoked;
@@ -489,7 +509,16 @@ impl Sim {
         let mut work = match t.demand {
             Demand::Busy | Demand::OnOff { .. } | Demand::Stuck { .. } | Demand::Idle => room,
             Demand::Fraction { lo, hi } => (room as f64 * self.rng.range(lo, hi)) as u64,
-            Demand::Short { use_ns, .. } => use_ns.min(room),
+            Demand::Short { use_ns, .. } => {
+                let left = if self.burst_left[i] > 0 {
+                    self.burst_left[i]
+                } else {
+                    use_ns
+                };
+                let work = left.min(room);
+                self.burst_left[i] = left - work;
+                work
+            }
         };
         if let Some((p, extra)) = t.overrun {
             if self.rng.unit() < p {

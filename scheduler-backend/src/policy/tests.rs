@@ -407,12 +407,13 @@ fn time_going_backwards_is_treated_as_now() {
     p.acquire(1, 100 * MS).unwrap();
     p.release(1, 1, 5 * MS, 50 * MS).unwrap();
     let st = p.status(0);
-    assert_eq!(group(&st, "a").busy_ns, 0, "used is bounded by the time held");
-    p.acquire(1, 10 * MS).unwrap();
     assert_eq!(
-        p.take_decisions().last(),
-        Some(&grant(1, 2, 100 * MS))
+        group(&st, "a").busy_ns,
+        0,
+        "used is bounded by the time held"
     );
+    p.acquire(1, 10 * MS).unwrap();
+    assert_eq!(p.take_decisions().last(), Some(&grant(1, 2, 100 * MS)));
 }
 
 #[test]
@@ -431,7 +432,11 @@ fn status_reports_window_share_and_is_serializable() {
     let st = p.status(now);
     serializable(&st);
     let a = group(&st, "a");
-    assert!((a.achieved_share - 0.5).abs() < 1e-9, "{}", a.achieved_share);
+    assert!(
+        (a.achieved_share - 0.5).abs() < 1e-9,
+        "{}",
+        a.achieved_share
+    );
     assert_eq!(a.tokens, 500);
     assert_eq!(a.busy_ns, 5 * S);
     assert!(!a.active && a.target_share == 0.0);
@@ -527,7 +532,11 @@ fn a_lone_tenant_limited_to_03_gets_03_and_the_gpu_idles() {
     assert!(first <= 0.31, "{first}");
     assert_eq!(sim.stats.idle_with_capped_waiter_below_limit_ns, 0);
     // Full quotas, not crumbs: one token per 66.7 ms.
-    assert!(sim.stats.grants <= end / (66 * MS) + 2, "{}", sim.stats.grants);
+    assert!(
+        sim.stats.grants <= end / (66 * MS) + 2,
+        "{}",
+        sim.stats.grants
+    );
 }
 
 #[test]
@@ -642,7 +651,10 @@ fn a_short_user_gets_what_it_needs_promptly_and_the_rest_goes_to_the_busy_one() 
     ];
     let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 7);
     sim.run_until(end);
-    let (s, b) = (sim.work_share(0, WARMUP, end), sim.work_share(1, WARMUP, end));
+    let (s, b) = (
+        sim.work_share(0, WARMUP, end),
+        sim.work_share(1, WARMUP, end),
+    );
     let max_wait = sim.stats.max_wait_ns[0];
     eprintln!(
         "short user: short {s:.4}, busy {b:.4}, short's wait mean {:.2} ms, max {:.2} ms",
@@ -718,7 +730,11 @@ fn killing_the_holder_hands_the_token_over_at_once() {
     let (victim, _) = sim.policy.holder().unwrap();
     let before = sim.stats.grants;
     sim.kill((victim - 1) as usize);
-    assert_eq!(sim.stats.grants, before + 1, "the other tenant was granted in the same call");
+    assert_eq!(
+        sim.stats.grants,
+        before + 1,
+        "the other tenant was granted in the same call"
+    );
     assert_ne!(sim.policy.holder().unwrap().0, victim);
     sim.run_until(10 * S);
     let survivor = 2 - victim as usize;
@@ -735,7 +751,10 @@ fn a_hot_reload_of_requests_moves_the_shares() {
     sim.set_group(1, gp(0.2, 0.2, 1.0));
     sim.run_until(80 * S);
     let loss = handoff_loss(&sim);
-    let (a, b) = (sim.work_share(0, 35 * S, 80 * S), sim.work_share(1, 35 * S, 80 * S));
+    let (a, b) = (
+        sim.work_share(0, 35 * S, 80 * S),
+        sim.work_share(1, 35 * S, 80 * S),
+    );
     assert!((a - 0.8 * (1.0 - loss)).abs() < 0.01, "{a}");
     assert!((b - 0.2 * (1.0 - loss)).abs() < 0.01, "{b}");
 }
@@ -1091,6 +1110,3 @@ proptest! {
         }
     }
 }
-
-
-

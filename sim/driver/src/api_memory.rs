@@ -14,6 +14,7 @@
 use crate::api_graph::capture_node;
 use crate::ffi::*;
 use crate::state::{Alloc, AllocKind, Driver, NodeKind, State, driver, with_state};
+use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
 use gpushare_sim_wire::{Reply, Request};
 use std::ffi::{c_uint, c_void};
 
@@ -907,38 +908,6 @@ entry!(
 
 // --- arrays --------------------------------------------------------------------------------
 
-/// `CUDA_ARRAY3D_DESCRIPTOR`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct Array3DDesc {
-    width: usize,
-    height: usize,
-    depth: usize,
-    format: c_uint,
-    channels: c_uint,
-    flags: c_uint,
-}
-
-/// `CUDA_ARRAY_DESCRIPTOR`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct ArrayDesc {
-    width: usize,
-    height: usize,
-    format: c_uint,
-    channels: c_uint,
-}
-
-/// Bytes per channel of a `CUarray_format`.
-fn format_bytes(format: c_uint) -> CuResult<usize> {
-    Ok(match format {
-        0x01 | 0x08 => 1,
-        0x02 | 0x09 | 0x10 => 2,
-        0x03 | 0x0a | 0x20 => 4,
-        _ => return Err(CUDA_ERROR_INVALID_VALUE),
-    })
-}
-
 /// Arrays own device memory but no address: they are charged and tracked by handle.
 fn array_create(out: *mut Handle, bytes: usize) -> CuResult {
     if bytes == 0 {
@@ -955,25 +924,12 @@ fn array_create(out: *mut Handle, bytes: usize) -> CuResult {
     put(out, handle(h))
 }
 
-fn array_bytes(
-    w: usize,
-    h: usize,
-    depth: usize,
-    format: c_uint,
-    channels: c_uint,
-) -> CuResult<usize> {
-    if ![1, 2, 4].contains(&channels) || w == 0 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
-    }
-    Ok(w * h.max(1) * depth.max(1) * format_bytes(format)? * channels as usize)
-}
-
 entry!(
     fn cuArrayCreate_v2(out: *mut Handle, desc: *const ArrayDesc) {
         let d = get(desc)?;
         array_create(
             out,
-            array_bytes(d.width, d.height, 1, d.format, d.channels)?,
+            array_bytes(d.width, d.height, 1, d.format, d.channels).ok_or(CUDA_ERROR_INVALID_VALUE)?,
         )
     }
 );
@@ -983,7 +939,7 @@ entry!(
         let d = get(desc)?;
         array_create(
             out,
-            array_bytes(d.width, d.height, d.depth, d.format, d.channels)?,
+            array_bytes(d.width, d.height, d.depth, d.format, d.channels).ok_or(CUDA_ERROR_INVALID_VALUE)?,
         )
     }
 );
@@ -991,12 +947,7 @@ entry!(
 entry!(
     fn cuMipmappedArrayCreate(out: *mut Handle, desc: *const Array3DDesc, levels: c_uint) {
         let d = get(desc)?;
-        let mut total = 0;
-        let (mut w, mut h, mut z) = (d.width, d.height, d.depth);
-        for _ in 0..levels.max(1) {
-            total += array_bytes(w, h, z, d.format, d.channels)?;
-            (w, h, z) = ((w / 2).max(1), (h / 2).max(1), (z / 2).max(1));
-        }
+        let total = mipmapped_bytes(&d, levels).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         array_create(out, total)
     }
 );

@@ -1,11 +1,13 @@
 //! A simulated node for end-to-end tests: the simulated device (`gpushare-sim serve`), the
 //! scheduler (`gpushare-scheduler --dev`), and tenants started with `gpushare run`.
 
-use crate::harness::{Sim, target_dir};
+use crate::harness::{Sim, describe, output_with_timeout, target_dir};
 use crate::trace::Trace;
-use std::io::{BufRead, BufReader};
+use std::ffi::OsStr;
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// A simulated node: a device serving one GPU and a scheduler in development mode.
@@ -35,7 +37,16 @@ pub fn wait_for(path: &Path) {
 }
 
 impl Node {
+    /// A node with its device and a `gpushare-scheduler --dev SCHED_ARGS…`.
     pub fn start(sched_args: &[&str]) -> Node {
+        let mut node = Node::device_only();
+        node.start_scheduler(sched_args);
+        node
+    }
+
+    /// A node with its device but no scheduler yet (start one with
+    /// [`start_scheduler`](Node::start_scheduler) or [`start_scheduler_with`](Node::start_scheduler_with)).
+    pub fn device_only() -> Node {
         let sim = Sim::locate();
         let tmp = tempfile::tempdir().unwrap();
         let trace = tmp.path().join("trace.jsonl");
@@ -56,30 +67,85 @@ impl Node {
             })
             .collect();
         let sched_socket = tmp.path().join("gpushare.sock");
-        let mut node = Node {
+        Node {
             device,
             scheduler: None,
             sim_env,
             sched_socket,
             trace,
             tmp,
-        };
-        node.start_scheduler(sched_args);
-        node
+        }
     }
 
+    /// Start `gpushare-scheduler --dev ARGS… --socket <node socket>` and wait for its socket.
     pub fn start_scheduler(&mut self, args: &[&str]) {
+        self.start_scheduler_with(true, args);
+    }
+
+    /// Start `gpushare-scheduler [--dev] ARGS… --socket <node socket>` and wait for its socket.
+    /// Its stderr (log filter `warn`) is appended to [`scheduler_log`](Node::scheduler_log).
+    pub fn start_scheduler_with(&mut self, dev: bool, args: &[&str]) {
+        assert!(self.scheduler.is_none(), "a scheduler is already running");
         let _ = std::fs::remove_file(&self.sched_socket);
-        let child = Command::new(target_dir().join("gpushare-scheduler"))
-            .arg("--dev")
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.scheduler_log_path())
+            .expect("open the scheduler log");
+        let mut c = Command::new(target_dir().join("gpushare-scheduler"));
+        if dev {
+            c.arg("--dev");
+        }
+        let child = c
             .args(args)
             .arg("--socket")
             .arg(&self.sched_socket)
             .env("GPUSHARE_LOG", "warn")
+            .stderr(log)
             .spawn()
             .expect("start gpushare-scheduler");
         self.scheduler = Some(child);
         wait_for(&self.sched_socket);
+    }
+
+    /// Where the scheduler's stderr goes.
+    pub fn scheduler_log_path(&self) -> PathBuf {
+        self.tmp.path().join("scheduler.log")
+    }
+
+    /// Everything the node's schedulers have logged so far.
+    pub fn scheduler_log(&self) -> String {
+        std::fs::read_to_string(self.scheduler_log_path()).unwrap_or_default()
+    }
+
+    /// Pid of the running scheduler.
+    pub fn scheduler_pid(&self) -> Option<u32> {
+        self.scheduler.as_ref().map(Child::id)
+    }
+
+    /// Whether the scheduler started last is still running (`None`: none was started).
+    pub fn scheduler_running(&mut self) -> Option<bool> {
+        let c = self.scheduler.as_mut()?;
+        Some(matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// `gpushare status --json` against the node's scheduler (at most 5 s).
+    pub fn status_json(&self) -> Result<serde_json::Value, String> {
+        let mut c = Command::new(target_dir().join("gpushare"));
+        c.args(["status", "--json"])
+            .env("GPUSHARE_SOCKET", &self.sched_socket);
+        let out = output_with_timeout(c, Duration::from_secs(5));
+        if !out.status.success() {
+            return Err(describe(&out));
+        }
+        serde_json::from_slice(&out.stdout)
+            .map_err(|e| format!("status --json is not JSON ({e})\n{}", describe(&out)))
+    }
+
+    /// Pid of the process holding GPU 0's token, from `gpushare status --json`.
+    pub fn token_holder(&self) -> Option<u32> {
+        let v = self.status_json().ok()?;
+        v["gpus"][0]["holder"]["pid"].as_u64().map(|p| p as u32)
     }
 
     pub fn kill_scheduler(&mut self) {
@@ -101,24 +167,63 @@ impl Node {
 
     /// A cudarc tenant: `gpushare run --group NAME … -- cudarc-client ARGS`.
     pub fn tenant(&self, group: &str, request: f64, limit: f64, weight: f64, args: &[&str]) -> Child {
-        let mut c = Command::new(target_dir().join("gpushare"));
-        c.args(["run", "--group", group])
-            .args([
-                "--request",
-                &request.to_string(),
-                "--limit",
-                &limit.to_string(),
-            ])
-            .args(["--weight", &weight.to_string(), "--"])
-            .arg(target_dir().join("cudarc-client"))
+        self.tenant_command(
+            group,
+            request,
+            limit,
+            weight,
+            target_dir().join("cudarc-client"),
+            args,
+        )
+        .spawn()
+        .expect("start tenant")
+    }
+
+    /// `gpushare run RUN_ARGS… -- PROGRAM ARGS…` on the simulated GPU, not yet started: with the
+    /// node's scheduler socket, `GPUSHARE_FAIL=closed`, stdout discarded.
+    pub fn run_command<S: AsRef<OsStr>>(
+        &self,
+        run_args: &[&str],
+        program: impl AsRef<OsStr>,
+        args: &[S],
+    ) -> Command {
+        let mut c = self.command(target_dir().join("gpushare"));
+        c.arg("run")
+            .args(run_args)
+            .arg("--")
+            .arg(program)
             .args(args)
-            .env("GPUSHARE_SOCKET", &self.sched_socket)
             .env("GPUSHARE_FAIL", "closed")
             .stdout(Stdio::null());
-        for (k, v) in &self.sim_env {
-            c.env(k, v);
-        }
-        c.spawn().expect("start tenant")
+        c
+    }
+
+    /// [`run_command`](Node::run_command) with `--group NAME --request R --limit L --weight W`.
+    pub fn tenant_command<S: AsRef<OsStr>>(
+        &self,
+        group: &str,
+        request: f64,
+        limit: f64,
+        weight: f64,
+        program: impl AsRef<OsStr>,
+        args: &[S],
+    ) -> Command {
+        let (r, l, w) = (request.to_string(), limit.to_string(), weight.to_string());
+        let run_args = [
+            "--group", group, "--request", &r, "--limit", &l, "--weight", &w,
+        ];
+        self.run_command(&run_args, program, args)
+    }
+
+    /// Start a [`Tenant`] from `cmd` (e.g. [`tenant_command`](Node::tenant_command)), collecting
+    /// its stdout and stderr.
+    pub fn spawn(&self, cmd: Command) -> Tenant {
+        Tenant::spawn(cmd)
+    }
+
+    /// Path of the device trace (complete once [`finish`](Node::finish) stopped the device).
+    pub fn trace_path(&self) -> &Path {
+        &self.trace
     }
 
     /// Stop the device (flushing its trace) and read the trace.
@@ -138,3 +243,107 @@ impl Drop for Node {
     }
 }
 
+
+/// A process started by a test (a tenant, usually `gpushare run … -- CLIENT`) whose stdout and
+/// stderr are collected. It is killed if dropped while still running, so a failing test leaves
+/// no tenant behind.
+pub struct Tenant {
+    child: Child,
+    stdout: Option<JoinHandle<Vec<u8>>>,
+    stderr: Option<JoinHandle<Vec<u8>>>,
+    status: Option<ExitStatus>,
+}
+
+impl Tenant {
+    /// Start `cmd` with stdout and stderr piped to collector threads.
+    pub fn spawn(mut cmd: Command) -> Tenant {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {:?}: {e}", cmd.get_program()));
+        let collect = |pipe: Option<Box<dyn Read + Send>>| {
+            pipe.map(|mut p| {
+                std::thread::spawn(move || {
+                    let mut buf = Vec::new();
+                    let _ = p.read_to_end(&mut buf);
+                    buf
+                })
+            })
+        };
+        let stdout = collect(child.stdout.take().map(|p| Box::new(p) as _));
+        let stderr = collect(child.stderr.take().map(|p| Box::new(p) as _));
+        Tenant {
+            child,
+            stdout,
+            stderr,
+            status: None,
+        }
+    }
+
+    /// The process id (`gpushare run` execs its command, so this is the client's pid).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether it is still running.
+    pub fn running(&mut self) -> bool {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().expect("wait for tenant");
+        }
+        self.status.is_none()
+    }
+
+    /// Send `signal` (e.g. `libc::SIGSTOP`) if it is still running.
+    pub fn signal(&mut self, signal: i32) {
+        if self.running() {
+            // SAFETY: plain syscall on our own, not yet reaped, child.
+            unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+        }
+    }
+
+    /// Wait at most `timeout` for it to exit: its output, and whether it had to be killed.
+    pub fn finish_within(mut self, timeout: Duration) -> (Output, bool) {
+        let deadline = Instant::now() + timeout;
+        let mut killed = false;
+        while self.running() {
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                self.status = Some(self.child.wait().expect("wait for killed tenant"));
+                killed = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let join = |h: Option<JoinHandle<Vec<u8>>>| h.and_then(|h| h.join().ok()).unwrap_or_default();
+        let output = Output {
+            status: self.status.expect("exited"),
+            stdout: join(self.stdout.take()),
+            stderr: join(self.stderr.take()),
+        };
+        (output, killed)
+    }
+
+    /// Wait at most `timeout`; it must exit successfully. Returns its output.
+    pub fn wait_ok(self, timeout: Duration) -> Output {
+        let pid = self.pid();
+        let (out, killed) = self.finish_within(timeout);
+        assert!(
+            !killed,
+            "tenant {pid} did not finish within {timeout:?}; killed\n{}",
+            describe(&out)
+        );
+        assert!(out.status.success(), "tenant {pid} failed\n{}", describe(&out));
+        out
+    }
+}
+
+impl Drop for Tenant {
+    fn drop(&mut self) {
+        if self.running() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}

@@ -36,17 +36,27 @@ struct Cli {
 enum Cmd {
     /// Context, streams, allocation, copies, memset, PTX module, launches, events, stream waits.
     Smoke,
-    /// Launch KERNELS spin kernels of MS each on one stream; print the wall time.
+    /// Launch KERNELS spin kernels of MS each on one stream (per thread); print the wall time.
     Spin {
         /// Device time of each kernel, in milliseconds.
         #[arg(long)]
         ms_per_kernel: f64,
-        /// Number of kernels.
-        #[arg(long)]
-        kernels: u64,
+        /// Number of kernels (per thread); unlimited when only --duration-ms is given.
+        #[arg(long, required_unless_present = "duration_ms")]
+        kernels: Option<u64>,
+        /// Stop launching once this much wall time has passed since the first launch (with
+        /// --sync-every, so that the queue does not run far ahead of the clock).
+        #[arg(long, value_name = "MS", requires = "sync_every")]
+        duration_ms: Option<f64>,
         /// Synchronise the stream after every K kernels (default: only at the end).
         #[arg(long, value_name = "K")]
         sync_every: Option<u64>,
+        /// Bursty load: after each synchronisation (--sync-every), sleep this long on the host.
+        #[arg(long, value_name = "MS", requires = "sync_every")]
+        idle_ms: Option<f64>,
+        /// Launch from N threads at once, each on a stream of its own, each KERNELS kernels.
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        threads: u32,
     },
     /// Allocating more than the device has fails with CUDA_ERROR_OUT_OF_MEMORY; 1 MiB then works.
     Oom {
@@ -286,11 +296,54 @@ fn smoke(device: usize) -> Res<Value> {
     }))
 }
 
+/// What `spin` launches: how many kernels of how long, and how it pauses.
+struct SpinPlan {
+    ns: u64,
+    kernels: u64,
+    duration: Option<std::time::Duration>,
+    sync_every: Option<u64>,
+    idle: Option<std::time::Duration>,
+}
+
+impl SpinPlan {
+    /// Launch the plan on `stream` (with the stream's context bound to this thread); returns
+    /// the number of kernels launched. The last kernels may still be queued.
+    fn run(&self, stream: &Arc<CudaStream>, f: &CudaFunction, t0: Instant) -> Res<u64> {
+        let mut launched = 0;
+        while launched < self.kernels && self.duration.is_none_or(|d| t0.elapsed() < d) {
+            spin(stream, f, self.ns)?;
+            launched += 1;
+            if self.sync_every.is_some_and(|k| launched % k == 0) {
+                stream.synchronize().at("cuStreamSynchronize")?;
+                if let Some(idle) = self.idle {
+                    std::thread::sleep(idle);
+                }
+            }
+        }
+        Ok(launched)
+    }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds, the time base of the device trace.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[allow(clippy::too_many_arguments)]
 fn spin_cmd(
     device: usize,
     ms_per_kernel: f64,
-    kernels: u64,
+    kernels: Option<u64>,
+    duration_ms: Option<f64>,
     sync_every: Option<u64>,
+    idle_ms: Option<f64>,
+    threads: u32,
 ) -> Res<Value> {
     check(ms_per_kernel >= 0.0 && ms_per_kernel.is_finite(), || {
         format!("--ms-per-kernel {ms_per_kernel} must be a non-negative number")
@@ -298,28 +351,73 @@ fn spin_cmd(
     check(sync_every != Some(0), || {
         "--sync-every must be at least 1".into()
     })?;
-    let ns = (ms_per_kernel * 1e6).round() as u64;
-    let ctx = CudaContext::new(device).at("CudaContext::new")?;
-    let stream = ctx.new_stream().at("cuStreamCreate")?;
-    let (_module, spin_f, _) = load(&ctx)?;
-    let wall = Instant::now();
-    let device_ms = timed(&stream, None, "spin kernels", || {
-        for i in 1..=kernels {
-            spin(&stream, &spin_f, ns)?;
-            if sync_every.is_some_and(|k| i % k == 0) {
-                stream.synchronize().at("cuStreamSynchronize")?;
-            }
+    check(threads >= 1, || "--threads must be at least 1".into())?;
+    let ms = |what: &str, v: Option<f64>| -> Res<Option<std::time::Duration>> {
+        match v {
+            Some(v) if !(v >= 0.0 && v.is_finite()) => Err(Failure(format!(
+                "--{what} {v} must be a non-negative number of milliseconds"
+            ))),
+            v => Ok(v.map(|v| std::time::Duration::from_secs_f64(v / 1e3))),
         }
-        Ok(())
-    })?;
-    stream.synchronize().at("cuStreamSynchronize")?;
+    };
+    let plan = SpinPlan {
+        ns: (ms_per_kernel * 1e6).round() as u64,
+        kernels: kernels.unwrap_or(u64::MAX),
+        duration: ms("duration-ms", duration_ms)?,
+        sync_every,
+        idle: ms("idle-ms", idle_ms)?,
+    };
+    let ctx = CudaContext::new(device).at("CudaContext::new")?;
+    let streams = (0..threads)
+        .map(|_| ctx.new_stream().at("cuStreamCreate"))
+        .collect::<Res<Vec<_>>>()?;
+    let (_module, spin_f, _) = load(&ctx)?;
+    let start_ns = monotonic_ns();
+    let wall = Instant::now();
+    let (launched, device_ms) = if threads == 1 {
+        let mut launched = 0;
+        let device_ms = timed(&streams[0], None, "spin kernels", || {
+            launched = plan.run(&streams[0], &spin_f, wall)?;
+            Ok(())
+        })?;
+        streams[0].synchronize().at("cuStreamSynchronize")?;
+        (launched, Some(device_ms))
+    } else {
+        let per_thread = std::thread::scope(|scope| {
+            let handles: Vec<_> = streams
+                .iter()
+                .map(|stream| {
+                    let (ctx, plan, f) = (&ctx, &plan, &spin_f);
+                    scope.spawn(move || {
+                        ctx.bind_to_thread().at("cuCtxSetCurrent (launcher thread)")?;
+                        let launched = plan.run(stream, f, wall)?;
+                        stream.synchronize().at("cuStreamSynchronize")?;
+                        Ok(launched)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Failure("a launcher thread panicked".into())))
+                })
+                .collect::<Res<Vec<u64>>>()
+        })?;
+        (per_thread.iter().sum(), None)
+    };
+    ctx.synchronize().at("cuCtxSynchronize")?;
     let wall_ms = wall.elapsed().as_secs_f64() * 1e3;
     Ok(json!({
         "pid": std::process::id(),
         "device": device,
-        "kernels": kernels,
+        "threads": threads,
+        "kernels": launched,
         "ms_per_kernel": ms_per_kernel,
         "sync_every": sync_every,
+        "idle_ms": idle_ms,
+        "start_ns": start_ns,
+        "end_ns": monotonic_ns(),
         "wall_ms": wall_ms,
         "device_ms": device_ms,
     }))
@@ -459,10 +557,21 @@ fn main() -> ExitCode {
         Cmd::Spin {
             ms_per_kernel,
             kernels,
+            duration_ms,
             sync_every,
+            idle_ms,
+            threads,
         } => (
             "spin",
-            spin_cmd(cli.device, ms_per_kernel, kernels, sync_every),
+            spin_cmd(
+                cli.device,
+                ms_per_kernel,
+                kernels,
+                duration_ms,
+                sync_every,
+                idle_ms,
+                threads,
+            ),
         ),
         Cmd::Oom { fill } => ("oom", oom(cli.device, fill)),
         Cmd::LaunchLatency { n } => ("launch-latency", launch_latency(cli.device, n)),

@@ -1,0 +1,271 @@
+//! GPU memory caps: every allocation path reserves against the group's cap at the scheduler
+//! before the real allocation (one round trip) and rolls back if the driver then fails; frees
+//! give back without waiting for an answer. `cuMemGetInfo_v2` and `cuDeviceTotalMem_v2` report
+//! the cap and what is left of it, never more than the device really has.
+
+use crate::client::{Hook, hook};
+use crate::real;
+use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
+use gpushare_protocol::{ClientMsg, ServerMsg};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+type P = *mut c_void;
+type CUresult = u32;
+const CUDA_SUCCESS: CUresult = 0;
+const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
+const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
+const CUDA_ERROR_UNKNOWN: CUresult = 999;
+/// Pitch alignment assumed when reserving for cuMemAllocPitch (the real pitch is known after).
+const PITCH_ALIGN: usize = 512;
+
+/// What this process holds: per allocation (device pointer or handle) its GPU and size.
+#[derive(Default)]
+pub struct Books {
+    allocs: Mutex<HashMap<u64, (usize, u64)>>,
+}
+
+impl Books {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (usize, u64)>> {
+        self.allocs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes held on the GPU of gate `gpu`.
+    pub fn held(&self, gpu: usize) -> u64 {
+        self.lock().values().filter(|(g, _)| *g == gpu).map(|(_, b)| b).sum()
+    }
+}
+
+/// Reserve `bytes` on gate `gpu`; false means over the cap. Without a scheduler (fail-open),
+/// nothing is enforced.
+fn reserve(h: &Hook, gpu: usize, bytes: u64) -> bool {
+    if !h.is_connected() {
+        return true;
+    }
+    let uuid = h.gates[gpu].uuid;
+    match h.call(|req| ClientMsg::MemReserve { req, gpu: uuid, bytes }) {
+        Some(ServerMsg::Memory { granted, .. }) => granted,
+        _ => true,
+    }
+}
+
+fn give_back(h: &Hook, gpu: usize, bytes: u64) {
+    if bytes > 0 {
+        h.send(&ClientMsg::MemFree { gpu: h.gates[gpu].uuid, bytes });
+    }
+}
+
+/// Reserve, allocate, then record the allocation under the key `key_of` reads from the
+/// driver's out-pointer, or roll back.
+fn allocate(gpu: Option<usize>, bytes: Option<usize>, alloc: impl FnOnce() -> Option<CUresult>, key: impl FnOnce() -> u64) -> CUresult {
+    let run = || {
+        let (Some(h), Some(bytes)) = (hook(), bytes) else {
+            return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        };
+        let Some(gpu) = gpu.or_else(|| h.current_index()) else {
+            return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        };
+        let bytes = bytes as u64;
+        if !reserve(h, gpu, bytes) {
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        let r = alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        if r == CUDA_SUCCESS {
+            h.memory.lock().insert(key(), (gpu, bytes));
+        } else {
+            give_back(h, gpu, bytes);
+        }
+        r
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+/// Free through the driver, then give back what the allocation `key` held.
+fn release(key: u64, free: impl FnOnce() -> Option<CUresult>) -> CUresult {
+    let run = || {
+        let r = free().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        if r == CUDA_SUCCESS
+            && let Some(h) = hook()
+            && let Some((gpu, bytes)) = h.memory.lock().remove(&key)
+        {
+            give_back(h, gpu, bytes);
+        }
+        r
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+/// Read a caller's struct or an out-pointer the driver has just written (`None` if null).
+fn read<T: Copy>(p: *const T) -> Option<T> {
+    // SAFETY: non-null pointers here are the caller's valid arguments or out-pointers the real
+    // driver wrote on success.
+    (!p.is_null()).then(|| unsafe { p.read_unaligned() })
+}
+
+// SAFETY (all wrappers below): the caller's arguments are forwarded unchanged to the real
+// function of the same name and signature.
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CUresult {
+    allocate(None, Some(size), || real::cuMemAlloc_v2().map(|f| unsafe { f(dptr, size) }), || read(dptr).unwrap_or(0))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemAllocPitch_v2(dptr: *mut u64, pitch: *mut usize, w: usize, h: usize, elem: u32) -> CUresult {
+    let bytes = w.div_ceil(PITCH_ALIGN).checked_mul(PITCH_ALIGN).and_then(|p| p.checked_mul(h));
+    allocate(None, bytes, || real::cuMemAllocPitch_v2().map(|f| unsafe { f(dptr, pitch, w, h, elem) }), || read(dptr).unwrap_or(0))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemAllocManaged(dptr: *mut u64, size: usize, flags: u32) -> CUresult {
+    allocate(None, Some(size), || real::cuMemAllocManaged().map(|f| unsafe { f(dptr, size, flags) }), || read(dptr).unwrap_or(0))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemAllocAsync(dptr: *mut u64, size: usize, s: P) -> CUresult {
+    allocate(None, Some(size), || real::cuMemAllocAsync().map(|f| unsafe { f(dptr, size, s) }), || read(dptr).unwrap_or(0))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut u64, size: usize, s: P) -> CUresult {
+    allocate(None, Some(size), || real::cuMemAllocAsync_ptsz().map(|f| unsafe { f(dptr, size, s) }), || read(dptr).unwrap_or(0))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemAllocFromPoolAsync(dptr: *mut u64, size: usize, pool: P, s: P) -> CUresult {
+    allocate(None, Some(size), || real::cuMemAllocFromPoolAsync().map(|f| unsafe { f(dptr, size, pool, s) }), || read(dptr).unwrap_or(0))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut u64, size: usize, pool: P, s: P) -> CUresult {
+    allocate(None, Some(size), || real::cuMemAllocFromPoolAsync_ptsz().map(|f| unsafe { f(dptr, size, pool, s) }), || read(dptr).unwrap_or(0))
+}
+
+/// `CUmemAllocationProp`'s leading fields: type, handle types, location type and id.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AllocationProp {
+    kind: u32,
+    handle_types: u32,
+    location_type: u32,
+    location_id: i32,
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemCreate(handle: *mut u64, size: usize, prop: *const c_void, flags: u64) -> CUresult {
+    // The allocation is on the device the properties name, not the current context's.
+    let Some(p) = read(prop.cast::<AllocationProp>()) else {
+        return CUDA_ERROR_INVALID_VALUE;
+    };
+    let gpu = (p.location_type == 1 && p.location_id >= 0).then_some(p.location_id as usize);
+    let gpu = gpu.filter(|&g| hook().is_some_and(|h| g < h.gates.len()));
+    allocate(gpu, Some(size), || real::cuMemCreate().map(|f| unsafe { f(handle, size, prop, flags) }), || read(handle).unwrap_or(0))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuArrayCreate_v2(arr: *mut P, desc: *const c_void) -> CUresult {
+    let d = read(desc.cast::<ArrayDesc>());
+    let bytes = d.and_then(|d| array_bytes(d.width, d.height, 1, d.format, d.channels));
+    allocate(None, bytes, || real::cuArrayCreate_v2().map(|f| unsafe { f(arr, desc) }), || read(arr).map_or(0, |a| a as u64))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuArray3DCreate_v2(arr: *mut P, desc: *const c_void) -> CUresult {
+    let d = read(desc.cast::<Array3DDesc>());
+    let bytes = d.and_then(|d| array_bytes(d.width, d.height, d.depth, d.format, d.channels));
+    allocate(None, bytes, || real::cuArray3DCreate_v2().map(|f| unsafe { f(arr, desc) }), || read(arr).map_or(0, |a| a as u64))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMipmappedArrayCreate(arr: *mut P, desc: *const c_void, levels: u32) -> CUresult {
+    let d = read(desc.cast::<Array3DDesc>());
+    let bytes = d.and_then(|d| mipmapped_bytes(&d, levels));
+    allocate(None, bytes, || real::cuMipmappedArrayCreate().map(|f| unsafe { f(arr, desc, levels) }), || read(arr).map_or(0, |a| a as u64))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
+    release(ptr, || real::cuMemFree_v2().map(|f| unsafe { f(ptr) }))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemFreeAsync(ptr: u64, s: P) -> CUresult {
+    release(ptr, || real::cuMemFreeAsync().map(|f| unsafe { f(ptr, s) }))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemFreeAsync_ptsz(ptr: u64, s: P) -> CUresult {
+    release(ptr, || real::cuMemFreeAsync_ptsz().map(|f| unsafe { f(ptr, s) }))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemRelease(handle: u64) -> CUresult {
+    release(handle, || real::cuMemRelease().map(|f| unsafe { f(handle) }))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuArrayDestroy(arr: P) -> CUresult {
+    release(arr as u64, || real::cuArrayDestroy().map(|f| unsafe { f(arr) }))
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMipmappedArrayDestroy(arr: P) -> CUresult {
+    release(arr as u64, || real::cuMipmappedArrayDestroy().map(|f| unsafe { f(arr) }))
+}
+
+/// The group's cap and use on gate `gpu`, if the group has a cap.
+fn cap_of(h: &Hook, gpu: usize) -> Option<(u64, u64)> {
+    if !h.is_connected() {
+        return None;
+    }
+    let uuid = h.gates[gpu].uuid;
+    match h.call(|req| ClientMsg::MemQuery { req, gpu: uuid })? {
+        ServerMsg::Memory { cap: Some(cap), used, .. } => Some((cap, used)),
+        _ => None,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    let run = || {
+        let r = real::cuMemGetInfo_v2().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(free, total) });
+        if r != CUDA_SUCCESS || free.is_null() || total.is_null() {
+            return r;
+        }
+        if let Some(h) = hook()
+            && let Some(gpu) = h.current_index()
+            && let Some((cap, used)) = cap_of(h, gpu)
+        {
+            // SAFETY: both out-pointers are non-null and were just written by the driver.
+            unsafe {
+                let real_total = *total as u64;
+                let real_free = *free as u64;
+                *total = cap.min(real_total) as usize;
+                *free = cap.saturating_sub(used).min(real_free) as usize;
+            }
+        }
+        r
+    };
+    std::panic::catch_unwind(run).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) -> CUresult {
+    let run = || {
+        let r = real::cuDeviceTotalMem_v2().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(bytes, dev) });
+        if r != CUDA_SUCCESS || bytes.is_null() || dev < 0 {
+            return r;
+        }
+        if let Some(h) = hook()
+            && (dev as usize) < h.gates.len()
+            && let Some((cap, _)) = cap_of(h, dev as usize)
+        {
+            // SAFETY: non-null out-pointer just written by the driver.
+            unsafe { *bytes = (cap as usize).min(*bytes) };
+        }
+        r
+    };
+    std::panic::catch_unwind(run).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
