@@ -259,6 +259,7 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
         }
         ClientMsg::MemReserve { req, gpu, bytes } => match group_of(st, id, &mut out) {
             Some(group) => {
+                policy_for(st, gpu); // so `gpushare status` shows the GPU
                 let u = st.memory.reserve(id, &group, gpu, bytes);
                 out.push((id, ServerMsg::Memory { req, granted: u.granted, cap: u.cap, used: u.used }));
             }
@@ -378,6 +379,8 @@ fn report(st: &State, now: u64) -> Report {
                         revocations: g.revocations,
                         pids: g.clients.iter().filter_map(|c| st.clients.get(c).map(|c| c.pid)).collect(),
                         active: g.active,
+                        memory_used: st.memory.used(&g.name, uuid),
+                        memory_cap: st.memory.cap(&g.name),
                     })
                     .collect(),
             }

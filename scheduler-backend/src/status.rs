@@ -40,6 +40,9 @@ pub struct GroupReport {
     pub revocations: u64,
     pub pids: Vec<u32>,
     pub active: bool,
+    /// GPU memory the group's processes hold on this GPU, and its cap (`None`: uncapped).
+    pub memory_used: u64,
+    pub memory_cap: Option<u64>,
 }
 
 /// `GPU-8-4-4-4-12` hex form of a driver UUID.
@@ -60,16 +63,21 @@ pub fn render(r: &Report) -> String {
         let _ = writeln!(out, "{}  holder: {holder}  waiting: {}", g.uuid, if waiting.is_empty() { "-".into() } else { waiting.join(", ") });
         let _ = writeln!(
             out,
-            "  {:<16} {:>7} {:>6} {:>6} {:>7} {:>8} {:>9} {:>7} {:>6} {:>8}  pids",
-            "GROUP", "REQUEST", "LIMIT", "WEIGHT", "TARGET", "ACHIEVED", "BUSY(s)", "TOKENS", "WAITS", "OVERRUNS"
+            "  {:<16} {:>7} {:>6} {:>6} {:>7} {:>8} {:>9} {:>7} {:>6} {:>8} {:>17}  pids",
+            "GROUP", "REQUEST", "LIMIT", "WEIGHT", "TARGET", "ACHIEVED", "BUSY(s)", "TOKENS", "WAITS", "OVERRUNS", "MEMORY(MiB)"
         );
         for x in &g.groups {
             let pids: Vec<String> = x.pids.iter().map(u32::to_string).collect();
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            let memory = match x.memory_cap {
+                Some(cap) => format!("{:.0}/{:.0}", mib(x.memory_used), mib(cap)),
+                None => format!("{:.0}", mib(x.memory_used)),
+            };
             let _ = writeln!(
                 out,
-                "  {:<16} {:>7.2} {:>6.2} {:>6.2} {:>7.3} {:>8.3} {:>9.3} {:>7} {:>6} {:>8}  {}",
+                "  {:<16} {:>7.2} {:>6.2} {:>6.2} {:>7.3} {:>8.3} {:>9.3} {:>7} {:>6} {:>8} {:>17}  {}",
                 x.name, x.effective_request, x.limit, x.weight, x.target_share, x.achieved_share,
-                x.busy_seconds, x.tokens, x.waits, x.overruns, pids.join(",")
+                x.busy_seconds, x.tokens, x.waits, x.overruns, memory, pids.join(",")
             );
         }
     }
