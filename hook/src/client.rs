@@ -5,10 +5,10 @@ use crate::gate::Gate;
 use crate::log::debug;
 use crate::real;
 use gpushare_protocol::{ClientMsg, GroupSpec, PROTOCOL_VERSION, ServerMsg};
+use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
 use std::sync::{Mutex, Once};
@@ -252,9 +252,19 @@ impl Hook {
     pub fn call(&self, make: impl FnOnce(u64) -> ClientMsg) -> Option<ServerMsg> {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = sync_channel(1);
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(req, tx);
-        let answer = if self.send(&make(req)) { rx.recv_timeout(Duration::from_secs(5)).ok() } else { None };
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&req);
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(req, tx);
+        let answer = if self.send(&make(req)) {
+            rx.recv_timeout(Duration::from_secs(5)).ok()
+        } else {
+            None
+        };
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&req);
         answer
     }
 
@@ -301,7 +311,11 @@ impl Hook {
                     }
                 }
                 ServerMsg::Memory { req, .. } => {
-                    let tx = self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&req);
+                    let tx = self
+                        .pending
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&req);
                     if let Some(tx) = tx {
                         let _ = tx.send(msg);
                     }
@@ -311,7 +325,10 @@ impl Hook {
         }
         debug!("lost the scheduler connection");
         self.connected.store(false, Ordering::Release);
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
         for g in &self.gates {
             g.on_disconnected();

@@ -105,7 +105,7 @@ pub extern "C" fn cuLaunchCooperativeKernelMultiDevice(list: P, n: u32, flags: u
 
 /// Managed symbols (launches, allocations, frees, memory queries) and their wrappers, sorted
 /// by name.
-fn wrappers() -> [(&'static str, P); 28] {
+fn wrappers() -> [(&'static str, P); 30] {
     [
         ("cuArray3DCreate_v2", memory::cuArray3DCreate_v2 as P),
         ("cuArrayCreate_v2", memory::cuArrayCreate_v2 as P),
@@ -116,14 +116,28 @@ fn wrappers() -> [(&'static str, P); 28] {
         ("cuGraphLaunch", cuGraphLaunch as P),
         ("cuGraphLaunch_ptsz", cuGraphLaunch_ptsz as P),
         ("cuLaunchCooperativeKernel", cuLaunchCooperativeKernel as P),
+        (
+            "cuLaunchCooperativeKernelMultiDevice",
+            cuLaunchCooperativeKernelMultiDevice as P,
+        ),
+        (
+            "cuLaunchCooperativeKernel_ptsz",
+            cuLaunchCooperativeKernel_ptsz as P,
+        ),
         ("cuLaunchKernel", cuLaunchKernel as P),
         ("cuLaunchKernelEx", cuLaunchKernelEx as P),
         ("cuLaunchKernelEx_ptsz", cuLaunchKernelEx_ptsz as P),
         ("cuLaunchKernel_ptsz", cuLaunchKernel_ptsz as P),
         ("cuMemAllocAsync", memory::cuMemAllocAsync as P),
         ("cuMemAllocAsync_ptsz", memory::cuMemAllocAsync_ptsz as P),
-        ("cuMemAllocFromPoolAsync", memory::cuMemAllocFromPoolAsync as P),
-        ("cuMemAllocFromPoolAsync_ptsz", memory::cuMemAllocFromPoolAsync_ptsz as P),
+        (
+            "cuMemAllocFromPoolAsync",
+            memory::cuMemAllocFromPoolAsync as P,
+        ),
+        (
+            "cuMemAllocFromPoolAsync_ptsz",
+            memory::cuMemAllocFromPoolAsync_ptsz as P,
+        ),
         ("cuMemAllocManaged", memory::cuMemAllocManaged as P),
         ("cuMemAllocPitch_v2", memory::cuMemAllocPitch_v2 as P),
         ("cuMemAlloc_v2", memory::cuMemAlloc_v2 as P),
@@ -133,8 +147,14 @@ fn wrappers() -> [(&'static str, P); 28] {
         ("cuMemFree_v2", memory::cuMemFree_v2 as P),
         ("cuMemGetInfo_v2", memory::cuMemGetInfo_v2 as P),
         ("cuMemRelease", memory::cuMemRelease as P),
-        ("cuMipmappedArrayCreate", memory::cuMipmappedArrayCreate as P),
-        ("cuMipmappedArrayDestroy", memory::cuMipmappedArrayDestroy as P),
+        (
+            "cuMipmappedArrayCreate",
+            memory::cuMipmappedArrayCreate as P,
+        ),
+        (
+            "cuMipmappedArrayDestroy",
+            memory::cuMipmappedArrayDestroy as P,
+        ),
     ]
 }
 
@@ -246,7 +266,35 @@ mod tests {
         assert!(table.windows(2).all(|w| w[0].0 < w[1].0));
         let real: Vec<&str> = gpushare_cuda_abi::symbols().collect();
         for (name, _) in table {
-            assert!(real.contains(name), "{name}");
+            assert!(real.contains(&name), "{name}");
+        }
+    }
+
+    #[test]
+    fn every_allocation_path_and_free_is_managed() {
+        let names = [
+            "cuMemAlloc_v2",
+            "cuMemAllocPitch_v2",
+            "cuMemAllocManaged",
+            "cuMemAllocAsync",
+            "cuMemAllocAsync_ptsz",
+            "cuMemAllocFromPoolAsync",
+            "cuMemAllocFromPoolAsync_ptsz",
+            "cuMemCreate",
+            "cuArrayCreate_v2",
+            "cuArray3DCreate_v2",
+            "cuMipmappedArrayCreate",
+            "cuMemFree_v2",
+            "cuMemFreeAsync",
+            "cuMemFreeAsync_ptsz",
+            "cuMemRelease",
+            "cuArrayDestroy",
+            "cuMipmappedArrayDestroy",
+            "cuMemGetInfo_v2",
+            "cuDeviceTotalMem_v2",
+        ];
+        for n in names {
+            assert!(wrapper(n.as_bytes()).is_some(), "{n} is not managed");
         }
     }
 

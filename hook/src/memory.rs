@@ -34,7 +34,11 @@ impl Books {
 
     /// Bytes held on the GPU of gate `gpu`.
     pub fn held(&self, gpu: usize) -> u64 {
-        self.lock().values().filter(|(g, _)| *g == gpu).map(|(_, b)| b).sum()
+        self.lock()
+            .values()
+            .filter(|(g, _)| *g == gpu)
+            .map(|(_, b)| b)
+            .sum()
     }
 }
 
@@ -45,7 +49,11 @@ fn reserve(h: &Hook, gpu: usize, bytes: u64) -> bool {
         return true;
     }
     let uuid = h.gates[gpu].uuid;
-    match h.call(|req| ClientMsg::MemReserve { req, gpu: uuid, bytes }) {
+    match h.call(|req| ClientMsg::MemReserve {
+        req,
+        gpu: uuid,
+        bytes,
+    }) {
         Some(ServerMsg::Memory { granted, .. }) => granted,
         _ => true,
     }
@@ -53,13 +61,21 @@ fn reserve(h: &Hook, gpu: usize, bytes: u64) -> bool {
 
 fn give_back(h: &Hook, gpu: usize, bytes: u64) {
     if bytes > 0 {
-        h.send(&ClientMsg::MemFree { gpu: h.gates[gpu].uuid, bytes });
+        h.send(&ClientMsg::MemFree {
+            gpu: h.gates[gpu].uuid,
+            bytes,
+        });
     }
 }
 
 /// Reserve, allocate, then record the allocation under the key `key_of` reads from the
 /// driver's out-pointer, or roll back.
-fn allocate(gpu: Option<usize>, bytes: Option<usize>, alloc: impl FnOnce() -> Option<CUresult>, key: impl FnOnce() -> u64) -> CUresult {
+fn allocate(
+    gpu: Option<usize>,
+    bytes: Option<usize>,
+    alloc: impl FnOnce() -> Option<CUresult>,
+    key: impl FnOnce() -> u64,
+) -> CUresult {
     let run = || {
         let (Some(h), Some(bytes)) = (hook(), bytes) else {
             return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
@@ -109,38 +125,87 @@ fn read<T: Copy>(p: *const T) -> Option<T> {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CUresult {
-    allocate(None, Some(size), || real::cuMemAlloc_v2().map(|f| unsafe { f(dptr, size) }), || read(dptr).unwrap_or(0))
+    allocate(
+        None,
+        Some(size),
+        || real::cuMemAlloc_v2().map(|f| unsafe { f(dptr, size) }),
+        || read(dptr).unwrap_or(0),
+    )
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cuMemAllocPitch_v2(dptr: *mut u64, pitch: *mut usize, w: usize, h: usize, elem: u32) -> CUresult {
-    let bytes = w.div_ceil(PITCH_ALIGN).checked_mul(PITCH_ALIGN).and_then(|p| p.checked_mul(h));
-    allocate(None, bytes, || real::cuMemAllocPitch_v2().map(|f| unsafe { f(dptr, pitch, w, h, elem) }), || read(dptr).unwrap_or(0))
+pub extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut u64,
+    pitch: *mut usize,
+    w: usize,
+    h: usize,
+    elem: u32,
+) -> CUresult {
+    let bytes = w
+        .div_ceil(PITCH_ALIGN)
+        .checked_mul(PITCH_ALIGN)
+        .and_then(|p| p.checked_mul(h));
+    allocate(
+        None,
+        bytes,
+        || real::cuMemAllocPitch_v2().map(|f| unsafe { f(dptr, pitch, w, h, elem) }),
+        || read(dptr).unwrap_or(0),
+    )
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemAllocManaged(dptr: *mut u64, size: usize, flags: u32) -> CUresult {
-    allocate(None, Some(size), || real::cuMemAllocManaged().map(|f| unsafe { f(dptr, size, flags) }), || read(dptr).unwrap_or(0))
+    allocate(
+        None,
+        Some(size),
+        || real::cuMemAllocManaged().map(|f| unsafe { f(dptr, size, flags) }),
+        || read(dptr).unwrap_or(0),
+    )
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemAllocAsync(dptr: *mut u64, size: usize, s: P) -> CUresult {
-    allocate(None, Some(size), || real::cuMemAllocAsync().map(|f| unsafe { f(dptr, size, s) }), || read(dptr).unwrap_or(0))
+    allocate(
+        None,
+        Some(size),
+        || real::cuMemAllocAsync().map(|f| unsafe { f(dptr, size, s) }),
+        || read(dptr).unwrap_or(0),
+    )
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut u64, size: usize, s: P) -> CUresult {
-    allocate(None, Some(size), || real::cuMemAllocAsync_ptsz().map(|f| unsafe { f(dptr, size, s) }), || read(dptr).unwrap_or(0))
+    allocate(
+        None,
+        Some(size),
+        || real::cuMemAllocAsync_ptsz().map(|f| unsafe { f(dptr, size, s) }),
+        || read(dptr).unwrap_or(0),
+    )
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemAllocFromPoolAsync(dptr: *mut u64, size: usize, pool: P, s: P) -> CUresult {
-    allocate(None, Some(size), || real::cuMemAllocFromPoolAsync().map(|f| unsafe { f(dptr, size, pool, s) }), || read(dptr).unwrap_or(0))
+    allocate(
+        None,
+        Some(size),
+        || real::cuMemAllocFromPoolAsync().map(|f| unsafe { f(dptr, size, pool, s) }),
+        || read(dptr).unwrap_or(0),
+    )
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut u64, size: usize, pool: P, s: P) -> CUresult {
-    allocate(None, Some(size), || real::cuMemAllocFromPoolAsync_ptsz().map(|f| unsafe { f(dptr, size, pool, s) }), || read(dptr).unwrap_or(0))
+pub extern "C" fn cuMemAllocFromPoolAsync_ptsz(
+    dptr: *mut u64,
+    size: usize,
+    pool: P,
+    s: P,
+) -> CUresult {
+    allocate(
+        None,
+        Some(size),
+        || real::cuMemAllocFromPoolAsync_ptsz().map(|f| unsafe { f(dptr, size, pool, s) }),
+        || read(dptr).unwrap_or(0),
+    )
 }
 
 /// `CUmemAllocationProp`'s leading fields: type, handle types, location type and id.
@@ -154,35 +219,64 @@ struct AllocationProp {
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cuMemCreate(handle: *mut u64, size: usize, prop: *const c_void, flags: u64) -> CUresult {
+pub extern "C" fn cuMemCreate(
+    handle: *mut u64,
+    size: usize,
+    prop: *const c_void,
+    flags: u64,
+) -> CUresult {
     // The allocation is on the device the properties name, not the current context's.
     let Some(p) = read(prop.cast::<AllocationProp>()) else {
         return CUDA_ERROR_INVALID_VALUE;
     };
     let gpu = (p.location_type == 1 && p.location_id >= 0).then_some(p.location_id as usize);
     let gpu = gpu.filter(|&g| hook().is_some_and(|h| g < h.gates.len()));
-    allocate(gpu, Some(size), || real::cuMemCreate().map(|f| unsafe { f(handle, size, prop, flags) }), || read(handle).unwrap_or(0))
+    allocate(
+        gpu,
+        Some(size),
+        || real::cuMemCreate().map(|f| unsafe { f(handle, size, prop, flags) }),
+        || read(handle).unwrap_or(0),
+    )
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuArrayCreate_v2(arr: *mut P, desc: *const c_void) -> CUresult {
     let d = read(desc.cast::<ArrayDesc>());
     let bytes = d.and_then(|d| array_bytes(d.width, d.height, 1, d.format, d.channels));
-    allocate(None, bytes, || real::cuArrayCreate_v2().map(|f| unsafe { f(arr, desc) }), || read(arr).map_or(0, |a| a as u64))
+    allocate(
+        None,
+        bytes,
+        || real::cuArrayCreate_v2().map(|f| unsafe { f(arr, desc) }),
+        || read(arr).map_or(0, |a| a as u64),
+    )
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuArray3DCreate_v2(arr: *mut P, desc: *const c_void) -> CUresult {
     let d = read(desc.cast::<Array3DDesc>());
     let bytes = d.and_then(|d| array_bytes(d.width, d.height, d.depth, d.format, d.channels));
-    allocate(None, bytes, || real::cuArray3DCreate_v2().map(|f| unsafe { f(arr, desc) }), || read(arr).map_or(0, |a| a as u64))
+    allocate(
+        None,
+        bytes,
+        || real::cuArray3DCreate_v2().map(|f| unsafe { f(arr, desc) }),
+        || read(arr).map_or(0, |a| a as u64),
+    )
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cuMipmappedArrayCreate(arr: *mut P, desc: *const c_void, levels: u32) -> CUresult {
+pub extern "C" fn cuMipmappedArrayCreate(
+    arr: *mut P,
+    desc: *const c_void,
+    levels: u32,
+) -> CUresult {
     let d = read(desc.cast::<Array3DDesc>());
     let bytes = d.and_then(|d| mipmapped_bytes(&d, levels));
-    allocate(None, bytes, || real::cuMipmappedArrayCreate().map(|f| unsafe { f(arr, desc, levels) }), || read(arr).map_or(0, |a| a as u64))
+    allocate(
+        None,
+        bytes,
+        || real::cuMipmappedArrayCreate().map(|f| unsafe { f(arr, desc, levels) }),
+        || read(arr).map_or(0, |a| a as u64),
+    )
 }
 
 #[unsafe(no_mangle)]
@@ -197,22 +291,30 @@ pub extern "C" fn cuMemFreeAsync(ptr: u64, s: P) -> CUresult {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFreeAsync_ptsz(ptr: u64, s: P) -> CUresult {
-    release(ptr, || real::cuMemFreeAsync_ptsz().map(|f| unsafe { f(ptr, s) }))
+    release(ptr, || {
+        real::cuMemFreeAsync_ptsz().map(|f| unsafe { f(ptr, s) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemRelease(handle: u64) -> CUresult {
-    release(handle, || real::cuMemRelease().map(|f| unsafe { f(handle) }))
+    release(handle, || {
+        real::cuMemRelease().map(|f| unsafe { f(handle) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuArrayDestroy(arr: P) -> CUresult {
-    release(arr as u64, || real::cuArrayDestroy().map(|f| unsafe { f(arr) }))
+    release(arr as u64, || {
+        real::cuArrayDestroy().map(|f| unsafe { f(arr) })
+    })
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMipmappedArrayDestroy(arr: P) -> CUresult {
-    release(arr as u64, || real::cuMipmappedArrayDestroy().map(|f| unsafe { f(arr) }))
+    release(arr as u64, || {
+        real::cuMipmappedArrayDestroy().map(|f| unsafe { f(arr) })
+    })
 }
 
 /// The group's cap and use on gate `gpu`, if the group has a cap.
@@ -222,7 +324,11 @@ fn cap_of(h: &Hook, gpu: usize) -> Option<(u64, u64)> {
     }
     let uuid = h.gates[gpu].uuid;
     match h.call(|req| ClientMsg::MemQuery { req, gpu: uuid })? {
-        ServerMsg::Memory { cap: Some(cap), used, .. } => Some((cap, used)),
+        ServerMsg::Memory {
+            cap: Some(cap),
+            used,
+            ..
+        } => Some((cap, used)),
         _ => None,
     }
 }
@@ -230,7 +336,8 @@ fn cap_of(h: &Hook, gpu: usize) -> Option<(u64, u64)> {
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
     let run = || {
-        let r = real::cuMemGetInfo_v2().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(free, total) });
+        let r = real::cuMemGetInfo_v2()
+            .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(free, total) });
         if r != CUDA_SUCCESS || free.is_null() || total.is_null() {
             return r;
         }
@@ -254,7 +361,8 @@ pub extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresu
 #[unsafe(no_mangle)]
 pub extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) -> CUresult {
     let run = || {
-        let r = real::cuDeviceTotalMem_v2().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(bytes, dev) });
+        let r = real::cuDeviceTotalMem_v2()
+            .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(bytes, dev) });
         if r != CUDA_SUCCESS || bytes.is_null() || dev < 0 {
             return r;
         }

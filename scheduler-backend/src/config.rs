@@ -27,7 +27,10 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}: {message}")]
     Invalid { path: String, message: String },
 }
@@ -87,27 +90,29 @@ impl GroupConfig {
     fn matches(&self, peer: &Peer) -> bool {
         self.uids.contains(&peer.uid)
             || self.gids.contains(&peer.gid)
-            || self.cgroups.iter().any(|c| !c.is_empty() && peer.cgroup.contains(c.as_str()))
+            || self
+                .cgroups
+                .iter()
+                .any(|c| !c.is_empty() && peer.cgroup.contains(c.as_str()))
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Config {
     pub policy: PolicyConfig,
     pub groups: Vec<GroupConfig>,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config { policy: PolicyConfig::default(), groups: Vec::new() }
-    }
-}
-
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
-        Config::parse(&text).map_err(|message| ConfigError::Invalid { path: path.display().to_string(), message })
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::parse(&text).map_err(|message| ConfigError::Invalid {
+            path: path.display().to_string(),
+            message,
+        })
     }
 
     pub fn parse(text: &str) -> Result<Config, String> {
@@ -115,15 +120,23 @@ impl Config {
         let mut policy = PolicyConfig::default();
         let dur = |v: &Option<String>, key: &str, into: &mut u64| -> Result<(), String> {
             if let Some(s) = v {
-                *into = gpushare_units::parse_duration_ns(s).map_err(|e| format!("scheduler.{key}: {e}"))?;
+                *into = gpushare_units::parse_duration_ns(s)
+                    .map_err(|e| format!("scheduler.{key}: {e}"))?;
             }
             Ok(())
         };
         dur(&raw.scheduler.quota, "quota", &mut policy.quota_ns)?;
-        dur(&raw.scheduler.min_quota, "min_quota", &mut policy.min_quota_ns)?;
+        dur(
+            &raw.scheduler.min_quota,
+            "min_quota",
+            &mut policy.min_quota_ns,
+        )?;
         dur(&raw.scheduler.grace, "grace", &mut policy.grace_ns)?;
         dur(&raw.scheduler.window, "window", &mut policy.window_ns)?;
-        if policy.quota_ns == 0 || policy.min_quota_ns > policy.quota_ns || policy.window_ns < policy.quota_ns {
+        if policy.quota_ns == 0
+            || policy.min_quota_ns > policy.quota_ns
+            || policy.window_ns < policy.quota_ns
+        {
             return Err("scheduler: need 0 < min_quota <= quota <= window".into());
         }
         let mut groups = Vec::new();
@@ -131,15 +144,29 @@ impl Config {
             if groups.iter().any(|x: &GroupConfig| x.name == g.name) {
                 return Err(format!("group {:?} is defined twice", g.name));
             }
-            let params = GroupParams { request: g.request, limit: g.limit, weight: g.weight };
+            let params = GroupParams {
+                request: g.request,
+                limit: g.limit,
+                weight: g.weight,
+            };
             crate::policy::Policy::new(policy.clone())
                 .set_group(&g.name, params)
                 .map_err(|e| e.to_string())?;
             let memory = match &g.memory {
-                Some(m) => Some(gpushare_units::parse_size(m).map_err(|e| format!("group {:?} memory: {e}", g.name))?),
+                Some(m) => Some(
+                    gpushare_units::parse_size(m)
+                        .map_err(|e| format!("group {:?} memory: {e}", g.name))?,
+                ),
                 None => None,
             };
-            groups.push(GroupConfig { name: g.name, uids: g.uids, gids: g.gids, cgroups: g.cgroups, params, memory });
+            groups.push(GroupConfig {
+                name: g.name,
+                uids: g.uids,
+                gids: g.gids,
+                cgroups: g.cgroups,
+                params,
+                memory,
+            });
         }
         Ok(Config { policy, groups })
     }
@@ -177,19 +204,46 @@ weight = 2
         let c = Config::parse(EXAMPLE).unwrap();
         assert_eq!(c.policy.quota_ns, 10_000_000);
         assert_eq!(c.policy.grace_ns, 5_000_000);
-        assert_eq!(c.groups[0].params, GroupParams { request: 0.3, limit: 0.6, weight: 1.0 });
+        assert_eq!(
+            c.groups[0].params,
+            GroupParams {
+                request: 0.3,
+                limit: 0.6,
+                weight: 1.0
+            }
+        );
         assert_eq!(c.groups[0].memory, Some(4 << 30));
-        let peer = |uid, cgroup: &str| Peer { pid: 1, uid, gid: 0, cgroup: cgroup.into() };
+        let peer = |uid, cgroup: &str| Peer {
+            pid: 1,
+            uid,
+            gid: 0,
+            cgroup: cgroup.into(),
+        };
         assert_eq!(c.group_for(&peer(1000, "/")).unwrap().name, "train");
-        assert_eq!(c.group_for(&peer(7, "/kubepods/pod42/ctr")).unwrap().name, "pods");
+        assert_eq!(
+            c.group_for(&peer(7, "/kubepods/pod42/ctr")).unwrap().name,
+            "pods"
+        );
         assert!(c.group_for(&peer(7, "/user.slice")).is_none());
     }
 
     #[test]
     fn bad_input_is_explained() {
-        assert!(Config::parse("[scheduler]\nquota = \"fast\"").unwrap_err().contains("quota"));
+        assert!(
+            Config::parse("[scheduler]\nquota = \"fast\"")
+                .unwrap_err()
+                .contains("quota")
+        );
         assert!(Config::parse("[[group]]\nname = \"a\"\nrequest = 0.9\nlimit = 0.5").is_err());
-        assert!(Config::parse("[[group]]\nname = \"a\"\n[[group]]\nname = \"a\"").unwrap_err().contains("twice"));
-        assert!(Config::parse("[scheduler]\nquantum = \"1ms\"").unwrap_err().contains("quantum"));
+        assert!(
+            Config::parse("[[group]]\nname = \"a\"\n[[group]]\nname = \"a\"")
+                .unwrap_err()
+                .contains("twice")
+        );
+        assert!(
+            Config::parse("[scheduler]\nquantum = \"1ms\"")
+                .unwrap_err()
+                .contains("quantum")
+        );
     }
 }

@@ -17,7 +17,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -67,12 +70,20 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         None => Config::default(),
     };
     if let Some(dir) = opts.socket.parent() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| anyhow::anyhow!("cannot create {}: {e}; pick another --socket", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| {
+            anyhow::anyhow!(
+                "cannot create {}: {e}; pick another --socket",
+                dir.display()
+            )
+        })?;
     }
     let _ = std::fs::remove_file(&opts.socket);
-    let listener = UnixListener::bind(&opts.socket)
-        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}; pick another --socket", opts.socket.display()))?;
+    let listener = UnixListener::bind(&opts.socket).map_err(|e| {
+        anyhow::anyhow!(
+            "cannot listen on {}: {e}; pick another --socket",
+            opts.socket.display()
+        )
+    })?;
     // Tenants run as other users: anyone may connect; identity comes from SO_PEERCRED.
     std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o666))?;
     let mut groups = BTreeMap::new();
@@ -95,22 +106,32 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     });
     tracing::info!(socket = %opts.socket.display(), dev = opts.dev, "gpushare-scheduler listening");
     let s = shared.clone();
-    std::thread::Builder::new().name("timer".into()).spawn(move || timer_loop(s))?;
+    std::thread::Builder::new()
+        .name("timer".into())
+        .spawn(move || timer_loop(s))?;
     if let Some(path) = opts.config_path.clone() {
         let s = shared.clone();
-        std::thread::Builder::new().name("config".into()).spawn(move || reload_loop(s, path))?;
+        std::thread::Builder::new()
+            .name("config".into())
+            .spawn(move || reload_loop(s, path))?;
     }
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
         let s = shared.clone();
-        let _ = std::thread::Builder::new().name("client".into()).spawn(move || serve(s, stream));
+        let _ = std::thread::Builder::new()
+            .name("client".into())
+            .spawn(move || serve(s, stream));
     }
     Ok(())
 }
 
 fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
-    let Ok(peer) = identity::peer(&stream) else { return };
-    let Ok(writer) = stream.try_clone() else { return };
+    let Ok(peer) = identity::peer(&stream) else {
+        return;
+    };
+    let Ok(writer) = stream.try_clone() else {
+        return;
+    };
     let writer = Arc::new(Mutex::new(writer));
     let mut buf = Vec::new();
     let id = match gpushare_protocol::recv::<ClientMsg>(&mut stream, &mut buf) {
@@ -126,13 +147,25 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
                 }
                 Err(message) => {
                     tracing::warn!(pid = peer.pid, "refused: {message}");
-                    send(&writer, &ServerMsg::Error { message, fatal: true });
+                    send(
+                        &writer,
+                        &ServerMsg::Error {
+                            message,
+                            fatal: true,
+                        },
+                    );
                     return;
                 }
             }
         }
         Ok(_) => {
-            send(&writer, &ServerMsg::Error { message: "the first message must be Hello".into(), fatal: true });
+            send(
+                &writer,
+                &ServerMsg::Error {
+                    message: "the first message must be Hello".into(),
+                    fatal: true,
+                },
+            );
             return;
         }
         Err(_) => return,
@@ -153,7 +186,10 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
             }
             Ok(None) => break,
             Err(e) => {
-                tracing::warn!(pid = peer.pid, "dropping client after a malformed message: {e}");
+                tracing::warn!(
+                    pid = peer.pid,
+                    "dropping client after a malformed message: {e}"
+                );
                 break;
             }
         }
@@ -191,8 +227,14 @@ fn hello(
     }
     let group = match declared {
         Some(spec) if st.dev => {
-            let params = GroupParams { request: spec.request, limit: spec.limit, weight: spec.weight };
-            Policy::new(st.config.policy.clone()).set_group(&spec.name, params).map_err(|e| e.to_string())?;
+            let params = GroupParams {
+                request: spec.request,
+                limit: spec.limit,
+                weight: spec.weight,
+            };
+            Policy::new(st.config.policy.clone())
+                .set_group(&spec.name, params)
+                .map_err(|e| e.to_string())?;
             set_group(st, &spec.name, params);
             st.memory.set_cap(&spec.name, spec.memory);
             Some(spec.name)
@@ -210,7 +252,15 @@ fn hello(
             Some(g) => Some(g.name.clone()),
             None if st.dev => {
                 let name = format!("uid-{}", peer.uid);
-                set_group(st, &name, GroupParams { request: 0.0, limit: 1.0, weight: 1.0 });
+                set_group(
+                    st,
+                    &name,
+                    GroupParams {
+                        request: 0.0,
+                        limit: 1.0,
+                        weight: 1.0,
+                    },
+                );
                 Some(name)
             }
             None => None,
@@ -218,7 +268,15 @@ fn hello(
     };
     let id = st.next_client;
     st.next_client += 1;
-    st.clients.insert(id, Client { writer, pid: peer.pid, group: group.clone(), peer: peer.clone() });
+    st.clients.insert(
+        id,
+        Client {
+            writer,
+            pid: peer.pid,
+            group: group.clone(),
+            peer: peer.clone(),
+        },
+    );
     Ok((id, group.unwrap_or_default()))
 }
 
@@ -233,42 +291,98 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
     let mut out = Outbox::new();
     match msg {
         ClientMsg::Hello { .. } => {
-            out.push((id, ServerMsg::Error { message: "Hello sent twice".into(), fatal: false }));
+            out.push((
+                id,
+                ServerMsg::Error {
+                    message: "Hello sent twice".into(),
+                    fatal: false,
+                },
+            ));
         }
         ClientMsg::Acquire { gpu } => {
             let Some(group) = group_of(st, id, &mut out) else {
                 return out;
             };
             let policy = policy_for(st, gpu);
-            if !policy.status(now).groups.iter().any(|g| g.clients.contains(&id))
+            if !policy
+                .status(now)
+                .groups
+                .iter()
+                .any(|g| g.clients.contains(&id))
                 && let Err(e) = policy.connect(id, &group)
             {
-                out.push((id, ServerMsg::Error { message: e.to_string(), fatal: true }));
+                out.push((
+                    id,
+                    ServerMsg::Error {
+                        message: e.to_string(),
+                        fatal: true,
+                    },
+                ));
                 return out;
             }
             if let Err(e) = policy.acquire(id, now) {
-                out.push((id, ServerMsg::Error { message: e.to_string(), fatal: false }));
+                out.push((
+                    id,
+                    ServerMsg::Error {
+                        message: e.to_string(),
+                        fatal: false,
+                    },
+                ));
             }
         }
-        ClientMsg::Release { gpu, token, used_ns } => {
+        ClientMsg::Release {
+            gpu,
+            token,
+            used_ns,
+        } => {
             if let Some(p) = st.policies.get_mut(&gpu)
                 && let Err(e) = p.release(id, token, used_ns, now)
             {
-                out.push((id, ServerMsg::Error { message: e.to_string(), fatal: false }));
+                out.push((
+                    id,
+                    ServerMsg::Error {
+                        message: e.to_string(),
+                        fatal: false,
+                    },
+                ));
             }
         }
         ClientMsg::MemReserve { req, gpu, bytes } => match group_of(st, id, &mut out) {
             Some(group) => {
                 policy_for(st, gpu); // so `gpushare status` shows the GPU
                 let u = st.memory.reserve(id, &group, gpu, bytes);
-                out.push((id, ServerMsg::Memory { req, granted: u.granted, cap: u.cap, used: u.used }));
+                out.push((
+                    id,
+                    ServerMsg::Memory {
+                        req,
+                        granted: u.granted,
+                        cap: u.cap,
+                        used: u.used,
+                    },
+                ));
             }
-            None => out.push((id, ServerMsg::Memory { req, granted: false, cap: Some(0), used: 0 })),
+            None => out.push((
+                id,
+                ServerMsg::Memory {
+                    req,
+                    granted: false,
+                    cap: Some(0),
+                    used: 0,
+                },
+            )),
         },
         ClientMsg::MemQuery { req, gpu } => {
             if let Some(group) = group_of(st, id, &mut out) {
                 let u = st.memory.query(&group, &gpu);
-                out.push((id, ServerMsg::Memory { req, granted: true, cap: u.cap, used: u.used }));
+                out.push((
+                    id,
+                    ServerMsg::Memory {
+                        req,
+                        granted: true,
+                        cap: u.cap,
+                        used: u.used,
+                    },
+                ));
             }
         }
         ClientMsg::MemFree { gpu, bytes } => st.memory.free(id, gpu, bytes),
@@ -319,11 +433,26 @@ fn collect(st: &mut State, out: &mut Outbox) {
     for (gpu, p) in st.policies.iter_mut() {
         for d in p.take_decisions() {
             match d {
-                Decision::Grant { client, token, deadline_ns, quota_ns } => {
-                    out.push((client, ServerMsg::Grant { gpu: *gpu, token, deadline_ns, quota_ns }))
-                }
+                Decision::Grant {
+                    client,
+                    token,
+                    deadline_ns,
+                    quota_ns,
+                } => out.push((
+                    client,
+                    ServerMsg::Grant {
+                        gpu: *gpu,
+                        token,
+                        deadline_ns,
+                        quota_ns,
+                    },
+                )),
                 Decision::Revoke { client, token } => {
-                    tracing::info!(client, token, "revoking a token held past its deadline and grace");
+                    tracing::info!(
+                        client,
+                        token,
+                        "revoking a token held past its deadline and grace"
+                    );
                     out.push((client, ServerMsg::Revoke { gpu: *gpu, token }))
                 }
             }
@@ -334,7 +463,9 @@ fn collect(st: &mut State, out: &mut Outbox) {
 type Delivery = Vec<(Arc<Mutex<UnixStream>>, ServerMsg)>;
 
 fn deliver(st: &State, out: Outbox) -> Delivery {
-    out.into_iter().filter_map(|(id, m)| st.clients.get(&id).map(|c| (c.writer.clone(), m))).collect()
+    out.into_iter()
+        .filter_map(|(id, m)| st.clients.get(&id).map(|c| (c.writer.clone(), m)))
+        .collect()
 }
 
 fn send(w: &Mutex<UnixStream>, msg: &ServerMsg) {
@@ -348,9 +479,10 @@ fn send(w: &Mutex<UnixStream>, msg: &ServerMsg) {
 
 fn report(st: &State, now: u64) -> Report {
     let client = |id: &ClientId| {
-        st.clients
-            .get(id)
-            .map(|c| ClientReport { pid: c.pid, group: c.group.clone().unwrap_or_default() })
+        st.clients.get(id).map(|c| ClientReport {
+            pid: c.pid,
+            group: c.group.clone().unwrap_or_default(),
+        })
     };
     let gpus = st
         .policies
@@ -377,7 +509,11 @@ fn report(st: &State, now: u64) -> Report {
                         waits: g.waits,
                         overruns: g.overruns,
                         revocations: g.revocations,
-                        pids: g.clients.iter().filter_map(|c| st.clients.get(c).map(|c| c.pid)).collect(),
+                        pids: g
+                            .clients
+                            .iter()
+                            .filter_map(|c| st.clients.get(c).map(|c| c.pid))
+                            .collect(),
                         active: g.active,
                         memory_used: st.memory.used(&g.name, uuid),
                         memory_cap: st.memory.cap(&g.name),
@@ -386,7 +522,10 @@ fn report(st: &State, now: u64) -> Report {
             }
         })
         .collect();
-    Report { dev_mode: st.dev, gpus }
+    Report {
+        dev_mode: st.dev,
+        gpus,
+    }
 }
 
 fn timer_loop(shared: Arc<Shared>) {
@@ -409,11 +548,19 @@ fn timer_loop(shared: Arc<Shared>) {
             st = lock(&shared);
             continue;
         }
-        let wake = st.policies.values().filter_map(|p| p.next_wakeup(now)).min();
+        let wake = st
+            .policies
+            .values()
+            .filter_map(|p| p.next_wakeup(now))
+            .min();
         st = match wake {
             Some(t) => {
                 let d = Duration::from_nanos(t.saturating_sub(now_ns()).max(1_000));
-                shared.changed.wait_timeout(st, d).unwrap_or_else(|e| e.into_inner()).0
+                shared
+                    .changed
+                    .wait_timeout(st, d)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0
             }
             None => shared.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
         };
@@ -445,8 +592,13 @@ fn reload_loop(shared: Arc<Shared>, path: PathBuf) {
 }
 
 fn apply(st: &mut State, cfg: Config, now: u64) {
-    let removed: Vec<GroupConfig> =
-        st.config.groups.iter().filter(|old| !cfg.groups.iter().any(|g| g.name == old.name)).cloned().collect();
+    let removed: Vec<GroupConfig> = st
+        .config
+        .groups
+        .iter()
+        .filter(|old| !cfg.groups.iter().any(|g| g.name == old.name))
+        .cloned()
+        .collect();
     for g in removed {
         st.groups.remove(&g.name);
         for p in st.policies.values_mut() {

@@ -14,7 +14,11 @@ pub struct Peer {
 }
 
 pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
-    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: getsockopt(SO_PEERCRED) on a connected Unix socket, writing into a ucred of the
     // size given.
@@ -36,7 +40,12 @@ pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
         .filter_map(|l| l.splitn(3, ':').nth(2))
         .collect::<Vec<_>>()
         .join("\n");
-    Ok(Peer { pid: cred.pid as u32, uid: cred.uid, gid: cred.gid, cgroup })
+    Ok(Peer {
+        pid: cred.pid as u32,
+        uid: cred.uid,
+        gid: cred.gid,
+        cgroup,
+    })
 }
 
 #[cfg(test)]

@@ -38,7 +38,11 @@ impl MemoryBooks {
 
     /// Bytes the group holds on `gpu`, over all its processes.
     pub fn used(&self, group: &str, gpu: &GpuUuid) -> u64 {
-        self.held.iter().filter(|((_, g), (grp, _))| g == gpu && grp == group).map(|(_, (_, b))| *b).sum()
+        self.held
+            .iter()
+            .filter(|((_, g), (grp, _))| g == gpu && grp == group)
+            .map(|(_, (_, b))| *b)
+            .sum()
     }
 
     /// Reserve `bytes` for `client` of `group` on `gpu`, unless that would exceed the cap.
@@ -47,9 +51,16 @@ impl MemoryBooks {
         let used = self.used(group, &gpu);
         let granted = cap.is_none_or(|c| used.saturating_add(bytes) <= c);
         if granted {
-            self.held.entry((client, gpu)).or_insert_with(|| (group.to_string(), 0)).1 += bytes;
+            self.held
+                .entry((client, gpu))
+                .or_insert_with(|| (group.to_string(), 0))
+                .1 += bytes;
         }
-        Usage { granted, cap, used: if granted { used + bytes } else { used } }
+        Usage {
+            granted,
+            cap,
+            used: if granted { used + bytes } else { used },
+        }
     }
 
     pub fn free(&mut self, client: u64, gpu: GpuUuid, bytes: u64) {
@@ -64,7 +75,11 @@ impl MemoryBooks {
     }
 
     pub fn query(&self, group: &str, gpu: &GpuUuid) -> Usage {
-        Usage { granted: true, cap: self.cap(group), used: self.used(group, gpu) }
+        Usage {
+            granted: true,
+            cap: self.cap(group),
+            used: self.used(group, gpu),
+        }
     }
 
     /// The client is gone: everything it held is free again.
@@ -87,13 +102,26 @@ mod tests {
         m.set_cap("a", Some(4 * GIB));
         assert!(m.reserve(1, "a", GPU, 3 * GIB).granted);
         let r = m.reserve(2, "a", GPU, 2 * GIB);
-        assert_eq!(r, Usage { granted: false, cap: Some(4 * GIB), used: 3 * GIB });
+        assert_eq!(
+            r,
+            Usage {
+                granted: false,
+                cap: Some(4 * GIB),
+                used: 3 * GIB
+            }
+        );
         assert!(m.reserve(2, "a", GPU, GIB).granted, "exactly the cap fits");
         assert!(m.reserve(3, "b", GPU, 100 * GIB).granted, "uncapped group");
-        assert!(m.reserve(1, "a", [2; 16], 4 * GIB).granted, "caps are per GPU");
+        assert!(
+            m.reserve(1, "a", [2; 16], 4 * GIB).granted,
+            "caps are per GPU"
+        );
         m.forget_client(1);
         assert_eq!(m.used("a", &GPU), GIB);
-        assert!(m.reserve(4, "a", GPU, 3 * GIB).granted, "a dead process's memory is free at once");
+        assert!(
+            m.reserve(4, "a", GPU, 3 * GIB).granted,
+            "a dead process's memory is free at once"
+        );
         m.free(4, GPU, 3 * GIB);
         assert_eq!(m.query("a", &GPU).used, GIB);
     }

@@ -48,7 +48,14 @@ pub struct GroupReport {
 /// `GPU-8-4-4-4-12` hex form of a driver UUID.
 pub fn uuid_string(u: &[u8; 16]) -> String {
     let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
 }
 
 /// The human-readable table of `gpushare status`.
@@ -58,13 +65,39 @@ pub fn render(r: &Report) -> String {
         out.push_str("no GPU has been used through gpushare yet\n");
     }
     for g in &r.gpus {
-        let holder = g.holder.as_ref().map_or("-".to_string(), |c| format!("pid {} ({})", c.pid, c.group));
-        let waiting: Vec<String> = g.waiting.iter().map(|c| format!("{} ({})", c.pid, c.group)).collect();
-        let _ = writeln!(out, "{}  holder: {holder}  waiting: {}", g.uuid, if waiting.is_empty() { "-".into() } else { waiting.join(", ") });
+        let holder = g
+            .holder
+            .as_ref()
+            .map_or("-".to_string(), |c| format!("pid {} ({})", c.pid, c.group));
+        let waiting: Vec<String> = g
+            .waiting
+            .iter()
+            .map(|c| format!("{} ({})", c.pid, c.group))
+            .collect();
+        let _ = writeln!(
+            out,
+            "{}  holder: {holder}  waiting: {}",
+            g.uuid,
+            if waiting.is_empty() {
+                "-".into()
+            } else {
+                waiting.join(", ")
+            }
+        );
         let _ = writeln!(
             out,
             "  {:<16} {:>7} {:>6} {:>6} {:>7} {:>8} {:>9} {:>7} {:>6} {:>8} {:>17}  pids",
-            "GROUP", "REQUEST", "LIMIT", "WEIGHT", "TARGET", "ACHIEVED", "BUSY(s)", "TOKENS", "WAITS", "OVERRUNS", "MEMORY(MiB)"
+            "GROUP",
+            "REQUEST",
+            "LIMIT",
+            "WEIGHT",
+            "TARGET",
+            "ACHIEVED",
+            "BUSY(s)",
+            "TOKENS",
+            "WAITS",
+            "OVERRUNS",
+            "MEMORY(MiB)"
         );
         for x in &g.groups {
             let pids: Vec<String> = x.pids.iter().map(u32::to_string).collect();
@@ -76,8 +109,18 @@ pub fn render(r: &Report) -> String {
             let _ = writeln!(
                 out,
                 "  {:<16} {:>7.2} {:>6.2} {:>6.2} {:>7.3} {:>8.3} {:>9.3} {:>7} {:>6} {:>8} {:>17}  {}",
-                x.name, x.effective_request, x.limit, x.weight, x.target_share, x.achieved_share,
-                x.busy_seconds, x.tokens, x.waits, x.overruns, memory, pids.join(",")
+                x.name,
+                x.effective_request,
+                x.limit,
+                x.weight,
+                x.target_share,
+                x.achieved_share,
+                x.busy_seconds,
+                x.tokens,
+                x.waits,
+                x.overruns,
+                memory,
+                pids.join(",")
             );
         }
     }

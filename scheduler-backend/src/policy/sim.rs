@@ -520,10 +520,9 @@ impl Sim {
                 work
             }
         };
-        if let Some((p, extra)) = t.overrun {
-            if self.rng.unit() < p {
-                work += (extra as f64 * self.rng.unit()) as u64;
-            }
+        let overrun = t.overrun.filter(|&(p, _)| self.rng.unit() < p);
+        if let Some((_, extra)) = overrun {
+            work += (extra as f64 * self.rng.unit()) as u64;
         }
         let used = h + work;
         self.excess[t.group] = (self.excess_at(t.group, now) + used as f64, now);

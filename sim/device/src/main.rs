@@ -223,12 +223,23 @@ fn report(path: &Path) -> anyhow::Result<ExitCode> {
             w.len_ns() as f64 / 1e9,
             trace.utilization(device, w)
         );
-        println!("  {:>8} {:>10} {:>7} {:>9}", "PID", "BUSY(s)", "SHARE", "KERNELS");
+        println!(
+            "  {:>8} {:>10} {:>7} {:>9}",
+            "PID", "BUSY(s)", "SHARE", "KERNELS"
+        );
         let busy = trace.busy_by_pid(device, w);
         let shares = trace.shares(device, w);
         for (pid, ns) in busy {
-            let kernels = on.records().iter().filter(|r| r.pid == pid && !r.preempted).count();
-            println!("  {pid:>8} {:>10.3} {:>7.3} {kernels:>9}", ns as f64 / 1e9, shares[&pid]);
+            let kernels = on
+                .records()
+                .iter()
+                .filter(|r| r.pid == pid && !r.preempted)
+                .count();
+            println!(
+                "  {pid:>8} {:>10.3} {:>7.3} {kernels:>9}",
+                ns as f64 / 1e9,
+                shares[&pid]
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

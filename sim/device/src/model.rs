@@ -282,10 +282,10 @@ impl Model {
 
     /// Device time a kernel needs: `gpushare_spin*` kernels spin for their first argument.
     fn kernel_duration(&self, name: &str, arg0: Option<u64>) -> u64 {
-        if name.starts_with("gpushare_spin") {
-            if let Some(ns) = arg0 {
-                return ns;
-            }
+        if name.starts_with("gpushare_spin")
+            && let Some(ns) = arg0
+        {
+            return ns;
         }
         self.cfg
             .kernel_ns
@@ -445,10 +445,7 @@ impl Model {
         let mut progress = false;
         let keys: Vec<Key> = self.streams.keys().copied().collect();
         for key in keys {
-            loop {
-                let Some(op) = self.streams.get(&key).and_then(|s| s.queue.front()) else {
-                    break;
-                };
+            while let Some(op) = self.streams.get(&key).and_then(|s| s.queue.front()) {
                 let keep = matches!(op.work, Work::Marker { keep: true });
                 let is_marker = matches!(op.work, Work::Marker { .. });
                 let fresh_host = matches!(op.work, Work::HostFunc { notified: false });

@@ -781,7 +781,7 @@ entry!(
             || p.kind != 1
             || p.location_type != 1
             || size == 0
-            || size % VMM_GRANULARITY != 0
+            || !size.is_multiple_of(VMM_GRANULARITY)
         {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -822,7 +822,7 @@ entry!(
         _addr: CUdeviceptr,
         _flags: u64,
     ) {
-        if size == 0 || size % VMM_GRANULARITY != 0 {
+        if size == 0 || !size.is_multiple_of(VMM_GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         put(ptr, map(size, false)?)
@@ -929,7 +929,8 @@ entry!(
         let d = get(desc)?;
         array_create(
             out,
-            array_bytes(d.width, d.height, 1, d.format, d.channels).ok_or(CUDA_ERROR_INVALID_VALUE)?,
+            array_bytes(d.width, d.height, 1, d.format, d.channels)
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?,
         )
     }
 );
@@ -939,7 +940,8 @@ entry!(
         let d = get(desc)?;
         array_create(
             out,
-            array_bytes(d.width, d.height, d.depth, d.format, d.channels).ok_or(CUDA_ERROR_INVALID_VALUE)?,
+            array_bytes(d.width, d.height, d.depth, d.format, d.channels)
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?,
         )
     }
 );

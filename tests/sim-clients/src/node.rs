@@ -2,7 +2,7 @@
 //! scheduler (`gpushare-scheduler --dev`), and tenants started with `gpushare run`.
 
 use crate::harness::{Sim, describe, output_with_timeout, target_dir};
-use crate::trace::Trace;
+use crate::trace::{Trace, Window, common_window};
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -221,6 +221,16 @@ impl Node {
         Tenant::spawn(cmd)
     }
 
+    /// Compile the C client `c/NAME` into the node's scratch directory (see
+    /// [`Sim::compile_c`]); returns the executable.
+    pub fn compile_c(&self, name: &str, link_libcuda: bool) -> PathBuf {
+        let out = self.tmp.path().join(name.trim_end_matches(".c"));
+        Sim::locate()
+            .compile_c(&crate::harness::c_dir().join(name), &out, link_libcuda)
+            .unwrap_or_else(|e| panic!("{e}"));
+        out
+    }
+
     /// Path of the device trace (complete once [`finish`](Node::finish) stopped the device).
     pub fn trace_path(&self) -> &Path {
         &self.trace
@@ -238,6 +248,12 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.scheduler_log();
+            if !log.is_empty() {
+                eprintln!("--- scheduler log ---\n{log}");
+            }
+        }
         self.kill_scheduler();
         let _ = self.device.kill();
     }
@@ -346,4 +362,159 @@ impl Drop for Tenant {
             let _ = self.child.wait();
         }
     }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the time base of the device trace.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Arguments of `cudarc-client spin`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spin {
+    pub ms_per_kernel: f64,
+    pub kernels: Option<u64>,
+    pub duration_ms: Option<f64>,
+    pub sync_every: Option<u64>,
+    pub idle_ms: Option<f64>,
+    pub threads: u32,
+}
+
+impl Spin {
+    /// `kernels` kernels of `ms` each, synchronising every 20 (a typical training step).
+    pub fn kernels(ms: f64, kernels: u64) -> Spin {
+        Spin {
+            ms_per_kernel: ms,
+            kernels: Some(kernels),
+            duration_ms: None,
+            sync_every: Some(20),
+            idle_ms: None,
+            threads: 1,
+        }
+    }
+
+    /// Kernels of `ms` each for `duration_ms` of wall time, synchronising every 20.
+    pub fn for_ms(ms: f64, duration_ms: f64) -> Spin {
+        Spin {
+            kernels: None,
+            duration_ms: Some(duration_ms),
+            ..Spin::kernels(ms, 0)
+        }
+    }
+
+    /// Synchronise every `k` kernels (`None`: only at the end).
+    pub fn sync_every(self, k: Option<u64>) -> Spin {
+        Spin {
+            sync_every: k,
+            ..self
+        }
+    }
+
+    /// Sleep `ms` on the host after every synchronisation.
+    pub fn idle_ms(self, ms: f64) -> Spin {
+        Spin {
+            idle_ms: Some(ms),
+            ..self
+        }
+    }
+
+    /// Launch from `n` threads, each on its own stream.
+    pub fn threads(self, n: u32) -> Spin {
+        Spin { threads: n, ..self }
+    }
+
+    pub fn args(&self) -> Vec<String> {
+        let mut a = vec![
+            "spin".to_string(),
+            "--ms-per-kernel".into(),
+            self.ms_per_kernel.to_string(),
+        ];
+        let mut opt = |k: &str, v: Option<String>| {
+            if let Some(v) = v {
+                a.extend([k.to_string(), v]);
+            }
+        };
+        opt("--kernels", self.kernels.map(|v| v.to_string()));
+        opt("--duration-ms", self.duration_ms.map(|v| v.to_string()));
+        opt("--sync-every", self.sync_every.map(|v| v.to_string()));
+        opt("--idle-ms", self.idle_ms.map(|v| v.to_string()));
+        opt(
+            "--threads",
+            (self.threads != 1).then(|| self.threads.to_string()),
+        );
+        a
+    }
+}
+
+/// Busy share of each of `pids` on device 0 over `window`.
+pub fn shares_in(trace: &Trace, pids: &[u32], window: Window) -> Vec<f64> {
+    let by = trace.busy_by_pid(0, window);
+    pids.iter()
+        .map(|p| by.get(p).copied().unwrap_or(0) as f64 / window.len_ns().max(1) as f64)
+        .collect()
+}
+
+/// The window in which all `pids` ran kernels, without its first `warmup_ns` and its last 50 ms.
+pub fn common_active_window(trace: &Trace, pids: &[u32], warmup_ns: u64) -> Window {
+    let spans = pids.iter().map(|p| {
+        trace
+            .span_of_pid(*p)
+            .unwrap_or_else(|| panic!("pid {p} ran no kernels"))
+    });
+    let w = common_window(spans).expect("the tenants never ran at the same time");
+    let (start, end) = (w.start_ns + warmup_ns, w.end_ns.saturating_sub(50_000_000));
+    assert!(
+        start + 200_000_000 <= end,
+        "the tenants overlapped only for {w}: too short to measure shares"
+    );
+    Window::new(start, end)
+}
+
+/// Idle time of device 0 inside a window, split by what surrounds each gap.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Gaps {
+    /// Idle ns between records of different processes (a token handoff).
+    pub switch_ns: u64,
+    /// Number of such handoffs.
+    pub switches: u64,
+    /// Longest single handoff gap.
+    pub max_switch_ns: u64,
+    /// Idle ns between records of the same process (its host was late, or it paused).
+    pub same_ns: u64,
+}
+
+/// Classify the idle gaps of device 0 inside `window`.
+pub fn gaps_in(trace: &Trace, window: Window) -> Gaps {
+    let mut g = Gaps::default();
+    let mut prev: Option<(u32, u64)> = None; // (pid, end) of the record ending last so far
+    for r in trace.records().iter().filter(|r| r.device == 0) {
+        if r.end_ns <= window.start_ns || r.start_ns >= window.end_ns {
+            continue;
+        }
+        if let Some((pid, end)) = prev {
+            if r.start_ns > end {
+                let gap = Window::new(end, r.start_ns).overlap_ns(&window);
+                if pid != r.pid {
+                    g.switch_ns += gap;
+                    g.switches += 1;
+                    g.max_switch_ns = g.max_switch_ns.max(gap);
+                } else {
+                    g.same_ns += gap;
+                }
+            } else if pid != r.pid {
+                g.switches += 1;
+            }
+            if r.end_ns <= end {
+                continue;
+            }
+        }
+        prev = Some((r.pid, r.end_ns));
+    }
+    g
 }
