@@ -37,15 +37,23 @@
 //! 4. **Selection.** A free token goes at once to the waiting, not-capped group with the largest
 //!    credit (ties: the one waiting longest); within a group clients are served in the order they
 //!    asked, i.e. round-robin. The token is never left free while such a group waits (work
-//!    conservation); if only capped groups wait, [`Policy::next_wakeup`] says when the first
+//!    conservation; the one bounded exception is point 6); if only capped groups wait, [`Policy::next_wakeup`] says when the first
 //!    bucket refills.
-//! 5. **Adaptive quota.** A group that just released (or was active within the last quota) is not
-//!    waiting at the instant the token is handed on, although it usually asks again at once. If
-//!    it is owed more than the grantee, the grant is shortened by the difference (never below
-//!    `min_quota_ns`, never beyond the bucket of a capped group), so the token comes back sooner.
-//!    This makes the shares exact whether clients release then ask, or ask then release, and
-//!    lets a short, bursty user in within about a minimum quota.
-//! 6. **Timeouts.** A holder still holding at `deadline + grace` is revoked (charged the time
+//! 5. **Adaptive quota.** A group that is not waiting at the instant the token is handed on,
+//!    but was active within the last quota (the one that just released — clients usually
+//!    release, then ask again — or a short user between bursts), would have been chosen had it
+//!    been waiting if it is owed more than the grantee. The grant is then shortened by the
+//!    difference (never below `min_quota_ns`, never beyond a capped group's bucket), so the token
+//!    comes back to it sooner: shares stay exact with either client protocol, and a short user
+//!    is let in within about a minimum quota.
+//! 6. **Anticipation.** When that difference is so large that even a `min_quota_ns` grant would
+//!    overshoot (very lopsided shares, e.g. 0.99 / 0.01), and the releaser was cut off by its
+//!    deadline (so it still has work; one that released early has drained), the token is kept
+//!    free for the releaser for `min_quota_ns / 4` (500 µs by default). If it asks again within
+//!    that window it is granted at once; otherwise the best waiter is granted when the window
+//!    ends ([`Policy::next_wakeup`] reports it). This is the only case where the token is free
+//!    while an uncapped group waits, and it is bounded by one window per release.
+//! 7. **Timeouts.** A holder still holding at `deadline + grace` is revoked (charged the time
 //!    since its grant, provisionally) and the next client is granted in the same call; its late
 //!    release settles the charge to what it reports (never less than the provisional charge).
 //!    A disconnect releases at once, charging the time elapsed since the grant.
@@ -60,10 +68,14 @@
 //!   trip out of its own share) without changing its long-run share; a lone tenant capped at 0.3
 //!   gets one full 20 ms token every 66.7 ms. `min_quota_ns` stays the floor of every grant.
 //! - Debits are reserved at grant and settled at release (rather than charged only at release),
-//!   so the hard cap also holds while a token is in flight.
-//! - Grants may be shorter than `quota_ns` (adaptive quota, point 5). Without it, with the
-//!   natural client protocol (release, then ask again) two busy groups would simply alternate
-//!   and split 1:1 whatever their shares.
+//!   so the hard cap also holds while a token is in flight; refill lost to the bucket's depth
+//!   during a token that then overruns is given back, so the bucket equals one debited with the
+//!   true usage at grant.
+//! - Grants may be shorter than `quota_ns` (point 5) and, rarely, a released token is kept for
+//!   its releaser for a fraction of a millisecond (point 6). Without these, with the natural
+//!   client protocol (release, then ask again), two busy groups simply alternate and split 1:1
+//!   whatever their shares. A client that asks for its next turn *before* releasing (a holder
+//!   may call [`Policy::acquire`]) needs neither.
 
 mod water_fill;
 
@@ -697,10 +709,7 @@ impl Policy {
         }
         let depth = self.bucket_depth();
         let thr = self.cap_threshold();
-        let reserved = self
-            .anticipation
-            .as_ref()
-            .filter(|(_, until)| *until > self.now);
+        let reserved = self.reserved_for(self.now);
         self.groups
             .iter()
             .filter(|(_, g)| !g.queue.is_empty())
@@ -715,7 +724,7 @@ impl Policy {
                     return None;
                 };
                 Some(match reserved {
-                    Some((r, until)) if r != name => at.max(*until),
+                    Some((r, until)) if r != name => at.max(until),
                     _ => at,
                 })
             })
@@ -725,10 +734,8 @@ impl Policy {
     /// The group the free token is being kept for, and until when (see the module
     /// documentation, "Anticipation").
     pub fn anticipating(&self) -> Option<(&str, u64)> {
-        self.anticipation
-            .as_ref()
-            .filter(|(_, until)| *until > self.now && self.holder.is_none())
-            .map(|(g, until)| (g.as_str(), *until))
+        self.reserved_for(self.now)
+            .map(|(g, until)| (g.as_str(), until))
     }
 
     /// What the policy sees at `now`.
@@ -978,15 +985,24 @@ impl Policy {
         (self.cfg.min_quota_ns / 4).max(1)
     }
 
+    /// The group a free token is kept for at `now`, and until when: the anticipation, unless
+    /// it has expired or its group has gone (removed, or its last client disconnected).
+    fn reserved_for(&self, now: u64) -> Option<(&String, u64)> {
+        self.anticipation
+            .as_ref()
+            .filter(|(r, until)| {
+                now < *until
+                    && self.holder.is_none()
+                    && self.groups.get(r).is_some_and(|g| !g.clients.is_empty())
+            })
+            .map(|(r, until)| (r, *until))
+    }
+
     /// The eligible waiting group that would get the token now, with its credit.
     fn best_waiter(&self, now: u64) -> Option<(&String, f64)> {
         let depth = self.bucket_depth();
         let thr = self.cap_threshold();
-        let reserved = self
-            .anticipation
-            .as_ref()
-            .filter(|(_, until)| now < *until)
-            .map(|(r, _)| r);
+        let reserved = self.reserved_for(now).map(|(r, _)| r);
         self.groups
             .iter()
             .filter(|(n, g)| {

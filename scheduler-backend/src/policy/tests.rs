@@ -876,28 +876,7 @@ fn a_very_lopsided_pair_is_split_right_with_either_protocol() {
 #[test]
 fn a_released_token_is_kept_briefly_for_a_group_owed_much_more() {
     let mut p = policy(&[("a", gp(0.0, 1.0, 50.0)), ("b", gp(0.0, 1.0, 1.0))]);
-    p.connect(1, "a").unwrap();
-    p.connect(2, "b").unwrap();
-    p.acquire(1, 0).unwrap();
-    p.acquire(2, 0).unwrap();
-    // Alternate until a is owed so much that b's minimum quota would overshoot.
-    let mut now = 0;
-    let mut kept = None;
-    for _ in 0..200 {
-        let (c, t) = p.holder().expect("someone holds");
-        let q = match p.take_decisions().last() {
-            Some(Decision::Grant { quota_ns, .. }) => *quota_ns,
-            _ => 20 * MS,
-        };
-        now += q;
-        p.release(c, t, q, now).unwrap();
-        if p.holder().is_none() {
-            kept = Some(c);
-            break;
-        }
-        p.acquire(c, now).unwrap();
-    }
-    assert_eq!(kept, Some(1), "the token is kept for a");
+    let now = until_anticipation(&mut p);
     let (g, until) = p.anticipating().unwrap();
     assert_eq!((g, until), ("a", now + 500_000));
     // b's wait ends with the window at the latest.
@@ -915,6 +894,44 @@ fn a_released_token_is_kept_briefly_for_a_group_owed_much_more() {
         p.tick(until);
         assert_eq!(p.holder().map(|h| h.0), Some(2));
     }
+}
+
+/// Drives a (weight 50) and b (weight 1), both busy and releasing before asking, until the
+/// token is kept for a after one of its releases; returns the time.
+fn until_anticipation(p: &mut Policy) -> u64 {
+    p.connect(1, "a").unwrap();
+    p.connect(2, "b").unwrap();
+    p.acquire(1, 0).unwrap();
+    p.acquire(2, 0).unwrap();
+    let mut now = 0;
+    for _ in 0..200 {
+        let (c, t) = p.holder().expect("someone holds");
+        let q = match p.take_decisions().last() {
+            Some(Decision::Grant { quota_ns, .. }) => *quota_ns,
+            _ => 20 * MS,
+        };
+        now += q;
+        p.release(c, t, q, now).unwrap();
+        if p.holder().is_none() {
+            assert_eq!(c, 1, "the token is kept for a");
+            return now;
+        }
+        p.acquire(c, now).unwrap();
+    }
+    panic!("no anticipation");
+}
+
+#[test]
+fn a_kept_token_goes_to_the_waiter_at_once_if_the_group_it_was_kept_for_leaves() {
+    let mut p = policy(&[("a", gp(0.0, 1.0, 50.0)), ("b", gp(0.0, 1.0, 1.0))]);
+    let now = until_anticipation(&mut p);
+    assert!(p.anticipating().is_some());
+    p.disconnect(1, now + 1000);
+    assert_eq!(p.holder().map(|h| h.0), Some(2));
+    let mut p = policy(&[("a", gp(0.0, 1.0, 50.0)), ("b", gp(0.0, 1.0, 1.0))]);
+    let now = until_anticipation(&mut p);
+    p.remove_group("a", now + 1000);
+    assert_eq!(p.holder().map(|h| h.0), Some(2));
 }
 
 #[test]

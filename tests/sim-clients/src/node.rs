@@ -477,16 +477,51 @@ pub fn common_active_window(trace: &Trace, pids: &[u32], warmup_ns: u64) -> Wind
 }
 
 /// Idle time of device 0 inside a window, split by what surrounds each gap.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Gaps {
-    /// Idle ns between records of different processes (a token handoff).
-    pub switch_ns: u64,
-    /// Number of such handoffs.
-    pub switches: u64,
-    /// Longest single handoff gap.
-    pub max_switch_ns: u64,
+    /// Idle gaps (ns) between records of different processes: token handoffs. Handoffs without
+    /// a gap count as 0.
+    pub switches: Vec<u64>,
     /// Idle ns between records of the same process (its host was late, or it paused).
     pub same_ns: u64,
+    /// The idle gaps between records of the same process, each: `(pid, ns)`.
+    pub same_gaps: Vec<(u32, u64)>,
+}
+
+impl Gaps {
+    /// Total idle ns at handoffs.
+    pub fn switch_ns(&self) -> u64 {
+        self.switches.iter().sum()
+    }
+
+    /// Idle ns at handoffs beyond `allowance_ns` each: what a handoff cost more than it should.
+    pub fn switch_excess_ns(&self, allowance_ns: u64) -> u64 {
+        self.switches
+            .iter()
+            .map(|g| g.saturating_sub(allowance_ns))
+            .sum()
+    }
+
+    /// Longest handoff gap.
+    pub fn max_switch_ns(&self) -> u64 {
+        self.switches.iter().copied().max().unwrap_or(0)
+    }
+
+    /// One line: handoffs, their mean / median / max gap, idle time within a process.
+    pub fn summary(&self) -> String {
+        let mut v = self.switches.clone();
+        v.sort_unstable();
+        let n = v.len().max(1) as f64;
+        format!(
+            "{} turns idling {:.2} ms (mean {:.0} µs, median {:.0} µs, max {:.0} µs), {:.2} ms idle within a process",
+            v.len(),
+            self.switch_ns() as f64 / 1e6,
+            self.switch_ns() as f64 / n / 1e3,
+            v.get(v.len() / 2).copied().unwrap_or(0) as f64 / 1e3,
+            self.max_switch_ns() as f64 / 1e3,
+            self.same_ns as f64 / 1e6
+        )
+    }
 }
 
 /// Classify the idle gaps of device 0 inside `window`.
@@ -498,17 +533,16 @@ pub fn gaps_in(trace: &Trace, window: Window) -> Gaps {
             continue;
         }
         if let Some((pid, end)) = prev {
-            if r.start_ns > end {
-                let gap = Window::new(end, r.start_ns).overlap_ns(&window);
-                if pid != r.pid {
-                    g.switch_ns += gap;
-                    g.switches += 1;
-                    g.max_switch_ns = g.max_switch_ns.max(gap);
-                } else {
-                    g.same_ns += gap;
-                }
-            } else if pid != r.pid {
-                g.switches += 1;
+            let gap = if r.start_ns > end {
+                Window::new(end, r.start_ns).overlap_ns(&window)
+            } else {
+                0
+            };
+            if pid != r.pid {
+                g.switches.push(gap);
+            } else if gap > 0 {
+                g.same_ns += gap;
+                g.same_gaps.push((r.pid, gap));
             }
             if r.end_ns <= end {
                 continue;
