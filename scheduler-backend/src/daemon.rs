@@ -304,11 +304,7 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
                 return out;
             };
             let policy = policy_for(st, gpu);
-            if !policy
-                .status(now)
-                .groups
-                .iter()
-                .any(|g| g.clients.contains(&id))
+            if policy.client_group(id).is_none()
                 && let Err(e) = policy.connect(id, &group)
             {
                 out.push((
@@ -607,6 +603,7 @@ fn apply(st: &mut State, cfg: Config, now: u64) {
     }
     for p in st.policies.values_mut() {
         p.set_config(cfg.policy.clone());
+        p.tick(now);
     }
     for g in &cfg.groups {
         set_group(st, &g.name, g.params);
