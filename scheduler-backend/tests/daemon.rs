@@ -1,0 +1,126 @@
+//! The daemon over its socket: config groups, hot reload, refusal of unknown clients, and
+//! surviving malformed input.
+
+use gpushare_protocol::{ClientMsg, PROTOCOL_VERSION, ServerMsg};
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start(dir: &Path, config: &str, dev: bool) -> (Daemon, std::path::PathBuf) {
+    let cfg = dir.join("config.toml");
+    std::fs::write(&cfg, config).unwrap();
+    let sock = dir.join("s.sock");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gpushare-scheduler"));
+    c.arg("--config").arg(&cfg).arg("--socket").arg(&sock).env("GPUSHARE_LOG", "error");
+    if dev {
+        c.arg("--dev");
+    }
+    let d = Daemon(c.spawn().unwrap());
+    let t = Instant::now();
+    while !sock.exists() {
+        assert!(t.elapsed() < Duration::from_secs(10), "daemon did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    (d, sock)
+}
+
+fn connect(sock: &Path) -> UnixStream {
+    let mut s = UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    gpushare_protocol::send(&mut s, &ClientMsg::Hello { version: PROTOCOL_VERSION, declared: None }).unwrap();
+    s
+}
+
+fn next(s: &mut UnixStream) -> ServerMsg {
+    gpushare_protocol::recv::<ServerMsg>(s, &mut Vec::new()).unwrap().expect("a message")
+}
+
+fn status(sock: &Path) -> serde_json::Value {
+    let mut s = connect(sock);
+    assert!(matches!(next(&mut s), ServerMsg::Welcome { .. }));
+    gpushare_protocol::send(&mut s, &ClientMsg::Status).unwrap();
+    match next(&mut s) {
+        ServerMsg::Status { json } => serde_json::from_str(&json).unwrap(),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+fn uid() -> u32 {
+    // SAFETY: getuid has no preconditions.
+    unsafe { libc::getuid() }
+}
+
+#[test]
+fn config_groups_and_hot_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = |req: f64| format!("[[group]]\nname = \"me\"\nuids = [{}]\nrequest = {req}\nmemory = \"1GiB\"\n", uid());
+    let (_d, sock) = start(dir.path(), &cfg(0.25), false);
+    let mut s = connect(&sock);
+    assert_eq!(next(&mut s), ServerMsg::Welcome { group: "me".into() });
+    let gpu = [9u8; 16];
+    gpushare_protocol::send(&mut s, &ClientMsg::Acquire { gpu }).unwrap();
+    let ServerMsg::Grant { token, .. } = next(&mut s) else { panic!("no grant") };
+    gpushare_protocol::send(&mut s, &ClientMsg::MemReserve { req: 1, gpu, bytes: 2 << 30 }).unwrap();
+    assert!(matches!(next(&mut s), ServerMsg::Memory { granted: false, cap: Some(c), .. } if c == 1 << 30));
+    let request = |v: &serde_json::Value| v["gpus"][0]["groups"][0]["request"].as_f64().unwrap();
+    assert_eq!(request(&status(&sock)), 0.25);
+
+    // Rewrite the config; the daemon picks it up within a few seconds.
+    std::fs::write(dir.path().join("config.toml"), cfg(0.5)).unwrap();
+    let t = Instant::now();
+    while request(&status(&sock)) != 0.5 {
+        assert!(t.elapsed() < Duration::from_secs(10), "config was not reloaded");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A broken config is reported and the previous one kept (checked after two reload periods).
+    std::fs::write(dir.path().join("config.toml"), "[[group]]\nname = 3\n").unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(request(&status(&sock)), 0.5);
+    gpushare_protocol::send(&mut s, &ClientMsg::Release { gpu, token, used_ns: 1 }).unwrap();
+}
+
+#[test]
+fn unknown_clients_get_a_clear_error_and_garbage_drops_only_its_sender() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_d, sock) = start(dir.path(), "", false);
+    let mut s = connect(&sock);
+    assert_eq!(next(&mut s), ServerMsg::Welcome { group: String::new() });
+    gpushare_protocol::send(&mut s, &ClientMsg::Acquire { gpu: [1; 16] }).unwrap();
+    match next(&mut s) {
+        ServerMsg::Error { message, fatal: true } => {
+            assert!(message.contains("no group") && message.contains("--dev"), "{message}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    // Garbage, then a frame claiming 4 GiB: that client is dropped, the daemon lives on.
+    for junk in [&b"\x05\x00\x00\x00\xff\xff\xff\xff\xff"[..], &[0xff, 0xff, 0xff, 0xff, 1, 2, 3][..]] {
+        let mut bad = UnixStream::connect(&sock).unwrap();
+        bad.write_all(junk).unwrap();
+        bad.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let r = gpushare_protocol::recv::<ServerMsg>(&mut bad, &mut Vec::new());
+        assert!(matches!(r, Ok(None) | Err(_) | Ok(Some(ServerMsg::Error { fatal: true, .. }))), "{r:?}");
+    }
+    assert!(status(&sock)["gpus"].is_array());
+}
+
+#[test]
+fn declared_groups_need_dev_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_d, sock) = start(dir.path(), "", false);
+    let mut s = UnixStream::connect(&sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let declared = gpushare_protocol::GroupSpec { name: "x".into(), request: 0.5, limit: 1.0, weight: 1.0, memory: None };
+    gpushare_protocol::send(&mut s, &ClientMsg::Hello { version: PROTOCOL_VERSION, declared: Some(declared) }).unwrap();
+    assert!(matches!(next(&mut s), ServerMsg::Error { fatal: true, message } if message.contains("--dev")));
+}
