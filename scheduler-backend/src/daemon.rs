@@ -31,6 +31,8 @@ pub struct DaemonOptions {
     pub config_path: Option<PathBuf>,
     /// Clients may declare their own group and shares.
     pub dev: bool,
+    /// Serve Prometheus metrics over HTTP at this address (`GET /metrics`).
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 struct Client {
@@ -109,6 +111,15 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     std::thread::Builder::new()
         .name("timer".into())
         .spawn(move || timer_loop(s))?;
+    if let Some(addr) = opts.metrics {
+        let http = std::net::TcpListener::bind(addr).map_err(|e| {
+            anyhow::anyhow!("cannot serve metrics on {addr}: {e}; pick another --metrics address")
+        })?;
+        let s = shared.clone();
+        std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || metrics_loop(s, http))?;
+    }
     if let Some(path) = opts.config_path.clone() {
         let s = shared.clone();
         std::thread::Builder::new()
@@ -521,6 +532,28 @@ fn report(st: &State, now: u64) -> Report {
     Report {
         dev_mode: st.dev,
         gpus,
+    }
+}
+
+/// A minimal HTTP endpoint: every request gets the metrics page.
+fn metrics_loop(shared: Arc<Shared>, http: std::net::TcpListener) {
+    use std::io::Read;
+    for conn in http.incoming() {
+        let Ok(mut conn) = conn else { continue };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+        let mut req = [0u8; 1024];
+        let _ = conn.read(&mut req);
+        let body = {
+            let st = lock(&shared);
+            crate::status::prometheus(&report(&st, now_ns()))
+        };
+        let head = format!(
+            "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let _ = conn
+            .write_all(head.as_bytes())
+            .and_then(|_| conn.write_all(body.as_bytes()));
     }
 }
 

@@ -127,9 +127,137 @@ pub fn render(r: &Report) -> String {
     out
 }
 
+/// The report in Prometheus text format (`GET /metrics`), with DCGM-style `gpu` and `UUID`
+/// labels and a `group` label.
+pub fn prometheus(r: &Report) -> String {
+    type Metric = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&GroupReport) -> Option<f64>,
+    );
+    let metrics: [Metric; 10] = [
+        (
+            "gpushare_group_request",
+            "gauge",
+            "Guaranteed share of GPU time (effective).",
+            |g| Some(g.effective_request),
+        ),
+        (
+            "gpushare_group_limit",
+            "gauge",
+            "Hard cap on the share of GPU time.",
+            |g| Some(g.limit),
+        ),
+        (
+            "gpushare_group_target_share",
+            "gauge",
+            "Share the group is entitled to right now.",
+            |g| Some(g.target_share),
+        ),
+        (
+            "gpushare_group_share",
+            "gauge",
+            "Share of GPU time achieved over the window.",
+            |g| Some(g.achieved_share),
+        ),
+        (
+            "gpushare_group_busy_seconds_total",
+            "counter",
+            "GPU time charged to the group.",
+            |g| Some(g.busy_seconds),
+        ),
+        (
+            "gpushare_group_tokens_total",
+            "counter",
+            "Tokens granted.",
+            |g| Some(g.tokens as f64),
+        ),
+        (
+            "gpushare_group_waits_total",
+            "counter",
+            "Times a process of the group waited for the token.",
+            |g| Some(g.waits as f64),
+        ),
+        (
+            "gpushare_group_overruns_total",
+            "counter",
+            "Tokens returned after their deadline.",
+            |g| Some(g.overruns as f64),
+        ),
+        (
+            "gpushare_group_memory_used_bytes",
+            "gauge",
+            "GPU memory held by the group.",
+            |g| Some(g.memory_used as f64),
+        ),
+        (
+            "gpushare_group_memory_cap_bytes",
+            "gauge",
+            "GPU memory cap of the group.",
+            |g| g.memory_cap.map(|c| c as f64),
+        ),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, value) in metrics {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (i, gpu) in r.gpus.iter().enumerate() {
+            for g in &gpu.groups {
+                if let Some(v) = value(g) {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{gpu=\"{i}\",UUID=\"{}\",group=\"{}\"}} {v}",
+                        gpu.uuid,
+                        g.name.replace('"', "'")
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prometheus_text() {
+        let g = GroupReport {
+            name: "a".into(),
+            request: 0.5,
+            limit: 1.0,
+            weight: 1.0,
+            effective_request: 0.5,
+            target_share: 0.5,
+            achieved_share: 0.49,
+            busy_seconds: 2.0,
+            tokens: 3,
+            waits: 4,
+            overruns: 0,
+            revocations: 0,
+            pids: vec![7],
+            active: true,
+            memory_used: 10,
+            memory_cap: None,
+        };
+        let r = Report {
+            dev_mode: true,
+            gpus: vec![GpuReport {
+                uuid: "GPU-x".into(),
+                holder: None,
+                waiting: vec![],
+                groups: vec![g],
+            }],
+        };
+        let text = prometheus(&r);
+        assert!(text.contains("# TYPE gpushare_group_share gauge"));
+        assert!(text.contains("gpushare_group_share{gpu=\"0\",UUID=\"GPU-x\",group=\"a\"} 0.49"));
+        assert!(
+            !text.contains("gpushare_group_memory_cap_bytes{"),
+            "uncapped: no sample"
+        );
+    }
 
     #[test]
     fn uuid_format() {

@@ -21,6 +21,9 @@ struct Cli {
     /// Development mode: clients may declare their own group and shares (`gpushare run --group`).
     #[arg(long)]
     dev: bool,
+    /// Serve Prometheus metrics at ADDR (e.g. 127.0.0.1:9400), path /metrics.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 fn main() -> ExitCode {
@@ -41,6 +44,7 @@ fn main() -> ExitCode {
         socket,
         config_path: cli.config,
         dev: cli.dev,
+        metrics: cli.metrics,
     }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
