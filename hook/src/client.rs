@@ -159,6 +159,17 @@ impl Hook {
         self.gates.get(dev as usize)
     }
 
+    /// Wait (fail-closed) until the scheduler is reachable; false at once in fail-open mode.
+    pub fn wait_connected(&self) -> bool {
+        while !self.is_connected() {
+            if self.settings.fail == FailPolicy::Open {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+
     pub fn is_connected(&self) -> bool {
         self.connected.load(Ordering::Acquire)
     }
@@ -192,24 +203,29 @@ impl Hook {
             Ok(s)
         };
         match attempt() {
-            Ok(s) => {
+            Ok(mut s) => {
                 let Ok(reader) = s.try_clone() else {
                     return false;
                 };
+                // A restarted scheduler learns what this process already holds, before anything
+                // else this process sends on the new connection.
+                for (i, g) in self.gates.iter().enumerate() {
+                    let bytes = self.memory.held(i);
+                    if bytes > 0 {
+                        let _ = gpushare_protocol::send(
+                            &mut s,
+                            &ClientMsg::MemSync { gpu: g.uuid, bytes },
+                        );
+                    }
+                }
                 *w = Some(s);
+                drop(w);
                 self.connected.store(true, Ordering::Release);
                 let _ = std::thread::Builder::new()
                     .name("gpushare-rx".into())
                     .spawn(move || self.read_loop(reader));
                 for g in &self.gates {
                     g.on_connected();
-                }
-                // A restarted scheduler learns what this process already holds.
-                for (i, g) in self.gates.iter().enumerate() {
-                    let bytes = self.memory.held(i);
-                    if bytes > 0 {
-                        self.send(&ClientMsg::MemSync { gpu: g.uuid, bytes });
-                    }
                 }
                 true
             }

@@ -42,10 +42,10 @@ impl Books {
     }
 }
 
-/// Reserve `bytes` on gate `gpu`; false means over the cap. Without a scheduler (fail-open),
-/// nothing is enforced.
+/// Reserve `bytes` on gate `gpu`; false means over the cap. Without a scheduler, fail-open
+/// enforces nothing and fail-closed waits for it (and refuses if it does not answer).
 fn reserve(h: &Hook, gpu: usize, bytes: u64) -> bool {
-    if !h.is_connected() {
+    if !h.wait_connected() {
         return true;
     }
     let uuid = h.gates[gpu].uuid;
@@ -55,7 +55,7 @@ fn reserve(h: &Hook, gpu: usize, bytes: u64) -> bool {
         bytes,
     }) {
         Some(ServerMsg::Memory { granted, .. }) => granted,
-        _ => true,
+        _ => h.settings.fail == crate::client::FailPolicy::Open,
     }
 }
 

@@ -247,7 +247,10 @@ fn hello(
                 .set_group(&spec.name, params)
                 .map_err(|e| e.to_string())?;
             set_group(st, &spec.name, params);
-            st.memory.set_cap(&spec.name, spec.memory);
+            // A declaration without --memory leaves an earlier declared cap in place.
+            if spec.memory.is_some() {
+                st.memory.set_cap(&spec.name, spec.memory);
+            }
             Some(spec.name)
         }
         Some(spec) => match st.config.group_for(peer) {
@@ -510,7 +513,7 @@ fn report(st: &State, now: u64) -> Report {
                         weight: g.params.weight,
                         effective_request: g.effective_request,
                         target_share: g.target_share,
-                        achieved_share: g.achieved_share,
+                        achieved_share: g.achieved_share.max(0.0),
                         busy_seconds: g.busy_ns as f64 / 1e9,
                         tokens: g.tokens,
                         waits: g.waits,

@@ -19,10 +19,19 @@ impl Drop for Daemon {
 
 /// A loopback port nobody listens on (for `--metrics`).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
-fn start_with(dir: &Path, config: &str, dev: bool, extra: &[String]) -> (Daemon, std::path::PathBuf) {
+fn start_with(
+    dir: &Path,
+    config: &str,
+    dev: bool,
+    extra: &[String],
+) -> (Daemon, std::path::PathBuf) {
     let cfg = dir.join("config.toml");
     std::fs::write(&cfg, config).unwrap();
     let sock = dir.join("s.sock");
@@ -97,7 +106,12 @@ fn config_groups_and_hot_reload() {
         )
     };
     let port = free_port();
-    let (_d, sock) = start_with(dir.path(), &cfg(0.25), false, &["--metrics".into(), format!("127.0.0.1:{port}")]);
+    let (_d, sock) = start_with(
+        dir.path(),
+        &cfg(0.25),
+        false,
+        &["--metrics".into(), format!("127.0.0.1:{port}")],
+    );
     let mut s = connect(&sock);
     assert_eq!(next(&mut s), ServerMsg::Welcome { group: "me".into() });
     let gpu = [9u8; 16];

@@ -384,6 +384,8 @@ pub struct Spin {
     pub sync_every: Option<u64>,
     pub idle_ms: Option<f64>,
     pub threads: u32,
+    pub prelaunch: bool,
+    pub alloc_mib: Option<usize>,
 }
 
 impl Spin {
@@ -396,6 +398,8 @@ impl Spin {
             sync_every: Some(20),
             idle_ms: None,
             threads: 1,
+            prelaunch: false,
+            alloc_mib: None,
         }
     }
 
@@ -429,6 +433,22 @@ impl Spin {
         Spin { threads: n, ..self }
     }
 
+    /// Launch one kernel on the main thread before the launcher threads start.
+    pub fn prelaunch(self) -> Spin {
+        Spin {
+            prelaunch: true,
+            ..self
+        }
+    }
+
+    /// Hold `mib` MiB of device memory while spinning.
+    pub fn alloc_mib(self, mib: usize) -> Spin {
+        Spin {
+            alloc_mib: Some(mib),
+            ..self
+        }
+    }
+
     pub fn args(&self) -> Vec<String> {
         let mut a = vec![
             "spin".to_string(),
@@ -448,6 +468,10 @@ impl Spin {
             "--threads",
             (self.threads != 1).then(|| self.threads.to_string()),
         );
+        opt("--alloc-mib", self.alloc_mib.map(|v| v.to_string()));
+        if self.prelaunch {
+            a.push("--prelaunch".into());
+        }
         a
     }
 }

@@ -112,8 +112,8 @@ impl Proc {
         self.child.id() as i32
     }
 
-    /// The next JSON line with `key`, waiting at most `timeout`.
-    fn expect_json(&mut self, key: &str, timeout: Duration) -> Value {
+    /// The next JSON line with `key`, waiting at most `timeout`; `Err` says why there was none.
+    fn next_json(&mut self, key: &str, timeout: Duration) -> Result<Value, String> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -123,24 +123,34 @@ impl Proc {
                     if let Ok(v) = serde_json::from_str::<Value>(&l)
                         && v.get(key).is_some()
                     {
-                        return v;
+                        return Ok(v);
                     }
                 }
-                Err(e) => {
-                    let what = match e {
-                        RecvTimeoutError::Timeout => format!("within {timeout:?}"),
-                        RecvTimeoutError::Disconnected => "before its stdout closed".into(),
-                    };
-                    let _ = self.child.kill();
-                    let _ = self.child.wait();
-                    let err = self.stderr.take().and_then(|h| h.join().ok());
-                    panic!(
-                        "pid {} printed no {key:?} line {what}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-                        self.child.id(),
-                        self.seen.join("\n"),
-                        String::from_utf8_lossy(&err.unwrap_or_default())
-                    );
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(format!("no {key:?} line within {timeout:?}"));
                 }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(format!("no {key:?} line before its stdout closed"));
+                }
+            }
+        }
+    }
+
+    /// [`next_json`](Proc::next_json), which must succeed (else the process is killed and its
+    /// output shown).
+    fn expect_json(&mut self, key: &str, timeout: Duration) -> Value {
+        match self.next_json(key, timeout) {
+            Ok(v) => v,
+            Err(why) => {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                let err = self.stderr.take().and_then(|h| h.join().ok());
+                panic!(
+                    "pid {}: {why}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+                    self.pid(),
+                    self.seen.join("\n"),
+                    String::from_utf8_lossy(&err.unwrap_or_default())
+                );
             }
         }
     }
@@ -323,7 +333,7 @@ fn read_timeline(path: &Path, who: usize) -> Vec<(u64, usize, u64)> {
 }
 
 /// Two processes of one group allocate and free random sizes (1..16 MiB) as fast as they can
-/// for 700 ms against a 256 MiB cap. Their timelines of what each holds (conservatively timed:
+/// for 600 ms against a 256 MiB cap. Their timelines of what each holds (conservatively timed:
 /// from after the allocation returned until before the free was called) are merged: the sum
 /// never exceeds the cap, while allocations were refused (the cap was really contended).
 #[test]
@@ -331,7 +341,7 @@ fn racing_processes_of_one_group_never_exceed_the_cap_together() {
     let (node, exe) = node_with("mem_race");
     let cap = 256 * MIB;
     for seed in [1u64, 2, 3] {
-        let start = monotonic_ns() + 1_500_000_000;
+        let start = monotonic_ns() + 1_000_000_000;
         let files: Vec<PathBuf> = (0..2)
             .map(|p| node.tmp.path().join(format!("timeline-{seed}-{p}")))
             .collect();
@@ -342,7 +352,7 @@ fn racing_processes_of_one_group_never_exceed_the_cap_together() {
                 let args = [
                     (seed * 10 + p as u64).to_string(),
                     start.to_string(),
-                    "700".into(),
+                    "600".into(),
                     "16".into(),
                     f.display().to_string(),
                 ];
@@ -395,7 +405,7 @@ fn racing_processes_of_one_group_never_exceed_the_cap_together() {
             cap / MIB
         );
         assert!(
-            overlap >= 500_000_000,
+            overlap >= 400_000_000,
             "seed {seed}: the processes raced for only {overlap} ns"
         );
         assert!(
@@ -501,7 +511,6 @@ fn over_cap_is_oom_and_the_process_keeps_working() {
 /// (within ~0.5 s) and states what it holds, so another process of the group is refused 2 GiB
 /// and granted 1 GiB; the holder keeps working (its free goes through) and the books end at 0.
 #[test]
-#[ignore = "bug: hook/src/client.rs Hook::connect sends MemSync through Hook::send while still holding the writer lock: the reconnecting thread self-deadlocks, the books lose the 3 GiB and the holder hangs in cuMemFree_v2"]
 fn scheduler_restart_keeps_the_books() {
     let (mut node, exe) = node_with("mem_tool");
     let mut h = holder(&node, &exe, "r", "4GiB", 3 * GIB);
@@ -512,9 +521,7 @@ fn scheduler_restart_keeps_the_books() {
     let big = try_alloc(&node, &exe, "r", "4GiB", 2 * GIB, 0);
     let small = try_alloc(&node, &exe, "r", "4GiB", GIB, 0);
     h.signal(libc::SIGUSR1);
-    let freed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        h.expect_json("freed", Duration::from_secs(5))
-    }));
+    let freed = h.next_json("freed", Duration::from_secs(5));
     let (status, stderr) = h.finish(Duration::from_secs(5));
     eprintln!("after restart: 2 GiB -> {big}, 1 GiB -> {small}, holder exit {status:?}");
     assert_eq!(
@@ -525,7 +532,7 @@ fn scheduler_restart_keeps_the_books() {
     assert_eq!(i(&small, "result"), 0, "1 GiB after the restart: {small}");
     assert!(
         freed.is_ok() && status.is_some_and(|s| s.success()),
-        "the holder could not free its memory after the scheduler restart (status {status:?})\n{stderr}"
+        "the holder could not free its memory after the scheduler restart ({freed:?}, exit {status:?})\n{stderr}"
     );
     let g = status_group(&node, "r").expect("group r in gpushare status");
     assert_eq!(u(&g, "memory_used"), 0, "{g}");

@@ -57,6 +57,13 @@ enum Cmd {
         /// Launch from N threads at once, each on a stream of its own, each KERNELS kernels.
         #[arg(long, value_name = "N", default_value_t = 1)]
         threads: u32,
+        /// Before the timed launches, launch one kernel and synchronise on the main thread (as
+        /// a framework initialising CUDA does before its worker threads start).
+        #[arg(long)]
+        prelaunch: bool,
+        /// Hold a device allocation of this many MiB while spinning.
+        #[arg(long, value_name = "MIB")]
+        alloc_mib: Option<usize>,
     },
     /// Allocating more than the device has fails with CUDA_ERROR_OUT_OF_MEMORY; 1 MiB then works.
     Oom {
@@ -344,6 +351,8 @@ fn spin_cmd(
     sync_every: Option<u64>,
     idle_ms: Option<f64>,
     threads: u32,
+    prelaunch: bool,
+    alloc_mib: Option<usize>,
 ) -> Res<Value> {
     check(ms_per_kernel >= 0.0 && ms_per_kernel.is_finite(), || {
         format!("--ms-per-kernel {ms_per_kernel} must be a non-negative number")
@@ -372,6 +381,19 @@ fn spin_cmd(
         .map(|_| ctx.new_stream().at("cuStreamCreate"))
         .collect::<Res<Vec<_>>>()?;
     let (_module, spin_f, _) = load(&ctx)?;
+    // SAFETY: never read.
+    let _held = match alloc_mib {
+        Some(mib) => Some(
+            unsafe { streams[0].alloc::<u8>(mib << 20) }.at("cuMemAlloc (--alloc-mib)")?,
+        ),
+        None => None,
+    };
+    if prelaunch {
+        spin(&streams[0], &spin_f, plan.ns)?;
+        streams[0]
+            .synchronize()
+            .at("cuStreamSynchronize (prelaunch)")?;
+    }
     let start_ns = monotonic_ns();
     let wall = Instant::now();
     let (launched, device_ms) = if threads == 1 {
@@ -561,6 +583,8 @@ fn main() -> ExitCode {
             sync_every,
             idle_ms,
             threads,
+            prelaunch,
+            alloc_mib,
         } => (
             "spin",
             spin_cmd(
@@ -571,6 +595,8 @@ fn main() -> ExitCode {
                 sync_every,
                 idle_ms,
                 threads,
+                prelaunch,
+                alloc_mib,
             ),
         ),
         Cmd::Oom { fill } => ("oom", oom(cli.device, fill)),
