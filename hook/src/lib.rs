@@ -19,13 +19,5 @@ mod log;
 mod memory;
 mod real;
 
-/// CLOCK_MONOTONIC in nanoseconds (vDSO, no syscall): the time base of token deadlines.
-pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+/// CLOCK_MONOTONIC in nanoseconds: the time base of token deadlines.
+pub use gpushare_units::monotonic_ns as now_ns;

@@ -1,5 +1,19 @@
-//! Human-friendly sizes (`80GiB`, `512MiB`, `4096`) and durations (`1ms`, `25us`, `5s`) for
-//! command-line flags, as DESIGN §7 specifies.
+//! Units shared by every gpushare part: human-friendly sizes (`80GiB`, `512MiB`, `4096`) and
+//! durations (`1ms`, `25us`, `5s`) for flags, environment and config (DESIGN §7), and the
+//! `CLOCK_MONOTONIC` nanosecond time base of token deadlines and device traces.
+
+/// CLOCK_MONOTONIC in nanoseconds (vDSO, no syscall). Token deadlines, the device trace and
+/// every process on a node share this clock.
+#[inline]
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
 
 /// Parse a byte size: a number with an optional `B`, `KiB`, `MiB`, `GiB`, `TiB` (or `K`/`M`/`G`/`T`,
 /// binary as well; `KB`/`MB`/`GB`/`TB` are decimal).

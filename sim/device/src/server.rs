@@ -15,15 +15,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// CLOCK_MONOTONIC in nanoseconds: the device's and the trace's time base.
-pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use gpushare_units::monotonic_ns as now_ns;
 
 pub struct ServerConfig {
     pub model: ModelConfig,
