@@ -166,7 +166,14 @@ impl Node {
     }
 
     /// A cudarc tenant: `gpushare run --group NAME … -- cudarc-client ARGS`.
-    pub fn tenant(&self, group: &str, request: f64, limit: f64, weight: f64, args: &[&str]) -> Child {
+    pub fn tenant(
+        &self,
+        group: &str,
+        request: f64,
+        limit: f64,
+        weight: f64,
+        args: &[&str],
+    ) -> Child {
         self.tenant_command(
             group,
             request,
@@ -210,7 +217,14 @@ impl Node {
     ) -> Command {
         let (r, l, w) = (request.to_string(), limit.to_string(), weight.to_string());
         let run_args = [
-            "--group", group, "--request", &r, "--limit", &l, "--weight", &w,
+            "--group",
+            group,
+            "--request",
+            &r,
+            "--limit",
+            &l,
+            "--weight",
+            &w,
         ];
         self.run_command(&run_args, program, args)
     }
@@ -258,7 +272,6 @@ impl Drop for Node {
         let _ = self.device.kill();
     }
 }
-
 
 /// A process started by a test (a tenant, usually `gpushare run … -- CLIENT`) whose stdout and
 /// stderr are collected. It is killed if dropped while still running, so a failing test leaves
@@ -332,7 +345,8 @@ impl Tenant {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        let join = |h: Option<JoinHandle<Vec<u8>>>| h.and_then(|h| h.join().ok()).unwrap_or_default();
+        let join =
+            |h: Option<JoinHandle<Vec<u8>>>| h.and_then(|h| h.join().ok()).unwrap_or_default();
         let output = Output {
             status: self.status.expect("exited"),
             stdout: join(self.stdout.take()),
@@ -350,7 +364,11 @@ impl Tenant {
             "tenant {pid} did not finish within {timeout:?}; killed\n{}",
             describe(&out)
         );
-        assert!(out.status.success(), "tenant {pid} failed\n{}", describe(&out));
+        assert!(
+            out.status.success(),
+            "tenant {pid} failed\n{}",
+            describe(&out)
+        );
         out
     }
 }

@@ -383,9 +383,9 @@ fn spin_cmd(
     let (_module, spin_f, _) = load(&ctx)?;
     // SAFETY: never read.
     let _held = match alloc_mib {
-        Some(mib) => Some(
-            unsafe { streams[0].alloc::<u8>(mib << 20) }.at("cuMemAlloc (--alloc-mib)")?,
-        ),
+        Some(mib) => {
+            Some(unsafe { streams[0].alloc::<u8>(mib << 20) }.at("cuMemAlloc (--alloc-mib)")?)
+        }
         None => None,
     };
     if prelaunch {
@@ -411,7 +411,8 @@ fn spin_cmd(
                 .map(|stream| {
                     let (ctx, plan, f) = (&ctx, &plan, &spin_f);
                     scope.spawn(move || {
-                        ctx.bind_to_thread().at("cuCtxSetCurrent (launcher thread)")?;
+                        ctx.bind_to_thread()
+                            .at("cuCtxSetCurrent (launcher thread)")?;
                         let launched = plan.run(stream, f, wall)?;
                         stream.synchronize().at("cuStreamSynchronize")?;
                         Ok(launched)
