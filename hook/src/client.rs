@@ -65,6 +65,8 @@ pub struct Hook {
     pub gates: Vec<Gate>,
     writer: Mutex<Option<UnixStream>>,
     connected: AtomicBool,
+    /// The scheduler refused this process; it will not ask again.
+    refused: AtomicBool,
     /// Requests waiting for their answer, by request id.
     pending: Mutex<HashMap<u64, SyncSender<ServerMsg>>>,
     next_req: AtomicU64,
@@ -132,6 +134,7 @@ impl Hook {
             gates,
             writer: Mutex::new(None),
             connected: AtomicBool::new(false),
+            refused: AtomicBool::new(false),
             pending: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
             memory: crate::memory::Books::default(),
@@ -162,7 +165,7 @@ impl Hook {
     /// Wait (fail-closed) until the scheduler is reachable; false at once in fail-open mode.
     pub fn wait_connected(&self) -> bool {
         while !self.is_connected() {
-            if self.settings.fail == FailPolicy::Open {
+            if self.settings.fail == FailPolicy::Open || self.is_refused() {
                 return false;
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -180,26 +183,34 @@ impl Hook {
         if self.is_connected() {
             return true;
         }
-        let attempt = || -> Result<UnixStream, String> {
+        // Err((message, refused)): unreachable, or reachable but refusing this process.
+        let attempt = || -> Result<UnixStream, (String, bool)> {
             let mut s = UnixStream::connect(&self.settings.socket).map_err(|e| {
-                format!(
+                let msg = format!(
                     "cannot reach gpushare-scheduler at {}: {e}",
                     self.settings.socket.display()
-                )
+                );
+                (msg, false)
             })?;
             let hello = ClientMsg::Hello {
                 version: PROTOCOL_VERSION,
                 declared: self.settings.declared.clone(),
             };
-            gpushare_protocol::send(&mut s, &hello).map_err(|e| e.to_string())?;
+            let io = |e: std::io::Error| (e.to_string(), false);
+            gpushare_protocol::send(&mut s, &hello).map_err(|e| (e.to_string(), false))?;
             s.set_read_timeout(Some(Duration::from_secs(5)))
-                .map_err(|e| e.to_string())?;
+                .map_err(io)?;
             match gpushare_protocol::recv::<ServerMsg>(&mut s, &mut Vec::new()) {
                 Ok(Some(ServerMsg::Welcome { group })) => debug!("connected as group {group}"),
-                Ok(Some(ServerMsg::Error { message, .. })) => return Err(message),
-                other => return Err(format!("unexpected answer from the scheduler: {other:?}")),
+                Ok(Some(ServerMsg::Error { message, .. })) => return Err((message, true)),
+                other => {
+                    return Err((
+                        format!("unexpected answer from the scheduler: {other:?}"),
+                        false,
+                    ));
+                }
             }
-            s.set_read_timeout(None).map_err(|e| e.to_string())?;
+            s.set_read_timeout(None).map_err(io)?;
             Ok(s)
         };
         match attempt() {
@@ -229,11 +240,30 @@ impl Hook {
                 }
                 true
             }
-            Err(msg) => {
+            Err((msg, true)) => {
+                self.on_refused(&msg);
+                false
+            }
+            Err((msg, false)) => {
                 self.on_unreachable(&msg);
                 false
             }
         }
+    }
+
+    /// The scheduler answered, and the answer is no: say why, once, and fail this process's
+    /// launches (`CUDA_ERROR_NOT_PERMITTED`) and allocations rather than run unthrottled.
+    fn on_refused(&self, msg: &str) {
+        if !self.refused.swap(true, Ordering::AcqRel) {
+            eprintln!("gpushare: the scheduler refused this process: {msg}");
+        }
+        for g in &self.gates {
+            g.set_refused();
+        }
+    }
+
+    pub fn is_refused(&self) -> bool {
+        self.refused.load(Ordering::Acquire)
     }
 
     fn on_unreachable(&self, msg: &str) {
@@ -320,12 +350,17 @@ impl Hook {
                         g.on_revoke(token);
                     }
                 }
-                ServerMsg::Error { message, fatal } => {
-                    eprintln!("gpushare: scheduler: {message}");
-                    if fatal {
-                        break;
-                    }
+                ServerMsg::Error {
+                    message,
+                    fatal: true,
+                } => {
+                    self.on_refused(&message);
+                    break;
                 }
+                ServerMsg::Error {
+                    message,
+                    fatal: false,
+                } => debug!("scheduler: {message}"),
                 ServerMsg::Memory { req, .. } => {
                     let tx = self
                         .pending
@@ -349,7 +384,9 @@ impl Hook {
         for g in &self.gates {
             g.on_disconnected();
         }
-        self.on_unreachable("lost the connection to gpushare-scheduler");
+        if !self.is_refused() {
+            self.on_unreachable("lost the connection to gpushare-scheduler");
+        }
     }
 
     /// Background duties: give back tokens that expired or sit idle, reconnect when needed.
@@ -360,7 +397,7 @@ impl Hook {
         loop {
             std::thread::sleep(period);
             let now = crate::now_ns();
-            if !self.is_connected() && now - last_attempt > 500_000_000 {
+            if !self.is_connected() && !self.is_refused() && now - last_attempt > 500_000_000 {
                 last_attempt = now;
                 self.connect();
             }

@@ -36,6 +36,8 @@ enum Token {
         quota_ns: u64,
     },
     Unthrottled,
+    /// The scheduler refused this process (e.g. no group matches it): launches fail.
+    Refused,
 }
 
 struct Fence {
@@ -101,15 +103,16 @@ impl Gate {
     }
 
     /// Admit one launch (returns once this process may use the GPU); pair with [`Gate::leave`].
+    /// `false`: the scheduler refused this process, and the launch must not run.
     #[inline]
-    pub fn enter(&self, hook: &Hook) {
+    pub fn enter(&self, hook: &Hook) -> bool {
         self.in_progress.fetch_add(1, Ordering::AcqRel);
         let deadline = self.deadline.load(Ordering::Acquire);
         if deadline != 0 && (deadline == UNLIMITED || crate::now_ns() < deadline) {
-            return;
+            return true;
         }
         self.in_progress.fetch_sub(1, Ordering::AcqRel);
-        self.enter_slow(hook);
+        self.enter_slow(hook)
     }
 
     /// The launch returned; every K launches, record a fence on `stream` and pace.
@@ -124,10 +127,11 @@ impl Gate {
         }
     }
 
-    fn enter_slow(&self, hook: &Hook) {
+    fn enter_slow(&self, hook: &Hook) -> bool {
         let mut g = self.lock();
         loop {
             match g.token {
+                Token::Refused => return false,
                 Token::Unthrottled => break,
                 Token::Held { .. } => {
                     let d = self.deadline.load(Ordering::Acquire);
@@ -159,6 +163,7 @@ impl Gate {
             }
         }
         self.in_progress.fetch_add(1, Ordering::AcqRel);
+        true
     }
 
     pub fn on_grant(&self, hook: &Hook, token: u64, deadline_ns: u64, quota_ns: u64) {
@@ -202,10 +207,17 @@ impl Gate {
     /// The scheduler is gone (it released our token when the socket closed).
     pub fn on_disconnected(&self) {
         let mut g = self.lock();
-        if g.token != Token::Unthrottled {
+        if !matches!(g.token, Token::Unthrottled | Token::Refused) {
             g.token = Token::None;
             self.deadline.store(0, Ordering::Release);
         }
+        self.changed.notify_all();
+    }
+
+    pub fn set_refused(&self) {
+        let mut g = self.lock();
+        g.token = Token::Refused;
+        self.deadline.store(0, Ordering::Release);
         self.changed.notify_all();
     }
 

@@ -16,6 +16,7 @@ use std::ffi::{CStr, c_char, c_int, c_void};
 type P = *mut c_void;
 type CUresult = u32;
 const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
+const CUDA_ERROR_NOT_PERMITTED: CUresult = 800;
 const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
 /// Run a launch through the gate of the current GPU. Panics never cross into the caller.
@@ -25,7 +26,9 @@ fn gated(stream: Option<(P, bool)>, launch: impl FnOnce() -> Option<CUresult>) -
         let gate = hook().and_then(|h| Some((h, h.gate_for_current()?)));
         match gate {
             Some((h, g)) => {
-                g.enter(h);
+                if !g.enter(h) {
+                    return CUDA_ERROR_NOT_PERMITTED;
+                }
                 let r = launch();
                 g.leave(stream);
                 r

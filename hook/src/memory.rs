@@ -46,7 +46,7 @@ impl Books {
 /// enforces nothing and fail-closed waits for it (and refuses if it does not answer).
 fn reserve(h: &Hook, gpu: usize, bytes: u64) -> bool {
     if !h.wait_connected() {
-        return true;
+        return !h.is_refused();
     }
     let uuid = h.gates[gpu].uuid;
     match h.call(|req| ClientMsg::MemReserve {

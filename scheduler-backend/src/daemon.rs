@@ -137,7 +137,11 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
     };
     let writer = Arc::new(Mutex::new(writer));
     let mut buf = Vec::new();
-    let id = match gpushare_protocol::recv::<ClientMsg>(&mut stream, &mut buf) {
+    // A client must say hello promptly; a silent or truncated one does not hold a thread.
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+    let first = gpushare_protocol::recv::<ClientMsg>(&mut stream, &mut buf);
+    let _ = stream.set_read_timeout(None);
+    let id = match first {
         Ok(Some(ClientMsg::Hello { version, declared })) => {
             let hello = {
                 let mut st = lock(&shared);
@@ -161,7 +165,11 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
                 }
             }
         }
-        Ok(_) => {
+        Ok(Some(_)) => {
+            tracing::warn!(
+                pid = peer.pid,
+                "dropping a client whose first message is not Hello"
+            );
             send(
                 &writer,
                 &ServerMsg::Error {
@@ -171,7 +179,14 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
             );
             return;
         }
-        Err(_) => return,
+        Ok(None) => return,
+        Err(e) => {
+            tracing::warn!(
+                pid = peer.pid,
+                "dropping a client after a malformed first message: {e}"
+            );
+            return;
+        }
     };
     loop {
         match gpushare_protocol::recv::<ClientMsg>(&mut stream, &mut buf) {

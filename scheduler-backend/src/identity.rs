@@ -9,7 +9,7 @@ pub struct Peer {
     pub pid: u32,
     pub uid: u32,
     pub gid: u32,
-    /// The process's cgroup path(s), one per line of `/proc/<pid>/cgroup`.
+    /// The process's cgroup path(s) from `/proc/<pid>/cgroup`, comma-separated.
     pub cgroup: String,
 }
 
@@ -34,12 +34,13 @@ pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let cgroup = std::fs::read_to_string(format!("/proc/{}/cgroup", cred.pid))
+    let mut paths: Vec<String> = std::fs::read_to_string(format!("/proc/{}/cgroup", cred.pid))
         .unwrap_or_default()
         .lines()
-        .filter_map(|l| l.splitn(3, ':').nth(2))
-        .collect::<Vec<_>>()
-        .join("\n");
+        .filter_map(|l| l.splitn(3, ':').nth(2).map(str::to_string))
+        .collect();
+    paths.dedup();
+    let cgroup = paths.join(",");
     Ok(Peer {
         pid: cred.pid as u32,
         uid: cred.uid,

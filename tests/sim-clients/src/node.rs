@@ -383,15 +383,7 @@ impl Drop for Tenant {
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the time base of the device trace.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use gpushare_units::monotonic_ns;
 
 /// Arguments of `cudarc-client spin`.
 #[derive(Debug, Clone, PartialEq)]
