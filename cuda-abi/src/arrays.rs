@@ -34,7 +34,13 @@ pub fn format_bytes(format: u32) -> Option<usize> {
 }
 
 /// Bytes of one array level; `None` for an invalid descriptor.
-pub fn array_bytes(width: usize, height: usize, depth: usize, format: u32, channels: u32) -> Option<usize> {
+pub fn array_bytes(
+    width: usize,
+    height: usize,
+    depth: usize,
+    format: u32,
+    channels: u32,
+) -> Option<usize> {
     if ![1, 2, 4].contains(&channels) || width == 0 {
         return None;
     }
@@ -65,7 +71,14 @@ mod tests {
         assert_eq!(array_bytes(16, 0, 0, 0x01, 1), Some(16));
         assert_eq!(array_bytes(16, 1, 1, 0x99, 1), None);
         assert_eq!(array_bytes(16, 1, 1, 0x01, 3), None);
-        let d = Array3DDesc { width: 8, height: 8, depth: 0, format: 0x01, channels: 1, flags: 0 };
+        let d = Array3DDesc {
+            width: 8,
+            height: 8,
+            depth: 0,
+            format: 0x01,
+            channels: 1,
+            flags: 0,
+        };
         assert_eq!(mipmapped_bytes(&d, 4), Some(64 + 16 + 4 + 1));
     }
 }
