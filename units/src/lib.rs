@@ -15,15 +15,24 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Parse a byte size: a number with an optional `B`, `KiB`, `MiB`, `GiB`, `TiB` (or `K`/`M`/`G`/`T`,
-/// binary as well; `KB`/`MB`/`GB`/`TB` are decimal).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
+/// Split `"1.5GiB"` into its non-negative number and its unit; `example` goes in the error.
+fn number_and_unit<'a>(s: &'a str, what: &str, example: &str) -> Result<(f64, &'a str), String> {
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let mult: u64 = match unit.trim() {
+    match num.parse::<f64>() {
+        Ok(n) if n.is_finite() && n >= 0.0 => Ok((n, unit.trim())),
+        _ => Err(format!("{s:?} is not a {what}; use e.g. {example}")),
+    }
+}
+
+/// Parse a byte size: a number with an optional `B`, `KiB`, `MiB`, `GiB`, `TiB` (or `K`/`M`/`G`/`T`,
+/// binary as well; `KB`/`MB`/`GB`/`TB` are decimal).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (n, unit) = number_and_unit(s, "size", "512MiB or 80GiB")?;
+    let mult: u64 = match unit {
         "" | "B" => 1,
         "K" | "KiB" => 1 << 10,
         "M" | "MiB" => 1 << 20,
@@ -39,22 +48,13 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
             ));
         }
     };
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size; use e.g. 512MiB or 80GiB"))?;
-    if !n.is_finite() || n < 0.0 {
-        return Err(format!("{s:?} is not a size; use e.g. 512MiB or 80GiB"));
-    }
     Ok((n * mult as f64).round() as u64)
 }
 
 /// Parse a duration into nanoseconds: a number with `ns`, `us`, `µs`, `ms` or `s`.
 pub fn parse_duration_ns(s: &str) -> Result<u64, String> {
     let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
+    let (n, unit) = number_and_unit(s, "duration", "1ms or 25us")?;
     let mult = match unit {
         "ns" => 1.0,
         "us" | "µs" => 1e3,
@@ -67,12 +67,6 @@ pub fn parse_duration_ns(s: &str) -> Result<u64, String> {
             ));
         }
     };
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration; use e.g. 1ms or 25us"))?;
-    if !n.is_finite() || n < 0.0 {
-        return Err(format!("{s:?} is not a duration; use e.g. 1ms or 25us"));
-    }
     Ok((n * mult).round() as u64)
 }
 
