@@ -47,11 +47,19 @@ impl Node {
     /// A node with its device but no scheduler yet (start one with
     /// [`start_scheduler`](Node::start_scheduler) or [`start_scheduler_with`](Node::start_scheduler_with)).
     pub fn device_only() -> Node {
+        Node::device_only_with(&[])
+    }
+
+    /// [`device_only`](Node::device_only) with extra `gpushare-sim serve` arguments (e.g.
+    /// `["--gpus", "4"]`).
+    pub fn device_only_with(serve_args: &[&str]) -> Node {
         let sim = Sim::locate();
         let tmp = tempfile::tempdir().unwrap();
         let trace = tmp.path().join("trace.jsonl");
         let mut device = Command::new(&sim.bin)
-            .args(["serve", "--trace"])
+            .arg("serve")
+            .args(serve_args)
+            .arg("--trace")
             .arg(&trace)
             .arg("--socket")
             .arg(tmp.path().join("sim.sock"))

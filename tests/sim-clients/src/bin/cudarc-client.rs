@@ -71,6 +71,26 @@ enum Cmd {
         #[arg(long)]
         fill: bool,
     },
+    /// Requests arriving at random (Poisson, RATE_HZ per second) for DURATION_MS; each request
+    /// is KERNELS spin kernels of MS each and a synchronisation. Prints the latency (arrival to
+    /// completion, queueing included) p50/p99 in ms.
+    Latency {
+        /// Mean request arrival rate, per second.
+        #[arg(long)]
+        rate_hz: f64,
+        /// Kernels per request.
+        #[arg(long, default_value_t = 4)]
+        kernels: u64,
+        /// Device time of each kernel, in milliseconds.
+        #[arg(long)]
+        ms_per_kernel: f64,
+        /// How long requests keep arriving.
+        #[arg(long, value_name = "MS")]
+        duration_ms: f64,
+        /// Seed of the arrival process.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Host time per cuLaunchKernel of a 1 µs spin kernel, launched back to back.
     LaunchLatency {
         /// Number of timed launches.
@@ -525,6 +545,84 @@ fn oom(device: usize, fill: bool) -> Res<Value> {
     }))
 }
 
+/// The `q`-quantile (0..=1) of sorted `v` (nearest rank), or 0 when empty.
+fn quantile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let i = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+    v[i]
+}
+
+fn latency_cmd(
+    device: usize,
+    rate_hz: f64,
+    kernels: u64,
+    ms_per_kernel: f64,
+    duration_ms: f64,
+    seed: u64,
+) -> Res<Value> {
+    check(rate_hz > 0.0 && rate_hz.is_finite(), || {
+        format!("--rate-hz {rate_hz} must be positive")
+    })?;
+    check(kernels >= 1, || "--kernels must be at least 1".into())?;
+    check(ms_per_kernel >= 0.0 && duration_ms >= 0.0, || {
+        "--ms-per-kernel and --duration-ms must be non-negative".into()
+    })?;
+    let ctx = CudaContext::new(device).at("CudaContext::new")?;
+    let stream = ctx.new_stream().at("cuStreamCreate")?;
+    let (_module, spin_f, _) = load(&ctx)?;
+    let ns = (ms_per_kernel * 1e6).round() as u64;
+    // Warm the launch path so the first request does not pay for module loading.
+    spin(&stream, &spin_f, 1_000)?;
+    stream.synchronize().at("cuStreamSynchronize (warm-up)")?;
+    // xorshift64*: exponential inter-arrival times without a dependency.
+    let mut state = seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut uniform = move || {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        ((state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    let start_ns = monotonic_ns();
+    let t0 = Instant::now();
+    let end = std::time::Duration::from_secs_f64(duration_ms / 1e3);
+    let mut next = std::time::Duration::ZERO;
+    let mut lat_ms = Vec::new();
+    loop {
+        next += std::time::Duration::from_secs_f64(-uniform().ln() / rate_hz);
+        if next >= end {
+            break;
+        }
+        let now = t0.elapsed();
+        if now < next {
+            std::thread::sleep(next - now);
+        }
+        for _ in 0..kernels {
+            spin(&stream, &spin_f, ns)?;
+        }
+        stream.synchronize().at("cuStreamSynchronize (request)")?;
+        lat_ms.push((t0.elapsed().saturating_sub(next)).as_secs_f64() * 1e3);
+    }
+    let mut sorted = lat_ms.clone();
+    sorted.sort_by(f64::total_cmp);
+    let mean = sorted.iter().sum::<f64>() / sorted.len().max(1) as f64;
+    Ok(json!({
+        "pid": std::process::id(),
+        "device": device,
+        "requests": sorted.len(),
+        "kernels_per_request": kernels,
+        "ms_per_kernel": ms_per_kernel,
+        "rate_hz": rate_hz,
+        "start_ns": start_ns,
+        "end_ns": monotonic_ns(),
+        "latency_mean_ms": mean,
+        "latency_p50_ms": quantile(&sorted, 0.50),
+        "latency_p99_ms": quantile(&sorted, 0.99),
+        "latency_max_ms": sorted.last().copied().unwrap_or(0.0),
+    }))
+}
+
 fn launch_latency(device: usize, n: u64) -> Res<Value> {
     check(n > 0, || "--n must be at least 1".into())?;
     const KERNEL_NS: u64 = 1_000;
@@ -601,6 +699,23 @@ fn main() -> ExitCode {
             ),
         ),
         Cmd::Oom { fill } => ("oom", oom(cli.device, fill)),
+        Cmd::Latency {
+            rate_hz,
+            kernels,
+            ms_per_kernel,
+            duration_ms,
+            seed,
+        } => (
+            "latency",
+            latency_cmd(
+                cli.device,
+                rate_hz,
+                kernels,
+                ms_per_kernel,
+                duration_ms,
+                seed,
+            ),
+        ),
         Cmd::LaunchLatency { n } => ("launch-latency", launch_latency(cli.device, n)),
     };
     match result {

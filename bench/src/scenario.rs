@@ -1,0 +1,273 @@
+//! Scenario files: `bench/scenarios/*.toml`.
+//!
+//! ```toml
+//! name = "three-requests"
+//! duration = "6s"
+//! gpus = 1            # simulated GPUs (default 1)
+//! full_only = false   # true: only in the full suite, not with --quick
+//!
+//! [[tenant]]
+//! name = "a"
+//! workload = "train"  # train | async | threads | bursty | latency
+//! kernel_ms = 1.0     # device time of each kernel
+//! sync_every = 20     # train/threads/bursty: kernels between synchronisations
+//! request = 0.5
+//! limit = 1.0
+//! weight = 1.0
+//! gpu = 0
+//! count = 1           # replicate: tenants NAME-0 … NAME-(count-1)
+//! ```
+
+use anyhow::{Context, bail};
+use gpushare_scheduler::policy::{GroupParams, water_fill};
+use serde::Deserialize;
+use std::path::Path;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Workload {
+    /// Loops of `sync_every` kernels of `kernel_ms`, then a synchronisation.
+    Train,
+    /// Launches without synchronising (a synchronisation every `async_depth` kernels only, so
+    /// that the run can end on time): a deep queue.
+    Async,
+    /// `threads` threads, each launching on its own stream.
+    Threads,
+    /// On/off: `sync_every` kernels, then idle so that the tenant alone is busy `duty` of the time.
+    Bursty,
+    /// Poisson requests (`rate_hz`), each `kernels` kernels + a synchronisation.
+    Latency,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn default_kernel_ms() -> f64 {
+    1.0
+}
+fn default_sync_every() -> u64 {
+    20
+}
+fn default_threads() -> u32 {
+    4
+}
+fn default_duty() -> f64 {
+    0.3
+}
+fn default_rate() -> f64 {
+    50.0
+}
+fn default_kernels() -> u64 {
+    4
+}
+fn default_async_depth() -> u64 {
+    1000
+}
+fn default_count() -> u32 {
+    1
+}
+fn default_gpus() -> u32 {
+    1
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSpec {
+    pub name: String,
+    pub workload: Workload,
+    #[serde(default = "default_kernel_ms")]
+    pub kernel_ms: f64,
+    #[serde(default = "default_sync_every")]
+    pub sync_every: u64,
+    #[serde(default = "default_threads")]
+    pub threads: u32,
+    #[serde(default = "default_duty")]
+    pub duty: f64,
+    #[serde(default = "default_rate")]
+    pub rate_hz: f64,
+    /// Kernels per request (latency).
+    #[serde(default = "default_kernels")]
+    pub kernels: u64,
+    #[serde(default = "default_async_depth")]
+    pub async_depth: u64,
+    #[serde(default)]
+    pub request: f64,
+    #[serde(default = "one")]
+    pub limit: f64,
+    #[serde(default = "one")]
+    pub weight: f64,
+    #[serde(default)]
+    pub gpu: u32,
+    #[serde(default = "default_count")]
+    pub count: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScenarioFile {
+    name: String,
+    duration: String,
+    #[serde(default = "default_gpus")]
+    gpus: u32,
+    #[serde(default)]
+    full_only: bool,
+    #[serde(default)]
+    description: String,
+    tenant: Vec<TenantSpec>,
+}
+
+/// A parsed scenario, tenants replicated (`count`).
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    pub name: String,
+    pub description: String,
+    pub duration_ns: u64,
+    pub gpus: u32,
+    pub full_only: bool,
+    pub tenants: Vec<TenantSpec>,
+}
+
+impl Scenario {
+    pub fn load(path: &Path) -> anyhow::Result<Scenario> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+        Scenario::parse(&text).with_context(|| format!("scenario {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> anyhow::Result<Scenario> {
+        let f: ScenarioFile = toml::from_str(text)?;
+        let duration_ns = gpushare_units::parse_duration_ns(&f.duration)
+            .map_err(|e| anyhow::anyhow!("duration {:?}: {e}", f.duration))?;
+        if f.tenant.is_empty() {
+            bail!("no [[tenant]]");
+        }
+        let mut tenants = Vec::new();
+        for t in f.tenant {
+            if t.gpu >= f.gpus {
+                bail!(
+                    "tenant {}: gpu {} but the scenario has {} GPUs",
+                    t.name,
+                    t.gpu,
+                    f.gpus
+                );
+            }
+            let p = GroupParams {
+                request: t.request,
+                limit: t.limit,
+                weight: t.weight,
+            };
+            p.validate()
+                .map_err(|e| anyhow::anyhow!("tenant {}: {e}", t.name))?;
+            if t.count > 1 {
+                for i in 0..t.count {
+                    tenants.push(TenantSpec {
+                        name: format!("{}-{i}", t.name),
+                        count: 1,
+                        ..t.clone()
+                    });
+                }
+            } else {
+                tenants.push(t);
+            }
+        }
+        Ok(Scenario {
+            name: f.name,
+            description: f.description,
+            duration_ns,
+            gpus: f.gpus,
+            full_only: f.full_only,
+            tenants,
+        })
+    }
+
+    /// Target share of each tenant on its GPU (DESIGN §2): water-filling over the tenants of
+    /// that GPU, each capped at its demand (§2.5: a group that needs less than its target gets
+    /// what it needs; the rest goes to the others).
+    pub fn target_shares(&self) -> Vec<f64> {
+        let mut out = vec![0.0; self.tenants.len()];
+        for gpu in 0..self.gpus {
+            let idx: Vec<usize> = (0..self.tenants.len())
+                .filter(|&i| self.tenants[i].gpu == gpu)
+                .collect();
+            let groups: Vec<GroupParams> = idx
+                .iter()
+                .map(|&i| {
+                    let t = &self.tenants[i];
+                    let limit = t.limit.min(t.demand());
+                    GroupParams {
+                        request: t.request.min(limit),
+                        limit,
+                        weight: t.weight,
+                    }
+                })
+                .collect();
+            for (k, s) in water_fill(&groups).into_iter().enumerate() {
+                out[idx[k]] = s;
+            }
+        }
+        out
+    }
+}
+
+impl TenantSpec {
+    /// Share of a GPU this tenant would use alone (1 for the always-busy workloads).
+    pub fn demand(&self) -> f64 {
+        match self.workload {
+            Workload::Train | Workload::Async | Workload::Threads => 1.0,
+            Workload::Bursty => self.duty.clamp(0.0, 1.0),
+            Workload::Latency => {
+                (self.rate_hz * self.kernels as f64 * self.kernel_ms / 1e3).min(1.0)
+            }
+        }
+    }
+
+    /// `cudarc-client` arguments running this workload for `duration_ms`.
+    pub fn client_args(&self, duration_ms: f64, seed: u64) -> Vec<String> {
+        let mut a: Vec<String> = vec!["--device".into(), self.gpu.to_string()];
+        let ms = self.kernel_ms.to_string();
+        let dur = format!("{duration_ms}");
+        let mut spin = |sync_every: u64, extra: &[String]| {
+            a.extend(
+                [
+                    "spin",
+                    "--ms-per-kernel",
+                    &ms,
+                    "--duration-ms",
+                    &dur,
+                    "--sync-every",
+                    &sync_every.to_string(),
+                ]
+                .map(String::from),
+            );
+            a.extend_from_slice(extra);
+        };
+        match self.workload {
+            Workload::Train => spin(self.sync_every, &[]),
+            Workload::Async => spin(self.async_depth, &[]),
+            Workload::Threads => spin(
+                self.sync_every,
+                &["--threads".into(), self.threads.to_string()],
+            ),
+            Workload::Bursty => {
+                let duty = self.duty.clamp(0.01, 1.0);
+                let on_ms = self.sync_every as f64 * self.kernel_ms;
+                let idle = on_ms * (1.0 - duty) / duty;
+                spin(self.sync_every, &["--idle-ms".into(), format!("{idle:.3}")])
+            }
+            Workload::Latency => a.extend([
+                "latency".into(),
+                "--rate-hz".into(),
+                self.rate_hz.to_string(),
+                "--kernels".into(),
+                self.kernels.to_string(),
+                "--ms-per-kernel".into(),
+                ms.clone(),
+                "--duration-ms".into(),
+                dur.clone(),
+                "--seed".into(),
+                seed.to_string(),
+            ]),
+        }
+        a
+    }
+}
