@@ -122,12 +122,7 @@ fn spare_time_is_split_by_weight() {
         spin_tenant(&node, "w1", 0.2, 1.0, 1.0, &Spin::kernels(1.0, 950)),
         spin_tenant(&node, "w3", 0.2, 1.0, 3.0, &Spin::kernels(1.0, 1750)),
     ];
-    let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
-    wait_all(ts);
-    let trace = node.finish();
-    let want = [0.35, 0.65];
-    let (_, s) = measure("weights 1:3", &trace, &pids, &want);
-    assert_shares("weights 1:3", &s, &want, 0.02);
+    expect_split(node, "weights 1:3", ts, &[0.35, 0.65], 0.02);
 }
 
 /// DESIGN §2.4-5: a mostly idle tenant's unused share goes to the busy one, and the GPU does not
@@ -239,6 +234,26 @@ fn hook_fast_path_overhead() {
 }
 
 /// `spin_direct` / `spin_procaddr` arguments: MS KERNELS SYNC_EVERY MODE.
+/// Run `tenants` to completion on `node`, then check their shares against `want` (± `tol`).
+fn expect_split(node: Node, what: &str, tenants: Vec<Tenant>, want: &[f64], tol: f64) {
+    let pids: Vec<u32> = tenants.iter().map(Tenant::pid).collect();
+    wait_all(tenants);
+    let trace = node.finish();
+    let (_, s) = measure(what, &trace, &pids, want);
+    assert_shares(what, &s, want, tol);
+}
+
+/// A C tenant (`spin_direct` / `spin_procaddr`) of group `name` with `request`.
+fn c_tenant(
+    node: &Node,
+    name: &str,
+    request: f64,
+    binary: &std::path::Path,
+    args: &[String],
+) -> Tenant {
+    node.spawn(node.tenant_command(name, request, 1.0, 1.0, binary, args))
+}
+
 fn c_args(ms: f64, kernels: u64, sync_every: u64, mode: &str) -> Vec<String> {
     vec![
         ms.to_string(),
@@ -259,29 +274,28 @@ fn all_three_routes_are_gated() {
     let procaddr = node.compile_c("spin_procaddr.c", false);
     let ts = vec![
         spin_tenant(&node, "cudarc", 0.5, 1.0, 1.0, &Spin::kernels(1.0, 1400)),
-        node.spawn(node.tenant_command(
+        c_tenant(
+            &node,
             "direct",
             0.3,
-            1.0,
-            1.0,
             &direct,
             &c_args(1.0, 850, 20, "launch"),
-        )),
-        node.spawn(node.tenant_command(
+        ),
+        c_tenant(
+            &node,
             "procaddr",
             0.2,
-            1.0,
-            1.0,
             &procaddr,
             &c_args(1.0, 560, 20, "legacy"),
-        )),
+        ),
     ];
-    let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
-    wait_all(ts);
-    let trace = node.finish();
-    let want = [0.5, 0.3, 0.2];
-    let (_, s) = measure("cudarc / direct C / procaddr C", &trace, &pids, &want);
-    assert_shares("cudarc / direct C / procaddr C", &s, &want, 0.02);
+    expect_split(
+        node,
+        "cudarc / direct C / procaddr C",
+        ts,
+        &[0.5, 0.3, 0.2],
+        0.02,
+    );
 }
 
 /// The two C routes against each other, 0.7 / 0.3, the procaddr client launching through the
@@ -292,29 +306,16 @@ fn direct_and_procaddr_ptsz_clients_split_70_30() {
     let direct = node.compile_c("spin_direct.c", true);
     let procaddr = node.compile_c("spin_procaddr.c", false);
     let ts = vec![
-        node.spawn(node.tenant_command(
+        c_tenant(
+            &node,
             "direct",
             0.7,
-            1.0,
-            1.0,
             &direct,
             &c_args(1.0, 1750, 20, "launch"),
-        )),
-        node.spawn(node.tenant_command(
-            "ptsz",
-            0.3,
-            1.0,
-            1.0,
-            &procaddr,
-            &c_args(1.0, 750, 20, "ptsz"),
-        )),
+        ),
+        c_tenant(&node, "ptsz", 0.3, &procaddr, &c_args(1.0, 750, 20, "ptsz")),
     ];
-    let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
-    wait_all(ts);
-    let trace = node.finish();
-    let want = [0.7, 0.3];
-    let (_, s) = measure("direct C / procaddr C (ptsz)", &trace, &pids, &want);
-    assert_shares("direct C / procaddr C (ptsz)", &s, &want, 0.03);
+    expect_split(node, "direct C / procaddr C (ptsz)", ts, &[0.7, 0.3], 0.03);
 }
 
 /// DESIGN §3 "gate every launch path": cuLaunchKernelEx, cuLaunchCooperativeKernel and
@@ -324,30 +325,11 @@ fn ex_cooperative_and_graph_launches_are_gated() {
     let node = Node::start(&[]);
     let direct = node.compile_c("spin_direct.c", true);
     let ts = vec![
-        node.spawn(node.tenant_command("ex", 0.4, 1.0, 1.0, &direct, &c_args(1.0, 1000, 20, "ex"))),
-        node.spawn(node.tenant_command(
-            "coop",
-            0.3,
-            1.0,
-            1.0,
-            &direct,
-            &c_args(1.0, 750, 20, "coop"),
-        )),
-        node.spawn(node.tenant_command(
-            "graph",
-            0.3,
-            1.0,
-            1.0,
-            &direct,
-            &c_args(1.0, 750, 20, "graph"),
-        )),
+        c_tenant(&node, "ex", 0.4, &direct, &c_args(1.0, 1000, 20, "ex")),
+        c_tenant(&node, "coop", 0.3, &direct, &c_args(1.0, 750, 20, "coop")),
+        c_tenant(&node, "graph", 0.3, &direct, &c_args(1.0, 750, 20, "graph")),
     ];
-    let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
-    wait_all(ts);
-    let trace = node.finish();
-    let want = [0.4, 0.3, 0.3];
-    let (_, s) = measure("Ex / cooperative / graph", &trace, &pids, &want);
-    assert_shares("Ex / cooperative / graph", &s, &want, 0.02);
+    expect_split(node, "Ex / cooperative / graph", ts, &[0.4, 0.3, 0.3], 0.02);
 }
 
 /// DESIGN §3 "bound the work queued": a client that launches all its kernels and synchronises
@@ -411,12 +393,13 @@ fn never_synchronising_client_even_split() {
             &Spin::kernels(1.0, 1250).sync_every(None),
         ),
     ];
-    let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
-    wait_all(ts);
-    let trace = node.finish();
-    let want = [0.5, 0.5];
-    let (_, s) = measure("syncing / never syncing, 0.5 each", &trace, &pids, &want);
-    assert_shares("syncing / never syncing, 0.5 each", &s, &want, 0.03);
+    expect_split(
+        node,
+        "syncing / never syncing, 0.5 each",
+        ts,
+        &[0.5, 0.5],
+        0.03,
+    );
 }
 
 /// A launcher with 4 threads, each on its own stream, against a single-threaded tenant. The
@@ -436,12 +419,7 @@ fn multi_threaded_launcher(threads_first: bool) {
         spin_tenant(&node, "single", 0.6, 1.0, 1.0, &Spin::kernels(1.0, 1500)),
         spin_tenant(&node, "threads", 0.4, 1.0, 1.0, &threads),
     ];
-    let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
-    wait_all(ts);
-    let trace = node.finish();
-    let want = [0.6, 0.4];
-    let (_, s) = measure("single / 4 threads", &trace, &pids, &want);
-    assert_shares("single / 4 threads", &s, &want, 0.03);
+    expect_split(node, "single / 4 threads", ts, &[0.6, 0.4], 0.03);
 }
 
 #[test]
