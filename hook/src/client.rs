@@ -29,6 +29,8 @@ pub struct Settings {
     pub fail: FailPolicy,
     /// A holder that launched nothing for this long gives its token back.
     pub idle_release_ns: u64,
+    /// At expiry, give the token back once this much GPU work is left queued (0: after it drained).
+    pub handoff_lead_ns: u64,
     pub declared: Option<GroupSpec>,
 }
 
@@ -54,6 +56,9 @@ impl Settings {
             idle_release_ns: var("GPUSHARE_IDLE_RELEASE")
                 .and_then(|v| gpushare_units::parse_duration_ns(&v).ok())
                 .unwrap_or(2_000_000),
+            handoff_lead_ns: var("GPUSHARE_HANDOFF_LEAD")
+                .and_then(|v| gpushare_units::parse_duration_ns(&v).ok())
+                .unwrap_or(1_000_000),
             declared,
         }
     }

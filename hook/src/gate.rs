@@ -261,6 +261,14 @@ impl Gate {
         while self.in_progress.load(Ordering::Acquire) != 0 {
             std::thread::yield_now();
         }
+        // Hand over early: wait only until the work still queued is about one handoff
+        // (`GPUSHARE_HANDOFF_LEAD`), so the next holder's first kernels reach the GPU as ours
+        // finish instead of after an idle round trip; that tail is charged as estimated.
+        let tail_ns = self.queued_estimate(g, hook.settings.handoff_lead_ns);
+        if let Some(tail) = tail_ns {
+            let used_ns = crate::now_ns().saturating_sub(granted_ns) + tail;
+            self.give_back(hook, g, token, used_ns, again);
+        }
         for &ctx in &g.ctxs {
             sync_context(ctx);
         }
@@ -269,7 +277,35 @@ impl Gate {
             g.pool.push((f.ctx, f.event));
         }
         g.drained_launches = self.launches.load(Ordering::Relaxed);
-        let used_ns = crate::now_ns().saturating_sub(granted_ns);
+        if tail_ns.is_none() {
+            let used_ns = crate::now_ns().saturating_sub(granted_ns);
+            self.give_back(hook, g, token, used_ns, again);
+        }
+    }
+
+    /// Wait for fences until the estimated GPU work still queued is at most `lead_ns`; that
+    /// estimate, or `None` when it cannot be made that small (no estimate yet, no fences).
+    fn queued_estimate(&self, g: &mut Inner, lead_ns: u64) -> Option<u64> {
+        let est = g.ns_per_launch.filter(|_| lead_ns > 0)?;
+        let n = self.launches.load(Ordering::Relaxed);
+        loop {
+            let completed = g
+                .last_done
+                .as_ref()
+                .map_or(0, |f| f.launches)
+                .max(g.drained_launches);
+            let tail = n.saturating_sub(completed) as f64 * est;
+            if tail <= lead_ns as f64 {
+                return Some(tail as u64);
+            }
+            if !complete_oldest_fence(g) {
+                return None;
+            }
+        }
+    }
+
+    /// Return the token (asking for the next turn first with `again`).
+    fn give_back(&self, hook: &Hook, g: &mut Inner, token: u64, used_ns: u64, again: bool) {
         g.token = Token::None;
         debug!("release token {token} after {used_ns} ns");
         if again && hook.send(&ClientMsg::Acquire { gpu: self.uuid }) {
@@ -333,27 +369,9 @@ impl Gate {
             if g.fences.len() < 2 || !too_much {
                 break;
             }
-            let f = g.fences.pop_front().expect("two fences queued");
-            // SAFETY: a fence event recorded above.
-            if real::cuEventSynchronize().is_none_or(|s| unsafe { s(f.event) } != 0) {
-                g.pool.push((f.ctx, f.event));
+            if !complete_oldest_fence(&mut g) {
                 break;
             }
-            if let Some(prev) = g.last_done.take() {
-                if prev.ctx == f.ctx && f.launches > prev.launches {
-                    let mut ms = 0f32;
-                    // SAFETY: two completed timing events of one context.
-                    let ok = real::cuEventElapsedTime()
-                        .is_some_and(|e| unsafe { e(&mut ms, prev.event, f.event) } == 0);
-                    if ok {
-                        let per = (ms as f64 * 1e6).max(0.0) / (f.launches - prev.launches) as f64;
-                        g.ns_per_launch =
-                            Some(g.ns_per_launch.map_or(per, |e| 0.7 * e + 0.3 * per));
-                    }
-                }
-                g.pool.push((prev.ctx, prev.event));
-            }
-            g.last_done = Some(f);
         }
         let k = match g.ns_per_launch {
             Some(est) if est > 0.0 => (budget / (2.0 * est)).clamp(1.0, 4096.0) as u64,
@@ -361,6 +379,34 @@ impl Gate {
         };
         self.next_pace.store(n + k, Ordering::Relaxed);
     }
+}
+
+/// Wait for the oldest fence and learn the GPU time per launch from it and the previous one;
+/// false when the driver would not wait (the fence is dropped).
+fn complete_oldest_fence(g: &mut Inner) -> bool {
+    let Some(f) = g.fences.pop_front() else {
+        return false;
+    };
+    // SAFETY: a fence event recorded by `pace`.
+    if real::cuEventSynchronize().is_none_or(|s| unsafe { s(f.event) } != 0) {
+        g.pool.push((f.ctx, f.event));
+        return false;
+    }
+    if let Some(prev) = g.last_done.take() {
+        if prev.ctx == f.ctx && f.launches > prev.launches {
+            let mut ms = 0f32;
+            // SAFETY: two completed timing events of one context.
+            let ok = real::cuEventElapsedTime()
+                .is_some_and(|e| unsafe { e(&mut ms, prev.event, f.event) } == 0);
+            if ok {
+                let per = (ms as f64 * 1e6).max(0.0) / (f.launches - prev.launches) as f64;
+                g.ns_per_launch = Some(g.ns_per_launch.map_or(per, |e| 0.7 * e + 0.3 * per));
+            }
+        }
+        g.pool.push((prev.ctx, prev.event));
+    }
+    g.last_done = Some(f);
+    true
 }
 
 /// A pooled timing event of `ctx`, or a new one.
