@@ -441,6 +441,9 @@ pub struct Policy {
     decisions: Vec<Decision>,
     /// The token is kept free for this group until this time (anticipation after its release).
     anticipation: Option<(String, u64)>,
+    /// When the first client asked for the token: achieved shares are over at most the time
+    /// since, so they are right from the first seconds.
+    first_acquire: Option<u64>,
 }
 
 /// Makes a configuration usable: quota ≥ 1 ns, `min_quota ≤ quota`, window ≥ 1 ns.
@@ -467,6 +470,7 @@ impl Policy {
             targets_dirty: false,
             decisions: Vec::new(),
             anticipation: None,
+            first_acquire: None,
         }
     }
 
@@ -592,6 +596,7 @@ impl Policy {
             return Err(PolicyError::UnknownClient(client));
         }
         let now = self.advance(now);
+        self.first_acquire.get_or_insert(now);
         let c = self.clients.get_mut(&client).expect("checked above");
         if c.waiting.is_some() {
             return Ok(());
@@ -751,7 +756,8 @@ impl Policy {
             .map(|g| g.params)
             .collect();
         let mut targets = water_fill(&active).into_iter();
-        let window = self.cfg.window_ns;
+        let since_start = now.saturating_sub(self.first_acquire.unwrap_or(now)).max(1);
+        let window = self.cfg.window_ns.min(since_start);
         let from = now.saturating_sub(window);
         let depth = self.bucket_depth();
         let thr = self.cap_threshold();

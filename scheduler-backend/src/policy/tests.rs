@@ -464,8 +464,21 @@ fn usage_memory_stays_bounded_under_tiny_tokens() {
     }
     let a = &p.groups["a"];
     assert!(a.usage.len() <= MAX_USAGE_ENTRIES);
+    // Busy the whole 20 ms since its first request: the merged usage keeps the total.
     let share = group(&p.status(now), "a").achieved_share;
-    assert!((share - 0.004).abs() < 1e-3, "{share}");
+    assert!((share - 1.0).abs() < 1e-3, "{share}");
+}
+
+#[test]
+fn achieved_share_covers_only_the_time_since_the_first_request() {
+    let mut p = policy(&[("a", GroupParams::default())]);
+    p.connect(1, "a").unwrap();
+    p.acquire(1, 7 * S).unwrap();
+    let (c, t) = p.holder().unwrap();
+    p.release(c, t, 10 * MS, 7 * S + 10 * MS).unwrap();
+    // 10 ms busy in the 1 s since the first request, not in a 5 s window.
+    let share = group(&p.status(8 * S), "a").achieved_share;
+    assert!((share - 0.01).abs() < 1e-9, "{share}");
 }
 
 // ---------------------------------------------------------------------------------------------
