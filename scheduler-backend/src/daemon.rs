@@ -271,19 +271,9 @@ fn hello(
         },
         None => match st.config.group_for(peer) {
             Some(g) => Some(g.name.clone()),
-            None if st.dev => {
-                let name = format!("uid-{}", peer.uid);
-                set_group(
-                    st,
-                    &name,
-                    GroupParams {
-                        request: 0.0,
-                        limit: 1.0,
-                        weight: 1.0,
-                    },
-                );
-                Some(name)
-            }
+            // In --dev, an undeclared process gets its own uid's group (created when it first
+            // uses a GPU, so status-only clients like `gpushare status` leave no trace).
+            None if st.dev => Some(format!("uid-{}", peer.uid)),
             None => None,
         },
     };
@@ -417,7 +407,24 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
 }
 
 /// The client's group, or (queued in `out`) the error that tells the user how to get one.
-fn group_of(st: &State, id: ClientId, out: &mut Outbox) -> Option<String> {
+/// A `--dev` default group (`uid-N`) is created on first use with request 0, limit 1, weight 1.
+fn group_of(st: &mut State, id: ClientId, out: &mut Outbox) -> Option<String> {
+    let group = group_or_error(st, id, out)?;
+    if !st.groups.contains_key(&group) {
+        set_group(
+            st,
+            &group,
+            GroupParams {
+                request: 0.0,
+                limit: 1.0,
+                weight: 1.0,
+            },
+        );
+    }
+    Some(group)
+}
+
+fn group_or_error(st: &State, id: ClientId, out: &mut Outbox) -> Option<String> {
     let client = st.clients.get(&id)?;
     if client.group.is_none() {
         let p = &client.peer;
@@ -520,7 +527,12 @@ fn report(st: &State, now: u64) -> Report {
                         weight: g.params.weight,
                         effective_request: g.effective_request,
                         target_share: g.target_share,
-                        achieved_share: g.achieved_share.max(0.0),
+                        // Clamp float noise (and a negative zero) from the usage window.
+                        achieved_share: if g.achieved_share > 0.0 {
+                            g.achieved_share
+                        } else {
+                            0.0
+                        },
                         busy_seconds: g.busy_ns as f64 / 1e9,
                         tokens: g.tokens,
                         waits: g.waits,
