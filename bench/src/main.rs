@@ -13,6 +13,7 @@ use gpushare_sim_clients::harness::target_dir;
 use gpushare_sim_clients::node::{Node, Tenant};
 use scenario::{Scenario, Workload};
 use serde_json::{Value, json};
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -47,6 +48,9 @@ enum Cmd {
         /// Also measure launch overhead.
         #[arg(long)]
         overhead: bool,
+        /// Skip running each tenant alone (throughput and latency vs alone).
+        #[arg(long)]
+        no_alone: bool,
     },
     /// Run every scenario in --scenarios (default: bench/scenarios) and the launch overhead.
     Suite {
@@ -63,6 +67,9 @@ enum Cmd {
         /// Skip the native baseline runs.
         #[arg(long)]
         no_baseline: bool,
+        /// Skip running each tenant alone (throughput and latency vs alone).
+        #[arg(long)]
+        no_alone: bool,
     },
 }
 
@@ -75,6 +82,7 @@ fn main() -> ExitCode {
             quick,
             no_baseline,
             overhead,
+            no_alone,
         } => Scenario::load(&scenario).and_then(|sc| {
             bench(
                 vec![sc],
@@ -83,6 +91,7 @@ fn main() -> ExitCode {
                     quick,
                     baseline: !no_baseline,
                     overhead,
+                    alone: !no_alone,
                 },
             )
         }),
@@ -92,6 +101,7 @@ fn main() -> ExitCode {
             scenarios,
             only,
             no_baseline,
+            no_alone,
         } => load_dir(&scenarios).and_then(|all| {
             let list = all
                 .into_iter()
@@ -105,6 +115,7 @@ fn main() -> ExitCode {
                     quick,
                     baseline: !no_baseline,
                     overhead: true,
+                    alone: !no_alone,
                 },
             )
         }),
@@ -133,6 +144,8 @@ struct Opts {
     quick: bool,
     baseline: bool,
     overhead: bool,
+    /// Run each distinct tenant workload alone too.
+    alone: bool,
 }
 
 fn progress(msg: impl AsRef<str>) {
@@ -144,6 +157,52 @@ struct RunResult {
     figures: RunFigures,
     /// Each tenant's JSON result line (Null when it printed none).
     outputs: Vec<Value>,
+    /// With gpushare: the scheduler's CPU time (user + system) while the tenants ran, and the
+    /// wall time it was measured over (s).
+    scheduler_cpu: Option<(f64, f64)>,
+}
+
+/// CPU seconds of process `pid` so far: `(from /proc/PID/stat, from /proc/PID/task/*/schedstat)`.
+/// The first is utime + stime of all threads, living and exited, in clock ticks (10 ms); the
+/// second is ns-precise but only counts the threads alive now (None when unreadable).
+fn cpu_seconds(pid: u32) -> Option<(f64, Option<f64>)> {
+    let ticks = stat_cpu_seconds(pid)?;
+    let precise = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()
+        .and_then(|tasks| {
+            tasks
+                .map(|t| {
+                    let s = std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok()?;
+                    s.split_whitespace().next()?.parse::<u64>().ok()
+                })
+                .sum::<Option<u64>>()
+        })
+        .map(|ns| ns as f64 / 1e9);
+    Some((ticks, precise))
+}
+
+/// CPU seconds between two [`cpu_seconds`] readings: the precise figure, unless a thread
+/// exited in between (the tick-based figure then exceeds it by more than two ticks).
+fn cpu_delta(a: (f64, Option<f64>), b: (f64, Option<f64>)) -> f64 {
+    let ticks = (b.0 - a.0).max(0.0);
+    match (a.1, b.1) {
+        (Some(x), Some(y)) if y >= x && ticks <= y - x + 0.02 => y - x,
+        _ => ticks,
+    }
+}
+
+/// User + system CPU seconds of process `pid` so far, from `/proc/PID/stat`.
+fn stat_cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which is in parentheses and may contain spaces):
+    // state is field 3, utime field 14, stime field 15.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = f.get(11)?.parse().ok()?;
+    let stime: f64 = f.get(12)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (ticks > 0).then(|| (utime + stime) / ticks as f64)
 }
 
 /// Run tenants `which` of `sc` for `duration_ns` on a fresh simulated node.
@@ -160,6 +219,10 @@ fn run_once(
     }
     let client = target_dir().join("cudarc-client");
     let duration_ms = duration_ns as f64 / 1e6;
+    let sched_cpu0 = node
+        .scheduler_pid()
+        .and_then(cpu_seconds)
+        .map(|c| (c, Instant::now()));
     let mut running: Vec<Tenant> = Vec::new();
     for (k, &i) in which.iter().enumerate() {
         let t = &sc.tenants[i];
@@ -200,6 +263,10 @@ fn run_once(
                 .unwrap_or(Value::Null),
         );
     }
+    let scheduler_cpu = sched_cpu0.and_then(|(c0, t)| {
+        let c1 = cpu_seconds(node.scheduler_pid()?)?;
+        Some((cpu_delta(c0, c1), t.elapsed().as_secs_f64()))
+    });
     let log = if gpushare {
         node.scheduler_log()
     } else {
@@ -216,14 +283,69 @@ fn run_once(
         &which.iter().map(|&i| sc.tenants[i].gpu).collect::<Vec<_>>(),
         &which.iter().map(|&i| targets[i]).collect::<Vec<_>>(),
     );
-    Ok(RunResult { figures, outputs })
+    Ok(RunResult {
+        figures,
+        outputs,
+        scheduler_cpu,
+    })
 }
 
-/// Kernels per second from a `spin` result.
+/// Kernels per second from a `spin` result (kernels over wall time) or a `latency` result
+/// (requests × kernels per request over the run).
 fn throughput(v: &Value) -> Option<f64> {
-    let k = v["kernels"].as_f64()?;
-    let wall = v["wall_ms"].as_f64()?;
-    (wall > 0.0).then(|| k / wall * 1e3)
+    if let (Some(k), Some(wall)) = (v["kernels"].as_f64(), v["wall_ms"].as_f64()) {
+        return (wall > 0.0).then(|| k / wall * 1e3);
+    }
+    let k = v["requests"].as_f64()? * v["kernels_per_request"].as_f64()?;
+    let ns = v["end_ns"].as_f64()? - v["start_ns"].as_f64()?;
+    (ns > 0.0).then(|| k / ns * 1e9)
+}
+
+/// Results of tenants run alone (under gpushare, on a 1-GPU node), keyed by
+/// [`alone_key`]: a workload shared by several tenants or scenarios runs alone only once.
+type AloneCache = HashMap<String, Value>;
+
+/// What determines a tenant's run alone: its workload arguments (on GPU 0, seed 1) and its
+/// limit (alone, its request and weight do not matter: it gets min(limit, demand)).
+fn alone_key(t: &scenario::TenantSpec, duration_ns: u64) -> String {
+    let solo = scenario::TenantSpec {
+        gpu: 0,
+        ..t.clone()
+    };
+    format!(
+        "{}|limit={}",
+        solo.client_args(duration_ns as f64 / 1e6, 1).join(" "),
+        t.limit
+    )
+}
+
+/// Tenant `i` of `sc` alone under gpushare (same workload, same duration; cached).
+fn run_alone(
+    sc: &Scenario,
+    i: usize,
+    duration_ns: u64,
+    cache: &mut AloneCache,
+) -> anyhow::Result<Value> {
+    let key = alone_key(&sc.tenants[i], duration_ns);
+    if let Some(v) = cache.get(&key) {
+        return Ok(v.clone());
+    }
+    let t = &sc.tenants[i];
+    progress(format!(
+        "{}: tenant {} ({:?}) alone",
+        sc.name, t.name, t.workload
+    ));
+    let solo = Scenario {
+        gpus: 1,
+        tenants: vec![scenario::TenantSpec {
+            gpu: 0,
+            ..t.clone()
+        }],
+        ..sc.clone()
+    };
+    let v = run_once(&solo, &[0], true, duration_ns)?.outputs[0].clone();
+    cache.insert(key, v.clone());
+    Ok(v)
 }
 
 fn r4(x: f64) -> f64 {
@@ -234,7 +356,12 @@ fn r1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
 }
 
-fn run_scenario(sc: &Scenario, opts: Opts, out: &Path) -> anyhow::Result<Value> {
+fn run_scenario(
+    sc: &Scenario,
+    opts: Opts,
+    out: &Path,
+    cache: &mut AloneCache,
+) -> anyhow::Result<Value> {
     let duration_ns = if opts.quick {
         sc.duration_ns.min(QUICK_DURATION_NS)
     } else {
@@ -266,14 +393,15 @@ fn run_scenario(sc: &Scenario, opts: Opts, out: &Path) -> anyhow::Result<Value> 
     } else {
         None
     };
-    // Latency tenants alone (under gpushare), for their latency without contention.
-    let mut alone: Vec<Option<Value>> = vec![None; sc.tenants.len()];
-    for (i, t) in sc.tenants.iter().enumerate() {
-        if t.workload == Workload::Latency {
-            progress(format!("{}: latency tenant {} alone", sc.name, t.name));
-            alone[i] = Some(run_once(sc, &[i], true, duration_ns)?.outputs[0].clone());
-        }
-    }
+    // Every tenant alone (under gpushare), for its throughput (and latency) without
+    // contention.
+    let alone: Vec<Option<Value>> = if opts.alone {
+        (0..sc.tenants.len())
+            .map(|i| run_alone(sc, i, duration_ns, cache).map(Some))
+            .collect::<anyhow::Result<_>>()?
+    } else {
+        vec![None; sc.tenants.len()]
+    };
     let names: Vec<String> = sc.tenants.iter().map(|t| t.name.clone()).collect();
     let plot = format!("{}.svg", sc.name);
     std::fs::write(
@@ -316,6 +444,15 @@ fn run_scenario(sc: &Scenario, opts: Opts, out: &Path) -> anyhow::Result<Value> 
                 "max_window_error": r4(gs.figures.max_window_error[i]),
                 "throughput_kps": throughput(&gs.outputs[i]).map(r1),
             });
+            if let Some(a) = &alone[i] {
+                let (with, solo) = (throughput(&gs.outputs[i]), throughput(a));
+                v["alone_kernels_per_s"] = json!(solo.map(r1));
+                v["throughput_vs_alone"] = json!(
+                    with.zip(solo)
+                        .filter(|(_, s)| *s > 0.0)
+                        .map(|(w, s)| r4(w / s))
+                );
+            }
             if let Some(b) = &base {
                 v["baseline_achieved_share"] = json!(r4(b.figures.achieved[i]));
                 v["baseline_abs_error"] = json!(r4(b.figures.abs_error[i]));
@@ -350,6 +487,11 @@ fn run_scenario(sc: &Scenario, opts: Opts, out: &Path) -> anyhow::Result<Value> 
         "windows": gs.figures.windows.len(),
         "plot": plot,
     });
+    if let Some((cpu_s, wall_s)) = gs.scheduler_cpu {
+        v["scheduler_cpu_s"] = json!((cpu_s * 1e4).round() / 1e4);
+        v["scheduler_cpu_percent"] =
+            json!((cpu_s / wall_s.max(1e-9) * 100.0 * 100.0).round() / 100.0);
+    }
     if let Some(b) = &base {
         v["baseline"] = json!({
             "max_abs_error": r4(b.figures.max_abs_error),
@@ -456,9 +598,10 @@ fn bench(list: Vec<Scenario>, out: &Path, opts: Opts) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut scenarios = Vec::new();
     let mut errors = Vec::new();
+    let mut cache = AloneCache::new();
     for (k, sc) in list.iter().enumerate() {
         progress(format!("[{}/{}] scenario {}", k + 1, list.len(), sc.name));
-        match run_scenario(sc, opts, out) {
+        match run_scenario(sc, opts, out, &mut cache) {
             Ok(v) => scenarios.push(v),
             Err(e) => {
                 progress(format!("{}: FAILED: {e:#}", sc.name));
@@ -524,16 +667,16 @@ fn markdown(s: &Value) -> String {
     );
     let _ = writeln!(
         o,
-        "| scenario | tenants | max abs err | mean abs err | native max abs err | utilisation | native utilisation | handoff p50 / p99 µs |"
+        "| scenario | tenants | max abs err | mean abs err | native max abs err | utilisation | native utilisation | handoff p50 / p99 µs | scheduler CPU % |"
     );
-    let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let empty = Vec::new();
     let list = s["scenarios"].as_array().unwrap_or(&empty);
     for sc in list {
         let b = &sc["baseline"];
         let _ = writeln!(
             o,
-            "| {} | {} | {} | {} | {} | {} | {} | {} / {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} / {} | {} |",
             sc["name"].as_str().unwrap_or(""),
             sc["tenants"].as_array().map_or(0, Vec::len),
             f(&sc["max_abs_error"], 3),
@@ -543,6 +686,7 @@ fn markdown(s: &Value) -> String {
             f(&b["device_utilization"], 3),
             f(&sc["handoff_p50_us"], 0),
             f(&sc["handoff_p99_us"], 0),
+            f(&sc["scheduler_cpu_percent"], 2),
         );
     }
     let lo = &s["launch_overhead"];
@@ -559,7 +703,7 @@ fn markdown(s: &Value) -> String {
     for sc in list {
         let _ = writeln!(
             o,
-            "\n## {}\n\n{}\n\n| tenant | workload | gpu | request | limit | weight | target | achieved | abs err | max window err | native achieved | kernels/s | native kernels/s | latency p50/p99 ms (gpushare · native · alone) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "\n## {}\n\n{}\n\n| tenant | workload | gpu | request | limit | weight | target | achieved | abs err | max window err | native achieved | kernels/s | native kernels/s | alone kernels/s | vs alone | latency p50/p99 ms (gpushare · native · alone) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
             sc["name"].as_str().unwrap_or(""),
             sc["description"].as_str().unwrap_or("")
         );
@@ -584,7 +728,7 @@ fn markdown(s: &Value) -> String {
             };
             let _ = writeln!(
                 o,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 t["name"].as_str().unwrap_or(""),
                 t["workload"].as_str().unwrap_or(""),
                 t["gpu"],
@@ -598,6 +742,8 @@ fn markdown(s: &Value) -> String {
                 f(&t["baseline_achieved_share"], 3),
                 f(&t["throughput_kps"], 0),
                 f(&t["baseline_throughput_kps"], 0),
+                f(&t["alone_kernels_per_s"], 0),
+                f(&t["throughput_vs_alone"], 3),
                 latency
             );
         }
@@ -612,4 +758,30 @@ fn markdown(s: &Value) -> String {
         let _ = writeln!(o, "\n**FAILED** {}: {}", e["name"], e["error"]);
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scheduler_cpu_reading_of_own_process() {
+        let a = cpu_seconds(std::process::id()).expect("read /proc/self");
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(50) {
+            std::hint::black_box(0u64);
+        }
+        let b = cpu_seconds(std::process::id()).unwrap();
+        let d = cpu_delta(a, b);
+        assert!((0.02..1.0).contains(&d), "{d} s of CPU for a 50 ms spin");
+    }
+
+    #[test]
+    fn throughput_of_spin_and_latency_results() {
+        let spin = json!({"kernels": 500, "wall_ms": 1000.0});
+        assert_eq!(throughput(&spin), Some(500.0));
+        let lat = json!({"requests": 40, "kernels_per_request": 4, "start_ns": 0, "end_ns": 2_000_000_000u64});
+        assert_eq!(throughput(&lat), Some(80.0));
+        assert_eq!(throughput(&Value::Null), None);
+    }
 }

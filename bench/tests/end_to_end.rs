@@ -74,6 +74,17 @@ fn small_scenario_end_to_end() {
         }
         // Both tenants really ran.
         assert!(t["achieved_share"].as_f64().unwrap() > 0.05, "{t}");
+        // Alone, the same workload runs faster than when sharing the GPU.
+        assert!(
+            t["alone_kernels_per_s"].as_f64().is_some_and(|x| x > 0.0),
+            "{t}"
+        );
+        assert!(
+            t["throughput_vs_alone"]
+                .as_f64()
+                .is_some_and(|x| x > 0.0 && x < 1.0),
+            "{t}"
+        );
         target_sum += t["target_share"].as_f64().unwrap();
     }
     assert!(
@@ -89,6 +100,13 @@ fn small_scenario_end_to_end() {
         );
     }
     assert!(sc["handoff_p99_us"].as_f64().is_some_and(|x| x >= 0.0));
+    assert!(
+        sc["scheduler_cpu_percent"]
+            .as_f64()
+            .is_some_and(|x| (0.0..=200.0).contains(&x)),
+        "scheduler_cpu_percent = {}",
+        sc["scheduler_cpu_percent"]
+    );
     assert!(sc["device_utilization"].as_f64().unwrap() > 0.5);
     assert!(summary.get("launch_overhead").is_some());
     assert!(out_dir.join("summary.md").is_file());
