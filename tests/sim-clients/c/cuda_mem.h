@@ -1,10 +1,12 @@
 /* Memory-management types and driver prototypes the memory-cap clients (mem_*.c) need beyond
  * cuda_min.h, declared by hand (there is no cuda.h on the machine). Layouts and values are those
- * of CUDA 12.x's cuda.h. Include after cuda_min.h. */
+ * of CUDA 12.x's cuda.h; the common prototypes come from cuda_api.h. */
 #ifndef GPUSHARE_CUDA_MEM_H
 #define GPUSHARE_CUDA_MEM_H
 
 #include <stddef.h>
+
+#include "cuda_api.h"
 
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUarray_st *CUarray;
@@ -58,38 +60,17 @@ typedef struct CUmemAccessDesc_st {
 #define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 0x3
 #define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
 
-CUresult cuInit(unsigned int flags);
-CUresult cuDeviceGet(CUdevice *device, int ordinal);
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev);
-CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
-CUresult cuCtxDestroy_v2(CUcontext ctx);
-CUresult cuGetErrorName(CUresult error, const char **pStr);
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
                              unsigned long long flags, int *symbolStatus);
-CUresult cuModuleLoadData(CUmodule *module, const void *image);
-CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name);
-CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                        unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
-                        unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
-                        void **kernelParams, void **extra);
-CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags);
-CUresult cuStreamSynchronize(CUstream hStream);
 CUresult cuCtxSynchronize(void);
 
-CUresult cuMemGetInfo_v2(size_t *free, size_t *total);
-CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize);
-CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
-                            unsigned int ElementSizeBytes);
-CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags);
 CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
                                  CUstream hStream);
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev);
-CUresult cuMemFree_v2(CUdeviceptr dptr);
 CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream);
 CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N);
-CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount);
-CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount);
 
 CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
                                        int option);

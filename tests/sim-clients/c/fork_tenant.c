@@ -8,6 +8,7 @@
  * Prints {"pid":…,"kernels":…,"child_cuinit":…,"wall_ms":…}; on a failed call prints "FAIL: …" and exits 1. */
 #define _GNU_SOURCE
 #include "cuda_min.h"
+#include "cuda_api.h"
 
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -16,17 +17,6 @@
 #include "check.h"
 #include "gpushare_spin_ptx.h"
 
-CUresult cuInit(unsigned int flags);
-CUresult cuDeviceGet(CUdevice *device, int ordinal);
-CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
-CUresult cuModuleLoadData(CUmodule *module, const void *image);
-CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name);
-CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                        unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
-                        unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
-                        void **kernelParams, void **extra);
-CUresult cuStreamSynchronize(CUstream hStream);
-CUresult cuGetErrorName(CUresult error, const char **pStr);
 
 static int wait_child(pid_t pid) {
     int status = 0;

@@ -11,6 +11,7 @@
  * Build: gcc spin_direct.c -L<dir of libcuda.so> -lcuda */
 #define _GNU_SOURCE
 #include "cuda_min.h"
+#include "cuda_api.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -19,31 +20,6 @@
 #include "check.h"
 #include "gpushare_spin_ptx.h"
 
-CUresult cuInit(unsigned int flags);
-CUresult cuDeviceGet(CUdevice *device, int ordinal);
-CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev);
-CUresult cuCtxDestroy_v2(CUcontext ctx);
-CUresult cuModuleLoadData(CUmodule *module, const void *image);
-CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name);
-CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                        unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
-                        unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
-                        void **kernelParams, void **extra);
-CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                          void **extra);
-CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
-                                   unsigned int gridDimZ, unsigned int blockDimX,
-                                   unsigned int blockDimY, unsigned int blockDimZ,
-                                   unsigned int sharedMemBytes, CUstream hStream,
-                                   void **kernelParams);
-CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags);
-CUresult cuStreamSynchronize(CUstream hStream);
-CUresult cuStreamBeginCapture_v2(CUstream hStream, int mode);
-CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph);
-CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph,
-                                     unsigned long long flags);
-CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
-CUresult cuGetErrorName(CUresult error, const char **pStr);
 
 int main(int argc, char **argv) {
     check_error_name = cuGetErrorName;

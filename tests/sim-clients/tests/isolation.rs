@@ -937,6 +937,15 @@ fn unknown_tenant(
     (out, killed, kernels)
 }
 
+/// The refused tenant's stderr explains why.
+fn assert_told_why(out: &std::process::Output) {
+    assert!(
+        explains_no_group(&out.stderr),
+        "no explanation on stderr\n{}",
+        describe(out)
+    );
+}
+
 fn explains_no_group(stderr: &[u8]) -> bool {
     let e = String::from_utf8_lossy(stderr);
     e.lines()
@@ -949,11 +958,7 @@ fn explains_no_group(stderr: &[u8]) -> bool {
 #[test]
 fn unknown_declared_group_is_told_why() {
     let (out, _killed, kernels) = unknown_tenant(strict_node(), &["--group", "stranger"], "closed");
-    assert!(
-        explains_no_group(&out.stderr),
-        "no explanation on stderr\n{}",
-        describe(&out)
-    );
+    assert_told_why(&out);
     assert_eq!(kernels, 0, "a refused tenant ran kernels");
 }
 
@@ -962,11 +967,7 @@ fn unknown_declared_group_is_told_why() {
 #[test]
 fn unknown_undeclared_tenant_is_told_why() {
     let (out, _killed, kernels) = unknown_tenant(strict_node(), &[], "closed");
-    assert!(
-        explains_no_group(&out.stderr),
-        "no explanation on stderr\n{}",
-        describe(&out)
-    );
+    assert_told_why(&out);
     assert_eq!(kernels, 0, "a refused tenant ran kernels");
 }
 
@@ -976,11 +977,7 @@ fn unknown_undeclared_tenant_is_told_why() {
 #[test]
 fn refused_tenant_does_not_run_unthrottled() {
     let (out, _killed, kernels) = unknown_tenant(strict_node(), &[], "open");
-    assert!(
-        explains_no_group(&out.stderr),
-        "no explanation on stderr\n{}",
-        describe(&out)
-    );
+    assert_told_why(&out);
     assert_eq!(
         kernels, 0,
         "a refused tenant ran {kernels} kernels unthrottled"
