@@ -1,6 +1,7 @@
 //! `gpushare-bench`: run fairness scenarios on the simulated GPU with gpushare and without it
-//! (native time-slicing), measure launch overhead, and write `summary.json`, `summary.md` and one
-//! SVG plot of shares over time per scenario.
+//! (native time-slicing), measure launch overhead, and write `summary.json`, `summary.md`, one
+//! SVG plot of shares over time per scenario and the device traces the figures come from
+//! (`NAME.trace.jsonl`, `NAME-native.trace.jsonl`; `gpushare-sim report` reads them).
 
 mod analysis;
 mod scenario;
@@ -205,12 +206,14 @@ fn stat_cpu_seconds(pid: u32) -> Option<f64> {
     (ticks > 0).then(|| (utime + stime) / ticks as f64)
 }
 
-/// Run tenants `which` of `sc` for `duration_ns` on a fresh simulated node.
+/// Run tenants `which` of `sc` for `duration_ns` on a fresh simulated node; the device trace
+/// is copied to `keep_trace` if given.
 fn run_once(
     sc: &Scenario,
     which: &[usize],
     gpushare: bool,
     duration_ns: u64,
+    keep_trace: Option<&Path>,
 ) -> anyhow::Result<RunResult> {
     let gpus = sc.gpus.to_string();
     let mut node = Node::device_only_with(&["--gpus", &gpus]);
@@ -273,6 +276,9 @@ fn run_once(
         String::new()
     };
     let trace = node.finish();
+    if let Some(dest) = keep_trace {
+        write_trace(&trace, dest).with_context(|| format!("cannot write {}", dest.display()))?;
+    }
     if !failures.is_empty() {
         bail!("{}\n{}", failures.join("\n"), log.trim());
     }
@@ -288,6 +294,18 @@ fn run_once(
         outputs,
         scheduler_cpu,
     })
+}
+
+/// The trace as the device wrote it (JSON Lines).
+fn write_trace(trace: &gpushare_sim_clients::trace::Trace, dest: &Path) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(dest)?);
+    for r in trace.records() {
+        serde_json::to_writer(&mut f, r)?;
+        f.write_all(b"\n")?;
+    }
+    f.flush()?;
+    Ok(())
 }
 
 /// Kernels per second from a `spin` result (kernels over wall time) or a `latency` result
@@ -343,7 +361,7 @@ fn run_alone(
         }],
         ..sc.clone()
     };
-    let v = run_once(&solo, &[0], true, duration_ns)?.outputs[0].clone();
+    let v = run_once(&solo, &[0], true, duration_ns, None)?.outputs[0].clone();
     cache.insert(key, v.clone());
     Ok(v)
 }
@@ -377,14 +395,16 @@ fn run_scenario(
         sc.gpus,
         duration_ns as f64 / 1e9
     ));
-    let gs = run_once(sc, &all, true, duration_ns)?;
+    let trace = out.join(format!("{}.trace.jsonl", sc.name));
+    let gs = run_once(sc, &all, true, duration_ns, Some(&trace))?;
     progress(format!(
         "{}: gpushare max |err| {:.4}, util {:.3}, handoff p99 {:.0} µs",
         sc.name, gs.figures.max_abs_error, gs.figures.device_utilization, gs.figures.handoff_p99_us
     ));
     let base = if opts.baseline {
         progress(format!("{}: native baseline (no gpushare)", sc.name));
-        let b = run_once(sc, &all, false, duration_ns)?;
+        let trace = out.join(format!("{}-native.trace.jsonl", sc.name));
+        let b = run_once(sc, &all, false, duration_ns, Some(&trace))?;
         progress(format!(
             "{}: native max |err| {:.4}, util {:.3}",
             sc.name, b.figures.max_abs_error, b.figures.device_utilization
@@ -636,7 +656,7 @@ fn bench(list: Vec<Scenario>, out: &Path, opts: Opts) -> anyhow::Result<()> {
     )?;
     std::fs::write(out.join("summary.md"), markdown(&summary))?;
     progress(format!(
-        "done in {:.1} s: {}/summary.json, summary.md, *.svg",
+        "done in {:.1} s: {}/summary.json, summary.md, *.svg, *.trace.jsonl",
         started.elapsed().as_secs_f64(),
         out.display()
     ));

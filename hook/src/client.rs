@@ -11,7 +11,7 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
-use std::sync::{Mutex, Once};
+use std::sync::{Condvar, Mutex, Once};
 use std::time::Duration;
 
 /// What to do when the scheduler cannot be reached.
@@ -77,6 +77,8 @@ pub struct Hook {
     next_req: AtomicU64,
     /// Memory this process holds per GPU, by allocation (pointer or handle).
     pub memory: crate::memory::Books,
+    /// Set to wake the watcher before its period ends (a token was cut short).
+    wake: (Mutex<bool>, Condvar),
 }
 
 static HOOK: AtomicPtr<Hook> = AtomicPtr::new(std::ptr::null_mut());
@@ -143,6 +145,7 @@ impl Hook {
             pending: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
             memory: crate::memory::Books::default(),
+            wake: (Mutex::new(false), Condvar::new()),
         })
     }
 
@@ -353,6 +356,17 @@ impl Hook {
                 ServerMsg::Revoke { gpu, token } => {
                     if let Some(g) = self.gate(&gpu) {
                         g.on_revoke(token);
+                        self.wake_watcher();
+                    }
+                }
+                ServerMsg::Shorten {
+                    gpu,
+                    token,
+                    deadline_ns,
+                } => {
+                    if let Some(g) = self.gate(&gpu) {
+                        g.on_shorten(token, deadline_ns);
+                        self.wake_watcher();
                     }
                 }
                 ServerMsg::Error {
@@ -394,20 +408,34 @@ impl Hook {
         }
     }
 
+    /// Run the watcher now: a token was cut short, and a holder blocked in a synchronisation
+    /// (not launching) should give it back at once rather than at the next period.
+    fn wake_watcher(&self) {
+        *self.wake.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.wake.1.notify_one();
+    }
+
     /// Background duties: give back tokens that expired or sit idle, reconnect when needed.
     fn watch(&'static self) {
         let period =
             Duration::from_nanos((self.settings.idle_release_ns / 2).clamp(200_000, 50_000_000));
         let mut last_attempt = crate::now_ns();
         loop {
-            std::thread::sleep(period);
+            let (flag, cv) = &self.wake;
+            let woken = flag.lock().unwrap_or_else(|e| e.into_inner());
+            let mut woken = cv
+                .wait_timeout_while(woken, period, |w| !*w)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            *woken = false;
+            drop(woken);
             let now = crate::now_ns();
             if !self.is_connected() && !self.is_refused() && now - last_attempt > 500_000_000 {
                 last_attempt = now;
                 self.connect();
             }
             for g in &self.gates {
-                g.watch(self, now);
+                g.watch(self);
             }
         }
     }

@@ -195,9 +195,15 @@ impl Gate {
 
     /// The token overran: stop admitting at once; the next launch or the watcher drains it.
     pub fn on_revoke(&self, token: u64) {
+        self.on_shorten(token, 1);
+    }
+
+    /// The token now ends at `deadline_ns` (if earlier than before).
+    pub fn on_shorten(&self, token: u64, deadline_ns: u64) {
         let g = self.lock();
         if matches!(g.token, Token::Held { token: t, .. } if t == token) {
-            self.deadline.store(1, Ordering::Release);
+            self.deadline
+                .fetch_min(deadline_ns.max(1), Ordering::AcqRel);
         }
     }
 
@@ -235,11 +241,12 @@ impl Gate {
     }
 
     /// Watcher duty: release a token that expired or whose holder stopped launching.
-    pub fn watch(&self, hook: &Hook, now: u64) {
+    pub fn watch(&self, hook: &Hook) {
         let mut g = self.lock();
         let Token::Held { .. } = g.token else { return };
         let launches = self.launches.load(Ordering::Relaxed);
-        let expired = now >= self.deadline.load(Ordering::Acquire);
+        // The clock is read under the lock: a launcher pacing may have held it a while.
+        let expired = crate::now_ns() >= self.deadline.load(Ordering::Acquire);
         let idle = launches == g.watched_launches && self.in_progress.load(Ordering::Acquire) == 0;
         g.watched_launches = launches;
         if expired || idle {

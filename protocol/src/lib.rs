@@ -94,6 +94,13 @@ pub enum ServerMsg {
         message: String,
         fatal: bool,
     },
+    /// The token's deadline moves earlier (someone owed more is waiting): stop launching at
+    /// `deadline_ns` and release as at any deadline. (Last, so older variants keep their tags.)
+    Shorten {
+        gpu: GpuUuid,
+        token: u64,
+        deadline_ns: u64,
+    },
 }
 
 #[cfg(test)]

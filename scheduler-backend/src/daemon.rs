@@ -479,6 +479,18 @@ fn collect(st: &mut State, out: &mut Outbox) {
                     );
                     out.push((client, ServerMsg::Revoke { gpu: *gpu, token }))
                 }
+                Decision::Shorten {
+                    client,
+                    token,
+                    deadline_ns,
+                } => out.push((
+                    client,
+                    ServerMsg::Shorten {
+                        gpu: *gpu,
+                        token,
+                        deadline_ns,
+                    },
+                )),
             }
         }
     }

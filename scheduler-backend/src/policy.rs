@@ -22,8 +22,10 @@
 //!    groups below their limit, limits capping and their excess redistributed. Recomputed
 //!    lazily whenever the active set or the parameters change.
 //! 2. **Credit** (a deficit counter, ns). While the token is held, each active group accrues
-//!    credit at its target share (normalised over the active set, so exactly the held time is
-//!    handed out — what will be charged for it). The holder is debited its quota at grant and
+//!    credit at its target share, and each idle group with a request *banks* its guarantee
+//!    (normalised over both, so exactly the held time is handed out — what will be charged for
+//!    it; the targets count an idle group as taking exactly its guarantee, so banking comes out
+//!    of spare time, never out of another group's guarantee). The holder is debited its quota at grant and
 //!    settled to its real charge at release. Credit a group cannot absorb above the upper bound
 //!    (it wants less than its target) is passed on by weight to the active groups below their
 //!    limit, so unused share is split by weight. All credits are re-centred on their mean (a
@@ -40,8 +42,9 @@
 //!    conservation; the one bounded exception is point 6); if only capped groups wait, [`Policy::next_wakeup`] says when the first
 //!    bucket refills.
 //! 5. **Adaptive quota.** A group that is not waiting at the instant the token is handed on,
-//!    but was active within the last quota (the one that just released — clients usually
-//!    release, then ask again — or a short user between bursts), would have been chosen had it
+//!    but was active within the last quota (the one that just released at its deadline —
+//!    clients usually release, then ask again — or a short user without a request between
+//!    bursts; one with a request banks it and uses point 7), would have been chosen had it
 //!    been waiting if it is owed more than the grantee. The grant is then shortened by the
 //!    difference (never below `min_quota_ns`, never beyond a capped group's bucket), so the token
 //!    comes back to it sooner: shares stay exact with either client protocol, and a short user
@@ -53,7 +56,15 @@
 //!    that window it is granted at once; otherwise the best waiter is granted when the window
 //!    ends ([`Policy::next_wakeup`] reports it). This is the only case where the token is free
 //!    while an uncapped group waits, and it is bounded by one window per release.
-//! 7. **Timeouts.** A holder still holding at `deadline + grace` is revoked (charged the time
+//! 7. **Preemption.** A group with a request that comes back from idle (its work arrived), or a
+//!    capped waiting group whose bucket has refilled, would have been chosen had it been
+//!    waiting at the grant if it is owed more than the holder (whose credit is counted as
+//!    settled for the time held). The holder's deadline then moves to when the two are even —
+//!    at once for a group that banked its guarantee — but never below `min_quota_ns` after its
+//!    grant ([`Decision::Shorten`]). So a bursty or latency-sensitive group gets what it needs,
+//!    however long it idled (DESIGN §2.5), instead of waiting out a whole quota per burst.
+//!    (Groups without a request rely on point 5.)
+//! 8. **Timeouts.** A holder still holding at `deadline + grace` is revoked (charged the time
 //!    since its grant, provisionally) and the next client is granted in the same call; its late
 //!    release settles the charge to what it reports (never less than the provisional charge).
 //!    A disconnect releases at once, charging the time elapsed since the grant.
@@ -184,6 +195,13 @@ pub enum Decision {
     },
     /// The holder overran deadline + grace: the token is taken away; the next client may be granted already.
     Revoke { client: ClientId, token: u64 },
+    /// The holder's deadline moves earlier (a group owed more arrived): stop launching at
+    /// `deadline_ns` and give the token back as at any deadline.
+    Shorten {
+        client: ClientId,
+        token: u64,
+        deadline_ns: u64,
+    },
 }
 
 /// Errors of the policy's calls.
@@ -288,7 +306,14 @@ struct Group {
     queue: VecDeque<(ClientId, u64)>,
     holding: bool,
     target: f64,
+    /// The request, scaled down if the configured requests sum to more than 1.
+    guarantee: f64,
     credit: f64,
+    /// Waiting while its bucket held less than a quota (see `Policy::tick`).
+    held_back: bool,
+    /// While idle: whether it banks its guarantee (it got less than that over the window when
+    /// it went idle). `None` while active.
+    banks: Option<bool>,
     allowance: f64,
     allowance_at: u64,
     /// Refill cut off by the depth since the last grant: while a token is in flight only its
@@ -313,7 +338,10 @@ impl Group {
             queue: VecDeque::new(),
             holding: false,
             target: 0.0,
+            guarantee: 0.0,
             credit: 0.0,
+            held_back: false,
+            banks: None,
             allowance: depth,
             allowance_at: now,
             clamp_lost: 0.0,
@@ -333,6 +361,11 @@ impl Group {
 
     fn capped(&self) -> bool {
         self.params.limit < 1.0
+    }
+
+    /// Idle and banking its guarantee.
+    fn banking(&self) -> bool {
+        !self.active() && self.banks == Some(true) && self.guarantee > 0.0
     }
 
     /// Bucket content at `now` (infinite for an uncapped group).
@@ -441,6 +474,8 @@ pub struct Policy {
     decisions: Vec<Decision>,
     /// The token is kept free for this group until this time (anticipation after its release).
     anticipation: Option<(String, u64)>,
+    /// The group whose token was just cut off by its deadline (it asks again at once).
+    cut_off: Option<String>,
     /// When the first client asked for the token: achieved shares are over at most the time
     /// since, so they are right from the first seconds.
     first_acquire: Option<u64>,
@@ -470,6 +505,7 @@ impl Policy {
             targets_dirty: false,
             decisions: Vec::new(),
             anticipation: None,
+            cut_off: None,
             first_acquire: None,
         }
     }
@@ -609,6 +645,8 @@ impl Policy {
             .groups
             .get_mut(&group)
             .expect("clients belong to groups");
+        // Back with a banked guarantee (not merely asking again after a release).
+        let returning = g.banking() && now > g.last_active;
         if !g.active() {
             self.targets_dirty = true;
         }
@@ -616,7 +654,11 @@ impl Policy {
         self.schedule(now);
         if self.clients[&client].waiting.is_some() {
             self.groups.get_mut(&group).expect("exists").waits += 1;
+            if returning {
+                self.preempt_for(&group, now);
+            }
         }
+        self.mark_held_back(now);
         Ok(())
     }
 
@@ -657,8 +699,11 @@ impl Policy {
             let cut_off = charge + self.anticipation_window() >= h.quota_ns;
             if cut_off {
                 self.anticipate(&h.group, now);
+                self.cut_off = Some(h.group.clone());
             }
             self.schedule(now);
+            self.cut_off = None;
+            self.mark_held_back(now);
         } else if self.revoked.get(&token).is_some_and(|h| h.client == client) {
             let mut h = self.revoked.remove(&token).expect("checked");
             let charge = used_ns.min(now.saturating_sub(h.granted_at)).max(h.applied);
@@ -697,7 +742,29 @@ impl Policy {
             }
             self.revoked.insert(h.token, h);
         }
+        // A capped group whose bucket refilled while it waited returns like one from idle.
+        let depth = self.bucket_depth();
+        let thr = self.cap_threshold();
+        let refilled: Vec<String> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| g.held_back && g.eligible(now, depth, thr))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in refilled {
+            self.preempt_for(&name, now);
+        }
         self.schedule(now);
+        self.mark_held_back(now);
+    }
+
+    /// Notes which waiting groups their bucket holds back (see [`Policy::tick`]).
+    fn mark_held_back(&mut self, now: u64) {
+        let depth = self.bucket_depth();
+        let thr = self.cap_threshold();
+        for g in self.groups.values_mut() {
+            g.held_back = !g.queue.is_empty() && !g.eligible(now, depth, thr);
+        }
     }
 
     /// The decisions taken since the last call, in order.
@@ -709,11 +776,22 @@ impl Policy {
     /// time, or (token free) when the first waiting capped group's bucket holds a quota. May be
     /// in the past (then tick at once); `None` when nothing is pending.
     pub fn next_wakeup(&self, _now: u64) -> Option<u64> {
-        if let Some(h) = &self.holder {
-            return Some(h.deadline_ns.saturating_add(self.cfg.grace_ns));
-        }
         let depth = self.bucket_depth();
         let thr = self.cap_threshold();
+        if let Some(h) = &self.holder {
+            // Also when a held-back group's bucket refills: it may take the GPU back then.
+            let refill = self
+                .groups
+                .values()
+                .filter(|g| g.held_back && g.params.limit > 0.0)
+                .map(|g| {
+                    let wait = ((thr - g.allowance(self.now, depth)) / g.params.limit).ceil();
+                    self.now.saturating_add(wait.max(0.0) as u64)
+                });
+            return refill
+                .chain([h.deadline_ns.saturating_add(self.cfg.grace_ns)])
+                .min();
+        }
         let reserved = self.reserved_for(self.now);
         self.groups
             .iter()
@@ -845,15 +923,45 @@ impl Policy {
             return;
         }
         self.targets_dirty = false;
-        let active: Vec<GroupParams> = self
+        let all: Vec<GroupParams> = self.groups.values().map(|g| g.params).collect();
+        for (g, r) in self.groups.values_mut().zip(effective_requests(&all)) {
+            g.guarantee = r;
+        }
+        // A group that goes idle having had less than its guarantee over the window banks it
+        // (see `accrue`); it counts here as taking exactly its guarantee, so the bank comes
+        // out of the spare time, never out of another group's guarantee.
+        let now = self.now;
+        let since = now.saturating_sub(self.first_acquire.unwrap_or(now)).max(1);
+        let window = self.cfg.window_ns.min(since);
+        for g in self.groups.values_mut() {
+            g.banks = match (g.active(), g.banks) {
+                (true, _) => None,
+                (false, Some(b)) => Some(b),
+                (false, None) => {
+                    let used = g.usage_within(now.saturating_sub(window), now);
+                    Some(used < g.guarantee * window as f64)
+                }
+            };
+        }
+        let counted: Vec<GroupParams> = self
             .groups
             .values()
-            .filter(|g| g.active())
-            .map(|g| g.params)
+            .filter(|g| g.active() || g.banking())
+            .map(|g| {
+                if g.active() {
+                    g.params
+                } else {
+                    GroupParams {
+                        request: g.guarantee,
+                        limit: g.guarantee,
+                        weight: g.params.weight,
+                    }
+                }
+            })
             .collect();
-        let mut targets = water_fill(&active).into_iter();
+        let mut targets = water_fill(&counted).into_iter();
         for g in self.groups.values_mut() {
-            g.target = if g.active() {
+            g.target = if g.active() || g.banking() {
                 targets.next().unwrap_or(0.0)
             } else {
                 0.0
@@ -875,26 +983,25 @@ impl Policy {
         now
     }
 
-    /// Credit accrual over `dt` ns of held token: each active group at its target share
-    /// normalised over the active set (so exactly `dt` is handed out, matching the usage that
-    /// will be charged for that time); credit a group cannot absorb above the upper bound is
-    /// redistributed by weight to the active groups below their limit; finally all groups,
-    /// active or not, are shifted by their common mean — which leaves every difference, and so
-    /// every decision, unchanged, but keeps the values centred on the bounds.
+    /// Credit accrual over `dt` ns of held token: each active group at its target share, each
+    /// idle group with a request at its guarantee, normalised (so exactly `dt` is handed out,
+    /// matching the usage that will be charged for that time); credit a group cannot absorb
+    /// above the upper bound is redistributed by weight to the active groups below their limit;
+    /// finally all groups are shifted by their common mean — which leaves every difference, and
+    /// so every decision, unchanged, but keeps the values centred on the bounds.
     fn accrue(&mut self, dt: f64) {
         let (lo, hi) = self.credit_bounds();
-        let total: f64 = self
-            .groups
-            .values()
-            .filter(|g| g.active())
-            .map(|g| g.target)
-            .sum();
+        let total: f64 = self.groups.values().map(|g| g.target).sum();
         if total <= 0.0 {
             return;
         }
+        // An idle group with a guarantee banks it, up to the upper bound: time it is owed but
+        // does not use now, to take back at full speed when its work arrives (`preempt_for`).
+        // What it cannot bank is spare time for the active groups (the overflow below).
         let mut overflow = 0.0;
-        for g in self.groups.values_mut().filter(|g| g.active()) {
-            g.credit += g.target / total * dt;
+        for g in self.groups.values_mut() {
+            let add = g.target / total * dt;
+            g.credit += add;
             if g.credit > hi {
                 overflow += g.credit - hi;
                 g.credit = hi;
@@ -1047,6 +1154,37 @@ impl Policy {
         }
     }
 
+    /// `group` just returned with work: if it is owed more than the holder will be at its
+    /// deadline (the holder's credit settled for the time held), it would have been chosen had
+    /// it been waiting at the grant. The holder's deadline then moves to when the two are even
+    /// (never below `min_quota_ns` after its grant). A group that banked its guarantee while
+    /// idle thus gets the GPU back within about a minimum quota.
+    fn preempt_for(&mut self, group: &str, now: u64) {
+        let (depth, thr) = (self.bucket_depth(), self.cap_threshold());
+        let min_quota = self.cfg.min_quota_ns;
+        let Some(h) = self.holder.as_mut() else {
+            return;
+        };
+        let (Some(g), Some(hg)) = (self.groups.get(group), self.groups.get(&h.group)) else {
+            return;
+        };
+        if h.group == group || !g.eligible(now, depth, thr) {
+            return;
+        }
+        let settled = hg.credit + h.applied as f64 - now.saturating_sub(h.granted_at) as f64;
+        let even = now.saturating_add((settled - g.credit).max(0.0) as u64);
+        let deadline_ns = h.granted_at.saturating_add(min_quota).max(even);
+        if deadline_ns >= h.deadline_ns {
+            return;
+        }
+        h.deadline_ns = deadline_ns;
+        self.decisions.push(Decision::Shorten {
+            client: h.client,
+            token: h.token,
+            deadline_ns,
+        });
+    }
+
     /// Grants a free token to the best eligible waiting group, if any.
     ///
     /// Adaptive quota: a group that is not waiting right now but was active within the last
@@ -1076,6 +1214,8 @@ impl Policy {
                     && !g.active()
                     && !g.clients.is_empty()
                     && now.saturating_sub(g.last_active) <= quota
+                    // One banking its guarantee takes the GPU back on return (`preempt_for`).
+                    && (!g.banking() || self.cut_off.as_ref() == Some(*n))
                     && g.eligible(now, depth, thr)
             })
             .map(|(_, g)| g.credit - own)

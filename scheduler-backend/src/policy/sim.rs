@@ -120,6 +120,8 @@ pub struct Stats {
     pub idle_with_capped_waiter_below_limit_ns: u64,
     pub grants: u64,
     pub revocations: u64,
+    /// Tokens whose deadline was moved earlier for a returning group.
+    pub shortened: u64,
     /// Per tenant, the longest time between asking and being granted.
     pub max_wait_ns: Vec<u64>,
     /// Per tenant, total time between asking and being granted, and the number of grants.
@@ -142,6 +144,8 @@ pub struct Sim {
     stuck_done: Vec<bool>,
     /// Short users: work left of the current burst (cut off by a short grant).
     burst_left: Vec<u64>,
+    /// Per tenant, the token it holds and its planned release (changed by a shortened deadline).
+    plans: Vec<Option<Plan>>,
     heap: BinaryHeap<Reverse<(u64, u64, usize, Ev)>>,
     seq: u64,
     wakeup: Option<u64>,
@@ -158,6 +162,17 @@ pub struct Sim {
     /// (usage counted at grant), kept by the recursion `X ← max(0, X − limit · Δt) + used`.
     excess: Vec<(f64, u64)>,
     pub stats: Stats,
+}
+
+/// A token's planned use: held `start .. start + used`, device work from `start + handoff`
+/// (none for a stuck holder).
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    token: u64,
+    start: u64,
+    used: u64,
+    handoff: u64,
+    works: bool,
 }
 
 fn client_of(tenant: usize) -> ClientId {
@@ -204,6 +219,7 @@ impl Sim {
             granted_at: 0,
             stuck_done: vec![false; n],
             burst_left: vec![0; n],
+            plans: vec![None; n],
             heap: BinaryHeap::new(),
             seq: 0,
             wakeup: None,
@@ -392,6 +408,14 @@ impl Sim {
                 if self.states[i] == State::Gone {
                     return;
                 }
+                match self.plans[i] {
+                    Some(p) if p.token == token && p.used == used => {
+                        self.plans[i] = None;
+                        self.record(i, p);
+                    }
+                    // Superseded by a shortened deadline.
+                    _ => return,
+                }
                 match self.states[i] {
                     State::Holding(t) if t == token => {
                         self.holder = None;
@@ -460,6 +484,26 @@ impl Sim {
                     self.states[i] = State::Holding(token);
                     self.run_token(i, token, quota_ns);
                 }
+                Decision::Shorten {
+                    client,
+                    token,
+                    deadline_ns,
+                } => {
+                    let i = (client - 1) as usize;
+                    assert_eq!(
+                        self.states[i],
+                        State::Holding(token),
+                        "shortened a non-holder"
+                    );
+                    let min_quota = self.policy.config().min_quota_ns;
+                    assert!(
+                        deadline_ns >= self.granted_at + min_quota,
+                        "shortened below min"
+                    );
+                    assert!(deadline_ns >= self.now, "shortened into the past");
+                    self.stats.shortened += 1;
+                    self.shorten(i, deadline_ns);
+                }
                 Decision::Revoke { client, token } => {
                     let i = (client - 1) as usize;
                     assert_eq!(
@@ -494,6 +538,13 @@ impl Sim {
             let until = until_ns.max(now + 1);
             // It will report the whole time, and be charged it.
             self.excess[t.group] = (self.excess_at(t.group, now) + (until - now) as f64, now);
+            self.plans[i] = Some(Plan {
+                token,
+                start: now,
+                used: until - now,
+                handoff: 0,
+                works: false,
+            });
             self.push(
                 until,
                 i,
@@ -526,9 +577,52 @@ impl Sim {
         }
         let used = h + work;
         self.excess[t.group] = (self.excess_at(t.group, now) + used as f64, now);
-        add_interval(&mut self.held[t.group], self.bin_ns, now, now + used);
-        add_interval(&mut self.work[t.group], self.bin_ns, now + h, now + used);
+        self.plans[i] = Some(Plan {
+            token,
+            start: now,
+            used,
+            handoff: h,
+            works: true,
+        });
         self.push(now + used, i, Ev::Release { token, used });
+    }
+
+    /// The held and device time of a finished token.
+    fn record(&mut self, i: usize, p: Plan) {
+        let g = self.tenants[i].group;
+        let end = p.start + p.used;
+        if p.works {
+            add_interval(&mut self.held[g], self.bin_ns, p.start, end);
+            add_interval(&mut self.work[g], self.bin_ns, p.start + p.handoff, end);
+        }
+    }
+
+    /// Tenant `i`'s token now ends at `deadline_ns`: it stops its work there (what is left of
+    /// a short user's burst stays to do) and releases.
+    fn shorten(&mut self, i: usize, deadline_ns: u64) {
+        let Some(mut p) = self.plans[i] else {
+            return;
+        };
+        let used = deadline_ns.max(self.now) - p.start;
+        if used >= p.used || !p.works {
+            return;
+        }
+        let cut = p.used - used.max(p.handoff);
+        if matches!(self.tenants[i].demand, Demand::Short { .. }) {
+            self.burst_left[i] += cut;
+        }
+        let g = self.tenants[i].group;
+        self.excess[g].0 = (self.excess[g].0 - (p.used - used) as f64).max(0.0);
+        p.used = used;
+        self.plans[i] = Some(p);
+        self.push(
+            p.start + used,
+            i,
+            Ev::Release {
+                token: p.token,
+                used,
+            },
+        );
     }
 
     /// Tenant `i`'s process dies (its connection closes).

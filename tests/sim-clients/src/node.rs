@@ -277,7 +277,18 @@ impl Drop for Node {
             }
         }
         self.kill_scheduler();
+        if !matches!(self.device.try_wait(), Ok(None)) {
+            return; // already stopped and reaped by `finish`
+        }
+        // SIGTERM first: the device then removes its run directory.
+        // SAFETY: sending SIGTERM to our own child process, which has not been reaped.
+        unsafe { libc::kill(self.device.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while matches!(self.device.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         let _ = self.device.kill();
+        let _ = self.device.wait();
     }
 }
 

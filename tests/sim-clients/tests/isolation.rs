@@ -175,6 +175,13 @@ fn idle_share_goes_to_the_busy_tenant() {
         s[1] < 0.3,
         "the bursty tenant should use well under its 0.5: {s:?}"
     );
+    // DESIGN §2.5: it gets what it needs (4 ms of every 24 ms alone, 0.167) but for the wait
+    // at each burst for the busy one's queued work to drain (its token is cut short). Waiting
+    // out the busy one's quota instead gave it about 0.125.
+    assert!(
+        s[1] >= 0.135,
+        "the bursty tenant, under its guarantee, should get nearly the 0.167 it needs: {s:?}"
+    );
     assert!(
         util_beyond_handoffs >= 0.97,
         "GPU idle while the busy tenant had work: utilisation {util:.4}, {util_beyond_handoffs:.4} without handoff costs (between tenants: {}; renewals: {})",
