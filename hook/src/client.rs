@@ -351,6 +351,7 @@ impl Hook {
                 } => {
                     if let Some(g) = self.gate(&gpu) {
                         g.on_grant(self, token, deadline_ns, quota_ns);
+                        self.wake_watcher();
                     }
                 }
                 ServerMsg::Revoke { gpu, token } => {
@@ -408,35 +409,43 @@ impl Hook {
         }
     }
 
-    /// Run the watcher now: a token was cut short, and a holder blocked in a synchronisation
-    /// (not launching) should give it back at once rather than at the next period.
+    /// Run the watcher now: a token was granted (it must be watched) or cut short (a holder
+    /// blocked in a synchronisation should give it back at once).
     fn wake_watcher(&self) {
         *self.wake.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
         self.wake.1.notify_one();
     }
 
     /// Background duties: give back tokens that expired or sit idle, reconnect when needed.
+    ///
+    /// It sleeps until the earliest moment a held token could be due (its deadline, or the
+    /// idle time after the last launch), or until woken by a grant or a cut-short token: no
+    /// periodic wake-ups while the holder is busy launching or no token is held.
     fn watch(&'static self) {
-        let period =
-            Duration::from_nanos((self.settings.idle_release_ns / 2).clamp(200_000, 50_000_000));
+        const RECONNECT_NS: u64 = 500_000_000;
+        let idle_ns = self.settings.idle_release_ns.max(100_000);
         let mut last_attempt = crate::now_ns();
+        let mut next = last_attempt + RECONNECT_NS;
         loop {
             let (flag, cv) = &self.wake;
             let woken = flag.lock().unwrap_or_else(|e| e.into_inner());
+            let sleep = Duration::from_nanos(next.saturating_sub(crate::now_ns()));
             let mut woken = cv
-                .wait_timeout_while(woken, period, |w| !*w)
+                .wait_timeout_while(woken, sleep, |w| !*w)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
             *woken = false;
             drop(woken);
             let now = crate::now_ns();
-            if !self.is_connected() && !self.is_refused() && now - last_attempt > 500_000_000 {
+            if !self.is_connected() && !self.is_refused() && now - last_attempt > RECONNECT_NS {
                 last_attempt = now;
                 self.connect();
             }
-            for g in &self.gates {
-                g.watch(self);
-            }
+            next = self
+                .gates
+                .iter()
+                .filter_map(|g| g.watch(self, idle_ns))
+                .fold(now + RECONNECT_NS, u64::min);
         }
     }
 }

@@ -55,8 +55,6 @@ struct Inner {
     pool: Vec<(P, P)>,
     ctxs: Vec<P>,
     ns_per_launch: Option<f64>,
-    /// Launch count seen by the watcher last time (idle detection).
-    watched_launches: u64,
     /// Launch count at the last drain: everything before it has completed.
     drained_launches: u64,
 }
@@ -70,6 +68,8 @@ pub struct Gate {
     deadline: AtomicU64,
     /// Launches between admission and return from the driver.
     in_progress: AtomicU32,
+    /// When the last launch was admitted (the watcher's idle test).
+    last_launch: AtomicU64,
     launches: AtomicU64,
     next_pace: AtomicU64,
     inner: Mutex<Inner>,
@@ -82,6 +82,7 @@ impl Gate {
             uuid,
             deadline: AtomicU64::new(0),
             in_progress: AtomicU32::new(0),
+            last_launch: AtomicU64::new(0),
             launches: AtomicU64::new(0),
             next_pace: AtomicU64::new(1),
             inner: Mutex::new(Inner {
@@ -91,7 +92,6 @@ impl Gate {
                 pool: Vec::new(),
                 ctxs: Vec::new(),
                 ns_per_launch: None,
-                watched_launches: 0,
                 drained_launches: 0,
             }),
             changed: Condvar::new(),
@@ -114,8 +114,15 @@ impl Gate {
     fn try_enter(&self) -> bool {
         self.in_progress.fetch_add(1, Ordering::AcqRel);
         let deadline = self.deadline.load(Ordering::Acquire);
-        if deadline != 0 && (deadline == UNLIMITED || crate::now_ns() < deadline) {
+        if deadline == UNLIMITED {
             return true;
+        }
+        if deadline != 0 {
+            let now = crate::now_ns();
+            if now < deadline {
+                self.last_launch.store(now, Ordering::Relaxed);
+                return true;
+            }
         }
         self.in_progress.fetch_sub(1, Ordering::AcqRel);
         false
@@ -169,6 +176,7 @@ impl Gate {
             }
         }
         self.in_progress.fetch_add(1, Ordering::AcqRel);
+        self.last_launch.store(crate::now_ns(), Ordering::Relaxed);
         true
     }
 
@@ -188,7 +196,6 @@ impl Gate {
             granted_ns: crate::now_ns(),
             quota_ns,
         };
-        g.watched_launches = self.launches.load(Ordering::Relaxed);
         self.deadline.store(deadline_ns.max(1), Ordering::Release);
         self.changed.notify_all();
     }
@@ -240,18 +247,31 @@ impl Gate {
         self.changed.notify_all();
     }
 
-    /// Watcher duty: release a token that expired or whose holder stopped launching.
-    pub fn watch(&self, hook: &Hook) {
+    /// Watcher duty: release a token that expired or whose holder launched nothing for
+    /// `idle_ns`. Returns when to look again (`None`: no token held, nothing to watch).
+    pub fn watch(&self, hook: &Hook, idle_ns: u64) -> Option<u64> {
         let mut g = self.lock();
-        let Token::Held { .. } = g.token else { return };
-        let launches = self.launches.load(Ordering::Relaxed);
+        let Token::Held { granted_ns, .. } = g.token else {
+            return None;
+        };
         // The clock is read under the lock: a launcher pacing may have held it a while.
-        let expired = crate::now_ns() >= self.deadline.load(Ordering::Acquire);
-        let idle = launches == g.watched_launches && self.in_progress.load(Ordering::Acquire) == 0;
-        g.watched_launches = launches;
-        if expired || idle {
+        let now = crate::now_ns();
+        let deadline = self.deadline.load(Ordering::Acquire);
+        let last = self.last_launch.load(Ordering::Relaxed).max(granted_ns);
+        let idle_since = last.saturating_add(idle_ns);
+        let quiet = self.in_progress.load(Ordering::Acquire) == 0;
+        if now >= deadline || (quiet && now >= idle_since) {
             self.drain_and_release(hook, &mut g, false);
+            return None;
         }
+        Some(
+            if quiet {
+                idle_since.min(deadline)
+            } else {
+                now + idle_ns
+            }
+            .min(deadline),
+        )
     }
 
     /// Stop admitting, let in-progress launches return, wait for this process's GPU work, and
@@ -276,6 +296,8 @@ impl Gate {
             let used_ns = crate::now_ns().saturating_sub(granted_ns) + tail;
             self.give_back(hook, g, token, used_ns, again);
         }
+        // Draining also restarts the pacing from an empty queue, so that no fence spacing
+        // spans another holder's turn.
         for &ctx in &g.ctxs {
             sync_context(ctx);
         }

@@ -129,6 +129,8 @@ pub struct Model {
     held: HashMap<(ConnId, u32), u64>,
     trace: Vec<Record>,
     host_calls: Vec<(Key, u64)>,
+    /// Event records whose completion was decided since the last [`Model::take_decided_events`].
+    decided_events: Vec<(Key, u64, u64)>,
     /// Completion times of event records, until the client forgets them.
     events: HashMap<(Key, u64), u64>,
 }
@@ -153,6 +155,7 @@ impl Model {
             held: HashMap::new(),
             trace: Vec::new(),
             host_calls: Vec::new(),
+            decided_events: Vec::new(),
             events: HashMap::new(),
         }
     }
@@ -461,6 +464,7 @@ impl Model {
                     Self::complete_front(s, ready);
                     if keep {
                         self.events.insert((key, seq), ready);
+                        self.decided_events.push((key, seq, ready));
                     }
                     progress = true;
                     self.reap_stream(key);
@@ -656,6 +660,11 @@ impl Model {
     /// Host functions whose turn has come, as `(stream, seq)`.
     pub fn take_host_calls(&mut self) -> Vec<(Key, u64)> {
         std::mem::take(&mut self.host_calls)
+    }
+
+    /// Event records decided since the last call: `(stream, seq, completion time)`.
+    pub fn take_decided_events(&mut self) -> Vec<(Key, u64, u64)> {
+        std::mem::take(&mut self.decided_events)
     }
 
     /// Reserve `bytes` on `device` for `conn`; false when that would exceed the capacity.

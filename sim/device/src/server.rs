@@ -304,6 +304,16 @@ fn pump(st: &mut State, now: u64, out: &mut Outbox) {
     for ((conn, stream), seq) in st.model.take_host_calls() {
         out.push((conn, Reply::RunHostFunc { stream, seq }));
     }
+    for ((conn, stream), seq, end_ns) in st.model.take_decided_events() {
+        out.push((
+            conn,
+            Reply::EventDone {
+                stream,
+                seq,
+                end_ns,
+            },
+        ));
+    }
     let model = &st.model;
     st.waiters.retain(|w| match waiter_end(model, w) {
         Some(end) if end <= now => {

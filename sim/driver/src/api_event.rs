@@ -40,7 +40,10 @@ fn destroy(h: Handle) -> CuResult {
 /// Tell the device it may drop the time of a previous record.
 fn forget(d: &Driver, record: Option<OpRef>) -> CuResult {
     match record {
-        Some((stream, seq)) => d.client.send(&Request::ForgetEvent { stream, seq }),
+        Some((stream, seq)) => {
+            d.client.unwatch_event((stream, seq));
+            d.client.send(&Request::ForgetEvent { stream, seq })
+        }
         None => Ok(()),
     }
 }
@@ -98,7 +101,17 @@ fn completion(h: Handle, wait: bool) -> CuResult<u64> {
             (None, Some(r)) => r,
         }
     };
-    let end = if wait {
+    let end = if let Some(end) = d.client.event_end(rec) {
+        // The device said when: no round trip (wait out a completion still ahead).
+        let now = gpushare_units::monotonic_ns();
+        if end > now {
+            if !wait {
+                return Err(CUDA_ERROR_NOT_READY);
+            }
+            std::thread::sleep(std::time::Duration::from_nanos(end - now));
+        }
+        end
+    } else if wait {
         d.client.wait(vec![rec])?
     } else {
         d.client

@@ -403,6 +403,9 @@ impl State {
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         s.seq += 1;
         let seq = s.seq;
+        if matches!(op, Op::Event) {
+            client.watch_event((stream, seq));
+        }
         client.send(&Request::Submit {
             stream,
             seq,

@@ -9,7 +9,7 @@ pub use gpushare_frame::{MAX_FRAME, WireError, encode, recv, send};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change; checked in [`Request::Hello`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Environment variable naming the device socket, set by `gpushare-sim run`.
 pub const SOCKET_ENV: &str = "GPUSHARE_SIM_SOCKET";
@@ -143,6 +143,14 @@ pub enum Reply {
     Error {
         req: Option<u64>,
         message: String,
+    },
+    /// An event record's completion time, sent as soon as it is decided (possibly ahead of
+    /// it): the driver answers queries and waits on it without a round trip, as a real GPU
+    /// writes event completion where the host can read it.
+    EventDone {
+        stream: u64,
+        seq: u64,
+        end_ns: u64,
     },
 }
 
