@@ -4,6 +4,7 @@
 //! (`NAME.trace.jsonl`, `NAME-native.trace.jsonl`; `gpushare-sim report` reads them).
 
 mod analysis;
+mod real_gpu;
 mod scenario;
 mod svg;
 
@@ -19,6 +20,9 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
+
+/// Native/hooked pairs of launch-overhead runs.
+const OVERHEAD_PAIRS: usize = 9;
 
 /// Scenario duration with `--quick`.
 const QUICK_DURATION_NS: u64 = 3_000_000_000;
@@ -554,23 +558,30 @@ fn launch_overhead() -> anyhow::Result<Value> {
             .as_f64()
             .context("no ns_per_launch in launch-latency output")
     };
-    let (mut native, mut hooked) = (Vec::new(), Vec::new());
-    for _ in 0..3 {
+    // Alternating pairs, so that drifts of this (shared, 2-core) machine hit both alike; the
+    // ratio is the median of the pairs' ratios.
+    let (mut native, mut hooked, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..OVERHEAD_PAIRS {
         let mut c = node.command(&client);
         c.args(args);
-        native.push(measure(c)?);
-        hooked.push(measure(node.run_command(
-            &["--group", "overhead"],
-            &client,
-            &args,
-        ))?);
+        let n = measure(c)?;
+        let h = measure(node.run_command(&["--group", "overhead"], &client, &args))?;
+        native.push(n);
+        hooked.push(h);
+        ratios.push(n / h);
     }
-    native.sort_by(f64::total_cmp);
-    hooked.sort_by(f64::total_cmp);
-    let (n, h) = (quantile(&native, 0.5), quantile(&hooked, 0.5));
+    for v in [&mut native, &mut hooked, &mut ratios] {
+        v.sort_by(f64::total_cmp);
+    }
+    let (n, h, ratio) = (
+        quantile(&native, 0.5),
+        quantile(&hooked, 0.5),
+        quantile(&ratios, 0.5),
+    );
     progress(format!(
-        "launch overhead: native {n:.0} ns, hooked {h:.0} ns, ratio {:.3}",
-        n / h
+        "launch overhead: native {n:.0} ns, hooked {h:.0} ns, ratio {ratio:.3} (pairs {:.3}–{:.3})",
+        ratios[0],
+        ratios[ratios.len() - 1]
     ));
     // Token turnover: the same hooked measurement while a training loop of another group
     // competes for the token (launches wait while the other group holds it).
@@ -601,7 +612,9 @@ fn launch_overhead() -> anyhow::Result<Value> {
     Ok(json!({
         "native_ns": r1(n),
         "hooked_ns": r1(h),
-        "ratio": r4(n / h),
+        "ratio": r4(ratio),
+        "ratio_min": r4(ratios[0]),
+        "ratio_max": r4(ratios[ratios.len() - 1]),
         "overhead_ns": r1(h - n),
         "hooked_turnover_ns": r1(turnover),
         "native_samples_ns": native.iter().map(|x| r1(*x)).collect::<Vec<_>>(),
@@ -615,6 +628,13 @@ fn bench(list: Vec<Scenario>, out: &Path, opts: Opts) -> anyhow::Result<()> {
         bail!("no scenarios to run");
     }
     std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
+    if let Some(n) = real_gpu::device_count() {
+        progress(format!(
+            "note: this machine has {n} real GPU(s); the benchmark still runs on the simulated \
+             device, whose trace the figures come from (measuring from CUDA events on a real \
+             GPU is not implemented yet)"
+        ));
+    }
     let started = Instant::now();
     let mut scenarios = Vec::new();
     let mut errors = Vec::new();
@@ -713,10 +733,13 @@ fn markdown(s: &Value) -> String {
     if !lo.is_null() {
         let _ = writeln!(
             o,
-            "\nLaunch overhead (cuLaunchKernel of cudarc-client launch-latency, same binary): native {} ns, hooked with the token held {} ns, ratio native/hooked {}; hooked with token turnover (a competing group) {} ns.\n",
+            "\nLaunch overhead (cuLaunchKernel of cudarc-client launch-latency, same binary, {} alternating pairs, medians): native {} ns, hooked with the token held {} ns, ratio native/hooked {} (pairs {}–{}); hooked with token turnover (a competing group) {} ns.\n",
+            OVERHEAD_PAIRS,
             f(&lo["native_ns"], 0),
             f(&lo["hooked_ns"], 0),
             f(&lo["ratio"], 3),
+            f(&lo["ratio_min"], 3),
+            f(&lo["ratio_max"], 3),
             f(&lo["hooked_turnover_ns"], 0)
         );
     }

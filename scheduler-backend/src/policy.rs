@@ -607,6 +607,7 @@ impl Policy {
             .expect("checked above")
             .clients
             .push(client);
+        self.targets_dirty = true;
         if moved {
             self.schedule(self.now);
         }
@@ -923,13 +924,26 @@ impl Policy {
             return;
         }
         self.targets_dirty = false;
-        let all: Vec<GroupParams> = self.groups.values().map(|g| g.params).collect();
-        for (g, r) in self.groups.values_mut().zip(effective_requests(&all)) {
-            g.guarantee = r;
+        // Guarantees of the groups with processes on this GPU (requests scaled down if they
+        // sum to more than 1); a configured group with none here has nothing to bank.
+        let present: Vec<GroupParams> = self
+            .groups
+            .values()
+            .filter(|g| !g.clients.is_empty())
+            .map(|g| g.params)
+            .collect();
+        let mut eff = effective_requests(&present).into_iter();
+        for g in self.groups.values_mut() {
+            g.guarantee = if g.clients.is_empty() {
+                0.0
+            } else {
+                eff.next().unwrap_or(0.0)
+            };
         }
-        // A group that goes idle having had less than its guarantee over the window banks it
-        // (see `accrue`); it counts here as taking exactly its guarantee, so the bank comes
-        // out of the spare time, never out of another group's guarantee.
+        // A group that goes idle having had less than its guarantee over the window (it needs
+        // less, or was kept waiting) banks it (see `accrue`); it counts here as taking exactly
+        // its guarantee, so the bank comes out of the spare time, never out of another group's
+        // guarantee.
         let now = self.now;
         let since = now.saturating_sub(self.first_acquire.unwrap_or(now)).max(1);
         let window = self.cfg.window_ns.min(since);
