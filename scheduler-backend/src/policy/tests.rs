@@ -647,43 +647,40 @@ fn a_bursty_tenant_gets_its_request_while_on_and_gives_it_up_while_off() {
     assert_eq!(sim.stats.idle_with_uncapped_waiter_ns, 0);
 }
 
-#[test]
-fn a_short_user_gets_what_it_needs_promptly_and_the_rest_goes_to_the_busy_one() {
+/// A short user (request 0.5: `use_ns` of work, then `think_ns` idle) next to a busy tenant
+/// (request 0.5) for 100 s: the simulator and the two work shares after warm-up.
+fn short_next_to_busy(use_ns: u64, think_ns: u64, seed: u64) -> (Sim, f64, f64) {
     let end = 100 * S;
     let groups = [("short", gp(0.5, 1.0, 1.0)), ("busy", gp(0.5, 1.0, 1.0))];
-    // 2 ms of work, then 18 ms of CPU: needs at most 10 % of the GPU.
     let tenants = vec![
-        Tenant::new(
-            0,
-            Demand::Short {
-                use_ns: 2 * MS,
-                think_ns: 18 * MS,
-            },
-        ),
+        Tenant::new(0, Demand::Short { use_ns, think_ns }),
         Tenant::new(1, Demand::Busy),
     ];
-    let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 7);
+    let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, seed);
     sim.run_until(end);
     let (s, b) = (
         sim.work_share(0, WARMUP, end),
         sim.work_share(1, WARMUP, end),
     );
-    let max_wait = sim.stats.max_wait_ns[0];
     eprintln!(
-        "short user: short {s:.4}, busy {b:.4}, short's wait mean {:.2} ms, max {:.2} ms",
+        "short {}/{} ms: short {s:.4}, busy {b:.4}, short's wait mean {:.2} ms, max {:.2} ms",
+        use_ns as f64 / 1e6,
+        think_ns as f64 / 1e6,
         sim.mean_wait_ns(0) / 1e6,
-        max_wait as f64 / 1e6
+        sim.stats.max_wait_ns[0] as f64 / 1e6
     );
-    // It needs 2 ms of every 20 ms and has banked its guarantee while thinking, so each
-    // burst takes the GPU back at once (the busy holder's token is shortened).
+    assert!(s + b >= 0.99 - handoff_loss(&sim) * 2.0, "{s} + {b}");
+    (sim, s, b)
+}
+
+#[test]
+fn a_short_user_gets_what_it_needs_promptly_and_the_rest_goes_to_the_busy_one() {
+    // 2 ms of work, then 18 ms of CPU: needs 10 % of the GPU. It banks its guarantee while
+    // thinking, so each burst takes the GPU back at once (the busy holder's token is cut).
+    let (sim, s, _) = short_next_to_busy(2 * MS, 18 * MS, 7);
     assert!(s >= 0.1 - 0.005, "{s}");
-    assert!(
-        sim.mean_wait_ns(0) <= 0.1 * MS as f64,
-        "{}",
-        sim.mean_wait_ns(0)
-    );
+    assert!(sim.mean_wait_ns(0) <= 0.1 * MS as f64);
     assert!(sim.stats.shortened > 1000, "{}", sim.stats.shortened);
-    assert!(s + b >= 0.99 - handoff_loss(&sim) * 2.0);
 }
 
 #[test]
@@ -691,32 +688,9 @@ fn a_bursty_tenant_idle_longer_than_a_quota_still_gets_what_it_needs() {
     // 10 ms of work, then 23.3 ms idle: 30 % of the GPU alone, well under its 0.5 guarantee.
     // Without banking it would wait for the busy one's whole quota at every burst and, on
     // this closed loop, get only about 0.23.
-    let end = 100 * S;
-    let groups = [("bursty", gp(0.5, 1.0, 1.0)), ("busy", gp(0.5, 1.0, 1.0))];
-    let tenants = vec![
-        Tenant::new(
-            0,
-            Demand::Short {
-                use_ns: 10 * MS,
-                think_ns: 23_300_000,
-            },
-        ),
-        Tenant::new(1, Demand::Busy),
-    ];
-    let cfg = PolicyConfig::default();
-    let min_quota = cfg.min_quota_ns;
-    let mut sim = Sim::new(cfg, &groups, tenants, 11);
-    sim.run_until(end);
-    let (s, b) = (
-        sim.work_share(0, WARMUP, end),
-        sim.work_share(1, WARMUP, end),
-    );
-    eprintln!(
-        "bursty: {s:.4}, busy {b:.4}, bursty's mean wait {:.2} ms",
-        sim.mean_wait_ns(0) / 1e6
-    );
-    assert!(s >= 10.0 / (33.3 + min_quota as f64 / 1e6) - 0.005, "{s}");
-    assert!(s + b >= 0.99 - handoff_loss(&sim) * 2.0, "{s} + {b}");
+    let (sim, s, _) = short_next_to_busy(10 * MS, 23_300_000, 11);
+    let min_quota_ms = sim.policy.config().min_quota_ns as f64 / 1e6;
+    assert!(s >= 10.0 / (33.3 + min_quota_ms) - 0.005, "{s}");
 }
 
 #[test]
