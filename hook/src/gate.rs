@@ -292,8 +292,8 @@ impl Gate {
         // (`GPUSHARE_HANDOFF_LEAD`), so the next holder's first kernels reach the GPU as ours
         // finish instead of after an idle round trip; that tail is charged as estimated.
         let tail_ns = self.queued_estimate(g, hook.settings.handoff_lead_ns);
-        if let Some(tail) = tail_ns {
-            let used_ns = crate::now_ns().saturating_sub(granted_ns) + tail;
+        let estimate = tail_ns.map(|tail| crate::now_ns().saturating_sub(granted_ns) + tail);
+        if let Some(used_ns) = estimate {
             self.give_back(hook, g, token, used_ns, again);
         }
         // Draining also restarts the pacing from an empty queue, so that no fence spacing
@@ -306,9 +306,19 @@ impl Gate {
             g.pool.push((f.ctx, f.event));
         }
         g.drained_launches = self.launches.load(Ordering::Relaxed);
-        if tail_ns.is_none() {
-            let used_ns = crate::now_ns().saturating_sub(granted_ns);
-            self.give_back(hook, g, token, used_ns, again);
+        let used_ns = crate::now_ns().saturating_sub(granted_ns);
+        match estimate {
+            None => self.give_back(hook, g, token, used_ns, again),
+            // The tail took longer than estimated: settle the charge, so the estimate never
+            // lets a group run past its share or its cap.
+            Some(est) if used_ns > est => {
+                hook.send(&ClientMsg::Settle {
+                    gpu: self.uuid,
+                    token,
+                    used_ns,
+                });
+            }
+            Some(_) => {}
         }
     }
 

@@ -58,6 +58,14 @@ pub enum ClientMsg {
     MemQuery { req: u64, gpu: GpuUuid },
     /// After reconnecting: what this process holds on `gpu`, so restarted books are right.
     MemSync { gpu: GpuUuid, bytes: u64 },
+    /// After an early handoff (released while its last work was still queued, that tail
+    /// estimated): how long `token` really held the GPU, grant → drained. It only ever adds to
+    /// the charge. (Last, so older variants keep their tags.)
+    Settle {
+        gpu: GpuUuid,
+        token: u64,
+        used_ns: u64,
+    },
 }
 
 /// Scheduler → client.

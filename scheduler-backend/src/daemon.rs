@@ -354,6 +354,15 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
                 ));
             }
         }
+        ClientMsg::Settle {
+            gpu,
+            token,
+            used_ns,
+        } => {
+            if let Some(p) = st.policies.get_mut(&gpu) {
+                p.settle(id, token, used_ns, now);
+            }
+        }
         ClientMsg::MemReserve { req, gpu, bytes } => match group_of(st, id, &mut out) {
             Some(group) => {
                 policy_for(st, gpu); // so `gpushare status` shows the GPU

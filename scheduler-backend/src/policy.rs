@@ -273,6 +273,8 @@ const NS_EPS: f64 = 0.5;
 const MAX_USAGE_ENTRIES: usize = 4096;
 /// Revoked tokens awaiting their late release, at most.
 const MAX_REVOKED: usize = 1024;
+/// Released tokens whose charge may still be settled, at most.
+const MAX_SETTLING: usize = 64;
 
 /// A token in flight (or revoked, awaiting its late release).
 #[derive(Debug, Clone)]
@@ -466,6 +468,8 @@ pub struct Policy {
     clients: BTreeMap<ClientId, Client>,
     holder: Option<Hold>,
     revoked: BTreeMap<u64, Hold>,
+    /// Recently released tokens, whose charge a [`Policy::settle`] may still raise.
+    settling: BTreeMap<u64, Hold>,
     next_token: u64,
     /// Latest time seen; calls with an earlier `now` are treated as happening now.
     now: u64,
@@ -499,6 +503,7 @@ impl Policy {
             clients: BTreeMap::new(),
             holder: None,
             revoked: BTreeMap::new(),
+            settling: BTreeMap::new(),
             next_token: 1,
             now: 0,
             seq: 0,
@@ -698,6 +703,10 @@ impl Policy {
             // Only a holder cut off by its deadline still has work and will ask again at once;
             // one that released early has drained (a short user between bursts).
             let cut_off = charge + self.anticipation_window() >= h.quota_ns;
+            if self.settling.len() >= MAX_SETTLING {
+                self.settling.pop_first();
+            }
+            self.settling.insert(h.token, h.clone());
             if cut_off {
                 self.anticipate(&h.group, now);
                 self.cut_off = Some(h.group.clone());
@@ -711,6 +720,22 @@ impl Policy {
             self.charge(&mut h, charge, now);
         }
         Ok(())
+    }
+
+    /// `client` reports how long its released token `token` really held the GPU (it released
+    /// early with the tail of its work estimated). Raises that token's charge to
+    /// `min(used_ns, now − grant)`; never lowers it. Unknown or old tokens are ignored.
+    pub fn settle(&mut self, client: ClientId, token: u64, used_ns: u64, now: u64) {
+        let now = self.advance(now);
+        let Some(mut h) = self.settling.remove(&token) else {
+            return;
+        };
+        if h.client != client {
+            self.settling.insert(token, h);
+            return;
+        }
+        let charge = used_ns.min(now.saturating_sub(h.granted_at)).max(h.applied);
+        self.charge(&mut h, charge, now);
     }
 
     /// Handles timeouts at `now`: revokes a holder past deadline + grace (and grants the next
@@ -1103,6 +1128,7 @@ impl Policy {
             }
         }
         self.revoked.retain(|_, h| h.client != client);
+        self.settling.retain(|_, h| h.client != client);
         self.targets_dirty = true;
     }
 

@@ -261,6 +261,36 @@ fn disconnecting_the_holder_grants_the_next_at_once() {
 }
 
 #[test]
+fn a_settled_release_raises_the_charge_and_never_lowers_it() {
+    let mut p = policy(&[("a", gp(0.0, 0.3, 1.0)), ("b", GroupParams::default())]);
+    p.connect(1, "a").unwrap();
+    p.connect(2, "b").unwrap();
+    p.acquire(1, 0).unwrap();
+    assert_eq!(p.take_decisions(), vec![grant(1, 1, 0)]);
+    // Released early with the last 4 ms of its work estimated as 1 ms...
+    p.release(1, 1, 17 * MS, 18 * MS).unwrap();
+    assert_eq!(group(&p.status(18 * MS), "a").busy_ns, 17 * MS);
+    // One from another client changes nothing...
+    p.settle(2, 1, 30 * MS, 19 * MS);
+    assert_eq!(group(&p.status(19 * MS), "a").busy_ns, 17 * MS);
+    // ...but it really drained at 21 ms: the charge (and the cap's bucket) catch up.
+    let before = group(&p.status(21 * MS), "a").allowance_ns.unwrap();
+    p.settle(1, 1, 21 * MS, 21 * MS);
+    let st = p.status(21 * MS);
+    assert_eq!(group(&st, "a").busy_ns, 21 * MS);
+    assert!((group(&st, "a").allowance_ns.unwrap() - (before - 4e6)).abs() < 1.0);
+    // Repeated or unknown settlements change nothing.
+    p.settle(1, 1, 30 * MS, 22 * MS);
+    p.settle(1, 99, 30 * MS, 22 * MS);
+    assert_eq!(group(&p.status(22 * MS), "a").busy_ns, 21 * MS);
+    // Nor does one below what was charged at release.
+    p.acquire(2, 22 * MS).unwrap();
+    p.release(2, 2, 5 * MS, 27 * MS).unwrap();
+    p.settle(2, 2, 3 * MS, 28 * MS);
+    assert_eq!(group(&p.status(28 * MS), "b").busy_ns, 5 * MS);
+}
+
+#[test]
 fn removing_a_group_disconnects_its_clients() {
     let mut p = policy(&[("a", GroupParams::default()), ("b", GroupParams::default())]);
     p.connect(1, "a").unwrap();
