@@ -70,6 +70,8 @@ pub struct Gate {
     in_progress: AtomicU32,
     /// When the last launch was admitted (the watcher's idle test).
     last_launch: AtomicU64,
+    /// Launchers waiting in `pace` for their queued work: busy, not idle.
+    pacing: AtomicU32,
     launches: AtomicU64,
     next_pace: AtomicU64,
     inner: Mutex<Inner>,
@@ -83,6 +85,7 @@ impl Gate {
             deadline: AtomicU64::new(0),
             in_progress: AtomicU32::new(0),
             last_launch: AtomicU64::new(0),
+            pacing: AtomicU32::new(0),
             launches: AtomicU64::new(0),
             next_pace: AtomicU64::new(1),
             inner: Mutex::new(Inner {
@@ -259,9 +262,11 @@ impl Gate {
         let deadline = self.deadline.load(Ordering::Acquire);
         let last = self.last_launch.load(Ordering::Relaxed).max(granted_ns);
         let idle_since = last.saturating_add(idle_ns);
-        let quiet = self.in_progress.load(Ordering::Acquire) == 0;
+        let quiet = self.in_progress.load(Ordering::Acquire) == 0
+            && self.pacing.load(Ordering::Acquire) == 0;
         if now >= deadline || (quiet && now >= idle_since) {
-            self.drain_and_release(hook, &mut g, false);
+            // A launcher still busy (launching or waiting in `pace`) wants the next turn too.
+            self.drain_and_release(hook, &mut g, !quiet);
             return None;
         }
         Some(
@@ -408,7 +413,22 @@ impl Gate {
             if g.fences.len() < 2 || !too_much {
                 break;
             }
-            if !complete_oldest_fence(&mut g) {
+            // Wait without the lock, so grants, cut-short tokens and the watcher are not held
+            // up by a launcher waiting for its GPU work.
+            let event = g.fences.front().map(|f| f.event).expect("two fences");
+            self.pacing.fetch_add(1, Ordering::AcqRel);
+            drop(g);
+            // SAFETY: a fence event recorded by `pace` (if a drain recycled it meanwhile, this
+            // waits for its new record: longer, never wrong).
+            let waited = real::cuEventSynchronize().is_some_and(|s| unsafe { s(event) } == 0);
+            g = self.lock();
+            self.pacing.fetch_sub(1, Ordering::AcqRel);
+            if !waited {
+                break;
+            }
+            // Completed now (unless a drain took it meanwhile): no wait under the lock.
+            if g.fences.front().is_some_and(|f| f.event == event) && !complete_oldest_fence(&mut g)
+            {
                 break;
             }
         }
