@@ -269,14 +269,7 @@ impl Gate {
             self.drain_and_release(hook, &mut g, !quiet);
             return None;
         }
-        Some(
-            if quiet {
-                idle_since.min(deadline)
-            } else {
-                now + idle_ns
-            }
-            .min(deadline),
-        )
+        Some(if quiet { idle_since } else { now + idle_ns }.min(deadline))
     }
 
     /// Stop admitting, let in-progress launches return, wait for this process's GPU work, and
@@ -296,8 +289,9 @@ impl Gate {
         // Hand over early: wait only until the work still queued is about one handoff
         // (`GPUSHARE_HANDOFF_LEAD`), so the next holder's first kernels reach the GPU as ours
         // finish instead of after an idle round trip; that tail is charged as estimated.
-        let tail_ns = self.queued_estimate(g, hook.settings.handoff_lead_ns);
-        let estimate = tail_ns.map(|tail| crate::now_ns().saturating_sub(granted_ns) + tail);
+        let estimate = self
+            .queued_estimate(g, hook.settings.handoff_lead_ns)
+            .map(|tail| crate::now_ns().saturating_sub(granted_ns) + tail);
         if let Some(used_ns) = estimate {
             self.give_back(hook, g, token, used_ns, again);
         }

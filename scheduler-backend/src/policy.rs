@@ -384,6 +384,17 @@ impl Group {
         self.params.limit > 0.0 && self.allowance(now, depth) >= thr - NS_EPS
     }
 
+    /// When its bucket will hold `thr` (`now` if it does; never with limit 0).
+    fn eligible_at(&self, now: u64, depth: f64, thr: f64) -> Option<u64> {
+        if self.eligible(now, depth, thr) {
+            return Some(now);
+        }
+        (self.params.limit > 0.0).then(|| {
+            let wait = ((thr - self.allowance(now, depth)) / self.params.limit).ceil();
+            now.saturating_add(wait.max(0.0) as u64)
+        })
+    }
+
     fn refill(&mut self, now: u64, depth: f64) {
         if self.capped() {
             let dt = now.saturating_sub(self.allowance_at) as f64;
@@ -809,11 +820,8 @@ impl Policy {
             let refill = self
                 .groups
                 .values()
-                .filter(|g| g.held_back && g.params.limit > 0.0)
-                .map(|g| {
-                    let wait = ((thr - g.allowance(self.now, depth)) / g.params.limit).ceil();
-                    self.now.saturating_add(wait.max(0.0) as u64)
-                });
+                .filter(|g| g.held_back)
+                .filter_map(|g| g.eligible_at(self.now, depth, thr));
             return refill
                 .chain([h.deadline_ns.saturating_add(self.cfg.grace_ns)])
                 .min();
@@ -823,15 +831,7 @@ impl Policy {
             .iter()
             .filter(|(_, g)| !g.queue.is_empty())
             .filter_map(|(name, g)| {
-                let a = g.allowance(self.now, depth);
-                let at = if g.eligible(self.now, depth, thr) {
-                    self.now
-                } else if g.params.limit > 0.0 {
-                    let wait = ((thr - a) / g.params.limit).ceil();
-                    self.now.saturating_add(wait as u64)
-                } else {
-                    return None;
-                };
+                let at = g.eligible_at(self.now, depth, thr)?;
                 Some(match reserved {
                     Some((r, until)) if r != name => at.max(until),
                     _ => at,
