@@ -559,6 +559,7 @@ fn report(st: &State, now: u64) -> Report {
                         waits: g.waits,
                         overruns: g.overruns,
                         revocations: g.revocations,
+                        preempted: g.preempted,
                         pids: g
                             .clients
                             .iter()

@@ -255,6 +255,8 @@ pub struct GroupStatus {
     pub overruns: u64,
     /// Tokens revoked at deadline + grace.
     pub revocations: u64,
+    /// Tokens cut short for a group owed more that came back (preemption).
+    pub preempted: u64,
     /// Connected clients.
     pub clients: Vec<ClientId>,
     /// A client of the group waits for or holds the token.
@@ -330,6 +332,7 @@ struct Group {
     waits: u64,
     overruns: u64,
     revocations: u64,
+    preempted: u64,
 }
 
 impl Group {
@@ -354,6 +357,7 @@ impl Group {
             waits: 0,
             overruns: 0,
             revocations: 0,
+            preempted: 0,
         }
     }
 
@@ -887,6 +891,7 @@ impl Policy {
                 waits: g.waits,
                 overruns: g.overruns,
                 revocations: g.revocations,
+                preempted: g.preempted,
                 clients: g.clients.clone(),
                 active: g.active(),
                 credit_ns: g.credit,
@@ -1218,6 +1223,9 @@ impl Policy {
             return;
         }
         h.deadline_ns = deadline_ns;
+        if let Some(hg) = self.groups.get_mut(&h.group) {
+            hg.preempted += 1;
+        }
         self.decisions.push(Decision::Shorten {
             client: h.client,
             token: h.token,

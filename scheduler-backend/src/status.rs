@@ -38,6 +38,9 @@ pub struct GroupReport {
     pub waits: u64,
     pub overruns: u64,
     pub revocations: u64,
+    /// Tokens cut short for a returning group owed more.
+    #[serde(default)]
+    pub preempted: u64,
     pub pids: Vec<u32>,
     pub active: bool,
     /// GPU memory the group's processes hold on this GPU, and its cap (`None`: uncapped).
@@ -86,7 +89,7 @@ pub fn render(r: &Report) -> String {
         );
         let _ = writeln!(
             out,
-            "  {:<16} {:>7} {:>6} {:>6} {:>7} {:>8} {:>9} {:>7} {:>6} {:>8} {:>17}  pids",
+            "  {:<16} {:>7} {:>6} {:>6} {:>7} {:>8} {:>9} {:>7} {:>6} {:>8} {:>9} {:>17}  pids",
             "GROUP",
             "REQUEST",
             "LIMIT",
@@ -97,6 +100,7 @@ pub fn render(r: &Report) -> String {
             "TOKENS",
             "WAITS",
             "OVERRUNS",
+            "PREEMPTED",
             "MEMORY(MiB)"
         );
         for x in &g.groups {
@@ -108,7 +112,7 @@ pub fn render(r: &Report) -> String {
             };
             let _ = writeln!(
                 out,
-                "  {:<16} {:>7.2} {:>6.2} {:>6.2} {:>7.3} {:>8.3} {:>9.3} {:>7} {:>6} {:>8} {:>17}  {}",
+                "  {:<16} {:>7.2} {:>6.2} {:>6.2} {:>7.3} {:>8.3} {:>9.3} {:>7} {:>6} {:>8} {:>9} {:>17}  {}",
                 x.name,
                 x.effective_request,
                 x.limit,
@@ -119,6 +123,7 @@ pub fn render(r: &Report) -> String {
                 x.tokens,
                 x.waits,
                 x.overruns,
+                x.preempted,
                 memory,
                 pids.join(",")
             );
@@ -136,7 +141,7 @@ pub fn prometheus(r: &Report) -> String {
         &'static str,
         fn(&GroupReport) -> Option<f64>,
     );
-    let metrics: [Metric; 10] = [
+    let metrics: [Metric; 11] = [
         (
             "gpushare_group_request",
             "gauge",
@@ -184,6 +189,12 @@ pub fn prometheus(r: &Report) -> String {
             "counter",
             "Tokens returned after their deadline.",
             |g| Some(g.overruns as f64),
+        ),
+        (
+            "gpushare_group_preempted_total",
+            "counter",
+            "Tokens cut short because a group owed more came back.",
+            |g| Some(g.preempted as f64),
         ),
         (
             "gpushare_group_memory_used_bytes",
@@ -236,6 +247,7 @@ mod tests {
             waits: 4,
             overruns: 0,
             revocations: 0,
+            preempted: 0,
             pids: vec![7],
             active: true,
             memory_used: 10,

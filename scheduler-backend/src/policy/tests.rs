@@ -711,6 +711,10 @@ fn a_short_user_gets_what_it_needs_promptly_and_the_rest_goes_to_the_busy_one() 
     assert!(s >= 0.1 - 0.005, "{s}");
     assert!(sim.mean_wait_ns(0) <= 0.1 * MS as f64);
     assert!(sim.stats.shortened > 1000, "{}", sim.stats.shortened);
+    let st = sim.policy.status(sim.now);
+    let preempted = group(&st, "busy").preempted + group(&st, "short").preempted;
+    assert_eq!(preempted, sim.stats.shortened);
+    assert!(group(&st, "busy").preempted > 1000);
 }
 
 #[test]

@@ -145,6 +145,18 @@ fn idle_share_goes_to_the_busy_tenant() {
     ];
     let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
     wait_all(ts);
+    // The busy one's tokens were cut short for the returning bursty one, and status says so.
+    let status = node.status_json().expect("gpushare status");
+    let preempted = status["gpus"][0]["groups"]
+        .as_array()
+        .expect("groups")
+        .iter()
+        .find(|g| g["name"] == "busy")
+        .and_then(|g| g["preempted"].as_u64());
+    assert!(
+        preempted.is_some_and(|n| n >= 20),
+        "busy tokens preempted: {preempted:?}"
+    );
     let trace = node.finish();
     let (w, s) = measure("busy + bursty", &trace, &pids, &[0.5, 0.5]);
     let util = trace.utilization(0, w);
