@@ -730,9 +730,8 @@ impl Policy {
             self.cut_off = None;
             self.mark_held_back(now);
         } else if self.revoked.get(&token).is_some_and(|h| h.client == client) {
-            let mut h = self.revoked.remove(&token).expect("checked");
-            let charge = used_ns.min(now.saturating_sub(h.granted_at)).max(h.applied);
-            self.charge(&mut h, charge, now);
+            let h = self.revoked.remove(&token).expect("checked");
+            self.charge_late(h, used_ns, now);
         }
         Ok(())
     }
@@ -742,13 +741,19 @@ impl Policy {
     /// `min(used_ns, now − grant)`; never lowers it. Unknown or old tokens are ignored.
     pub fn settle(&mut self, client: ClientId, token: u64, used_ns: u64, now: u64) {
         let now = self.advance(now);
-        let Some(mut h) = self.settling.remove(&token) else {
-            return;
-        };
-        if h.client != client {
-            self.settling.insert(token, h);
-            return;
+        if self
+            .settling
+            .get(&token)
+            .is_some_and(|h| h.client == client)
+        {
+            let h = self.settling.remove(&token).expect("checked");
+            self.charge_late(h, used_ns, now);
         }
+    }
+
+    /// A token no longer held reports its real use: charge up to it (never beyond the time
+    /// since its grant, never below what was charged already).
+    fn charge_late(&mut self, mut h: Hold, used_ns: u64, now: u64) {
         let charge = used_ns.min(now.saturating_sub(h.granted_at)).max(h.applied);
         self.charge(&mut h, charge, now);
     }

@@ -138,6 +138,11 @@ impl Node {
     }
 
     /// `gpushare status --json` against the node's scheduler (at most 5 s).
+    /// `gpushare status --json`: the entry of `group` on GPU 0, if the status lists it.
+    pub fn status_group(&self, group: &str) -> Option<serde_json::Value> {
+        group_in(&self.status_json().ok()?, group).cloned()
+    }
+
     pub fn status_json(&self) -> Result<serde_json::Value, String> {
         let mut c = Command::new(target_dir().join("gpushare"));
         c.args(["status", "--json"])
@@ -604,4 +609,12 @@ pub fn gaps_in(trace: &Trace, window: Window) -> Gaps {
         prev = Some((r.pid, r.end_ns));
     }
     g
+}
+
+/// The entry of `group` on GPU 0 in a `gpushare status --json` report.
+pub fn group_in<'a>(status: &'a serde_json::Value, group: &str) -> Option<&'a serde_json::Value> {
+    status["gpus"][0]["groups"]
+        .as_array()?
+        .iter()
+        .find(|g| g["name"] == group)
 }

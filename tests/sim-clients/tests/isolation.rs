@@ -18,7 +18,7 @@
 
 use gpushare_sim_clients::harness::{describe, json_lines, output_with_timeout, target_dir};
 use gpushare_sim_clients::node::{
-    Gaps, Node, Spin, Tenant, common_active_window, gaps_in, monotonic_ns, shares_in,
+    Gaps, Node, Spin, Tenant, common_active_window, gaps_in, group_in, monotonic_ns, shares_in,
 };
 use gpushare_sim_clients::trace::{Trace, Window};
 use std::io::{Read, Write};
@@ -146,12 +146,8 @@ fn idle_share_goes_to_the_busy_tenant() {
     let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
     wait_all(ts);
     // The busy one's tokens were cut short for the returning bursty one, and status says so.
-    let status = node.status_json().expect("gpushare status");
-    let preempted = status["gpus"][0]["groups"]
-        .as_array()
-        .expect("groups")
-        .iter()
-        .find(|g| g["name"] == "busy")
+    let preempted = node
+        .status_group("busy")
         .and_then(|g| g["preempted"].as_u64());
     assert!(
         preempted.is_some_and(|n| n >= 20),
@@ -614,9 +610,7 @@ fn stopped_token_holder_is_revoked() {
         let s = shares_in(&trace, &[vpid, opid], stopped);
         let resumed = first_record_after(&trace, opid, victim_last).unwrap_or(u64::MAX);
         let status = status.unwrap_or_else(|e| panic!("gpushare status --json failed: {e}"));
-        let revocations = status["gpus"][0]["groups"]
-            .as_array()
-            .and_then(|g| g.iter().find(|g| g["name"] == "victim"))
+        let revocations = group_in(&status, "victim")
             .and_then(|g| g["revocations"].as_u64())
             .unwrap_or(0);
         eprintln!(

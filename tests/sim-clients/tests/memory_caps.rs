@@ -191,16 +191,6 @@ impl Drop for Proc {
     }
 }
 
-/// `gpushare status --json`: the entry of `group` on GPU 0, if the status lists it.
-fn status_group(node: &Node, group: &str) -> Option<Value> {
-    let v = node.status_json().ok()?;
-    v["gpus"][0]["groups"]
-        .as_array()?
-        .iter()
-        .find(|g| g["name"] == group)
-        .cloned()
-}
-
 /// A node and the C client `c/NAME.c` compiled against its libcuda.
 fn node_with(name: &str) -> (Node, PathBuf) {
     let node = Node::start(&[]);
@@ -418,7 +408,9 @@ fn racing_processes_of_one_group_never_exceed_the_cap_together() {
             peak.0
         );
     }
-    let g = status_group(&node, "race").expect("group race in gpushare status");
+    let g = node
+        .status_group("race")
+        .expect("group race in gpushare status");
     assert_eq!(u(&g, "memory_used"), 0, "after both exited: {g}");
 }
 
@@ -467,7 +459,10 @@ fn killed_process_releases_its_memory_at_once() {
     // How soon the daemon's books show the memory free.
     let mut released_ms = None;
     while monotonic_ns() - t_kill < 1_000_000_000 {
-        if status_group(&node, "k").is_some_and(|g| g["memory_used"] == 0) {
+        if node
+            .status_group("k")
+            .is_some_and(|g| g["memory_used"] == 0)
+        {
             released_ms = Some((monotonic_ns() - t_kill) as f64 / 1e6);
             break;
         }
@@ -534,7 +529,7 @@ fn scheduler_restart_keeps_the_books() {
         freed.is_ok() && status.is_some_and(|s| s.success()),
         "the holder could not free its memory after the scheduler restart ({freed:?}, exit {status:?})\n{stderr}"
     );
-    let g = status_group(&node, "r").expect("group r in gpushare status");
+    let g = node.status_group("r").expect("group r in gpushare status");
     assert_eq!(u(&g, "memory_used"), 0, "{g}");
 }
 
@@ -543,7 +538,9 @@ fn scheduler_restart_keeps_the_books() {
 fn status_reports_memory_used_and_cap() {
     let (node, exe) = node_with("mem_tool");
     let mut h = holder(&node, &exe, "st", "512MiB", 300 * MIB);
-    let g = status_group(&node, "st").expect("group st in gpushare status --json");
+    let g = node
+        .status_group("st")
+        .expect("group st in gpushare status --json");
     eprintln!("status --json group entry: {g}");
     assert_eq!(u(&g, "memory_used"), 300 * MIB, "{g}");
     assert_eq!(u(&g, "memory_cap"), 512 * MIB, "{g}");
@@ -562,7 +559,7 @@ fn status_reports_memory_used_and_cap() {
     assert_eq!(u(&after, "free"), 512 * MIB);
     let (status, stderr) = h.finish(RUN);
     assert!(status.is_some_and(|s| s.success()), "{stderr}");
-    let g = status_group(&node, "st").unwrap();
+    let g = node.status_group("st").unwrap();
     assert_eq!(u(&g, "memory_used"), 0, "{g}");
 }
 

@@ -82,14 +82,9 @@ fn cuda_bindings_are_gated_and_capped_by_gpushare() {
     assert!(out.status.success(), "{}", describe(&out));
     let r = &json_lines(&out.stdout)[0];
     assert_eq!(r["total"], 1u64 << 30, "cuMemGetInfo reports the cap: {r}");
-    let status = node.status_json().expect("gpushare status");
-    let group = status["gpus"][0]["groups"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|g| g["name"] == "py")
-        .cloned();
-    let group = group.expect("the scheduler saw the python process");
+    let group = node
+        .status_group("py")
+        .expect("the scheduler saw the python process");
     assert!(
         group["tokens"].as_u64().unwrap() >= 1,
         "its launches were gated: {group}"
