@@ -346,11 +346,12 @@ impl Hook {
                 ServerMsg::Grant {
                     gpu,
                     token,
+                    start_ns,
                     deadline_ns,
                     quota_ns,
                 } => {
                     if let Some(g) = self.gate(&gpu) {
-                        g.on_grant(self, token, deadline_ns, quota_ns);
+                        g.on_grant(self, token, start_ns, deadline_ns, quota_ns);
                         self.wake_watcher();
                     }
                 }

@@ -9,7 +9,10 @@
 //!   time between consecutive fences, so K adapts: many tiny kernels pay for one fence per
 //!   batch, long kernels are paced one by one;
 //! - draining at expiry or when idle: stop admitting, wait for in-progress launches, synchronise
-//!   every context used, and report grant → drained as the time this process held the GPU.
+//!   every context used, and report grant → drained as the time this process held the GPU;
+//!   the token is handed over when about a handoff lead of work is left (its tail estimated,
+//!   settled later), and already when the application synchronises so close to the deadline
+//!   that its turn is over once that work drains.
 
 use crate::client::Hook;
 use crate::log::debug;
@@ -45,6 +48,8 @@ struct Fence {
     ctx: P,
     /// Launch count when it was recorded: every earlier launch on its stream is before it.
     launches: u64,
+    /// When it was recorded.
+    recorded_ns: u64,
 }
 
 struct Inner {
@@ -52,6 +57,8 @@ struct Inner {
     fences: VecDeque<Fence>,
     /// Most recently completed fence (timing reference for the next one).
     last_done: Option<Fence>,
+    /// When `last_done` was seen to complete.
+    last_done_ns: u64,
     pool: Vec<(P, P)>,
     ctxs: Vec<P>,
     ns_per_launch: Option<f64>,
@@ -92,6 +99,7 @@ impl Gate {
                 token: Token::None,
                 fences: VecDeque::new(),
                 last_done: None,
+                last_done_ns: 0,
                 pool: Vec::new(),
                 ctxs: Vec::new(),
                 ns_per_launch: None,
@@ -183,7 +191,15 @@ impl Gate {
         true
     }
 
-    pub fn on_grant(&self, hook: &Hook, token: u64, deadline_ns: u64, quota_ns: u64) {
+    /// The token, held from `start_ns` (when the previous holder's queued work drains).
+    pub fn on_grant(
+        &self,
+        hook: &Hook,
+        token: u64,
+        start_ns: u64,
+        deadline_ns: u64,
+        quota_ns: u64,
+    ) {
         let mut g = self.lock();
         if g.token != Token::Requested {
             // Nobody here wants it (any more): hand it straight back.
@@ -196,7 +212,7 @@ impl Gate {
         }
         g.token = Token::Held {
             token,
-            granted_ns: crate::now_ns(),
+            granted_ns: crate::now_ns().max(start_ns),
             quota_ns,
         };
         self.deadline.store(deadline_ns.max(1), Ordering::Release);
@@ -321,24 +337,58 @@ impl Gate {
         }
     }
 
-    /// Wait for fences until the estimated GPU work still queued is at most `lead_ns`; that
-    /// estimate, or `None` when it cannot be made that small (no estimate yet, no fences).
+    /// Wait until the GPU work still queued is estimated at `lead_ns` or less; that estimate,
+    /// or `None` when it cannot be made (no estimate yet, or a fence the driver would not wait
+    /// for). Between fences it sleeps to the moment the estimate reaches the lead, so the
+    /// handover does not jump by whole kernels.
     fn queued_estimate(&self, g: &mut Inner, lead_ns: u64) -> Option<u64> {
         let est = g.ns_per_launch.filter(|_| lead_ns > 0)?;
         let n = self.launches.load(Ordering::Relaxed);
         loop {
-            let completed = g
-                .last_done
-                .as_ref()
-                .map_or(0, |f| f.launches)
-                .max(g.drained_launches);
-            let tail = n.saturating_sub(completed) as f64 * est;
-            if tail <= lead_ns as f64 {
-                return Some(tail as u64);
+            let now = crate::now_ns();
+            let tail = queued_ns(g, n, now)?;
+            if tail <= lead_ns {
+                return Some(tail);
             }
-            if !complete_oldest_fence(g) {
-                return None;
+            let front = g.fences.front()?.launches;
+            // When the oldest fence completes, relative to the moment the tail reaches the lead.
+            let fence_in = tail as f64 - n.saturating_sub(front) as f64 * est;
+            if fence_in <= (tail - lead_ns) as f64 {
+                if !complete_oldest_fence(g) {
+                    return None;
+                }
+            } else {
+                std::thread::sleep(Duration::from_nanos(tail - lead_ns));
             }
+        }
+    }
+
+    /// The application is about to wait for its GPU work. When the token ends before that work
+    /// has drained plus a handoff lead, the turn is over in all but name: hand over as the work
+    /// drains, as at expiry, rather than leave the next holder an idle GPU for a round trip
+    /// after it. Skipped while another thread is launching or the gate is busy.
+    pub fn before_sync(&self, hook: &Hook) {
+        let deadline = self.deadline.load(Ordering::Acquire);
+        if deadline == 0
+            || deadline == UNLIMITED
+            || self.in_progress.load(Ordering::Acquire) != 0
+            || self.pacing.load(Ordering::Acquire) != 0
+        {
+            return;
+        }
+        let Ok(mut g) = self.inner.try_lock() else {
+            return;
+        };
+        if !matches!(g.token, Token::Held { .. }) {
+            return;
+        }
+        complete_finished_fences(&mut g);
+        let now = crate::now_ns();
+        let Some(tail) = queued_ns(&g, self.launches.load(Ordering::Relaxed), now) else {
+            return;
+        };
+        if now + tail + hook.settings.handoff_lead_ns >= deadline {
+            self.drain_and_release(hook, &mut g, false);
         }
     }
 
@@ -392,16 +442,11 @@ impl Gate {
             event,
             ctx,
             launches: n,
+            recorded_ns: crate::now_ns(),
         });
         loop {
-            let completed = g
-                .last_done
-                .as_ref()
-                .map_or(0, |f| f.launches)
-                .max(g.drained_launches);
-            let queued_launches = n.saturating_sub(completed);
             let too_much = match g.ns_per_launch {
-                Some(est) => queued_launches as f64 * est > budget,
+                Some(est) => queued_launches(&g, n) as f64 * est > budget,
                 None => true,
             };
             if g.fences.len() < 2 || !too_much {
@@ -434,6 +479,47 @@ impl Gate {
     }
 }
 
+/// Launches up to the `n`th not known to have completed.
+fn queued_launches(g: &Inner, n: u64) -> u64 {
+    let completed = g
+        .last_done
+        .as_ref()
+        .map_or(0, |f| f.launches)
+        .max(g.drained_launches);
+    n.saturating_sub(completed)
+}
+
+/// Estimated GPU time (ns) still queued at `now` up to launch `n`: the launches not known to
+/// have completed times the GPU time per launch, less the time the GPU has surely been working
+/// through them: since the last fence completed, or the oldest pending one was recorded if
+/// that was later (the GPU may have idled in between).
+fn queued_ns(g: &Inner, n: u64, now: u64) -> Option<u64> {
+    let est = g.ns_per_launch?;
+    let queued = queued_launches(g, n) as f64 * est;
+    let since = g
+        .fences
+        .front()
+        .map_or(0, |f| now.saturating_sub(f.recorded_ns.max(g.last_done_ns)));
+    Some((queued - since as f64).max(0.0) as u64)
+}
+
+/// Take in the fences that have completed, without waiting.
+fn complete_finished_fences(g: &mut Inner) {
+    let Some(query) = real::cuEventQuery() else {
+        return;
+    };
+    // SAFETY: fence events recorded by `pace`.
+    while g
+        .fences
+        .front()
+        .is_some_and(|f| unsafe { query(f.event) } == 0)
+    {
+        if !complete_oldest_fence(g) {
+            return;
+        }
+    }
+}
+
 /// Wait for the oldest fence and learn the GPU time per launch from it and the previous one;
 /// false when the driver would not wait (the fence is dropped).
 fn complete_oldest_fence(g: &mut Inner) -> bool {
@@ -459,6 +545,7 @@ fn complete_oldest_fence(g: &mut Inner) -> bool {
         g.pool.push((prev.ctx, prev.event));
     }
     g.last_done = Some(f);
+    g.last_done_ns = crate::now_ns();
     true
 }
 

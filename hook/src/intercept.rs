@@ -62,6 +62,36 @@ launch_wrapper!(cuLaunchCooperativeKernel_ptsz, per_thread = true, stream = s,
 launch_wrapper!(cuGraphLaunch, per_thread = false, stream = s, (g: P, s: P));
 launch_wrapper!(cuGraphLaunch_ptsz, per_thread = true, stream = s, (g: P, s: P));
 
+/// Run a synchronisation, first letting the gate of the current GPU hand its token over if the
+/// turn ends with the work being waited for.
+fn synced(sync: impl FnOnce() -> Option<CUresult>) -> CUresult {
+    let run = || {
+        if let Some(h) = hook()
+            && let Some(g) = h.gate_for_current()
+        {
+            g.before_sync(h);
+        }
+        sync().unwrap_or(CUDA_ERROR_NOT_INITIALIZED)
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+macro_rules! sync_wrapper {
+    ($name:ident, ($($arg:ident: $ty:ty),*)) => {
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            // SAFETY: forwards the caller's arguments unchanged to the real function of the same
+            // name and signature.
+            synced(|| real::$name().map(|f| unsafe { f($($arg),*) }))
+        }
+    };
+}
+
+sync_wrapper!(cuCtxSynchronize, ());
+sync_wrapper!(cuStreamSynchronize, (s: P));
+sync_wrapper!(cuStreamSynchronize_ptsz, (s: P));
+sync_wrapper!(cuEventSynchronize, (e: P));
+
 /// The stream of a `CUlaunchConfig` (grid, block, shared memory bytes, then the stream).
 fn config_stream(config: *const c_void) -> P {
     if config.is_null() {
@@ -106,14 +136,16 @@ pub extern "C" fn cuLaunchCooperativeKernelMultiDevice(list: P, n: u32, flags: u
     })
 }
 
-/// Managed symbols (launches, allocations, frees, memory queries) and their wrappers, sorted
-/// by name.
-fn wrappers() -> [(&'static str, P); 30] {
+/// Managed symbols (launches, synchronisations, allocations, frees, memory queries) and their
+/// wrappers, sorted by name.
+fn wrappers() -> [(&'static str, P); 34] {
     [
         ("cuArray3DCreate_v2", memory::cuArray3DCreate_v2 as P),
         ("cuArrayCreate_v2", memory::cuArrayCreate_v2 as P),
         ("cuArrayDestroy", memory::cuArrayDestroy as P),
+        ("cuCtxSynchronize", cuCtxSynchronize as P),
         ("cuDeviceTotalMem_v2", memory::cuDeviceTotalMem_v2 as P),
+        ("cuEventSynchronize", cuEventSynchronize as P),
         ("cuGetProcAddress", cuGetProcAddress as P),
         ("cuGetProcAddress_v2", cuGetProcAddress_v2 as P),
         ("cuGraphLaunch", cuGraphLaunch as P),
@@ -158,6 +190,8 @@ fn wrappers() -> [(&'static str, P); 30] {
             "cuMipmappedArrayDestroy",
             memory::cuMipmappedArrayDestroy as P,
         ),
+        ("cuStreamSynchronize", cuStreamSynchronize as P),
+        ("cuStreamSynchronize_ptsz", cuStreamSynchronize_ptsz as P),
     ]
 }
 

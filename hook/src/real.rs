@@ -111,6 +111,9 @@ real_fns! {
     cuEventRecord: fn(P, P);
     cuEventRecord_ptsz: fn(P, P);
     cuEventSynchronize: fn(P);
+    cuEventQuery: fn(P);
+    cuStreamSynchronize: fn(P);
+    cuStreamSynchronize_ptsz: fn(P);
     cuEventElapsedTime: fn(*mut f32, P, P);
     cuLaunchKernel: fn(P, u32, u32, u32, u32, u32, u32, u32, P, *mut P, *mut P);
     cuLaunchKernel_ptsz: fn(P, u32, u32, u32, u32, u32, u32, u32, P, *mut P, *mut P);

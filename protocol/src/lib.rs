@@ -9,7 +9,7 @@
 pub use gpushare_frame::{MAX_FRAME, WireError, encode, recv, send};
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Environment variable naming the scheduler socket.
 pub const SOCKET_ENV: &str = "GPUSHARE_SOCKET";
@@ -74,10 +74,14 @@ pub enum ServerMsg {
     Welcome {
         group: String,
     },
-    /// The token of `gpu` until `deadline_ns` (absolute CLOCK_MONOTONIC).
+    /// The token of `gpu` from `start_ns` until `deadline_ns` (absolute CLOCK_MONOTONIC).
+    /// `start_ns` may lie a little ahead: the work the previous holder left queued at its early
+    /// handoff is estimated to drain then. Launches may queue behind it at once; the time held
+    /// is counted from `start_ns`.
     Grant {
         gpu: GpuUuid,
         token: u64,
+        start_ns: u64,
         deadline_ns: u64,
         quota_ns: u64,
     },

@@ -469,6 +469,7 @@ fn collect(st: &mut State, out: &mut Outbox) {
                 Decision::Grant {
                     client,
                     token,
+                    start_ns,
                     deadline_ns,
                     quota_ns,
                 } => out.push((
@@ -476,6 +477,7 @@ fn collect(st: &mut State, out: &mut Outbox) {
                     ServerMsg::Grant {
                         gpu: *gpu,
                         token,
+                        start_ns,
                         deadline_ns,
                         quota_ns,
                     },

@@ -69,8 +69,12 @@
 //!    release settles the charge to what it reports (never less than the provisional charge).
 //!    A disconnect releases at once, charging the time elapsed since the grant.
 //!
-//! Usage charged is `min(used_ns, now − grant)`: the client's own measure of occupancy, which
-//! cannot exceed the time it held the token.
+//! Usage charged is `min(used_ns, now + min_quota_ns − start)`: the client's own measure of
+//! occupancy, which cannot exceed the time it held the token plus a little work still queued
+//! at its release (the hook hands over early, with its last ≈ 1 ms of work queued and
+//! estimated). A token's time starts when it is granted or, later, when that reported work of
+//! the previous holder drains ([`Decision::Grant`]'s `start_ns`): the two are never charged for
+//! the same instant.
 //!
 //! # Deviations from the first sketch
 //!
@@ -186,10 +190,12 @@ impl Default for PolicyConfig {
 /// What the shell must do, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
-    /// Give `client` the token until `deadline_ns` (absolute, CLOCK_MONOTONIC).
+    /// Give `client` the token from `start_ns` (when the previous holder's reported work
+    /// drains; usually now) until `deadline_ns` (absolute, CLOCK_MONOTONIC).
     Grant {
         client: ClientId,
         token: u64,
+        start_ns: u64,
         deadline_ns: u64,
         quota_ns: u64,
     },
@@ -284,7 +290,13 @@ struct Hold {
     client: ClientId,
     group: String,
     token: u64,
+    /// When its time starts: the grant, or the previous holder's reported drain.
     granted_at: u64,
+    /// The token whose reported drain it starts at, if later than the grant.
+    follows: Option<u64>,
+    /// How much later than its client was told its time really started: that token's drain,
+    /// settled, came later than reported. Taken off what the client reports.
+    late_ns: u64,
     deadline_ns: u64,
     quota_ns: u64,
     /// Debited from credit and bucket so far (the reserve, then the settled charge).
@@ -327,6 +339,12 @@ struct Group {
     usage: VecDeque<Usage>,
     /// Last time the group stopped holding or had a client leave the queue.
     last_active: u64,
+    /// Released, but still counted active until `draining_until`: when its reported work
+    /// drains, plus the anticipation window. A client that hands over early at a
+    /// synchronisation asks again as that returns; counted idle for that instant, its share
+    /// would go to the others every turn.
+    draining: bool,
+    draining_until: u64,
     busy_ns: u64,
     tokens: u64,
     waits: u64,
@@ -352,6 +370,8 @@ impl Group {
             clamp_lost: 0.0,
             usage: VecDeque::new(),
             last_active: 0,
+            draining: false,
+            draining_until: 0,
             busy_ns: 0,
             tokens: 0,
             waits: 0,
@@ -361,8 +381,20 @@ impl Group {
         }
     }
 
-    fn active(&self) -> bool {
+    /// Holding the token or waiting for it.
+    fn wants(&self) -> bool {
         self.holding || !self.queue.is_empty()
+    }
+
+    /// Wants the GPU, or released it a moment ago with work still draining (`draining_until`):
+    /// targets and credit count it.
+    fn active(&self) -> bool {
+        self.wants() || self.draining
+    }
+
+    /// [`Group::active`] as of `now` (which may be later than the policy's last call).
+    fn active_at(&self, now: u64) -> bool {
+        self.wants() || (self.draining && now < self.draining_until)
     }
 
     fn capped(&self) -> bool {
@@ -498,6 +530,9 @@ pub struct Policy {
     /// When the first client asked for the token: achieved shares are over at most the time
     /// since, so they are right from the first seconds.
     first_acquire: Option<u64>,
+    /// When the work of the last released token (`.0`) drains by its report (it may hand over
+    /// with some still queued): the next token's time starts there.
+    busy_until: (u64, u64),
 }
 
 /// Makes a configuration usable: quota ≥ 1 ns, `min_quota ≤ quota`, window ≥ 1 ns.
@@ -527,6 +562,7 @@ impl Policy {
             anticipation: None,
             cut_off: None,
             first_acquire: None,
+            busy_until: (0, 0),
         }
     }
 
@@ -703,11 +739,18 @@ impl Policy {
             .is_some_and(|h| h.token == token && h.client == client)
         {
             let mut h = self.holder.take().expect("checked");
-            let charge = used_ns.min(now - h.granted_at);
+            // Work still queued at the release may be reported, up to a minimum quota of it.
+            let charge = used_ns
+                .saturating_sub(h.late_ns)
+                .min((now + self.cfg.min_quota_ns).saturating_sub(h.granted_at));
             self.charge(&mut h, charge, now);
+            self.busy_until = (h.token, h.granted_at + charge);
+            let draining_until = self.busy_until.1 + self.anticipation_window();
             if let Some(g) = self.groups.get_mut(&h.group) {
                 g.holding = false;
                 g.last_active = now;
+                g.draining = true;
+                g.draining_until = draining_until;
                 if charge > h.quota_ns {
                     g.overruns += 1;
                 }
@@ -738,7 +781,9 @@ impl Policy {
 
     /// `client` reports how long its released token `token` really held the GPU (it released
     /// early with the tail of its work estimated). Raises that token's charge to
-    /// `min(used_ns, now − grant)`; never lowers it. Unknown or old tokens are ignored.
+    /// `min(used_ns, now − grant)`; never lowers it. Unknown or old tokens are ignored. A holder
+    /// whose time was to start at that token's reported drain starts at the real one instead:
+    /// the two are not charged for the same instant.
     pub fn settle(&mut self, client: ClientId, token: u64, used_ns: u64, now: u64) {
         let now = self.advance(now);
         if self
@@ -747,15 +792,25 @@ impl Policy {
             .is_some_and(|h| h.client == client)
         {
             let h = self.settling.remove(&token).expect("checked");
-            self.charge_late(h, used_ns, now);
+            let drained = h.granted_at + self.charge_late(h, used_ns, now);
+            let min_quota = self.cfg.min_quota_ns;
+            if let Some(next) = self.holder.as_mut()
+                && next.follows == Some(token)
+                && drained > next.granted_at
+            {
+                let late = (drained - next.granted_at).min(min_quota);
+                next.granted_at += late;
+                next.late_ns += late;
+            }
         }
     }
 
     /// A token no longer held reports its real use: charge up to it (never beyond the time
-    /// since its grant, never below what was charged already).
-    fn charge_late(&mut self, mut h: Hold, used_ns: u64, now: u64) {
+    /// since its grant, never below what was charged already). Returns the charge.
+    fn charge_late(&mut self, mut h: Hold, used_ns: u64, now: u64) -> u64 {
         let charge = used_ns.min(now.saturating_sub(h.granted_at)).max(h.applied);
         self.charge(&mut h, charge, now);
+        charge
     }
 
     /// Handles timeouts at `now`: revokes a holder past deadline + grace (and grants the next
@@ -768,7 +823,7 @@ impl Policy {
             .is_some_and(|h| now >= h.deadline_ns.saturating_add(self.cfg.grace_ns))
         {
             let mut h = self.holder.take().expect("checked");
-            let elapsed = now - h.granted_at;
+            let elapsed = now.saturating_sub(h.granted_at);
             self.charge(&mut h, elapsed, now);
             if let Some(g) = self.groups.get_mut(&h.group) {
                 g.holding = false;
@@ -865,7 +920,7 @@ impl Policy {
         let active: Vec<GroupParams> = self
             .groups
             .values()
-            .filter(|g| g.active())
+            .filter(|g| g.active_at(now))
             .map(|g| g.params)
             .collect();
         let mut targets = water_fill(&active).into_iter();
@@ -885,7 +940,7 @@ impl Policy {
                 name: name.clone(),
                 params: g.params,
                 effective_request: eff[i],
-                target_share: if g.active() {
+                target_share: if g.active_at(now) {
                     targets.next().unwrap_or(0.0)
                 } else {
                     0.0
@@ -898,7 +953,7 @@ impl Policy {
                 revocations: g.revocations,
                 preempted: g.preempted,
                 clients: g.clients.clone(),
-                active: g.active(),
+                active: g.active_at(now),
                 credit_ns: g.credit,
                 allowance_ns: allowance,
                 capped: !g.queue.is_empty() && !g.eligible(now, depth, thr),
@@ -1021,13 +1076,25 @@ impl Policy {
     /// Moves the clock to `now` (never backwards), accruing credit for the time passed.
     fn advance(&mut self, now: u64) -> u64 {
         let now = now.max(self.now);
-        let dt = now - self.now;
-        if dt > 0 {
+        while self.now < now {
+            // Up to `now`, or to where a released group stops counting as active.
+            let step = self
+                .groups
+                .values()
+                .filter(|g| g.draining)
+                .map(|g| g.draining_until.max(self.now))
+                .fold(now, u64::min);
             self.refresh_targets();
             if self.holder.is_some() {
-                self.accrue(dt as f64);
+                self.accrue((step - self.now) as f64);
             }
-            self.now = now;
+            self.now = step;
+            for g in self.groups.values_mut() {
+                if g.draining && g.draining_until <= step {
+                    g.draining = false;
+                    self.targets_dirty |= !g.wants();
+                }
+            }
         }
         now
     }
@@ -1191,7 +1258,7 @@ impl Policy {
         let Some(r) = self.groups.get(released) else {
             return;
         };
-        if r.active() || r.clients.is_empty() || !r.eligible(now, depth, thr) {
+        if r.wants() || r.clients.is_empty() || !r.eligible(now, depth, thr) {
             return;
         }
         let slack = self.cfg.quota_ns.saturating_sub(self.cfg.min_quota_ns) as f64;
@@ -1264,7 +1331,7 @@ impl Policy {
             .iter()
             .filter(|(n, g)| {
                 **n != name
-                    && !g.active()
+                    && !g.wants()
                     && !g.clients.is_empty()
                     && now.saturating_sub(g.last_active) <= quota
                     // One banking its guarantee takes the GPU back on return (`preempt_for`).
@@ -1294,12 +1361,16 @@ impl Policy {
         }
         let token = self.next_token;
         self.next_token += 1;
-        let deadline_ns = now.saturating_add(quota_ns);
+        let (previous, drained) = self.busy_until;
+        let start_ns = now.max(drained);
+        let deadline_ns = start_ns.saturating_add(quota_ns);
         self.holder = Some(Hold {
             client,
             group: name,
             token,
-            granted_at: now,
+            granted_at: start_ns,
+            follows: (start_ns > now).then_some(previous),
+            late_ns: 0,
             deadline_ns,
             quota_ns,
             applied: quota_ns,
@@ -1308,6 +1379,7 @@ impl Policy {
         self.decisions.push(Decision::Grant {
             client,
             token,
+            start_ns,
             deadline_ns,
             quota_ns,
         });

@@ -60,6 +60,8 @@ pub fn parse_duration_ns(s: &str) -> Result<u64, String> {
         "us" | "µs" => 1e3,
         "ms" => 1e6,
         "s" => 1e9,
+        // Zero is zero in any unit.
+        "" if n == 0.0 => 0.0,
         "" => return Err(format!("{s:?} needs a unit: ns, us, ms or s (e.g. 1ms)")),
         u => {
             return Err(format!(
@@ -92,6 +94,7 @@ mod tests {
         assert_eq!(parse_duration_ns("5s"), Ok(5_000_000_000));
         assert_eq!(parse_duration_ns("0.5ms"), Ok(500_000));
         assert!(parse_duration_ns("10").is_err());
+        assert_eq!(parse_duration_ns("0"), Ok(0));
         assert!(parse_duration_ns("10min").is_err());
     }
 }

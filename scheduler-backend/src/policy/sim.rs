@@ -75,6 +75,9 @@ pub struct Tenant {
     /// A tenant that asks again at once asks *before* releasing (holder queues for its next
     /// turn) instead of right after.
     pub ask_before_release: bool,
+    /// A tenant that asks again at once does so this long after releasing (the hook hands over
+    /// at a synchronisation and asks again when it returns, as the work drains).
+    pub ask_after_ns: u64,
 }
 
 impl Tenant {
@@ -84,6 +87,7 @@ impl Tenant {
             demand,
             overrun: None,
             ask_before_release: false,
+            ask_after_ns: 0,
         }
     }
 }
@@ -256,7 +260,11 @@ impl Sim {
         match self.tenants[i].demand.clone() {
             Demand::Busy | Demand::Fraction { .. } | Demand::Stuck { .. } => {
                 // Stagger the very first requests a little so ties are not all at t = 0.
-                let at = if start { now + i as u64 * 1000 } else { now };
+                let at = if start {
+                    now + i as u64 * 1000
+                } else {
+                    now + self.tenants[i].ask_after_ns
+                };
                 self.push(at, i, Ev::Acquire);
             }
             Demand::Short { think_ns, .. } => {
@@ -462,6 +470,7 @@ impl Sim {
                 Decision::Grant {
                     client,
                     token,
+                    start_ns,
                     deadline_ns,
                     quota_ns,
                 } => {
@@ -472,6 +481,8 @@ impl Sim {
                         "granted a client not waiting"
                     );
                     assert!(self.holder.is_none(), "granted a second token");
+                    // These clients release once drained: nothing of theirs is left queued.
+                    assert_eq!(start_ns, self.now);
                     assert_eq!(deadline_ns, self.now + quota_ns);
                     assert!(quota_ns >= self.policy.config().min_quota_ns);
                     self.stats.grants += 1;

@@ -17,6 +17,7 @@ fn grant(client: ClientId, token: u64, at: u64) -> Decision {
     Decision::Grant {
         client,
         token,
+        start_ns: at,
         deadline_ns: at + 20 * MS,
         quota_ns: 20 * MS,
     }
@@ -56,6 +57,45 @@ fn grants_at_once_when_free_and_the_next_at_release() {
     assert_eq!(p.take_decisions(), vec![grant(2, 2, 5 * MS)]);
     assert_eq!(group(&p.status(5 * MS), "a").busy_ns, 5 * MS);
     assert_eq!(p.next_wakeup(5 * MS), Some(45 * MS));
+}
+
+#[test]
+fn a_token_handed_over_with_work_queued_starts_the_next_when_that_work_drains() {
+    let mut p = policy(&[("a", GroupParams::default()), ("b", GroupParams::default())]);
+    p.connect(1, "a").unwrap();
+    p.connect(2, "b").unwrap();
+    p.acquire(1, 0).unwrap();
+    p.acquire(2, MS).unwrap();
+    p.take_decisions();
+    // a hands over at 20 ms with 1 ms of work still queued, and says so.
+    p.release(1, 1, 21 * MS, 20 * MS).unwrap();
+    assert_eq!(p.take_decisions(), vec![grant(2, 2, 21 * MS)]);
+    p.release(2, 2, 20 * MS, 41 * MS).unwrap();
+    let st = p.status(41 * MS);
+    assert_eq!(group(&st, "a").busy_ns, 21 * MS);
+    assert_eq!(
+        group(&st, "b").busy_ns,
+        20 * MS,
+        "not charged for a's last 1 ms"
+    );
+    // More than a minimum quota past the release is not believed.
+    p.acquire(1, 41 * MS).unwrap();
+    p.release(1, 3, 30 * MS, 61 * MS).unwrap();
+    assert_eq!(group(&p.status(61 * MS), "a").busy_ns, 21 * MS + 22 * MS);
+    // b's work really drains 1 ms later than it said (settled): a's time starts then too.
+    p.acquire(2, 62 * MS).unwrap();
+    p.acquire(1, 63 * MS).unwrap();
+    p.take_decisions();
+    p.release(2, 4, 20 * MS, 81 * MS).unwrap();
+    let Some(Decision::Grant { start_ns, .. }) = p.take_decisions().pop() else {
+        panic!("a is granted");
+    };
+    assert_eq!(start_ns, 83 * MS, "b started at 63 ms and reported 20 ms");
+    p.settle(2, 4, 21 * MS, 85 * MS);
+    p.release(1, 5, 10 * MS, 93 * MS).unwrap();
+    let st = p.status(93 * MS);
+    assert_eq!(group(&st, "b").busy_ns, 20 * MS + 21 * MS);
+    assert_eq!(group(&st, "a").busy_ns, 43 * MS + 9 * MS);
 }
 
 #[test]
@@ -352,6 +392,7 @@ fn a_capped_group_waits_for_its_bucket_and_next_wakeup_says_when() {
         vec![Decision::Grant {
             client: 1,
             token: 3,
+            start_ns: w,
             deadline_ns: w + 20 * MS,
             quota_ns: 20 * MS
         }]
@@ -415,6 +456,7 @@ fn hot_reload_of_the_config_is_used_for_the_next_token() {
         Some(&Decision::Grant {
             client: 1,
             token: 2,
+            start_ns: 20 * MS,
             deadline_ns: 30 * MS,
             quota_ns: 10 * MS
         })
@@ -439,11 +481,12 @@ fn time_going_backwards_is_treated_as_now() {
     let st = p.status(0);
     assert_eq!(
         group(&st, "a").busy_ns,
-        0,
-        "used is bounded by the time held"
+        PolicyConfig::default().min_quota_ns,
+        "used is bounded by the time held and a minimum quota of work still queued"
     );
     p.acquire(1, 10 * MS).unwrap();
-    assert_eq!(p.take_decisions().last(), Some(&grant(1, 2, 100 * MS)));
+    // Its time starts when the work it reported still queued drains.
+    assert_eq!(p.take_decisions().last(), Some(&grant(1, 2, 102 * MS)));
 }
 
 #[test]
@@ -593,6 +636,33 @@ fn spare_time_is_split_by_weight_1_to_3() {
         let (err, lo, hi) = worst_window_error(&sim, g, want * (1.0 - loss), end);
         eprintln!("weights 1:3: group {g} windows {lo:.4}..{hi:.4} (worst error {err:.4})");
         assert!(err <= 0.01, "group {g}: {lo}..{hi}");
+    }
+}
+
+/// Real holders run past their deadline by the work they had queued (up to the hook's queue
+/// budget), and one that hands over at a synchronisation asks again only as that returns: the
+/// split by weight must depend on neither (a group counted idle for that instant at every
+/// release gave its share away: 0.37 / 0.63 on the simulated device, where that instant is a
+/// drain and a round trip).
+#[test]
+fn weights_hold_when_tokens_overrun_and_clients_ask_again_late() {
+    let end = 200 * S;
+    let groups = [("a", gp(0.2, 1.0, 1.0)), ("b", gp(0.2, 1.0, 3.0))];
+    let mut tenants = busy(2);
+    for t in &mut tenants {
+        t.overrun = Some((1.0, 5 * MS));
+    }
+    tenants[1].ask_after_ns = 300_000;
+    let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 3);
+    sim.run_until(end);
+    let loss = handoff_loss(&sim);
+    for (g, want) in [0.35, 0.65].into_iter().enumerate() {
+        let (err, lo, hi) = worst_window_error(&sim, g, want * (1.0 - loss), end);
+        eprintln!(
+            "weights 1:3, tokens overrunning: group {g} windows {lo:.4}..{hi:.4} (worst error {err:.4})"
+        );
+        // 0.007 when a group is counted idle between its release and its next request.
+        assert!(err <= 0.005, "group {g}: {lo}..{hi}");
     }
 }
 
