@@ -538,7 +538,7 @@ fn launch_overhead() -> anyhow::Result<Value> {
     let mut node = Node::device_only();
     node.start_scheduler(&[]);
     let client = target_dir().join("cudarc-client");
-    let args = ["launch-latency", "--n", "20000"];
+    let args = ["launch-latency", "--n", "100000"];
     let measure = |cmd: Command| -> anyhow::Result<f64> {
         let (out, killed) = Tenant::spawn(cmd).finish_within(Duration::from_secs(60));
         if killed || !out.status.success() {

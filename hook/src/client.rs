@@ -361,13 +361,13 @@ impl Hook {
                         self.wake_watcher();
                     }
                 }
-                ServerMsg::Shorten {
+                ServerMsg::Deadline {
                     gpu,
                     token,
                     deadline_ns,
                 } => {
                     if let Some(g) = self.gate(&gpu) {
-                        g.on_shorten(token, deadline_ns);
+                        g.on_deadline(token, deadline_ns);
                         self.wake_watcher();
                     }
                 }
@@ -410,8 +410,8 @@ impl Hook {
         }
     }
 
-    /// Run the watcher now: a token was granted (it must be watched) or cut short (a holder
-    /// blocked in a synchronisation should give it back at once).
+    /// Run the watcher now: a token was granted (it must be watched) or its deadline moved (cut
+    /// short, a holder blocked in a synchronisation should give it back at once).
     fn wake_watcher(&self) {
         *self.wake.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
         self.wake.1.notify_one();

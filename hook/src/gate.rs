@@ -64,6 +64,29 @@ struct Inner {
     ns_per_launch: Option<f64>,
     /// Launch count at the last drain: everything before it has completed.
     drained_launches: u64,
+    /// Whether fences went on more than one stream since the last drain: then a completed
+    /// fence says nothing of the other streams' launches before it, and the queued work cannot
+    /// be estimated (no early handover).
+    streams: Streams,
+}
+
+/// The streams fenced since the last drain: none, one (a stream handle, with the thread for a
+/// per-thread default stream), or several.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Streams {
+    None,
+    One(P, u64),
+    Several,
+}
+
+impl Streams {
+    fn add(&mut self, stream: P, thread: u64) {
+        *self = match *self {
+            Streams::None => Streams::One(stream, thread),
+            Streams::One(s, t) if (s, t) == (stream, thread) => Streams::One(s, t),
+            _ => Streams::Several,
+        };
+    }
 }
 
 // SAFETY: the raw pointers are driver handles (contexts, events), usable from any thread.
@@ -104,6 +127,7 @@ impl Gate {
                 ctxs: Vec::new(),
                 ns_per_launch: None,
                 drained_launches: 0,
+                streams: Streams::None,
             }),
             changed: Condvar::new(),
         }
@@ -221,15 +245,17 @@ impl Gate {
 
     /// The token overran: stop admitting at once; the next launch or the watcher drains it.
     pub fn on_revoke(&self, token: u64) {
-        self.on_shorten(token, 1);
+        self.on_deadline(token, 1);
     }
 
-    /// The token now ends at `deadline_ns` (if earlier than before).
-    pub fn on_shorten(&self, token: u64, deadline_ns: u64) {
+    /// The token now ends at `deadline_ns`, unless it is being given back already (a drain
+    /// clears the deadline under the lock).
+    pub fn on_deadline(&self, token: u64, deadline_ns: u64) {
         let g = self.lock();
-        if matches!(g.token, Token::Held { token: t, .. } if t == token) {
-            self.deadline
-                .fetch_min(deadline_ns.max(1), Ordering::AcqRel);
+        if matches!(g.token, Token::Held { token: t, .. } if t == token)
+            && self.deadline.load(Ordering::Acquire) != 0
+        {
+            self.deadline.store(deadline_ns.max(1), Ordering::Release);
         }
     }
 
@@ -238,6 +264,7 @@ impl Gate {
         if g.token == Token::Unthrottled {
             g.token = Token::None;
             self.deadline.store(0, Ordering::Release);
+            self.next_pace.store(1, Ordering::Relaxed);
         }
         self.changed.notify_all();
     }
@@ -321,6 +348,7 @@ impl Gate {
             g.pool.push((f.ctx, f.event));
         }
         g.drained_launches = self.launches.load(Ordering::Relaxed);
+        g.streams = Streams::None;
         let used_ns = crate::now_ns().saturating_sub(granted_ns);
         match estimate {
             None => self.give_back(hook, g, token, used_ns, again),
@@ -410,7 +438,13 @@ impl Gate {
     fn pace(&self, stream: P, per_thread: bool, n: u64) {
         let mut g = self.lock();
         let Token::Held { quota_ns, .. } = g.token else {
-            self.next_pace.store(n + 1, Ordering::Relaxed);
+            // Unthrottled (no scheduler): nothing to pace until it is back (`on_connected`).
+            let next = if g.token == Token::Unthrottled {
+                u64::MAX
+            } else {
+                n + 1
+            };
+            self.next_pace.store(next, Ordering::Relaxed);
             return;
         };
         let budget = (quota_ns / 8).max(100_000) as f64;
@@ -425,6 +459,15 @@ impl Gate {
         if !g.ctxs.contains(&ctx) {
             g.ctxs.push(ctx);
         }
+        // A per-thread default stream (null or CU_STREAM_PER_THREAD) is each thread's own.
+        let own = per_thread && (stream.is_null() || stream as usize == 2);
+        // SAFETY: pthread_self has no preconditions.
+        let thread = if own {
+            (unsafe { libc::pthread_self() }) as u64
+        } else {
+            0
+        };
+        g.streams.add(stream, thread);
         let Some(event) = take_event(&mut g.pool, ctx) else {
             return;
         };
@@ -489,11 +532,15 @@ fn queued_launches(g: &Inner, n: u64) -> u64 {
     n.saturating_sub(completed)
 }
 
-/// Estimated GPU time (ns) still queued at `now` up to launch `n`: the launches not known to
+/// Estimated GPU time (ns) still queued at `now` up to launch `n` (`None` when it cannot be
+/// estimated: no GPU time per launch learned yet, or several streams): the launches not known to
 /// have completed times the GPU time per launch, less the time the GPU has surely been working
 /// through them: since the last fence completed, or the oldest pending one was recorded if
 /// that was later (the GPU may have idled in between).
 fn queued_ns(g: &Inner, n: u64, now: u64) -> Option<u64> {
+    if g.streams == Streams::Several {
+        return None;
+    }
     let est = g.ns_per_launch?;
     let queued = queued_launches(g, n) as f64 * est;
     let since = g

@@ -106,9 +106,11 @@ pub enum ServerMsg {
         message: String,
         fatal: bool,
     },
-    /// The token's deadline moves earlier (someone owed more is waiting): stop launching at
-    /// `deadline_ns` and release as at any deadline. (Last, so older variants keep their tags.)
-    Shorten {
+    /// The held token now ends at `deadline_ns`: earlier (someone owed more is waiting: stop
+    /// launching then and release as at any deadline) or later (nobody else wants the GPU:
+    /// keep going without a handover). Ignored once the client has begun to give it back.
+    /// (Last, so older variants keep their tags.)
+    Deadline {
         gpu: GpuUuid,
         token: u64,
         deadline_ns: u64,

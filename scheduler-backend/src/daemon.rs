@@ -494,9 +494,14 @@ fn collect(st: &mut State, out: &mut Outbox) {
                     client,
                     token,
                     deadline_ns,
+                }
+                | Decision::Extend {
+                    client,
+                    token,
+                    deadline_ns,
                 } => out.push((
                     client,
-                    ServerMsg::Shorten {
+                    ServerMsg::Deadline {
                         gpu: *gpu,
                         token,
                         deadline_ns,

@@ -68,6 +68,12 @@
 //!    since its grant, provisionally) and the next client is granted in the same call; its late
 //!    release settles the charge to what it reports (never less than the provisional charge).
 //!    A disconnect releases at once, charging the time elapsed since the grant.
+//! 9. **Extension.** A minimum quota before the holder's deadline, if no other client could
+//!    be granted (nobody eligible waits, the token is not kept for anyone) and its own group
+//!    could take another quota, the deadline moves a quota later ([`Decision::Extend`],
+//!    reserved like a grant), up to a tenth of the window per token: a lone tenant does not
+//!    drain its queue and ask again every quota. Whoever asks meanwhile waits at most that
+//!    quota, as for any holder (or less, by point 7).
 //!
 //! Usage charged is `min(used_ns, now + min_quota_ns − start)`: the client's own measure of
 //! occupancy, which cannot exceed the time it held the token plus a little work still queued
@@ -204,6 +210,13 @@ pub enum Decision {
     /// The holder's deadline moves earlier (a group owed more arrived): stop launching at
     /// `deadline_ns` and give the token back as at any deadline.
     Shorten {
+        client: ClientId,
+        token: u64,
+        deadline_ns: u64,
+    },
+    /// Nobody else can take the GPU: the holder keeps its token until the later `deadline_ns`
+    /// (a quota further), instead of draining and asking again.
+    Extend {
         client: ClientId,
         token: u64,
         deadline_ns: u64,
@@ -443,6 +456,17 @@ impl Group {
 
     /// Lowest the bucket may go: one window's worth of allowance (at least one bucket), so one
     /// pathological report cannot lock a group out for longer than a window.
+    /// Debit `ns` of a token about to be held from credit and bucket (settled at release).
+    fn reserve(&mut self, ns: u64, now: u64, lo: f64, depth: f64, window_ns: u64) {
+        self.credit = (self.credit - ns as f64).max(lo);
+        if self.capped() {
+            self.refill(now, depth);
+            let floor = self.bucket_floor(depth, window_ns);
+            self.allowance = (self.allowance - ns as f64).max(floor);
+            self.clamp_lost = 0.0;
+        }
+    }
+
     fn bucket_floor(&self, depth: f64, window_ns: u64) -> f64 {
         -(depth.max(self.params.limit * window_ns as f64))
     }
@@ -856,7 +880,55 @@ impl Policy {
             self.preempt_for(&name, now);
         }
         self.schedule(now);
+        self.extend_lone_holder(now);
         self.mark_held_back(now);
+    }
+
+    /// How long before its deadline a lone holder's token is extended: time for the message
+    /// to arrive before the client starts to give the token back.
+    fn extend_margin(&self) -> u64 {
+        self.cfg.min_quota_ns
+    }
+
+    /// Point 9: when the holder's deadline is less than [`Policy::extend_margin`] away and no
+    /// one else could be granted, push it a quota further (reserved like a grant), up to a
+    /// tenth of the window in all: its client still reports (and drains) now and then.
+    fn extend_lone_holder(&mut self, now: u64) {
+        let (lo, _) = self.credit_bounds();
+        let (depth, thr, window) = (
+            self.bucket_depth(),
+            self.cap_threshold(),
+            self.cfg.window_ns,
+        );
+        let (quota, margin) = (self.cfg.quota_ns, self.extend_margin());
+        if self.best_waiter(now).is_some() || self.reserved_for(now).is_some() {
+            return;
+        }
+        let Some(h) = self.holder.as_mut() else {
+            return;
+        };
+        let longest = (window / 10).max(quota);
+        if now >= h.deadline_ns
+            || now.saturating_add(margin) < h.deadline_ns
+            || h.deadline_ns + quota - h.granted_at > longest
+        {
+            return;
+        }
+        let Some(g) = self.groups.get_mut(&h.group) else {
+            return;
+        };
+        if !g.eligible(now, depth, thr) {
+            return;
+        }
+        g.reserve(quota, now, lo, depth, window);
+        h.deadline_ns += quota;
+        h.quota_ns += quota;
+        h.applied += quota;
+        self.decisions.push(Decision::Extend {
+            client: h.client,
+            token: h.token,
+            deadline_ns: h.deadline_ns,
+        });
     }
 
     /// Notes which waiting groups their bucket holds back (see [`Policy::tick`]).
@@ -886,7 +958,12 @@ impl Policy {
                 .values()
                 .filter(|g| g.held_back)
                 .filter_map(|g| g.eligible_at(self.now, depth, thr));
+            // And shortly before its deadline, to extend it if nobody else could be granted.
+            let extend = h.deadline_ns.saturating_sub(self.extend_margin());
+            let extend =
+                (self.now < extend && self.best_waiter(self.now).is_none()).then_some(extend);
             return refill
+                .chain(extend)
                 .chain([h.deadline_ns.saturating_add(self.cfg.grace_ns)])
                 .min();
         }
@@ -1348,12 +1425,7 @@ impl Policy {
             quota_ns = quota_ns.min(g.allowance.floor().max(0.0) as u64);
         }
         let quota_ns = quota_ns.max(min_quota);
-        g.credit = (g.credit - quota_ns as f64).max(lo);
-        if g.capped() {
-            let floor = g.bucket_floor(depth, window);
-            g.allowance = (g.allowance - quota_ns as f64).max(floor);
-            g.clamp_lost = 0.0;
-        }
+        g.reserve(quota_ns, now, lo, depth, window);
         g.holding = true;
         g.tokens += 1;
         if let Some(c) = self.clients.get_mut(&client) {

@@ -126,13 +126,15 @@ pub struct Stats {
     pub revocations: u64,
     /// Tokens whose deadline was moved earlier for a returning group.
     pub shortened: u64,
+    /// Tokens whose deadline was moved later for a lone holder.
+    pub extended: u64,
     /// Per tenant, the longest time between asking and being granted.
     pub max_wait_ns: Vec<u64>,
     /// Per tenant, total time between asking and being granted, and the number of grants.
     pub total_wait_ns: Vec<u64>,
     pub grants_of: Vec<u64>,
-    /// The longest time the token stayed with one holder (grant → release or revocation).
-    pub max_hold_ns: u64,
+    /// The longest a holder kept the token past its deadline (to release or revocation).
+    pub max_overrun_ns: u64,
     /// Policy calls made.
     pub calls: u64,
 }
@@ -177,6 +179,10 @@ struct Plan {
     used: u64,
     handoff: u64,
     works: bool,
+    /// The token's deadline as last told.
+    deadline: u64,
+    /// Held and device time are recorded up to here.
+    recorded_to: u64,
 }
 
 fn client_of(tenant: usize) -> ClientId {
@@ -306,6 +312,12 @@ impl Sim {
             };
             if t >= end {
                 self.integrate(end);
+                // Tokens still held count up to here (a lone holder's may be long).
+                for i in 0..self.plans.len() {
+                    if let Some(p) = self.plans[i] {
+                        self.plans[i] = Some(self.record_until(i, p, end));
+                    }
+                }
                 return;
             }
             self.integrate(t);
@@ -416,19 +428,22 @@ impl Sim {
                 if self.states[i] == State::Gone {
                     return;
                 }
-                match self.plans[i] {
+                let deadline = match self.plans[i] {
                     Some(p) if p.token == token && p.used == used => {
                         self.plans[i] = None;
                         self.record(i, p);
+                        p.deadline
                     }
-                    // Superseded by a shortened deadline.
+                    // Superseded by a moved deadline.
                     _ => return,
-                }
+                };
                 match self.states[i] {
                     State::Holding(t) if t == token => {
                         self.holder = None;
-                        self.stats.max_hold_ns =
-                            self.stats.max_hold_ns.max(self.now - self.granted_at);
+                        self.stats.max_overrun_ns = self
+                            .stats
+                            .max_overrun_ns
+                            .max(self.now.saturating_sub(deadline));
                         self.states[i] = State::Idle;
                     }
                     State::Revoked => self.states[i] = State::Idle,
@@ -515,6 +530,21 @@ impl Sim {
                     self.stats.shortened += 1;
                     self.shorten(i, deadline_ns);
                 }
+                Decision::Extend {
+                    client,
+                    token,
+                    deadline_ns,
+                } => {
+                    let i = (client - 1) as usize;
+                    assert_eq!(
+                        self.states[i],
+                        State::Holding(token),
+                        "extended a non-holder"
+                    );
+                    assert!(deadline_ns > self.now, "extended into the past");
+                    self.stats.extended += 1;
+                    self.extend(i, deadline_ns);
+                }
                 Decision::Revoke { client, token } => {
                     let i = (client - 1) as usize;
                     assert_eq!(
@@ -524,8 +554,9 @@ impl Sim {
                     );
                     assert_eq!(self.holder, Some(i));
                     let grace = self.policy.config().grace_ns;
-                    assert!(self.now - self.granted_at >= grace, "revoked too early");
-                    self.stats.max_hold_ns = self.stats.max_hold_ns.max(self.now - self.granted_at);
+                    let deadline = self.plans[i].map_or(self.granted_at, |p| p.deadline);
+                    assert!(self.now >= deadline + grace, "revoked too early");
+                    self.stats.max_overrun_ns = self.stats.max_overrun_ns.max(self.now - deadline);
                     self.stats.revocations += 1;
                     self.holder = None;
                     self.states[i] = State::Revoked;
@@ -555,6 +586,8 @@ impl Sim {
                 used: until - now,
                 handoff: 0,
                 works: false,
+                deadline: now + quota_ns,
+                recorded_to: now,
             });
             self.push(
                 until,
@@ -594,18 +627,34 @@ impl Sim {
             used,
             handoff: h,
             works: true,
+            deadline: now + quota_ns,
+            recorded_to: now,
         });
         self.push(now + used, i, Ev::Release { token, used });
     }
 
     /// The held and device time of a finished token.
     fn record(&mut self, i: usize, p: Plan) {
+        self.record_until(i, p, u64::MAX);
+    }
+
+    /// Records the held and device time of a token up to `t` (from where it was recorded to);
+    /// returns the plan with that noted.
+    fn record_until(&mut self, i: usize, mut p: Plan, t: u64) -> Plan {
         let g = self.tenants[i].group;
-        let end = p.start + p.used;
+        let from = p.start.max(p.recorded_to);
+        let end = (p.start + p.used).min(t).max(from);
         if p.works {
-            add_interval(&mut self.held[g], self.bin_ns, p.start, end);
-            add_interval(&mut self.work[g], self.bin_ns, p.start + p.handoff, end);
+            add_interval(&mut self.held[g], self.bin_ns, from, end);
+            add_interval(
+                &mut self.work[g],
+                self.bin_ns,
+                from.max(p.start + p.handoff),
+                end,
+            );
         }
+        p.recorded_to = end;
+        p
     }
 
     /// Tenant `i`'s token now ends at `deadline_ns`: it stops its work there (what is left of
@@ -614,6 +663,8 @@ impl Sim {
         let Some(mut p) = self.plans[i] else {
             return;
         };
+        p.deadline = deadline_ns;
+        self.plans[i] = Some(p);
         let used = deadline_ns.max(self.now) - p.start;
         if used >= p.used || !p.works {
             return;
@@ -632,6 +683,40 @@ impl Sim {
             Ev::Release {
                 token: p.token,
                 used,
+            },
+        );
+    }
+
+    /// Tenant `i`'s token now ends at the later `deadline_ns`: one that was going to work up to
+    /// its deadline goes on (a short user only as far as its burst lasts).
+    fn extend(&mut self, i: usize, deadline_ns: u64) {
+        let Some(mut p) = self.plans[i] else {
+            return;
+        };
+        let old = p.deadline;
+        p.deadline = deadline_ns;
+        self.plans[i] = Some(p);
+        if !p.works || p.start + p.used < old {
+            return;
+        }
+        let mut more = deadline_ns - old;
+        if matches!(self.tenants[i].demand, Demand::Short { .. }) {
+            more = more.min(self.burst_left[i]);
+            self.burst_left[i] -= more;
+        }
+        if more == 0 {
+            return;
+        }
+        let g = self.tenants[i].group;
+        self.excess[g] = (self.excess_at(g, self.now) + more as f64, self.now);
+        p.used += more;
+        self.plans[i] = Some(p);
+        self.push(
+            p.start + p.used,
+            i,
+            Ev::Release {
+                token: p.token,
+                used: p.used,
             },
         );
     }

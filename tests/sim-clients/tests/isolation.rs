@@ -114,6 +114,38 @@ fn lone_tenant_is_capped_at_its_limit() {
     assert_shares("limit 0.3 alone", &s, &[0.3], 0.02);
 }
 
+/// Policy point 9: a tenant alone keeps its token, a quota at a time, instead of draining its
+/// queue and asking again every quota (about 60 tokens in 1.2 s before): a few tokens, and
+/// the GPU never idles for a handover.
+#[test]
+fn a_lone_tenant_keeps_its_token_without_handovers() {
+    let node = Node::start(&[]);
+    let t = spin_tenant(
+        &node,
+        "alone",
+        0.0,
+        1.0,
+        1.0,
+        &Spin::kernels(1.0, 1200).sync_every(None),
+    );
+    let pid = t.pid();
+    wait_all(vec![t]);
+    let tokens = node
+        .status_group("alone")
+        .and_then(|g| g["tokens"].as_u64())
+        .expect("the group in gpushare status");
+    let trace = node.finish();
+    let span = trace.span_of_pid(pid).expect("the tenant ran");
+    let w = Window::new(span.start_ns + WARMUP_NS, span.end_ns);
+    let busy = shares_in(&trace, &[pid], w)[0];
+    eprintln!(
+        "alone: {tokens} tokens over {:.2} s, GPU busy {busy:.4}",
+        (span.end_ns - span.start_ns) as f64 / 1e9
+    );
+    assert!(tokens <= 6, "{tokens} tokens: not extended");
+    assert!(busy >= 0.99, "GPU busy {busy}");
+}
+
 /// DESIGN §2.3: requests 0.2 / 0.2, weights 1 / 3: the spare 0.6 is split 1:3, 0.35 / 0.65.
 #[test]
 fn spare_time_is_split_by_weight() {
