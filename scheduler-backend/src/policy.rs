@@ -69,8 +69,9 @@
 //!    release settles the charge to what it reports (never less than the provisional charge).
 //!    A disconnect releases at once, charging the time elapsed since the grant.
 //! 9. **Extension.** A minimum quota before the holder's deadline, if no other client could
-//!    be granted (nobody eligible waits, the token is not kept for anyone) and its own group
-//!    could take another quota, the deadline moves a quota later ([`Decision::Extend`],
+//!    be granted (nobody eligible waits, no other group is active — one that released a moment
+//!    ago counts, it asks again as its work drains — the token is not kept for anyone) and its
+//!    own group could take another quota, the deadline moves a quota later ([`Decision::Extend`],
 //!    reserved like a grant), up to a tenth of the window per token: a lone tenant does not
 //!    drain its queue and ask again every quota. Whoever asks meanwhile waits at most that
 //!    quota, as for any holder (or less, by point 7).
@@ -901,7 +902,12 @@ impl Policy {
             self.cfg.window_ns,
         );
         let (quota, margin) = (self.cfg.quota_ns, self.extend_margin());
-        if self.best_waiter(now).is_some() || self.reserved_for(now).is_some() {
+        let Some(holder) = self.holder.as_ref().map(|h| h.group.clone()) else {
+            return;
+        };
+        // Another group that wants the GPU, or released it a moment ago and will ask again.
+        let others = self.groups.iter().any(|(n, g)| *n != holder && g.active());
+        if others || self.best_waiter(now).is_some() || self.reserved_for(now).is_some() {
             return;
         }
         let Some(h) = self.holder.as_mut() else {

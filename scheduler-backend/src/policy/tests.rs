@@ -148,6 +148,37 @@ fn a_token_handed_over_with_work_queued_starts_the_next_when_that_work_drains() 
     assert_eq!(group(&st, "a").busy_ns, 43 * MS + 9 * MS);
 }
 
+/// A group that released a moment ago with work still queued asks again as it drains: until
+/// then it is not gone, and the holder is not extended past it (ticks come at any time: the
+/// daemon ticks every GPU's policy when one of them wakes). Shares went 0.7 / 0.3 -> 0.5 / 0.5
+/// on one of four simulated GPUs before this held.
+#[test]
+fn a_holder_is_not_extended_past_a_group_whose_work_still_drains() {
+    let mut p = policy(&[("a", GroupParams::default()), ("b", GroupParams::default())]);
+    p.set_config(PolicyConfig {
+        quota_ns: 2 * MS,
+        min_quota_ns: 2 * MS,
+        ..PolicyConfig::default()
+    });
+    p.connect(1, "a").unwrap();
+    p.connect(2, "b").unwrap();
+    p.acquire(1, 0).unwrap();
+    p.acquire(2, 0).unwrap();
+    // a hands over at 2 ms with 1 ms still queued: b's time is 3..5 ms, a drains until 3 ms.
+    p.release(1, 1, 3 * MS, 2 * MS).unwrap();
+    p.take_decisions();
+    let extended = |p: &mut Policy| {
+        p.take_decisions()
+            .iter()
+            .any(|d| matches!(d, Decision::Extend { .. }))
+    };
+    p.tick(3 * MS + 200_000);
+    assert!(!extended(&mut p), "a is still about to ask again");
+    // Past its drain and the anticipation window, a is idle: b is alone and keeps going.
+    p.tick(4 * MS);
+    assert!(extended(&mut p));
+}
+
 #[test]
 fn acquire_is_idempotent_while_waiting() {
     let mut p = policy(&[("a", GroupParams::default())]);
