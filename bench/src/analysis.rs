@@ -22,6 +22,8 @@ pub fn quantile(v: &[f64], q: f64) -> f64 {
 /// One run's figures (with gpushare, or the native baseline).
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct RunFigures {
+    /// Per tenant: target share over the measurement span.
+    pub target: Vec<f64>,
     /// Per tenant: busy share of its GPU over the measurement span.
     pub achieved: Vec<f64>,
     /// Per tenant: |achieved − target| over the measurement span.
@@ -44,10 +46,17 @@ pub struct RunFigures {
     pub plot_shares: Vec<Vec<f64>>,
 }
 
-/// Figures for tenants `pids[i]` on GPU `gpus[i]` with target shares `targets[i]`.
-pub fn analyse(trace: &Trace, pids: &[u32], gpus: &[u32], targets: &[f64]) -> RunFigures {
+/// Figures for tenants `pids[i]` on GPU `gpus[i]`, whose target shares over a window are
+/// `targets(window)[i]` (they depend on the window when a tenant's demand does).
+pub fn analyse(
+    trace: &Trace,
+    pids: &[u32],
+    gpus: &[u32],
+    targets: impl Fn(Window) -> Vec<f64>,
+) -> RunFigures {
     let n = pids.len();
     let mut f = RunFigures {
+        target: vec![0.0; n],
         achieved: vec![0.0; n],
         abs_error: vec![0.0; n],
         max_window_error: vec![0.0; n],
@@ -91,11 +100,13 @@ pub fn analyse(trace: &Trace, pids: &[u32], gpus: &[u32], targets: &[f64]) -> Ru
     };
     let mut err_sum = 0.0;
     let mut err_n = 0usize;
-    for (i, &target) in targets.iter().enumerate() {
+    f.target = targets(measure);
+    let window_targets: Vec<Vec<f64>> = windows.iter().map(|w| targets(*w)).collect();
+    for i in 0..n {
         f.achieved[i] = share(i, measure);
-        f.abs_error[i] = (f.achieved[i] - target).abs();
-        for w in &windows {
-            let e = (share(i, *w) - target).abs();
+        f.abs_error[i] = (f.achieved[i] - f.target[i]).abs();
+        for (w, t) in windows.iter().zip(&window_targets) {
+            let e = (share(i, *w) - t[i]).abs();
             f.max_window_error[i] = f.max_window_error[i].max(e);
             f.max_abs_error = f.max_abs_error.max(e);
             err_sum += e;

@@ -20,6 +20,7 @@
 
 use anyhow::{Context, bail};
 use gpushare_scheduler::policy::{GroupParams, water_fill};
+use gpushare_sim_clients::trace::Window;
 use serde::Deserialize;
 use std::path::Path;
 
@@ -181,9 +182,9 @@ impl Scenario {
     }
 
     /// Target share of each tenant on its GPU (DESIGN §2): water-filling over the tenants of
-    /// that GPU, each capped at its demand (§2.5: a group that needs less than its target gets
-    /// what it needs; the rest goes to the others).
-    pub fn target_shares(&self) -> Vec<f64> {
+    /// that GPU, tenant `i` capped at its demand `demand(i)` (§2.5: a group that needs less
+    /// than its target gets what it needs; the rest goes to the others).
+    pub fn target_shares(&self, demand: impl Fn(usize) -> f64) -> Vec<f64> {
         let mut out = vec![0.0; self.tenants.len()];
         for gpu in 0..self.gpus {
             let idx: Vec<usize> = (0..self.tenants.len())
@@ -193,7 +194,7 @@ impl Scenario {
                 .iter()
                 .map(|&i| {
                     let t = &self.tenants[i];
-                    let limit = t.limit.min(t.demand());
+                    let limit = t.limit.min(demand(i));
                     GroupParams {
                         request: t.request.min(limit),
                         limit,
@@ -210,7 +211,8 @@ impl Scenario {
 }
 
 impl TenantSpec {
-    /// Share of a GPU this tenant would use alone (1 for the always-busy workloads).
+    /// Share of a GPU this tenant would use alone (1 for the always-busy workloads; the mean
+    /// for a latency tenant, see [`TenantSpec::demand_in`]).
     pub fn demand(&self) -> f64 {
         match self.workload {
             Workload::Train | Workload::Async | Workload::Threads => 1.0,
@@ -219,6 +221,17 @@ impl TenantSpec {
                 (self.rate_hz * self.kernels as f64 * self.kernel_ms / 1e3).min(1.0)
             }
         }
+    }
+
+    /// Share of `w` this tenant would use alone, given when its latency requests arrived
+    /// (CLOCK_MONOTONIC ns, as `cudarc-client latency` reports them): a Poisson tenant's demand
+    /// in a one-second window varies by a few hundredths around its mean.
+    pub fn demand_in(&self, arrivals_ns: &[u64], w: Window) -> f64 {
+        let n = arrivals_ns
+            .iter()
+            .filter(|&&t| t >= w.start_ns && t < w.end_ns)
+            .count();
+        (n as f64 * self.kernels as f64 * self.kernel_ms * 1e6 / w.len_ns().max(1) as f64).min(1.0)
     }
 
     /// `cudarc-client` arguments running this workload for `duration_ms`.

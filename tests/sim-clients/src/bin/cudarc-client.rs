@@ -589,11 +589,13 @@ fn latency_cmd(
     let end = std::time::Duration::from_secs_f64(duration_ms / 1e3);
     let mut next = std::time::Duration::ZERO;
     let mut lat_ms = Vec::new();
+    let mut arrivals_ns = Vec::new();
     loop {
         next += std::time::Duration::from_secs_f64(-uniform().ln() / rate_hz);
         if next >= end {
             break;
         }
+        arrivals_ns.push(start_ns + next.as_nanos() as u64);
         let now = t0.elapsed();
         if now < next {
             std::thread::sleep(next - now);
@@ -620,6 +622,7 @@ fn latency_cmd(
         "latency_p50_ms": quantile(&sorted, 0.50),
         "latency_p99_ms": quantile(&sorted, 0.99),
         "latency_max_ms": sorted.last().copied().unwrap_or(0.0),
+        "arrivals_ns": arrivals_ns,
     }))
 }
 
