@@ -20,7 +20,7 @@ use crate::real;
 use gpushare_protocol::ClientMsg;
 use std::collections::VecDeque;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -102,6 +102,15 @@ pub struct Gate {
     last_launch: AtomicU64,
     /// Launchers waiting in `pace` for their queued work: busy, not idle.
     pacing: AtomicU32,
+    /// When the application last began to synchronise (0: never), and when that returned.
+    synced_at: AtomicU64,
+    sync_returned_at: AtomicU64,
+    /// It went idle after that synchronisation (no launch for the idle release time).
+    idled_after_sync: AtomicBool,
+    /// How often (per mille, recent synchronisations weighing most) the application went idle
+    /// after synchronising rather than launching again: a request-serving or bursty process,
+    /// whose token is best handed over as its synchronised work drains.
+    idle_after_sync_score: AtomicU32,
     launches: AtomicU64,
     next_pace: AtomicU64,
     inner: Mutex<Inner>,
@@ -116,6 +125,10 @@ impl Gate {
             in_progress: AtomicU32::new(0),
             last_launch: AtomicU64::new(0),
             pacing: AtomicU32::new(0),
+            synced_at: AtomicU64::new(0),
+            sync_returned_at: AtomicU64::new(0),
+            idled_after_sync: AtomicBool::new(false),
+            idle_after_sync_score: AtomicU32::new(0),
             launches: AtomicU64::new(0),
             next_pace: AtomicU64::new(1),
             inner: Mutex::new(Inner {
@@ -177,6 +190,15 @@ impl Gate {
 
     fn enter_slow(&self, hook: &Hook) -> bool {
         let mut g = self.lock();
+        // The first launch since a synchronisation that handed the token over: was the
+        // application idle in between (see `before_sync`)?
+        let returned = self.sync_returned_at.load(Ordering::Relaxed);
+        if g.token == Token::None
+            && returned >= self.last_launch.load(Ordering::Relaxed)
+            && crate::now_ns() >= returned + hook.settings.idle_release_ns
+        {
+            self.idled_after_sync.store(true, Ordering::Relaxed);
+        }
         loop {
             match g.token {
                 Token::Refused => return false,
@@ -308,6 +330,9 @@ impl Gate {
         let quiet = self.in_progress.load(Ordering::Acquire) == 0
             && self.pacing.load(Ordering::Acquire) == 0;
         if now >= deadline || (quiet && now >= idle_since) {
+            if quiet && self.synced_at.load(Ordering::Relaxed) >= last {
+                self.idled_after_sync.store(true, Ordering::Relaxed);
+            }
             // A launcher still busy (launching or waiting in `pace`) wants the next turn too.
             self.drain_and_release(hook, &mut g, !quiet);
             return None;
@@ -391,11 +416,13 @@ impl Gate {
         }
     }
 
-    /// The application is about to wait for its GPU work. When the token ends before that work
-    /// has drained plus a handoff lead, the turn is over in all but name: hand over as the work
-    /// drains, as at expiry, rather than leave the next holder an idle GPU for a round trip
-    /// after it. Skipped while another thread is launching or the gate is busy.
+    /// The application is about to wait for its GPU work. The turn is over in all but name when
+    /// the token ends before that work has drained plus a handoff lead, or when this
+    /// application usually goes idle after synchronising: then hand over as the work drains, as
+    /// at expiry, rather than leave the next holder an idle GPU for a round trip after it (or
+    /// after the idle release). Skipped while another thread is launching or the gate is busy.
     pub fn before_sync(&self, hook: &Hook) {
+        let idle_next = self.learn_after_sync() > 500;
         let deadline = self.deadline.load(Ordering::Acquire);
         if deadline == 0
             || deadline == UNLIMITED
@@ -415,9 +442,39 @@ impl Gate {
         let Some(tail) = queued_ns(&g, self.launches.load(Ordering::Relaxed), now) else {
             return;
         };
-        if now + tail + hook.settings.handoff_lead_ns >= deadline {
+        if idle_next || now + tail + hook.settings.handoff_lead_ns >= deadline {
             self.drain_and_release(hook, &mut g, false);
         }
+    }
+
+    /// A synchronisation returned.
+    pub fn after_sync(&self) {
+        self.sync_returned_at
+            .store(crate::now_ns(), Ordering::Relaxed);
+    }
+
+    /// Fold what followed the previous synchronisation (idleness, or more launches) into the
+    /// score, and return it.
+    fn learn_after_sync(&self) -> u32 {
+        let score = self.idle_after_sync_score.load(Ordering::Relaxed);
+        let synced = self.synced_at.load(Ordering::Relaxed);
+        let outcome = if synced == 0 {
+            None
+        } else if self.idled_after_sync.load(Ordering::Relaxed) {
+            Some(1000)
+        } else if self.last_launch.load(Ordering::Relaxed) > synced {
+            Some(0)
+        } else {
+            None // synchronised twice in a row
+        };
+        self.idled_after_sync.store(false, Ordering::Relaxed);
+        self.synced_at.store(crate::now_ns(), Ordering::Relaxed);
+        let Some(outcome) = outcome else {
+            return score;
+        };
+        let score = (7 * score + 3 * outcome) / 10;
+        self.idle_after_sync_score.store(score, Ordering::Relaxed);
+        score
     }
 
     /// Return the token (asking for the next turn first with `again`).

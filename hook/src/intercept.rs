@@ -63,15 +63,18 @@ launch_wrapper!(cuGraphLaunch, per_thread = false, stream = s, (g: P, s: P));
 launch_wrapper!(cuGraphLaunch_ptsz, per_thread = true, stream = s, (g: P, s: P));
 
 /// Run a synchronisation, first letting the gate of the current GPU hand its token over if the
-/// turn ends with the work being waited for.
+/// turn ends with the work being waited for, and telling it when the synchronisation returned.
 fn synced(sync: impl FnOnce() -> Option<CUresult>) -> CUresult {
     let run = || {
-        if let Some(h) = hook()
-            && let Some(g) = h.gate_for_current()
-        {
+        let gate = hook().and_then(|h| Some((h, h.gate_for_current()?)));
+        if let Some((h, g)) = gate {
             g.before_sync(h);
         }
-        sync().unwrap_or(CUDA_ERROR_NOT_INITIALIZED)
+        let r = sync().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        if let Some((_, g)) = gate {
+            g.after_sync();
+        }
+        r
     };
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
 }

@@ -211,6 +211,16 @@ fn idle_share_goes_to_the_busy_tenant() {
         gaps.summary(),
         renewal_gaps.summary(),
     );
+    // Handoffs between the two hide the round trip: the busy one's token is cut short and
+    // handed over as its queued work drains, and the bursty one, which goes idle after each
+    // synchronisation, hands over as its burst drains rather than at its idle release (before,
+    // some 30 % of them took over 100 µs).
+    let slow = gaps.switches.iter().filter(|&&g| g > 100_000).count();
+    assert!(
+        slow * 20 <= gaps.switches.len(),
+        "{slow} handoffs over 100 µs: {}",
+        gaps.summary()
+    );
     assert!(
         s[1] < 0.3,
         "the bursty tenant should use well under its 0.5: {s:?}"
