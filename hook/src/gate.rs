@@ -100,6 +100,10 @@ pub struct Gate {
     in_progress: AtomicU32,
     /// When the last launch was admitted (the watcher's idle test).
     last_launch: AtomicU64,
+    /// The scheduler extended the held token: nobody else wants the GPU, so the watcher need
+    /// not look for idleness until the deadline (whoever asks ends the extension, and the new
+    /// deadline says so).
+    alone: AtomicBool,
     /// Launchers waiting in `pace` for their queued work: busy, not idle.
     pacing: AtomicU32,
     /// When the application last began to synchronise (0: never), and when that returned.
@@ -124,6 +128,7 @@ impl Gate {
             deadline: AtomicU64::new(0),
             in_progress: AtomicU32::new(0),
             last_launch: AtomicU64::new(0),
+            alone: AtomicBool::new(false),
             pacing: AtomicU32::new(0),
             synced_at: AtomicU64::new(0),
             sync_returned_at: AtomicU64::new(0),
@@ -261,6 +266,7 @@ impl Gate {
             granted_ns: crate::now_ns().max(start_ns),
             quota_ns,
         };
+        self.alone.store(false, Ordering::Relaxed);
         self.deadline.store(deadline_ns.max(1), Ordering::Release);
         self.changed.notify_all();
     }
@@ -274,9 +280,9 @@ impl Gate {
     /// clears the deadline under the lock).
     pub fn on_deadline(&self, token: u64, deadline_ns: u64) {
         let g = self.lock();
-        if matches!(g.token, Token::Held { token: t, .. } if t == token)
-            && self.deadline.load(Ordering::Acquire) != 0
-        {
+        let current = self.deadline.load(Ordering::Acquire);
+        if matches!(g.token, Token::Held { token: t, .. } if t == token) && current != 0 {
+            self.alone.store(deadline_ns > current, Ordering::Relaxed);
             self.deadline.store(deadline_ns.max(1), Ordering::Release);
         }
     }
@@ -329,6 +335,9 @@ impl Gate {
         let idle_since = last.saturating_add(idle_ns);
         let quiet = self.in_progress.load(Ordering::Acquire) == 0
             && self.pacing.load(Ordering::Acquire) == 0;
+        if self.alone.load(Ordering::Relaxed) && now < deadline {
+            return Some(deadline);
+        }
         if now >= deadline || (quiet && now >= idle_since) {
             if quiet && self.synced_at.load(Ordering::Relaxed) >= last {
                 self.idled_after_sync.store(true, Ordering::Relaxed);

@@ -73,8 +73,10 @@
 //!    ago counts, it asks again as its work drains — the token is not kept for anyone) and its
 //!    own group could take another quota, the deadline moves a quota later ([`Decision::Extend`],
 //!    reserved like a grant), up to a tenth of the window per token: a lone tenant does not
-//!    drain its queue and ask again every quota. Whoever asks meanwhile waits at most that
-//!    quota, as for any holder (or less, by point 7).
+//!    drain its queue and ask again every quota. Whoever asks meanwhile ends the extension: the
+//!    token then ends a `min_quota_ns` later (or at its deadline before the extension, if
+//!    later; less by point 7), announced like a cut-short token — which also tells the client
+//!    that it is no longer alone.
 //!
 //! Usage charged is `min(used_ns, now + min_quota_ns − start)`: the client's own measure of
 //! occupancy, which cannot exceed the time it held the token plus a little work still queued
@@ -312,6 +314,8 @@ struct Hold {
     /// settled, came later than reported. Taken off what the client reports.
     late_ns: u64,
     deadline_ns: u64,
+    /// Its deadline before it was first extended (point 9).
+    unextended: Option<u64>,
     quota_ns: u64,
     /// Debited from credit and bucket so far (the reserve, then the settled charge).
     applied: u64,
@@ -739,6 +743,7 @@ impl Policy {
             if returning {
                 self.preempt_for(&group, now);
             }
+            self.end_extension(now);
         }
         self.mark_held_back(now);
         Ok(())
@@ -885,6 +890,27 @@ impl Policy {
         self.mark_held_back(now);
     }
 
+    /// Someone asks while the holder's token is extended (point 9): it ends a minimum quota
+    /// from now, or at its deadline before the extension if that is later.
+    fn end_extension(&mut self, now: u64) {
+        let min_quota = self.cfg.min_quota_ns;
+        let Some(h) = self.holder.as_mut() else {
+            return;
+        };
+        let Some(unextended) = h.unextended.take() else {
+            return;
+        };
+        let deadline_ns = now.saturating_add(min_quota).max(unextended);
+        if deadline_ns < h.deadline_ns {
+            h.deadline_ns = deadline_ns;
+            self.decisions.push(Decision::Shorten {
+                client: h.client,
+                token: h.token,
+                deadline_ns,
+            });
+        }
+    }
+
     /// How long before its deadline a lone holder's token is extended: time for the message
     /// to arrive before the client starts to give the token back.
     fn extend_margin(&self) -> u64 {
@@ -927,6 +953,7 @@ impl Policy {
             return;
         }
         g.reserve(quota, now, lo, depth, window);
+        h.unextended.get_or_insert(h.deadline_ns);
         h.deadline_ns += quota;
         h.quota_ns += quota;
         h.applied += quota;
@@ -1449,6 +1476,7 @@ impl Policy {
             granted_at: start_ns,
             follows: (start_ns > now).then_some(previous),
             late_ns: 0,
+            unextended: None,
             deadline_ns,
             quota_ns,
             applied: quota_ns,

@@ -77,14 +77,23 @@ fn a_lone_holder_keeps_its_token_a_quota_at_a_time() {
     };
     assert_eq!(p.take_decisions(), vec![extend(40 * MS)]);
     assert_eq!(p.next_wakeup(18 * MS), Some(38 * MS));
+    // Someone else asks: the extension ends a minimum quota later.
+    p.acquire(2, 25 * MS).unwrap();
+    assert_eq!(
+        p.take_decisions(),
+        vec![Decision::Shorten {
+            client: 1,
+            token: 1,
+            deadline_ns: 27 * MS
+        }]
+    );
     // Reserved like a grant: charged at release for what it used.
-    p.release(1, 1, 30 * MS, 30 * MS).unwrap();
-    assert_eq!(group(&p.status(30 * MS), "a").busy_ns, 30 * MS);
-    assert_eq!(group(&p.status(30 * MS), "a").overruns, 0);
-    // Not while someone else waits...
+    p.release(1, 1, 27 * MS, 27 * MS).unwrap();
+    assert_eq!(group(&p.status(27 * MS), "a").busy_ns, 27 * MS);
+    assert_eq!(group(&p.status(27 * MS), "a").overruns, 0);
+    // Not extended while someone else waits...
     p.acquire(1, 30 * MS).unwrap();
-    p.acquire(2, 31 * MS).unwrap();
-    p.tick(48 * MS);
+    p.tick(45 * MS);
     assert!(
         p.take_decisions()
             .iter()
