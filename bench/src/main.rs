@@ -23,7 +23,7 @@ use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
 /// Native/hooked pairs of launch-overhead runs.
-const OVERHEAD_PAIRS: usize = 9;
+const OVERHEAD_PAIRS: usize = 15;
 
 /// Scenario duration with `--quick`.
 const QUICK_DURATION_NS: u64 = 3_000_000_000;
