@@ -515,12 +515,7 @@ impl Sim {
                     token,
                     deadline_ns,
                 } => {
-                    let i = (client - 1) as usize;
-                    assert_eq!(
-                        self.states[i],
-                        State::Holding(token),
-                        "shortened a non-holder"
-                    );
+                    let i = self.holding(client, token, "shortened");
                     let min_quota = self.policy.config().min_quota_ns;
                     assert!(
                         deadline_ns >= self.granted_at + min_quota,
@@ -535,23 +530,13 @@ impl Sim {
                     token,
                     deadline_ns,
                 } => {
-                    let i = (client - 1) as usize;
-                    assert_eq!(
-                        self.states[i],
-                        State::Holding(token),
-                        "extended a non-holder"
-                    );
+                    let i = self.holding(client, token, "extended");
                     assert!(deadline_ns > self.now, "extended into the past");
                     self.stats.extended += 1;
                     self.extend(i, deadline_ns);
                 }
                 Decision::Revoke { client, token } => {
-                    let i = (client - 1) as usize;
-                    assert_eq!(
-                        self.states[i],
-                        State::Holding(token),
-                        "revoked a non-holder"
-                    );
+                    let i = self.holding(client, token, "revoked");
                     assert_eq!(self.holder, Some(i));
                     let grace = self.policy.config().grace_ns;
                     let deadline = self.plans[i].map_or(self.granted_at, |p| p.deadline);
@@ -563,6 +548,13 @@ impl Sim {
                 }
             }
         }
+    }
+
+    /// The tenant of `client`, checked to hold `token` (a decision `what` concerns it).
+    fn holding(&self, client: ClientId, token: u64, what: &str) -> usize {
+        let i = (client - 1) as usize;
+        assert_eq!(self.states[i], State::Holding(token), "{what} a non-holder");
+        i
     }
 
     /// Plans the work of tenant `i` under a fresh token.

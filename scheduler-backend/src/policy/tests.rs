@@ -32,6 +32,14 @@ fn policy(groups: &[(&str, GroupParams)]) -> Policy {
     p
 }
 
+/// Groups `a` and `b` with default parameters, client 1 in `a` and client 2 in `b`.
+fn a_and_b() -> Policy {
+    let mut p = policy(&[("a", GroupParams::default()), ("b", GroupParams::default())]);
+    p.connect(1, "a").unwrap();
+    p.connect(2, "b").unwrap();
+    p
+}
+
 fn group<'a>(st: &'a GpuStatus, name: &str) -> &'a GroupStatus {
     st.groups.iter().find(|g| g.name == name).unwrap()
 }
@@ -62,9 +70,7 @@ fn grants_at_once_when_free_and_the_next_at_release() {
 
 #[test]
 fn a_lone_holder_keeps_its_token_a_quota_at_a_time() {
-    let mut p = policy(&[("a", GroupParams::default()), ("b", GroupParams::default())]);
-    p.connect(1, "a").unwrap();
-    p.connect(2, "b").unwrap();
+    let mut p = a_and_b();
     p.acquire(1, 0).unwrap();
     assert_eq!(p.take_decisions(), vec![grant(1, 1, 0)]);
     p.tick(17 * MS);
@@ -120,9 +126,7 @@ fn a_lone_holder_keeps_its_token_a_quota_at_a_time() {
 
 #[test]
 fn a_token_handed_over_with_work_queued_starts_the_next_when_that_work_drains() {
-    let mut p = policy(&[("a", GroupParams::default()), ("b", GroupParams::default())]);
-    p.connect(1, "a").unwrap();
-    p.connect(2, "b").unwrap();
+    let mut p = a_and_b();
     p.acquire(1, 0).unwrap();
     p.acquire(2, MS).unwrap();
     p.take_decisions();
@@ -163,14 +167,12 @@ fn a_token_handed_over_with_work_queued_starts_the_next_when_that_work_drains() 
 /// on one of four simulated GPUs before this held.
 #[test]
 fn a_holder_is_not_extended_past_a_group_whose_work_still_drains() {
-    let mut p = policy(&[("a", GroupParams::default()), ("b", GroupParams::default())]);
+    let mut p = a_and_b();
     p.set_config(PolicyConfig {
         quota_ns: 2 * MS,
         min_quota_ns: 2 * MS,
         ..PolicyConfig::default()
     });
-    p.connect(1, "a").unwrap();
-    p.connect(2, "b").unwrap();
     p.acquire(1, 0).unwrap();
     p.acquire(2, 0).unwrap();
     // a hands over at 2 ms with 1 ms still queued: b's time is 3..5 ms, a drains until 3 ms.
@@ -223,9 +225,7 @@ fn clients_of_a_group_are_served_round_robin() {
 
 #[test]
 fn tokens_are_unique_and_increasing() {
-    let mut p = policy(&[("a", GroupParams::default()), ("b", GroupParams::default())]);
-    p.connect(1, "a").unwrap();
-    p.connect(2, "b").unwrap();
+    let mut p = a_and_b();
     let mut last = 0;
     let mut now = 0;
     p.acquire(1, 0).unwrap();
@@ -369,9 +369,7 @@ fn a_late_release_reporting_less_than_the_revocation_keeps_the_provisional_charg
 
 #[test]
 fn disconnecting_the_holder_grants_the_next_at_once() {
-    let mut p = policy(&[("a", GroupParams::default()), ("b", GroupParams::default())]);
-    p.connect(1, "a").unwrap();
-    p.connect(2, "b").unwrap();
+    let mut p = a_and_b();
     p.acquire(1, 0).unwrap();
     p.acquire(2, MS).unwrap();
     p.take_decisions();
