@@ -562,7 +562,9 @@ fn launch_overhead() -> anyhow::Result<Value> {
     let mut node = Node::device_only();
     node.start_scheduler(&[]);
     let client = target_dir().join("cudarc-client");
-    let args = ["launch-latency", "--n", "100000"];
+    const LAUNCHES: u64 = 100_000;
+    let n_arg = LAUNCHES.to_string();
+    let args = ["launch-latency", "--n", n_arg.as_str()];
     let measure = |cmd: Command| -> anyhow::Result<f64> {
         let (out, killed) = Tenant::spawn(cmd).finish_within(Duration::from_secs(60));
         if killed || !out.status.success() {
@@ -643,7 +645,7 @@ fn launch_overhead() -> anyhow::Result<Value> {
         "hooked_turnover_ns": r1(turnover),
         "native_samples_ns": native.iter().map(|x| r1(*x)).collect::<Vec<_>>(),
         "hooked_samples_ns": hooked.iter().map(|x| r1(*x)).collect::<Vec<_>>(),
-        "launches_per_sample": 20000,
+        "launches_per_sample": LAUNCHES,
     }))
 }
 
