@@ -431,7 +431,8 @@ impl Gate {
     /// at expiry, rather than leave the next holder an idle GPU for a round trip after it (or
     /// after the idle release). Skipped while another thread is launching or the gate is busy.
     pub fn before_sync(&self, hook: &Hook) {
-        let idle_next = self.learn_after_sync() > 500;
+        // Going idle next matters only to someone waiting (not while the token is extended).
+        let idle_next = self.learn_after_sync() > 500 && !self.alone.load(Ordering::Relaxed);
         let deadline = self.deadline.load(Ordering::Acquire);
         if deadline == 0
             || deadline == UNLIMITED
