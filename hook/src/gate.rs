@@ -12,7 +12,7 @@
 //!   every context used, and report grant → drained as the time this process held the GPU;
 //!   the token is handed over when about a handoff lead of work is left (its tail estimated,
 //!   settled later), and already when the application synchronises so close to the deadline
-//!   that its turn is over once that work drains.
+//!   that its turn is over once that work drains, or usually goes idle after synchronising.
 
 use crate::client::Hook;
 use crate::log::debug;
@@ -339,7 +339,9 @@ impl Gate {
             return Some(deadline);
         }
         if now >= deadline || (quiet && now >= idle_since) {
-            if quiet && self.synced_at.load(Ordering::Relaxed) >= last {
+            // Given back for idleness (not at the deadline) with nothing launched since the
+            // application synchronised: it went idle after synchronising.
+            if now < deadline && self.synced_at.load(Ordering::Relaxed) >= last {
                 self.idled_after_sync.store(true, Ordering::Relaxed);
             }
             // A launcher still busy (launching or waiting in `pace`) wants the next turn too.
