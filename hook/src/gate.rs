@@ -699,6 +699,66 @@ fn sync_context(ctx: P) {
 mod tests {
     use super::*;
 
+    fn fence(launches: u64, recorded_ns: u64) -> Fence {
+        Fence {
+            event: std::ptr::null_mut(),
+            ctx: std::ptr::null_mut(),
+            launches,
+            recorded_ns,
+        }
+    }
+
+    /// The queued work runs down between fences, from when the GPU surely worked on it.
+    #[test]
+    fn queued_work_is_estimated_continuously_on_one_stream_only() {
+        let gate = Gate::new([0; 16]);
+        let mut g = gate.lock();
+        assert_eq!(queued_ns(&g, 10, 0), None, "nothing learnt yet");
+        g.ns_per_launch = Some(100.0);
+        g.last_done = Some(fence(4, 0));
+        g.last_done_ns = 1_000;
+        // Launches 5..=10 queued; none pending fenced: no time to count down from.
+        assert_eq!(queued_ns(&g, 10, 1_200), Some(600));
+        // A fence recorded before the last one completed: the GPU has worked since that.
+        g.fences.push_back(fence(8, 500));
+        assert_eq!(queued_ns(&g, 10, 1_200), Some(400));
+        // One recorded after it (the GPU may have idled in between): from its recording.
+        g.fences[0].recorded_ns = 1_100;
+        assert_eq!(queued_ns(&g, 10, 1_200), Some(500));
+        assert_eq!(queued_ns(&g, 10, 5_000), Some(0));
+        // Fences on two streams: a completed one says nothing of the other stream.
+        g.streams.add(1 as P, 0);
+        g.streams.add(1 as P, 0);
+        assert_eq!(queued_ns(&g, 10, 1_200), Some(500));
+        g.streams.add(2 as P, 0);
+        assert_eq!(queued_ns(&g, 10, 1_200), None);
+    }
+
+    /// Idle after a synchronisation raises the score, launching again right away lowers it.
+    #[test]
+    fn going_idle_after_synchronising_is_learnt() {
+        let gate = Gate::new([0; 16]);
+        assert_eq!(gate.learn_after_sync(), 0, "no synchronisation before");
+        let mut scores = Vec::new();
+        for _ in 0..4 {
+            gate.idled_after_sync.store(true, Ordering::Relaxed);
+            scores.push(gate.learn_after_sync());
+        }
+        assert!(
+            scores.windows(2).all(|w| w[1] > w[0]) && scores[3] > 500,
+            "{scores:?}"
+        );
+        // Launched again after the last synchronisation, without going idle.
+        gate.last_launch.store(
+            gate.synced_at.load(Ordering::Relaxed) + 1,
+            Ordering::Relaxed,
+        );
+        let after = gate.learn_after_sync();
+        assert!(after < scores[3], "{after}");
+        // A synchronisation right after another teaches nothing.
+        assert_eq!(gate.learn_after_sync(), after);
+    }
+
     /// The fast path's cost, printed: an in-progress count, a deadline load, a clock read, and
     /// on return a launch count. (The figure for the whole hook is measured end to end
     /// against the bare simulator by the isolation tests and the benchmark.)

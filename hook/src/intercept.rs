@@ -339,6 +339,24 @@ mod tests {
     }
 
     #[test]
+    fn every_synchronisation_variant_is_seen() {
+        let syncs = [
+            "cuCtxSynchronize",
+            "cuStreamSynchronize",
+            "cuEventSynchronize",
+        ];
+        for entry in gpushare_cuda_abi::ENTRY_POINTS {
+            if syncs.contains(&entry.name) {
+                assert!(
+                    wrapper(entry.symbol.as_bytes()).is_some(),
+                    "{} is not seen",
+                    entry.symbol
+                );
+            }
+        }
+    }
+
+    #[test]
     fn every_launch_variant_is_managed() {
         for entry in gpushare_cuda_abi::ENTRY_POINTS {
             let launches = [
