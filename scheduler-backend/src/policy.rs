@@ -743,7 +743,7 @@ impl Policy {
             if returning {
                 self.preempt_for(&group, now);
             }
-            self.end_extension(now);
+            self.end_extension(client, now);
         }
         self.mark_held_back(now);
         Ok(())
@@ -890,11 +890,12 @@ impl Policy {
         self.mark_held_back(now);
     }
 
-    /// Someone asks while the holder's token is extended (point 9): it ends a minimum quota
-    /// from now, or at its deadline before the extension if that is later.
-    fn end_extension(&mut self, now: u64) {
+    /// `asker` asks while the holder's token is extended (point 9): it ends a minimum quota
+    /// from now, or at its deadline before the extension if that is later (unless the holder
+    /// itself asks for its next turn).
+    fn end_extension(&mut self, asker: ClientId, now: u64) {
         let min_quota = self.cfg.min_quota_ns;
-        let Some(h) = self.holder.as_mut() else {
+        let Some(h) = self.holder.as_mut().filter(|h| h.client != asker) else {
             return;
         };
         let Some(unextended) = h.unextended.take() else {
