@@ -22,8 +22,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-/// Native/hooked pairs of launch-overhead runs.
+/// Native/hooked pairs of launch-overhead runs (fewer with `--quick`, to stay under 2 min).
 const OVERHEAD_PAIRS: usize = 15;
+const QUICK_OVERHEAD_PAIRS: usize = 7;
 
 /// Scenario duration with `--quick`.
 const QUICK_DURATION_NS: u64 = 3_000_000_000;
@@ -557,7 +558,7 @@ fn run_scenario(
 
 /// ns per cuLaunchKernel of `cudarc-client launch-latency`, natively and under the hook (alone,
 /// so the token stays held: the fast path), on the same node, alternating, median of 3 each.
-fn launch_overhead() -> anyhow::Result<Value> {
+fn launch_overhead(pairs: usize) -> anyhow::Result<Value> {
     progress("launch overhead: cudarc-client launch-latency, native vs hooked (token held)");
     let mut node = Node::device_only();
     node.start_scheduler(&[]);
@@ -587,7 +588,7 @@ fn launch_overhead() -> anyhow::Result<Value> {
     // Alternating pairs, so that drifts of this (shared, 2-core) machine hit both alike; the
     // ratio is the median of the pairs' ratios.
     let (mut native, mut hooked, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..OVERHEAD_PAIRS {
+    for _ in 0..pairs {
         let mut c = node.command(&client);
         c.args(args);
         let n = measure(c)?;
@@ -646,6 +647,7 @@ fn launch_overhead() -> anyhow::Result<Value> {
         "native_samples_ns": native.iter().map(|x| r1(*x)).collect::<Vec<_>>(),
         "hooked_samples_ns": hooked.iter().map(|x| r1(*x)).collect::<Vec<_>>(),
         "launches_per_sample": LAUNCHES,
+        "pairs": pairs,
     }))
 }
 
@@ -676,7 +678,12 @@ fn bench(list: Vec<Scenario>, out: &Path, opts: Opts) -> anyhow::Result<()> {
         }
     }
     let overhead = if opts.overhead {
-        match launch_overhead() {
+        let pairs = if opts.quick {
+            QUICK_OVERHEAD_PAIRS
+        } else {
+            OVERHEAD_PAIRS
+        };
+        match launch_overhead(pairs) {
             Ok(v) => v,
             Err(e) => {
                 progress(format!("launch overhead FAILED: {e:#}"));
@@ -762,7 +769,7 @@ fn markdown(s: &Value) -> String {
         let _ = writeln!(
             o,
             "\nLaunch overhead (cuLaunchKernel of cudarc-client launch-latency, same binary, {} alternating pairs, medians): native {} ns, hooked with the token held {} ns, ratio native/hooked {} (pairs {}–{}); hooked with token turnover (a competing group) {} ns.\n",
-            OVERHEAD_PAIRS,
+            lo["pairs"],
             f(&lo["native_ns"], 0),
             f(&lo["hooked_ns"], 0),
             f(&lo["ratio"], 3),
