@@ -6,7 +6,8 @@
 //!    version table (`gpushare-cuda-abi`) says which symbol that is, and a managed symbol is
 //!    swapped for its wrapper.
 
-use crate::client::hook;
+use crate::client::{Hook, hook};
+use crate::gate::Gate;
 use crate::memory;
 use crate::real;
 use gpushare_cuda_abi::{Resolution, resolve};
@@ -19,12 +20,17 @@ const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 const CUDA_ERROR_NOT_PERMITTED: CUresult = 800;
 const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
+/// The hook and the gate of the current context's GPU (`None`: nothing to gate).
+#[inline]
+fn current_gate() -> Option<(&'static Hook, &'static Gate)> {
+    hook().and_then(|h| Some((h, h.gate_for_current()?)))
+}
+
 /// Run a launch through the gate of the current GPU. Panics never cross into the caller.
 #[inline]
 fn gated(stream: Option<(P, bool)>, launch: impl FnOnce() -> Option<CUresult>) -> CUresult {
     let run = || {
-        let gate = hook().and_then(|h| Some((h, h.gate_for_current()?)));
-        match gate {
+        match current_gate() {
             Some((h, g)) => {
                 if !g.enter(h) {
                     return CUDA_ERROR_NOT_PERMITTED;
@@ -66,7 +72,7 @@ launch_wrapper!(cuGraphLaunch_ptsz, per_thread = true, stream = s, (g: P, s: P))
 /// turn ends with the work being waited for, and telling it when the synchronisation returned.
 fn synced(sync: impl FnOnce() -> Option<CUresult>) -> CUresult {
     let run = || {
-        let gate = hook().and_then(|h| Some((h, h.gate_for_current()?)));
+        let gate = current_gate();
         if let Some((h, g)) = gate {
             g.before_sync(h);
         }

@@ -912,6 +912,17 @@ impl Policy {
         }
     }
 
+    /// No one but the holder could take the GPU: no other group wants it or released it a
+    /// moment ago (it will ask again), no one eligible waits, the token is kept for no one.
+    fn holder_alone(&self, now: u64) -> bool {
+        let Some(holder) = self.holder.as_ref().map(|h| &h.group) else {
+            return false;
+        };
+        !self.groups.iter().any(|(n, g)| n != holder && g.active())
+            && self.best_waiter(now).is_none()
+            && self.reserved_for(now).is_none()
+    }
+
     /// How long before its deadline a lone holder's token is extended: time for the message
     /// to arrive before the client starts to give the token back.
     fn extend_margin(&self) -> u64 {
@@ -929,12 +940,7 @@ impl Policy {
             self.cfg.window_ns,
         );
         let (quota, margin) = (self.cfg.quota_ns, self.extend_margin());
-        let Some(holder) = self.holder.as_ref().map(|h| h.group.clone()) else {
-            return;
-        };
-        // Another group that wants the GPU, or released it a moment ago and will ask again.
-        let others = self.groups.iter().any(|(n, g)| *n != holder && g.active());
-        if others || self.best_waiter(now).is_some() || self.reserved_for(now).is_some() {
+        if !self.holder_alone(now) {
             return;
         }
         let Some(h) = self.holder.as_mut() else {
@@ -994,6 +1000,8 @@ impl Policy {
                 .filter_map(|g| g.eligible_at(self.now, depth, thr));
             // And shortly before its deadline, to extend it if nobody else could be granted.
             let extend = h.deadline_ns.saturating_sub(self.extend_margin());
+            // (Only no waiter is asked for here: a group that just released may be idle by
+            // then, and the tick checks the rest.)
             let extend =
                 (self.now < extend && self.best_waiter(self.now).is_none()).then_some(extend);
             return refill
