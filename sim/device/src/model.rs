@@ -15,6 +15,7 @@
 //!   change the outcome. Completions committed ahead become visible when `now` reaches them.
 
 use crate::trace::Record;
+use rustc_hash::FxHashMap;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -121,18 +122,18 @@ pub enum SubmitError {
 pub struct Model {
     cfg: ModelConfig,
     devices: Vec<Device>,
-    ctxs: HashMap<Key, Context>,
-    streams: HashMap<Key, Stream>,
-    functions: HashMap<Key, Arc<str>>,
-    pids: HashMap<ConnId, u32>,
+    ctxs: FxHashMap<Key, Context>,
+    streams: FxHashMap<Key, Stream>,
+    functions: FxHashMap<Key, Arc<str>>,
+    pids: FxHashMap<ConnId, u32>,
     /// Memory held per (connection, device), released when the connection closes.
-    held: HashMap<(ConnId, u32), u64>,
+    held: FxHashMap<(ConnId, u32), u64>,
     trace: Vec<Record>,
     host_calls: Vec<(Key, u64)>,
     /// Event records whose completion was decided since the last [`Model::take_decided_events`].
     decided_events: Vec<(Key, u64, u64)>,
     /// Completion times of event records, until the client forgets them.
-    events: HashMap<(Key, u64), u64>,
+    events: FxHashMap<(Key, u64), u64>,
 }
 
 impl Model {
@@ -148,15 +149,15 @@ impl Model {
         Model {
             cfg,
             devices,
-            ctxs: HashMap::new(),
-            streams: HashMap::new(),
-            functions: HashMap::new(),
-            pids: HashMap::new(),
-            held: HashMap::new(),
+            ctxs: FxHashMap::default(),
+            streams: FxHashMap::default(),
+            functions: FxHashMap::default(),
+            pids: FxHashMap::default(),
+            held: FxHashMap::default(),
             trace: Vec::new(),
             host_calls: Vec::new(),
             decided_events: Vec::new(),
-            events: HashMap::new(),
+            events: FxHashMap::default(),
         }
     }
 
@@ -636,8 +637,13 @@ impl Model {
             }
         };
         for (i, dev) in self.devices.iter().enumerate() {
-            consider(dev.cursor);
-            if let Some(e) = self.earliest_kernel(i) {
+            // The cursor matters only to a kernel cut at its slice's end or one still waiting:
+            // an idle device has nothing to decide there.
+            let waiting = self.earliest_kernel(i);
+            if dev.running.is_some() || waiting.is_some() {
+                consider(dev.cursor);
+            }
+            if let Some(e) = waiting {
                 consider(e);
             }
         }

@@ -7,7 +7,7 @@ use crate::trace::Record;
 use gpushare_sim_wire::{self as wire, DeviceInfo, PROTOCOL_VERSION, Reply, Request};
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufReader, BufWriter, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -36,6 +36,11 @@ struct State {
     trace: Option<BufWriter<File>>,
     next_conn: ConnId,
     stopping: bool,
+    /// When the clock thread will next look at the model on its own (`u64::MAX`: not until
+    /// told; 0: it is awake and will plan again). A change needs waking it only when it makes
+    /// something due earlier: a condvar signal per launch would cost the device a thread wake-up
+    /// per launch.
+    clock_wake: u64,
 }
 
 struct Shared {
@@ -78,6 +83,7 @@ impl Server {
                 trace,
                 next_conn: 1,
                 stopping: false,
+                clock_wake: 0,
             }),
             changed: Condvar::new(),
             devices,
@@ -169,19 +175,24 @@ fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
     }
 }
 
-fn client_loop(conn: ConnId, mut stream: UnixStream, shared: Arc<Shared>) {
+fn client_loop(conn: ConnId, stream: UnixStream, shared: Arc<Shared>) {
+    // Buffered: a launcher ahead of the device leaves many frames to take in one read.
+    let mut stream = BufReader::with_capacity(64 << 10, stream);
     let mut buf = Vec::new();
     loop {
         match wire::recv::<Request>(&mut stream, &mut buf) {
             Ok(Some(req)) => {
                 let mut out = Outbox::new();
-                {
+                let wake_clock = {
                     let mut st = lock(&shared);
                     let now = now_ns();
                     handle(&mut st, &shared.devices, conn, req, now, &mut out);
                     pump(&mut st, now, &mut out);
+                    next_wake(&st, now).is_some_and(|t| t < st.clock_wake)
+                };
+                if wake_clock {
+                    shared.changed.notify_all();
                 }
-                shared.changed.notify_all();
                 deliver(&shared, out);
             }
             Ok(None) => break,
@@ -382,17 +393,8 @@ fn clock_loop(shared: Arc<Shared>) {
             st = lock(&shared);
             continue;
         }
-        let model = &st.model;
-        let waiter_wake = st
-            .waiters
-            .iter()
-            .filter_map(|w| waiter_end(model, w))
-            .filter(|&e| e > now)
-            .min();
-        let wake = [model.next_wakeup(now), waiter_wake]
-            .into_iter()
-            .flatten()
-            .min();
+        let wake = next_wake(&st, now);
+        st.clock_wake = wake.unwrap_or(u64::MAX);
         st = match wake {
             Some(t) => {
                 let d = Duration::from_nanos(t.saturating_sub(now_ns()));
@@ -407,5 +409,21 @@ fn clock_loop(shared: Arc<Shared>) {
             }
             None => shared.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
         };
+        st.clock_wake = 0;
     }
+}
+
+/// The earliest instant after `now` at which the model or a waiter needs the clock.
+fn next_wake(st: &State, now: u64) -> Option<u64> {
+    let model = &st.model;
+    let waiter_wake = st
+        .waiters
+        .iter()
+        .filter_map(|w| waiter_end(model, w))
+        .filter(|&e| e > now)
+        .min();
+    [model.next_wakeup(now), waiter_wake]
+        .into_iter()
+        .flatten()
+        .min()
 }

@@ -89,6 +89,22 @@ fn work_is_not_committed_beyond_the_current_slice() {
 }
 
 #[test]
+fn a_device_whose_work_is_all_decided_needs_no_wake_up() {
+    let mut m = model(true);
+    client(&mut m, 1, 0);
+    spin(&mut m, 0, 1, 1, 1, 100 * US);
+    m.advance(0);
+    assert_eq!(m.completion((1, 1), 1), Some(100 * US));
+    // The kernel's end is decided and nothing else is queued: no reason for the device's clock
+    // to look at the model again (each wake-up costs the device process a thread switch).
+    assert_eq!(m.next_wakeup(0), None);
+    // A kernel cut at the slice's end still needs one, by then.
+    spin(&mut m, 0, 1, 1, 2, 2 * MS);
+    m.advance(0);
+    assert!(m.next_wakeup(0).is_some_and(|t| t <= MS));
+}
+
+#[test]
 fn two_busy_contexts_time_slice_evenly_without_overlap() {
     let mut m = model(true);
     client(&mut m, 1, 0);
