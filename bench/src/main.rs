@@ -556,17 +556,18 @@ fn run_scenario(
     Ok(v)
 }
 
-/// ns per cuLaunchKernel of `cudarc-client launch-latency`, natively and under the hook (alone,
-/// so the token stays held: the fast path), on the same node, alternating, median of 3 each.
+/// ns per cuLaunchKernel of `cudarc-client launch-latency` under the hook (alone, so the token
+/// stays held: the fast path) against the driver's own entry point in the same process, and,
+/// as a control and the classic comparison, in processes without the hook.
 fn launch_overhead(pairs: usize) -> anyhow::Result<Value> {
-    progress("launch overhead: cudarc-client launch-latency, native vs hooked (token held)");
+    progress("launch overhead: cudarc-client launch-latency, hooked vs the driver's own entry");
     let mut node = Node::device_only();
     node.start_scheduler(&[]);
     let client = target_dir().join("cudarc-client");
-    const LAUNCHES: u64 = 100_000;
+    const LAUNCHES: u64 = 50_000;
     let n_arg = LAUNCHES.to_string();
     let args = ["launch-latency", "--n", n_arg.as_str()];
-    let measure = |cmd: Command| -> anyhow::Result<f64> {
+    let measure = |cmd: Command| -> anyhow::Result<Value> {
         let (out, killed) = Tenant::spawn(cmd).finish_within(Duration::from_secs(60));
         if killed || !out.status.success() {
             bail!(
@@ -581,34 +582,46 @@ fn launch_overhead(pairs: usize) -> anyhow::Result<Value> {
                 .unwrap_or("")
                 .as_bytes(),
         )?;
-        v["ns_per_launch"]
-            .as_f64()
-            .context("no ns_per_launch in launch-latency output")
+        for k in [
+            "ns_per_launch",
+            "ns_per_launch_direct",
+            "direct_over_linked",
+        ] {
+            v[k].as_f64()
+                .with_context(|| format!("no {k} in launch-latency output"))?;
+        }
+        Ok(v)
     };
-    // Alternating pairs, so that drifts of this (shared, 2-core) machine hit both alike; the
-    // ratio is the median of the pairs' ratios.
-    let (mut native, mut hooked, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let get = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    // In each process launches alternate, block by block, between the route the program
+    // resolves (the hook's wrapper when preloaded) and the driver's own entry point: the ratio
+    // compares the two under the same conditions. Native processes are the control (both
+    // routes are the driver: ratio 1 up to the method's noise) and, against the hooked
+    // processes, the comparison of separate runs, alternating so that drifts of this (shared,
+    // 2-core) machine hit both alike.
+    let mut runs = Vec::new();
     for _ in 0..pairs {
         let mut c = node.command(&client);
         c.args(args);
-        let n = measure(c)?;
-        let h = measure(node.run_command(&["--group", "overhead"], &client, &args))?;
-        native.push(n);
-        hooked.push(h);
-        ratios.push(n / h);
+        let native = measure(c)?;
+        let hooked = measure(node.run_command(&["--group", "overhead"], &client, &args))?;
+        runs.push((native, hooked));
     }
-    for v in [&mut native, &mut hooked, &mut ratios] {
+    let median = |f: &dyn Fn(&(Value, Value)) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
         v.sort_by(f64::total_cmp);
-    }
-    let (n, h, ratio) = (
-        quantile(&native, 0.5),
-        quantile(&hooked, 0.5),
-        quantile(&ratios, 0.5),
-    );
+        (quantile(&v, 0.5), v[0], v[v.len() - 1])
+    };
+    let (ratio, ratio_min, ratio_max) = median(&|(_, h)| get(h, "direct_over_linked"));
+    let (hooked_ns, _, _) = median(&|(_, h)| get(h, "ns_per_launch"));
+    let (direct_ns, _, _) = median(&|(_, h)| get(h, "ns_per_launch_direct"));
+    let (control, control_min, control_max) = median(&|(n, _)| get(n, "direct_over_linked"));
+    let (sep_native, _, _) = median(&|(n, _)| get(n, "ns_per_launch"));
+    let (sep_hooked, _, _) = median(&|(_, h)| get(h, "ns_per_launch"));
+    let (sep_ratio, sep_min, sep_max) =
+        median(&|(n, h)| get(n, "ns_per_launch") / get(h, "ns_per_launch"));
     progress(format!(
-        "launch overhead: native {n:.0} ns, hooked {h:.0} ns, ratio {ratio:.3} (pairs {:.3}–{:.3})",
-        ratios[0],
-        ratios[ratios.len() - 1]
+        "launch overhead: hooked {hooked_ns:.0} ns vs the driver's own entry {direct_ns:.0} ns in the same process, ratio {ratio:.3} ({ratio_min:.3}–{ratio_max:.3}); control without the hook {control:.3}; separate processes {sep_native:.0} vs {sep_hooked:.0} ns, ratio {sep_ratio:.3} ({sep_min:.3}–{sep_max:.3})"
     ));
     // Token turnover: the same hooked measurement while a training loop of another group
     // competes for the token (launches wait while the other group holds it).
@@ -631,22 +644,31 @@ fn launch_overhead(pairs: usize) -> anyhow::Result<Value> {
     std::thread::sleep(Duration::from_millis(300));
     let turnover = measure(node.run_command(&["--group", "overhead"], &client, &args));
     drop(competitor);
-    let turnover = turnover?;
+    let turnover = get(&turnover?, "ns_per_launch");
     progress(format!(
         "launch overhead with token turnover (a competing group): {turnover:.0} ns per launch"
     ));
     drop(node.finish());
     Ok(json!({
-        "native_ns": r1(n),
-        "hooked_ns": r1(h),
+        "native_ns": r1(direct_ns),
+        "hooked_ns": r1(hooked_ns),
         "ratio": r4(ratio),
-        "ratio_min": r4(ratios[0]),
-        "ratio_max": r4(ratios[ratios.len() - 1]),
-        "overhead_ns": r1(h - n),
+        "ratio_min": r4(ratio_min),
+        "ratio_max": r4(ratio_max),
+        "overhead_ns": r1(hooked_ns - direct_ns),
+        "method": "same process, blocks of 500 launches alternating between the hooked entry and the driver's own; medians",
+        "control_ratio": r4(control),
+        "control_ratio_min": r4(control_min),
+        "control_ratio_max": r4(control_max),
+        "separate_processes": {
+            "native_ns": r1(sep_native),
+            "hooked_ns": r1(sep_hooked),
+            "ratio": r4(sep_ratio),
+            "ratio_min": r4(sep_min),
+            "ratio_max": r4(sep_max),
+        },
         "hooked_turnover_ns": r1(turnover),
-        "native_samples_ns": native.iter().map(|x| r1(*x)).collect::<Vec<_>>(),
-        "hooked_samples_ns": hooked.iter().map(|x| r1(*x)).collect::<Vec<_>>(),
-        "launches_per_sample": LAUNCHES,
+        "launches_per_sample": 2 * LAUNCHES,
         "pairs": pairs,
     }))
 }
@@ -768,13 +790,21 @@ fn markdown(s: &Value) -> String {
     if !lo.is_null() {
         let _ = writeln!(
             o,
-            "\nLaunch overhead (cuLaunchKernel of cudarc-client launch-latency, same binary, {} alternating pairs, medians): native {} ns, hooked with the token held {} ns, ratio native/hooked {} (pairs {}–{}); hooked with token turnover (a competing group) {} ns.\n",
+            "\nLaunch overhead (cuLaunchKernel of cudarc-client launch-latency, medians of {} runs): in one process, alternating blocks, hooked {} ns against the driver's own entry {} ns, throughput ratio {} (runs {}–{}; the same measure without the hook: {}, {}–{}). Separate processes, native {} ns and hooked {} ns, ratio {} ({}–{}). Hooked with token turnover (a competing group) {} ns.\n",
             lo["pairs"],
-            f(&lo["native_ns"], 0),
             f(&lo["hooked_ns"], 0),
+            f(&lo["native_ns"], 0),
             f(&lo["ratio"], 3),
             f(&lo["ratio_min"], 3),
             f(&lo["ratio_max"], 3),
+            f(&lo["control_ratio"], 3),
+            f(&lo["control_ratio_min"], 3),
+            f(&lo["control_ratio_max"], 3),
+            f(&lo["separate_processes"]["native_ns"], 0),
+            f(&lo["separate_processes"]["hooked_ns"], 0),
+            f(&lo["separate_processes"]["ratio"], 3),
+            f(&lo["separate_processes"]["ratio_min"], 3),
+            f(&lo["separate_processes"]["ratio_max"], 3),
             f(&lo["hooked_turnover_ns"], 0)
         );
     }

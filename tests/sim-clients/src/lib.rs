@@ -6,10 +6,13 @@
 //!   benchmark executable and run commands under it.
 //! - [`node`]: a simulated node (device + scheduler) and tenants under `gpushare run`.
 //! - [`ptx`]: the hand-written PTX module (`gpushare_spin`, `touch`) every client loads.
+//! - [`direct`]: the driver's own entry points, past any interposition (launch-overhead
+//!   measurement).
 //!
 //! The `cudarc-client` binary of this package is a real cudarc 0.19 program; the C programs in
 //! `c/` use the driver API directly (linked, or through `cuGetProcAddress`).
 
+pub mod direct;
 pub mod harness;
 pub mod node;
 pub mod ptx;

@@ -281,8 +281,12 @@ fn hook_fast_path_overhead() {
         field(&bare, "ns_per_launch_builder"),
         field(&hooked, "ns_per_launch_builder"),
     );
+    let (bare_ratio, hooked_ratio) = (
+        field(&bare, "direct_over_linked"),
+        field(&hooked, "direct_over_linked"),
+    );
     eprintln!(
-        "cuLaunchKernel: bare {b:.0} ns, hooked {h:.0} ns (+{:.0} ns, x{:.2}); via cudarc's builder: bare {bb:.0} ns, hooked {hb:.0} ns (x{:.2})",
+        "cuLaunchKernel: bare {b:.0} ns, hooked {h:.0} ns (+{:.0} ns, x{:.2}); via cudarc's builder: bare {bb:.0} ns, hooked {hb:.0} ns (x{:.2}); in-process throughput ratio against the driver's own entry: bare {bare_ratio:.3}, hooked {hooked_ratio:.3}",
         h - b,
         h / b,
         hb / bb

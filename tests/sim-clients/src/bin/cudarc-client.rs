@@ -6,12 +6,13 @@
 //! on a real GPU.
 
 use clap::{Parser, Subcommand};
-use cudarc::driver::sys::{CUevent_flags, CUresult};
+use cudarc::driver::sys::{self, CUevent_flags, CUresult};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, PushKernelArg,
     result,
 };
 use cudarc::nvrtc::Ptx;
+use gpushare_sim_clients::direct;
 use gpushare_sim_clients::ptx::{SPIN_KERNEL, SPIN_PTX, TOUCH_KERNEL};
 use serde_json::{Value, json};
 use std::ffi::c_void;
@@ -91,9 +92,10 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
-    /// Host time per cuLaunchKernel of a 1 µs spin kernel, launched back to back.
+    /// Host time per cuLaunchKernel of a 1 µs spin kernel, launched back to back, through the
+    /// route the program resolves (where an interposer answers) and the driver's own.
     LaunchLatency {
-        /// Number of timed launches.
+        /// Number of timed launches by each route.
         #[arg(long, default_value_t = 20_000)]
         n: u64,
     },
@@ -639,29 +641,79 @@ fn launch_latency(device: usize, n: u64) -> Res<Value> {
     }
     stream.synchronize().at("cuStreamSynchronize (warm-up)")?;
 
-    // Raw cuLaunchKernel, as a framework calling the driver directly would. Timed in blocks:
-    // the median block is the figure, so that a pause of the whole machine (this VM stops for
-    // milliseconds every few seconds) does not land in it.
+    // Raw cuLaunchKernel, as a framework calling the driver directly would, by two routes to
+    // the same driver function: the one the application resolves (dynamic linker, dlsym: where
+    // an interposer such as gpushare's hook answers) and the driver's own, past any
+    // interposition. Timed in blocks of each route, paired and in alternating order: each
+    // figure is the median block, so a pause of the whole machine (this VM stops for
+    // milliseconds every few seconds) does not land in it, and the ratio of the routes is the
+    // median of the pairs' ratios, both measured under the same conditions.
     const BLOCK: u64 = 500;
+    type LaunchFn = unsafe extern "C" fn(
+        sys::CUfunction,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        sys::CUstream,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> CUresult;
+    let found = direct::loaded_symbol("libcuda.so", "cuLaunchKernel").map_err(Failure)?;
+    // SAFETY: the driver's cuLaunchKernel, whose C signature this is.
+    let direct: LaunchFn = unsafe { std::mem::transmute(found) };
     let f = spin_f.cu_function();
     let s = stream.cu_stream();
     let mut arg = KERNEL_NS;
-    let mut blocks = Vec::new();
-    let t = Instant::now();
-    for block in 0..n.div_ceil(BLOCK) {
-        let len = BLOCK.min(n - block * BLOCK);
-        let tb = Instant::now();
-        for _ in 0..len {
-            let mut params = [&mut arg as *mut u64 as *mut c_void];
-            // SAFETY: gpushare_spin takes one u64; `arg` outlives the call (params are copied).
+    let mut launch = |direct_route: bool| -> Res<()> {
+        let mut params = [&mut arg as *mut u64 as *mut c_void];
+        // SAFETY: gpushare_spin takes one u64; `arg` outlives the call (params are copied).
+        if direct_route {
+            let r = unsafe {
+                direct(
+                    f,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    0,
+                    s,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            };
+            r.result().at("cuLaunchKernel (driver's own)")
+        } else {
             unsafe { result::launch_kernel(f, (1, 1, 1), (1, 1, 1), 0, s, &mut params) }
-                .at("cuLaunchKernel")?;
+                .at("cuLaunchKernel")
         }
-        blocks.push(tb.elapsed().as_nanos() as f64 / len as f64);
+    };
+    let (mut linked, mut own, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let t = Instant::now();
+    for pair in 0..n.div_ceil(BLOCK) {
+        let len = BLOCK.min(n - pair * BLOCK);
+        let mut times = [0.0; 2];
+        for i in 0..2 {
+            let direct_route = (pair + i) % 2 == 1;
+            let tb = Instant::now();
+            for _ in 0..len {
+                launch(direct_route)?;
+            }
+            times[direct_route as usize] = tb.elapsed().as_nanos() as f64 / len as f64;
+        }
+        linked.push(times[0]);
+        own.push(times[1]);
+        ratios.push(times[1] / times[0]);
     }
-    let mean_ns = t.elapsed().as_nanos() as f64 / n as f64;
-    blocks.sort_by(f64::total_cmp);
-    let raw_ns = quantile(&blocks, 0.5);
+    let mean_ns = t.elapsed().as_nanos() as f64 / (2 * n) as f64;
+    for v in [&mut linked, &mut own, &mut ratios] {
+        v.sort_by(f64::total_cmp);
+    }
     stream.synchronize().at("cuStreamSynchronize")?;
 
     // Through cudarc's launch builder (adds a cuCtxGetCurrent per launch).
@@ -679,7 +731,9 @@ fn launch_latency(device: usize, n: u64) -> Res<Value> {
         "n": n,
         "warm_up": WARM_UP.max(n / 10),
         "kernel_ns": KERNEL_NS,
-        "ns_per_launch": raw_ns,
+        "ns_per_launch": quantile(&linked, 0.5),
+        "ns_per_launch_direct": quantile(&own, 0.5),
+        "direct_over_linked": quantile(&ratios, 0.5),
         "ns_per_launch_mean": mean_ns,
         "ns_per_launch_builder": builder_ns,
         "final_sync_ms": drain_ms,
