@@ -3,11 +3,12 @@
 //! Fast path ([`Gate::enter`]): count the launch as in progress, load the token deadline and
 //! compare it with the clock. Everything else happens on the slow path under a mutex:
 //! - waiting for a grant;
-//! - pacing: every K launches a fence event is recorded on the launching stream; while more
-//!   than the queue budget (an eighth of the quota) of estimated GPU work is queued, the
-//!   launcher waits for the oldest fence. The GPU time per launch is learned from the elapsed
-//!   time between consecutive fences, so K adapts: many tiny kernels pay for one fence per
-//!   batch, long kernels are paced one by one;
+//! - pacing: every K launches (half the queue budget, an eighth of the quota, of estimated GPU
+//!   work) a fence event is recorded on the launching stream; while more than half the budget
+//!   is queued, the launcher waits for the oldest fence, so with the next K launches the queue
+//!   stays within the budget — what the next holder's first kernel waits behind. The GPU time
+//!   per launch is learned from the elapsed time between consecutive fences, so K adapts: many
+//!   tiny kernels pay for one fence per batch, long kernels are paced one by one;
 //! - draining at expiry or when idle: stop admitting, wait for in-progress launches, synchronise
 //!   every context used, and report grant → drained as the time this process held the GPU;
 //!   the token is handed over when about a handoff lead of work is left (its tail estimated,
@@ -558,7 +559,7 @@ impl Gate {
         });
         loop {
             let too_much = match g.ns_per_launch {
-                Some(est) => queued_launches(&g, n) as f64 * est > budget,
+                Some(est) => queued_launches(&g, n) as f64 * est > pacing(budget, est).1,
                 None => true,
             };
             if g.fences.len() < 2 || !too_much {
@@ -583,12 +584,21 @@ impl Gate {
                 break;
             }
         }
-        let k = match g.ns_per_launch {
-            Some(est) if est > 0.0 => (budget / (2.0 * est)).clamp(1.0, 4096.0) as u64,
-            _ => 1,
-        };
+        let k = g.ns_per_launch.map_or(1, |est| pacing(budget, est).0);
         self.next_pace.store(n + k, Ordering::Relaxed);
     }
+}
+
+/// For a queue budget and the GPU time per launch: launches between fences (K, half the budget
+/// of work, 1 to 4096), and the queued work above which a launcher waits for its oldest fence
+/// (half the budget, so that K more launches keep the queue within the budget).
+fn pacing(budget_ns: f64, est_ns: f64) -> (u64, f64) {
+    let k = if est_ns > 0.0 {
+        (budget_ns / (2.0 * est_ns)).clamp(1.0, 4096.0) as u64
+    } else {
+        1
+    };
+    (k, budget_ns / 2.0)
 }
 
 /// Launches up to the `n`th not known to have completed.
@@ -735,6 +745,32 @@ mod tests {
     }
 
     /// Idle after a synchronisation raises the score, launching again right away lowers it.
+    #[test]
+    fn pacing_keeps_the_queue_within_the_budget() {
+        let budget = 2_500_000.0;
+        for est in [
+            10.0,
+            1_000.0,
+            100_000.0,
+            400_000.0,
+            1_000_000.0,
+            1_250_000.0,
+        ] {
+            let (k, wait_above) = pacing(budget, est);
+            // The most a launcher leaves queued when it stops waiting, plus K more launches.
+            let most = (wait_above / est).floor() + k as f64;
+            assert!(
+                most * est <= budget,
+                "{est} ns per launch: K {k}, up to {} ns queued",
+                most * est
+            );
+            assert!(
+                k == 4096 || k as f64 * est >= budget / 2.0 - est,
+                "K {k} too small"
+            );
+        }
+    }
+
     #[test]
     fn going_idle_after_synchronising_is_learnt() {
         let gate = Gate::new([0; 16]);
