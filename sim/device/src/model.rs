@@ -58,9 +58,10 @@ pub enum Work {
         name: Arc<str>,
         remaining_ns: u64,
     },
-    /// `keep`: an event record, whose completion time outlives the stream's history.
+    /// `event`: a record of the event in this board slot, with this generation, whose
+    /// completion time outlives the stream's history (until the slot's next record).
     Marker {
-        keep: bool,
+        event: Option<(u32, u64)>,
     },
     /// `notified` once the client has been asked to run it.
     HostFunc {
@@ -130,10 +131,21 @@ pub struct Model {
     held: FxHashMap<(ConnId, u32), u64>,
     trace: Vec<Record>,
     host_calls: Vec<(Key, u64)>,
-    /// Event records whose completion was decided since the last [`Model::take_decided_events`].
-    decided_events: Vec<(Key, u64, u64)>,
-    /// Completion times of event records, until the client forgets them.
+    /// Event records decided since the last [`Model::take_decided_events`].
+    decided_events: Vec<DecidedEvent>,
+    /// Completion times of event records, until their slot is recorded again.
     events: FxHashMap<(Key, u64), u64>,
+    /// The latest record `(stream, seq)` of each client's event board slot.
+    event_slots: FxHashMap<(ConnId, u32), (Key, u64)>,
+}
+
+/// An event record whose completion time is now known (possibly ahead of it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecidedEvent {
+    pub conn: ConnId,
+    pub slot: u32,
+    pub generation: u64,
+    pub end_ns: u64,
 }
 
 impl Model {
@@ -158,6 +170,7 @@ impl Model {
             host_calls: Vec::new(),
             decided_events: Vec::new(),
             events: FxHashMap::default(),
+            event_slots: FxHashMap::default(),
         }
     }
 
@@ -178,6 +191,7 @@ impl Model {
         }
         self.functions.retain(|k, _| k.0 != conn);
         self.events.retain(|k, _| k.0.0 != conn);
+        self.event_slots.retain(|k, _| k.0 != conn);
         let held: Vec<_> = self.held.keys().filter(|k| k.0 == conn).copied().collect();
         for key in held {
             let bytes = self.held.remove(&key).unwrap_or(0);
@@ -317,8 +331,10 @@ impl Model {
                 let remaining_ns = self.kernel_duration(&name, *arg0);
                 Work::Kernel { name, remaining_ns }
             }
-            Op::Marker => Work::Marker { keep: false },
-            Op::Event => Work::Marker { keep: true },
+            Op::Marker => Work::Marker { event: None },
+            &Op::Event { slot, generation } => Work::Marker {
+                event: Some((slot, generation)),
+            },
             Op::HostFunc => Work::HostFunc { notified: false },
         };
         let conn = stream.0;
@@ -326,6 +342,15 @@ impl Model {
             .streams
             .get_mut(&stream)
             .ok_or(SubmitError::UnknownStream)?;
+        if let Work::Marker {
+            event: Some((slot, _)),
+        } = work
+        {
+            // The slot's previous record is no longer anyone's to ask about.
+            if let Some(old) = self.event_slots.insert((conn, slot), (stream, seq)) {
+                self.events.remove(&old);
+            }
+        }
         s.queue.push_back(QueuedOp {
             seq,
             submit_ns: now,
@@ -357,11 +382,6 @@ impl Model {
                 s.history.pop_front();
             }
         }
-    }
-
-    /// The client no longer needs the time of an event record.
-    pub fn forget_event(&mut self, stream: Key, seq: u64) {
-        self.events.remove(&(stream, seq));
     }
 
     /// When op `seq` of `stream` completes (possibly in the future), if that is decided yet.
@@ -450,7 +470,10 @@ impl Model {
         let keys: Vec<Key> = self.streams.keys().copied().collect();
         for key in keys {
             while let Some(op) = self.streams.get(&key).and_then(|s| s.queue.front()) {
-                let keep = matches!(op.work, Work::Marker { keep: true });
+                let event = match op.work {
+                    Work::Marker { event } => event,
+                    _ => None,
+                };
                 let is_marker = matches!(op.work, Work::Marker { .. });
                 let fresh_host = matches!(op.work, Work::HostFunc { notified: false });
                 let seq = op.seq;
@@ -463,9 +486,16 @@ impl Model {
                 let s = self.streams.get_mut(&key).expect("stream checked above");
                 if is_marker {
                     Self::complete_front(s, ready);
-                    if keep {
+                    if let Some((slot, generation)) = event
+                        && self.event_slots.get(&(key.0, slot)) == Some(&(key, seq))
+                    {
                         self.events.insert((key, seq), ready);
-                        self.decided_events.push((key, seq, ready));
+                        self.decided_events.push(DecidedEvent {
+                            conn: key.0,
+                            slot,
+                            generation,
+                            end_ns: ready,
+                        });
                     }
                     progress = true;
                     self.reap_stream(key);
@@ -668,8 +698,8 @@ impl Model {
         std::mem::take(&mut self.host_calls)
     }
 
-    /// Event records decided since the last call: `(stream, seq, completion time)`.
-    pub fn take_decided_events(&mut self) -> Vec<(Key, u64, u64)> {
+    /// Event records decided since the last call (only each slot's latest record).
+    pub fn take_decided_events(&mut self) -> Vec<DecidedEvent> {
         std::mem::take(&mut self.decided_events)
     }
 

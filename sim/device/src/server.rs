@@ -4,7 +4,7 @@
 
 use crate::model::{ConnId, Key, Model, ModelConfig, SubmitError};
 use crate::trace::Record;
-use gpushare_sim_wire::{self as wire, DeviceInfo, PROTOCOL_VERSION, Reply, Request};
+use gpushare_sim_wire::{self as wire, DeviceInfo, EventBoard, PROTOCOL_VERSION, Reply, Request};
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Write};
@@ -29,9 +29,14 @@ struct Waiter {
     ops: Vec<(Key, u64)>,
 }
 
+/// Event board slots per client: live event objects a process may have.
+const EVENT_SLOTS: u32 = 1 << 18;
+
 struct State {
     model: Model,
     writers: HashMap<ConnId, Arc<Mutex<UnixStream>>>,
+    /// Each client's event board and its file (removed when the client goes).
+    boards: HashMap<ConnId, (EventBoard, PathBuf)>,
     waiters: Vec<Waiter>,
     trace: Option<BufWriter<File>>,
     next_conn: ConnId,
@@ -48,6 +53,7 @@ struct Shared {
     /// Signalled whenever the model changed, so the clock thread re-plans its next wake-up.
     changed: Condvar,
     devices: Vec<DeviceInfo>,
+    socket: PathBuf,
 }
 
 /// A running device server; dropping it without [`Server::shutdown`] leaves threads running.
@@ -79,6 +85,7 @@ impl Server {
             state: Mutex::new(State {
                 model: Model::new(cfg.model),
                 writers: HashMap::new(),
+                boards: HashMap::new(),
                 waiters: Vec::new(),
                 trace,
                 next_conn: 1,
@@ -87,6 +94,7 @@ impl Server {
             }),
             changed: Condvar::new(),
             devices,
+            socket: cfg.socket.clone(),
         });
         let s = shared.clone();
         std::thread::Builder::new()
@@ -123,6 +131,9 @@ impl Server {
         write_trace(&mut st);
         if let Some(t) = st.trace.as_mut() {
             t.flush()?;
+        }
+        for (_, (_, path)) in st.boards.drain() {
+            let _ = std::fs::remove_file(path);
         }
         let _ = std::fs::remove_file(&self.socket);
         Ok(())
@@ -186,7 +197,7 @@ fn client_loop(conn: ConnId, stream: UnixStream, shared: Arc<Shared>) {
                 let wake_clock = {
                     let mut st = lock(&shared);
                     let now = now_ns();
-                    handle(&mut st, &shared.devices, conn, req, now, &mut out);
+                    handle(&mut st, &shared, conn, req, now, &mut out);
                     pump(&mut st, now, &mut out);
                     next_wake(&st, now).is_some_and(|t| t < st.clock_wake)
                 };
@@ -208,6 +219,9 @@ fn client_loop(conn: ConnId, stream: UnixStream, shared: Arc<Shared>) {
         let now = now_ns();
         st.model.disconnect(conn, now);
         st.writers.remove(&conn);
+        if let Some((_, path)) = st.boards.remove(&conn) {
+            let _ = std::fs::remove_file(path);
+        }
         st.waiters.retain(|w| w.conn != conn);
         pump(&mut st, now, &mut out);
     }
@@ -215,14 +229,7 @@ fn client_loop(conn: ConnId, stream: UnixStream, shared: Arc<Shared>) {
     deliver(&shared, out);
 }
 
-fn handle(
-    st: &mut State,
-    devices: &[DeviceInfo],
-    conn: ConnId,
-    req: Request,
-    now: u64,
-    out: &mut Outbox,
-) {
+fn handle(st: &mut State, shared: &Shared, conn: ConnId, req: Request, now: u64, out: &mut Outbox) {
     let m = &mut st.model;
     let err = |req: Option<u64>, message: String| (conn, Reply::Error { req, message });
     match req {
@@ -237,13 +244,27 @@ fn handle(
                 ));
                 return;
             }
+            let path = PathBuf::from(format!("{}.events-{conn}", shared.socket.display()));
+            let board = match EventBoard::create(&path, EVENT_SLOTS) {
+                Ok(b) => b,
+                Err(e) => {
+                    out.push(err(
+                        None,
+                        format!("cannot create the event board {}: {e}", path.display()),
+                    ));
+                    return;
+                }
+            };
             m.connect(conn, pid);
             out.push((
                 conn,
                 Reply::Hello {
-                    devices: devices.to_vec(),
+                    devices: shared.devices.clone(),
+                    event_board: path.to_string_lossy().into_owned(),
+                    event_slots: EVENT_SLOTS,
                 },
             ));
+            st.boards.insert(conn, (board, path));
         }
         Request::CreateContext { ctx, device } => {
             if !m.create_context((conn, ctx), device) {
@@ -282,7 +303,6 @@ fn handle(
             }
         }
         Request::HostFuncDone { stream, seq } => m.host_func_done(now, (conn, stream), seq),
-        Request::ForgetEvent { stream, seq } => m.forget_event((conn, stream), seq),
         Request::Wait { req, ops } => st.waiters.push(Waiter {
             conn,
             req,
@@ -315,15 +335,10 @@ fn pump(st: &mut State, now: u64, out: &mut Outbox) {
     for ((conn, stream), seq) in st.model.take_host_calls() {
         out.push((conn, Reply::RunHostFunc { stream, seq }));
     }
-    for ((conn, stream), seq, end_ns) in st.model.take_decided_events() {
-        out.push((
-            conn,
-            Reply::EventDone {
-                stream,
-                seq,
-                end_ns,
-            },
-        ));
+    for e in st.model.take_decided_events() {
+        if let Some((board, _)) = st.boards.get(&e.conn) {
+            board.post(e.slot, e.generation, e.end_ns);
+        }
     }
     let model = &st.model;
     st.waiters.retain(|w| match waiter_end(model, w) {

@@ -1,9 +1,10 @@
 //! Events: records are zero-duration stream ops; their device completion time is the event's
-//! timestamp, so `cuEventElapsedTime` measures device time exactly.
+//! timestamp, so `cuEventElapsedTime` measures device time exactly. The device posts it on the
+//! event board as soon as it is decided: queries read memory, as on a real GPU.
 
 use crate::ffi::*;
-use crate::state::{Driver, Event, driver, with_state};
-use gpushare_sim_wire::{Op, OpRef, Request};
+use crate::state::{Event, driver, with_state};
+use gpushare_sim_wire::Op;
 use std::ffi::c_uint;
 
 const CU_EVENT_BLOCKING_SYNC: u32 = 0x1;
@@ -15,13 +16,17 @@ entry!(
         {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        with_state(|_, st| {
+        with_state(|d, st| {
             st.current()?;
+            let slot = st
+                .take_event_slot(d.client.events.slots())
+                .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
             let e = st.new_id();
             st.events.insert(
                 e,
                 Event {
                     flags,
+                    slot,
                     ..Event::default()
                 },
             );
@@ -31,21 +36,11 @@ entry!(
 );
 
 fn destroy(h: Handle) -> CuResult {
-    with_state(|d, st| {
+    with_state(|_, st| {
         let ev = st.events.remove(&id(h)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        forget(d, ev.record)
+        st.free_event_slot(ev.slot);
+        Ok(())
     })
-}
-
-/// Tell the device it may drop the time of a previous record.
-fn forget(d: &Driver, record: Option<OpRef>) -> CuResult {
-    match record {
-        Some((stream, seq)) => {
-            d.client.unwatch_event((stream, seq));
-            d.client.send(&Request::ForgetEvent { stream, seq })
-        }
-        None => Ok(()),
-    }
 }
 
 entry!(
@@ -73,12 +68,17 @@ fn record(h: Handle, stream: Handle, pt: bool) -> CuResult {
             ev.captured = Some((cap.graph, cap.id, cap.deps));
             return Ok(());
         }
-        let r = st.submit(&d.client, s, Op::Event, &[])?;
+        // A generation never used before on any slot: a slot's next owner cannot read this
+        // record's time as its own.
+        let generation = st.new_id();
+        let slot = st.events[&id(h)].slot;
+        let r = st.submit(&d.client, s, Op::Event { slot, generation }, &[])?;
         let ev = st.events.get_mut(&id(h)).expect("checked above");
-        let old = ev.record.replace(r);
+        ev.record = Some(r);
+        ev.generation = generation;
         ev.done_ns = None;
         ev.captured = None;
-        forget(d, old)
+        Ok(())
     })
 }
 
@@ -92,16 +92,16 @@ entry_pt!(cuEventRecordWithFlags / cuEventRecordWithFlags_ptsz, |pt| fn(h: Handl
 /// counts as complete), `None` while pending; `wait` blocks until it completes.
 fn completion(h: Handle, wait: bool) -> CuResult<u64> {
     let d = driver()?;
-    let rec = {
+    let (rec, slot, generation) = {
         let st = d.lock();
         let ev = st.events.get(&id(h)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         match (ev.done_ns, ev.record) {
             (Some(t), _) => return Ok(t),
             (None, None) => return Ok(0),
-            (None, Some(r)) => r,
+            (None, Some(r)) => (r, ev.slot, ev.generation),
         }
     };
-    let end = if let Some(end) = d.client.event_end(rec) {
+    let end = if let Some(end) = d.client.events.read(slot, generation) {
         // The device said when: no round trip (wait out a completion still ahead).
         let now = gpushare_units::monotonic_ns();
         if end > now {

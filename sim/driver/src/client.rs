@@ -2,7 +2,7 @@
 //! for waits and allocations, and a reader thread that routes replies and runs host functions.
 
 use crate::ffi::*;
-use gpushare_sim_wire::{self as wire, DeviceInfo, PROTOCOL_VERSION, Reply, Request};
+use gpushare_sim_wire::{self as wire, DeviceInfo, EventBoard, PROTOCOL_VERSION, Reply, Request};
 use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
@@ -25,11 +25,9 @@ pub struct Client {
     next_req: AtomicU64,
     pub host_calls: Arc<Mutex<HashMap<(u64, u64), HostCall>>>,
     pub devices: Vec<DeviceInfo>,
-    /// Completion times of live event records, filled in by the device's notices.
-    event_ends: EventEnds,
+    /// Where the device posts event records' completion times (one slot per event object).
+    pub events: EventBoard,
 }
-
-type EventEnds = Arc<Mutex<HashMap<wire::OpRef, Option<u64>>>>;
 
 impl Client {
     /// Connect to the device named by `GPUSHARE_SIM_SOCKET` and say hello.
@@ -54,14 +52,22 @@ impl Client {
         )
         .map_err(|_| CUDA_ERROR_NO_DEVICE)?;
         let mut buf = Vec::new();
-        let devices = match wire::recv::<Reply>(&mut stream, &mut buf) {
-            Ok(Some(Reply::Hello { devices })) => devices,
+        let (devices, board, slots) = match wire::recv::<Reply>(&mut stream, &mut buf) {
+            Ok(Some(Reply::Hello {
+                devices,
+                event_board,
+                event_slots,
+            })) => (devices, event_board, event_slots),
             Ok(Some(Reply::Error { message, .. })) => {
                 eprintln!("gpushare-sim libcuda: {message}");
                 return Err(CUDA_ERROR_SYSTEM_DRIVER_MISMATCH);
             }
             _ => return Err(CUDA_ERROR_NO_DEVICE),
         };
+        let events = EventBoard::open(std::path::Path::new(&board), slots).map_err(|e| {
+            eprintln!("gpushare-sim libcuda: cannot map the event board {board}: {e}");
+            CUDA_ERROR_OPERATING_SYSTEM
+        })?;
         let reader = stream
             .try_clone()
             .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
@@ -71,14 +77,13 @@ impl Client {
             next_req: AtomicU64::new(1),
             host_calls: Arc::default(),
             devices,
-            event_ends: Arc::default(),
+            events,
         };
         let (host_tx, host_rx) = channel();
         let pending = client.pending.clone();
-        let ends = client.event_ends.clone();
         std::thread::Builder::new()
             .name("sim-driver-rx".into())
-            .spawn(move || read_loop(reader, pending, host_tx, ends))
+            .spawn(move || read_loop(reader, pending, host_tx))
             .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
         let calls = client.host_calls.clone();
         let writer = client.writer.clone();
@@ -127,22 +132,6 @@ impl Client {
         }
     }
 
-    /// Follow the completion of event record `rec` (before submitting it, so no notice is
-    /// missed).
-    pub fn watch_event(&self, rec: wire::OpRef) {
-        lock(&self.event_ends).insert(rec, None);
-    }
-
-    /// Stop following `rec` (re-recorded or destroyed).
-    pub fn unwatch_event(&self, rec: wire::OpRef) {
-        lock(&self.event_ends).remove(&rec);
-    }
-
-    /// When `rec` completes (possibly in the future), once the device has said.
-    pub fn event_end(&self, rec: wire::OpRef) -> Option<u64> {
-        lock(&self.event_ends).get(&rec).copied().flatten()
-    }
-
     /// Completion time of each op, `None` while pending.
     pub fn query(&self, ops: Vec<wire::OpRef>) -> CuResult<Vec<Option<u64>>> {
         match self.call(|req| Request::Query { req, ops })? {
@@ -168,35 +157,19 @@ fn reply_req(r: &Reply) -> Option<u64> {
         | Reply::Alloc { req, .. }
         | Reply::MemInfo { req, .. } => Some(*req),
         Reply::Error { req, .. } => *req,
-        Reply::Hello { .. } | Reply::RunHostFunc { .. } | Reply::EventDone { .. } => None,
+        Reply::Hello { .. } | Reply::RunHostFunc { .. } => None,
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn read_loop(
     mut stream: UnixStream,
     pending: Arc<Mutex<HashMap<u64, Sender<Reply>>>>,
     host_tx: Sender<(u64, u64)>,
-    event_ends: EventEnds,
 ) {
     let mut buf = Vec::new();
     while let Ok(Some(reply)) = wire::recv::<Reply>(&mut stream, &mut buf) {
         if let Reply::RunHostFunc { stream, seq } = reply {
             let _ = host_tx.send((stream, seq));
-            continue;
-        }
-        if let Reply::EventDone {
-            stream,
-            seq,
-            end_ns,
-        } = reply
-        {
-            if let Some(slot) = lock(&event_ends).get_mut(&(stream, seq)) {
-                *slot = Some(end_ns);
-            }
             continue;
         }
         if let Some(req) = reply_req(&reply) {

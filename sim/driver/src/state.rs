@@ -127,6 +127,9 @@ pub struct Capture {
 #[derive(Default)]
 pub struct Event {
     pub flags: u32,
+    /// Its slot on the event board, and the generation of its latest record there.
+    pub slot: u32,
+    pub generation: u64,
     pub record: Option<OpRef>,
     /// Completion time once known, so repeated queries need no round trip.
     pub done_ns: Option<u64>,
@@ -207,6 +210,9 @@ pub struct State {
     pub streams: HashMap<u64, Stream>,
     pub per_thread: HashMap<(u64, u64), u64>,
     pub events: HashMap<u64, Event>,
+    /// Event board slots given back by destroyed events, and the first never used.
+    free_event_slots: Vec<u32>,
+    next_event_slot: u32,
     pub modules: HashMap<u64, Module>,
     pub functions: HashMap<u64, Function>,
     pub graphs: HashMap<u64, Graph>,
@@ -235,6 +241,8 @@ impl State {
             streams: HashMap::new(),
             per_thread: HashMap::new(),
             events: HashMap::new(),
+            free_event_slots: Vec::new(),
+            next_event_slot: 0,
             modules: HashMap::new(),
             functions: HashMap::new(),
             graphs: HashMap::new(),
@@ -243,6 +251,20 @@ impl State {
             allocs: BTreeMap::new(),
             pinned: BTreeMap::new(),
         }
+    }
+
+    /// A free event board slot of the `slots` there are, if any is left.
+    pub fn take_event_slot(&mut self, slots: u32) -> Option<u32> {
+        self.free_event_slots.pop().or_else(|| {
+            (self.next_event_slot < slots).then(|| {
+                self.next_event_slot += 1;
+                self.next_event_slot - 1
+            })
+        })
+    }
+
+    pub fn free_event_slot(&mut self, slot: u32) {
+        self.free_event_slots.push(slot);
     }
 
     pub fn new_id(&mut self) -> u64 {
@@ -403,9 +425,6 @@ impl State {
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         s.seq += 1;
         let seq = s.seq;
-        if matches!(op, Op::Event) {
-            client.watch_event((stream, seq));
-        }
         client.send(&Request::Submit {
             stream,
             seq,

@@ -5,11 +5,14 @@
 //! stream operations are fire-and-forget so that a simulated launch costs about what a real one
 //! does (one `write`); only queries, waits and allocations carry a request id and get a reply.
 
+pub use board::EventBoard;
 pub use gpushare_frame::{MAX_FRAME, WireError, encode, recv, send};
+
+mod board;
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change; checked in [`Request::Hello`].
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Environment variable naming the device socket, set by `gpushare-sim run`.
 pub const SOCKET_ENV: &str = "GPUSHARE_SIM_SOCKET";
@@ -25,9 +28,10 @@ pub enum Op {
     Kernel { function: u64, arg0: Option<u64> },
     /// Zero-duration marker (stream join, fence): completes once its dependencies have.
     Marker,
-    /// An event record: a marker whose completion time the device keeps (for
-    /// `cuEventElapsedTime` long after) until [`Request::ForgetEvent`].
-    Event,
+    /// Record `generation` of the event in board slot `slot`: a marker whose completion time
+    /// the device posts on the client's [`EventBoard`] as soon as it is decided, and keeps
+    /// (for waits on it long after) until the slot's next record.
+    Event { slot: u32, generation: u64 },
     /// Host function: the device asks the client to run it ([`Reply::RunHostFunc`]) and the
     /// stream waits until the client answers with [`Request::HostFuncDone`].
     HostFunc,
@@ -70,11 +74,6 @@ pub enum Request {
         stream: u64,
         seq: u64,
     },
-    /// The event recorded as `(stream, seq)` was re-recorded or destroyed.
-    ForgetEvent {
-        stream: u64,
-        seq: u64,
-    },
     /// Reply [`Reply::Done`] once every op in `ops` has completed on the device.
     Wait {
         req: u64,
@@ -113,8 +112,12 @@ pub struct DeviceInfo {
 /// Device → client.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Reply {
+    /// Welcome: the GPUs, and this client's event board (a file to map, with `event_slots`
+    /// slots).
     Hello {
         devices: Vec<DeviceInfo>,
+        event_board: String,
+        event_slots: u32,
     },
     /// Every op waited for completed; `end_ns` is the latest completion (CLOCK_MONOTONIC).
     Done {
@@ -143,14 +146,6 @@ pub enum Reply {
     Error {
         req: Option<u64>,
         message: String,
-    },
-    /// An event record's completion time, sent as soon as it is decided (possibly ahead of
-    /// it): the driver answers queries and waits on it without a round trip, as a real GPU
-    /// writes event completion where the host can read it.
-    EventDone {
-        stream: u64,
-        seq: u64,
-        end_ns: u64,
     },
 }
 

@@ -313,12 +313,13 @@ fn a_killed_client_frees_the_device() {
 fn event_times_survive_any_amount_of_later_work() {
     let mut m = model(true);
     client(&mut m, 1, 0);
+    let event = |slot, generation| Op::Event { slot, generation };
     spin(&mut m, 0, 1, 1, 1, 10 * US);
-    m.submit(0, (1, 1), 2, &[], &Op::Event).unwrap();
+    m.submit(0, (1, 1), 2, &[], &event(0, 1)).unwrap();
     for seq in 3..1000 {
         spin(&mut m, 0, 1, 1, seq, 10 * US);
     }
-    m.submit(0, (1, 1), 1000, &[], &Op::Event).unwrap();
+    m.submit(0, (1, 1), 1000, &[], &event(1, 1)).unwrap();
     m.advance(100 * MS);
     assert_eq!(
         m.completion((1, 1), 2),
@@ -326,11 +327,60 @@ fn event_times_survive_any_amount_of_later_work() {
         "exact after 997 later kernels"
     );
     assert_eq!(m.completion((1, 1), 1000), Some(998 * 10 * US));
-    // A fence (plain marker) that old is only known to be long done.
-    m.forget_event((1, 1), 1000);
-    assert_eq!(
-        m.completion((1, 1), 1000),
-        Some(998 * 10 * US),
-        "still in the recent history"
-    );
+    let posted: Vec<_> = m
+        .take_decided_events()
+        .iter()
+        .map(|e| (e.slot, e.generation, e.end_ns))
+        .collect();
+    assert_eq!(posted, [(0, 1, 10 * US), (1, 1, 998 * 10 * US)]);
+    // Recording slot 0 again retires its first record: that old, it is only known to be long
+    // done; the new record is exact, and the only one posted.
+    spin(&mut m, 100 * MS, 1, 1, 1001, 10 * US);
+    m.submit(100 * MS, (1, 1), 1002, &[], &event(0, 2)).unwrap();
+    m.advance(200 * MS);
+    assert_eq!(m.completion((1, 1), 2), Some(0));
+    assert_eq!(m.completion((1, 1), 1002), Some(100 * MS + 10 * US));
+    let posted: Vec<_> = m
+        .take_decided_events()
+        .iter()
+        .map(|e| e.generation)
+        .collect();
+    assert_eq!(posted, [2]);
+}
+
+#[test]
+fn only_the_latest_record_of_a_slot_is_posted() {
+    let mut m = model(true);
+    client(&mut m, 1, 0);
+    // Recorded behind a long kernel, then recorded again before that record is decided.
+    spin(&mut m, 0, 1, 1, 1, 10 * MS);
+    m.submit(
+        0,
+        (1, 1),
+        2,
+        &[],
+        &Op::Event {
+            slot: 5,
+            generation: 1,
+        },
+    )
+    .unwrap();
+    m.submit(
+        0,
+        (1, 1),
+        3,
+        &[],
+        &Op::Event {
+            slot: 5,
+            generation: 2,
+        },
+    )
+    .unwrap();
+    m.advance(20 * MS);
+    let posted: Vec<_> = m
+        .take_decided_events()
+        .iter()
+        .map(|e| (e.slot, e.generation))
+        .collect();
+    assert_eq!(posted, [(5, 2)]);
 }
