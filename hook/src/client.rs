@@ -419,11 +419,17 @@ impl Hook {
 
     /// Background duties: give back tokens that expired or sit idle, reconnect when needed.
     ///
-    /// It sleeps until the earliest moment a held token could be due (its deadline, or the
-    /// idle time after the last launch), or until woken by a grant or a cut-short token: no
-    /// periodic wake-ups while the holder is busy launching or no token is held.
+    /// It sleeps until the earliest moment a held token could be due (its deadline, at which it
+    /// takes the token away — the launch fast path does not read the clock — or the idle time
+    /// after the last activity it knows of), or until woken by a grant or a cut-short token;
+    /// while the holder launches, it looks once per idle-release time; no wake-ups while no
+    /// token is held.
     fn watch(&'static self) {
         const RECONNECT_NS: u64 = 500_000_000;
+        // Tokens end when this thread wakes at their deadline: wake on time, not up to the
+        // default 50 µs of timer slack late.
+        // SAFETY: prctl(PR_SET_TIMERSLACK) only changes this thread's timer slack.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1_000 as libc::c_ulong) };
         let idle_ns = self.settings.idle_release_ns.max(100_000);
         let mut last_attempt = crate::now_ns();
         let mut next = last_attempt + RECONNECT_NS;

@@ -1,7 +1,8 @@
 //! The token gate of one GPU in this process.
 //!
-//! Fast path ([`Gate::enter`]): count the launch as in progress, load the token deadline and
-//! compare it with the clock. Everything else happens on the slow path under a mutex:
+//! Fast path ([`Gate::enter`]): count the launch as in progress and check that a token is held
+//! (no clock read: the watcher takes the token away at its deadline). Everything else happens on
+//! the slow path under a mutex:
 //! - waiting for a grant;
 //! - pacing: every K launches (half the queue budget, an eighth of the quota, of estimated GPU
 //!   work) a fence event is recorded on the launching stream; while more than half the budget
@@ -65,6 +66,12 @@ struct Inner {
     ns_per_launch: Option<f64>,
     /// Launch count at the last drain: everything before it has completed.
     drained_launches: u64,
+    /// The launch count the watcher last saw, and when it saw it change.
+    seen_launches: u64,
+    seen_at: u64,
+    /// The latest launch that was paced (fenced), and when it returned.
+    paced_launch: u64,
+    paced_at: u64,
     /// Whether fences went on more than one stream since the last drain: then a completed
     /// fence says nothing of the other streams' launches before it, and the queued work cannot
     /// be estimated (no early handover).
@@ -95,21 +102,24 @@ unsafe impl Send for Inner {}
 
 pub struct Gate {
     pub uuid: [u8; 16],
-    /// Absolute CLOCK_MONOTONIC deadline of the held token; 0 when none.
+    /// Absolute CLOCK_MONOTONIC deadline of the held token; 0 when none (or being given back).
+    /// Launches are admitted while it is non-zero: the watcher wakes at the deadline and clears
+    /// it as it drains.
     deadline: AtomicU64,
     /// Launches between admission and return from the driver.
     in_progress: AtomicU32,
-    /// When the last launch was admitted (the watcher's idle test).
-    last_launch: AtomicU64,
     /// The scheduler extended the held token: nobody else wants the GPU, so the watcher need
     /// not look for idleness until the deadline (whoever asks ends the extension, and the new
     /// deadline says so).
     alone: AtomicBool,
     /// Launchers waiting in `pace` for their queued work: busy, not idle.
     pacing: AtomicU32,
-    /// When the application last began to synchronise (0: never), and when that returned.
+    /// When the application last began to synchronise (0: never), and when that returned; with
+    /// the launch count at each, which says exactly whether anything was launched since.
     synced_at: AtomicU64,
     sync_returned_at: AtomicU64,
+    launches_at_sync: AtomicU64,
+    launches_at_sync_return: AtomicU64,
     /// It went idle after that synchronisation (no launch for the idle release time).
     idled_after_sync: AtomicBool,
     /// How often (per mille, recent synchronisations weighing most) the application went idle
@@ -128,11 +138,12 @@ impl Gate {
             uuid,
             deadline: AtomicU64::new(0),
             in_progress: AtomicU32::new(0),
-            last_launch: AtomicU64::new(0),
             alone: AtomicBool::new(false),
             pacing: AtomicU32::new(0),
             synced_at: AtomicU64::new(0),
             sync_returned_at: AtomicU64::new(0),
+            launches_at_sync: AtomicU64::new(0),
+            launches_at_sync_return: AtomicU64::new(0),
             idled_after_sync: AtomicBool::new(false),
             idle_after_sync_score: AtomicU32::new(0),
             launches: AtomicU64::new(0),
@@ -146,6 +157,10 @@ impl Gate {
                 ctxs: Vec::new(),
                 ns_per_launch: None,
                 drained_launches: 0,
+                seen_launches: 0,
+                seen_at: 0,
+                paced_launch: 0,
+                paced_at: 0,
                 streams: Streams::None,
             }),
             changed: Condvar::new(),
@@ -163,20 +178,14 @@ impl Gate {
         self.try_enter() || self.enter_slow(hook)
     }
 
-    /// The fast path: admitted while the held token's deadline is ahead.
+    /// The fast path: admitted while a token is held (or none is needed). The deadline is
+    /// enforced by the watcher, which sleeps until it: a clock read per launch cost more than
+    /// everything else here.
     #[inline]
     fn try_enter(&self) -> bool {
         self.in_progress.fetch_add(1, Ordering::AcqRel);
-        let deadline = self.deadline.load(Ordering::Acquire);
-        if deadline == UNLIMITED {
+        if self.deadline.load(Ordering::Acquire) != 0 {
             return true;
-        }
-        if deadline != 0 {
-            let now = crate::now_ns();
-            if now < deadline {
-                self.last_launch.store(now, Ordering::Relaxed);
-                return true;
-            }
         }
         self.in_progress.fetch_sub(1, Ordering::AcqRel);
         false
@@ -200,7 +209,9 @@ impl Gate {
         // application idle in between (see `before_sync`)?
         let returned = self.sync_returned_at.load(Ordering::Relaxed);
         if g.token == Token::None
-            && returned >= self.last_launch.load(Ordering::Relaxed)
+            && returned != 0
+            && self.launches.load(Ordering::Relaxed)
+                == self.launches_at_sync_return.load(Ordering::Relaxed)
             && crate::now_ns() >= returned + hook.settings.idle_release_ns
         {
             self.idled_after_sync.store(true, Ordering::Relaxed);
@@ -239,7 +250,6 @@ impl Gate {
             }
         }
         self.in_progress.fetch_add(1, Ordering::AcqRel);
-        self.last_launch.store(crate::now_ns(), Ordering::Relaxed);
         true
     }
 
@@ -332,21 +342,39 @@ impl Gate {
         // The clock is read under the lock: a launcher pacing may have held it a while.
         let now = crate::now_ns();
         let deadline = self.deadline.load(Ordering::Acquire);
-        let last = self.last_launch.load(Ordering::Relaxed).max(granted_ns);
+        // When the application last launched (the fast path takes no timestamp): exactly, when
+        // that launch was paced; else just before it began to synchronise, if nothing was
+        // launched since; else when this watcher saw the launch count move (a look late at most).
+        let count = self.launches.load(Ordering::Relaxed);
+        if count != g.seen_launches {
+            g.seen_launches = count;
+            g.seen_at = now;
+        }
+        let synced = self.synced_at.load(Ordering::Relaxed);
+        let synced_last = synced != 0 && count == self.launches_at_sync.load(Ordering::Relaxed);
+        let last = if g.paced_launch == count {
+            g.paced_at
+        } else if synced_last {
+            synced
+        } else {
+            g.seen_at
+        }
+        .max(granted_ns);
         let idle_since = last.saturating_add(idle_ns);
         let quiet = self.in_progress.load(Ordering::Acquire) == 0
             && self.pacing.load(Ordering::Acquire) == 0;
         if self.alone.load(Ordering::Relaxed) && now < deadline {
             return Some(deadline);
         }
-        if now >= deadline || (quiet && now >= idle_since) {
+        let idle = quiet && now >= idle_since;
+        if now >= deadline || idle {
             // Given back for idleness (not at the deadline) with nothing launched since the
             // application synchronised: it went idle after synchronising.
-            if now < deadline && self.synced_at.load(Ordering::Relaxed) >= last {
+            if now < deadline && synced_last {
                 self.idled_after_sync.store(true, Ordering::Relaxed);
             }
-            // A launcher still busy (launching or waiting in `pace`) wants the next turn too.
-            self.drain_and_release(hook, &mut g, !quiet);
+            // At the deadline, an application that is not idle wants the next turn too.
+            self.drain_and_release(hook, &mut g, !idle);
             return None;
         }
         Some(if quiet { idle_since } else { now + idle_ns }.min(deadline))
@@ -462,6 +490,8 @@ impl Gate {
 
     /// A synchronisation returned.
     pub fn after_sync(&self) {
+        self.launches_at_sync_return
+            .store(self.launches.load(Ordering::Relaxed), Ordering::Relaxed);
         self.sync_returned_at
             .store(crate::now_ns(), Ordering::Relaxed);
     }
@@ -475,12 +505,16 @@ impl Gate {
             None
         } else if self.idled_after_sync.load(Ordering::Relaxed) {
             Some(1000)
-        } else if self.last_launch.load(Ordering::Relaxed) > synced {
+        } else if self.launches.load(Ordering::Relaxed)
+            > self.launches_at_sync.load(Ordering::Relaxed)
+        {
             Some(0)
         } else {
             None // synchronised twice in a row
         };
         self.idled_after_sync.store(false, Ordering::Relaxed);
+        self.launches_at_sync
+            .store(self.launches.load(Ordering::Relaxed), Ordering::Relaxed);
         self.synced_at.store(crate::now_ns(), Ordering::Relaxed);
         let Some(outcome) = outcome else {
             return score;
@@ -551,12 +585,14 @@ impl Gate {
             g.pool.push((ctx, event));
             return;
         }
+        let now = crate::now_ns();
         g.fences.push_back(Fence {
             event,
             ctx,
             launches: n,
-            recorded_ns: crate::now_ns(),
+            recorded_ns: now,
         });
+        (g.paced_launch, g.paced_at) = (n, now);
         loop {
             let too_much = match g.ns_per_launch {
                 Some(est) => queued_launches(&g, n) as f64 * est > pacing(budget, est).1,
@@ -744,7 +780,6 @@ mod tests {
         assert_eq!(queued_ns(&g, 10, 1_200), None);
     }
 
-    /// Idle after a synchronisation raises the score, launching again right away lowers it.
     #[test]
     fn pacing_keeps_the_queue_within_the_budget() {
         let budget = 2_500_000.0;
@@ -771,6 +806,7 @@ mod tests {
         }
     }
 
+    /// Idle after a synchronisation raises the score, launching again right away lowers it.
     #[test]
     fn going_idle_after_synchronising_is_learnt() {
         let gate = Gate::new([0; 16]);
@@ -785,18 +821,15 @@ mod tests {
             "{scores:?}"
         );
         // Launched again after the last synchronisation, without going idle.
-        gate.last_launch.store(
-            gate.synced_at.load(Ordering::Relaxed) + 1,
-            Ordering::Relaxed,
-        );
+        gate.launches.fetch_add(1, Ordering::Relaxed);
         let after = gate.learn_after_sync();
         assert!(after < scores[3], "{after}");
         // A synchronisation right after another teaches nothing.
         assert_eq!(gate.learn_after_sync(), after);
     }
 
-    /// The fast path's cost, printed: an in-progress count, a deadline load, a clock read, and
-    /// on return a launch count. (The figure for the whole hook is measured end to end
+    /// The fast path's cost, printed: an in-progress count and a deadline load, and on return
+    /// a launch count. (The figure for the whole hook is measured end to end
     /// against the bare simulator by the isolation tests and the benchmark.)
     #[test]
     fn fast_path_admits_while_the_token_is_held_and_costs_little() {
@@ -820,8 +853,8 @@ mod tests {
         eprintln!("hook fast path: {ns:.1} ns per launch (enter + leave)");
         assert_eq!(gate.launches.load(Ordering::Relaxed), n);
         assert_eq!(gate.in_progress.load(Ordering::Relaxed), 0);
-        gate.deadline.store(1, Ordering::Release);
-        assert!(!gate.try_enter(), "expired: slow path");
+        gate.deadline.store(0, Ordering::Release);
+        assert!(!gate.try_enter(), "given back: slow path");
         assert!(ns < 2_000.0, "{ns} ns per launch");
     }
 }
