@@ -183,8 +183,10 @@ impl Gate {
     /// everything else here.
     #[inline]
     fn try_enter(&self) -> bool {
-        self.in_progress.fetch_add(1, Ordering::AcqRel);
-        if self.deadline.load(Ordering::Acquire) != 0 {
+        // SeqCst with the drain's store and load: either the drain sees this launch in progress
+        // or this launch sees the token gone (free on x86: the increment is a locked one).
+        self.in_progress.fetch_add(1, Ordering::SeqCst);
+        if self.deadline.load(Ordering::SeqCst) != 0 {
             return true;
         }
         self.in_progress.fetch_sub(1, Ordering::AcqRel);
@@ -390,8 +392,8 @@ impl Gate {
         else {
             return;
         };
-        self.deadline.store(0, Ordering::Release);
-        while self.in_progress.load(Ordering::Acquire) != 0 {
+        self.deadline.store(0, Ordering::SeqCst);
+        while self.in_progress.load(Ordering::SeqCst) != 0 {
             std::thread::yield_now();
         }
         // Hand over early: wait only until the work still queued is about one handoff
