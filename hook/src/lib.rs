@@ -9,7 +9,7 @@
 //! memory cap.
 //!
 //! Rules for a guest in someone else's process: nothing runs at load time; no panic crosses
-//! `extern "C"`; the fast path is atomics and one clock read; no output unless `GPUSHARE_LOG`
+//! `extern "C"`; the fast path is two atomic operations (no clock read, no lock); no output unless `GPUSHARE_LOG`
 //! is set (or the scheduler is unreachable in fail-open mode, which warns once).
 
 mod client;
