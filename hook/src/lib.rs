@@ -9,8 +9,9 @@
 //! memory cap.
 //!
 //! Rules for a guest in someone else's process: nothing runs at load time; no panic crosses
-//! `extern "C"`; the fast path is two atomic operations (no clock read, no lock); no output unless `GPUSHARE_LOG`
-//! is set (or the scheduler is unreachable in fail-open mode, which warns once).
+//! `extern "C"`; the fast path is two atomic operations (no clock read, no lock); no output
+//! unless `GPUSHARE_LOG` is set (or the scheduler is unreachable in fail-open mode, which warns
+//! once).
 
 mod client;
 mod gate;
