@@ -290,13 +290,16 @@ impl Gate {
     }
 
     /// The token now ends at `deadline_ns`, unless it is being given back already (a drain
-    /// clears the deadline under the lock).
+    /// clears the deadline under the lock). One already past (a revocation, a turn cut short to
+    /// now) stops admission at once: the next launch drains, without waiting for the watcher.
     pub fn on_deadline(&self, token: u64, deadline_ns: u64) {
         let g = self.lock();
         let current = self.deadline.load(Ordering::Acquire);
         if matches!(g.token, Token::Held { token: t, .. } if t == token) && current != 0 {
             self.alone.store(deadline_ns > current, Ordering::Relaxed);
-            self.deadline.store(deadline_ns.max(1), Ordering::Release);
+            let ended = deadline_ns <= crate::now_ns();
+            self.deadline
+                .store(if ended { 0 } else { deadline_ns }, Ordering::Release);
         }
     }
 
@@ -780,6 +783,28 @@ mod tests {
         assert_eq!(queued_ns(&g, 10, 1_200), Some(500));
         g.streams.add(2 as P, 0);
         assert_eq!(queued_ns(&g, 10, 1_200), None);
+    }
+
+    #[test]
+    fn a_deadline_already_past_stops_admission_at_once() {
+        let gate = Gate::new([0; 16]);
+        gate.lock().token = Token::Held {
+            token: 7,
+            granted_ns: crate::now_ns(),
+            quota_ns: 20_000_000,
+        };
+        gate.deadline
+            .store(crate::now_ns() + 3_600_000_000_000, Ordering::Release);
+        assert!(gate.try_enter());
+        gate.leave(None);
+        gate.on_deadline(8, 1);
+        assert!(gate.try_enter(), "another token's deadline changes nothing");
+        gate.leave(None);
+        gate.on_revoke(7);
+        assert!(
+            !gate.try_enter(),
+            "revoked: the next launch takes the slow path"
+        );
     }
 
     #[test]
