@@ -785,16 +785,22 @@ mod tests {
         assert_eq!(queued_ns(&g, 10, 1_200), None);
     }
 
-    #[test]
-    fn a_deadline_already_past_stops_admission_at_once() {
+    /// A gate holding `token` for an hour.
+    fn holding(token: u64) -> Gate {
         let gate = Gate::new([0; 16]);
         gate.lock().token = Token::Held {
-            token: 7,
+            token,
             granted_ns: crate::now_ns(),
             quota_ns: 20_000_000,
         };
         gate.deadline
             .store(crate::now_ns() + 3_600_000_000_000, Ordering::Release);
+        gate
+    }
+
+    #[test]
+    fn a_deadline_already_past_stops_admission_at_once() {
+        let gate = holding(7);
         assert!(gate.try_enter());
         gate.leave(None);
         gate.on_deadline(8, 1);
@@ -860,15 +866,8 @@ mod tests {
     /// against the bare simulator by the isolation tests and the benchmark.)
     #[test]
     fn fast_path_admits_while_the_token_is_held_and_costs_little() {
-        let gate = Gate::new([0; 16]);
-        assert!(!gate.try_enter(), "no token: slow path");
-        gate.lock().token = Token::Held {
-            token: 1,
-            granted_ns: crate::now_ns(),
-            quota_ns: 20_000_000,
-        };
-        gate.deadline
-            .store(crate::now_ns() + 3_600_000_000_000, Ordering::Release);
+        assert!(!Gate::new([0; 16]).try_enter(), "no token: slow path");
+        let gate = holding(1);
         gate.next_pace.store(u64::MAX, Ordering::Relaxed);
         let n = 2_000_000u64;
         let t0 = crate::now_ns();
