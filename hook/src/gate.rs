@@ -14,7 +14,8 @@
 //!   every context used, and report grant → drained as the time this process held the GPU;
 //!   the token is handed over when about a handoff lead of work is left (its tail estimated,
 //!   settled later), and already when the application synchronises so close to the deadline
-//!   that its turn is over once that work drains, or usually goes idle after synchronising.
+//!   that its turn is over once that work drains, or often (recently, more than about one time
+//!   in four) goes idle after synchronising.
 
 use crate::client::Hook;
 use crate::log::debug;
@@ -59,8 +60,10 @@ struct Inner {
     fences: VecDeque<Fence>,
     /// Most recently completed fence (timing reference for the next one).
     last_done: Option<Fence>,
-    /// When `last_done` was seen to complete.
+    /// When `last_done` was seen to complete, and the launch count then: the launches up to it
+    /// were all queued by that moment, so the GPU has worked through them without a break since.
     last_done_ns: u64,
+    done_seen_launches: u64,
     pool: Vec<(P, P)>,
     ctxs: Vec<P>,
     ns_per_launch: Option<f64>,
@@ -153,6 +156,7 @@ impl Gate {
                 fences: VecDeque::new(),
                 last_done: None,
                 last_done_ns: 0,
+                done_seen_launches: 0,
                 pool: Vec::new(),
                 ctxs: Vec::new(),
                 ns_per_launch: None,
@@ -347,25 +351,8 @@ impl Gate {
         // The clock is read under the lock: a launcher pacing may have held it a while.
         let now = crate::now_ns();
         let deadline = self.deadline.load(Ordering::Acquire);
-        // When the application last launched (the fast path takes no timestamp): exactly, when
-        // that launch was paced; else just before it began to synchronise, if nothing was
-        // launched since; else when this watcher saw the launch count move (a look late at most).
-        let count = self.launches.load(Ordering::Relaxed);
-        if count != g.seen_launches {
-            g.seen_launches = count;
-            g.seen_at = now;
-        }
-        let synced = self.synced_at.load(Ordering::Relaxed);
-        let synced_last = synced != 0 && count == self.launches_at_sync.load(Ordering::Relaxed);
-        let last = if g.paced_launch == count {
-            g.paced_at
-        } else if synced_last {
-            synced
-        } else {
-            g.seen_at
-        }
-        .max(granted_ns);
-        let idle_since = last.saturating_add(idle_ns);
+        let (last, synced_last) = self.last_active(&mut g, now);
+        let idle_since = last.max(granted_ns).saturating_add(idle_ns);
         let quiet = self.in_progress.load(Ordering::Acquire) == 0
             && self.pacing.load(Ordering::Acquire) == 0;
         if self.alone.load(Ordering::Relaxed) && now < deadline {
@@ -383,6 +370,28 @@ impl Gate {
             return None;
         }
         Some(if quiet { idle_since } else { now + idle_ns }.min(deadline))
+    }
+
+    /// When the application last launched or began to synchronise (the fast path takes no
+    /// timestamp), and whether that was a synchronisation: exactly, when it began one with
+    /// nothing launched since (later than any launch: a paced one may be a whole queue budget
+    /// earlier), or when the last launch was paced; else when the watcher, looking at `now`, saw
+    /// the launch count move (a look late at most). Waiting in a synchronisation counts towards
+    /// idleness: the work it waits for drains as the token is handed over (`drain_and_release`).
+    fn last_active(&self, g: &mut Inner, now: u64) -> (u64, bool) {
+        let count = self.launches.load(Ordering::Relaxed);
+        if count != g.seen_launches {
+            g.seen_launches = count;
+            g.seen_at = now;
+        }
+        let synced = self.synced_at.load(Ordering::Relaxed);
+        if synced != 0 && count == self.launches_at_sync.load(Ordering::Relaxed) {
+            (synced, true)
+        } else if g.paced_launch == count {
+            (g.paced_at, false)
+        } else {
+            (g.seen_at, false)
+        }
     }
 
     /// Stop admitting, let in-progress launches return, wait for this process's GPU work, and
@@ -448,11 +457,15 @@ impl Gate {
             if tail <= lead_ns {
                 return Some(tail);
             }
-            let front = g.fences.front()?.launches;
-            // When the oldest fence completes, relative to the moment the tail reaches the lead.
-            let fence_in = tail as f64 - n.saturating_sub(front) as f64 * est;
+            // When the oldest fence completes, relative to the moment the tail reaches the lead
+            // (none pending: the estimate runs down from the last completion).
+            let fence_in = match g.fences.front() {
+                Some(f) => tail as f64 - n.saturating_sub(f.launches) as f64 * est,
+                None if n <= g.done_seen_launches => f64::INFINITY,
+                None => return None,
+            };
             if fence_in <= (tail - lead_ns) as f64 {
-                if !complete_oldest_fence(g) {
+                if !complete_oldest_fence(g, self.launches.load(Ordering::Relaxed)) {
                     return None;
                 }
             } else {
@@ -463,12 +476,14 @@ impl Gate {
 
     /// The application is about to wait for its GPU work. The turn is over in all but name when
     /// the token ends before that work has drained plus a handoff lead, or when this
-    /// application usually goes idle after synchronising: then hand over as the work drains, as
-    /// at expiry, rather than leave the next holder an idle GPU for a round trip after it (or
-    /// after the idle release). Skipped while another thread is launching or the gate is busy.
+    /// application often goes idle after synchronising (a score above 250 of 1000: a missed
+    /// idle costs the GPU an idle release, a needless handover only the rest of this turn):
+    /// then hand over as the work drains, as at expiry, rather than leave the next holder an
+    /// idle GPU for a round trip after it (or after the idle release). Skipped while another
+    /// thread is launching or the gate is busy.
     pub fn before_sync(&self, hook: &Hook) {
         // Going idle next matters only to someone waiting (not while the token is extended).
-        let idle_next = self.learn_after_sync() > 500 && !self.alone.load(Ordering::Relaxed);
+        let idle_next = self.learn_after_sync() > 250 && !self.alone.load(Ordering::Relaxed);
         let deadline = self.deadline.load(Ordering::Acquire);
         if deadline == 0
             || deadline == UNLIMITED
@@ -483,7 +498,7 @@ impl Gate {
         if !matches!(g.token, Token::Held { .. }) {
             return;
         }
-        complete_finished_fences(&mut g);
+        complete_finished_fences(&mut g, self.launches.load(Ordering::Relaxed));
         let now = crate::now_ns();
         let Some(tail) = queued_ns(&g, self.launches.load(Ordering::Relaxed), now) else {
             return;
@@ -620,7 +635,8 @@ impl Gate {
                 break;
             }
             // Completed now (unless a drain took it meanwhile): no wait under the lock.
-            if g.fences.front().is_some_and(|f| f.event == event) && !complete_oldest_fence(&mut g)
+            if g.fences.front().is_some_and(|f| f.event == event)
+                && !complete_oldest_fence(&mut g, self.launches.load(Ordering::Relaxed))
             {
                 break;
             }
@@ -656,22 +672,26 @@ fn queued_launches(g: &Inner, n: u64) -> u64 {
 /// estimated: no GPU time per launch learned yet, or several streams): the launches not known to
 /// have completed times the GPU time per launch, less the time the GPU has surely been working
 /// through them: since the last fence completed, or the oldest pending one was recorded if
-/// that was later (the GPU may have idled in between).
+/// that was later (the GPU may have idled in between); with no fence pending, since the last
+/// completion if all `n` launches were queued by then, else not at all.
 fn queued_ns(g: &Inner, n: u64, now: u64) -> Option<u64> {
     if g.streams == Streams::Several {
         return None;
     }
     let est = g.ns_per_launch?;
     let queued = queued_launches(g, n) as f64 * est;
-    let since = g
-        .fences
-        .front()
-        .map_or(0, |f| now.saturating_sub(f.recorded_ns.max(g.last_done_ns)));
+    let since = match g.fences.front() {
+        Some(f) => now.saturating_sub(f.recorded_ns.max(g.last_done_ns)),
+        None if g.last_done.is_some() && n <= g.done_seen_launches => {
+            now.saturating_sub(g.last_done_ns)
+        }
+        None => 0,
+    };
     Some((queued - since as f64).max(0.0) as u64)
 }
 
-/// Take in the fences that have completed, without waiting.
-fn complete_finished_fences(g: &mut Inner) {
+/// Take in the fences that have completed, without waiting (`launched`: the launch count now).
+fn complete_finished_fences(g: &mut Inner, launched: u64) {
     let Some(query) = real::cuEventQuery() else {
         return;
     };
@@ -681,15 +701,16 @@ fn complete_finished_fences(g: &mut Inner) {
         .front()
         .is_some_and(|f| unsafe { query(f.event) } == 0)
     {
-        if !complete_oldest_fence(g) {
+        if !complete_oldest_fence(g, launched) {
             return;
         }
     }
 }
 
-/// Wait for the oldest fence and learn the GPU time per launch from it and the previous one;
-/// false when the driver would not wait (the fence is dropped).
-fn complete_oldest_fence(g: &mut Inner) -> bool {
+/// Wait for the oldest fence and learn the GPU time per launch from it and the previous one
+/// (`launched`: the launch count before the wait); false when the driver would not wait (the
+/// fence is dropped).
+fn complete_oldest_fence(g: &mut Inner, launched: u64) -> bool {
     let Some(f) = g.fences.pop_front() else {
         return false;
     };
@@ -706,14 +727,23 @@ fn complete_oldest_fence(g: &mut Inner) -> bool {
                 .is_some_and(|e| unsafe { e(&mut ms, prev.event, f.event) } == 0);
             if ok {
                 let per = (ms as f64 * 1e6).max(0.0) / (f.launches - prev.launches) as f64;
-                g.ns_per_launch = Some(g.ns_per_launch.map_or(per, |e| 0.7 * e + 0.3 * per));
+                g.ns_per_launch = Some(learn_per_launch(g.ns_per_launch, per));
             }
         }
         g.pool.push((prev.ctx, prev.event));
     }
     g.last_done = Some(f);
     g.last_done_ns = crate::now_ns();
+    g.done_seen_launches = launched;
     true
+}
+
+/// The GPU time per launch, updated with one measured between two fences. A measurement is an
+/// upper bound (the GPU idles between the fences if the launcher falls behind, e.g. when it is
+/// descheduled), so one counts for at most twice the estimate: a pause cannot inflate the
+/// estimate the handover sleeps on, while a real change still shows within a few fences.
+fn learn_per_launch(estimate: Option<f64>, measured: f64) -> f64 {
+    estimate.map_or(measured, |e| 0.7 * e + 0.3 * measured.min(2.0 * e))
 }
 
 /// A pooled timing event of `ctx`, or a new one.
@@ -770,6 +800,10 @@ mod tests {
         g.last_done_ns = 1_000;
         // Launches 5..=10 queued; none pending fenced: no time to count down from.
         assert_eq!(queued_ns(&g, 10, 1_200), Some(600));
+        // Unless all were queued when the last fence was seen to complete: from then.
+        g.done_seen_launches = 10;
+        assert_eq!(queued_ns(&g, 10, 1_200), Some(400));
+        assert_eq!(queued_ns(&g, 11, 1_200), Some(700), "11 came later");
         // A fence recorded before the last one completed: the GPU has worked since that.
         g.fences.push_back(fence(8, 500));
         assert_eq!(queued_ns(&g, 10, 1_200), Some(400));
@@ -785,6 +819,23 @@ mod tests {
         assert_eq!(queued_ns(&g, 10, 1_200), None);
     }
 
+    #[test]
+    fn a_pause_between_fences_barely_moves_the_time_per_launch() {
+        let mut est = learn_per_launch(None, 1_000.0);
+        assert_eq!(est, 1_000.0, "the first measurement is taken as it is");
+        est = learn_per_launch(Some(est), 50_000.0);
+        assert!(est <= 1_300.0, "a 50x outlier raised the estimate to {est}");
+        for _ in 0..10 {
+            est = learn_per_launch(Some(est), 10_000.0);
+        }
+        assert!(
+            est > 9_000.0,
+            "kernels 10x longer are learnt within 10 fences: {est}"
+        );
+        est = learn_per_launch(Some(est), 1_000.0);
+        assert!(est < 7_500.0, "shorter kernels show at once: {est}");
+    }
+
     /// A gate holding `token` for an hour.
     fn holding(token: u64) -> Gate {
         let gate = Gate::new([0; 16]);
@@ -796,6 +847,27 @@ mod tests {
         gate.deadline
             .store(crate::now_ns() + 3_600_000_000_000, Ordering::Release);
         gate
+    }
+
+    /// Idleness counts from the start of a synchronisation with nothing launched since, not from
+    /// the last paced launch before it (up to a queue budget earlier): a training loop is not
+    /// idle the moment the work it synchronises on drains.
+    #[test]
+    fn idleness_counts_from_a_synchronisation_not_the_launches_before_it() {
+        let gate = holding(7);
+        let mut g = gate.lock();
+        gate.launches.store(20, Ordering::Relaxed);
+        (g.paced_launch, g.paced_at) = (20, 1_000);
+        assert_eq!(gate.last_active(&mut g, 9_000), (1_000, false));
+        gate.synced_at.store(3_000, Ordering::Relaxed);
+        gate.launches_at_sync.store(20, Ordering::Relaxed);
+        assert_eq!(gate.last_active(&mut g, 9_000), (3_000, true));
+        gate.launches.store(21, Ordering::Relaxed);
+        assert_eq!(
+            gate.last_active(&mut g, 9_000),
+            (9_000, false),
+            "an unpaced launch since: when the watcher saw it"
+        );
     }
 
     #[test]
