@@ -1,4 +1,4 @@
-//! Figures computed from the device trace.
+//! Figures computed from kernel records: the device trace, or the tenants' timelines.
 
 use gpushare_sim_clients::trace::{Trace, Window};
 use serde::Serialize;
@@ -41,6 +41,8 @@ pub struct RunFigures {
     pub handoff_p99_us: f64,
     /// Measurement windows (s, from the first kernel of the run).
     pub windows: Vec<(f64, f64)>,
+    /// The whole measurement span (CLOCK_MONOTONIC ns).
+    pub measure_ns: (u64, u64),
     /// Plot: bin starts (s from the first kernel) and per tenant shares per bin.
     pub plot_t: Vec<f64>,
     pub plot_shares: Vec<Vec<f64>>,
@@ -52,7 +54,7 @@ pub fn analyse(
     trace: &Trace,
     pids: &[u32],
     gpus: &[u32],
-    targets: impl Fn(Window) -> Vec<f64>,
+    targets: &impl Fn(Window) -> Vec<f64>,
 ) -> RunFigures {
     let n = pids.len();
     let mut f = RunFigures {
@@ -88,6 +90,7 @@ pub fn analyse(
     else {
         return f;
     };
+    f.measure_ns = (measure.start_ns, measure.end_ns);
     let devices: Vec<u32> = {
         let mut d = gpus.to_vec();
         d.sort_unstable();

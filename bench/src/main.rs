@@ -1,7 +1,9 @@
-//! `gpushare-bench`: run fairness scenarios on the simulated GPU with gpushare and without it
-//! (native time-slicing), measure launch overhead, and write `summary.json`, `summary.md`, one
-//! SVG plot of shares over time per scenario and the device traces the figures come from
-//! (`NAME.trace.jsonl`, `NAME-native.trace.jsonl`; `gpushare-sim report` reads them).
+//! `gpushare-bench`: run fairness scenarios with gpushare and without it (native time-slicing),
+//! measure launch overhead, and write `summary.json`, `summary.md`, one SVG plot of shares over
+//! time per scenario and the kernel records the figures come from: the simulated device's trace
+//! (`NAME.trace.jsonl`, `NAME-native.trace.jsonl`; `gpushare-sim report` reads them), or, with
+//! `--source events` and always on a machine with a real GPU, the tenants' own timelines from
+//! CUDA timing events (`NAME.timeline.jsonl`, same format).
 
 mod analysis;
 mod real_gpu;
@@ -13,7 +15,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use gpushare_sim_clients::harness::target_dir;
 use gpushare_sim_clients::node::{Node, Tenant};
-use gpushare_sim_clients::trace::Window;
+use gpushare_sim_clients::trace::{Trace, Window};
 use scenario::{Scenario, Workload};
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -32,7 +34,7 @@ const QUICK_DURATION_NS: u64 = 3_000_000_000;
 #[derive(Parser)]
 #[command(
     name = "gpushare-bench",
-    about = "Fairness and overhead benchmark on the simulated GPU"
+    about = "Fairness and overhead benchmark, on the simulated GPU or this machine's GPUs"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -58,6 +60,8 @@ enum Cmd {
         /// Skip running each tenant alone (throughput and latency vs alone).
         #[arg(long)]
         no_alone: bool,
+        #[command(flatten)]
+        gpu: GpuOpts,
     },
     /// Run every scenario in --scenarios (default: bench/scenarios) and the launch overhead.
     Suite {
@@ -77,7 +81,32 @@ enum Cmd {
         /// Skip running each tenant alone (throughput and latency vs alone).
         #[arg(long)]
         no_alone: bool,
+        #[command(flatten)]
+        gpu: GpuOpts,
     },
+}
+
+/// Which GPU, and where the figures come from.
+#[derive(clap::Args, Clone, Copy)]
+struct GpuOpts {
+    /// Where the figures come from: `device`, the simulated device's trace (exact; the default
+    /// on the simulator), or `events`, each tenant's CUDA timing events (the only source on a
+    /// real GPU; on the simulator the device trace's figures are reported next to them).
+    #[arg(long, value_enum)]
+    source: Option<Source>,
+    /// Run on the simulated GPU even on a machine with a real one (by default the benchmark runs
+    /// on the GPUs `libcuda.so.1` reports).
+    #[arg(long)]
+    simulated: bool,
+}
+
+/// Where the figures come from.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+enum Source {
+    /// The simulated device's trace.
+    Device,
+    /// The tenants' timelines from CUDA timing events (`cudarc-client --timeline`).
+    Events,
 }
 
 fn main() -> ExitCode {
@@ -90,6 +119,7 @@ fn main() -> ExitCode {
             no_baseline,
             overhead,
             no_alone,
+            gpu,
         } => Scenario::load(&scenario).and_then(|sc| {
             bench(
                 vec![sc],
@@ -99,7 +129,10 @@ fn main() -> ExitCode {
                     baseline: !no_baseline,
                     overhead,
                     alone: !no_alone,
+                    source: Source::Device,
+                    system_gpus: None,
                 },
+                gpu,
             )
         }),
         Cmd::Suite {
@@ -109,6 +142,7 @@ fn main() -> ExitCode {
             only,
             no_baseline,
             no_alone,
+            gpu,
         } => load_dir(&scenarios).and_then(|all| {
             let list = all
                 .into_iter()
@@ -123,7 +157,10 @@ fn main() -> ExitCode {
                     baseline: !no_baseline,
                     overhead: true,
                     alone: !no_alone,
+                    source: Source::Device,
+                    system_gpus: None,
                 },
+                gpu,
             )
         }),
     };
@@ -153,6 +190,20 @@ struct Opts {
     overhead: bool,
     /// Run each distinct tenant workload alone too.
     alone: bool,
+    source: Source,
+    /// Running on this machine's own GPUs (this many), not the simulated one.
+    system_gpus: Option<u32>,
+}
+
+impl Opts {
+    /// A node for `gpus` GPUs: simulated, or this machine's.
+    fn node(&self, gpus: u32) -> anyhow::Result<Node> {
+        Ok(match self.system_gpus {
+            Some(n) if gpus > n => bail!("needs {gpus} GPUs; this machine has {n}"),
+            Some(_) => Node::on_system_driver(),
+            None => Node::device_only_with(&["--gpus", &gpus.to_string()]),
+        })
+    }
 }
 
 fn progress(msg: impl AsRef<str>) {
@@ -162,6 +213,8 @@ fn progress(msg: impl AsRef<str>) {
 /// One run of (some of) a scenario's tenants, with or without gpushare.
 struct RunResult {
     figures: RunFigures,
+    /// Measuring from the tenants' timelines on the simulator: the device trace's figures.
+    device_check: Option<RunFigures>,
     /// Each tenant's JSON result line (Null when it printed none).
     outputs: Vec<Value>,
     /// With gpushare: the scheduler's CPU time (user + system) while the tenants ran, and the
@@ -220,9 +273,9 @@ fn run_once(
     gpushare: bool,
     duration_ns: u64,
     keep_trace: Option<&Path>,
+    opts: Opts,
 ) -> anyhow::Result<RunResult> {
-    let gpus = sc.gpus.to_string();
-    let mut node = Node::device_only_with(&["--gpus", &gpus]);
+    let mut node = opts.node(sc.gpus)?;
     if gpushare {
         node.start_scheduler(&[]);
     }
@@ -233,9 +286,17 @@ fn run_once(
         .and_then(cpu_seconds)
         .map(|c| (c, Instant::now()));
     let mut running: Vec<Tenant> = Vec::new();
+    let timelines: Vec<PathBuf> = (0..which.len())
+        .map(|k| node.tmp.path().join(format!("timeline-{k}.jsonl")))
+        .collect();
     for (k, &i) in which.iter().enumerate() {
         let t = &sc.tenants[i];
-        let args = t.client_args(duration_ms, k as u64 + 1);
+        let mut args = Vec::new();
+        if opts.source == Source::Events {
+            args.push("--timeline".to_string());
+            args.push(timelines[k].display().to_string());
+        }
+        args.extend(t.client_args(duration_ms, k as u64 + 1));
         let cmd = if gpushare {
             node.tenant_command(&t.name, t.request, t.limit, t.weight, &client, &args)
         } else {
@@ -281,13 +342,45 @@ fn run_once(
     } else {
         String::new()
     };
-    let trace = node.finish();
+    // The tenants' timelines (read before the node's scratch directory goes), or the device's.
+    let timeline = if opts.source == Source::Events && failures.is_empty() {
+        let mut records = Vec::new();
+        for (path, &i) in timelines.iter().zip(which) {
+            let t = Trace::read(path).with_context(|| {
+                format!(
+                    "tenant {}: no timeline ({})",
+                    sc.tenants[i].name,
+                    path.display()
+                )
+            })?;
+            records.extend_from_slice(t.records());
+        }
+        Some(Trace::from_records(records))
+    } else {
+        None
+    };
+    let device_trace = node.stop();
     if let Some(dest) = keep_trace {
-        write_trace(&trace, dest).with_context(|| format!("cannot write {}", dest.display()))?;
+        let write = |trace: &Trace, dest: &Path| {
+            write_trace(trace, dest).with_context(|| format!("cannot write {}", dest.display()))
+        };
+        if let Some(t) = &device_trace {
+            write(t, dest)?;
+        }
+        if let Some(t) = &timeline {
+            write(t, &timeline_path(dest))?;
+        }
     }
     if !failures.is_empty() {
         bail!("{}\n{}", failures.join("\n"), log.trim());
     }
+    let (trace, check) = match timeline {
+        Some(t) => (t, device_trace),
+        None => (
+            device_trace.context("no device trace (running on the system's driver)")?,
+            None,
+        ),
+    };
     // Targets per window: a latency tenant demands the work of the requests that arrived in it
     // (it reports their times); the others their nominal demand.
     let arrivals: Vec<Option<Vec<u64>>> = outputs
@@ -312,21 +405,25 @@ fn run_once(
         });
         which.iter().map(|&i| all[i]).collect()
     };
-    let figures = analyse(
-        &trace,
-        &pids,
-        &which.iter().map(|&i| sc.tenants[i].gpu).collect::<Vec<_>>(),
-        targets,
-    );
+    let gpus: Vec<u32> = which.iter().map(|&i| sc.tenants[i].gpu).collect();
+    let figures = analyse(&trace, &pids, &gpus, &targets);
     Ok(RunResult {
         figures,
+        device_check: check.map(|t| analyse(&t, &pids, &gpus, &targets)),
         outputs,
         scheduler_cpu,
     })
 }
 
-/// The trace as the device wrote it (JSON Lines).
-fn write_trace(trace: &gpushare_sim_clients::trace::Trace, dest: &Path) -> anyhow::Result<()> {
+/// Where the timeline a kept trace `NAME.trace.jsonl` comes with goes: `NAME.timeline.jsonl`.
+fn timeline_path(trace: &Path) -> PathBuf {
+    let name = trace.file_name().unwrap_or_default().to_string_lossy();
+    let stem = name.strip_suffix(".trace.jsonl").unwrap_or(&name);
+    trace.with_file_name(format!("{stem}.timeline.jsonl"))
+}
+
+/// A trace as JSON Lines (the device's format).
+fn write_trace(trace: &Trace, dest: &Path) -> anyhow::Result<()> {
     use std::io::Write;
     let mut f = std::io::BufWriter::new(std::fs::File::create(dest)?);
     for r in trace.records() {
@@ -372,6 +469,7 @@ fn run_alone(
     i: usize,
     duration_ns: u64,
     cache: &mut AloneCache,
+    opts: Opts,
 ) -> anyhow::Result<Value> {
     let key = alone_key(&sc.tenants[i], duration_ns);
     if let Some(v) = cache.get(&key) {
@@ -390,7 +488,7 @@ fn run_alone(
         }],
         ..sc.clone()
     };
-    let v = run_once(&solo, &[0], true, duration_ns, None)?.outputs[0].clone();
+    let v = run_once(&solo, &[0], true, duration_ns, None, opts)?.outputs[0].clone();
     cache.insert(key, v.clone());
     Ok(v)
 }
@@ -424,7 +522,7 @@ fn run_scenario(
         duration_ns as f64 / 1e9
     ));
     let trace = out.join(format!("{}.trace.jsonl", sc.name));
-    let gs = run_once(sc, &all, true, duration_ns, Some(&trace))?;
+    let gs = run_once(sc, &all, true, duration_ns, Some(&trace), opts)?;
     let targets = gs.figures.target.clone();
     progress(format!(
         "{}: gpushare max |err| {:.4}, util {:.3}, handoff p99 {:.0} µs",
@@ -433,7 +531,7 @@ fn run_scenario(
     let base = if opts.baseline {
         progress(format!("{}: native baseline (no gpushare)", sc.name));
         let trace = out.join(format!("{}-native.trace.jsonl", sc.name));
-        let b = run_once(sc, &all, false, duration_ns, Some(&trace))?;
+        let b = run_once(sc, &all, false, duration_ns, Some(&trace), opts)?;
         progress(format!(
             "{}: native max |err| {:.4}, util {:.3}",
             sc.name, b.figures.max_abs_error, b.figures.device_utilization
@@ -446,7 +544,7 @@ fn run_scenario(
     // contention.
     let alone: Vec<Option<Value>> = if opts.alone {
         (0..sc.tenants.len())
-            .map(|i| run_alone(sc, i, duration_ns, cache).map(Some))
+            .map(|i| run_alone(sc, i, duration_ns, cache, opts).map(Some))
             .collect::<anyhow::Result<_>>()?
     } else {
         vec![None; sc.tenants.len()]
@@ -534,8 +632,18 @@ fn run_scenario(
         "handoff_p50_us": r1(gs.figures.handoff_p50_us),
         "handoff_p99_us": r1(gs.figures.handoff_p99_us),
         "windows": gs.figures.windows.len(),
+        "measure_start_ns": gs.figures.measure_ns.0,
+        "measure_end_ns": gs.figures.measure_ns.1,
         "plot": plot,
     });
+    if let Some(d) = &gs.device_check {
+        v["device_trace_check"] = json!({
+            "achieved_shares": d.achieved.iter().map(|&x| r4(x)).collect::<Vec<_>>(),
+            "max_abs_error": r4(d.max_abs_error),
+            "device_utilization": r4(d.device_utilization),
+            "handoff_p99_us": r1(d.handoff_p99_us),
+        });
+    }
     if let Some((cpu_s, wall_s)) = gs.scheduler_cpu {
         v["scheduler_cpu_s"] = json!((cpu_s * 1e4).round() / 1e4);
         v["scheduler_cpu_percent"] =
@@ -559,9 +667,9 @@ fn run_scenario(
 /// ns per cuLaunchKernel of `cudarc-client launch-latency` under the hook (alone, so the token
 /// stays held: the fast path) against the driver's own entry point in the same process, and,
 /// as a control and the classic comparison, in processes without the hook.
-fn launch_overhead(pairs: usize) -> anyhow::Result<Value> {
+fn launch_overhead(pairs: usize, opts: Opts) -> anyhow::Result<Value> {
     progress("launch overhead: cudarc-client launch-latency, hooked vs the driver's own entry");
-    let mut node = Node::device_only();
+    let mut node = opts.node(1)?;
     node.start_scheduler(&[]);
     let client = target_dir().join("cudarc-client");
     const LAUNCHES: u64 = 50_000;
@@ -648,7 +756,7 @@ fn launch_overhead(pairs: usize) -> anyhow::Result<Value> {
     progress(format!(
         "launch overhead with token turnover (a competing group): {turnover:.0} ns per launch"
     ));
-    drop(node.finish());
+    drop(node.stop());
     Ok(json!({
         "native_ns": r1(direct_ns),
         "hooked_ns": r1(hooked_ns),
@@ -673,18 +781,29 @@ fn launch_overhead(pairs: usize) -> anyhow::Result<Value> {
     }))
 }
 
-fn bench(list: Vec<Scenario>, out: &Path, opts: Opts) -> anyhow::Result<()> {
+fn bench(list: Vec<Scenario>, out: &Path, mut opts: Opts, gpu: GpuOpts) -> anyhow::Result<()> {
     if list.is_empty() {
         bail!("no scenarios to run");
     }
+    opts.system_gpus = if gpu.simulated {
+        None
+    } else {
+        real_gpu::device_count()
+    };
+    opts.source = match (opts.system_gpus, gpu.source) {
+        (Some(_), Some(Source::Device)) => bail!(
+            "--source device needs the simulated GPU: this machine has a real one (add --simulated)"
+        ),
+        (Some(n), _) => {
+            progress(format!(
+                "running on this machine's {n} GPU(s) (libcuda.so.1), measuring from the \
+                 tenants' CUDA timing events (--simulated: use the simulated GPU instead)"
+            ));
+            Source::Events
+        }
+        (None, source) => source.unwrap_or(Source::Device),
+    };
     std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
-    if let Some(n) = real_gpu::device_count() {
-        progress(format!(
-            "note: this machine has {n} real GPU(s); the benchmark still runs on the simulated \
-             device, whose trace the figures come from (measuring from CUDA events on a real \
-             GPU is not implemented yet)"
-        ));
-    }
     let started = Instant::now();
     let mut scenarios = Vec::new();
     let mut errors = Vec::new();
@@ -705,7 +824,7 @@ fn bench(list: Vec<Scenario>, out: &Path, opts: Opts) -> anyhow::Result<()> {
         } else {
             OVERHEAD_PAIRS
         };
-        match launch_overhead(pairs) {
+        match launch_overhead(pairs, opts) {
             Ok(v) => v,
             Err(e) => {
                 progress(format!("launch overhead FAILED: {e:#}"));
@@ -718,6 +837,14 @@ fn bench(list: Vec<Scenario>, out: &Path, opts: Opts) -> anyhow::Result<()> {
     };
     let summary = json!({
         "quick": opts.quick,
+        "gpu": match opts.system_gpus {
+            Some(n) => format!("this machine's ({n})"),
+            None => "simulated".into(),
+        },
+        "measured_from": match opts.source {
+            Source::Device => "device trace",
+            Source::Events => "tenant CUDA timing events",
+        },
         "wall_s": r1(started.elapsed().as_secs_f64()),
         "warmup_s": analysis::WARMUP_NS as f64 / 1e9,
         "window_s": analysis::WINDOW_NS as f64 / 1e9,
@@ -731,9 +858,14 @@ fn bench(list: Vec<Scenario>, out: &Path, opts: Opts) -> anyhow::Result<()> {
     )?;
     std::fs::write(out.join("summary.md"), markdown(&summary))?;
     progress(format!(
-        "done in {:.1} s: {}/summary.json, summary.md, *.svg, *.trace.jsonl",
+        "done in {:.1} s: {}/summary.json, summary.md, *.svg, {}",
         started.elapsed().as_secs_f64(),
-        out.display()
+        out.display(),
+        match (opts.source, opts.system_gpus) {
+            (Source::Device, _) => "*.trace.jsonl",
+            (Source::Events, None) => "*.timeline.jsonl, *.trace.jsonl",
+            (Source::Events, Some(_)) => "*.timeline.jsonl",
+        }
     ));
     if !errors.is_empty() {
         bail!("{} part(s) failed (see summary.json errors)", errors.len());

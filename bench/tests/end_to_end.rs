@@ -2,6 +2,7 @@
 //! workspace binaries: `cargo build --workspace --bins --lib`).
 
 use serde_json::Value;
+use std::path::Path;
 use std::process::Command;
 
 const SCENARIO: &str = r#"
@@ -112,5 +113,157 @@ fn small_scenario_end_to_end() {
     assert!(out_dir.join("summary.md").is_file());
     let svg = std::fs::read_to_string(out_dir.join("e2e-small.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `gpushare-bench run SCENARIO --out DIR ARGS…` with extra environment; its summary.json.
+fn bench(scenario: &str, dir: &Path, args: &[&str], env: &[(String, String)]) -> Value {
+    std::fs::create_dir_all(dir).unwrap();
+    let file = dir.join("scenario.toml");
+    std::fs::write(&file, scenario).unwrap();
+    let out_dir = dir.join("out");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpushare-bench"))
+        .arg("run")
+        .arg(&file)
+        .arg("--out")
+        .arg(&out_dir)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .expect("run gpushare-bench");
+    assert!(
+        out.status.success(),
+        "gpushare-bench failed ({})\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&std::fs::read(out_dir.join("summary.json")).unwrap()).unwrap()
+}
+
+fn shares(sc: &Value) -> Vec<f64> {
+    sc["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["achieved_share"].as_f64().unwrap())
+        .collect()
+}
+
+/// The tenants' own timelines (CUDA timing events, the measurement on a real GPU) give the
+/// figures the simulated device's trace gives.
+#[test]
+fn timelines_from_timing_events_agree_with_the_device_trace() {
+    let dir = std::env::temp_dir().join(format!("gpushare-bench-events-{}", std::process::id()));
+    let summary = bench(
+        SCENARIO,
+        &dir,
+        &["--source", "events", "--no-baseline", "--no-alone"],
+        &[],
+    );
+    assert_eq!(summary["gpu"], "simulated");
+    assert_eq!(summary["measured_from"], "tenant CUDA timing events");
+    let sc = &summary["scenarios"][0];
+    let check = &sc["device_trace_check"];
+    let from_device: Vec<f64> = check["achieved_shares"]
+        .as_array()
+        .expect("device_trace_check.achieved_shares")
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let from_events = shares(sc);
+    assert!(from_events.iter().all(|&s| s > 0.1), "{from_events:?}");
+    for (e, d) in from_events.iter().zip(&from_device) {
+        assert!(
+            (e - d).abs() <= 0.005,
+            "events {from_events:?} vs device {from_device:?}"
+        );
+    }
+    let (ue, ud) = (
+        sc["device_utilization"].as_f64().unwrap(),
+        check["device_utilization"].as_f64().unwrap(),
+    );
+    assert!(
+        (ue - ud).abs() <= 0.01,
+        "utilisation: events {ue}, device {ud}"
+    );
+    assert!(dir.join("out/e2e-small.timeline.jsonl").is_file());
+    assert!(dir.join("out/e2e-small.trace.jsonl").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// On a machine whose `libcuda.so.1` reports a GPU, the benchmark runs there and measures from
+/// timing events. Here the "machine's driver" is a simulated device started outside the bench,
+/// whose trace is the ground truth the bench never sees.
+#[test]
+fn on_a_machine_with_a_gpu_the_bench_runs_on_it() {
+    use gpushare_sim_clients::harness::Sim;
+    use gpushare_sim_clients::trace::{Trace, Window};
+    use std::io::BufRead;
+    let dir = std::env::temp_dir().join(format!("gpushare-bench-system-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("machine.trace.jsonl");
+    let mut device = Command::new(&Sim::locate().bin)
+        .arg("serve")
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--socket")
+        .arg(dir.join("sim.sock"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start gpushare-sim serve");
+    let mut lines = std::io::BufReader::new(device.stdout.take().unwrap()).lines();
+    let env: Vec<(String, String)> = (0..2)
+        .map(|_| {
+            let l = lines.next().unwrap().unwrap();
+            let (k, v) = l.split_once('=').unwrap();
+            (k.to_string(), v.to_string())
+        })
+        .collect();
+    let file = dir.join("refused.toml");
+    std::fs::write(&file, SCENARIO).unwrap();
+    let refused = Command::new(env!("CARGO_BIN_EXE_gpushare-bench"))
+        .arg("run")
+        .arg(&file)
+        .args(["--out", "/nonexistent", "--source", "device"])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .unwrap();
+    let summary = bench(SCENARIO, &dir, &["--no-baseline", "--no-alone"], &env);
+    // SAFETY: SIGTERM to our own child, which then writes out its trace.
+    unsafe { libc::kill(device.id() as i32, libc::SIGTERM) };
+    let _ = device.wait();
+    assert_eq!(summary["gpu"], "this machine's (1)");
+    assert_eq!(summary["measured_from"], "tenant CUDA timing events");
+    let sc = &summary["scenarios"][0];
+    assert!(sc.get("device_trace_check").is_none());
+    assert!(!dir.join("out/e2e-small.trace.jsonl").exists());
+    // The figures match the device's own record of the same span.
+    let truth = Trace::read(&trace).unwrap();
+    let window = Window::new(
+        sc["measure_start_ns"].as_u64().unwrap(),
+        sc["measure_end_ns"].as_u64().unwrap(),
+    );
+    let mut by_pid: Vec<f64> = truth
+        .busy_by_pid(0, window)
+        .values()
+        .map(|&ns| ns as f64 / window.len_ns() as f64)
+        .filter(|&s| s > 0.01)
+        .collect();
+    let mut measured = shares(sc);
+    by_pid.sort_by(f64::total_cmp);
+    measured.sort_by(f64::total_cmp);
+    assert_eq!(by_pid.len(), 2, "{by_pid:?}");
+    for (m, t) in measured.iter().zip(&by_pid) {
+        assert!(
+            (m - t).abs() <= 0.005,
+            "measured {measured:?}, device {by_pid:?}"
+        );
+    }
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--simulated"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

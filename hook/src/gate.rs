@@ -117,6 +117,8 @@ pub struct Gate {
     alone: AtomicBool,
     /// Launchers waiting in `pace` for their queued work: busy, not idle.
     pacing: AtomicU32,
+    /// A drain holds the lock (until this process's work has drained).
+    draining: AtomicBool,
     /// When the application last began to synchronise (0: never), and when that returned; with
     /// the launch count at each, which says exactly whether anything was launched since.
     synced_at: AtomicU64,
@@ -143,6 +145,7 @@ impl Gate {
             in_progress: AtomicU32::new(0),
             alone: AtomicBool::new(false),
             pacing: AtomicU32::new(0),
+            draining: AtomicBool::new(false),
             synced_at: AtomicU64::new(0),
             sync_returned_at: AtomicU64::new(0),
             launches_at_sync: AtomicU64::new(0),
@@ -405,6 +408,7 @@ impl Gate {
             return;
         };
         self.deadline.store(0, Ordering::SeqCst);
+        self.draining.store(true, Ordering::Release);
         while self.in_progress.load(Ordering::SeqCst) != 0 {
             std::thread::yield_now();
         }
@@ -442,6 +446,7 @@ impl Gate {
             }
             Some(_) => {}
         }
+        self.draining.store(false, Ordering::Release);
     }
 
     /// Wait until the GPU work still queued is estimated at `lead_ns` or less; that estimate,
@@ -560,6 +565,13 @@ impl Gate {
 
     /// Record a fence after launch `n` and wait while too much work is queued.
     fn pace(&self, stream: P, per_thread: bool, n: u64) {
+        // A drain holds the lock until this process's work has drained and makes a fence
+        // pointless: pace the next launch instead of holding this launch call (already
+        // submitted) until then.
+        if self.draining.load(Ordering::Acquire) {
+            self.next_pace.store(n + 1, Ordering::Relaxed);
+            return;
+        }
         let mut g = self.lock();
         let Token::Held { quota_ns, .. } = g.token else {
             // Unthrottled (no scheduler): nothing to pace until it is back (`on_connected`).
@@ -629,6 +641,12 @@ impl Gate {
             // SAFETY: a fence event recorded by `pace` (if a drain recycled it meanwhile, this
             // waits for its new record: longer, never wrong).
             let waited = real::cuEventSynchronize().is_some_and(|s| unsafe { s(event) } == 0);
+            if self.draining.load(Ordering::Acquire) {
+                // A drain began meanwhile (as above).
+                self.pacing.fetch_sub(1, Ordering::AcqRel);
+                self.next_pace.store(n + 1, Ordering::Relaxed);
+                return;
+            }
             g = self.lock();
             self.pacing.fetch_sub(1, Ordering::AcqRel);
             if !waited {
@@ -868,6 +886,19 @@ mod tests {
             (9_000, false),
             "an unpaced launch since: when the watcher saw it"
         );
+    }
+
+    /// A launch returning while a drain holds the gate does not wait for the drain (the
+    /// application's thread would sit in a launch call already submitted until this process's
+    /// work had drained); the next launch paces instead.
+    #[test]
+    fn a_launch_does_not_wait_for_a_drain_to_pace() {
+        let gate = holding(7);
+        let drain = gate.lock();
+        gate.draining.store(true, Ordering::Release);
+        gate.pace(std::ptr::null_mut(), false, 41);
+        assert_eq!(gate.next_pace.load(Ordering::Relaxed), 42);
+        drop(drain);
     }
 
     #[test]

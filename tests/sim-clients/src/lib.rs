@@ -8,6 +8,8 @@
 //! - [`ptx`]: the hand-written PTX module (`gpushare_spin`, `touch`) every client loads.
 //! - [`direct`]: the driver's own entry points, past any interposition (launch-overhead
 //!   measurement).
+//! - [`timeline`]: kernel timelines a program records with CUDA timing events, for a GPU that
+//!   writes no trace.
 //!
 //! The `cudarc-client` binary of this package is a real cudarc 0.19 program; the C programs in
 //! `c/` use the driver API directly (linked, or through `cuGetProcAddress`).
@@ -16,5 +18,6 @@ pub mod direct;
 pub mod harness;
 pub mod node;
 pub mod ptx;
+pub mod timeline;
 /// The device trace and its figures live with the device that writes it.
 pub use gpushare_sim_device::trace;

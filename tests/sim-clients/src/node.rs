@@ -10,9 +10,11 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// A simulated node: a device serving one GPU and a scheduler in development mode.
+/// A simulated node: a device serving one GPU and a scheduler in development mode (or, from
+/// [`Node::on_system_driver`], a scheduler on this machine's own GPUs).
 pub struct Node {
-    device: Child,
+    /// The simulated device; `None` on the system's driver.
+    device: Option<Child>,
     scheduler: Option<Child>,
     /// `GPUSHARE_SIM_SOCKET` and `LD_LIBRARY_PATH` for processes on the simulated GPU.
     pub sim_env: Vec<(String, String)>,
@@ -76,11 +78,25 @@ impl Node {
             .collect();
         let sched_socket = tmp.path().join("gpushare.sock");
         Node {
-            device,
+            device: Some(device),
             scheduler: None,
             sim_env,
             sched_socket,
             trace,
+            tmp,
+        }
+    }
+
+    /// A node on this machine's own CUDA driver (`libcuda.so.1` as the loader finds it: a real
+    /// GPU): no simulated device, so no device trace; processes inherit the environment.
+    pub fn on_system_driver() -> Node {
+        let tmp = tempfile::tempdir().unwrap();
+        Node {
+            device: None,
+            scheduler: None,
+            sim_env: Vec::new(),
+            sched_socket: tmp.path().join("gpushare.sock"),
+            trace: tmp.path().join("trace.jsonl"),
             tmp,
         }
     }
@@ -264,12 +280,19 @@ impl Node {
     }
 
     /// Stop the device (flushing its trace) and read the trace.
-    pub fn finish(mut self) -> Trace {
+    pub fn finish(self) -> Trace {
+        self.stop()
+            .expect("a node on the system's driver has no device trace")
+    }
+
+    /// Stop the scheduler and the device; the device trace (`None` on the system's driver).
+    pub fn stop(mut self) -> Option<Trace> {
         self.kill_scheduler();
+        let mut device = self.device.take()?;
         // SAFETY: sending SIGTERM to our own child process.
-        unsafe { libc::kill(self.device.id() as i32, libc::SIGTERM) };
-        let _ = self.device.wait();
-        Trace::read(&self.trace).expect("device trace")
+        unsafe { libc::kill(device.id() as i32, libc::SIGTERM) };
+        let _ = device.wait();
+        Some(Trace::read(&self.trace).expect("device trace"))
     }
 }
 
@@ -282,18 +305,21 @@ impl Drop for Node {
             }
         }
         self.kill_scheduler();
-        if !matches!(self.device.try_wait(), Ok(None)) {
-            return; // already stopped and reaped by `finish`
+        let Some(device) = self.device.as_mut() else {
+            return; // stopped by `stop`, or none
+        };
+        if !matches!(device.try_wait(), Ok(None)) {
+            return;
         }
         // SIGTERM first: the device then removes its run directory.
         // SAFETY: sending SIGTERM to our own child process, which has not been reaped.
-        unsafe { libc::kill(self.device.id() as i32, libc::SIGTERM) };
+        unsafe { libc::kill(device.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(2);
-        while matches!(self.device.try_wait(), Ok(None)) && Instant::now() < deadline {
+        while matches!(device.try_wait(), Ok(None)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
         }
-        let _ = self.device.kill();
-        let _ = self.device.wait();
+        let _ = device.kill();
+        let _ = device.wait();
     }
 }
 

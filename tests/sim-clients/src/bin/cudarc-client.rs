@@ -14,8 +14,11 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use gpushare_sim_clients::direct;
 use gpushare_sim_clients::ptx::{SPIN_KERNEL, SPIN_PTX, TOUCH_KERNEL};
+use gpushare_sim_clients::timeline::{self, Timeline};
+use gpushare_sim_clients::trace;
 use serde_json::{Value, json};
 use std::ffi::c_void;
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,6 +32,11 @@ struct Cli {
     /// CUDA device ordinal to use.
     #[arg(long, default_value_t = 0, global = true)]
     device: usize,
+    /// `spin` and `latency`: record each kernel's end with a CUDA timing event and write the
+    /// kernels to FILE (JSON Lines, the simulated device's trace format): the measurement on a
+    /// GPU without a device trace.
+    #[arg(long, value_name = "FILE", global = true)]
+    timeline: Option<std::path::PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -337,13 +345,25 @@ struct SpinPlan {
 impl SpinPlan {
     /// Launch the plan on `stream` (with the stream's context bound to this thread); returns
     /// the number of kernels launched. The last kernels may still be queued.
-    fn run(&self, stream: &Arc<CudaStream>, f: &CudaFunction, t0: Instant) -> Res<u64> {
+    fn run(
+        &self,
+        stream: &Arc<CudaStream>,
+        f: &CudaFunction,
+        t0: Instant,
+        mut timeline: Option<&mut Timeline>,
+    ) -> Res<u64> {
         let mut launched = 0;
         while launched < self.kernels && self.duration.is_none_or(|d| t0.elapsed() < d) {
             spin(stream, f, self.ns)?;
             launched += 1;
+            if let Some(t) = timeline.as_deref_mut() {
+                t.kernel(stream, self.ns).at("cuEventRecord (timeline)")?;
+            }
             if self.sync_every.is_some_and(|k| launched % k == 0) {
                 stream.synchronize().at("cuStreamSynchronize")?;
+                if let Some(t) = timeline.as_deref_mut() {
+                    t.collect().at("cuEventElapsedTime (timeline)")?;
+                }
                 if let Some(idle) = self.idle {
                     std::thread::sleep(idle);
                 }
@@ -351,6 +371,12 @@ impl SpinPlan {
         }
         Ok(launched)
     }
+}
+
+/// Write the kernels of `--timeline`.
+fn write_timeline(path: &Path, records: &[trace::Record]) -> Res<()> {
+    timeline::write(path, records)
+        .map_err(|e| Failure(format!("cannot write the timeline {}: {e}", path.display())))
 }
 
 /// CLOCK_MONOTONIC in nanoseconds, the time base of the device trace.
@@ -375,6 +401,7 @@ fn spin_cmd(
     threads: u32,
     prelaunch: bool,
     alloc_mib: Option<usize>,
+    timeline_to: Option<&Path>,
 ) -> Res<Value> {
     check(ms_per_kernel >= 0.0 && ms_per_kernel.is_finite(), || {
         format!("--ms-per-kernel {ms_per_kernel} must be a non-negative number")
@@ -416,15 +443,28 @@ fn spin_cmd(
             .synchronize()
             .at("cuStreamSynchronize (prelaunch)")?;
     }
+    // One anchor, placed before anything is launched; a timeline per launching thread.
+    let anchored = timeline_to
+        .map(|_| Timeline::start(&ctx, &streams[0], device as u32))
+        .transpose()
+        .at("timeline anchor (cuEventRecord, cuEventQuery)")?;
+    let finish_timeline = |t: Option<Timeline>| -> Res<Vec<trace::Record>> {
+        t.map_or(Ok(Vec::new()), |t| {
+            t.finish().at("cuEventElapsedTime (timeline)")
+        })
+    };
+    let mut records = Vec::new();
     let start_ns = monotonic_ns();
     let wall = Instant::now();
     let (launched, device_ms) = if threads == 1 {
         let mut launched = 0;
+        let mut tl = anchored;
         let device_ms = timed(&streams[0], None, "spin kernels", || {
-            launched = plan.run(&streams[0], &spin_f, wall)?;
+            launched = plan.run(&streams[0], &spin_f, wall, tl.as_mut())?;
             Ok(())
         })?;
         streams[0].synchronize().at("cuStreamSynchronize")?;
+        records = finish_timeline(tl)?;
         (launched, Some(device_ms))
     } else {
         let per_thread = std::thread::scope(|scope| {
@@ -432,12 +472,14 @@ fn spin_cmd(
                 .iter()
                 .map(|stream| {
                     let (ctx, plan, f) = (&ctx, &plan, &spin_f);
+                    let mut tl = anchored.as_ref().map(Timeline::sibling);
+                    let finish_timeline = &finish_timeline;
                     scope.spawn(move || {
                         ctx.bind_to_thread()
                             .at("cuCtxSetCurrent (launcher thread)")?;
-                        let launched = plan.run(stream, f, wall)?;
+                        let launched = plan.run(stream, f, wall, tl.as_mut())?;
                         stream.synchronize().at("cuStreamSynchronize")?;
-                        Ok(launched)
+                        Ok((launched, finish_timeline(tl)?))
                     })
                 })
                 .collect();
@@ -447,11 +489,19 @@ fn spin_cmd(
                     h.join()
                         .unwrap_or_else(|_| Err(Failure("a launcher thread panicked".into())))
                 })
-                .collect::<Res<Vec<u64>>>()
+                .collect::<Res<Vec<(u64, Vec<trace::Record>)>>>()
         })?;
-        (per_thread.iter().sum(), None)
+        let mut launched = 0;
+        for (n, r) in per_thread {
+            launched += n;
+            records.extend(r);
+        }
+        (launched, None)
     };
     ctx.synchronize().at("cuCtxSynchronize")?;
+    if let Some(path) = timeline_to {
+        write_timeline(path, &records)?;
+    }
     let wall_ms = wall.elapsed().as_secs_f64() * 1e3;
     Ok(json!({
         "pid": std::process::id(),
@@ -563,6 +613,7 @@ fn latency_cmd(
     ms_per_kernel: f64,
     duration_ms: f64,
     seed: u64,
+    timeline_to: Option<&Path>,
 ) -> Res<Value> {
     check(rate_hz > 0.0 && rate_hz.is_finite(), || {
         format!("--rate-hz {rate_hz} must be positive")
@@ -578,6 +629,10 @@ fn latency_cmd(
     // Warm the launch path so the first request does not pay for module loading.
     spin(&stream, &spin_f, 1_000)?;
     stream.synchronize().at("cuStreamSynchronize (warm-up)")?;
+    let mut tl = timeline_to
+        .map(|_| Timeline::start(&ctx, &stream, device as u32))
+        .transpose()
+        .at("timeline anchor (cuEventRecord, cuEventQuery)")?;
     // xorshift64*: exponential inter-arrival times without a dependency.
     let mut state = seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut uniform = move || {
@@ -604,9 +659,18 @@ fn latency_cmd(
         }
         for _ in 0..kernels {
             spin(&stream, &spin_f, ns)?;
+            if let Some(t) = tl.as_mut() {
+                t.kernel(&stream, ns).at("cuEventRecord (timeline)")?;
+            }
         }
         stream.synchronize().at("cuStreamSynchronize (request)")?;
+        if let Some(t) = tl.as_mut() {
+            t.collect().at("cuEventElapsedTime (timeline)")?;
+        }
         lat_ms.push((t0.elapsed().saturating_sub(next)).as_secs_f64() * 1e3);
+    }
+    if let (Some(t), Some(path)) = (tl, timeline_to) {
+        write_timeline(path, &t.finish().at("cuEventElapsedTime (timeline)")?)?;
     }
     let mut sorted = lat_ms.clone();
     sorted.sort_by(f64::total_cmp);
@@ -765,6 +829,7 @@ fn main() -> ExitCode {
                 threads,
                 prelaunch,
                 alloc_mib,
+                cli.timeline.as_deref(),
             ),
         ),
         Cmd::Oom { fill } => ("oom", oom(cli.device, fill)),
@@ -783,6 +848,7 @@ fn main() -> ExitCode {
                 ms_per_kernel,
                 duration_ms,
                 seed,
+                cli.timeline.as_deref(),
             ),
         ),
         Cmd::LaunchLatency { n } => ("launch-latency", launch_latency(cli.device, n)),
