@@ -882,7 +882,7 @@ fn markdown(s: &Value) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "# gpushare benchmark{}\n\nShares are busy time per {} s window after {} s warm-up, from the device trace. \
+        "# gpushare benchmark{}\n\nGPU: {}. Shares are busy time per {} s window after {} s warm-up, from the {}. \
          Targets follow DESIGN §2 with each tenant's demand as a cap (a latency tenant's: the work of \
          the requests that arrived in the window). \
          \"native\" = same tenants without gpushare (the device's own time-slicing).\n",
@@ -891,8 +891,10 @@ fn markdown(s: &Value) -> String {
         } else {
             ""
         },
+        s["gpu"].as_str().unwrap_or(""),
         s["window_s"],
-        s["warmup_s"]
+        s["warmup_s"],
+        s["measured_from"].as_str().unwrap_or("")
     );
     let _ = writeln!(
         o,
@@ -985,6 +987,23 @@ fn markdown(s: &Value) -> String {
                 f(&t["alone_kernels_per_s"], 0),
                 f(&t["throughput_vs_alone"], 3),
                 latency
+            );
+        }
+        let check = &sc["device_trace_check"];
+        if !check.is_null() {
+            let _ = writeln!(
+                o,
+                "\nThe simulated device's trace of the same run: shares {}, max abs err {}, utilisation {}, handoff p99 {} µs.",
+                check["achieved_shares"]
+                    .as_array()
+                    .unwrap_or(&empty)
+                    .iter()
+                    .map(|x| f(x, 3))
+                    .collect::<Vec<_>>()
+                    .join(" / "),
+                f(&check["max_abs_error"], 3),
+                f(&check["device_utilization"], 3),
+                f(&check["handoff_p99_us"], 0)
             );
         }
         let _ = writeln!(
