@@ -14,8 +14,8 @@
 //!   every context used, and report grant → drained as the time this process held the GPU;
 //!   the token is handed over when about a handoff lead of work is left (its tail estimated,
 //!   settled later), and already when the application synchronises so close to the deadline
-//!   that its turn is over once that work drains, or often (recently, more than about one time
-//!   in four) goes idle after synchronising.
+//!   that its turn is over once that work drains, or went idle after one of its last 8
+//!   synchronisations.
 
 use crate::client::Hook;
 use crate::log::debug;
@@ -28,6 +28,11 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 type P = *mut c_void;
+
+/// The idle-after-synchronisation score just after idleness, and the score above which the
+/// next synchronisation is expected to be followed by idleness too (1000 · 0.85⁸ ≈ 272 > 250).
+const IDLE: u32 = 1000;
+const IDLE_RECENTLY: u32 = 250;
 
 /// Deadline meaning "no limits" (fail-open).
 const UNLIMITED: u64 = u64::MAX;
@@ -127,9 +132,10 @@ pub struct Gate {
     launches_at_sync_return: AtomicU64,
     /// It went idle after that synchronisation (no launch for the idle release time).
     idled_after_sync: AtomicBool,
-    /// How often (per mille, recent synchronisations weighing most) the application went idle
-    /// after synchronising rather than launching again: a request-serving or bursty process,
-    /// whose token is best handed over as its synchronised work drains.
+    /// Whether the application went idle after a recent synchronisation rather than launching
+    /// again (a request-serving or bursty process, whose token is best handed over as its
+    /// synchronised work drains): 1000 after one that was followed by idleness, 15 % less after
+    /// each followed by more launches; above [`IDLE_RECENTLY`] for the next 8.
     idle_after_sync_score: AtomicU32,
     launches: AtomicU64,
     next_pace: AtomicU64,
@@ -481,14 +487,16 @@ impl Gate {
 
     /// The application is about to wait for its GPU work. The turn is over in all but name when
     /// the token ends before that work has drained plus a handoff lead, or when this
-    /// application often goes idle after synchronising (a score above 250 of 1000: a missed
-    /// idle costs the GPU an idle release, a needless handover only the rest of this turn):
-    /// then hand over as the work drains, as at expiry, rather than leave the next holder an
-    /// idle GPU for a round trip after it (or after the idle release). Skipped while another
-    /// thread is launching or the gate is busy.
+    /// application went idle after one of its last 8 synchronisations (a missed idle costs the
+    /// GPU an idle release, a needless handover only the rest of this turn: a request server
+    /// whose next requests queued up for a while still hands over after the one that empties
+    /// its queue): then hand over as the work drains, as at expiry, rather than leave the next
+    /// holder an idle GPU for a round trip after it (or after the idle release). Skipped while
+    /// another thread is launching or the gate is busy.
     pub fn before_sync(&self, hook: &Hook) {
         // Going idle next matters only to someone waiting (not while the token is extended).
-        let idle_next = self.learn_after_sync() > 250 && !self.alone.load(Ordering::Relaxed);
+        let idle_next =
+            self.learn_after_sync() > IDLE_RECENTLY && !self.alone.load(Ordering::Relaxed);
         let deadline = self.deadline.load(Ordering::Acquire);
         if deadline == 0
             || deadline == UNLIMITED
@@ -529,7 +537,7 @@ impl Gate {
         let outcome = if synced == 0 {
             None
         } else if self.idled_after_sync.load(Ordering::Relaxed) {
-            Some(1000)
+            Some(IDLE)
         } else if self.launches.load(Ordering::Relaxed)
             > self.launches_at_sync.load(Ordering::Relaxed)
         {
@@ -544,7 +552,11 @@ impl Gate {
         let Some(outcome) = outcome else {
             return score;
         };
-        let score = (7 * score + 3 * outcome) / 10;
+        let score = if outcome == IDLE {
+            IDLE
+        } else {
+            85 * score / 100
+        };
         self.idle_after_sync_score.store(score, Ordering::Relaxed);
         score
     }
@@ -922,21 +934,21 @@ mod tests {
     fn going_idle_after_synchronising_is_learnt() {
         let gate = Gate::new([0; 16]);
         assert_eq!(gate.learn_after_sync(), 0, "no synchronisation before");
+        gate.idled_after_sync.store(true, Ordering::Relaxed);
+        assert_eq!(gate.learn_after_sync(), IDLE);
+        // A synchronisation right after another teaches nothing.
+        assert_eq!(gate.learn_after_sync(), IDLE);
+        // Launched again after each of the next ones: still expected idle for 8 of them (a
+        // request server working through a queue), not after the 9th.
         let mut scores = Vec::new();
-        for _ in 0..4 {
-            gate.idled_after_sync.store(true, Ordering::Relaxed);
+        for _ in 0..9 {
+            gate.launches.fetch_add(1, Ordering::Relaxed);
             scores.push(gate.learn_after_sync());
         }
-        assert!(
-            scores.windows(2).all(|w| w[1] > w[0]) && scores[3] > 500,
-            "{scores:?}"
-        );
-        // Launched again after the last synchronisation, without going idle.
-        gate.launches.fetch_add(1, Ordering::Relaxed);
-        let after = gate.learn_after_sync();
-        assert!(after < scores[3], "{after}");
-        // A synchronisation right after another teaches nothing.
-        assert_eq!(gate.learn_after_sync(), after);
+        assert!(scores[..8].iter().all(|&s| s > IDLE_RECENTLY), "{scores:?}");
+        assert!(scores[8] <= IDLE_RECENTLY, "{scores:?}");
+        gate.idled_after_sync.store(true, Ordering::Relaxed);
+        assert_eq!(gate.learn_after_sync(), IDLE, "one idle is enough again");
     }
 
     /// The fast path's cost, printed: an in-progress count and a deadline load, and on return
