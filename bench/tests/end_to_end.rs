@@ -28,25 +28,8 @@ fn in_unit(v: &Value) -> bool {
 #[test]
 fn small_scenario_end_to_end() {
     let dir = std::env::temp_dir().join(format!("gpushare-bench-e2e-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let scenario = dir.join("e2e-small.toml");
-    std::fs::write(&scenario, SCENARIO).unwrap();
     let out_dir = dir.join("out");
-    let out = Command::new(env!("CARGO_BIN_EXE_gpushare-bench"))
-        .arg("run")
-        .arg(&scenario)
-        .arg("--out")
-        .arg(&out_dir)
-        .output()
-        .expect("run gpushare-bench");
-    assert!(
-        out.status.success(),
-        "gpushare-bench failed ({}); build the workspace first (cargo build --workspace --bins --lib)\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let summary: Value =
-        serde_json::from_slice(&std::fs::read(out_dir.join("summary.json")).unwrap()).unwrap();
+    let summary = bench(SCENARIO, &dir, &[], &[]);
     let scenarios = summary["scenarios"].as_array().expect("scenarios[]");
     assert_eq!(scenarios.len(), 1);
     let sc = &scenarios[0];
@@ -133,7 +116,7 @@ fn bench(scenario: &str, dir: &Path, args: &[&str], env: &[(String, String)]) ->
         .expect("run gpushare-bench");
     assert!(
         out.status.success(),
-        "gpushare-bench failed ({})\n{}",
+        "gpushare-bench failed ({}); build the workspace first (cargo build --workspace --bins --lib)\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
@@ -196,29 +179,13 @@ fn timelines_from_timing_events_agree_with_the_device_trace() {
 /// whose trace is the ground truth the bench never sees.
 #[test]
 fn on_a_machine_with_a_gpu_the_bench_runs_on_it() {
-    use gpushare_sim_clients::harness::Sim;
-    use gpushare_sim_clients::trace::{Trace, Window};
-    use std::io::BufRead;
+    use gpushare_sim_clients::node::Node;
+    use gpushare_sim_clients::trace::Window;
     let dir = std::env::temp_dir().join(format!("gpushare-bench-system-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let trace = dir.join("machine.trace.jsonl");
-    let mut device = Command::new(&Sim::locate().bin)
-        .arg("serve")
-        .arg("--trace")
-        .arg(&trace)
-        .arg("--socket")
-        .arg(dir.join("sim.sock"))
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("start gpushare-sim serve");
-    let mut lines = std::io::BufReader::new(device.stdout.take().unwrap()).lines();
-    let env: Vec<(String, String)> = (0..2)
-        .map(|_| {
-            let l = lines.next().unwrap().unwrap();
-            let (k, v) = l.split_once('=').unwrap();
-            (k.to_string(), v.to_string())
-        })
-        .collect();
+    // The machine's GPU: a simulated device the bench finds only through the environment.
+    let machine = Node::device_only();
+    let env = machine.sim_env.clone();
     let file = dir.join("refused.toml");
     std::fs::write(&file, SCENARIO).unwrap();
     let refused = Command::new(env!("CARGO_BIN_EXE_gpushare-bench"))
@@ -229,16 +196,13 @@ fn on_a_machine_with_a_gpu_the_bench_runs_on_it() {
         .output()
         .unwrap();
     let summary = bench(SCENARIO, &dir, &["--no-baseline", "--no-alone"], &env);
-    // SAFETY: SIGTERM to our own child, which then writes out its trace.
-    unsafe { libc::kill(device.id() as i32, libc::SIGTERM) };
-    let _ = device.wait();
+    let truth = machine.finish();
     assert_eq!(summary["gpu"], "this machine's (1)");
     assert_eq!(summary["measured_from"], "tenant CUDA timing events");
     let sc = &summary["scenarios"][0];
     assert!(sc.get("device_trace_check").is_none());
     assert!(!dir.join("out/e2e-small.trace.jsonl").exists());
     // The figures match the device's own record of the same span.
-    let truth = Trace::read(&trace).unwrap();
     let window = Window::new(
         sc["measure_start_ns"].as_u64().unwrap(),
         sc["measure_end_ns"].as_u64().unwrap(),
