@@ -100,6 +100,30 @@ struct GpuOpts {
     simulated: bool,
 }
 
+impl GpuOpts {
+    /// Where the figures come from, and this machine's GPU count when running on them.
+    fn resolve(self) -> anyhow::Result<(Source, Option<u32>)> {
+        let system = if self.simulated {
+            None
+        } else {
+            real_gpu::device_count()
+        };
+        Ok(match (system, self.source) {
+            (Some(_), Some(Source::Device)) => bail!(
+                "--source device needs the simulated GPU: this machine has a real one (add --simulated)"
+            ),
+            (Some(n), _) => {
+                progress(format!(
+                    "running on this machine's {n} GPU(s) (libcuda.so.1), measuring from the \
+                     tenants' CUDA timing events (--simulated: use the simulated GPU instead)"
+                ));
+                (Source::Events, system)
+            }
+            (None, source) => (source.unwrap_or(Source::Device), None),
+        })
+    }
+}
+
 /// Where the figures come from.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
 enum Source {
@@ -121,6 +145,7 @@ fn main() -> ExitCode {
             no_alone,
             gpu,
         } => Scenario::load(&scenario).and_then(|sc| {
+            let (source, system_gpus) = gpu.resolve()?;
             bench(
                 vec![sc],
                 &out,
@@ -129,10 +154,9 @@ fn main() -> ExitCode {
                     baseline: !no_baseline,
                     overhead,
                     alone: !no_alone,
-                    source: Source::Device,
-                    system_gpus: None,
+                    source,
+                    system_gpus,
                 },
-                gpu,
             )
         }),
         Cmd::Suite {
@@ -149,6 +173,7 @@ fn main() -> ExitCode {
                 .filter(|s| !(quick && s.full_only))
                 .filter(|s| only.is_empty() || only.iter().any(|o| s.name.contains(o.as_str())))
                 .collect();
+            let (source, system_gpus) = gpu.resolve()?;
             bench(
                 list,
                 &out,
@@ -157,10 +182,9 @@ fn main() -> ExitCode {
                     baseline: !no_baseline,
                     overhead: true,
                     alone: !no_alone,
-                    source: Source::Device,
-                    system_gpus: None,
+                    source,
+                    system_gpus,
                 },
-                gpu,
             )
         }),
     };
@@ -362,7 +386,9 @@ fn run_once(
     let device_trace = node.stop();
     if let Some(dest) = keep_trace {
         let write = |trace: &Trace, dest: &Path| {
-            write_trace(trace, dest).with_context(|| format!("cannot write {}", dest.display()))
+            trace
+                .write(dest)
+                .with_context(|| format!("cannot write {}", dest.display()))
         };
         if let Some(t) = &device_trace {
             write(t, dest)?;
@@ -420,18 +446,6 @@ fn timeline_path(trace: &Path) -> PathBuf {
     let name = trace.file_name().unwrap_or_default().to_string_lossy();
     let stem = name.strip_suffix(".trace.jsonl").unwrap_or(&name);
     trace.with_file_name(format!("{stem}.timeline.jsonl"))
-}
-
-/// A trace as JSON Lines (the device's format).
-fn write_trace(trace: &Trace, dest: &Path) -> anyhow::Result<()> {
-    use std::io::Write;
-    let mut f = std::io::BufWriter::new(std::fs::File::create(dest)?);
-    for r in trace.records() {
-        serde_json::to_writer(&mut f, r)?;
-        f.write_all(b"\n")?;
-    }
-    f.flush()?;
-    Ok(())
 }
 
 /// Kernels per second from a `spin` result (kernels over wall time) or a `latency` result
@@ -781,28 +795,10 @@ fn launch_overhead(pairs: usize, opts: Opts) -> anyhow::Result<Value> {
     }))
 }
 
-fn bench(list: Vec<Scenario>, out: &Path, mut opts: Opts, gpu: GpuOpts) -> anyhow::Result<()> {
+fn bench(list: Vec<Scenario>, out: &Path, opts: Opts) -> anyhow::Result<()> {
     if list.is_empty() {
         bail!("no scenarios to run");
     }
-    opts.system_gpus = if gpu.simulated {
-        None
-    } else {
-        real_gpu::device_count()
-    };
-    opts.source = match (opts.system_gpus, gpu.source) {
-        (Some(_), Some(Source::Device)) => bail!(
-            "--source device needs the simulated GPU: this machine has a real one (add --simulated)"
-        ),
-        (Some(n), _) => {
-            progress(format!(
-                "running on this machine's {n} GPU(s) (libcuda.so.1), measuring from the \
-                 tenants' CUDA timing events (--simulated: use the simulated GPU instead)"
-            ));
-            Source::Events
-        }
-        (None, source) => source.unwrap_or(Source::Device),
-    };
     std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
     let started = Instant::now();
     let mut scenarios = Vec::new();

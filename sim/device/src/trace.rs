@@ -199,6 +199,17 @@ impl Trace {
         Trace::parse(&text)
     }
 
+    /// Write as JSON Lines, what [`Trace::read`] reads.
+    pub fn write(&self, path: impl AsRef<Path>) -> std::io::Result<()> {
+        use std::io::Write;
+        let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+        for r in &self.records {
+            serde_json::to_writer(&mut out, r)?;
+            out.write_all(b"\n")?;
+        }
+        out.flush()
+    }
+
     /// A trace of the given records (in any order).
     pub fn from_records(mut records: Vec<Record>) -> Trace {
         records.sort_by_key(|r| (r.device, r.start_ns, r.end_ns));

@@ -17,8 +17,6 @@ use crate::trace::Record;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result};
 use std::collections::VecDeque;
-use std::io::Write;
-use std::path::Path;
 use std::sync::Arc;
 
 /// Calibration samples of the anchor's host time, and the pause between them (so that they meet
@@ -140,16 +138,6 @@ fn tighten(records: &mut [Record]) {
             prev.start_ns = next.start_ns.saturating_sub(ns);
         }
     }
-}
-
-/// Write `records` as JSON Lines, the device trace's format.
-pub fn write(path: &Path, records: &[Record]) -> std::io::Result<()> {
-    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
-    for r in records {
-        serde_json::to_writer(&mut out, r)?;
-        out.write_all(b"\n")?;
-    }
-    out.flush()
 }
 
 /// Poll until `event` has completed; the CLOCK_MONOTONIC ns when it was seen complete. It

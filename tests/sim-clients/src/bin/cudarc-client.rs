@@ -14,7 +14,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use gpushare_sim_clients::direct;
 use gpushare_sim_clients::ptx::{SPIN_KERNEL, SPIN_PTX, TOUCH_KERNEL};
-use gpushare_sim_clients::timeline::{self, Timeline};
+use gpushare_sim_clients::timeline::Timeline;
 use gpushare_sim_clients::trace;
 use serde_json::{Value, json};
 use std::ffi::c_void;
@@ -374,8 +374,9 @@ impl SpinPlan {
 }
 
 /// Write the kernels of `--timeline`.
-fn write_timeline(path: &Path, records: &[trace::Record]) -> Res<()> {
-    timeline::write(path, records)
+fn write_timeline(path: &Path, records: Vec<trace::Record>) -> Res<()> {
+    trace::Trace::from_records(records)
+        .write(path)
         .map_err(|e| Failure(format!("cannot write the timeline {}: {e}", path.display())))
 }
 
@@ -500,7 +501,7 @@ fn spin_cmd(
     };
     ctx.synchronize().at("cuCtxSynchronize")?;
     if let Some(path) = timeline_to {
-        write_timeline(path, &records)?;
+        write_timeline(path, records)?;
     }
     let wall_ms = wall.elapsed().as_secs_f64() * 1e3;
     Ok(json!({
@@ -670,7 +671,7 @@ fn latency_cmd(
         lat_ms.push((t0.elapsed().saturating_sub(next)).as_secs_f64() * 1e3);
     }
     if let (Some(t), Some(path)) = (tl, timeline_to) {
-        write_timeline(path, &t.finish().at("cuEventElapsedTime (timeline)")?)?;
+        write_timeline(path, t.finish().at("cuEventElapsedTime (timeline)")?)?;
     }
     let mut sorted = lat_ms.clone();
     sorted.sort_by(f64::total_cmp);
