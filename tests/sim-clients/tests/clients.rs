@@ -252,6 +252,69 @@ fn event_timing_across_many_kernels() {
     }
 }
 
+/// `cudarc-client --timeline`: the kernels a program records with timing events (the
+/// measurement on a GPU without a trace) are the device's, each on its stream, ends within the
+/// anchor's placement (tens of µs here) and durations exact; other commands refuse the flag.
+#[test]
+fn a_client_timeline_matches_the_device_trace() {
+    let _serial = common::timing_lock();
+    let env = env();
+    let file = env.tmp.path().join("timeline.jsonl");
+    let file = file.to_str().unwrap();
+    env.client_json(
+        &[],
+        &[
+            "--timeline",
+            file,
+            "spin",
+            "--ms-per-kernel",
+            "0.5",
+            "--kernels",
+            "100",
+            "--sync-every",
+            "10",
+            "--threads",
+            "2",
+        ],
+    );
+    let timeline = Trace::read(file).unwrap();
+    let device = env.trace();
+    assert_eq!(timeline.len(), 200);
+    assert_eq!(device.len(), 200);
+    for stream in device.records().iter().map(|r| r.stream) {
+        let ends = |t: &Trace| -> Vec<u64> {
+            t.records()
+                .iter()
+                .filter(|r| r.stream == stream)
+                .map(|r| r.end_ns)
+                .collect()
+        };
+        let (mine, truth) = (ends(&timeline), ends(&device));
+        assert_eq!(mine.len(), 100, "stream {stream}");
+        for (m, t) in mine.iter().zip(&truth) {
+            assert!(
+                m.abs_diff(*t) <= 200_000,
+                "stream {stream}: kernel ending at {t} recorded at {m}"
+            );
+        }
+    }
+    assert!(
+        timeline
+            .records()
+            .iter()
+            .all(|r| r.duration_ns() == 500_000)
+    );
+    let mut cmd = std::process::Command::new(&env.client);
+    cmd.args(["--timeline", file, "smoke"]);
+    let out = gpushare_sim_clients::harness::output_with_timeout(cmd, common::RUN_TIMEOUT);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("spin` and `latency"),
+        "{}",
+        describe(&out)
+    );
+}
+
 /// Host cost of one cuLaunchKernel on the simulator (printed; asserted only to be sane).
 #[test]
 fn launch_latency() {

@@ -807,6 +807,10 @@ fn launch_latency(device: usize, n: u64) -> Res<Value> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if cli.timeline.is_some() && !matches!(cli.cmd, Cmd::Spin { .. } | Cmd::Latency { .. }) {
+        eprintln!("cudarc-client: --timeline records the kernels of `spin` and `latency` only");
+        return ExitCode::FAILURE;
+    }
     let (name, result) = match cli.cmd {
         Cmd::Smoke => ("smoke", smoke(cli.device)),
         Cmd::Spin {
