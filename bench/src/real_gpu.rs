@@ -1,5 +1,5 @@
-//! Is a real NVIDIA GPU on this machine? The benchmark's figures come from the simulated
-//! device's trace, so on a GPU node it still measures on the simulator, and says so.
+//! Is a real NVIDIA GPU on this machine? If so the benchmark runs there (unless told
+//! `--simulated`) and measures from the tenants' timelines, a GPU writing no trace.
 
 use std::ffi::{CStr, c_int, c_void};
 

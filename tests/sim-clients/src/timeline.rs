@@ -44,11 +44,10 @@ impl Timeline {
         stream: &CudaStream,
         device: u32,
     ) -> Result<Timeline, DriverError> {
-        let new_event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
-        let anchor = new_event()?;
+        let anchor = timing_event(ctx)?;
         anchor.record(stream)?;
         let mut anchor_ns = poll(&anchor)?;
-        let probe = new_event()?;
+        let probe = timing_event(ctx)?;
         for _ in 0..SAMPLES {
             std::thread::sleep(SAMPLE_GAP);
             probe.record(stream)?;
@@ -84,7 +83,7 @@ impl Timeline {
     pub fn kernel(&mut self, stream: &CudaStream, ns: u64) -> Result<(), DriverError> {
         let event = match self.pool.pop() {
             Some(e) => e,
-            None => self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+            None => timing_event(&self.ctx)?,
         };
         event.record(stream)?;
         self.pending
@@ -138,6 +137,11 @@ fn tighten(records: &mut [Record]) {
             prev.start_ns = next.start_ns.saturating_sub(ns);
         }
     }
+}
+
+/// A new event of `ctx` that records time (cudarc's default disables timing).
+fn timing_event(ctx: &Arc<CudaContext>) -> Result<CudaEvent, DriverError> {
+    ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
 }
 
 /// Poll until `event` has completed; the CLOCK_MONOTONIC ns when it was seen complete. It

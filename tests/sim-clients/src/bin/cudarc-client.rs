@@ -373,6 +373,25 @@ impl SpinPlan {
     }
 }
 
+/// With `--timeline`, a timeline anchored on `stream` (idle: nothing of this program queued).
+fn anchor_timeline(
+    to: Option<&Path>,
+    ctx: &Arc<CudaContext>,
+    stream: &CudaStream,
+    device: usize,
+) -> Res<Option<Timeline>> {
+    to.map(|_| Timeline::start(ctx, stream, device as u32))
+        .transpose()
+        .at("timeline anchor (cuEventRecord, cuEventQuery)")
+}
+
+/// The kernels a timeline recorded (none without one), once its stream is synchronised.
+fn timeline_records(t: Option<Timeline>) -> Res<Vec<trace::Record>> {
+    t.map_or(Ok(Vec::new()), |t| {
+        t.finish().at("cuEventElapsedTime (timeline)")
+    })
+}
+
 /// Write the kernels of `--timeline`.
 fn write_timeline(path: &Path, records: Vec<trace::Record>) -> Res<()> {
     trace::Trace::from_records(records)
@@ -445,15 +464,7 @@ fn spin_cmd(
             .at("cuStreamSynchronize (prelaunch)")?;
     }
     // One anchor, placed before anything is launched; a timeline per launching thread.
-    let anchored = timeline_to
-        .map(|_| Timeline::start(&ctx, &streams[0], device as u32))
-        .transpose()
-        .at("timeline anchor (cuEventRecord, cuEventQuery)")?;
-    let finish_timeline = |t: Option<Timeline>| -> Res<Vec<trace::Record>> {
-        t.map_or(Ok(Vec::new()), |t| {
-            t.finish().at("cuEventElapsedTime (timeline)")
-        })
-    };
+    let anchored = anchor_timeline(timeline_to, &ctx, &streams[0], device)?;
     let mut records = Vec::new();
     let start_ns = monotonic_ns();
     let wall = Instant::now();
@@ -465,7 +476,7 @@ fn spin_cmd(
             Ok(())
         })?;
         streams[0].synchronize().at("cuStreamSynchronize")?;
-        records = finish_timeline(tl)?;
+        records = timeline_records(tl)?;
         (launched, Some(device_ms))
     } else {
         let per_thread = std::thread::scope(|scope| {
@@ -474,13 +485,12 @@ fn spin_cmd(
                 .map(|stream| {
                     let (ctx, plan, f) = (&ctx, &plan, &spin_f);
                     let mut tl = anchored.as_ref().map(Timeline::sibling);
-                    let finish_timeline = &finish_timeline;
                     scope.spawn(move || {
                         ctx.bind_to_thread()
                             .at("cuCtxSetCurrent (launcher thread)")?;
                         let launched = plan.run(stream, f, wall, tl.as_mut())?;
                         stream.synchronize().at("cuStreamSynchronize")?;
-                        Ok((launched, finish_timeline(tl)?))
+                        Ok((launched, timeline_records(tl)?))
                     })
                 })
                 .collect();
@@ -630,10 +640,7 @@ fn latency_cmd(
     // Warm the launch path so the first request does not pay for module loading.
     spin(&stream, &spin_f, 1_000)?;
     stream.synchronize().at("cuStreamSynchronize (warm-up)")?;
-    let mut tl = timeline_to
-        .map(|_| Timeline::start(&ctx, &stream, device as u32))
-        .transpose()
-        .at("timeline anchor (cuEventRecord, cuEventQuery)")?;
+    let mut tl = anchor_timeline(timeline_to, &ctx, &stream, device)?;
     // xorshift64*: exponential inter-arrival times without a dependency.
     let mut state = seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut uniform = move || {
@@ -670,8 +677,8 @@ fn latency_cmd(
         }
         lat_ms.push((t0.elapsed().saturating_sub(next)).as_secs_f64() * 1e3);
     }
-    if let (Some(t), Some(path)) = (tl, timeline_to) {
-        write_timeline(path, t.finish().at("cuEventElapsedTime (timeline)")?)?;
+    if let Some(path) = timeline_to {
+        write_timeline(path, timeline_records(tl)?)?;
     }
     let mut sorted = lat_ms.clone();
     sorted.sort_by(f64::total_cmp);
