@@ -21,6 +21,25 @@ workload = "train"
 request = 0.2
 "#;
 
+/// A multi-stream tenant next to a training loop: its threads' timing events are recorded right
+/// after their launches only if the hook never holds a launch call it has already submitted.
+const THREADS_SCENARIO: &str = r#"
+name = "e2e-threads"
+description = "A training loop and a tenant launching from 4 threads on 4 streams, requests 0.6 / 0.2."
+duration = "2500ms"
+
+[[tenant]]
+name = "big"
+workload = "train"
+request = 0.6
+
+[[tenant]]
+name = "threads"
+workload = "threads"
+threads = 4
+request = 0.2
+"#;
+
 fn in_unit(v: &Value) -> bool {
     v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x))
 }
@@ -133,12 +152,12 @@ fn shares(sc: &Value) -> Vec<f64> {
 }
 
 /// The tenants' own timelines (CUDA timing events, the measurement on a real GPU) give the
-/// figures the simulated device's trace gives.
+/// figures the simulated device's trace gives, for a multi-stream tenant too.
 #[test]
 fn timelines_from_timing_events_agree_with_the_device_trace() {
     let dir = std::env::temp_dir().join(format!("gpushare-bench-events-{}", std::process::id()));
     let summary = bench(
-        SCENARIO,
+        THREADS_SCENARIO,
         &dir,
         &["--source", "events", "--no-baseline", "--no-alone"],
         &[],
@@ -169,8 +188,8 @@ fn timelines_from_timing_events_agree_with_the_device_trace() {
         (ue - ud).abs() <= 0.01,
         "utilisation: events {ue}, device {ud}"
     );
-    assert!(dir.join("out/e2e-small.timeline.jsonl").is_file());
-    assert!(dir.join("out/e2e-small.trace.jsonl").is_file());
+    assert!(dir.join("out/e2e-threads.timeline.jsonl").is_file());
+    assert!(dir.join("out/e2e-threads.trace.jsonl").is_file());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

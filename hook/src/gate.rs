@@ -6,8 +6,10 @@
 //! - waiting for a grant;
 //! - pacing: every K launches (half the queue budget, an eighth of the quota, of estimated GPU
 //!   work) a fence event is recorded on the launching stream; while more than half the budget
-//!   is queued, the launcher waits for the oldest fence, so with the next K launches the queue
-//!   stays within the budget — what the next holder's first kernel waits behind. The GPU time
+//!   is queued, the next launch waits for the oldest fence before it is submitted, so with the
+//!   next K launches the queue stays within the budget — what the next holder's first kernels
+//!   wait behind. (Waiting before a launch, not in the one just submitted, leaves an
+//!   application free to record its own events right after each launch.) The GPU time
 //!   per launch is learned from the elapsed time between consecutive fences, so K adapts: many
 //!   tiny kernels pay for one fence per batch, long kernels are paced one by one;
 //! - draining at expiry or when idle: stop admitting, wait for in-progress launches, synchronise
@@ -120,8 +122,11 @@ pub struct Gate {
     /// not look for idleness until the deadline (whoever asks ends the extension, and the new
     /// deadline says so).
     alone: AtomicBool,
-    /// Launchers waiting in `pace` for their queued work: busy, not idle.
+    /// Launchers waiting in `wait_for_queue` for their queued work: busy, not idle.
     pacing: AtomicU32,
+    /// The last fence found more than half the queue budget queued: the next launch waits
+    /// (takes the slow path) until it is not.
+    pace_due: AtomicBool,
     /// A drain holds the lock (until this process's work has drained).
     draining: AtomicBool,
     /// When the application last began to synchronise (0: never), and when that returned; with
@@ -151,6 +156,7 @@ impl Gate {
             in_progress: AtomicU32::new(0),
             alone: AtomicBool::new(false),
             pacing: AtomicU32::new(0),
+            pace_due: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             synced_at: AtomicU64::new(0),
             sync_returned_at: AtomicU64::new(0),
@@ -191,11 +197,14 @@ impl Gate {
         self.try_enter() || self.enter_slow(hook)
     }
 
-    /// The fast path: admitted while a token is held (or none is needed). The deadline is
-    /// enforced by the watcher, which sleeps until it: a clock read per launch cost more than
-    /// everything else here.
+    /// The fast path: admitted while a token is held (or none is needed) and no pacing wait is
+    /// due. The deadline is enforced by the watcher, which sleeps until it: a clock read per
+    /// launch cost more than everything else here.
     #[inline]
     fn try_enter(&self) -> bool {
+        if self.pace_due.load(Ordering::Relaxed) {
+            return false;
+        }
         // SeqCst with the drain's store and load: either the drain sees this launch in progress
         // or this launch sees the token gone (free on x86: the increment is a locked one).
         self.in_progress.fetch_add(1, Ordering::SeqCst);
@@ -206,7 +215,7 @@ impl Gate {
         false
     }
 
-    /// The launch returned; every K launches, record a fence on `stream` and pace.
+    /// The launch returned; every K launches, record a fence on `stream`.
     #[inline]
     pub fn leave(&self, stream: Option<(P, bool)>) {
         let n = self.launches.fetch_add(1, Ordering::Relaxed) + 1;
@@ -214,11 +223,14 @@ impl Gate {
         if n >= self.next_pace.load(Ordering::Relaxed)
             && let Some((stream, per_thread)) = stream
         {
-            self.pace(stream, per_thread, n);
+            self.fence(stream, per_thread, n);
         }
     }
 
     fn enter_slow(&self, hook: &Hook) -> bool {
+        if self.pace_due.load(Ordering::Relaxed) {
+            self.wait_for_queue();
+        }
         let mut g = self.lock();
         // The first launch since a synchronisation that handed the token over: was the
         // application idle in between (see `before_sync`)?
@@ -438,6 +450,7 @@ impl Gate {
         }
         g.drained_launches = self.launches.load(Ordering::Relaxed);
         g.streams = Streams::None;
+        self.pace_due.store(false, Ordering::Relaxed);
         let used_ns = crate::now_ns().saturating_sub(granted_ns);
         match estimate {
             None => self.give_back(hook, g, token, used_ns, again),
@@ -575,17 +588,17 @@ impl Gate {
         });
     }
 
-    /// Record a fence after launch `n` and wait while too much work is queued.
-    fn pace(&self, stream: P, per_thread: bool, n: u64) {
+    /// Record a fence after launch `n`; when too much work is queued, the next launch waits.
+    fn fence(&self, stream: P, per_thread: bool, n: u64) {
         // A drain holds the lock until this process's work has drained and makes a fence
-        // pointless: pace the next launch instead of holding this launch call (already
+        // pointless: fence the next launch instead of holding this launch call (already
         // submitted) until then.
         if self.draining.load(Ordering::Acquire) {
             self.next_pace.store(n + 1, Ordering::Relaxed);
             return;
         }
         let mut g = self.lock();
-        let Token::Held { quota_ns, .. } = g.token else {
+        let Some(budget) = queue_budget(&g) else {
             // Unthrottled (no scheduler): nothing to pace until it is back (`on_connected`).
             let next = if g.token == Token::Unthrottled {
                 u64::MAX
@@ -595,7 +608,6 @@ impl Gate {
             self.next_pace.store(next, Ordering::Relaxed);
             return;
         };
-        let budget = (quota_ns / 8).max(100_000) as f64;
         let mut ctx: P = std::ptr::null_mut();
         // SAFETY: real driver call with a valid out-pointer.
         let Some(get_ctx) = real::cuCtxGetCurrent() else {
@@ -637,43 +649,60 @@ impl Gate {
             recorded_ns: now,
         });
         (g.paced_launch, g.paced_at) = (n, now);
-        loop {
-            let too_much = match g.ns_per_launch {
-                Some(est) => queued_launches(&g, n) as f64 * est > pacing(budget, est).1,
-                None => true,
-            };
-            if g.fences.len() < 2 || !too_much {
-                break;
-            }
+        if too_much_queued(&g, budget, n) {
+            self.pace_due.store(true, Ordering::Relaxed);
+        }
+        let k = g.ns_per_launch.map_or(1, |est| pacing(budget, est).0);
+        self.next_pace.store(n + k, Ordering::Relaxed);
+    }
+
+    /// Before a launch, after a fence found too much work queued: wait for the oldest fences
+    /// until it is not (or a drain empties the queue).
+    fn wait_for_queue(&self) {
+        let mut g = self.lock();
+        while let Some(budget) = queue_budget(&g)
+            && too_much_queued(&g, budget, self.launches.load(Ordering::Relaxed))
+            && !self.draining.load(Ordering::Acquire)
+        {
             // Wait without the lock, so grants, cut-short tokens and the watcher are not held
             // up by a launcher waiting for its GPU work.
             let event = g.fences.front().map(|f| f.event).expect("two fences");
             self.pacing.fetch_add(1, Ordering::AcqRel);
             drop(g);
-            // SAFETY: a fence event recorded by `pace` (if a drain recycled it meanwhile, this
+            // SAFETY: a fence event recorded by `fence` (if a drain recycled it meanwhile, this
             // waits for its new record: longer, never wrong).
             let waited = real::cuEventSynchronize().is_some_and(|s| unsafe { s(event) } == 0);
-            if self.draining.load(Ordering::Acquire) {
-                // A drain began meanwhile (as above).
-                self.pacing.fetch_sub(1, Ordering::AcqRel);
-                self.next_pace.store(n + 1, Ordering::Relaxed);
-                return;
-            }
             g = self.lock();
             self.pacing.fetch_sub(1, Ordering::AcqRel);
-            if !waited {
-                break;
-            }
-            // Completed now (unless a drain took it meanwhile): no wait under the lock.
-            if g.fences.front().is_some_and(|f| f.event == event)
-                && !complete_oldest_fence(&mut g, self.launches.load(Ordering::Relaxed))
+            // Completed now (unless a drain or another launcher took it meanwhile): no wait
+            // under the lock.
+            if !waited
+                || g.fences.front().is_some_and(|f| f.event == event)
+                    && !complete_oldest_fence(&mut g, self.launches.load(Ordering::Relaxed))
             {
                 break;
             }
         }
-        let k = g.ns_per_launch.map_or(1, |est| pacing(budget, est).0);
-        self.next_pace.store(n + k, Ordering::Relaxed);
+        self.pace_due.store(false, Ordering::Relaxed);
     }
+}
+
+/// The queue budget of the token held (an eighth of its quota, at least 0.1 ms), if one is.
+fn queue_budget(g: &Inner) -> Option<f64> {
+    match g.token {
+        Token::Held { quota_ns, .. } => Some((quota_ns / 8).max(100_000) as f64),
+        _ => None,
+    }
+}
+
+/// Whether a launcher should wait for its oldest fence: more than half the budget is queued up
+/// to launch `n` (or nothing is learnt yet), and there is a fence before the newest to wait for.
+fn too_much_queued(g: &Inner, budget: f64, n: u64) -> bool {
+    let too_much = match g.ns_per_launch {
+        Some(est) => queued_launches(g, n) as f64 * est > pacing(budget, est).1,
+        None => true,
+    };
+    too_much && g.fences.len() >= 2
 }
 
 /// For a queue budget and the GPU time per launch: launches between fences (K, half the budget
@@ -883,9 +912,41 @@ mod tests {
         let gate = holding(7);
         let drain = gate.lock();
         gate.draining.store(true, Ordering::Release);
-        gate.pace(std::ptr::null_mut(), false, 41);
+        gate.fence(std::ptr::null_mut(), false, 41);
         assert_eq!(gate.next_pace.load(Ordering::Relaxed), 42);
         drop(drain);
+    }
+
+    /// A fence that finds more than half the queue budget queued makes the next launch wait
+    /// before it is submitted (the slow path), not the launch call just submitted; the wait is
+    /// over once the queue is within the budget (here it already is).
+    #[test]
+    fn a_pacing_wait_holds_the_next_launch_not_the_one_submitted() {
+        let gate = holding(7);
+        {
+            let mut g = gate.lock();
+            let budget = queue_budget(&g).expect("token held");
+            assert_eq!(budget, 2_500_000.0, "an eighth of the 20 ms quota");
+            g.ns_per_launch = Some(500_000.0);
+            g.fences.push_back(fence(1, 0));
+            assert!(
+                !too_much_queued(&g, budget, 3),
+                "no older fence to wait for"
+            );
+            g.fences.push_back(fence(3, 0));
+            assert!(
+                too_much_queued(&g, budget, 3),
+                "1.5 ms queued, over half the budget"
+            );
+            g.last_done = Some(fence(1, 0));
+            assert!(!too_much_queued(&g, budget, 3), "1 ms queued");
+        }
+        gate.pace_due.store(true, Ordering::Relaxed);
+        assert!(!gate.try_enter(), "a wait is due: the slow path");
+        assert_eq!(gate.in_progress.load(Ordering::Relaxed), 0);
+        gate.wait_for_queue();
+        assert!(gate.try_enter(), "the wait is over");
+        gate.leave(None);
     }
 
     #[test]
