@@ -60,20 +60,6 @@ struct Fence {
     launches: u64,
     /// When it was recorded.
     recorded_ns: u64,
-    /// Its stream: an index into `Inner::streams` (or past its end: untracked).
-    stream: usize,
-}
-
-/// The most streams whose completions are tracked between drains; a process fencing more gets
-/// no queued-work estimate (no early handover).
-const MAX_STREAMS: usize = 32;
-
-/// A stream fenced since the last drain: its handle (with the thread, for a per-thread default
-/// stream) and the launch count up to which all its launches have completed.
-struct FencedStream {
-    stream: P,
-    thread: u64,
-    done: u64,
 }
 
 struct Inner {
@@ -96,53 +82,28 @@ struct Inner {
     /// The latest launch that was paced (fenced), and when it returned.
     paced_launch: u64,
     paced_at: u64,
-    /// The streams fenced since the last drain. A completed fence says nothing of the other
-    /// streams' launches before it: a launch is known complete when every stream's completions
-    /// have passed it, or it was itself fenced and completed (`done_ahead`).
-    streams: Vec<FencedStream>,
-    /// More than [`MAX_STREAMS`] were fenced: the queued work cannot be estimated.
-    untracked_streams: bool,
-    /// The launch counts of completed fences beyond some stream's `done`.
-    done_ahead: Vec<u64>,
+    /// Whether fences went on more than one stream since the last drain: then a completed
+    /// fence says nothing of the other streams' launches before it, and the queued work cannot
+    /// be estimated (no early handover).
+    streams: Streams,
 }
 
-impl Inner {
-    /// The index of `stream` (of `thread`, for a per-thread default stream) among the streams
-    /// fenced since the last drain, added if new (past the end when there are too many).
-    fn stream_index(&mut self, stream: P, thread: u64) -> usize {
-        if let Some(i) = self
-            .streams
-            .iter()
-            .position(|s| (s.stream, s.thread) == (stream, thread))
-        {
-            return i;
-        }
-        if self.streams.len() == MAX_STREAMS {
-            self.untracked_streams = true;
-            return MAX_STREAMS;
-        }
-        self.streams.push(FencedStream {
-            stream,
-            thread,
-            done: self.drained_launches,
-        });
-        self.streams.len() - 1
-    }
+/// The streams fenced since the last drain: none, one (a stream handle, with the thread for a
+/// per-thread default stream), or several.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Streams {
+    None,
+    One(P, u64),
+    Several,
+}
 
-    /// Launch count up to which every launch has completed.
-    fn all_done(&self) -> u64 {
-        let min = self.streams.iter().map(|s| s.done).min();
-        min.unwrap_or(0).max(self.drained_launches)
-    }
-
-    /// Fence `f` completed: so have all launches on its stream up to it.
-    fn mark_done(&mut self, f: &Fence) {
-        if let Some(s) = self.streams.get_mut(f.stream) {
-            s.done = s.done.max(f.launches);
-        }
-        let all = self.all_done();
-        self.done_ahead.push(f.launches);
-        self.done_ahead.retain(|&l| l > all);
+impl Streams {
+    fn add(&mut self, stream: P, thread: u64) {
+        *self = match *self {
+            Streams::None => Streams::One(stream, thread),
+            Streams::One(s, t) if (s, t) == (stream, thread) => Streams::One(s, t),
+            _ => Streams::Several,
+        };
     }
 }
 
@@ -219,9 +180,7 @@ impl Gate {
                 seen_at: 0,
                 paced_launch: 0,
                 paced_at: 0,
-                streams: Vec::new(),
-                untracked_streams: false,
-                done_ahead: Vec::new(),
+                streams: Streams::None,
             }),
             changed: Condvar::new(),
         }
@@ -490,9 +449,7 @@ impl Gate {
             g.pool.push((f.ctx, f.event));
         }
         g.drained_launches = self.launches.load(Ordering::Relaxed);
-        g.streams.clear();
-        g.untracked_streams = false;
-        g.done_ahead.clear();
+        g.streams = Streams::None;
         self.pace_due.store(false, Ordering::Relaxed);
         let used_ns = crate::now_ns().saturating_sub(granted_ns);
         match estimate {
@@ -670,7 +627,7 @@ impl Gate {
         } else {
             0
         };
-        let stream_index = g.stream_index(stream, thread);
+        g.streams.add(stream, thread);
         let Some(event) = take_event(&mut g.pool, ctx) else {
             return;
         };
@@ -690,7 +647,6 @@ impl Gate {
             ctx,
             launches: n,
             recorded_ns: now,
-            stream: stream_index,
         });
         (g.paced_launch, g.paced_at) = (n, now);
         if too_much_queued(&g, budget, n) {
@@ -761,22 +717,24 @@ fn pacing(budget_ns: f64, est_ns: f64) -> (u64, f64) {
     (k, budget_ns / 2.0)
 }
 
-/// Launches up to the `n`th not known to have completed (on one stream: those after its last
-/// completed fence; on several, an upper bound).
+/// Launches up to the `n`th not known to have completed.
 fn queued_launches(g: &Inner, n: u64) -> u64 {
-    let all = g.all_done();
-    let ahead = g.done_ahead.iter().filter(|&&l| l > all && l <= n).count();
-    n.saturating_sub(all).saturating_sub(ahead as u64)
+    let completed = g
+        .last_done
+        .as_ref()
+        .map_or(0, |f| f.launches)
+        .max(g.drained_launches);
+    n.saturating_sub(completed)
 }
 
 /// Estimated GPU time (ns) still queued at `now` up to launch `n` (`None` when it cannot be
-/// estimated: no GPU time per launch learned yet, or too many streams): the launches not known
-/// to have completed times the GPU time per launch, less the time the GPU has surely been
-/// working through them: since the last fence completed, or the oldest pending one was recorded
-/// if that was later (the GPU may have idled in between); with no fence pending, since the last
+/// estimated: no GPU time per launch learned yet, or several streams): the launches not known to
+/// have completed times the GPU time per launch, less the time the GPU has surely been working
+/// through them: since the last fence completed, or the oldest pending one was recorded if
+/// that was later (the GPU may have idled in between); with no fence pending, since the last
 /// completion if all `n` launches were queued by then, else not at all.
 fn queued_ns(g: &Inner, n: u64, now: u64) -> Option<u64> {
-    if g.untracked_streams {
+    if g.streams == Streams::Several {
         return None;
     }
     let est = g.ns_per_launch?;
@@ -796,7 +754,7 @@ fn complete_finished_fences(g: &mut Inner, launched: u64) {
     let Some(query) = real::cuEventQuery() else {
         return;
     };
-    // SAFETY: fence events recorded by `fence`.
+    // SAFETY: fence events recorded by `pace`.
     while g
         .fences
         .front()
@@ -815,7 +773,7 @@ fn complete_oldest_fence(g: &mut Inner, launched: u64) -> bool {
     let Some(f) = g.fences.pop_front() else {
         return false;
     };
-    // SAFETY: a fence event recorded by `fence`.
+    // SAFETY: a fence event recorded by `pace`.
     if real::cuEventSynchronize().is_none_or(|s| unsafe { s(f.event) } != 0) {
         g.pool.push((f.ctx, f.event));
         return false;
@@ -833,7 +791,6 @@ fn complete_oldest_fence(g: &mut Inner, launched: u64) -> bool {
         }
         g.pool.push((prev.ctx, prev.event));
     }
-    g.mark_done(&f);
     g.last_done = Some(f);
     g.last_done_ns = crate::now_ns();
     g.done_seen_launches = launched;
@@ -880,19 +837,16 @@ mod tests {
             ctx: std::ptr::null_mut(),
             launches,
             recorded_ns,
-            stream: 0,
         }
     }
 
     /// The queued work runs down between fences, from when the GPU surely worked on it.
     #[test]
-    fn queued_work_is_estimated_continuously() {
+    fn queued_work_is_estimated_continuously_on_one_stream_only() {
         let gate = Gate::new([0; 16]);
         let mut g = gate.lock();
         assert_eq!(queued_ns(&g, 10, 0), None, "nothing learnt yet");
         g.ns_per_launch = Some(100.0);
-        assert_eq!(g.stream_index(1 as P, 0), 0);
-        g.mark_done(&fence(4, 0));
         g.last_done = Some(fence(4, 0));
         g.last_done_ns = 1_000;
         // Launches 5..=10 queued; none pending fenced: no time to count down from.
@@ -908,41 +862,12 @@ mod tests {
         g.fences[0].recorded_ns = 1_100;
         assert_eq!(queued_ns(&g, 10, 1_200), Some(500));
         assert_eq!(queued_ns(&g, 10, 5_000), Some(0));
-    }
-
-    /// On several streams a completed fence vouches only for its own stream's launches: the
-    /// launches not known to have completed are an upper bound, exact when every one was fenced.
-    #[test]
-    fn queued_launches_on_several_streams() {
-        let gate = Gate::new([0; 16]);
-        let mut g = gate.lock();
-        let (a, b) = (g.stream_index(1 as P, 0), g.stream_index(2 as P, 0));
-        assert_eq!((a, b, g.stream_index(1 as P, 0)), (0, 1, 0));
-        let on = |launches, stream| Fence {
-            stream,
-            ..fence(launches, 0)
-        };
-        g.mark_done(&on(4, a));
-        assert_eq!(
-            queued_launches(&g, 10),
-            9,
-            "1..=3 may be on b: only 4 is known"
-        );
-        g.mark_done(&on(8, a));
-        assert_eq!(queued_launches(&g, 10), 8);
-        g.mark_done(&on(6, b));
-        assert_eq!(queued_launches(&g, 10), 3, "7, 9 and 10 may be on b");
-        g.mark_done(&on(10, b));
-        assert_eq!(queued_launches(&g, 10), 1, "9 may be on a");
-        g.mark_done(&on(9, a));
-        assert_eq!(queued_launches(&g, 10), 0);
-        assert_eq!(g.done_ahead, [10], "beyond a's 9");
-        // Past the most streams tracked: no estimate.
-        g.ns_per_launch = Some(100.0);
-        for i in 3..=MAX_STREAMS + 1 {
-            g.stream_index(i as P, 0);
-        }
-        assert_eq!(queued_ns(&g, 10, 0), None);
+        // Fences on two streams: a completed one says nothing of the other stream.
+        g.streams.add(1 as P, 0);
+        g.streams.add(1 as P, 0);
+        assert_eq!(queued_ns(&g, 10, 1_200), Some(500));
+        g.streams.add(2 as P, 0);
+        assert_eq!(queued_ns(&g, 10, 1_200), None);
     }
 
     /// A gate holding `token` for an hour.
@@ -1013,7 +938,7 @@ mod tests {
                 too_much_queued(&g, budget, 3),
                 "1.5 ms queued, over half the budget"
             );
-            g.mark_done(&fence(1, 0));
+            g.last_done = Some(fence(1, 0));
             assert!(!too_much_queued(&g, budget, 3), "1 ms queued");
         }
         gate.pace_due.store(true, Ordering::Relaxed);
