@@ -619,15 +619,7 @@ impl Gate {
         if !g.ctxs.contains(&ctx) {
             g.ctxs.push(ctx);
         }
-        // A per-thread default stream (null or CU_STREAM_PER_THREAD) is each thread's own.
-        let own = per_thread && (stream.is_null() || stream as usize == 2);
-        // SAFETY: pthread_self has no preconditions.
-        let thread = if own {
-            (unsafe { libc::pthread_self() }) as u64
-        } else {
-            0
-        };
-        g.streams.add(stream, thread);
+        g.streams.add(stream, stream_owner(stream, per_thread));
         let Some(event) = take_event(&mut g.pool, ctx) else {
             return;
         };
@@ -703,6 +695,18 @@ fn too_much_queued(g: &Inner, budget: f64, n: u64) -> bool {
         None => true,
     };
     too_much && g.fences.len() >= 2
+}
+
+/// The thread whose own stream `stream` is: a per-thread default stream (CU_STREAM_PER_THREAD
+/// through any entry point, or null through a `_ptsz` one) belongs to the launching thread, so
+/// the same handle from two threads is two streams; 0 for any other stream.
+fn stream_owner(stream: P, per_thread: bool) -> u64 {
+    if stream as usize == 2 || per_thread && stream.is_null() {
+        // SAFETY: pthread_self has no preconditions.
+        (unsafe { libc::pthread_self() }) as u64
+    } else {
+        0
+    }
 }
 
 /// For a queue budget and the GPU time per launch: launches between fences (K, half the budget
@@ -868,6 +872,21 @@ mod tests {
         assert_eq!(queued_ns(&g, 10, 1_200), Some(500));
         g.streams.add(2 as P, 0);
         assert_eq!(queued_ns(&g, 10, 1_200), None);
+    }
+
+    /// A per-thread default stream is the launching thread's own, however it is named.
+    #[test]
+    fn per_thread_default_streams_are_each_threads_own() {
+        let null = std::ptr::null_mut();
+        let here = stream_owner(null, true);
+        assert_ne!(here, 0);
+        assert_eq!(stream_owner(2 as P, false), here, "CU_STREAM_PER_THREAD");
+        assert_eq!(stream_owner(null, false), 0, "the legacy default stream");
+        assert_eq!(stream_owner(7 as P, true), 0, "a created stream");
+        let there = std::thread::spawn(|| stream_owner(std::ptr::null_mut(), true))
+            .join()
+            .unwrap();
+        assert_ne!(there, here);
     }
 
     /// A gate holding `token` for an hour.
