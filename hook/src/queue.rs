@@ -1,0 +1,577 @@
+//! What this process has queued on one GPU, as far as its fence events tell: the fences pending,
+//! each stream's GPU time per launch learnt from consecutive fences on it, and the estimates the
+//! gate paces and hands over by.
+//!
+//! A completed fence vouches only for the launches before it on its own stream, so every launch
+//! is attributed to its stream: the launch fast path writes the stream into a ring
+//! ([`LaunchStreams`]), read here whenever fences are recorded or the queue is estimated. The
+//! launches queued are those not vouched for; the GPU time per launch is the time between
+//! completions per launch they vouched for (on one stream, the launches between consecutive
+//! fences; on several, the GPU's pace through all of them, whether it runs their kernels one at
+//! a time or side by side).
+
+use crate::real;
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+type P = *mut c_void;
+
+/// The most streams tracked at once; launches on more leave the queue unestimated until the
+/// next drain (no early handover).
+const MAX_STREAMS: usize = 32;
+
+/// The launches whose streams are remembered: more than the launches between two fences.
+const RING: usize = 8192;
+
+/// A ring entry: the stream key in the low 48 bits (user-space addresses), the launch count's
+/// low 16 bits above it, so that a reader tells a launch's entry from the one 8192 launches
+/// before it, and one not written yet.
+const KEY_BITS: u32 = 48;
+const KEY_MASK: u64 = (1 << KEY_BITS) - 1;
+
+/// The stream key of a launch that named no stream (a multi-device cooperative launch).
+const NO_STREAM: u64 = KEY_MASK;
+
+/// The stream of each recent launch, written by the launch fast path (one store, no lock).
+pub struct LaunchStreams(Box<[AtomicU64]>);
+
+impl LaunchStreams {
+    pub fn new() -> LaunchStreams {
+        LaunchStreams((0..RING).map(|_| AtomicU64::new(u64::MAX)).collect())
+    }
+
+    /// Launch `n` went to `stream` (`per_thread`: through a `_ptsz` entry point); `None`: no
+    /// stream named.
+    #[inline]
+    pub fn record(&self, n: u64, stream: Option<(P, bool)>) {
+        let key = stream.map_or(NO_STREAM, |(s, per_thread)| stream_key(s, per_thread));
+        self.0[n as usize % RING]
+            .store(key & KEY_MASK | (n & 0xffff) << KEY_BITS, Ordering::Release);
+    }
+
+    /// The stream key of launch `n`, if it has been written.
+    fn get(&self, n: u64) -> Option<u64> {
+        let e = self.0[n as usize % RING].load(Ordering::Acquire);
+        (e >> KEY_BITS == n & 0xffff).then_some(e & KEY_MASK)
+    }
+}
+
+/// A stream's identity: its handle, or for a per-thread default stream (CU_STREAM_PER_THREAD
+/// through any entry point, or null through a `_ptsz` one) the launching thread's, whose own
+/// stream it is.
+#[inline]
+pub fn stream_key(stream: P, per_thread: bool) -> u64 {
+    if stream as usize == 2 || per_thread && stream.is_null() {
+        // SAFETY: pthread_self has no preconditions.
+        (unsafe { libc::pthread_self() }) as u64
+    } else {
+        stream as u64
+    }
+}
+
+struct Fence {
+    event: P,
+    ctx: P,
+    /// Its stream (index into `Queue::streams`) and the launches on it up to the fence.
+    stream: usize,
+    seq: u64,
+    /// When it was recorded.
+    recorded_ns: u64,
+}
+
+struct Stream {
+    key: u64,
+    /// Launches on it (read from the ring), and the launch count of the latest.
+    launched: u64,
+    latest: u64,
+    /// Launches on it known to have completed (up to its last completed fence, or all of them
+    /// at a drain).
+    done: u64,
+    /// Launched on since the last drain (the others are forgotten at the drain).
+    used: bool,
+}
+
+impl Stream {
+    fn queued(&self) -> u64 {
+        self.launched - self.done
+    }
+}
+
+/// The queue of one process on one GPU.
+#[derive(Default)]
+pub struct Queue {
+    /// Pending fences, in the order they were recorded.
+    fences: VecDeque<Fence>,
+    streams: Vec<Stream>,
+    /// The launch count up to which the ring has been read.
+    scanned: u64,
+    /// Some launches since the last drain could not be attributed (too many streams, or the
+    /// ring overran): no estimate until the next drain.
+    untracked: bool,
+    /// Fence events to reuse, with their contexts.
+    pool: Vec<(P, P)>,
+    /// The completed fence that completed last (timing reference for the next), when it was
+    /// seen to complete, and the launch count then: the launches up to that count were all
+    /// queued by that moment, so the GPU has worked through them without a break since.
+    last_done: Option<Fence>,
+    last_done_ns: u64,
+    done_seen_launches: u64,
+    /// The GPU time between completions and the launches they vouched for, each sum decaying
+    /// by 30 % an interval: their ratio is the GPU time per launch. (On several streams a fence
+    /// can vouch for launches that ran in earlier intervals: sums, unlike a mean of ratios,
+    /// still add up.)
+    busy: (f64, f64),
+}
+
+// SAFETY: the raw pointers are driver handles (contexts, events), usable from any thread.
+unsafe impl Send for Queue {}
+
+impl Queue {
+    /// Attribute launches up to `n` to their streams, stopping at one still being written.
+    pub fn scan(&mut self, ring: &LaunchStreams, n: u64) {
+        if n.saturating_sub(self.scanned) > RING as u64 {
+            self.untracked = true;
+            self.scanned = n;
+        }
+        let mut last: Option<(u64, usize)> = None;
+        while self.scanned < n {
+            let Some(key) = ring.get(self.scanned + 1) else {
+                return;
+            };
+            self.scanned += 1;
+            let i = match last {
+                Some((k, i)) if k == key => i,
+                _ => match self.stream_index(key) {
+                    Some(i) => i,
+                    None => {
+                        self.untracked = true;
+                        continue;
+                    }
+                },
+            };
+            last = Some((key, i));
+            let s = &mut self.streams[i];
+            s.launched += 1;
+            s.latest = self.scanned;
+            s.used = true;
+        }
+    }
+
+    fn stream_index(&mut self, key: u64) -> Option<usize> {
+        if let Some(i) = self.streams.iter().position(|s| s.key == key) {
+            return Some(i);
+        }
+        if self.streams.len() == MAX_STREAMS {
+            return None;
+        }
+        self.streams.push(Stream {
+            key,
+            launched: 0,
+            latest: 0,
+            done: 0,
+            used: false,
+        });
+        Some(self.streams.len() - 1)
+    }
+
+    /// A pooled timing event of `ctx`, or a new one.
+    pub fn take_event(&mut self, ctx: P) -> Option<P> {
+        if let Some(i) = self.pool.iter().position(|(c, _)| *c == ctx) {
+            return Some(self.pool.swap_remove(i).1);
+        }
+        let mut e: P = std::ptr::null_mut();
+        // SAFETY: creates an event in the calling thread's current context (`ctx`).
+        let ok = real::cuEventCreate().is_some_and(|c| unsafe { c(&mut e, 0) } == 0);
+        ok.then_some(e)
+    }
+
+    /// An event taken but not recorded.
+    pub fn put_event(&mut self, ctx: P, event: P) {
+        self.pool.push((ctx, event));
+    }
+
+    /// `event` was recorded on stream `key` at `now`, right after launch `n` (the ring is read
+    /// up to it first). Returns the GPU time per launch, if learnt.
+    pub fn push_fence(
+        &mut self,
+        ring: &LaunchStreams,
+        (event, ctx): (P, P),
+        key: u64,
+        n: u64,
+        now: u64,
+    ) -> Option<f64> {
+        self.scan(ring, n);
+        let Some(i) = self.stream_index(key) else {
+            self.untracked = true;
+            self.pool.push((ctx, event));
+            return None;
+        };
+        // Launches on it after `n` already read (another thread's estimate) are not before it.
+        let later = (n + 1..=self.scanned)
+            .filter(|&m| ring.get(m) == Some(key))
+            .count() as u64;
+        self.fences.push_back(Fence {
+            event,
+            ctx,
+            stream: i,
+            seq: self.streams[i].launched - later,
+            recorded_ns: now,
+        });
+        self.ns_per_launch()
+    }
+
+    /// GPU time per launch, once learnt.
+    fn ns_per_launch(&self) -> Option<f64> {
+        let (ns, launches) = self.busy;
+        (launches > 0.0).then(|| ns / launches)
+    }
+
+    /// The oldest pending fence's event.
+    pub fn oldest_event(&self) -> Option<P> {
+        self.fences.front().map(|f| f.event)
+    }
+
+    /// Launches not vouched for by a completed fence.
+    fn queued(&self) -> u64 {
+        self.streams.iter().map(Stream::queued).sum()
+    }
+
+    /// Estimated GPU time (ns) still queued at `now` (launches up to the last scan), and
+    /// whether the estimate runs down with time: the launches not known to have completed times
+    /// the GPU time per launch, less the time the GPU has surely been working through them —
+    /// since the last completion, or since the oldest pending fence was recorded if that was
+    /// later (the GPU may have idled in between); with no fence pending, since the last
+    /// completion if all those launches were queued by then, else not at all (the estimate
+    /// stays put). `None`: untracked launches, nothing learnt yet, or work queued on several
+    /// streams with launches after a stream's newest fence (those are vouched for only when its
+    /// next fence completes, and would be counted as queued long after they ran).
+    pub fn queued_ns(&self, now: u64) -> Option<(u64, bool)> {
+        if self.untracked {
+            return None;
+        }
+        let queued = self.queued();
+        if queued == 0 {
+            return Some((0, true));
+        }
+        let busy = self
+            .streams
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.queued() > 0);
+        if busy.clone().count() > 1
+            && busy.clone().any(|(i, s)| {
+                let newest = self.fences.iter().rev().find(|f| f.stream == i);
+                newest.is_none_or(|f| f.seq < s.launched)
+            })
+        {
+            return None;
+        }
+        let work = queued as f64 * self.ns_per_launch()?;
+        let latest = self
+            .streams
+            .iter()
+            .filter(|s| s.queued() > 0)
+            .map(|s| s.latest)
+            .max();
+        let since = match self.fences.front() {
+            Some(f) => Some(now.saturating_sub(f.recorded_ns.max(self.last_done_ns))),
+            None if self.last_done.is_some() && latest <= Some(self.done_seen_launches) => {
+                Some(now.saturating_sub(self.last_done_ns))
+            }
+            None => None,
+        };
+        let tail = (work - since.unwrap_or(0) as f64).max(0.0) as u64;
+        Some((tail, since.is_some()))
+    }
+
+    /// When the oldest pending fence should complete, from `now` (ns): the queued work less
+    /// what is not before it (launches on other streams count as after it).
+    pub fn oldest_fence_in(&self, now: u64) -> Option<f64> {
+        let f = self.fences.front()?;
+        let (tail, _) = self.queued_ns(now)?;
+        let before = f.seq.saturating_sub(self.streams[f.stream].done);
+        Some(tail as f64 - (self.queued() - before) as f64 * self.ns_per_launch()?)
+    }
+
+    /// Whether a launcher should wait for its oldest fence: more than `limit_ns` of work is
+    /// queued (or launches are queued and nothing is learnt yet), and there is a fence before
+    /// the newest to wait for.
+    pub fn too_much(&self, limit_ns: f64) -> bool {
+        let queued = self.queued();
+        let over = self.untracked
+            || queued > 0
+                && self
+                    .ns_per_launch()
+                    .is_none_or(|est| queued as f64 * est > limit_ns);
+        over && self.fences.len() >= 2
+    }
+
+    /// Take in the fences that have completed, without waiting (`launched`: the launch count
+    /// now).
+    pub fn complete_finished(&mut self, launched: u64) {
+        let Some(query) = real::cuEventQuery() else {
+            return;
+        };
+        // SAFETY: fence events recorded by the gate.
+        while self
+            .fences
+            .front()
+            .is_some_and(|f| unsafe { query(f.event) } == 0)
+        {
+            if !self.complete_oldest(launched) {
+                return;
+            }
+        }
+    }
+
+    /// Wait for the oldest fence and learn the GPU time per launch from it (`launched`: the
+    /// launch count before the wait); false when the driver would not wait (the fence is
+    /// dropped).
+    pub fn complete_oldest(&mut self, launched: u64) -> bool {
+        let Some(f) = self.fences.pop_front() else {
+            return false;
+        };
+        // SAFETY: a fence event recorded by the gate.
+        if real::cuEventSynchronize().is_none_or(|s| unsafe { s(f.event) } != 0) {
+            self.pool.push((f.ctx, f.event));
+            return false;
+        }
+        self.completed(f, launched, crate::now_ns());
+        true
+    }
+
+    /// Fence `f` has completed, seen at `now`: the launches on its stream up to it have, and
+    /// the time since the reference fence completed is theirs (if it completed after that; on
+    /// several streams fences can complete out of the order they were recorded in).
+    fn completed(&mut self, f: Fence, launched: u64, now: u64) {
+        let s = &mut self.streams[f.stream];
+        let vouched = f.seq.saturating_sub(s.done);
+        s.done = s.done.max(f.seq);
+        let ms = self.last_done.as_ref().and_then(|prev| {
+            let mut ms = 0f32;
+            // SAFETY: two completed timing events of one context.
+            let ok = prev.ctx == f.ctx
+                && real::cuEventElapsedTime()
+                    .is_some_and(|e| unsafe { e(&mut ms, prev.event, f.event) } == 0);
+            ok.then_some(ms as f64)
+        });
+        match ms {
+            Some(ms) if ms < 0.0 => {
+                // Completed before the reference: its launches ran in time already counted.
+                self.busy.1 += vouched as f64;
+                self.pool.push((f.ctx, f.event));
+                return;
+            }
+            Some(ms) => {
+                let (ns, launches) = self.busy;
+                self.busy = (0.7 * ns + ms * 1e6, 0.7 * launches + vouched as f64);
+            }
+            None => {}
+        }
+        if let Some(prev) = self.last_done.replace(f) {
+            self.pool.push((prev.ctx, prev.event));
+        }
+        self.last_done_ns = now;
+        self.done_seen_launches = launched;
+    }
+
+    /// Every launch up to `n` has completed (a drain): recycle the fences; forget the streams
+    /// not launched on since the last drain, keep what was learnt of the others.
+    pub fn drained(&mut self, ring: &LaunchStreams, n: u64) {
+        self.scan(ring, n);
+        self.scanned = n;
+        for f in self.fences.drain(..) {
+            self.pool.push((f.ctx, f.event));
+        }
+        if let Some(f) = self.last_done.take() {
+            self.pool.push((f.ctx, f.event));
+        }
+        for s in &mut self.streams {
+            s.done = s.launched;
+        }
+        self.streams.retain(|s| s.used);
+        for s in &mut self.streams {
+            s.used = false;
+        }
+        self.untracked = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: u64 = 0x1000;
+    const B: u64 = 0x2000;
+
+    /// Launches `from..=to` on stream `key`.
+    fn launch(ring: &LaunchStreams, from: u64, to: u64, key: u64) {
+        for n in from..=to {
+            ring.record(n, Some((key as P, false)));
+        }
+    }
+
+    /// A fence on `key` after launch `n`, recorded at `at`.
+    fn fence(q: &mut Queue, ring: &LaunchStreams, key: u64, n: u64, at: u64) {
+        let null = std::ptr::null_mut();
+        q.push_fence(ring, (null, null), key, n, at);
+    }
+
+    /// The oldest fence completed, seen at `now` with `launched` launches made.
+    fn complete(q: &mut Queue, launched: u64, now: u64) {
+        let f = q.fences.pop_front().expect("a pending fence");
+        q.completed(f, launched, now);
+    }
+
+    #[test]
+    fn the_ring_tells_a_launch_written_from_one_not_written_yet() {
+        let ring = LaunchStreams::new();
+        assert_eq!(ring.get(5), None);
+        launch(&ring, 5, 5, A);
+        assert_eq!(ring.get(5), Some(A));
+        assert_eq!(
+            ring.get(5 + RING as u64),
+            None,
+            "the entry of 8192 launches before"
+        );
+        ring.record(6, None);
+        assert_eq!(ring.get(6), Some(NO_STREAM));
+    }
+
+    /// A per-thread default stream is the launching thread's own, however it is named.
+    #[test]
+    fn per_thread_default_streams_are_each_threads_own() {
+        let null = std::ptr::null_mut();
+        let here = stream_key(null, true);
+        assert_eq!(stream_key(2 as P, false), here, "CU_STREAM_PER_THREAD");
+        assert_eq!(stream_key(null, false), 0, "the legacy default stream");
+        assert_eq!(stream_key(A as P, true), A, "a created stream");
+        let there = std::thread::spawn(|| stream_key(std::ptr::null_mut(), true))
+            .join()
+            .unwrap();
+        assert_ne!(there, here);
+    }
+
+    /// On one stream the queued work runs down between fences, from when the GPU surely worked
+    /// on it.
+    #[test]
+    fn queued_work_is_estimated_continuously() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        launch(&ring, 1, 4, A);
+        fence(&mut q, &ring, A, 4, 0);
+        assert_eq!(q.queued_ns(0), None, "nothing learnt yet");
+        q.busy = (100.0, 1.0);
+        complete(&mut q, 4, 1_000);
+        launch(&ring, 5, 10, A);
+        q.scan(&ring, 10);
+        // Launches 5..=10 queued; none pending fenced and launched after the completion was
+        // seen: no time to count down from.
+        assert_eq!(q.queued_ns(1_200), Some((600, false)));
+        // Unless all were queued when the last fence was seen to complete: from then.
+        q.done_seen_launches = 10;
+        assert_eq!(q.queued_ns(1_200), Some((400, true)));
+        // A fence recorded before the last one completed: the GPU has worked since that.
+        fence(&mut q, &ring, A, 8, 500);
+        assert_eq!(q.queued_ns(1_200), Some((400, true)));
+        assert_eq!(q.oldest_fence_in(1_200), Some(200.0), "2 launches after it");
+        // One recorded after it (the GPU may have idled in between): from its recording.
+        q.fences[0].recorded_ns = 1_100;
+        assert_eq!(q.queued_ns(1_200), Some((500, true)));
+        assert_eq!(q.queued_ns(5_000), Some((0, true)));
+    }
+
+    /// On several streams a completed fence vouches for the launches before it on its own
+    /// stream only; every launch is attributed to its stream, fenced or not.
+    #[test]
+    fn several_streams_count_what_each_fence_vouches_for() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        // 1, 2, 4 on A; 3, 5, 6 on B; fences after 4 (A) and 6 (B).
+        for (n, key) in [(1, A), (2, A), (3, B), (4, A), (5, B), (6, B)] {
+            launch(&ring, n, n, key);
+        }
+        fence(&mut q, &ring, A, 4, 0);
+        fence(&mut q, &ring, B, 6, 0);
+        q.busy = (100.0, 1.0);
+        assert_eq!(q.queued_ns(0), Some((600, true)));
+        assert_eq!(
+            q.oldest_fence_in(0),
+            Some(300.0),
+            "B's 3 launches count as after A's fence"
+        );
+        complete(&mut q, 6, 400);
+        assert_eq!(
+            q.queued(),
+            3,
+            "A's fence vouches for A's 3 launches, not B's"
+        );
+        assert_eq!(
+            q.queued_ns(400),
+            Some((300, true)),
+            "from the completion seen at 400"
+        );
+        // More on A and on a stream never fenced: counted, but with B's work queued too, no
+        // estimate (launches after a stream's newest fence are vouched for late, if at all).
+        launch(&ring, 7, 8, A);
+        launch(&ring, 9, 9, 0x3000);
+        q.scan(&ring, 9);
+        assert_eq!(q.queued(), 6);
+        assert_eq!(q.queued_ns(500), None);
+        complete(&mut q, 9, 600);
+        assert_eq!(q.queued(), 3);
+        assert_eq!(q.queued_ns(600), None, "A and the new stream");
+        // A fence after each stream's newest launch: estimated again.
+        fence(&mut q, &ring, A, 8, 700);
+        fence(&mut q, &ring, 0x3000, 9, 700);
+        assert_eq!(
+            q.queued_ns(800),
+            Some((200, true)),
+            "300 less the 100 since A's fence"
+        );
+    }
+
+    /// With nothing learnt, any queued launch is too much; and there must be an older fence to
+    /// wait for.
+    #[test]
+    fn a_launcher_waits_while_too_much_is_queued() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        launch(&ring, 1, 3, A);
+        fence(&mut q, &ring, A, 1, 0);
+        assert!(!q.too_much(1_000.0), "no older fence to wait for");
+        fence(&mut q, &ring, A, 3, 0);
+        assert!(q.too_much(1_000.0), "nothing learnt");
+        q.busy = (500.0, 1.0);
+        assert!(q.too_much(1_000.0), "1500 queued");
+        complete(&mut q, 3, 0);
+        fence(&mut q, &ring, A, 3, 0);
+        assert!(!q.too_much(1_000.0), "1000 queued");
+    }
+
+    /// A drain completes everything, forgets the streams not launched on since the previous
+    /// drain, and keeps what was learnt of the others.
+    #[test]
+    fn a_drain_forgets_idle_streams_and_keeps_what_was_learnt() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        launch(&ring, 1, 2, A);
+        launch(&ring, 3, 3, B);
+        fence(&mut q, &ring, A, 2, 0);
+        q.busy = (100.0, 1.0);
+        q.drained(&ring, 3);
+        assert_eq!(q.streams.len(), 2);
+        assert!(q.fences.is_empty() && q.streams.iter().all(|s| s.queued() == 0));
+        assert_eq!(q.pool.len(), 1, "the fence's event is kept for reuse");
+        launch(&ring, 4, 5, A);
+        q.drained(&ring, 5);
+        assert_eq!(q.streams.len(), 1, "B idle for a whole turn");
+        assert_eq!(q.ns_per_launch(), Some(100.0));
+        // Launches the ring lost track of: no estimate until the next drain.
+        q.scan(&ring, 6 + RING as u64);
+        assert_eq!(q.queued_ns(0), None);
+        q.drained(&ring, 6 + RING as u64);
+        assert_eq!(q.queued_ns(0), Some((0, true)));
+    }
+}
