@@ -5,9 +5,13 @@ use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
 
-const SCENARIO: &str = r#"
-name = "e2e-small"
-description = "Two training loops, requests 0.6 / 0.2."
+/// A scenario of a training loop with request 0.6 and a second tenant (its `name` and
+/// `workload` lines) with 0.2.
+fn scenario(name: &str, second: &str) -> String {
+    format!(
+        r#"
+name = "{name}"
+description = "A training loop and a second tenant, requests 0.6 / 0.2."
 duration = "2500ms"
 
 [[tenant]]
@@ -16,29 +20,26 @@ workload = "train"
 request = 0.6
 
 [[tenant]]
-name = "small"
-workload = "train"
+{second}
 request = 0.2
-"#;
+"#
+    )
+}
 
-/// A multi-stream tenant next to a training loop: its threads' timing events are recorded right
-/// after their launches only if the hook never holds a launch call it has already submitted.
-const THREADS_SCENARIO: &str = r#"
-name = "e2e-threads"
-description = "A training loop and a tenant launching from 4 threads on 4 streams, requests 0.6 / 0.2."
-duration = "2500ms"
+/// Two training loops.
+fn small() -> String {
+    scenario("e2e-small", "name = \"small\"\nworkload = \"train\"")
+}
 
-[[tenant]]
-name = "big"
-workload = "train"
-request = 0.6
-
-[[tenant]]
-name = "threads"
-workload = "threads"
-threads = 4
-request = 0.2
-"#;
+/// A training loop and a tenant launching from 4 threads on 4 streams: its threads' timing
+/// events are recorded right after their launches only if the hook never holds a launch call
+/// that has already submitted its kernel.
+fn with_threads() -> String {
+    scenario(
+        "e2e-threads",
+        "name = \"threads\"\nworkload = \"threads\"\nthreads = 4",
+    )
+}
 
 fn in_unit(v: &Value) -> bool {
     v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x))
@@ -48,7 +49,7 @@ fn in_unit(v: &Value) -> bool {
 fn small_scenario_end_to_end() {
     let dir = std::env::temp_dir().join(format!("gpushare-bench-e2e-{}", std::process::id()));
     let out_dir = dir.join("out");
-    let summary = bench(SCENARIO, &dir, &[], &[]);
+    let summary = bench(&small(), &dir, &[], &[]);
     let scenarios = summary["scenarios"].as_array().expect("scenarios[]");
     assert_eq!(scenarios.len(), 1);
     let sc = &scenarios[0];
@@ -157,7 +158,7 @@ fn shares(sc: &Value) -> Vec<f64> {
 fn timelines_from_timing_events_agree_with_the_device_trace() {
     let dir = std::env::temp_dir().join(format!("gpushare-bench-events-{}", std::process::id()));
     let summary = bench(
-        THREADS_SCENARIO,
+        &with_threads(),
         &dir,
         &["--source", "events", "--no-baseline", "--no-alone"],
         &[],
@@ -206,7 +207,7 @@ fn on_a_machine_with_a_gpu_the_bench_runs_on_it() {
     let machine = Node::device_only();
     let env = machine.sim_env.clone();
     let file = dir.join("refused.toml");
-    std::fs::write(&file, SCENARIO).unwrap();
+    std::fs::write(&file, small()).unwrap();
     let refused = Command::new(env!("CARGO_BIN_EXE_gpushare-bench"))
         .arg("run")
         .arg(&file)
@@ -214,7 +215,7 @@ fn on_a_machine_with_a_gpu_the_bench_runs_on_it() {
         .envs(env.iter().map(|(k, v)| (k, v)))
         .output()
         .unwrap();
-    let summary = bench(SCENARIO, &dir, &["--no-baseline", "--no-alone"], &env);
+    let summary = bench(&small(), &dir, &["--no-baseline", "--no-alone"], &env);
     let truth = machine.finish();
     assert_eq!(summary["gpu"], "this machine's (1)");
     assert_eq!(summary["measured_from"], "tenant CUDA timing events");
