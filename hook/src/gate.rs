@@ -1,8 +1,9 @@
 //! The token gate of one GPU in this process.
 //!
-//! Fast path ([`Gate::enter`]): count the launch as in progress and check that a token is held
-//! (no clock read: the watcher takes the token away at its deadline). Everything else happens on
-//! the slow path under a mutex:
+//! Fast path ([`Gate::enter`]): check that no pacing wait is due, count the launch as in
+//! progress and check that a token is held (no clock read: the watcher takes the token away at
+//! its deadline); on return ([`Gate::leave`]) count it and note its stream (for
+//! [`crate::queue`]). Everything else happens on the slow path under a mutex:
 //! - waiting for a grant;
 //! - pacing: every K launches (half the queue budget, an eighth of the quota, of estimated GPU
 //!   work) a fence event is recorded on the launching stream; while more than half the budget
@@ -423,9 +424,11 @@ impl Gate {
     }
 
     /// Wait until the GPU work still queued is estimated at `lead_ns` or less; that estimate,
-    /// or `None` when it cannot be made (no estimate yet, or a fence the driver would not wait
-    /// for). Between fences it sleeps to the moment the estimate reaches the lead, so the
-    /// handover does not jump by whole kernels.
+    /// or `None` when it cannot be made (see [`Queue::queued_ns`]; or the estimate would not run
+    /// down; or a fence the driver would not wait for). Between fences it sleeps to the moment
+    /// the estimate reaches the lead, so the handover does not jump by whole kernels. On several
+    /// streams, up to half a lead of work launched after the streams' newest fences is
+    /// tolerated in the estimate.
     fn queued_estimate(&self, g: &mut Inner, lead_ns: u64) -> Option<u64> {
         if lead_ns == 0 {
             return None;
@@ -433,8 +436,12 @@ impl Gate {
         g.queue
             .scan(&self.launch_streams, self.launches.load(Ordering::Relaxed));
         loop {
+            // Fences on other streams may have completed before the oldest: take them in too,
+            // so that the GPU time per launch counts their launches with the time they took.
+            g.queue
+                .complete_finished(self.launches.load(Ordering::Relaxed));
             let now = crate::now_ns();
-            let (tail, runs_down) = g.queue.queued_ns(now)?;
+            let (tail, runs_down) = g.queue.queued_ns(now, lead_ns / 2)?;
             if tail <= lead_ns {
                 return Some(tail);
             }
@@ -443,7 +450,7 @@ impl Gate {
             }
             // When the oldest fence completes, relative to the moment the tail reaches the lead
             // (none pending: the estimate runs down from the last completion).
-            let fence_in = g.queue.oldest_fence_in(now).unwrap_or(f64::INFINITY);
+            let fence_in = g.queue.oldest_fence_in(tail).unwrap_or(f64::INFINITY);
             if fence_in <= (tail - lead_ns) as f64 {
                 if !g
                     .queue
@@ -487,10 +494,11 @@ impl Gate {
         g.queue.complete_finished(launched);
         g.queue.scan(&self.launch_streams, launched);
         let now = crate::now_ns();
-        let Some((tail, _)) = g.queue.queued_ns(now) else {
+        let lead_ns = hook.settings.handoff_lead_ns;
+        let Some((tail, _)) = g.queue.queued_ns(now, lead_ns / 2) else {
             return;
         };
-        if idle_next || now + tail + hook.settings.handoff_lead_ns >= deadline {
+        if idle_next || now + tail + lead_ns >= deadline {
             self.drain_and_release(hook, &mut g, false);
         }
     }
@@ -628,8 +636,8 @@ impl Gate {
             let waited = real::cuEventSynchronize().is_some_and(|s| unsafe { s(event) } == 0);
             g = self.lock();
             self.pacing.fetch_sub(1, Ordering::AcqRel);
-            // Completed now (unless a drain or another launcher took it meanwhile): no wait
-            // under the lock.
+            // Completed now (unless a drain or another launcher took it meanwhile, or a drain
+            // recycled the event into a newer fence: then this waits under the lock).
             if !waited
                 || g.queue.oldest_event() == Some(event)
                     && !g

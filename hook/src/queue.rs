@@ -1,6 +1,6 @@
 //! What this process has queued on one GPU, as far as its fence events tell: the fences pending,
-//! each stream's GPU time per launch learnt from consecutive fences on it, and the estimates the
-//! gate paces and hands over by.
+//! the launches each stream has not had vouched for, the GPU time per launch learnt from the
+//! fences' completions, and the estimates the gate paces and hands over by.
 //!
 //! A completed fence vouches only for the launches before it on its own stream, so every launch
 //! is attributed to its stream: the launch fast path writes the stream into a ring
@@ -57,16 +57,18 @@ impl LaunchStreams {
     }
 }
 
-/// A stream's identity: its handle, or for a per-thread default stream (CU_STREAM_PER_THREAD
+/// A stream's identity: its handle; 0 for the legacy default stream (null through a plain
+/// entry point, or CU_STREAM_LEGACY); for a per-thread default stream (CU_STREAM_PER_THREAD
 /// through any entry point, or null through a `_ptsz` one) the launching thread's, whose own
 /// stream it is.
 #[inline]
 pub fn stream_key(stream: P, per_thread: bool) -> u64 {
-    if stream as usize == 2 || per_thread && stream.is_null() {
+    match stream as u64 {
         // SAFETY: pthread_self has no preconditions.
-        (unsafe { libc::pthread_self() }) as u64
-    } else {
-        stream as u64
+        2 => (unsafe { libc::pthread_self() }) as u64,
+        0 if per_thread => (unsafe { libc::pthread_self() }) as u64,
+        1 => 0,
+        handle => handle,
     }
 }
 
@@ -109,6 +111,9 @@ pub struct Queue {
     /// Some launches since the last drain could not be attributed (too many streams, or the
     /// ring overran): no estimate until the next drain.
     untracked: bool,
+    /// Launches up to this count have completed (a drain) or were lost (the ring overran): a
+    /// fence recorded after one of them, taken in late, is dropped.
+    settled: u64,
     /// Fence events to reuse, with their contexts.
     pool: Vec<(P, P)>,
     /// The completed fence that completed last (timing reference for the next), when it was
@@ -133,6 +138,7 @@ impl Queue {
         if n.saturating_sub(self.scanned) > RING as u64 {
             self.untracked = true;
             self.scanned = n;
+            self.settled = n;
         }
         let mut last: Option<(u64, usize)> = None;
         while self.scanned < n {
@@ -202,10 +208,15 @@ impl Queue {
         now: u64,
     ) -> Option<f64> {
         self.scan(ring, n);
-        let Some(i) = self.stream_index(key) else {
-            self.untracked = true;
+        let index = if n <= self.settled {
+            None
+        } else {
+            self.stream_index(key)
+        };
+        let Some(i) = index else {
+            self.untracked |= n > self.settled;
             self.pool.push((ctx, event));
-            return None;
+            return self.ns_per_launch();
         };
         // Launches on it after `n` already read (another thread's estimate) are not before it.
         let later = (n + 1..=self.scanned)
@@ -215,7 +226,7 @@ impl Queue {
             event,
             ctx,
             stream: i,
-            seq: self.streams[i].launched - later,
+            seq: self.streams[i].launched.saturating_sub(later),
             recorded_ns: now,
         });
         self.ns_per_launch()
@@ -244,9 +255,10 @@ impl Queue {
     /// later (the GPU may have idled in between); with no fence pending, since the last
     /// completion if all those launches were queued by then, else not at all (the estimate
     /// stays put). `None`: untracked launches, nothing learnt yet, or work queued on several
-    /// streams with launches after a stream's newest fence (those are vouched for only when its
-    /// next fence completes, and would be counted as queued long after they ran).
-    pub fn queued_ns(&self, now: u64) -> Option<(u64, bool)> {
+    /// streams with more than `tolerance_ns` of it after their streams' newest fences (vouched
+    /// for only when a later fence on the stream completes, so counted as queued long after it
+    /// ran: the estimate would run past the real end of the work).
+    pub fn queued_ns(&self, now: u64, tolerance_ns: u64) -> Option<(u64, bool)> {
         if self.untracked {
             return None;
         }
@@ -254,20 +266,25 @@ impl Queue {
         if queued == 0 {
             return Some((0, true));
         }
-        let busy = self
-            .streams
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.queued() > 0);
-        if busy.clone().count() > 1
-            && busy.clone().any(|(i, s)| {
-                let newest = self.fences.iter().rev().find(|f| f.stream == i);
-                newest.is_none_or(|f| f.seq < s.launched)
-            })
-        {
-            return None;
+        let est = self.ns_per_launch()?;
+        let busy = || {
+            self.streams
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.queued() > 0)
+        };
+        if busy().count() > 1 {
+            let unvouched: u64 = busy()
+                .map(|(i, s)| {
+                    let newest = self.fences.iter().rev().find(|f| f.stream == i);
+                    s.launched - newest.map_or(s.done, |f| f.seq.max(s.done))
+                })
+                .sum();
+            if unvouched as f64 * est > tolerance_ns as f64 {
+                return None;
+            }
         }
-        let work = queued as f64 * self.ns_per_launch()?;
+        let work = queued as f64 * est;
         let latest = self
             .streams
             .iter()
@@ -285,13 +302,14 @@ impl Queue {
         Some((tail, since.is_some()))
     }
 
-    /// When the oldest pending fence should complete, from `now` (ns): the queued work less
-    /// what is not before it (launches on other streams count as after it).
-    pub fn oldest_fence_in(&self, now: u64) -> Option<f64> {
+    /// When the oldest pending fence should complete, given the queued work's estimate `tail`
+    /// (ns from now): that less the work not before the fence (launches on other streams count
+    /// as after it).
+    pub fn oldest_fence_in(&self, tail: u64) -> Option<f64> {
         let f = self.fences.front()?;
-        let (tail, _) = self.queued_ns(now)?;
         let before = f.seq.saturating_sub(self.streams[f.stream].done);
-        Some(tail as f64 - (self.queued() - before) as f64 * self.ns_per_launch()?)
+        let after = self.queued().saturating_sub(before);
+        Some(tail as f64 - after as f64 * self.ns_per_launch()?)
     }
 
     /// Whether a launcher should wait for its oldest fence: more than `limit_ns` of work is
@@ -308,19 +326,20 @@ impl Queue {
     }
 
     /// Take in the fences that have completed, without waiting (`launched`: the launch count
-    /// now).
+    /// now); on several streams, in whatever order they completed.
     pub fn complete_finished(&mut self, launched: u64) {
         let Some(query) = real::cuEventQuery() else {
             return;
         };
-        // SAFETY: fence events recorded by the gate.
-        while self
-            .fences
-            .front()
-            .is_some_and(|f| unsafe { query(f.event) } == 0)
-        {
-            if !self.complete_oldest(launched) {
-                return;
+        let now = crate::now_ns();
+        let mut i = 0;
+        while let Some(f) = self.fences.get(i) {
+            // SAFETY: a fence event recorded by the gate.
+            if unsafe { query(f.event) } == 0 {
+                let f = self.fences.remove(i).expect("in range");
+                self.completed(f, launched, now);
+            } else {
+                i += 1;
             }
         }
     }
@@ -381,6 +400,7 @@ impl Queue {
     pub fn drained(&mut self, ring: &LaunchStreams, n: u64) {
         self.scan(ring, n);
         self.scanned = n;
+        self.settled = n;
         for f in self.fences.drain(..) {
             self.pool.push((f.ctx, f.event));
         }
@@ -446,6 +466,7 @@ mod tests {
         let here = stream_key(null, true);
         assert_eq!(stream_key(2 as P, false), here, "CU_STREAM_PER_THREAD");
         assert_eq!(stream_key(null, false), 0, "the legacy default stream");
+        assert_eq!(stream_key(1 as P, true), 0, "CU_STREAM_LEGACY");
         assert_eq!(stream_key(A as P, true), A, "a created stream");
         let there = std::thread::spawn(|| stream_key(std::ptr::null_mut(), true))
             .join()
@@ -461,25 +482,25 @@ mod tests {
         let mut q = Queue::default();
         launch(&ring, 1, 4, A);
         fence(&mut q, &ring, A, 4, 0);
-        assert_eq!(q.queued_ns(0), None, "nothing learnt yet");
+        assert_eq!(q.queued_ns(0, 0), None, "nothing learnt yet");
         q.busy = (100.0, 1.0);
         complete(&mut q, 4, 1_000);
         launch(&ring, 5, 10, A);
         q.scan(&ring, 10);
         // Launches 5..=10 queued; none pending fenced and launched after the completion was
         // seen: no time to count down from.
-        assert_eq!(q.queued_ns(1_200), Some((600, false)));
+        assert_eq!(q.queued_ns(1_200, 0), Some((600, false)));
         // Unless all were queued when the last fence was seen to complete: from then.
         q.done_seen_launches = 10;
-        assert_eq!(q.queued_ns(1_200), Some((400, true)));
+        assert_eq!(q.queued_ns(1_200, 0), Some((400, true)));
         // A fence recorded before the last one completed: the GPU has worked since that.
         fence(&mut q, &ring, A, 8, 500);
-        assert_eq!(q.queued_ns(1_200), Some((400, true)));
-        assert_eq!(q.oldest_fence_in(1_200), Some(200.0), "2 launches after it");
+        assert_eq!(q.queued_ns(1_200, 0), Some((400, true)));
+        assert_eq!(q.oldest_fence_in(400), Some(200.0), "2 launches after it");
         // One recorded after it (the GPU may have idled in between): from its recording.
         q.fences[0].recorded_ns = 1_100;
-        assert_eq!(q.queued_ns(1_200), Some((500, true)));
-        assert_eq!(q.queued_ns(5_000), Some((0, true)));
+        assert_eq!(q.queued_ns(1_200, 0), Some((500, true)));
+        assert_eq!(q.queued_ns(5_000, 0), Some((0, true)));
     }
 
     /// On several streams a completed fence vouches for the launches before it on its own
@@ -495,9 +516,9 @@ mod tests {
         fence(&mut q, &ring, A, 4, 0);
         fence(&mut q, &ring, B, 6, 0);
         q.busy = (100.0, 1.0);
-        assert_eq!(q.queued_ns(0), Some((600, true)));
+        assert_eq!(q.queued_ns(0, 0), Some((600, true)));
         assert_eq!(
-            q.oldest_fence_in(0),
+            q.oldest_fence_in(600),
             Some(300.0),
             "B's 3 launches count as after A's fence"
         );
@@ -508,25 +529,27 @@ mod tests {
             "A's fence vouches for A's 3 launches, not B's"
         );
         assert_eq!(
-            q.queued_ns(400),
+            q.queued_ns(400, 0),
             Some((300, true)),
             "from the completion seen at 400"
         );
-        // More on A and on a stream never fenced: counted, but with B's work queued too, no
-        // estimate (launches after a stream's newest fence are vouched for late, if at all).
+        // More on A and on a stream never fenced, with B's work queued too: launches after a
+        // stream's newest fence are vouched for late, if at all; 300 of them is over a
+        // tolerance of 200, within one of 300.
         launch(&ring, 7, 8, A);
         launch(&ring, 9, 9, 0x3000);
         q.scan(&ring, 9);
         assert_eq!(q.queued(), 6);
-        assert_eq!(q.queued_ns(500), None);
+        assert_eq!(q.queued_ns(500, 200), None);
+        assert_eq!(q.queued_ns(500, 300), Some((500, true)));
         complete(&mut q, 9, 600);
         assert_eq!(q.queued(), 3);
-        assert_eq!(q.queued_ns(600), None, "A and the new stream");
+        assert_eq!(q.queued_ns(600, 0), None, "A and the new stream");
         // A fence after each stream's newest launch: estimated again.
         fence(&mut q, &ring, A, 8, 700);
         fence(&mut q, &ring, 0x3000, 9, 700);
         assert_eq!(
-            q.queued_ns(800),
+            q.queued_ns(800, 0),
             Some((200, true)),
             "300 less the 100 since A's fence"
         );
@@ -569,9 +592,27 @@ mod tests {
         assert_eq!(q.streams.len(), 1, "B idle for a whole turn");
         assert_eq!(q.ns_per_launch(), Some(100.0));
         // Launches the ring lost track of: no estimate until the next drain.
-        q.scan(&ring, 6 + RING as u64);
-        assert_eq!(q.queued_ns(0), None);
-        q.drained(&ring, 6 + RING as u64);
-        assert_eq!(q.queued_ns(0), Some((0, true)));
+        let lost = 6 + RING as u64;
+        q.scan(&ring, lost);
+        assert_eq!(q.queued_ns(0, 0), None);
+        q.drained(&ring, lost);
+        assert_eq!(q.queued_ns(0, 0), Some((0, true)));
+    }
+
+    /// A fence after a launch that a drain covered, taken in late (its launcher waited for the
+    /// lock through the drain and the next), is dropped: its stream may be forgotten, and the
+    /// launches after it on the stream were counted before the drain.
+    #[test]
+    fn a_fence_taken_in_after_a_drain_is_dropped() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        launch(&ring, 1, 4, A);
+        q.drained(&ring, 4);
+        q.drained(&ring, 4);
+        assert!(q.streams.is_empty(), "A idle for a whole turn");
+        fence(&mut q, &ring, A, 1, 0);
+        assert!(q.fences.is_empty());
+        assert_eq!(q.queued(), 0);
+        assert_eq!(q.queued_ns(0, 0), Some((0, true)));
     }
 }
