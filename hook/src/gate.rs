@@ -22,7 +22,7 @@
 
 use crate::client::Hook;
 use crate::log::debug;
-use crate::queue::{LaunchStreams, Queue, stream_key};
+use crate::queue::{LaunchStreams, Queue};
 use crate::real;
 use gpushare_protocol::ClientMsg;
 use std::ffi::c_void;
@@ -177,12 +177,12 @@ impl Gate {
         let n = self.launches.fetch_add(1, Ordering::Relaxed) + 1;
         // Before the launch stops counting as in progress: a drain, which waits for that, knows
         // the stream of every launch.
-        self.launch_streams.record(n, stream);
+        let key = self.launch_streams.record(n, stream);
         self.in_progress.fetch_sub(1, Ordering::AcqRel);
         if n >= self.next_pace.load(Ordering::Relaxed)
             && let Some((stream, per_thread)) = stream
         {
-            self.fence(stream, per_thread, n);
+            self.fence(stream, per_thread, key, n);
         }
     }
 
@@ -557,8 +557,9 @@ impl Gate {
         });
     }
 
-    /// Record a fence after launch `n`; when too much work is queued, the next launch waits.
-    fn fence(&self, stream: P, per_thread: bool, n: u64) {
+    /// Record a fence after launch `n` (on `stream`, whose key is `key`); when too much work is
+    /// queued, the next launch waits.
+    fn fence(&self, stream: P, per_thread: bool, key: u64, n: u64) {
         // A drain holds the lock until this process's work has drained and makes a fence
         // pointless: fence the next launch instead of holding this launch call (already
         // submitted) until then.
@@ -602,7 +603,6 @@ impl Gate {
             return;
         }
         let now = crate::now_ns();
-        let key = stream_key(stream, per_thread);
         let est = g
             .queue
             .push_fence(&self.launch_streams, (event, ctx), key, n, now);
@@ -736,7 +736,7 @@ mod tests {
         let gate = holding(7);
         let drain = gate.lock();
         gate.draining.store(true, Ordering::Release);
-        gate.fence(std::ptr::null_mut(), false, 41);
+        gate.fence(std::ptr::null_mut(), false, 0, 41);
         assert_eq!(gate.next_pace.load(Ordering::Relaxed), 42);
         drop(drain);
     }

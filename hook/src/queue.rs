@@ -42,12 +42,13 @@ impl LaunchStreams {
     }
 
     /// Launch `n` went to `stream` (`per_thread`: through a `_ptsz` entry point); `None`: no
-    /// stream named.
+    /// stream named. Returns the stream's key.
     #[inline]
-    pub fn record(&self, n: u64, stream: Option<(P, bool)>) {
+    pub fn record(&self, n: u64, stream: Option<(P, bool)>) -> u64 {
         let key = stream.map_or(NO_STREAM, |(s, per_thread)| stream_key(s, per_thread));
         self.0[n as usize % RING]
             .store(key & KEY_MASK | (n & 0xffff) << KEY_BITS, Ordering::Release);
+        key
     }
 
     /// The stream key of launch `n`, if it has been written.
@@ -62,7 +63,7 @@ impl LaunchStreams {
 /// through any entry point, or null through a `_ptsz` one) the launching thread's, whose own
 /// stream it is.
 #[inline]
-pub fn stream_key(stream: P, per_thread: bool) -> u64 {
+fn stream_key(stream: P, per_thread: bool) -> u64 {
     match stream as u64 {
         // SAFETY: pthread_self has no preconditions.
         2 => (unsafe { libc::pthread_self() }) as u64,
