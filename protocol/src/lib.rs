@@ -9,7 +9,7 @@
 pub use gpushare_frame::{MAX_FRAME, WireError, encode, recv, send};
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Environment variable naming the scheduler socket.
 pub const SOCKET_ENV: &str = "GPUSHARE_SOCKET";
@@ -31,6 +31,15 @@ pub struct GroupSpec {
     pub memory: Option<u64>,
 }
 
+/// What a process measured of one of its turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnUse {
+    /// When it launched the turn's first kernel (CLOCK_MONOTONIC ns).
+    pub first_ns: u64,
+    /// When the turn's last kernel ended (device time placed on CLOCK_MONOTONIC ns).
+    pub last_ns: u64,
+}
+
 /// Client (hook or CLI) → scheduler.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ClientMsg {
@@ -38,14 +47,24 @@ pub enum ClientMsg {
         version: u32,
         declared: Option<GroupSpec>,
     },
-    /// The process wants the GPU's token.
+    /// The process wants a turn on the GPU.
     Acquire { gpu: GpuUuid },
-    /// The process gives the token back; `used_ns` is how long it held the GPU, from the
-    /// grant until its work drained (more than the quota when it overran).
-    Release {
+    /// The process gives its turn `token` back before its deadline: it has no more work for
+    /// now (it sends `Acquire` when it has), and what it launched drains at about
+    /// `drained_ns`. Also withdraws a planned turn it no longer needs.
+    Yield {
         gpu: GpuUuid,
         token: u64,
-        used_ns: u64,
+        drained_ns: u64,
+    },
+    /// What the process measured of turn `token` once that turn's work drained (`used`:
+    /// `None` if it launched nothing in it), and whether it has more work waiting (`again`).
+    /// Sent for every turn it was granted and started.
+    Report {
+        gpu: GpuUuid,
+        token: u64,
+        used: Option<TurnUse>,
+        again: bool,
     },
     /// Admin: the scheduler's view as JSON ([`ServerMsg::Status`]).
     Status,
@@ -58,14 +77,6 @@ pub enum ClientMsg {
     MemQuery { req: u64, gpu: GpuUuid },
     /// After reconnecting: what this process holds on `gpu`, so restarted books are right.
     MemSync { gpu: GpuUuid, bytes: u64 },
-    /// After an early handoff (released while its last work was still queued, that tail
-    /// estimated): how long `token` really held the GPU, grant → drained. It only ever adds to
-    /// the charge. (Last, so older variants keep their tags.)
-    Settle {
-        gpu: GpuUuid,
-        token: u64,
-        used_ns: u64,
-    },
 }
 
 /// Scheduler → client.
@@ -74,10 +85,11 @@ pub enum ServerMsg {
     Welcome {
         group: String,
     },
-    /// The token of `gpu` from `start_ns` until `deadline_ns` (absolute CLOCK_MONOTONIC).
-    /// `start_ns` may lie a little ahead: the work the previous holder left queued at its early
-    /// handoff is estimated to drain then. Launches may queue behind it at once; the time held
-    /// is counted from `start_ns`.
+    /// A turn on `gpu` from `start_ns` until `deadline_ns` (absolute CLOCK_MONOTONIC),
+    /// usually granted ahead of its start: the turn before it ends then. The process may
+    /// launch a little before `start_ns` so that its first kernels queue behind that turn's
+    /// last ones, and stops launching at `deadline_ns` on its own. Sent again with the same
+    /// token when the start moves earlier (the turn before was given back).
     Grant {
         gpu: GpuUuid,
         token: u64,
@@ -85,7 +97,8 @@ pub enum ServerMsg {
         deadline_ns: u64,
         quota_ns: u64,
     },
-    /// The token overran its deadline and grace: stop launching and release it.
+    /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
+    /// or forget it if it has not started (withdrawn).
     Revoke {
         gpu: GpuUuid,
         token: u64,
@@ -106,10 +119,8 @@ pub enum ServerMsg {
         message: String,
         fatal: bool,
     },
-    /// The held token now ends at `deadline_ns`: earlier (someone owed more is waiting: stop
-    /// launching then and release as at any deadline) or later (nobody else wants the GPU:
-    /// keep going without a handover). Ignored once the client has begun to give it back.
-    /// (Last, so older variants keep their tags.)
+    /// Turn `token` (running or planned) now ends at `deadline_ns`: earlier (a group owed
+    /// more is waiting) or later (its group is still the one to serve: keep going).
     Deadline {
         gpu: GpuUuid,
         token: u64,
@@ -135,10 +146,14 @@ mod tests {
                     memory: Some(4 << 30),
                 }),
             },
-            ClientMsg::Release {
+            ClientMsg::Report {
                 gpu: [7; 16],
                 token: 3,
-                used_ns: 20_000_000,
+                used: Some(TurnUse {
+                    first_ns: 1,
+                    last_ns: 20_000_000,
+                }),
+                again: true,
             },
         ];
         let mut wire = Vec::new();

@@ -5,7 +5,7 @@
 use crate::config::{Config, GroupConfig};
 use crate::identity::{self, Peer};
 use crate::memory::MemoryBooks;
-use crate::policy::{ClientId, Decision, GroupParams, Policy};
+use crate::policy::{ClientId, Decision, GroupParams, Policy, TurnUse};
 use crate::status::{ClientReport, GpuReport, GroupReport, Report, uuid_string};
 use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
 use std::collections::{BTreeMap, HashMap};
@@ -337,13 +337,13 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
                 ));
             }
         }
-        ClientMsg::Release {
+        ClientMsg::Yield {
             gpu,
             token,
-            used_ns,
+            drained_ns,
         } => {
             if let Some(p) = st.policies.get_mut(&gpu)
-                && let Err(e) = p.release(id, token, used_ns, now)
+                && let Err(e) = p.yield_turn(id, token, drained_ns, now)
             {
                 out.push((
                     id,
@@ -354,13 +354,26 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
                 ));
             }
         }
-        ClientMsg::Settle {
+        ClientMsg::Report {
             gpu,
             token,
-            used_ns,
+            used,
+            again,
         } => {
-            if let Some(p) = st.policies.get_mut(&gpu) {
-                p.settle(id, token, used_ns, now);
+            let used = used.map(|u| TurnUse {
+                first_ns: u.first_ns,
+                last_ns: u.last_ns,
+            });
+            if let Some(p) = st.policies.get_mut(&gpu)
+                && let Err(e) = p.report(id, token, used, again, now)
+            {
+                out.push((
+                    id,
+                    ServerMsg::Error {
+                        message: e.to_string(),
+                        fatal: false,
+                    },
+                ));
             }
         }
         ClientMsg::MemReserve { req, gpu, bytes } => match group_of(st, id, &mut out) {

@@ -155,10 +155,10 @@ fn config_groups_and_hot_reload() {
     assert_eq!(request(&status(&sock)), 0.5);
     gpushare_protocol::send(
         &mut s,
-        &ClientMsg::Release {
+        &ClientMsg::Yield {
             gpu,
             token,
-            used_ns: 1,
+            drained_ns: 1,
         },
     )
     .unwrap();

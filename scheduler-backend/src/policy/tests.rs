@@ -1,7 +1,7 @@
 //! Policy tests: the API call by call, then fairness scenarios and properties in virtual time
-//! (see `sim.rs`). Scenario tests print their measured figures (`--nocapture`).
+//! (see `virtual_time.rs`). Scenario tests print their measured figures (`--nocapture`).
 
-use super::sim::{Demand, MS, Rng, S, Sim, Tenant};
+use super::virtual_time::{Demand, MS, Rng, S, Sim, Tenant};
 use super::*;
 use proptest::prelude::*;
 
@@ -13,6 +13,7 @@ fn gp(request: f64, limit: f64, weight: f64) -> GroupParams {
     }
 }
 
+/// A default-quota turn of `client` from `at`.
 fn grant(client: ClientId, token: u64, at: u64) -> Decision {
     Decision::Grant {
         client,
@@ -21,6 +22,10 @@ fn grant(client: ClientId, token: u64, at: u64) -> Decision {
         deadline_ns: at + 20 * MS,
         quota_ns: 20 * MS,
     }
+}
+
+fn used(first_ns: u64, last_ns: u64) -> Option<TurnUse> {
+    Some(TurnUse { first_ns, last_ns })
 }
 
 /// A policy with default config and the given groups.
@@ -44,12 +49,29 @@ fn group<'a>(st: &'a GpuStatus, name: &str) -> &'a GroupStatus {
     st.groups.iter().find(|g| g.name == name).unwrap()
 }
 
+/// Ticks at every wake-up until `until`, returning the decisions taken.
+fn run_to(p: &mut Policy, from: u64, until: u64) -> Vec<Decision> {
+    let mut out = Vec::new();
+    let mut t = from;
+    while let Some(w) = p.next_wakeup(t).filter(|&w| w <= until) {
+        t = w.max(t);
+        p.tick(t);
+        out.extend(p.take_decisions());
+        if p.next_wakeup(t) == Some(t) {
+            t += 1;
+        }
+    }
+    p.tick(until);
+    out.extend(p.take_decisions());
+    out
+}
+
 // ---------------------------------------------------------------------------------------------
 // API, call by call
 // ---------------------------------------------------------------------------------------------
 
 #[test]
-fn grants_at_once_when_free_and_the_next_at_release() {
+fn grants_at_once_when_free_and_the_next_turn_ahead_of_time() {
     let mut p = policy(&[("a", GroupParams::default())]);
     p.connect(1, "a").unwrap();
     p.connect(2, "a").unwrap();
@@ -60,134 +82,171 @@ fn grants_at_once_when_free_and_the_next_at_release() {
     let st = p.status(MS);
     assert_eq!((st.holder, st.waiting.clone()), (Some(1), vec![2]));
     assert_eq!(st.holder_token, Some(1));
-    // Early release: the waiter is granted in the same call.
-    p.release(1, 1, 5 * MS, 5 * MS).unwrap();
-    assert_eq!(p.take_decisions(), vec![grant(2, 2, 5 * MS)]);
-    assert_eq!(group(&p.status(5 * MS), "a").busy_ns, 5 * MS);
-    // Nobody else waits: shortly before its deadline, to extend it.
-    assert_eq!(p.next_wakeup(5 * MS), Some(23 * MS));
+    // A grant-ahead (5 ms) before the turn ends, the next is granted to start when it ends.
+    assert_eq!(p.next_wakeup(MS), Some(15 * MS));
+    p.tick(15 * MS);
+    assert_eq!(p.take_decisions(), vec![grant(2, 2, 20 * MS)]);
+    let st = p.status(15 * MS);
+    assert_eq!((st.holder, st.planned), (Some(1), Some(2)));
+    // The holder asked for nothing but is still busy as far as the policy knows: it waits.
+    assert_eq!(st.waiting, vec![1]);
+    // At 20 ms the turns change hands, with nothing said.
+    p.tick(20 * MS);
+    assert_eq!(p.status(20 * MS).holder, Some(2));
+    // Client 1's report settles its turn: back to back, it is charged start to end.
+    p.report(1, 1, used(0, 20 * MS + 300_000), true, 20 * MS + 400_000)
+        .unwrap();
+    assert_eq!(group(&p.status(21 * MS), "a").busy_ns, 20 * MS);
 }
 
 #[test]
-fn a_lone_holder_keeps_its_token_a_quota_at_a_time() {
+fn a_lone_holder_keeps_its_turn_a_quota_at_a_time() {
     let mut p = a_and_b();
     p.acquire(1, 0).unwrap();
     assert_eq!(p.take_decisions(), vec![grant(1, 1, 0)]);
-    p.tick(17 * MS);
+    p.tick(14 * MS);
     assert!(p.take_decisions().is_empty(), "not yet");
-    p.tick(18 * MS);
+    p.tick(15 * MS);
     let extend = |deadline_ns| Decision::Extend {
         client: 1,
         token: 1,
         deadline_ns,
     };
     assert_eq!(p.take_decisions(), vec![extend(40 * MS)]);
-    assert_eq!(p.next_wakeup(18 * MS), Some(38 * MS));
-    // Someone else asks: the extension ends a minimum quota later.
+    assert_eq!(p.next_wakeup(15 * MS), Some(35 * MS));
+    // Someone else asks: the extension ends a minimum quota later, and the next turn is
+    // granted to start there.
     p.acquire(2, 25 * MS).unwrap();
     assert_eq!(
         p.take_decisions(),
-        vec![Decision::Shorten {
-            client: 1,
-            token: 1,
-            deadline_ns: 27 * MS
-        }]
+        vec![
+            Decision::Shorten {
+                client: 1,
+                token: 1,
+                deadline_ns: 27 * MS
+            },
+            grant(2, 2, 27 * MS)
+        ]
     );
-    // Reserved like a grant: charged at release for what it used.
-    p.release(1, 1, 27 * MS, 27 * MS).unwrap();
-    assert_eq!(group(&p.status(27 * MS), "a").busy_ns, 27 * MS);
-    assert_eq!(group(&p.status(27 * MS), "a").overruns, 0);
-    // Not extended while someone else waits...
-    p.acquire(1, 30 * MS).unwrap();
-    p.tick(45 * MS);
-    assert!(
-        p.take_decisions()
-            .iter()
-            .all(|d| !matches!(d, Decision::Extend { .. }))
-    );
-    // ...and not beyond a tenth of the window in all.
+    // Reserved like a grant, charged what it used.
+    p.tick(27 * MS);
+    p.report(1, 1, used(0, 27 * MS), true, 28 * MS).unwrap();
+    let a = group(&p.status(28 * MS), "a").clone();
+    assert_eq!((a.busy_ns, a.overruns, a.tokens), (27 * MS, 0, 1));
+    // Alone for good: one turn, extended quota after quota.
     let mut p = policy(&[("a", GroupParams::default())]);
     p.connect(1, "a").unwrap();
     p.acquire(1, 0).unwrap();
-    let mut t = 0;
-    let mut extended = 0;
-    while let Some(w) = p.next_wakeup(t).filter(|&w| w < S) {
-        t = w;
-        p.tick(t);
-        extended += p
-            .take_decisions()
-            .iter()
-            .filter(|d| matches!(d, Decision::Extend { .. }))
-            .count();
-    }
-    let window = PolicyConfig::default().window_ns;
-    assert_eq!(extended as u64, window / 10 / (20 * MS) - 1);
+    let ds = run_to(&mut p, 0, S);
+    let extended = ds
+        .iter()
+        .filter(|d| matches!(d, Decision::Extend { .. }))
+        .count();
+    assert_eq!(extended, 50);
+    assert_eq!(group(&p.status(S), "a").tokens, 1);
 }
 
 #[test]
-fn a_token_handed_over_with_work_queued_starts_the_next_when_that_work_drains() {
+fn a_yielded_turn_hands_over_where_its_work_drains() {
     let mut p = a_and_b();
     p.acquire(1, 0).unwrap();
     p.acquire(2, MS).unwrap();
     p.take_decisions();
-    // a hands over at 20 ms with 1 ms of work still queued, and says so.
-    p.release(1, 1, 21 * MS, 20 * MS).unwrap();
-    assert_eq!(p.take_decisions(), vec![grant(2, 2, 21 * MS)]);
-    p.release(2, 2, 20 * MS, 41 * MS).unwrap();
-    let st = p.status(41 * MS);
-    assert_eq!(group(&st, "a").busy_ns, 21 * MS);
-    assert_eq!(
-        group(&st, "b").busy_ns,
-        20 * MS,
-        "not charged for a's last 1 ms"
-    );
-    // More than a minimum quota past the release is not believed.
-    p.acquire(1, 41 * MS).unwrap();
-    p.release(1, 3, 30 * MS, 61 * MS).unwrap();
-    assert_eq!(group(&p.status(61 * MS), "a").busy_ns, 21 * MS + 22 * MS);
-    // b's work really drains 1 ms later than it said (settled): a's time starts then too.
-    p.acquire(2, 62 * MS).unwrap();
-    p.acquire(1, 63 * MS).unwrap();
-    p.take_decisions();
-    p.release(2, 4, 20 * MS, 81 * MS).unwrap();
-    let Some(Decision::Grant { start_ns, .. }) = p.take_decisions().pop() else {
-        panic!("a is granted");
-    };
-    assert_eq!(start_ns, 83 * MS, "b started at 63 ms and reported 20 ms");
-    p.settle(2, 4, 21 * MS, 85 * MS);
-    p.release(1, 5, 10 * MS, 93 * MS).unwrap();
-    let st = p.status(93 * MS);
-    assert_eq!(group(&st, "b").busy_ns, 20 * MS + 21 * MS);
-    assert_eq!(group(&st, "a").busy_ns, 43 * MS + 9 * MS);
+    // a runs out of work at 8 ms with 1 ms still queued: b starts at 9 ms.
+    p.yield_turn(1, 1, 9 * MS, 8 * MS).unwrap();
+    assert_eq!(p.take_decisions(), vec![grant(2, 2, 9 * MS)]);
+    assert_eq!(p.status(8 * MS).waiting, Vec::<ClientId>::new());
+    p.report(1, 1, used(0, 9 * MS + 100_000), false, 9 * MS)
+        .unwrap();
+    assert_eq!(group(&p.status(10 * MS), "a").busy_ns, 9 * MS);
+    // A planned turn moves earlier when the running one is yielded.
+    p.acquire(1, 10 * MS).unwrap();
+    p.tick(24 * MS);
+    assert_eq!(p.take_decisions(), vec![grant(1, 3, 29 * MS)]);
+    p.yield_turn(2, 2, 25 * MS, 25 * MS).unwrap();
+    assert_eq!(p.take_decisions(), vec![grant(1, 3, 25 * MS)]);
+    assert_eq!(p.holder(), Some((1, 3)));
+    // A drain estimate more than a minimum quota away is not believed.
+    p.acquire(2, 26 * MS).unwrap();
+    p.yield_turn(1, 3, 90 * MS, 30 * MS).unwrap();
+    assert_eq!(p.take_decisions(), vec![grant(2, 4, 32 * MS)]);
 }
 
-/// A group that released a moment ago with work still queued asks again as it drains: until
-/// then it is not gone, and the holder is not extended past it (ticks come at any time: the
-/// daemon ticks every GPU's policy when one of them wakes). Shares went 0.7 / 0.3 -> 0.5 / 0.5
-/// on one of four simulated GPUs before this held.
 #[test]
-fn a_holder_is_not_extended_past_a_group_whose_work_still_drains() {
+fn a_client_with_no_more_work_leaves_the_queue_and_gives_back_a_planned_turn() {
     let mut p = a_and_b();
-    p.set_config(PolicyConfig {
-        quota_ns: 2 * MS,
-        min_quota_ns: 2 * MS,
-        ..PolicyConfig::default()
-    });
     p.acquire(1, 0).unwrap();
     p.acquire(2, 0).unwrap();
-    // a hands over at 2 ms with 1 ms still queued: b's time is 3..5 ms, a drains until 3 ms.
-    p.release(1, 1, 3 * MS, 2 * MS).unwrap();
     p.take_decisions();
-    let extended = |p: &mut Policy| {
-        p.take_decisions()
-            .iter()
-            .any(|d| matches!(d, Decision::Extend { .. }))
-    };
-    p.tick(3 * MS + 200_000);
-    assert!(!extended(&mut p), "a is still about to ask again");
-    // Past its drain and the anticipation window, a is idle: b is alone and keeps going.
-    p.tick(4 * MS);
-    assert!(extended(&mut p));
+    p.tick(15 * MS);
+    assert_eq!(p.take_decisions(), vec![grant(2, 2, 20 * MS)]);
+    p.report(1, 1, used(0, 20 * MS), true, 21 * MS).unwrap();
+    p.tick(35 * MS);
+    // Client 1, presumed busy, was planned again...
+    assert_eq!(p.take_decisions(), vec![grant(1, 3, 40 * MS)]);
+    // ...but has nothing to do when its turn comes (here just before it starts): it gives the
+    // turn back, and b, alone, is extended instead.
+    p.yield_turn(1, 3, 37 * MS, 37 * MS).unwrap();
+    assert_eq!(
+        p.take_decisions(),
+        vec![Decision::Extend {
+            client: 2,
+            token: 2,
+            deadline_ns: 60 * MS
+        }]
+    );
+    assert_eq!(group(&p.status(37 * MS), "a").tokens, 1);
+}
+
+#[test]
+fn a_report_without_more_work_takes_the_client_out_of_the_queue() {
+    let mut p = a_and_b();
+    p.acquire(1, 0).unwrap();
+    p.acquire(2, 0).unwrap();
+    p.tick(15 * MS);
+    assert_eq!(
+        p.take_decisions(),
+        vec![grant(1, 1, 0), grant(2, 2, 20 * MS)]
+    );
+    // Still launching as far as the policy knows, a waits for its next turn...
+    assert_eq!(p.status(15 * MS).waiting, vec![1]);
+    // ...until its report says it has no more work.
+    p.tick(20 * MS);
+    p.report(1, 1, used(0, 20 * MS), false, 20 * MS).unwrap();
+    assert!(p.status(20 * MS).waiting.is_empty());
+}
+
+/// A stopped process (no report after its turn) is not presumed to want more: the others have
+/// the GPU until it reports again.
+#[test]
+fn a_silent_client_is_not_given_turns() {
+    let mut p = a_and_b();
+    p.acquire(1, 0).unwrap();
+    p.acquire(2, 0).unwrap();
+    p.take_decisions();
+    // b's turn 20-40 ms; at 35 ms a (its turn 1 unreported since 20 ms) is not planned: b is
+    // extended.
+    let ds = run_to(&mut p, 0, 36 * MS);
+    assert_eq!(
+        ds,
+        vec![
+            grant(2, 2, 20 * MS),
+            Decision::Extend {
+                client: 2,
+                token: 2,
+                deadline_ns: 60 * MS
+            }
+        ]
+    );
+    // It wakes up and reports: it waits for a turn again, and gets one.
+    p.report(1, 1, used(0, 20 * MS), true, 50 * MS).unwrap();
+    assert_eq!(p.status(50 * MS).waiting, vec![1]);
+    let ds = run_to(&mut p, 50 * MS, 200 * MS);
+    assert!(
+        ds.iter()
+            .any(|d| matches!(d, Decision::Grant { client: 1, .. })),
+        "{ds:?}"
+    );
 }
 
 #[test]
@@ -212,32 +271,17 @@ fn clients_of_a_group_are_served_round_robin() {
         p.acquire(c, 0).unwrap();
     }
     let mut order = Vec::new();
-    let mut now = 0;
-    for _ in 0..7 {
+    let mut tokens = Vec::new();
+    for n in 0..7 {
         let (c, t) = p.holder().unwrap();
         order.push(c);
-        now += 3 * MS;
-        p.release(c, t, 3 * MS, now).unwrap();
-        p.acquire(c, now).unwrap();
+        tokens.push(t);
+        let end = (n + 1) * 20 * MS;
+        run_to(&mut p, n * 20 * MS, end);
+        p.report(c, t, used(n * 20 * MS, end), true, end).unwrap();
     }
     assert_eq!(order, vec![1, 2, 3, 1, 2, 3, 1]);
-}
-
-#[test]
-fn tokens_are_unique_and_increasing() {
-    let mut p = a_and_b();
-    let mut last = 0;
-    let mut now = 0;
-    p.acquire(1, 0).unwrap();
-    p.acquire(2, 0).unwrap();
-    for _ in 0..50 {
-        let (c, t) = p.holder().unwrap();
-        assert!(t > last);
-        last = t;
-        now += MS;
-        p.release(c, t, MS, now).unwrap();
-        p.acquire(c, now).unwrap();
-    }
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
 }
 
 #[test]
@@ -297,7 +341,11 @@ fn unknown_groups_and_clients_are_errors() {
         Err(PolicyError::UnknownGroup("nope".into()))
     );
     assert_eq!(p.acquire(9, 0), Err(PolicyError::UnknownClient(9)));
-    assert_eq!(p.release(9, 1, 0, 0), Err(PolicyError::UnknownClient(9)));
+    assert_eq!(
+        p.report(9, 1, None, false, 0),
+        Err(PolicyError::UnknownClient(9))
+    );
+    assert_eq!(p.yield_turn(9, 1, 0, 0), Err(PolicyError::UnknownClient(9)));
     assert_eq!(
         PolicyError::UnknownGroup("x".into()).to_string(),
         "unknown group \"x\""
@@ -309,66 +357,41 @@ fn unknown_groups_and_clients_are_errors() {
     // A stale token is ignored.
     p.connect(1, "a").unwrap();
     p.acquire(1, 0).unwrap();
-    p.release(1, 77, 5, MS).unwrap();
+    p.yield_turn(1, 77, 5, MS).unwrap();
+    p.report(1, 77, used(0, 5), true, MS).unwrap();
     assert_eq!(p.holder(), Some((1, 1)));
 }
 
 #[test]
-fn a_holder_that_never_releases_is_revoked_and_charged_when_it_reports() {
+fn a_turn_without_a_report_is_revoked_and_charged_as_held_until_one_comes() {
     let mut p = policy(&[("a", gp(0.5, 1.0, 1.0)), ("b", gp(0.5, 1.0, 1.0))]);
     p.connect(1, "a").unwrap();
     p.connect(2, "b").unwrap();
     p.acquire(1, 0).unwrap();
     p.acquire(2, 0).unwrap();
     assert_eq!(p.take_decisions(), vec![grant(1, 1, 0)]);
-    // Revocation at deadline + grace.
-    assert_eq!(p.next_wakeup(0), Some(40 * MS));
-    p.tick(40 * MS - 1);
-    assert!(p.take_decisions().is_empty());
+    // b's turn starts on time at 20 ms whatever a does: nobody waits for a's report.
+    let ds = run_to(&mut p, 0, 40 * MS - 1);
+    assert!(ds.contains(&grant(2, 2, 20 * MS)), "{ds:?}");
+    assert!(!ds.iter().any(|d| matches!(d, Decision::Revoke { .. })));
+    // No report by its end (20 ms) + grace (20 ms): revoked.
     p.tick(40 * MS);
-    assert_eq!(
-        p.take_decisions(),
-        vec![
-            Decision::Revoke {
-                client: 1,
-                token: 1
-            },
-            grant(2, 2, 40 * MS)
-        ]
-    );
-    let st = p.status(40 * MS);
-    let a = group(&st, "a");
-    assert_eq!((a.busy_ns, a.revocations, a.overruns), (40 * MS, 1, 1));
-    // The other client carries on normally.
-    p.release(2, 2, 20 * MS, 60 * MS).unwrap();
-    // The stopped process wakes up and reports 500 ms: charged in full, late.
-    p.release(1, 1, 500 * MS, 500 * MS).unwrap();
-    let a = group(&p.status(500 * MS), "a").clone();
-    assert_eq!(a.busy_ns, 500 * MS);
-    // Reporting again, or reporting less, changes nothing.
-    p.release(1, 1, 900 * MS, 900 * MS).unwrap();
-    assert_eq!(group(&p.status(900 * MS), "a").busy_ns, 500 * MS);
-    // Its debt puts it behind: b is served first from now on.
-    p.acquire(1, 900 * MS).unwrap();
-    p.acquire(2, 900 * MS).unwrap();
-    assert_eq!(p.holder().map(|h| h.0), Some(1), "token was free");
-    let (c, t) = p.holder().unwrap();
-    p.release(c, t, 20 * MS, 920 * MS).unwrap();
-    assert_eq!(p.holder().map(|h| h.0), Some(2));
+    assert!(p.take_decisions().contains(&Decision::Revoke {
+        client: 1,
+        token: 1
+    }));
+    let a = group(&p.status(40 * MS), "a").clone();
+    assert_eq!((a.busy_ns, a.revocations, a.overruns), (20 * MS, 1, 1));
+    // The stopped process wakes up and reports: settled to what it used, once.
+    p.report(1, 1, used(0, 20 * MS + 500_000), true, 500 * MS)
+        .unwrap();
+    assert_eq!(group(&p.status(500 * MS), "a").busy_ns, 20 * MS);
+    p.report(1, 1, used(0, 90 * MS), true, 501 * MS).unwrap();
+    assert_eq!(group(&p.status(501 * MS), "a").busy_ns, 20 * MS);
 }
 
 #[test]
-fn a_late_release_reporting_less_than_the_revocation_keeps_the_provisional_charge() {
-    let mut p = policy(&[("a", GroupParams::default())]);
-    p.connect(1, "a").unwrap();
-    p.acquire(1, 0).unwrap();
-    p.tick(45 * MS);
-    p.release(1, 1, 10 * MS, 50 * MS).unwrap();
-    assert_eq!(group(&p.status(50 * MS), "a").busy_ns, 45 * MS);
-}
-
-#[test]
-fn disconnecting_the_holder_grants_the_next_at_once() {
+fn disconnecting_the_holder_starts_the_next_turn_at_once() {
     let mut p = a_and_b();
     p.acquire(1, 0).unwrap();
     p.acquire(2, MS).unwrap();
@@ -376,46 +399,48 @@ fn disconnecting_the_holder_grants_the_next_at_once() {
     p.disconnect(1, 7 * MS);
     assert_eq!(p.take_decisions(), vec![grant(2, 2, 7 * MS)]);
     let st = p.status(7 * MS);
-    // Charged what elapsed since its grant, nothing more.
+    // Charged what elapsed since its start, nothing more.
     assert_eq!(group(&st, "a").busy_ns, 7 * MS);
     assert!(group(&st, "a").clients.is_empty());
     assert_eq!(p.acquire(1, 8 * MS), Err(PolicyError::UnknownClient(1)));
+    // A planned turn moves to now.
+    p.connect(1, "a").unwrap();
+    p.acquire(1, 8 * MS).unwrap();
+    p.tick(22 * MS);
+    assert_eq!(p.take_decisions(), vec![grant(1, 3, 27 * MS)]);
+    p.disconnect(2, 23 * MS);
+    assert_eq!(p.take_decisions(), vec![grant(1, 3, 23 * MS)]);
+    assert_eq!(p.holder(), Some((1, 3)));
+    // The client of a planned turn disconnects: the turn is dropped.
+    p.connect(4, "b").unwrap();
+    p.acquire(4, 24 * MS).unwrap();
+    p.tick(38 * MS);
+    assert_eq!(p.take_decisions(), vec![grant(4, 4, 43 * MS)]);
+    p.disconnect(4, 39 * MS);
+    assert_eq!(p.status(39 * MS).planned, None);
     // A waiter that disconnects just leaves the queue.
     p.connect(3, "a").unwrap();
-    p.acquire(3, 8 * MS).unwrap();
-    p.disconnect(3, 9 * MS);
-    assert!(p.status(9 * MS).waiting.is_empty());
-    assert!(p.take_decisions().is_empty());
+    p.acquire(3, 40 * MS).unwrap();
+    p.disconnect(3, 40 * MS);
+    assert!(p.status(40 * MS).waiting.is_empty());
 }
 
 #[test]
-fn a_settled_release_raises_the_charge_and_never_lowers_it() {
+fn alone_a_turn_is_charged_the_time_its_kernels_occupied_the_gpu() {
     let mut p = policy(&[("a", gp(0.0, 0.3, 1.0)), ("b", GroupParams::default())]);
     p.connect(1, "a").unwrap();
-    p.connect(2, "b").unwrap();
     p.acquire(1, 0).unwrap();
     assert_eq!(p.take_decisions(), vec![grant(1, 1, 0)]);
-    // Released early with the last 4 ms of its work estimated as 1 ms...
-    p.release(1, 1, 17 * MS, 18 * MS).unwrap();
-    assert_eq!(group(&p.status(18 * MS), "a").busy_ns, 17 * MS);
-    // One from another client changes nothing...
-    p.settle(2, 1, 30 * MS, 19 * MS);
-    assert_eq!(group(&p.status(19 * MS), "a").busy_ns, 17 * MS);
-    // ...but it really drained at 21 ms: the charge (and the cap's bucket) catch up.
-    let before = group(&p.status(21 * MS), "a").allowance_ns.unwrap();
-    p.settle(1, 1, 21 * MS, 21 * MS);
-    let st = p.status(21 * MS);
-    assert_eq!(group(&st, "a").busy_ns, 21 * MS);
-    assert!((group(&st, "a").allowance_ns.unwrap() - (before - 4e6)).abs() < 1.0);
-    // Repeated or unknown settlements change nothing.
-    p.settle(1, 1, 30 * MS, 22 * MS);
-    p.settle(1, 99, 30 * MS, 22 * MS);
-    assert_eq!(group(&p.status(22 * MS), "a").busy_ns, 21 * MS);
-    // Nor does one below what was charged at release.
-    p.acquire(2, 22 * MS).unwrap();
-    p.release(2, 2, 5 * MS, 27 * MS).unwrap();
-    p.settle(2, 2, 3 * MS, 28 * MS);
-    assert_eq!(group(&p.status(28 * MS), "b").busy_ns, 5 * MS);
+    // Its first kernel was launched at 0.2 ms, its last ended at 19.5 ms, nobody else wanted
+    // the GPU: it is charged 19.3 ms, and its cap's bucket too.
+    let before = group(&p.status(0), "a").allowance_ns.unwrap();
+    p.yield_turn(1, 1, 19_500_000, 14 * MS).unwrap();
+    p.report(1, 1, used(200_000, 19_500_000), false, 20 * MS)
+        .unwrap();
+    let a = group(&p.status(20 * MS), "a").clone();
+    assert_eq!(a.busy_ns, 19_300_000);
+    let (refill, refund) = (0.3 * 20e6, 20e6 - 19.3e6);
+    assert!((a.allowance_ns.unwrap() - (before + refill + refund)).abs() < 1.0);
 }
 
 #[test]
@@ -429,7 +454,7 @@ fn removing_a_group_disconnects_its_clients() {
     p.acquire(3, 0).unwrap();
     p.take_decisions();
     p.remove_group("a", 5 * MS);
-    // The token goes to b, never to a client of the removed group.
+    // The GPU goes to b, never to a client of the removed group.
     assert_eq!(p.take_decisions(), vec![grant(3, 2, 5 * MS)]);
     assert_eq!(p.acquire(2, 6 * MS), Err(PolicyError::UnknownClient(2)));
     let st = p.status(6 * MS);
@@ -455,36 +480,36 @@ fn connecting_to_another_group_moves_the_client() {
 }
 
 #[test]
-fn a_capped_group_waits_for_its_bucket_and_next_wakeup_says_when() {
+fn a_capped_group_is_granted_ahead_of_its_bucket_refilling() {
     let mut p = policy(&[("a", gp(0.0, 0.3, 1.0))]);
     p.connect(1, "a").unwrap();
-    // Bucket starts full (2 quotas): two tokens back to back.
+    // Bucket starts full (2 quotas): the turn is extended once.
     p.acquire(1, 0).unwrap();
-    p.release(1, 1, 20 * MS, 20 * MS).unwrap();
-    p.acquire(1, 20 * MS).unwrap();
-    assert_eq!(p.holder(), Some((1, 2)));
-    p.release(1, 2, 20 * MS, 40 * MS).unwrap();
-    p.acquire(1, 40 * MS).unwrap();
-    assert_eq!(p.holder(), None, "bucket holds 12 ms, needs a quota");
-    p.take_decisions();
+    let ds = run_to(&mut p, 0, 39 * MS);
+    assert_eq!(
+        ds,
+        vec![
+            grant(1, 1, 0),
+            Decision::Extend {
+                client: 1,
+                token: 1,
+                deadline_ns: 40 * MS
+            }
+        ]
+    );
+    p.tick(40 * MS);
+    p.report(1, 1, used(0, 40 * MS), true, 40 * MS).unwrap();
+    assert_eq!(p.holder(), None, "the bucket holds 12 ms, a turn needs 20");
     let st = p.status(40 * MS);
     assert!(group(&st, "a").capped);
-    // 12 ms + 0.3 · t = 20 ms → t = 26.67 ms.
+    // 12 ms + 0.3 · t = 20 ms → t = 26.67 ms; granted a grant-ahead (5 ms) before.
+    let refill = 40 * MS + 26_666_667;
     let w = p.next_wakeup(40 * MS).unwrap();
-    assert_eq!(w, 40 * MS + 26_666_667);
+    assert_eq!(w, refill - 5 * MS);
     p.tick(w - 1000);
     assert!(p.take_decisions().is_empty());
     p.tick(w);
-    assert_eq!(
-        p.take_decisions(),
-        vec![Decision::Grant {
-            client: 1,
-            token: 3,
-            start_ns: w,
-            deadline_ns: w + 20 * MS,
-            quota_ns: 20 * MS
-        }]
-    );
+    assert_eq!(p.take_decisions(), vec![grant(1, 2, refill)]);
 }
 
 #[test]
@@ -504,7 +529,8 @@ fn next_wakeup_is_none_when_nothing_is_pending() {
     assert_eq!(p.next_wakeup(0), None);
     p.connect(1, "a").unwrap();
     p.acquire(1, 0).unwrap();
-    p.release(1, 1, MS, MS).unwrap();
+    p.yield_turn(1, 1, MS, MS).unwrap();
+    p.report(1, 1, used(0, MS), false, MS).unwrap();
     assert_eq!(p.next_wakeup(MS), None);
 }
 
@@ -513,31 +539,30 @@ fn raising_a_limit_makes_a_waiting_group_eligible() {
     let mut p = policy(&[("a", gp(0.0, 0.01, 1.0))]);
     p.connect(1, "a").unwrap();
     p.acquire(1, 0).unwrap();
-    p.release(1, 1, 20 * MS, 20 * MS).unwrap();
-    p.acquire(1, 20 * MS).unwrap();
-    p.release(1, 2, 20 * MS, 40 * MS).unwrap();
-    p.acquire(1, 40 * MS).unwrap();
+    run_to(&mut p, 0, 40 * MS);
+    p.report(1, 1, used(0, 40 * MS), true, 40 * MS).unwrap();
     assert_eq!(p.holder(), None);
     assert!(p.next_wakeup(40 * MS).unwrap() > S);
     p.set_group("a", gp(0.0, 1.0, 1.0)).unwrap();
-    assert_eq!(p.next_wakeup(40 * MS), Some(40 * MS));
+    assert_eq!(p.next_wakeup(40 * MS), Some(40 * MS - 5 * MS));
     p.tick(41 * MS);
-    assert_eq!(p.holder(), Some((1, 3)));
+    assert_eq!(p.holder(), Some((1, 2)));
 }
 
 #[test]
-fn hot_reload_of_the_config_is_used_for_the_next_token() {
+fn hot_reload_of_the_config_is_used_for_the_next_turn() {
     let mut p = policy(&[("a", GroupParams::default())]);
     p.connect(1, "a").unwrap();
     p.acquire(1, 0).unwrap();
     p.set_config(PolicyConfig {
         quota_ns: 10 * MS,
         grace_ns: 5 * MS,
+        grant_ahead_ns: 2 * MS,
         ..PolicyConfig::default()
     });
-    // The holder keeps its deadline (and, alone, is looked at a minimum quota before it).
+    // The holder keeps its deadline; the next turn is planned by the new grant-ahead.
     assert_eq!(p.next_wakeup(0), Some(18 * MS));
-    p.release(1, 1, 20 * MS, 20 * MS).unwrap();
+    p.yield_turn(1, 1, 20 * MS, 20 * MS).unwrap();
     p.acquire(1, 20 * MS).unwrap();
     assert_eq!(
         p.take_decisions().last(),
@@ -555,6 +580,7 @@ fn hot_reload_of_the_config_is_used_for_the_next_token() {
         min_quota_ns: 5,
         grace_ns: 0,
         window_ns: 0,
+        grant_ahead_ns: 0,
     });
     assert_eq!(p.config().quota_ns, 1);
     assert_eq!(p.config().min_quota_ns, 1);
@@ -565,15 +591,11 @@ fn time_going_backwards_is_treated_as_now() {
     let mut p = policy(&[("a", GroupParams::default())]);
     p.connect(1, "a").unwrap();
     p.acquire(1, 100 * MS).unwrap();
-    p.release(1, 1, 5 * MS, 50 * MS).unwrap();
-    let st = p.status(0);
-    assert_eq!(
-        group(&st, "a").busy_ns,
-        PolicyConfig::default().min_quota_ns,
-        "used is bounded by the time held and a minimum quota of work still queued"
-    );
+    // Yielded "at 50 ms", i.e. at 100 ms: its work drains at 105 ms, believed up to 102 ms.
+    p.yield_turn(1, 1, 105 * MS, 50 * MS).unwrap();
+    p.report(1, 1, used(100 * MS, 105 * MS), false, 0).unwrap();
+    assert_eq!(group(&p.status(0), "a").busy_ns, 5 * MS, "what it used");
     p.acquire(1, 10 * MS).unwrap();
-    // Its time starts when the work it reported still queued drains.
     assert_eq!(p.take_decisions().last(), Some(&grant(1, 2, 102 * MS)));
 }
 
@@ -587,7 +609,9 @@ fn status_reports_window_share_and_is_serializable() {
     for _ in 0..500 {
         p.acquire(1, now).unwrap();
         let (c, t) = p.holder().unwrap();
-        p.release(c, t, 10 * MS, now + 10 * MS).unwrap();
+        p.yield_turn(c, t, now + 10 * MS, now + 10 * MS).unwrap();
+        p.report(c, t, used(now, now + 10 * MS), false, now + 10 * MS)
+            .unwrap();
         now += 20 * MS;
     }
     let st = p.status(now);
@@ -613,18 +637,19 @@ fn status_reports_window_share_and_is_serializable() {
 }
 
 #[test]
-fn usage_memory_stays_bounded_under_tiny_tokens() {
+fn usage_memory_stays_bounded_under_tiny_turns() {
     let mut p = policy(&[("a", GroupParams::default())]);
     p.connect(1, "a").unwrap();
     let mut now = 0;
     for _ in 0..20_000 {
         p.acquire(1, now).unwrap();
         let (c, t) = p.holder().unwrap();
-        p.release(c, t, 1_000, now + 1_000).unwrap();
+        p.yield_turn(c, t, now + 1_000, now + 1_000).unwrap();
+        p.report(c, t, used(now, now + 1_000), false, now + 1_000)
+            .unwrap();
         now += 1_000;
     }
-    let a = &p.groups["a"];
-    assert!(a.usage.len() <= MAX_USAGE_ENTRIES);
+    assert!(p.ended.is_empty());
     // Busy the whole 20 ms since its first request: the merged usage keeps the total.
     let share = group(&p.status(now), "a").achieved_share;
     assert!((share - 1.0).abs() < 1e-3, "{share}");
@@ -636,7 +661,10 @@ fn achieved_share_covers_only_the_time_since_the_first_request() {
     p.connect(1, "a").unwrap();
     p.acquire(1, 7 * S).unwrap();
     let (c, t) = p.holder().unwrap();
-    p.release(c, t, 10 * MS, 7 * S + 10 * MS).unwrap();
+    p.yield_turn(c, t, 7 * S + 10 * MS, 7 * S + 10 * MS)
+        .unwrap();
+    p.report(c, t, used(7 * S, 7 * S + 10 * MS), false, 7 * S + 10 * MS)
+        .unwrap();
     // 10 ms busy in the 1 s since the first request, not in a 5 s window.
     let share = group(&p.status(8 * S), "a").achieved_share;
     assert!((share - 0.01).abs() < 1e-9, "{share}");
@@ -661,11 +689,6 @@ fn worst_window_error(sim: &Sim, g: usize, want: f64, end: u64) -> (f64, f64, f6
     ((want - lo).max(hi - want), lo, hi)
 }
 
-/// Device share lost to handoffs when every token is a full quota.
-fn handoff_loss(sim: &Sim) -> f64 {
-    sim.handoff_ns as f64 / sim.policy.config().quota_ns as f64
-}
-
 #[test]
 fn requests_05_03_02_hold_over_every_window() {
     let end = 300 * S;
@@ -676,16 +699,43 @@ fn requests_05_03_02_hold_over_every_window() {
     ];
     let mut sim = Sim::new(PolicyConfig::default(), &groups, busy(3), 1);
     sim.run_until(end);
-    let loss = handoff_loss(&sim);
     for (g, want) in [0.5, 0.3, 0.2].into_iter().enumerate() {
-        let (err, lo, hi) = worst_window_error(&sim, g, want * (1.0 - loss), end);
+        let (err, lo, hi) = worst_window_error(&sim, g, want, end);
         eprintln!("0.5/0.3/0.2: group {g} windows {lo:.4}..{hi:.4} (worst error {err:.4})");
-        assert!(err <= 0.01, "group {g}: {lo}..{hi}");
+        assert!(err <= 0.005, "group {g}: {lo}..{hi}");
         let held = sim.held_share(g, WARMUP, end);
-        assert!((held - want).abs() < 0.005, "group {g} held {held}");
+        assert!((held - want).abs() < 0.002, "group {g} held {held}");
     }
-    assert!(sim.utilisation(WARMUP, end) >= 0.99 - loss);
+    assert!(sim.utilisation(WARMUP, end) >= 0.999);
     assert_eq!(sim.stats.idle_with_uncapped_waiter_ns, 0);
+    assert_eq!(sim.stats.revocations, 0);
+}
+
+/// Hooks that open their turns late (up to 1 ms) and stop late (up to 2 ms past the deadline):
+/// the device idles at some handoffs and the turns overlap at others, but the turns themselves,
+/// what is charged, keep the shares.
+#[test]
+fn shares_hold_when_hooks_open_and_stop_late() {
+    let end = 200 * S;
+    let groups = [
+        ("a", gp(0.5, 1.0, 1.0)),
+        ("b", gp(0.3, 1.0, 1.0)),
+        ("c", gp(0.2, 1.0, 1.0)),
+    ];
+    let mut tenants = busy(3);
+    for t in &mut tenants {
+        t.late_ns = MS;
+        t.overrun = Some((0.5, 2 * MS));
+        t.report_after_ns = 3 * MS;
+    }
+    let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 2);
+    sim.run_until(end);
+    for (g, want) in [0.5, 0.3, 0.2].into_iter().enumerate() {
+        let held = sim.held_share(g, WARMUP, end);
+        eprintln!("late hooks: group {g} held {held:.4}");
+        assert!((held - want).abs() < 0.003, "group {g} held {held}");
+    }
+    assert_eq!(sim.stats.revocations, 0);
 }
 
 #[test]
@@ -705,12 +755,31 @@ fn a_lone_tenant_limited_to_03_gets_03_and_the_gpu_idles() {
     let first = sim.work_share(0, 0, 5 * S);
     assert!(first <= 0.31, "{first}");
     assert_eq!(sim.stats.idle_with_capped_waiter_below_limit_ns, 0);
-    // Full quotas, not crumbs: one token per 66.7 ms.
+    // Full quotas, not crumbs: one turn per 66.7 ms.
     assert!(
         sim.stats.grants <= end / (66 * MS) + 2,
         "{}",
         sim.stats.grants
     );
+}
+
+/// A lone capped tenant whose hook opens up to 1 ms late: charged for the time its kernels
+/// occupied the GPU, it still gets its cap (charged by turn, it would get 0.3 × 19.5 / 20).
+#[test]
+fn a_lone_capped_tenant_opening_late_still_gets_its_cap() {
+    let end = 200 * S;
+    let mut t = Tenant::new(0, Demand::Busy);
+    t.late_ns = MS;
+    let mut sim = Sim::new(
+        PolicyConfig::default(),
+        &[("a", gp(0.1, 0.3, 1.0))],
+        vec![t],
+        3,
+    );
+    sim.run_until(end);
+    let share = sim.work_share(0, WARMUP, end);
+    eprintln!("lone limit 0.3, opening late: {share:.4}");
+    assert!((share - 0.3).abs() < 0.003, "{share}");
 }
 
 #[test]
@@ -719,37 +788,9 @@ fn spare_time_is_split_by_weight_1_to_3() {
     let groups = [("a", gp(0.2, 1.0, 1.0)), ("b", gp(0.2, 1.0, 3.0))];
     let mut sim = Sim::new(PolicyConfig::default(), &groups, busy(2), 3);
     sim.run_until(end);
-    let loss = handoff_loss(&sim);
     for (g, want) in [0.35, 0.65].into_iter().enumerate() {
-        let (err, lo, hi) = worst_window_error(&sim, g, want * (1.0 - loss), end);
+        let (err, lo, hi) = worst_window_error(&sim, g, want, end);
         eprintln!("weights 1:3: group {g} windows {lo:.4}..{hi:.4} (worst error {err:.4})");
-        assert!(err <= 0.01, "group {g}: {lo}..{hi}");
-    }
-}
-
-/// Real holders run past their deadline by the work they had queued (up to the hook's queue
-/// budget), and one that hands over at a synchronisation asks again only as that returns: the
-/// split by weight must depend on neither (a group counted idle for that instant at every
-/// release gave its share away: 0.37 / 0.63 on the simulated device, where that instant is a
-/// drain and a round trip).
-#[test]
-fn weights_hold_when_tokens_overrun_and_clients_ask_again_late() {
-    let end = 200 * S;
-    let groups = [("a", gp(0.2, 1.0, 1.0)), ("b", gp(0.2, 1.0, 3.0))];
-    let mut tenants = busy(2);
-    for t in &mut tenants {
-        t.overrun = Some((1.0, 5 * MS));
-    }
-    tenants[1].ask_after_ns = 300_000;
-    let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 3);
-    sim.run_until(end);
-    let loss = handoff_loss(&sim);
-    for (g, want) in [0.35, 0.65].into_iter().enumerate() {
-        let (err, lo, hi) = worst_window_error(&sim, g, want * (1.0 - loss), end);
-        eprintln!(
-            "weights 1:3, tokens overrunning: group {g} windows {lo:.4}..{hi:.4} (worst error {err:.4})"
-        );
-        // 0.007 when a group is counted idle between its release and its next request.
         assert!(err <= 0.005, "group {g}: {lo}..{hi}");
     }
 }
@@ -769,16 +810,14 @@ fn an_idle_tenants_share_goes_to_the_busy_ones() {
     ];
     let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 4);
     sim.run_until(end);
-    let loss = handoff_loss(&sim);
     // c's 0.2 is spare time, split 1:1.
     for (g, want) in [0.6, 0.4].into_iter().enumerate() {
-        let (err, lo, hi) = worst_window_error(&sim, g, want * (1.0 - loss), end);
+        let (err, lo, hi) = worst_window_error(&sim, g, want, end);
         eprintln!("idle c: group {g} windows {lo:.4}..{hi:.4} (worst error {err:.4})");
-        assert!(err <= 0.01, "group {g}: {lo}..{hi}");
+        assert!(err <= 0.005, "group {g}: {lo}..{hi}");
     }
     let u = sim.utilisation(WARMUP, end);
-    eprintln!("idle c: utilisation {u:.4} (handoff loss {loss:.4})");
-    assert!(u >= 0.99 - loss, "{u}");
+    assert!(u >= 0.999, "{u}");
 }
 
 #[test]
@@ -792,8 +831,9 @@ fn a_lone_uncapped_tenant_keeps_the_gpu_busy() {
     );
     sim.run_until(end);
     let u = sim.utilisation(0, end);
-    assert!(u >= 0.99 - handoff_loss(&sim), "{u}");
+    assert!(u >= 0.999, "{u}");
     assert_eq!(sim.stats.idle_with_uncapped_waiter_ns, 0);
+    assert_eq!(sim.stats.grants, 1, "one turn, extended");
 }
 
 #[test]
@@ -814,21 +854,18 @@ fn a_bursty_tenant_gets_its_request_while_on_and_gives_it_up_while_off() {
     ];
     let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 6);
     sim.run_until(end);
-    let loss = handoff_loss(&sim);
     // While both are busy, targets 0.4/0.6 (spare 0.2 split 1:1); while b is off, a has all.
     let (mut worst_on, mut worst_off) = (0.0f64, 0.0f64);
     for cycle in 1..(end / (10 * S)) {
         let on = cycle * 10 * S;
-        // Skip the first 100 ms of each phase (the holder finishes its token).
+        // Skip the first 100 ms of each phase (the running turn ends).
         let (a_on, b_on) = (
             sim.work_share(0, on + 100 * MS, on + 5 * S),
             sim.work_share(1, on + 100 * MS, on + 5 * S),
         );
         let a_off = sim.work_share(0, on + 5 * S + 100 * MS, on + 10 * S);
-        worst_on = worst_on
-            .max((a_on - 0.4 * (1.0 - loss)).abs())
-            .max((b_on - 0.6 * (1.0 - loss)).abs());
-        worst_off = worst_off.max((a_off - (1.0 - loss)).abs());
+        worst_on = worst_on.max((a_on - 0.4).abs()).max((b_on - 0.6).abs());
+        worst_off = worst_off.max((a_off - 1.0).abs());
     }
     eprintln!("bursty: worst error while on {worst_on:.4}, while off {worst_off:.4}");
     assert!(worst_on <= 0.015 && worst_off <= 0.005);
@@ -857,28 +894,30 @@ fn short_next_to_busy(use_ns: u64, think_ns: u64, seed: u64) -> (Sim, f64, f64) 
         sim.mean_wait_ns(0) / 1e6,
         sim.stats.max_wait_ns[0] as f64 / 1e6
     );
-    assert!(s + b >= 0.99 - handoff_loss(&sim) * 2.0, "{s} + {b}");
+    assert!(s + b >= 0.995, "{s} + {b}");
     (sim, s, b)
 }
 
 #[test]
 fn a_short_user_gets_what_it_needs_promptly_and_the_rest_goes_to_the_busy_one() {
     // 2 ms of work, then 18 ms of CPU: needs 10 % of the GPU. It banks its guarantee while
-    // thinking, so each burst takes the GPU back at once (the busy holder's token is cut).
+    // thinking, so each burst takes the GPU back within a minimum quota (the busy holder's
+    // turn is cut short).
     let (sim, s, _) = short_next_to_busy(2 * MS, 18 * MS, 7);
-    assert!(s >= 0.1 - 0.005, "{s}");
-    assert!(sim.mean_wait_ns(0) <= 0.1 * MS as f64);
+    let min_quota_ms = sim.policy.config().min_quota_ns as f64 / 1e6;
+    assert!(s >= 2.0 / (20.0 + min_quota_ms) - 0.005, "{s}");
+    assert!(sim.mean_wait_ns(0) <= sim.policy.config().min_quota_ns as f64);
     assert!(sim.stats.shortened > 1000, "{}", sim.stats.shortened);
     let st = sim.policy.status(sim.now);
     let preempted = group(&st, "busy").preempted + group(&st, "short").preempted;
-    assert_eq!(preempted, sim.stats.shortened);
+    assert!(preempted <= sim.stats.shortened);
     assert!(group(&st, "busy").preempted > 1000);
 }
 
 #[test]
 fn a_bursty_tenant_idle_longer_than_a_quota_still_gets_what_it_needs() {
     // 10 ms of work, then 23.3 ms idle: 30 % of the GPU alone, well under its 0.5 guarantee.
-    // Without banking it would wait for the busy one's whole quota at every burst and, on
+    // Without banking it would wait for the busy one's whole turn at every burst and, on
     // this closed loop, get only about 0.23.
     let (sim, s, _) = short_next_to_busy(10 * MS, 23_300_000, 11);
     let min_quota_ms = sim.policy.config().min_quota_ns as f64 / 1e6;
@@ -917,7 +956,7 @@ fn a_capped_guarantee_keeps_its_share_next_to_a_returning_short_user() {
 }
 
 #[test]
-fn an_overrunning_tenant_is_charged_and_gains_nothing() {
+fn an_overrunning_tenant_gains_nothing() {
     let end = 200 * S;
     let groups = [("over", gp(0.5, 1.0, 1.0)), ("fair", gp(0.5, 1.0, 1.0))];
     let mut t0 = Tenant::new(0, Demand::Busy);
@@ -930,17 +969,13 @@ fn an_overrunning_tenant_is_charged_and_gains_nothing() {
         sim.held_share(1, WARMUP, end),
     );
     let st = sim.policy.status(sim.now);
-    eprintln!(
-        "overrun: over {o:.4}, fair {f:.4}, overruns {}",
-        group(&st, "over").overruns
-    );
+    eprintln!("overrun: over {o:.4}, fair {f:.4}");
     assert!((o - 0.5).abs() < 0.01 && (f - 0.5).abs() < 0.01, "{o} {f}");
-    assert!(group(&st, "over").overruns > 1000);
     assert_eq!(group(&st, "over").revocations, 0);
 }
 
 #[test]
-fn a_stopped_holder_is_revoked_within_grace_and_the_others_continue() {
+fn a_stopped_holder_is_revoked_and_the_others_go_on_at_its_deadline() {
     let end = 60 * S;
     let groups = [("stuck", gp(0.5, 1.0, 1.0)), ("other", gp(0.5, 1.0, 1.0))];
     let tenants = vec![
@@ -955,40 +990,32 @@ fn a_stopped_holder_is_revoked_within_grace_and_the_others_continue() {
     ];
     let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 9);
     sim.run_until(end);
-    let cfg = sim.policy.config().clone();
     assert_eq!(sim.stats.revocations, 1);
-    assert!(sim.stats.max_overrun_ns <= cfg.grace_ns + 1);
-    // While it is stopped the other tenant has the GPU.
+    // While it is stopped the other tenant has the GPU, from its stopped turn's end.
     let other = sim.work_share(1, 10 * S + 100 * MS, 13 * S);
     eprintln!("stopped holder: other tenant gets {other:.4} while it is stopped");
-    assert!(other >= 0.99 - handoff_loss(&sim), "{other}");
-    // It reported 3 s when it woke: charged in full...
-    let st = sim.policy.status(sim.now);
-    assert!(group(&st, "stuck").busy_ns >= 3 * S);
-    // ...and long after, both are back at 0.5 (its debt is bounded to a few quotas).
-    let loss = handoff_loss(&sim);
+    assert!(other >= 0.99, "{other}");
+    // Long after, both are back at 0.5.
     let late = sim.work_share(0, 20 * S, end);
-    assert!((late - 0.5 * (1.0 - loss)).abs() < 0.01, "{late}");
+    assert!((late - 0.5).abs() < 0.01, "{late}");
 }
 
 #[test]
-fn killing_the_holder_hands_the_token_over_at_once() {
+fn killing_the_holder_hands_the_gpu_over_at_once() {
     let groups = [("a", gp(0.5, 1.0, 1.0)), ("b", gp(0.5, 1.0, 1.0))];
     let mut sim = Sim::new(PolicyConfig::default(), &groups, busy(2), 10);
     sim.run_until(S + 3 * MS);
     let (victim, _) = sim.policy.holder().unwrap();
-    let before = sim.stats.grants;
     sim.kill((victim - 1) as usize);
-    assert_eq!(
-        sim.stats.grants,
-        before + 1,
-        "the other tenant was granted in the same call"
-    );
-    assert_ne!(sim.policy.holder().unwrap().0, victim);
+    let (holder, _) = sim
+        .policy
+        .holder()
+        .expect("the other tenant's turn starts at once");
+    assert_ne!(holder, victim);
     sim.run_until(10 * S);
     let survivor = 2 - victim as usize;
     let share = sim.work_share(survivor, 2 * S, 10 * S);
-    assert!(share >= 0.99 - handoff_loss(&sim), "{share}");
+    assert!(share >= 0.999, "{share}");
 }
 
 #[test]
@@ -999,13 +1026,12 @@ fn a_hot_reload_of_requests_moves_the_shares() {
     sim.set_group(0, gp(0.8, 1.0, 1.0));
     sim.set_group(1, gp(0.2, 0.2, 1.0));
     sim.run_until(80 * S);
-    let loss = handoff_loss(&sim);
     let (a, b) = (
         sim.work_share(0, 35 * S, 80 * S),
         sim.work_share(1, 35 * S, 80 * S),
     );
-    assert!((a - 0.8 * (1.0 - loss)).abs() < 0.01, "{a}");
-    assert!((b - 0.2 * (1.0 - loss)).abs() < 0.01, "{b}");
+    assert!((a - 0.8).abs() < 0.01, "{a}");
+    assert!((b - 0.2).abs() < 0.01, "{b}");
 }
 
 #[test]
@@ -1027,7 +1053,7 @@ fn sixty_four_equal_tenants_share_evenly() {
 
 #[test]
 fn partial_users_yield_their_unused_share_by_weight() {
-    // p has the big request but uses only a few ms per token; a and b split what it leaves 1:3.
+    // p has the big request but uses only a few ms per turn; a and b split what it leaves 1:3.
     let end = 200 * S;
     let groups = [
         ("p", gp(0.6, 1.0, 1.0)),
@@ -1062,140 +1088,51 @@ fn partial_users_yield_their_unused_share_by_weight() {
 }
 
 #[test]
-fn shares_hold_when_clients_queue_for_their_next_turn_before_releasing() {
-    // The other client protocol: the holder asks again before it releases, so it is waiting
-    // when the token is handed on.
+fn lopsided_pairs_are_split_right() {
     let end = 200 * S;
-    for (params, want) in [
-        (
-            vec![gp(0.5, 1.0, 1.0), gp(0.3, 1.0, 1.0), gp(0.2, 1.0, 1.0)],
-            vec![0.5, 0.3, 0.2],
-        ),
-        (vec![gp(0.2, 1.0, 1.0), gp(0.2, 1.0, 3.0)], vec![0.35, 0.65]),
-        (vec![gp(0.9, 1.0, 1.0), gp(0.1, 1.0, 1.0)], vec![0.9, 0.1]),
+    for (groups, seed) in [
+        ([("a", gp(0.0, 1.0, 8.2)), ("b", gp(0.0, 1.0, 0.1))], 16),
+        ([("a", gp(0.9, 1.0, 1.0)), ("b", gp(0.1, 1.0, 1.0))], 15),
     ] {
-        let names = ["a", "b", "c"];
-        let groups: Vec<(&str, GroupParams)> = names.iter().copied().zip(params).collect();
-        let tenants = (0..groups.len())
-            .map(|g| {
-                let mut t = Tenant::new(g, Demand::Busy);
-                t.ask_before_release = true;
-                t
-            })
-            .collect();
-        let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 14);
-        sim.run_until(end);
-        let loss = handoff_loss(&sim);
-        for (g, w) in want.iter().enumerate() {
-            let (err, lo, hi) = worst_window_error(&sim, g, w * (1.0 - loss), end);
-            eprintln!("queue-first {want:?}: group {g} windows {lo:.4}..{hi:.4} (worst {err:.4})");
-            assert!(err <= 0.01, "{want:?} group {g}: {lo}..{hi}");
-        }
-    }
-}
-
-#[test]
-fn a_very_lopsided_pair_is_split_right_with_either_protocol() {
-    // Targets 0.988 / 0.012: below min_quota / (quota + min_quota), so with release-then-ask
-    // only anticipation keeps the small group from getting ~9 %.
-    let end = 200 * S;
-    let groups = [("a", gp(0.0, 1.0, 8.2)), ("b", gp(0.0, 1.0, 0.1))];
-    let want = water_fill(&[groups[0].1, groups[1].1]);
-    for ask_first in [false, true] {
-        let tenants = (0..2)
-            .map(|g| {
-                let mut t = Tenant::new(g, Demand::Busy);
-                t.ask_before_release = ask_first;
-                t
-            })
-            .collect();
-        let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 16);
+        let want = water_fill(&[groups[0].1, groups[1].1]);
+        let mut sim = Sim::new(PolicyConfig::default(), &groups, busy(2), seed);
         sim.run_until(end);
         for (g, w) in want.iter().enumerate() {
             let held = sim.held_share(g, WARMUP, end);
-            eprintln!("lopsided, ask first {ask_first}: group {g} held {held:.4} (target {w:.4})");
+            eprintln!("lopsided {want:?}: group {g} held {held:.4}");
             assert!((held - w).abs() < 0.005, "group {g}: {held}");
         }
-        // Busy tenants ask again at once: anticipation never idles the GPU.
-        assert_eq!(sim.stats.anticipation_ns, 0);
         assert_eq!(sim.stats.idle_with_uncapped_waiter_ns, 0);
     }
 }
 
 #[test]
-fn a_released_token_is_kept_briefly_for_a_group_owed_much_more() {
-    let mut p = policy(&[("a", gp(0.0, 1.0, 50.0)), ("b", gp(0.0, 1.0, 1.0))]);
-    let now = until_anticipation(&mut p);
-    let (g, until) = p.anticipating().unwrap();
-    assert_eq!((g, until), ("a", now + 500_000));
-    // b's wait ends with the window at the latest.
-    assert_eq!(p.next_wakeup(now), Some(until));
-    p.tick(now + 1000);
-    assert!(p.holder().is_none());
-    // a asks again within the window: it gets the token at once.
-    p.acquire(1, now + 2000).unwrap();
-    assert_eq!(p.holder().map(|h| h.0), Some(1));
-    assert!(p.anticipating().is_none());
-    // Had a not come back, b would have been granted when the window ended.
-    let (c, t) = p.holder().unwrap();
-    p.release(c, t, 20 * MS, now + 22 * MS).unwrap();
-    if let Some((_, until)) = p.anticipating() {
-        p.tick(until);
-        assert_eq!(p.holder().map(|h| h.0), Some(2));
-    }
-}
-
-/// Drives a (weight 50) and b (weight 1), both busy and releasing before asking, until the
-/// token is kept for a after one of its releases; returns the time.
-fn until_anticipation(p: &mut Policy) -> u64 {
-    p.connect(1, "a").unwrap();
-    p.connect(2, "b").unwrap();
-    p.acquire(1, 0).unwrap();
-    p.acquire(2, 0).unwrap();
-    let mut now = 0;
-    for _ in 0..200 {
-        let (c, t) = p.holder().expect("someone holds");
-        let q = match p.take_decisions().last() {
-            Some(Decision::Grant { quota_ns, .. }) => *quota_ns,
-            _ => 20 * MS,
-        };
-        now += q;
-        p.release(c, t, q, now).unwrap();
-        if p.holder().is_none() {
-            assert_eq!(c, 1, "the token is kept for a");
-            return now;
-        }
-        p.acquire(c, now).unwrap();
-    }
-    panic!("no anticipation");
-}
-
-#[test]
-fn a_kept_token_goes_to_the_waiter_at_once_if_the_group_it_was_kept_for_leaves() {
-    let mut p = policy(&[("a", gp(0.0, 1.0, 50.0)), ("b", gp(0.0, 1.0, 1.0))]);
-    let now = until_anticipation(&mut p);
-    assert!(p.anticipating().is_some());
-    p.disconnect(1, now + 1000);
-    assert_eq!(p.holder().map(|h| h.0), Some(2));
-    let mut p = policy(&[("a", gp(0.0, 1.0, 50.0)), ("b", gp(0.0, 1.0, 1.0))]);
-    let now = until_anticipation(&mut p);
-    p.remove_group("a", now + 1000);
-    assert_eq!(p.holder().map(|h| h.0), Some(2));
-}
-
-#[test]
-fn a_lopsided_pair_is_split_right_when_clients_release_before_asking() {
-    // 0.9 / 0.1 with release-then-ask: the small group is the only waiter at every handover,
-    // so its tokens are shortened instead (adaptive quota).
-    let end = 200 * S;
-    let groups = [("a", gp(0.9, 1.0, 1.0)), ("b", gp(0.1, 1.0, 1.0))];
-    let mut sim = Sim::new(PolicyConfig::default(), &groups, busy(2), 15);
+fn groups_without_processes_on_this_gpu_neither_bank_nor_scale_the_others() {
+    // x and y are configured (e.g. they run on another GPU) but have no process here: a and b
+    // split this GPU 0.7 / 0.3 as if they were alone, with idle pauses between bursts.
+    let end = 100 * S;
+    let groups = [
+        ("a", gp(0.7, 1.0, 1.0)),
+        ("b", gp(0.3, 1.0, 1.0)),
+        ("x", gp(0.5, 1.0, 1.0)),
+        ("y", gp(0.5, 1.0, 1.0)),
+    ];
+    let pausing = || Demand::Short {
+        use_ns: 20 * MS,
+        think_ns: 300_000,
+    };
+    let tenants = vec![Tenant::new(0, pausing()), Tenant::new(1, pausing())];
+    let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 21);
     sim.run_until(end);
-    for (g, want) in [0.9, 0.1].into_iter().enumerate() {
-        let held = sim.held_share(g, WARMUP, end);
-        eprintln!("0.9/0.1 release-first: group {g} held {held:.4}");
-        assert!((held - want).abs() < 0.01, "group {g}: {held}");
-    }
+    let (a, b) = (
+        sim.held_share(0, WARMUP, end),
+        sim.held_share(1, WARMUP, end),
+    );
+    eprintln!("a {a:.4} b {b:.4}");
+    assert!(
+        (a - 0.7).abs() <= 0.015 && (b - 0.3).abs() <= 0.015,
+        "{a} {b}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1205,16 +1142,19 @@ fn a_lopsided_pair_is_split_right_when_clients_release_before_asking() {
 #[derive(Debug, Clone)]
 struct Mix {
     params: Vec<GroupParams>,
-    /// Per group: 0 = busy, 1 = random fraction of its quota, 2 = on/off, 3 = short user.
+    /// Per group: 0 = busy, 1 = random fraction of its turn, 2 = on/off, 3 = short user.
     kinds: Vec<u8>,
     seed: u64,
     /// Quota in ms (grace the same, minimum quota a tenth).
     quota_ms: u64,
-    handoff_us: u64,
+    /// How late the hooks open their turns, at most. (Overruns are left out: a turn is charged
+    /// for them, which this simulator's device does not model; `an_overrunning_tenant_gains_
+    /// nothing` covers them.)
+    late_us: u64,
 }
 
-/// Cases per property: 24 by default (the whole suite stays within seconds in a debug build);
-/// `POLICY_PROPTEST_CASES=2000` for a deep run.
+/// Cases per property: 24 by default (the whole suite stays within seconds); for a deep run
+/// `POLICY_PROPTEST_CASES=2000`.
 fn cases() -> u32 {
     std::env::var("POLICY_PROPTEST_CASES")
         .ok()
@@ -1232,7 +1172,7 @@ fn arb_params() -> impl Strategy<Value = GroupParams> {
 
 fn arb_mix(kinds: std::ops::Range<u8>) -> impl Strategy<Value = Mix> {
     (1..=64usize, any::<u64>(), 5..=40u64, 0..=200u64).prop_flat_map(
-        move |(n, seed, quota_ms, handoff_us)| {
+        move |(n, seed, quota_ms, late_us)| {
             (
                 prop::collection::vec(arb_params(), n),
                 prop::collection::vec(kinds.clone(), n),
@@ -1242,7 +1182,7 @@ fn arb_mix(kinds: std::ops::Range<u8>) -> impl Strategy<Value = Mix> {
                     kinds,
                     seed,
                     quota_ms,
-                    handoff_us,
+                    late_us,
                 })
         },
     )
@@ -1278,11 +1218,7 @@ fn run_mix(mix: &Mix, end: u64) -> Sim {
                 },
             };
             let mut t = Tenant::new(g, demand);
-            t.ask_before_release = rng.unit() < 0.5;
-            if rng.unit() < 0.2 {
-                // Overruns that stay within grace: charged, never revoked.
-                t.overrun = Some((0.3, mix.quota_ms * MS / 2));
-            }
+            t.late_ns = mix.late_us * 1000;
             t
         })
         .collect();
@@ -1290,10 +1226,10 @@ fn run_mix(mix: &Mix, end: u64) -> Sim {
         quota_ns: mix.quota_ms * MS,
         min_quota_ns: mix.quota_ms * MS / 10,
         grace_ns: mix.quota_ms * MS,
+        grant_ahead_ns: (mix.quota_ms * MS / 4).min(5 * MS),
         ..PolicyConfig::default()
     };
     let mut sim = Sim::new(cfg, &groups, tenants, mix.seed);
-    sim.handoff_ns = mix.handoff_us * 1000;
     sim.bin_ns = 100 * MS;
     sim.run_until(end);
     sim
@@ -1317,18 +1253,19 @@ proptest! {
                     "busy group {g} {p:?}: {held} < request {}", eff[g]);
             }
             // A short user that needs clearly less than its guarantee gets what it needs: each
-            // time its work arrives it is let in within a minimum quota. (With two such users,
-            // one may wait for the other's burst, so only a lone one is checked; one needing
-            // about all its guarantee competes on equal terms with the others owed theirs.)
+            // time its work arrives it is let in within a minimum quota and a grant-ahead. (With
+            // two such users, one may wait for the other's burst, so only a lone one is
+            // checked.)
             let short_guaranteed = |k: usize| mix.kinds[k] == 3 && eff[k] > 0.0;
             let lone = (0..mix.kinds.len()).filter(|&k| short_guaranteed(k)).count() == 1;
             if let Demand::Short { use_ns, think_ns } = sim.tenants[g].demand
                 && short_guaranteed(g)
                 && lone
             {
-                let min_quota = sim.policy.config().min_quota_ns;
+                let cfg = sim.policy.config();
+                let wait = cfg.min_quota_ns + cfg.grant_ahead_ns;
                 let need = use_ns as f64 / (use_ns + think_ns) as f64;
-                let served = use_ns as f64 / (use_ns + think_ns + min_quota) as f64;
+                let served = use_ns as f64 / (use_ns + think_ns + wait) as f64;
                 if need <= 0.8 * eff[g] {
                     prop_assert!(held >= served - 0.02,
                         "short group {g} {p:?}: {held} < {served} (needs {need})");
@@ -1336,18 +1273,20 @@ proptest! {
             }
             prop_assert!(held <= p.limit + 0.02, "group {g} {p:?}: {held} above its limit");
         }
-        // Work conservation: the token is never free while a group below its limit waits.
+        // Work conservation: the GPU never goes without a turn while a group below its limit
+        // waits.
         prop_assert_eq!(sim.stats.idle_with_uncapped_waiter_ns, 0);
-        prop_assert_eq!(sim.stats.idle_with_capped_waiter_below_limit_ns, 0);
-        // The only exception: the token kept briefly for a group that just released it.
-        prop_assert!(sim.stats.anticipation_ns <= end / 100,
-            "anticipation idled {} ns", sim.stats.anticipation_ns);
+        // (The simulator judges a capped group's limit by the turns it was granted; the policy
+        // charges a lone turn what its kernels used, a little less when they start late, so it
+        // may grant a little later than the simulator's judge expects.)
+        prop_assert!(sim.stats.idle_with_capped_waiter_below_limit_ns <= end / 1000,
+            "idle below the limit for {} ns", sim.stats.idle_with_capped_waiter_below_limit_ns);
         prop_assert_eq!(sim.stats.revocations, 0);
-        // And with every group active all the time, the GPU is held min(1, Σ limits) of it.
-        if mix.kinds.iter().all(|&k| k <= 1) {
-            let t = end as f64;
-            prop_assert!(sim.stats.held_ns >= sim.stats.promised_ns - 0.02 * t,
-                "held {} < promised {}", sim.stats.held_ns / t, sim.stats.promised_ns / t);
+        // And with every group busy all the time, the GPU is held min(1, Σ limits) of it.
+        if mix.kinds.iter().all(|&k| k == 0) {
+            let held: f64 = (0..mix.params.len()).map(|g| sim.held_share(g, 0, end)).sum();
+            let promised = sim.stats.promised_ns / end as f64;
+            prop_assert!(held >= promised - 0.02, "held {held} < promised {promised}");
         }
     }
 
@@ -1393,33 +1332,4 @@ proptest! {
             }
         }
     }
-}
-
-#[test]
-fn groups_without_processes_on_this_gpu_neither_bank_nor_scale_the_others() {
-    // x and y are configured (e.g. they run on another GPU) but have no process here: a and b
-    // split this GPU 0.7 / 0.3 as if they were alone, with idle pauses between bursts.
-    let end = 100 * S;
-    let groups = [
-        ("a", gp(0.7, 1.0, 1.0)),
-        ("b", gp(0.3, 1.0, 1.0)),
-        ("x", gp(0.5, 1.0, 1.0)),
-        ("y", gp(0.5, 1.0, 1.0)),
-    ];
-    let pausing = || Demand::Short {
-        use_ns: 20 * MS,
-        think_ns: 300_000,
-    };
-    let tenants = vec![Tenant::new(0, pausing()), Tenant::new(1, pausing())];
-    let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 21);
-    sim.run_until(end);
-    let (a, b) = (
-        sim.held_share(0, WARMUP, end),
-        sim.held_share(1, WARMUP, end),
-    );
-    eprintln!("a {a:.4} b {b:.4}");
-    assert!(
-        (a - 0.7).abs() <= 0.015 && (b - 0.3).abs() <= 0.015,
-        "{a} {b}"
-    );
 }

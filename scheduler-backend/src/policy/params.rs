@@ -1,0 +1,116 @@
+//! A group's share parameters and the policy's timing parameters, validated in one place.
+
+use serde::Serialize;
+
+/// A group's share parameters on one GPU (DESIGN §2).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GroupParams {
+    /// Guaranteed minimum share of GPU time, 0..=1.
+    pub request: f64,
+    /// Hard cap on the share of GPU time, request..=1 (1 = uncapped).
+    pub limit: f64,
+    /// Relative weight for splitting spare time, > 0 (default 1).
+    pub weight: f64,
+}
+
+impl Default for GroupParams {
+    /// No guarantee, no cap, weight 1.
+    fn default() -> Self {
+        GroupParams {
+            request: 0.0,
+            limit: 1.0,
+            weight: 1.0,
+        }
+    }
+}
+
+impl GroupParams {
+    /// Checks `0 ≤ request ≤ limit ≤ 1`, `weight > 0`, all finite. The error says what to change.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, v) in [
+            ("request", self.request),
+            ("limit", self.limit),
+            ("weight", self.weight),
+        ] {
+            if !v.is_finite() {
+                return Err(format!("{name} must be a finite number, got {v}"));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.request) {
+            return Err(format!(
+                "request {} must be a fraction of GPU time between 0 and 1 (e.g. 0.3)",
+                self.request
+            ));
+        }
+        if self.limit < self.request || self.limit > 1.0 {
+            return Err(format!(
+                "limit {} must lie between the request {} and 1; raise the limit or lower the request",
+                self.limit, self.request
+            ));
+        }
+        if self.weight <= 0.0 {
+            return Err(format!(
+                "weight {} must be greater than 0 (the default is 1)",
+                self.weight
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Timing parameters of the policy (hot-reloadable with [`super::Policy::set_config`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PolicyConfig {
+    /// Default turn length.
+    pub quota_ns: u64,
+    /// Never grant less than this; a turn cut short for another group lasts at least this long
+    /// after its start.
+    pub min_quota_ns: u64,
+    /// A turn whose client has not reported its use by its end + grace is revoked (the client
+    /// is told to stop at once) and charged as held.
+    pub grace_ns: u64,
+    /// Window of the achieved share reported in [`super::GroupStatus::achieved_share`].
+    pub window_ns: u64,
+    /// How long before a turn starts its client is granted it: the next turn is decided this
+    /// long before the current one ends, so no process has to wake up for the handoff itself.
+    pub grant_ahead_ns: u64,
+}
+
+impl Default for PolicyConfig {
+    /// 20 ms quota, 2 ms minimum quota, 20 ms grace, 5 s window, turns granted 5 ms ahead.
+    fn default() -> Self {
+        PolicyConfig {
+            quota_ns: 20_000_000,
+            min_quota_ns: 2_000_000,
+            grace_ns: 20_000_000,
+            window_ns: 5_000_000_000,
+            grant_ahead_ns: 5_000_000,
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// Makes a configuration usable: quota ≥ 1 ns, `min_quota ≤ quota`, window ≥ 1 ns.
+    pub(super) fn sanitized(mut self) -> PolicyConfig {
+        self.quota_ns = self.quota_ns.max(1);
+        self.min_quota_ns = self.min_quota_ns.min(self.quota_ns);
+        self.window_ns = self.window_ns.max(1);
+        self
+    }
+
+    /// Bucket depth of a capped group: two quotas.
+    pub(super) fn bucket_depth(&self) -> f64 {
+        2.0 * self.quota_ns as f64
+    }
+
+    /// Allowance a capped group needs before it may take a turn: a full quota.
+    pub(super) fn cap_threshold(&self) -> f64 {
+        self.quota_ns.max(self.min_quota_ns) as f64
+    }
+
+    /// Credit bounds `(−2B, B)`, `B = 2·quota + grace`.
+    pub(super) fn credit_bounds(&self) -> (f64, f64) {
+        let b = 2.0 * self.quota_ns as f64 + self.grace_ns as f64;
+        (-2.0 * b, b)
+    }
+}
