@@ -43,11 +43,15 @@ entry!(
         let tail = d.lock().ctx_tail(id(ctx));
         // Destroying a context waits for its work, as the real driver does.
         d.client.wait(tail)?;
-        let mut st = d.lock();
-        if st.primary.iter().any(|p| p.ctx == Some(id(ctx))) {
-            return Err(CUDA_ERROR_INVALID_CONTEXT);
-        }
-        st.destroy_context(&d.client, id(ctx))
+        let callbacks = {
+            let mut st = d.lock();
+            if st.primary.iter().any(|p| p.ctx == Some(id(ctx))) {
+                return Err(CUDA_ERROR_INVALID_CONTEXT);
+            }
+            st.destroy_context(&d.client, id(ctx))?
+        };
+        state::run_storage_callbacks(callbacks);
+        Ok(())
     }
 );
 
@@ -221,22 +225,30 @@ entry!(
     }
 );
 
+/// The primary context of `dev`, created if it does not exist yet; `retain` counts a reference.
+pub fn primary_context(dev: CUdevice, retain: bool) -> CuResult<u64> {
+    let d = driver()?;
+    let device = d.check_device(dev)? as usize;
+    let mut st = d.lock();
+    let p = st.primary[device];
+    let ctx = match p.ctx {
+        Some(c) => c,
+        None => st.create_context(&d.client, device as u32, p.flags)?,
+    };
+    st.primary[device] = Primary {
+        ctx: Some(ctx),
+        refs: p.refs + u32::from(retain),
+        flags: p.flags,
+    };
+    Ok(ctx)
+}
+
 entry!(
     fn cuDevicePrimaryCtxRetain(pctx: *mut Handle, dev: CUdevice) {
-        let d = driver()?;
-        let device = d.check_device(dev)? as usize;
-        let mut st = d.lock();
-        let p = st.primary[device];
-        let ctx = match p.ctx {
-            Some(c) => c,
-            None => st.create_context(&d.client, device as u32, p.flags)?,
-        };
-        st.primary[device] = Primary {
-            ctx: Some(ctx),
-            refs: p.refs + 1,
-            flags: p.flags,
-        };
-        put(pctx, handle(ctx))
+        if pctx.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        put(pctx, handle(primary_context(dev, true)?))
     }
 );
 
@@ -263,14 +275,18 @@ fn primary_reset(dev: CUdevice) -> CuResult {
     };
     let tail = d.lock().ctx_tail(ctx);
     d.client.wait(tail)?;
-    let mut st = d.lock();
-    let flags = st.primary[device].flags;
-    st.primary[device] = Primary {
-        ctx: None,
-        refs: 0,
-        flags,
+    let callbacks = {
+        let mut st = d.lock();
+        let flags = st.primary[device].flags;
+        st.primary[device] = Primary {
+            ctx: None,
+            refs: 0,
+            flags,
+        };
+        st.destroy_context(&d.client, ctx)?
     };
-    st.destroy_context(&d.client, ctx)
+    state::run_storage_callbacks(callbacks);
+    Ok(())
 }
 
 entry!(

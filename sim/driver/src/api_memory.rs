@@ -13,7 +13,7 @@
 
 use crate::api_graph::capture_node;
 use crate::ffi::*;
-use crate::state::{Alloc, AllocKind, Driver, NodeKind, State, driver, with_state};
+use crate::state::{Alloc, AllocKind, Driver, NodeKind, Pinned, State, driver, with_state};
 use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
 use gpushare_sim_wire::{Reply, Request};
 use std::ffi::{c_uint, c_void};
@@ -223,12 +223,12 @@ entry!(
 entry!(
     fn cuMemGetAddressRange_v2(base: *mut CUdeviceptr, size: *mut usize, ptr: CUdeviceptr) {
         with_state(|_, st| {
-            let (b, a) = st.find_alloc(ptr, 0).ok_or(CUDA_ERROR_NOT_FOUND)?;
+            let (b, s) = st.device_range(ptr, 0).ok_or(CUDA_ERROR_NOT_FOUND)?;
             if !base.is_null() {
                 put(base, b)?;
             }
             if !size.is_null() {
-                put(size, a.size)?;
+                put(size, s)?;
             }
             Ok(())
         })
@@ -237,13 +237,25 @@ entry!(
 
 // --- page-locked host memory -------------------------------------------------------------
 
-fn host_alloc(pp: *mut *mut c_void, size: usize) -> CuResult {
-    if size == 0 {
+/// `CU_MEMHOSTALLOC_PORTABLE | DEVICEMAP | WRITECOMBINED`.
+const HOST_ALLOC_FLAGS: u32 = 0x7;
+/// `CU_MEMHOSTREGISTER_PORTABLE | DEVICEMAP | IOMEMORY | READ_ONLY`.
+const HOST_REGISTER_FLAGS: u32 = 0xf;
+
+fn host_alloc(pp: *mut *mut c_void, size: usize, flags: u32) -> CuResult {
+    if size == 0 || flags & !HOST_ALLOC_FLAGS != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let p = map(size, true)?;
     with_state(|_, st| {
-        st.pinned.insert(p, size);
+        st.pinned.insert(
+            p,
+            Pinned {
+                size,
+                flags,
+                allocated: true,
+            },
+        );
         Ok(())
     })?;
     put(pp, p as *mut c_void)
@@ -251,21 +263,20 @@ fn host_alloc(pp: *mut *mut c_void, size: usize) -> CuResult {
 
 entry!(
     fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) {
-        host_alloc(pp, size)
+        host_alloc(pp, size, 0)
     }
 );
 entry!(
-    fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, _flags: c_uint) {
-        host_alloc(pp, size)
+    fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, flags: c_uint) {
+        host_alloc(pp, size, flags)
     }
 );
 
 entry!(
     fn cuMemFreeHost(p: *mut c_void) {
-        let size = with_state(|_, st| {
-            st.pinned
-                .remove(&(p as u64))
-                .ok_or(CUDA_ERROR_INVALID_VALUE)
+        let size = with_state(|_, st| match st.pinned.get(&(p as u64)) {
+            Some(b) if b.allocated => Ok(st.pinned.remove(&(p as u64)).expect("present").size),
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
         })?;
         unmap(p as u64, size);
         Ok(())
@@ -273,14 +284,28 @@ entry!(
 );
 
 entry!(
-    fn cuMemHostRegister_v2(p: *mut c_void, size: usize, _flags: c_uint) {
-        if p.is_null() || size == 0 {
+    fn cuMemHostRegister_v2(p: *mut c_void, size: usize, flags: c_uint) {
+        if p.is_null() || size == 0 || flags & !HOST_REGISTER_FLAGS != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         with_state(|_, st| {
-            if st.pinned.insert(p as u64, size).is_some() {
+            let (start, end) = (p as u64, p as u64 + size as u64);
+            let overlaps = st
+                .pinned
+                .range(..end)
+                .next_back()
+                .is_some_and(|(&b, q)| b + q.size as u64 > start);
+            if overlaps {
                 return Err(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
             }
+            st.pinned.insert(
+                start,
+                Pinned {
+                    size,
+                    flags,
+                    allocated: false,
+                },
+            );
             Ok(())
         })
     }
@@ -288,11 +313,12 @@ entry!(
 
 entry!(
     fn cuMemHostUnregister(p: *mut c_void) {
-        with_state(|_, st| {
-            st.pinned
-                .remove(&(p as u64))
-                .map(|_| ())
-                .ok_or(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+        with_state(|_, st| match st.pinned.get(&(p as u64)) {
+            Some(b) if !b.allocated => {
+                st.pinned.remove(&(p as u64));
+                Ok(())
+            }
+            _ => Err(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED),
         })
     }
 );
@@ -315,10 +341,8 @@ entry!(
 entry!(
     fn cuMemHostGetFlags(flags: *mut c_uint, p: *mut c_void) {
         with_state(|_, st| {
-            if !st.is_pinned(p as u64, 1) {
-                return Err(CUDA_ERROR_INVALID_VALUE);
-            }
-            put(flags, 0)
+            let (_, b) = st.find_pinned(p as u64, 1).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            put(flags, b.flags)
         })
     }
 );
@@ -376,8 +400,10 @@ enum Dir {
     Any,
 }
 
+/// Error unless `[ptr, ptr + len)` is memory the device addresses: an allocation of this
+/// process or (mapped) page-locked host memory.
 fn check_dev(st: &State, ptr: u64, len: usize) -> CuResult {
-    st.find_alloc(ptr, len)
+    st.device_range(ptr, len)
         .map(|_| ())
         .ok_or(CUDA_ERROR_INVALID_VALUE)
 }

@@ -78,16 +78,6 @@ entry!(
     }
 );
 
-// Private export tables of the CUDA runtime: not part of the simulated driver.
-entry!(
-    fn cuGetExportTable(table: *mut *const c_void, _uuid: *const c_void) {
-        if !table.is_null() {
-            put(table, std::ptr::null())?;
-        }
-        Err(CUDA_ERROR_NOT_SUPPORTED)
-    }
-);
-
 #[cfg(test)]
 mod tests {
     use super::*;

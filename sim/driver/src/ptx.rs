@@ -1,12 +1,7 @@
 //! Just enough of a PTX reader for the simulated driver: the ISA version, each kernel's name
 //! and parameter sizes (to read launch arguments), and module-scope `.global` variables.
 
-#[derive(Debug, PartialEq, Eq)]
-pub struct Kernel {
-    pub name: String,
-    /// Size in bytes of each parameter, in order.
-    pub params: Vec<usize>,
-}
+pub use crate::image::Kernel;
 
 #[derive(Debug, PartialEq, Eq)]
 pub struct Module {

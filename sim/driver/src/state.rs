@@ -66,7 +66,10 @@ thread_local! {
 }
 
 pub fn current_ctx() -> Option<u64> {
-    CTX_STACK.with(|s| s.borrow().last().copied())
+    CTX_STACK
+        .try_with(|s| s.borrow().last().copied())
+        .ok()
+        .flatten()
 }
 
 pub fn set_current(ctx: Option<u64>) {
@@ -89,7 +92,8 @@ pub fn pop_current() -> Option<u64> {
 
 /// Forget `ctx` in this thread's stack after it was destroyed.
 pub fn forget_ctx(ctx: u64) {
-    CTX_STACK.with(|s| s.borrow_mut().retain(|&c| c != ctx))
+    // At thread exit (a runtime releasing its context from a destructor) the stack may be gone.
+    let _ = CTX_STACK.try_with(|s| s.borrow_mut().retain(|&c| c != ctx));
 }
 
 fn thread_key() -> u64 {
@@ -138,17 +142,57 @@ pub struct Event {
 }
 
 pub struct Module {
-    pub functions: HashMap<String, u64>,
+    /// Function ids in image order, by name.
+    pub functions: Vec<(String, u64)>,
     pub globals: HashMap<String, (u64, usize)>,
+    /// The library this module belongs to (`cuLibraryGetModule`), if any.
+    pub library: Option<u64>,
 }
 
+impl Module {
+    pub fn function(&self, name: &str) -> Option<u64> {
+        self.functions.iter().find(|(n, _)| n == name).map(|&(_, f)| f)
+    }
+}
+
+/// A kernel. Its id is both its `CUfunction` and, for a library's kernels, its `CUkernel`: the
+/// simulated device runs a function in any context, so the two handles need not differ.
 pub struct Function {
     /// NUL-terminated for cuFuncGetName.
     pub name: std::ffi::CString,
     pub params: Vec<usize>,
     pub ptx_version: i32,
     pub module: u64,
+    /// Attributes set with cuFuncSetAttribute / cuKernelSetAttribute: (attribute, value).
+    pub attrs: Vec<(i32, i32)>,
 }
+
+impl Function {
+    /// Byte offset and size of parameter `i`, each parameter aligned to its natural alignment
+    /// (its size's lowest set bit, at most 8), as the ABI lays out the parameter buffer.
+    pub fn param_info(&self, i: usize) -> Option<(usize, usize)> {
+        let mut off = 0usize;
+        for (k, &size) in self.params.iter().enumerate() {
+            let align = (size & size.wrapping_neg()).clamp(1, 8);
+            off = off.div_ceil(align) * align;
+            if k == i {
+                return Some((off, size));
+            }
+            off += size;
+        }
+        None
+    }
+}
+
+/// A value the CUDA runtime keeps with a context (`cuGetExportTable`'s context-local storage),
+/// and the callback to run when the context is destroyed.
+#[derive(Clone, Copy)]
+pub struct ContextStorage {
+    pub value: usize,
+    pub on_destroy: Option<ContextStorageDtor>,
+}
+
+pub type ContextStorageDtor = unsafe extern "C" fn(Handle, *mut std::ffi::c_void, *mut std::ffi::c_void);
 
 /// What a device pointer range is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -215,13 +259,31 @@ pub struct State {
     next_event_slot: u32,
     pub modules: HashMap<u64, Module>,
     pub functions: HashMap<u64, Function>,
+    /// Loaded libraries: library → its module.
+    pub libraries: HashMap<u64, u64>,
+    /// Link states of cuLinkCreate: their images so far, and the last completed output.
+    pub links: HashMap<u64, crate::api_link::LinkState>,
+    /// Context-local storage: (context, key) → value.
+    pub ctx_storage: HashMap<(u64, usize), ContextStorage>,
     pub graphs: HashMap<u64, Graph>,
     pub execs: HashMap<u64, Vec<NodeKind>>,
     /// Graph node handles: id → (graph, index).
     pub graph_nodes: HashMap<u64, (u64, usize)>,
     pub allocs: BTreeMap<u64, Alloc>,
-    /// Page-locked host buffers (cuMemAllocHost / HostAlloc / HostRegister): base → size.
-    pub pinned: BTreeMap<u64, usize>,
+    /// Page-locked host buffers (cuMemAllocHost / HostAlloc / HostRegister): base → size and
+    /// the flags they were made with.
+    pub pinned: BTreeMap<u64, Pinned>,
+}
+
+/// A page-locked host buffer. With unified addressing it is mapped into every context: its
+/// host address is also its device address.
+#[derive(Clone, Copy)]
+pub struct Pinned {
+    pub size: usize,
+    /// `CU_MEMHOSTALLOC_*` / `CU_MEMHOSTREGISTER_*` flags as given.
+    pub flags: u32,
+    /// Allocated by the driver (freed with cuMemFreeHost) rather than registered.
+    pub allocated: bool,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -245,6 +307,9 @@ impl State {
             next_event_slot: 0,
             modules: HashMap::new(),
             functions: HashMap::new(),
+            libraries: HashMap::new(),
+            links: HashMap::new(),
+            ctx_storage: HashMap::new(),
             graphs: HashMap::new(),
             execs: HashMap::new(),
             graph_nodes: HashMap::new(),
@@ -323,8 +388,9 @@ impl State {
         Ok(id)
     }
 
-    /// Destroy a context's objects here and on the device.
-    pub fn destroy_context(&mut self, client: &Client, ctx: u64) -> CuResult {
+    /// Destroy a context's objects here and on the device. Returns the context-local storage
+    /// callbacks to run once the state is unlocked: `(callback, context, key, value)`.
+    pub fn destroy_context(&mut self, client: &Client, ctx: u64) -> CuResult<Vec<StorageCallback>> {
         let c = self
             .contexts
             .remove(&ctx)
@@ -334,7 +400,18 @@ impl State {
         }
         self.per_thread.retain(|k, _| k.1 != ctx);
         forget_ctx(ctx);
-        client.send(&Request::DestroyContext { ctx })
+        let mut callbacks = Vec::new();
+        self.ctx_storage.retain(|&(c, key), v| {
+            if c != ctx {
+                return true;
+            }
+            if let Some(f) = v.on_destroy {
+                callbacks.push((f, ctx, key, v.value));
+            }
+            false
+        });
+        client.send(&Request::DestroyContext { ctx })?;
+        Ok(callbacks)
     }
 
     pub fn current(&self) -> CuResult<u64> {
@@ -472,11 +549,34 @@ impl State {
         (ptr.checked_add(len as u64)? <= base + a.size as u64).then_some((base, a))
     }
 
+    /// The page-locked buffer containing `[ptr, ptr + len)`, if any.
+    pub fn find_pinned(&self, ptr: u64, len: usize) -> Option<(u64, &Pinned)> {
+        let (&base, p) = self.pinned.range(..=ptr).next_back()?;
+        (ptr.checked_add(len as u64)? <= base + p.size as u64).then_some((base, p))
+    }
+
     pub fn is_pinned(&self, ptr: u64, len: usize) -> bool {
-        self.pinned
-            .range(..=ptr)
-            .next_back()
-            .is_some_and(|(&b, &sz)| ptr + len as u64 <= b + sz as u64)
+        self.find_pinned(ptr, len).is_some()
+    }
+
+    /// Base and size of the memory a device may address at `[ptr, ptr + len)`: an allocation,
+    /// or a page-locked host buffer (mapped, with unified addressing).
+    pub fn device_range(&self, ptr: u64, len: usize) -> Option<(u64, usize)> {
+        self.find_alloc(ptr, len)
+            .map(|(b, a)| (b, a.size))
+            .or_else(|| self.find_pinned(ptr, len).map(|(b, p)| (b, p.size)))
+    }
+}
+
+/// A context-local storage destructor due: (callback, context, key, value).
+pub type StorageCallback = (ContextStorageDtor, u64, usize, usize);
+
+/// Run the destructors [`State::destroy_context`] collected (with the state unlocked: they may
+/// call back into the driver).
+pub fn run_storage_callbacks(callbacks: Vec<StorageCallback>) {
+    for (f, ctx, key, value) in callbacks {
+        // SAFETY: the runtime registered this destructor for exactly these arguments.
+        unsafe { f(handle(ctx), key as *mut std::ffi::c_void, value as *mut std::ffi::c_void) };
     }
 }
 
