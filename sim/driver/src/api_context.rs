@@ -336,3 +336,16 @@ entry!(
         primary_set_flags(dev, flags)
     }
 );
+
+// The profiler control API: no profiler attaches to the simulated device, so starting and
+// stopping collection only checks for a context, as the driver does.
+entry!(
+    fn cuProfilerStart() {
+        with_state(|_, st| st.current().map(|_| ()))
+    }
+);
+entry!(
+    fn cuProfilerStop() {
+        with_state(|_, st| st.current().map(|_| ()))
+    }
+);

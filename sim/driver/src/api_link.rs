@@ -69,17 +69,53 @@ fn add(state: Handle, kind: c_int, bytes: &[u8]) -> CuResult {
     })
 }
 
+fn create(out: *mut Handle) -> CuResult {
+    with_state(|_, st| {
+        st.current()?;
+        let h = st.new_id();
+        st.links.insert(h, LinkState::default());
+        put(out, handle(h))
+    })
+}
+
+fn add_data(state: Handle, kind: c_int, data: *mut c_void, size: usize) -> CuResult {
+    driver()?;
+    // PTX may be passed with its size but no terminating NUL; the size is what counts.
+    add(state, kind, slice(data as *const u8, size)?)
+}
+
+fn add_file(state: Handle, kind: c_int, path: *const c_char) -> CuResult {
+    driver()?;
+    let path = c_str(path)?.to_str().map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+    let bytes = std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?;
+    add(state, kind, &bytes)
+}
+
+// The `_v2` entry points (ABI 6050) and the original ones (5050) take the same arguments.
 entry!(
-    fn cuLinkCreate_v2(_n: c_uint, _options: *mut c_int, _values: *mut *mut c_void, out: *mut Handle) {
-        with_state(|_, st| {
-            st.current()?;
-            let h = st.new_id();
-            st.links.insert(h, LinkState::default());
-            put(out, handle(h))
-        })
+    fn cuLinkCreate(_n: c_uint, _options: *mut c_int, _values: *mut *mut c_void, out: *mut Handle) {
+        create(out)
     }
 );
-
+entry!(
+    fn cuLinkCreate_v2(_n: c_uint, _options: *mut c_int, _values: *mut *mut c_void, out: *mut Handle) {
+        create(out)
+    }
+);
+entry!(
+    fn cuLinkAddData(
+        state: Handle,
+        kind: c_int,
+        data: *mut c_void,
+        size: usize,
+        _name: *const c_char,
+        _n: c_uint,
+        _options: *mut c_int,
+        _values: *mut *mut c_void,
+    ) {
+        add_data(state, kind, data, size)
+    }
+);
 entry!(
     fn cuLinkAddData_v2(
         state: Handle,
@@ -91,12 +127,21 @@ entry!(
         _options: *mut c_int,
         _values: *mut *mut c_void,
     ) {
-        driver()?;
-        // PTX may be passed with its size but no terminating NUL; the size is what counts.
-        add(state, kind, slice(data as *const u8, size)?)
+        add_data(state, kind, data, size)
     }
 );
-
+entry!(
+    fn cuLinkAddFile(
+        state: Handle,
+        kind: c_int,
+        path: *const c_char,
+        _n: c_uint,
+        _options: *mut c_int,
+        _values: *mut *mut c_void,
+    ) {
+        add_file(state, kind, path)
+    }
+);
 entry!(
     fn cuLinkAddFile_v2(
         state: Handle,
@@ -106,10 +151,7 @@ entry!(
         _options: *mut c_int,
         _values: *mut *mut c_void,
     ) {
-        driver()?;
-        let path = c_str(path)?.to_str().map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
-        let bytes = std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?;
-        add(state, kind, &bytes)
+        add_file(state, kind, path)
     }
 );
 

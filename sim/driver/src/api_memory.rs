@@ -16,7 +16,7 @@ use crate::ffi::*;
 use crate::state::{Alloc, AllocKind, Driver, NodeKind, Pinned, State, driver, with_state};
 use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
 use gpushare_sim_wire::{Reply, Request};
-use std::ffi::{c_uint, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 
 /// Allocation granularity charged against the device's capacity.
 const CHARGE_ALIGN: u64 = 512;
@@ -760,11 +760,36 @@ fn check_managed_range(ptr: u64, len: usize) -> CuResult {
     with_state(|_, st| check_dev(st, ptr, len))
 }
 
+/// `CUmemLocation`: where memory should live (a device, the host, a host NUMA node).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct MemLocation {
+    kind: c_int,
+    id: c_int,
+}
+
 entry_pt!(cuMemPrefetchAsync / cuMemPrefetchAsync_ptsz, |_pt| fn(ptr: CUdeviceptr, n: usize, _dev: CUdevice, _s: Handle) {
+    check_managed_range(ptr, n)
+});
+entry_pt!(cuMemPrefetchAsync_v2 / cuMemPrefetchAsync_v2_ptsz, |_pt| fn(
+    ptr: CUdeviceptr,
+    n: usize,
+    _location: MemLocation,
+    flags: c_uint,
+    _s: Handle,
+) {
+    if flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
     check_managed_range(ptr, n)
 });
 entry!(
     fn cuMemAdvise(ptr: CUdeviceptr, n: usize, _advice: c_uint, _dev: CUdevice) {
+        check_managed_range(ptr, n)
+    }
+);
+entry!(
+    fn cuMemAdvise_v2(ptr: CUdeviceptr, n: usize, _advice: c_uint, _location: MemLocation) {
         check_managed_range(ptr, n)
     }
 );

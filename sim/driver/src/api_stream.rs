@@ -145,6 +145,25 @@ entry_pt!(cuStreamGetCtx / cuStreamGetCtx_ptsz, |pt| fn(h: Handle, ctx: *mut Han
     })
 });
 
+entry_pt!(cuStreamGetCtx_v2 / cuStreamGetCtx_v2_ptsz, |pt| fn(h: Handle, ctx: *mut Handle, green: *mut Handle) {
+    with_state(|d, st| {
+        let s = st.resolve_stream(&d.client, h, pt)?;
+        put(ctx, handle(st.streams[&s].ctx))?;
+        // No green contexts on the simulated device.
+        if !green.is_null() {
+            put(green, std::ptr::null_mut())?;
+        }
+        Ok(())
+    })
+});
+
+entry_pt!(cuStreamGetDevice / cuStreamGetDevice_ptsz, |pt| fn(h: Handle, dev: *mut CUdevice) {
+    with_state(|d, st| {
+        let s = st.resolve_stream(&d.client, h, pt)?;
+        put(dev, st.contexts[&st.streams[&s].ctx].device as CUdevice)
+    })
+});
+
 entry_pt!(cuStreamGetId / cuStreamGetId_ptsz, |pt| fn(h: Handle, out: *mut u64) {
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, h, pt)?;
@@ -276,6 +295,19 @@ entry_pt!(cuStreamGetCaptureInfo_v2 / cuStreamGetCaptureInfo_v2_ptsz, |pt| fn(
     deps: *mut *const Handle,
     num_deps: *mut usize,
 ) {
+    capture_info(h, pt, status, cap_id, graph, deps, num_deps)
+});
+
+/// `cuStreamGetCaptureInfo`'s out-parameters (all but the status may be null).
+fn capture_info(
+    h: Handle,
+    pt: bool,
+    status: *mut c_int,
+    cap_id: *mut u64,
+    graph: *mut Handle,
+    deps: *mut *const Handle,
+    num_deps: *mut usize,
+) -> CuResult {
     let (s, i, g) = capture_status(h, pt)?;
     put(status, s)?;
     for (ptr, v) in [(cap_id, i)] {
@@ -291,6 +323,23 @@ entry_pt!(cuStreamGetCaptureInfo_v2 / cuStreamGetCaptureInfo_v2_ptsz, |pt| fn(
     }
     if !num_deps.is_null() {
         put(num_deps, 0)?;
+    }
+    Ok(())
+}
+
+entry_pt!(cuStreamGetCaptureInfo_v3 / cuStreamGetCaptureInfo_v3_ptsz, |pt| fn(
+    h: Handle,
+    status: *mut c_int,
+    cap_id: *mut u64,
+    graph: *mut Handle,
+    deps: *mut *const Handle,
+    edges: *mut *const c_void,
+    num_deps: *mut usize,
+) {
+    capture_info(h, pt, status, cap_id, graph, deps, num_deps)?;
+    // Edges carry no data here (all default edges): a null array, as documented.
+    if !edges.is_null() {
+        put(edges, std::ptr::null())?;
     }
     Ok(())
 });

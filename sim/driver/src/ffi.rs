@@ -87,7 +87,7 @@ pub fn guard(f: impl FnOnce() -> CuResult) -> CUresult {
 }
 
 /// Whether `GPUSHARE_SIM_TRACE` asks for every driver call on stderr.
-fn tracing_calls() -> bool {
+pub fn tracing_calls() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("GPUSHARE_SIM_TRACE").is_some_and(|v| v != "0"))
 }

@@ -245,6 +245,24 @@ pub enum NodeKind {
 #[derive(Default)]
 pub struct Graph {
     pub nodes: Vec<NodeKind>,
+    /// References this graph holds on user objects: (object, count).
+    pub user_refs: Vec<(u64, u32)>,
+}
+
+/// An executable graph: its nodes, the flags it was instantiated with, and the user-object
+/// references it took over from its graph.
+#[derive(Default)]
+pub struct Exec {
+    pub nodes: Vec<NodeKind>,
+    pub flags: u64,
+    pub user_refs: Vec<(u64, u32)>,
+}
+
+/// A user object (`cuUserObjectCreate`): a destructor run once its references are gone.
+pub struct UserObject {
+    pub refs: u32,
+    pub ptr: usize,
+    pub destroy: HostFn,
 }
 
 pub struct State {
@@ -266,7 +284,8 @@ pub struct State {
     /// Context-local storage: (context, key) → value.
     pub ctx_storage: HashMap<(u64, usize), ContextStorage>,
     pub graphs: HashMap<u64, Graph>,
-    pub execs: HashMap<u64, Vec<NodeKind>>,
+    pub execs: HashMap<u64, Exec>,
+    pub user_objects: HashMap<u64, UserObject>,
     /// Graph node handles: id → (graph, index).
     pub graph_nodes: HashMap<u64, (u64, usize)>,
     pub allocs: BTreeMap<u64, Alloc>,
@@ -312,6 +331,7 @@ impl State {
             ctx_storage: HashMap::new(),
             graphs: HashMap::new(),
             execs: HashMap::new(),
+            user_objects: HashMap::new(),
             graph_nodes: HashMap::new(),
             allocs: BTreeMap::new(),
             pinned: BTreeMap::new(),
@@ -549,6 +569,24 @@ impl State {
         (ptr.checked_add(len as u64)? <= base + a.size as u64).then_some((base, a))
     }
 
+    /// Drop `count` references to a user object; its destructor, if they were the last, to run
+    /// once the state is unlocked.
+    pub fn release_user_object(&mut self, obj: u64, count: u32) -> CuResult<Option<(HostFn, usize)>> {
+        let o = self
+            .user_objects
+            .get_mut(&obj)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if count == 0 || count > o.refs {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        o.refs -= count;
+        if o.refs > 0 {
+            return Ok(None);
+        }
+        let o = self.user_objects.remove(&obj).expect("present");
+        Ok(Some((o.destroy, o.ptr)))
+    }
+
     /// The page-locked buffer containing `[ptr, ptr + len)`, if any.
     pub fn find_pinned(&self, ptr: u64, len: usize) -> Option<(u64, &Pinned)> {
         let (&base, p) = self.pinned.range(..=ptr).next_back()?;
@@ -578,6 +616,22 @@ pub fn run_storage_callbacks(callbacks: Vec<StorageCallback>) {
         // SAFETY: the runtime registered this destructor for exactly these arguments.
         unsafe { f(handle(ctx), key as *mut std::ffi::c_void, value as *mut std::ffi::c_void) };
     }
+}
+
+/// Run user-object destructors on a thread of their own, as the driver does (they may not call
+/// into CUDA, and must not run under the state lock).
+pub fn run_user_object_destructors(due: Vec<(HostFn, usize)>) {
+    if due.is_empty() {
+        return;
+    }
+    let _ = std::thread::Builder::new()
+        .name("sim-driver-userobj".into())
+        .spawn(move || {
+            for (f, ptr) in due {
+                // SAFETY: the application registered `f` for `ptr` with cuUserObjectCreate.
+                unsafe { f(ptr as *mut std::ffi::c_void) };
+            }
+        });
 }
 
 /// Lock the driver's state after `cuInit`.
