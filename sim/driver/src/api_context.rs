@@ -163,8 +163,10 @@ entry!(
     fn cuCtxSynchronize() {
         let d = driver()?;
         let tail = {
-            let st = d.lock();
-            st.ctx_tail(st.current()?)
+            let mut st = d.lock();
+            let ctx = st.current()?;
+            st.check_ctx_not_capturing(ctx)?;
+            st.ctx_tail(ctx)
         };
         d.client.wait(tail).map(|_| ())
     }

@@ -63,6 +63,14 @@ fn add(state: Handle, kind: c_int, bytes: &[u8]) -> CuResult {
     let info = read_input(kind, bytes).map_err(|e| e.code())?;
     with_state(|_, st| {
         let link = st.links.get_mut(&id(state)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        // Two definitions of one kernel or variable do not link.
+        let defined = |name: &str| {
+            link.info.kernels.iter().any(|k| k.name == name)
+                || link.info.globals.iter().any(|g| g.0 == name)
+        };
+        if info.kernels.iter().any(|k| defined(&k.name)) || info.globals.iter().any(|g| defined(&g.0)) {
+            return Err(CUDA_ERROR_INVALID_IMAGE);
+        }
         link.info.merge(info);
         link.inputs += 1;
         Ok(())

@@ -82,7 +82,11 @@ fn allocate(size: usize, kind: AllocKind) -> CuResult<u64> {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let d = driver()?;
-    let device = d.lock().current_device()?;
+    let device = {
+        let mut st = d.lock();
+        st.check_unsafe_call()?;
+        st.current_device()?
+    };
     let charged = (size as u64).div_ceil(CHARGE_ALIGN) * CHARGE_ALIGN;
     charge(d, device, charged)?;
     let addr = match map(size, true) {
@@ -108,6 +112,7 @@ fn release(ptr: u64) -> CuResult {
     let d = driver()?;
     let a = {
         let mut st = d.lock();
+        st.check_unsafe_call()?;
         match st.allocs.get(&ptr) {
             Some(a) if matches!(a.kind, AllocKind::Device | AllocKind::Managed) => {}
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
@@ -246,6 +251,7 @@ fn host_alloc(pp: *mut *mut c_void, size: usize, flags: u32) -> CuResult {
     if size == 0 || flags & !HOST_ALLOC_FLAGS != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    with_state(|_, st| st.check_unsafe_call())?;
     let p = map(size, true)?;
     with_state(|_, st| {
         st.pinned.insert(
@@ -433,6 +439,7 @@ fn copy_sync(pt: bool, dir: Dir, dst: u64, src: u64, len: usize) -> CuResult {
     let fence = {
         let mut st = d.lock();
         check_copy(&st, dir, dst, src, len)?;
+        st.check_unsafe_call()?;
         let s = st.resolve_stream(&d.client, std::ptr::null_mut(), pt)?;
         st.check_not_capturing(s)?;
         st.fence(&d.client, s)?

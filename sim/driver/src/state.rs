@@ -96,7 +96,7 @@ pub fn forget_ctx(ctx: u64) {
     let _ = CTX_STACK.try_with(|s| s.borrow_mut().retain(|&c| c != ctx));
 }
 
-fn thread_key() -> u64 {
+pub fn thread_key() -> u64 {
     // SAFETY: pthread_self has no preconditions.
     unsafe { libc::pthread_self() as u64 }
 }
@@ -126,6 +126,25 @@ pub struct Capture {
     pub id: u64,
     pub deps: Vec<usize>,
     pub invalidated: bool,
+    /// `CUstreamCaptureMode` it was begun with, and the thread that began it.
+    pub mode: i32,
+    pub thread: u64,
+}
+
+/// `CUstreamCaptureMode` (thread-local is 1, between these two).
+pub const CAPTURE_MODE_GLOBAL: i32 = 0;
+pub const CAPTURE_MODE_RELAXED: i32 = 2;
+
+thread_local! {
+    /// This thread's capture interaction mode (`cuThreadExchangeStreamCaptureMode`).
+    static CAPTURE_MODE: std::cell::Cell<i32> = const { std::cell::Cell::new(CAPTURE_MODE_GLOBAL) };
+}
+
+/// Set this thread's capture interaction mode; returns the previous one.
+pub fn exchange_capture_mode(mode: i32) -> i32 {
+    CAPTURE_MODE
+        .try_with(|m| m.replace(mode))
+        .unwrap_or(CAPTURE_MODE_GLOBAL)
 }
 
 #[derive(Default)]
@@ -137,8 +156,8 @@ pub struct Event {
     pub record: Option<OpRef>,
     /// Completion time once known, so repeated queries need no round trip.
     pub done_ns: Option<u64>,
-    /// Recorded while capturing: the graph and the nodes a waiter must follow.
-    pub captured: Option<(u64, u64, Vec<usize>)>,
+    /// Recorded while capturing: the capture, with the nodes a waiter must follow as its deps.
+    pub captured: Option<Capture>,
 }
 
 pub struct Module {
@@ -514,6 +533,10 @@ impl State {
         op: Op,
         extra: &[OpRef],
     ) -> CuResult<OpRef> {
+        if !self.streams.contains_key(&stream) {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        self.check_legacy_use(stream)?;
         let mut deps = extra.to_vec();
         self.implicit_deps(stream, &mut deps);
         let s = self
@@ -551,16 +574,103 @@ impl State {
     }
 
     /// Error unless `stream` may be used for host-synchronous work (not being captured).
+    /// Synchronising or querying a capturing stream invalidates its capture.
     pub fn check_not_capturing(&mut self, stream: u64) -> CuResult {
-        let s = self
-            .streams
-            .get_mut(&stream)
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        if let Some(c) = s.capture.as_mut() {
-            c.invalidated = true;
+        let s = self.streams.get(&stream).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if let Some(graph) = s.capture.as_ref().map(|c| c.graph) {
+            self.invalidate_capture(graph);
             return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
         Ok(())
+    }
+
+    /// Error unless no stream of `ctx` is capturing: synchronising a context (or device) with
+    /// a capture under way invalidates the capture.
+    pub fn check_ctx_not_capturing(&mut self, ctx: u64) -> CuResult {
+        let graphs: Vec<u64> = self.contexts[&ctx]
+            .streams
+            .iter()
+            .filter_map(|s| self.streams.get(s)?.capture.as_ref().map(|c| c.graph))
+            .collect();
+        if graphs.is_empty() {
+            return Ok(());
+        }
+        for g in graphs {
+            self.invalidate_capture(g);
+        }
+        Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+    }
+
+    /// Whether a capture into `graph` is still under way on some stream.
+    pub fn capture_active(&self, graph: u64) -> bool {
+        self.streams
+            .values()
+            .any(|s| s.capture.as_ref().is_some_and(|c| c.graph == graph))
+    }
+
+    /// Mark the capture into `graph` invalidated on every stream taking part in it: it goes on
+    /// until `cuStreamEndCapture`, which then fails.
+    pub fn invalidate_capture(&mut self, graph: u64) {
+        for s in self.streams.values_mut() {
+            if let Some(c) = s.capture.as_mut().filter(|c| c.graph == graph) {
+                c.invalidated = true;
+            }
+        }
+    }
+
+    /// A potentially unsafe call (one that may synchronise implicitly, such as a plain
+    /// allocation or a synchronous copy) from this thread: prohibited while this thread has a
+    /// capture that is not relaxed, or, unless this thread's interaction mode is thread-local
+    /// or relaxed, while another thread has a global-mode capture. A prohibited call fails and
+    /// invalidates the captures that prohibit it, as the driver documents.
+    pub fn check_unsafe_call(&mut self) -> CuResult {
+        let mode = CAPTURE_MODE
+            .try_with(|m| m.get())
+            .unwrap_or(CAPTURE_MODE_GLOBAL);
+        if mode == CAPTURE_MODE_RELAXED {
+            return Ok(());
+        }
+        let me = thread_key();
+        let offending: Vec<u64> = self
+            .streams
+            .values()
+            .filter_map(|s| s.capture.as_ref())
+            .filter(|c| {
+                (c.thread == me && c.mode != CAPTURE_MODE_RELAXED)
+                    || (mode == CAPTURE_MODE_GLOBAL && c.thread != me && c.mode == CAPTURE_MODE_GLOBAL)
+            })
+            .map(|c| c.graph)
+            .collect();
+        if offending.is_empty() {
+            return Ok(());
+        }
+        for g in offending {
+            self.invalidate_capture(g);
+        }
+        Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+    }
+
+    /// Error if work on the legacy stream `stream` would wait for a capturing blocking stream
+    /// of its context (an implicit dependency a capture cannot hold); invalidates that capture.
+    fn check_legacy_use(&mut self, stream: u64) -> CuResult {
+        let s = &self.streams[&stream];
+        if !s.legacy {
+            return Ok(());
+        }
+        let graphs: Vec<u64> = self.contexts[&s.ctx]
+            .streams
+            .iter()
+            .filter_map(|o| self.streams.get(o))
+            .filter(|o| o.flags & CU_STREAM_NON_BLOCKING == 0)
+            .filter_map(|o| o.capture.as_ref().map(|c| c.graph))
+            .collect();
+        if graphs.is_empty() {
+            return Ok(());
+        }
+        for g in graphs {
+            self.invalidate_capture(g);
+        }
+        Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
     }
 
     /// The allocation containing `[ptr, ptr + len)`, if any.
