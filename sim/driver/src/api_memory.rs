@@ -353,43 +353,89 @@ entry!(
     }
 );
 
+/// What a pointer points into: base, size, device, kind, and whether it is host memory.
+fn pointer_info(st: &State, ptr: CUdeviceptr) -> Option<(u64, usize, u32, AllocKind, bool)> {
+    if let Some((b, a)) = st.find_alloc(ptr, 0) {
+        return Some((b, a.size, a.device, a.kind, false));
+    }
+    let (b, p) = st.find_pinned(ptr, 0)?;
+    Some((b, p.size, 0, AllocKind::Device, true))
+}
+
+/// Write one `CUpointer_attribute` of `ptr` to `data`.
+fn pointer_attribute(st: &State, attribute: c_uint, ptr: CUdeviceptr, data: *mut c_void) -> CuResult {
+    let (base, size, device, kind, host) = pointer_info(st, ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    match attribute {
+        // CONTEXT
+        1 => put(data as *mut Handle, handle(st.current().unwrap_or(0))),
+        // MEMORY_TYPE: HOST = 1, DEVICE = 2
+        2 => put(data as *mut c_uint, if host { 1 } else { 2 }),
+        // DEVICE_POINTER
+        3 => put(data as *mut u64, ptr),
+        // HOST_POINTER: only host and managed memory have one
+        4 if host || kind == AllocKind::Managed => put(data as *mut u64, ptr),
+        4 => Err(CUDA_ERROR_INVALID_VALUE),
+        // SYNC_MEMOPS
+        6 => put(data as *mut c_uint, 1),
+        // BUFFER_ID: unique per allocation for the process's lifetime
+        7 => put(data as *mut u64, base),
+        // IS_MANAGED
+        8 => put(data as *mut c_uint, (kind == AllocKind::Managed) as c_uint),
+        // DEVICE_ORDINAL
+        9 => put(data as *mut i32, device as i32),
+        // IS_LEGACY_CUDA_IPC_CAPABLE
+        10 => put(data as *mut c_uint, 0),
+        // RANGE_START_ADDR, RANGE_SIZE
+        11 => put(data as *mut u64, base),
+        12 => put(data as *mut usize, size),
+        // MAPPED
+        13 => put(data as *mut c_uint, 1),
+        // ALLOWED_HANDLE_TYPES
+        14 => put(data as *mut u64, 0),
+        // IS_GPU_DIRECT_RDMA_CAPABLE
+        15 => put(data as *mut c_uint, 0),
+        // ACCESS_FLAGS: read and write
+        16 => put(data as *mut c_uint, 3),
+        // MEMPOOL_HANDLE: not from a pool
+        17 => put(data as *mut Handle, std::ptr::null_mut()),
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
 entry!(
     fn cuPointerGetAttribute(data: *mut c_void, attribute: c_uint, ptr: CUdeviceptr) {
+        with_state(|_, st| pointer_attribute(st, attribute, ptr, data))
+    }
+);
+
+entry!(
+    fn cuPointerGetAttributes(n: c_uint, attributes: *mut c_uint, data: *mut *mut c_void, ptr: CUdeviceptr) {
+        let attributes = slice(attributes as *const c_uint, n as usize)?;
+        let outs = slice(data as *const *mut c_void, n as usize)?;
         with_state(|_, st| {
-            let dev = st
-                .find_alloc(ptr, 0)
-                .map(|(b, a)| (b, a.size, a.device, a.kind));
-            let pinned = st.is_pinned(ptr, 1);
-            let (base, size, device, kind) = match dev {
-                Some(x) => x,
-                None if pinned => (ptr, 0, 0, AllocKind::Device),
-                None => return Err(CUDA_ERROR_INVALID_VALUE),
-            };
-            let host = dev.is_none();
-            match attribute {
-                // CONTEXT
-                1 => put(data as *mut Handle, handle(st.current().unwrap_or(0))),
-                // MEMORY_TYPE: HOST = 1, DEVICE = 2
-                2 => put(data as *mut c_uint, if host { 1 } else { 2 }),
-                // DEVICE_POINTER
-                3 => put(data as *mut u64, ptr),
-                // HOST_POINTER: only host and managed memory have one
-                4 if host || kind == AllocKind::Managed => put(data as *mut u64, ptr),
-                4 => Err(CUDA_ERROR_INVALID_VALUE),
-                // IS_MANAGED
-                8 => put(
-                    data as *mut c_uint,
-                    (kind == AllocKind::Managed && !host) as c_uint,
-                ),
-                // DEVICE_ORDINAL
-                9 => put(data as *mut i32, device as i32),
-                // RANGE_START_ADDR, RANGE_SIZE
-                11 => put(data as *mut u64, base),
-                12 => put(data as *mut usize, size),
-                // MAPPED
-                13 => put(data as *mut c_uint, 1),
-                _ => Err(CUDA_ERROR_INVALID_VALUE),
+            let known = pointer_info(st, ptr).is_some();
+            for (&a, &out) in attributes.iter().zip(outs) {
+                if out.is_null() {
+                    continue;
+                }
+                if known {
+                    match pointer_attribute(st, a, ptr, out) {
+                        // Device memory has no host pointer: it reads as null.
+                        Err(_) if a == 4 => put(out as *mut u64, 0)?,
+                        r => r?,
+                    }
+                } else {
+                    // Not a CUDA pointer: every attribute reads as zero (memory type 0:
+                    // unregistered host memory), and the call succeeds.
+                    match a {
+                        1 | 3 | 4 | 7 | 11 | 14 | 17 => put(out as *mut u64, 0)?,
+                        12 => put(out as *mut usize, 0)?,
+                        9 => put(out as *mut i32, -2)?,
+                        _ => put(out as *mut c_uint, 0)?,
+                    }
+                }
             }
+            Ok(())
         })
     }
 );
