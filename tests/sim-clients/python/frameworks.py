@@ -1,4 +1,5 @@
-"""Python GPU frameworks, unmodified and with default settings, on the simulated GPU:
+"""Python GPU frameworks, unmodified and with default settings, on the simulated GPU
+(`frameworks.py CASE...`, the cases in one process):
 
     frameworks.py numba      a @cuda.jit kernel (compiled by numba, linked and loaded through
                              cuda.core: cuLink*, cuLibraryLoadData, a CUkernel launch)
@@ -95,13 +96,9 @@ def cuda_core_case(spin_ms):
     return {"framework": "cuda_core", "elapsed_ms": elapsed, "arch": arch}
 
 
-case = sys.argv[1]
-if case == "numba":
-    out = numba_case(int(sys.argv[2]) if len(sys.argv) > 2 else 10)
-elif case == "cupy":
-    out = cupy_case(float(sys.argv[2]) if len(sys.argv) > 2 else 10.0)
-elif case == "cuda_core":
-    out = cuda_core_case(float(sys.argv[2]) if len(sys.argv) > 2 else 10.0)
-else:
-    sys.exit(f"unknown case {case!r}: numba, cupy or cuda_core")
-print(json.dumps(out))
+CASES = {"numba": lambda: numba_case(10), "cupy": lambda: cupy_case(10.0),
+         "cuda_core": lambda: cuda_core_case(10.0)}
+for case in sys.argv[1:]:
+    if case not in CASES:
+        sys.exit(f"unknown case {case!r}: numba, cupy or cuda_core")
+    print(json.dumps(CASES[case]()), flush=True)

@@ -13,7 +13,7 @@
 mod common;
 
 use gpushare_sim_clients::harness::{Sim, describe, json_lines, output_with_timeout};
-use gpushare_sim_clients::node::{Node, Tenant, common_active_window, shares_in};
+use gpushare_sim_clients::node::{Node, Tenant, common_active_window, gaps_in, shares_in};
 use gpushare_sim_clients::trace::Trace;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -259,21 +259,40 @@ fn frameworks_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("python/frameworks.py")
 }
 
+/// `frameworks.py numba cupy cuda_core`'s three lines, checked: the numba kernel ran on the
+/// H100, the CuPy and cuda.core 10 ms kernels were timed as 10 ms by events.
+fn check_frameworks(lines: &[serde_json::Value]) {
+    let by = |f: &str| {
+        lines
+            .iter()
+            .find(|l| l["framework"] == f)
+            .unwrap_or_else(|| panic!("no {f} line in {lines:?}"))
+    };
+    assert_eq!(by("numba")["device"], "NVIDIA H100 80GB HBM3");
+    for f in ["cupy", "cuda_core"] {
+        let ms = common::f64_field(by(f), "elapsed_ms");
+        assert!((ms - 10.0).abs() < 0.05, "{f}: a 10 ms kernel timed {ms} ms");
+    }
+}
+
+const FRAMEWORKS: [&str; 3] = ["numba", "cupy", "cuda_core"];
+
 #[test]
 fn python_frameworks_run_unmodified() {
     let script = frameworks_script();
-    let (numba, trace) = on_sim(&["python3".as_ref(), script.as_os_str(), "numba".as_ref()]);
-    assert_eq!(numba[0]["device"], "NVIDIA H100 80GB HBM3");
-    assert_eq!(trace.records().len(), 10, "ten @cuda.jit launches");
-    for case in ["cupy", "cuda_core"] {
-        let (out, trace) = on_sim(&["python3".as_ref(), script.as_os_str(), case.as_ref()]);
-        let ms = common::f64_field(&out[0], "elapsed_ms");
-        assert!((ms - 10.0).abs() < 0.05, "{case}: a 10 ms kernel timed {ms} ms");
-        assert!(
-            trace.records().iter().any(|r| r.kernel == "gpushare_spin"),
-            "{case} ran the spin kernel"
-        );
-    }
+    let mut cmd = vec!["python3".as_ref(), script.as_os_str()];
+    cmd.extend(FRAMEWORKS.iter().map(|f| std::ffi::OsStr::new(f)));
+    let (lines, trace) = on_sim(&cmd);
+    check_frameworks(&lines);
+    let count = |f: &dyn Fn(&str) -> bool| trace.records().iter().filter(|r| f(&r.kernel)).count();
+    // numba mangles the Python function's name into its kernel's.
+    assert_eq!(count(&|k| k.contains("scale")), 10, "ten @cuda.jit launches");
+    assert!(count(&|k| k.starts_with("cupy_")) >= 2, "CuPy's elementwise and reduction kernels");
+    assert_eq!(
+        count(&|k| k == "gpushare_spin"),
+        2 + 2 + 2,
+        "CuPy and cuda.core: pad and timed kernel each; cuda.core's two graph nodes"
+    );
 }
 
 #[test]
@@ -281,10 +300,10 @@ fn frameworks_and_runtime_programs_are_gated_under_gpushare() {
     let c = clients();
     let node = Node::start(&[]);
     let script = frameworks_script();
-    let runs: [(&str, PathBuf, Vec<PathBuf>); 4] = [
-        ("numba", "python3".into(), vec![script.clone(), "numba".into()]),
-        ("cupy", "python3".into(), vec![script.clone(), "cupy".into()]),
-        ("cuda-core", "python3".into(), vec![script.clone(), "cuda_core".into()]),
+    let mut py_args = vec![script];
+    py_args.extend(FRAMEWORKS.iter().map(PathBuf::from));
+    let runs: [(&str, PathBuf, Vec<PathBuf>); 2] = [
+        ("python", "python3".into(), py_args),
         (
             "cudart",
             c.runtime_shared.clone(),
@@ -294,7 +313,10 @@ fn frameworks_and_runtime_programs_are_gated_under_gpushare() {
     for (group, program, args) in runs {
         let mut cmd = node.tenant_command(group, 0.5, 1.0, 1.0, program, &args);
         cmd.stdout(std::process::Stdio::piped());
-        Tenant::spawn(cmd).wait_ok(TIMEOUT);
+        let out = Tenant::spawn(cmd).wait_ok(TIMEOUT);
+        if group == "python" {
+            check_frameworks(&json_lines(&out.stdout));
+        }
         let g = node
             .status_group(group)
             .unwrap_or_else(|| panic!("the scheduler never saw {group}"));
@@ -334,11 +356,29 @@ fn two_tenants(node: Node, program: &Path, users: Option<[u32; 2]>, requests: [f
     let trace = node.finish();
     let w = common_active_window(&trace, &pids, 500_000_000);
     let s = shares_in(&trace, &pids, w);
+    let busy: f64 = s.iter().sum();
     eprintln!(
-        "shares {s:?} over {:.2} s (requests {requests:?})",
-        w.len_ns() as f64 / 1e9
+        "shares {s:?} over {:.2} s (requests {requests:?}), of busy time {:?}; {}",
+        w.len_ns() as f64 / 1e9,
+        s.iter().map(|x| x / busy).collect::<Vec<_>>(),
+        gaps_in(&trace, w).summary()
     );
     (trace, s)
+}
+
+/// The tenants split the device's busy time as requested (±0.05), and kept it busy (≥ 0.8).
+/// Busy time, not wall time: these tenants synchronise every 40 ms of work, and on a loaded
+/// 2-core machine their host threads then sometimes come late; a gate that failed to hold a
+/// tenant's plain or graph launches gives native time-slicing's even split instead.
+fn assert_split(shares: &[f64], requests: [f64; 2]) {
+    let busy: f64 = shares.iter().sum();
+    assert!(busy >= 0.8, "the GPU was busy only {busy:.3} of the time ({shares:?})");
+    for (got, want) in shares.iter().map(|s| s / busy).zip(requests) {
+        assert!(
+            (got - want).abs() <= 0.05,
+            "{got:.3} of the busy time for a request of {want} (shares {shares:?})"
+        );
+    }
 }
 
 #[test]
@@ -346,10 +386,7 @@ fn two_libcudart_tenants_get_their_requests() {
     let _serial = common::timing_lock();
     let node = Node::start(&[]);
     let (trace, s) = two_tenants(node, &clients().runtime_shared, None, [0.7, 0.3]);
-    // ±0.06: holds on a loaded 2-core machine; a gate that failed to hold the other tenant's
-    // plain or graph launches would give the native time-slicing's 0.5 / 0.5.
-    assert!((s[0] - 0.7).abs() <= 0.06, "share {:.3} of 0.7 ({s:?})", s[0]);
-    assert!((s[1] - 0.3).abs() <= 0.06, "share {:.3} of 0.3 ({s:?})", s[1]);
+    assert_split(&s, [0.7, 0.3]);
     assert!(trace.overlaps().is_empty());
 }
 
@@ -387,6 +424,6 @@ fn tenants_of_different_users_share_one_gpu() {
     std::fs::set_permissions(node.tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     // The static runtime: the users cannot read root's Python installation.
     let (trace, s) = two_tenants(node, &clients().runtime_static, Some([a, b]), [0.5, 0.5]);
-    assert!(s.iter().all(|x| (x - 0.5).abs() <= 0.06), "shares {s:?} of 0.5 / 0.5");
+    assert_split(&s, [0.5, 0.5]);
     assert!(trace.overlaps().is_empty());
 }
