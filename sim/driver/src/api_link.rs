@@ -214,6 +214,7 @@ mod tests {
         let k = Kernel {
             name: "k".into(),
             params: vec![8],
+            ..Kernel::default()
         };
         let cubin = elf::write(90, std::slice::from_ref(&k), &[]);
         assert_eq!(read_input(INPUT_CUBIN, &cubin).unwrap().kernels, vec![k.clone()]);

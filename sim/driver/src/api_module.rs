@@ -32,6 +32,7 @@ pub fn create_module(info: ModuleInfo, library: Option<u64>) -> CuResult<u64> {
                 Function {
                     name,
                     params: k.params,
+                    resources: k.resources,
                     ptx_version: info.version,
                     module,
                     attrs: Vec::new(),
@@ -200,7 +201,9 @@ pub fn function_attribute(func: &Function, attrib: c_int) -> CuResult<c_int> {
     }
     Ok(match attrib {
         0 => 1024,                         // MAX_THREADS_PER_BLOCK
-        1..=3 => 0,                        // SHARED / CONST / LOCAL sizes
+        1 => func.resources.shared as c_int,   // SHARED_SIZE_BYTES (static)
+        2 => func.resources.constant as c_int, // CONST_SIZE_BYTES
+        3 => func.resources.local as c_int,    // LOCAL_SIZE_BYTES
         4 => 32,                           // NUM_REGS
         5 | 6 => func.ptx_version.max(90), // PTX_VERSION, BINARY_VERSION
         7 => 0,                            // CACHE_MODE_CA

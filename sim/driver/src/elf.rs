@@ -11,7 +11,7 @@
 //!   `.nv.managed` sections;
 //! - the architecture: `e_flags` (ELF ABI version 7: low byte; version 8: bits 8..24).
 
-use crate::image::{ImageError, Kernel, ModuleInfo};
+use crate::image::{ImageError, Kernel, ModuleInfo, Resources};
 
 /// `e_machine` of CUDA images.
 pub const EM_CUDA: u16 = 190;
@@ -27,6 +27,7 @@ const STB_GLOBAL: u8 = 1;
 const STO_CUDA_ENTRY: u8 = 0x10;
 const EIFMT_SVAL: u8 = 0x04;
 const EIATTR_KPARAM_INFO: u8 = 0x17;
+const EIATTR_FRAME_SIZE: u8 = 0x11;
 const EIATTR_CBANK_PARAM_SIZE: u8 = 0x19;
 const EIFMT_HVAL: u8 = 0x03;
 
@@ -61,6 +62,8 @@ struct Section<'a> {
     kind: u32,
     link: u32,
     data: &'a [u8],
+    /// Size in memory (also for sections without file contents).
+    size: usize,
 }
 
 fn c_string(b: &[u8], off: usize) -> Option<&str> {
@@ -91,7 +94,7 @@ fn sections(b: &[u8]) -> Result<Vec<Section<'_>>, ImageError> {
     if shentsize < 64 {
         return Err(bad("section header size"));
     }
-    let raw: Vec<(u32, u32, u32, &[u8])> = (0..shnum)
+    let raw: Vec<(u32, u32, u32, &[u8], usize)> = (0..shnum)
         .map(|i| {
             let h = shoff + i * shentsize;
             let kind = u32_at(b, h + 4)?;
@@ -102,18 +105,19 @@ fn sections(b: &[u8]) -> Result<Vec<Section<'_>>, ImageError> {
             } else {
                 b.get(off..off.checked_add(size)?)?
             };
-            Some((u32_at(b, h)?, kind, u32_at(b, h + 0x28)?, data))
+            Some((u32_at(b, h)?, kind, u32_at(b, h + 0x28)?, data, size))
         })
         .collect::<Option<_>>()
         .ok_or_else(|| bad("section headers out of range"))?;
     let names = raw.get(shstrndx).ok_or_else(|| bad("no section name table"))?.3;
     Ok(raw
         .iter()
-        .map(|&(name, kind, link, data)| Section {
+        .map(|&(name, kind, link, data, size)| Section {
             name: c_string(names, name as usize).unwrap_or(""),
             kind,
             link,
             data,
+            size,
         })
         .collect())
 }
@@ -147,7 +151,13 @@ pub fn parse(b: &[u8]) -> Result<ModuleInfo, ImageError> {
         .data;
     let mut kernels = Vec::new();
     let mut globals = Vec::new();
-    for sym in symtab.data.chunks_exact(24) {
+    let frames = frame_sizes(&sections)?;
+    let constant = sections
+        .iter()
+        .filter(|s| s.name.starts_with(".nv.constant") && !s.name.starts_with(".nv.constant0"))
+        .map(|s| s.size)
+        .sum();
+    for (index, sym) in symtab.data.chunks_exact(24).enumerate() {
         let info = sym[4];
         let other = sym[5];
         let shndx = u16_at(sym, 6).unwrap_or(0) as usize;
@@ -160,14 +170,19 @@ pub fn parse(b: &[u8]) -> Result<ModuleInfo, ImageError> {
         let section = sections.get(shndx).map_or("", |s| s.name);
         match info & 0xf {
             STT_FUNC if other & STO_CUDA_ENTRY != 0 => {
-                let info_name = format!(".nv.info.{name}");
-                let params = sections
-                    .iter()
-                    .find(|s| s.name == info_name)
-                    .map_or(Ok(Vec::new()), |s| kernel_params(s.data))?;
+                let section = |prefix: &str| {
+                    let want = format!("{prefix}.{name}");
+                    sections.iter().find(move |s| s.name == want)
+                };
+                let params = section(".nv.info").map_or(Ok(Vec::new()), |s| kernel_params(s.data))?;
                 kernels.push(Kernel {
                     name: name.to_string(),
                     params,
+                    resources: Resources {
+                        shared: section(".nv.shared").map_or(0, |s| s.size),
+                        constant,
+                        local: frames.get(&(index as u32)).copied().unwrap_or(0),
+                    },
                 });
             }
             STT_OBJECT
@@ -189,9 +204,25 @@ pub fn parse(b: &[u8]) -> Result<ModuleInfo, ImageError> {
     })
 }
 
-/// Parameter sizes, in order, from a kernel's `.nv.info.<kernel>` attribute records.
-fn kernel_params(info: &[u8]) -> Result<Vec<usize>, ImageError> {
-    let mut params: Vec<(u16, usize)> = Vec::new();
+/// `EIATTR_FRAME_SIZE` records of the module-wide `.nv.info`: function symbol → stack frame
+/// (local memory per thread).
+fn frame_sizes(sections: &[Section]) -> Result<std::collections::HashMap<u32, usize>, ImageError> {
+    let mut out = std::collections::HashMap::new();
+    for info in sections.iter().filter(|s| s.name == ".nv.info") {
+        for (attr, payload) in records(info.data)? {
+            if attr == EIATTR_FRAME_SIZE && payload.len() >= 8 {
+                let sym = u32_at(payload, 0).unwrap_or(0);
+                out.insert(sym, u32_at(payload, 4).unwrap_or(0) as usize);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The `(attribute, payload)` of each value-carrying (`EIFMT_SVAL`) record of an `.nv.info`
+/// section.
+fn records(info: &[u8]) -> Result<Vec<(u8, &[u8])>, ImageError> {
+    let mut out = Vec::new();
     let mut off = 0;
     while off + 4 <= info.len() {
         let (format, attr) = (info[off], info[off + 1]);
@@ -203,13 +234,23 @@ fn kernel_params(info: &[u8]) -> Result<Vec<usize>, ImageError> {
         let payload = info
             .get(off + 4..off + 4 + len)
             .ok_or_else(|| ImageError::Malformed("cubin: truncated .nv.info record".into()))?;
-        if attr == EIATTR_KPARAM_INFO && len >= 12 {
-            let ordinal = u16_at(payload, 4).unwrap_or(0);
-            let size = (u32_at(payload, 8).unwrap_or(0) >> 18) & 0x3fff;
-            params.push((ordinal, size as usize));
-        }
+        out.push((attr, payload));
         off += 4 + len;
     }
+    Ok(out)
+}
+
+/// Parameter sizes, in order, from a kernel's `.nv.info.<kernel>` attribute records.
+fn kernel_params(info: &[u8]) -> Result<Vec<usize>, ImageError> {
+    let mut params: Vec<(u16, usize)> = records(info)?
+        .into_iter()
+        .filter(|&(attr, payload)| attr == EIATTR_KPARAM_INFO && payload.len() >= 12)
+        .map(|(_, payload)| {
+            let ordinal = u16_at(payload, 4).unwrap_or(0);
+            let size = (u32_at(payload, 8).unwrap_or(0) >> 18) & 0x3fff;
+            (ordinal, size as usize)
+        })
+        .collect();
     params.sort_unstable();
     Ok(params.into_iter().map(|(_, s)| s).collect())
 }
@@ -298,6 +339,40 @@ pub fn write(arch: u32, kernels: &[Kernel], globals: &[(String, usize)]) -> Vec<
         });
         symbols.push(symbol(&mut strtab, &k.name, (STB_GLOBAL << 4) | STT_FUNC, STO_CUDA_ENTRY, text, 0, 16));
     }
+    // Static shared memory: a `.nv.shared.<kernel>` section of that size; stack frames:
+    // `EIATTR_FRAME_SIZE` records in the module's `.nv.info`; user constants: `.nv.constant3`.
+    let mut frames = Vec::new();
+    for (i, k) in kernels.iter().enumerate() {
+        let r = k.resources;
+        if r.shared > 0 {
+            let n = add_name(&mut shstr, &format!(".nv.shared.{}", k.name));
+            sections.push(Out {
+                flags: 0x3,
+                align: 16,
+                size: r.shared as u64,
+                ..plain(n, SHT_NOBITS, Vec::new())
+            });
+        }
+        frames.extend_from_slice(&[EIFMT_SVAL, EIATTR_FRAME_SIZE, 8, 0]);
+        frames.extend_from_slice(&(i as u32 + 1).to_le_bytes()); // kernel i is symbol i + 1
+        frames.extend_from_slice(&(r.local as u32).to_le_bytes());
+    }
+    let n = add_name(&mut shstr, ".nv.info");
+    sections.push(Out {
+        link: 3,
+        align: 4,
+        ..plain(n, SHT_CUDA_INFO, frames)
+    });
+    let constant = kernels.iter().map(|k| k.resources.constant).max().unwrap_or(0);
+    if constant > 0 {
+        let n = add_name(&mut shstr, ".nv.constant3");
+        sections.push(Out {
+            flags: 0x2,
+            align: 8,
+            size: constant as u64,
+            ..plain(n, SHT_NOBITS, Vec::new())
+        });
+    }
     if !globals.is_empty() {
         let index = sections.len() as u16;
         let mut offset = 0u64;
@@ -376,12 +451,20 @@ mod tests {
         Kernel {
             name: name.into(),
             params: params.to_vec(),
+            ..Kernel::default()
         }
     }
 
     #[test]
     fn a_written_image_reads_back() {
-        let kernels = [kernel("gpushare_spin", &[8]), kernel("touch", &[8, 4]), kernel("none", &[])];
+        let mut kernels = [kernel("gpushare_spin", &[8]), kernel("touch", &[8, 4]), kernel("none", &[])];
+        kernels[1].resources = Resources {
+            shared: 400,
+            constant: 80,
+            local: 4000,
+        };
+        kernels[0].resources.constant = 80;
+        kernels[2].resources.constant = 80;
         let globals = [("counter".to_string(), 4), ("table".to_string(), 64)];
         let img = write(90, &kernels, &globals);
         assert_eq!(image_len(&img[..64]), Some(img.len()));

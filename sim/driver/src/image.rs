@@ -9,11 +9,24 @@ use crate::{elf, fatbin, ptx};
 /// SM architecture of the simulated GPU (an H100: compute capability 9.0).
 pub const DEVICE_ARCH: u32 = 90;
 
-#[derive(Debug, PartialEq, Eq, Clone)]
+#[derive(Debug, PartialEq, Eq, Clone, Default)]
 pub struct Kernel {
     pub name: String,
     /// Size in bytes of each parameter, in order.
     pub params: Vec<usize>,
+    pub resources: Resources,
+}
+
+/// Memory a kernel declares statically, as the compiler reports it (`cuFuncGetAttribute`'s
+/// shared, constant and local sizes).
+#[derive(Debug, PartialEq, Eq, Clone, Copy, Default)]
+pub struct Resources {
+    /// Static shared memory per block.
+    pub shared: usize,
+    /// User constant memory (`__constant__`) of its module.
+    pub constant: usize,
+    /// Local memory (its stack frame) per thread.
+    pub local: usize,
 }
 
 /// What the driver needs from an image.

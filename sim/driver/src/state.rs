@@ -180,6 +180,7 @@ pub struct Function {
     /// NUL-terminated for cuFuncGetName.
     pub name: std::ffi::CString,
     pub params: Vec<usize>,
+    pub resources: crate::image::Resources,
     pub ptx_version: i32,
     pub module: u64,
     /// Attributes set with cuFuncSetAttribute / cuKernelSetAttribute: (attribute, value).
