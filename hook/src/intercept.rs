@@ -13,8 +13,8 @@ use crate::real;
 use gpushare_cuda_abi::{Resolution, resolve};
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::{Mutex, OnceLock};
 
 type P = *mut c_void;
 type CUresult = u32;
@@ -250,7 +250,9 @@ fn capture_call(begin: bool, call: impl FnOnce() -> Option<CUresult>) -> CUresul
             // These errors end the capture too, as the driver documents.
             (
                 false,
-                0 | STREAM_CAPTURE_INVALIDATED | STREAM_CAPTURE_UNJOINED
+                0
+                | STREAM_CAPTURE_INVALIDATED
+                | STREAM_CAPTURE_UNJOINED
                 | STREAM_CAPTURE_WRONG_THREAD,
             ) => real::capture_ended(),
             _ => {}
@@ -396,14 +398,20 @@ fn wrappers() -> [(&'static str, P); 48] {
             memory::cuMipmappedArrayDestroy as P,
         ),
         ("cuStreamBeginCapture", cuStreamBeginCapture as P),
-        ("cuStreamBeginCaptureToGraph", cuStreamBeginCaptureToGraph as P),
+        (
+            "cuStreamBeginCaptureToGraph",
+            cuStreamBeginCaptureToGraph as P,
+        ),
         (
             "cuStreamBeginCaptureToGraph_ptsz",
             cuStreamBeginCaptureToGraph_ptsz as P,
         ),
         ("cuStreamBeginCapture_ptsz", cuStreamBeginCapture_ptsz as P),
         ("cuStreamBeginCapture_v2", cuStreamBeginCapture_v2 as P),
-        ("cuStreamBeginCapture_v2_ptsz", cuStreamBeginCapture_v2_ptsz as P),
+        (
+            "cuStreamBeginCapture_v2_ptsz",
+            cuStreamBeginCapture_v2_ptsz as P,
+        ),
         ("cuStreamEndCapture", cuStreamEndCapture as P),
         ("cuStreamEndCapture_ptsz", cuStreamEndCapture_ptsz as P),
         ("cuStreamSynchronize", cuStreamSynchronize as P),
@@ -572,9 +580,17 @@ mod tests {
     #[test]
     fn every_graph_instantiation_is_seen() {
         for entry in gpushare_cuda_abi::ENTRY_POINTS {
-            let names = ["cuGraphInstantiate", "cuGraphInstantiateWithFlags", "cuGraphInstantiateWithParams"];
+            let names = [
+                "cuGraphInstantiate",
+                "cuGraphInstantiateWithFlags",
+                "cuGraphInstantiateWithParams",
+            ];
             if names.contains(&entry.name) {
-                assert!(wrapper(entry.symbol.as_bytes()).is_some(), "{} is not seen", entry.symbol);
+                assert!(
+                    wrapper(entry.symbol.as_bytes()).is_some(),
+                    "{} is not seen",
+                    entry.symbol
+                );
             }
         }
     }

@@ -308,5 +308,7 @@ unsafe extern "C" fn own_event_create(event: *mut P, flags: u32) -> u32 {
 
 unsafe extern "C" fn own_elapsed(ms: *mut f32, start: P, end: P) -> u32 {
     // SAFETY: the hook's own out-pointer and fence events.
-    raw_cuEventElapsedTime().map_or(NOT_INITIALIZED, |f| relaxed(|| unsafe { f(ms, start, end) }))
+    raw_cuEventElapsedTime().map_or(NOT_INITIALIZED, |f| {
+        relaxed(|| unsafe { f(ms, start, end) })
+    })
 }

@@ -246,7 +246,12 @@ entry!(
 
 entry!(
     fn cuGraphExecGetFlags(exec: Handle, flags: *mut u64) {
-        let f = with_state(|_, st| st.execs.get(&id(exec)).map(|e| e.flags).ok_or(CUDA_ERROR_INVALID_VALUE))?;
+        let f = with_state(|_, st| {
+            st.execs
+                .get(&id(exec))
+                .map(|e| e.flags)
+                .ok_or(CUDA_ERROR_INVALID_VALUE)
+        })?;
         put(flags, f)
     }
 );
@@ -266,7 +271,14 @@ entry!(
         }
         with_state(|_, st| {
             let h = st.new_id();
-            st.user_objects.insert(h, UserObject { refs: initial_refs, ptr: ptr as usize, destroy });
+            st.user_objects.insert(
+                h,
+                UserObject {
+                    refs: initial_refs,
+                    ptr: ptr as usize,
+                    destroy,
+                },
+            );
             put(out, handle(h))
         })
     }
@@ -275,7 +287,10 @@ entry!(
 entry!(
     fn cuUserObjectRetain(obj: Handle, count: c_uint) {
         with_state(|_, st| {
-            let o = st.user_objects.get_mut(&id(obj)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            let o = st
+                .user_objects
+                .get_mut(&id(obj))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
             if count == 0 {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
@@ -300,11 +315,17 @@ entry!(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         with_state(|_, st| {
-            let o = st.user_objects.get_mut(&id(obj)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            let o = st
+                .user_objects
+                .get_mut(&id(obj))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
             if flags & 1 == 0 {
                 o.refs += count;
             }
-            let g = st.graphs.get_mut(&id(graph)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            let g = st
+                .graphs
+                .get_mut(&id(graph))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
             match g.user_refs.iter_mut().find(|(h, _)| *h == id(obj)) {
                 Some((_, n)) => *n += count,
                 None => g.user_refs.push((id(obj), count)),
@@ -317,7 +338,10 @@ entry!(
 entry!(
     fn cuGraphReleaseUserObject(graph: Handle, obj: Handle, count: c_uint) {
         let due = with_state(|_, st| {
-            let g = st.graphs.get_mut(&id(graph)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            let g = st
+                .graphs
+                .get_mut(&id(graph))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
             let held = g.user_refs.iter_mut().find(|(h, _)| *h == id(obj));
             match held {
                 Some((_, n)) if *n >= count && count > 0 => *n -= count,

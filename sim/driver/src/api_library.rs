@@ -4,8 +4,8 @@
 //! graph nodes, attributes), as the driver documents, and `cuKernelGetFunction` returns it.
 
 use crate::api_module::{
-    create_module, function_attribute, param_info, read_image_file, set_function_attribute,
-    unload, with_function,
+    create_module, function_attribute, param_info, read_image_file, set_function_attribute, unload,
+    with_function,
 };
 use crate::ffi::*;
 use crate::image::{self, ModuleInfo};
@@ -142,13 +142,23 @@ fn library_global(
 }
 
 entry!(
-    fn cuLibraryGetGlobal(dptr: *mut CUdeviceptr, bytes: *mut usize, lib: Handle, name: *const c_char) {
+    fn cuLibraryGetGlobal(
+        dptr: *mut CUdeviceptr,
+        bytes: *mut usize,
+        lib: Handle,
+        name: *const c_char,
+    ) {
         library_global(dptr, bytes, lib, name)
     }
 );
 
 entry!(
-    fn cuLibraryGetManaged(dptr: *mut CUdeviceptr, bytes: *mut usize, lib: Handle, name: *const c_char) {
+    fn cuLibraryGetManaged(
+        dptr: *mut CUdeviceptr,
+        bytes: *mut usize,
+        lib: Handle,
+        name: *const c_char,
+    ) {
         library_global(dptr, bytes, lib, name)
     }
 );
@@ -199,7 +209,10 @@ entry!(
     fn cuKernelSetAttribute(attrib: c_int, value: c_int, k: Handle, dev: CUdevice) {
         driver()?.check_device(dev)?;
         with_state(|_, st| {
-            let func = st.functions.get_mut(&id(k)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            let func = st
+                .functions
+                .get_mut(&id(k))
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
             set_function_attribute(func, attrib, value)
         })
     }

@@ -38,7 +38,9 @@ fn read_input(kind: c_int, b: &[u8]) -> Result<ModuleInfo, ImageError> {
             }
             Ok(info)
         }
-        _ => Err(ImageError::Unsupported("this input type (NVVM IR needs libNVVM)")),
+        _ => Err(ImageError::Unsupported(
+            "this input type (NVVM IR needs libNVVM)",
+        )),
     }
 }
 
@@ -49,7 +51,11 @@ fn archive_members(b: &[u8]) -> Option<Vec<&[u8]>> {
     while rest.len() >= 60 {
         let header = &rest[..60];
         let name = std::str::from_utf8(&header[..16]).ok()?.trim_end();
-        let size: usize = std::str::from_utf8(&header[48..58]).ok()?.trim().parse().ok()?;
+        let size: usize = std::str::from_utf8(&header[48..58])
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
         let data = rest.get(60..60 + size)?;
         if name != "/" && name != "//" && !name.starts_with("/SYM64/") {
             out.push(data);
@@ -62,13 +68,18 @@ fn archive_members(b: &[u8]) -> Option<Vec<&[u8]>> {
 fn add(state: Handle, kind: c_int, bytes: &[u8]) -> CuResult {
     let info = read_input(kind, bytes).map_err(|e| e.code())?;
     with_state(|_, st| {
-        let link = st.links.get_mut(&id(state)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        let link = st
+            .links
+            .get_mut(&id(state))
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         // Two definitions of one kernel or variable do not link.
         let defined = |name: &str| {
             link.info.kernels.iter().any(|k| k.name == name)
                 || link.info.globals.iter().any(|g| g.0 == name)
         };
-        if info.kernels.iter().any(|k| defined(&k.name)) || info.globals.iter().any(|g| defined(&g.0)) {
+        if info.kernels.iter().any(|k| defined(&k.name))
+            || info.globals.iter().any(|g| defined(&g.0))
+        {
             return Err(CUDA_ERROR_INVALID_IMAGE);
         }
         link.info.merge(info);
@@ -94,7 +105,9 @@ fn add_data(state: Handle, kind: c_int, data: *mut c_void, size: usize) -> CuRes
 
 fn add_file(state: Handle, kind: c_int, path: *const c_char) -> CuResult {
     driver()?;
-    let path = c_str(path)?.to_str().map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+    let path = c_str(path)?
+        .to_str()
+        .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
     let bytes = std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?;
     add(state, kind, &bytes)
 }
@@ -106,7 +119,12 @@ entry!(
     }
 );
 entry!(
-    fn cuLinkCreate_v2(_n: c_uint, _options: *mut c_int, _values: *mut *mut c_void, out: *mut Handle) {
+    fn cuLinkCreate_v2(
+        _n: c_uint,
+        _options: *mut c_int,
+        _values: *mut *mut c_void,
+        out: *mut Handle,
+    ) {
         create(out)
     }
 );
@@ -166,13 +184,18 @@ entry!(
 entry!(
     fn cuLinkComplete(state: Handle, cubin: *mut *mut c_void, size: *mut usize) {
         with_state(|_, st| {
-            let link = st.links.get_mut(&id(state)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            let link = st
+                .links
+                .get_mut(&id(state))
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
             if link.inputs == 0 {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
-            let out = link
-                .output
-                .insert(elf::write(DEVICE_ARCH, &link.info.kernels, &link.info.globals));
+            let out = link.output.insert(elf::write(
+                DEVICE_ARCH,
+                &link.info.kernels,
+                &link.info.globals,
+            ));
             put(size, out.len())?;
             put(cubin, out.as_mut_ptr().cast())
         })
@@ -198,8 +221,22 @@ mod tests {
     #[test]
     fn archives_list_their_members() {
         let mut a = b"!<arch>\n".to_vec();
-        for (name, data) in [("/", &b"symbols"[..]), ("one.o/", b"abc"), ("two.o/", b"defg")] {
-            a.extend_from_slice(format!("{name:<16}{:<12}{:<6}{:<6}{:<8}{:<10}`\n", 0, 0, 0, 644, data.len()).as_bytes());
+        for (name, data) in [
+            ("/", &b"symbols"[..]),
+            ("one.o/", b"abc"),
+            ("two.o/", b"defg"),
+        ] {
+            a.extend_from_slice(
+                format!(
+                    "{name:<16}{:<12}{:<6}{:<6}{:<8}{:<10}`\n",
+                    0,
+                    0,
+                    0,
+                    644,
+                    data.len()
+                )
+                .as_bytes(),
+            );
             a.extend_from_slice(data);
             if data.len() % 2 == 1 {
                 a.push(b'\n');
@@ -217,10 +254,19 @@ mod tests {
             ..Kernel::default()
         };
         let cubin = elf::write(90, std::slice::from_ref(&k), &[]);
-        assert_eq!(read_input(INPUT_CUBIN, &cubin).unwrap().kernels, vec![k.clone()]);
+        assert_eq!(
+            read_input(INPUT_CUBIN, &cubin).unwrap().kernels,
+            vec![k.clone()]
+        );
         let ptx = b".version 8.0\n.target sm_90\n.entry p(.param .u32 x) { ret; }";
-        assert_eq!(read_input(INPUT_PTX, ptx).unwrap().kernels[0].params, vec![4]);
-        assert!(matches!(read_input(5, ptx), Err(ImageError::Unsupported(_))));
+        assert_eq!(
+            read_input(INPUT_PTX, ptx).unwrap().kernels[0].params,
+            vec![4]
+        );
+        assert!(matches!(
+            read_input(5, ptx),
+            Err(ImageError::Unsupported(_))
+        ));
         assert_eq!(read_input(INPUT_OBJECT, &cubin), Err(ImageError::NotCuda));
     }
 }

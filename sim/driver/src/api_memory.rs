@@ -347,7 +347,9 @@ entry!(
 entry!(
     fn cuMemHostGetFlags(flags: *mut c_uint, p: *mut c_void) {
         with_state(|_, st| {
-            let (_, b) = st.find_pinned(p as u64, 1).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            let (_, b) = st
+                .find_pinned(p as u64, 1)
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
             put(flags, b.flags)
         })
     }
@@ -363,7 +365,12 @@ fn pointer_info(st: &State, ptr: CUdeviceptr) -> Option<(u64, usize, u32, AllocK
 }
 
 /// Write one `CUpointer_attribute` of `ptr` to `data`.
-fn pointer_attribute(st: &State, attribute: c_uint, ptr: CUdeviceptr, data: *mut c_void) -> CuResult {
+fn pointer_attribute(
+    st: &State,
+    attribute: c_uint,
+    ptr: CUdeviceptr,
+    data: *mut c_void,
+) -> CuResult {
     let (base, size, device, kind, host) = pointer_info(st, ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
     match attribute {
         // CONTEXT
@@ -409,7 +416,12 @@ entry!(
 );
 
 entry!(
-    fn cuPointerGetAttributes(n: c_uint, attributes: *mut c_uint, data: *mut *mut c_void, ptr: CUdeviceptr) {
+    fn cuPointerGetAttributes(
+        n: c_uint,
+        attributes: *mut c_uint,
+        data: *mut *mut c_void,
+        ptr: CUdeviceptr,
+    ) {
         let attributes = slice(attributes as *const c_uint, n as usize)?;
         let outs = slice(data as *const *mut c_void, n as usize)?;
         with_state(|_, st| {

@@ -200,19 +200,19 @@ pub fn function_attribute(func: &Function, attrib: c_int) -> CuResult<c_int> {
         return Ok(v);
     }
     Ok(match attrib {
-        0 => 1024,                         // MAX_THREADS_PER_BLOCK
+        0 => 1024,                             // MAX_THREADS_PER_BLOCK
         1 => func.resources.shared as c_int,   // SHARED_SIZE_BYTES (static)
         2 => func.resources.constant as c_int, // CONST_SIZE_BYTES
         3 => func.resources.local as c_int,    // LOCAL_SIZE_BYTES
-        4 => 32,                           // NUM_REGS
-        5 | 6 => func.ptx_version.max(90), // PTX_VERSION, BINARY_VERSION
-        7 => 0,                            // CACHE_MODE_CA
-        8 => 49152,                        // MAX_DYNAMIC_SHARED_SIZE_BYTES
-        9 => -1,                           // PREFERRED_SHARED_MEMORY_CARVEOUT
-        10 => 0,                           // CLUSTER_SIZE_MUST_BE_SET
-        11..=13 => 0,                      // REQUIRED_CLUSTER_WIDTH/HEIGHT/DEPTH
-        14 => 0,                           // NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-        15 => 0,                           // CLUSTER_SCHEDULING_POLICY_PREFERENCE
+        4 => 32,                               // NUM_REGS
+        5 | 6 => func.ptx_version.max(90),     // PTX_VERSION, BINARY_VERSION
+        7 => 0,                                // CACHE_MODE_CA
+        8 => 49152,                            // MAX_DYNAMIC_SHARED_SIZE_BYTES
+        9 => -1,                               // PREFERRED_SHARED_MEMORY_CARVEOUT
+        10 => 0,                               // CLUSTER_SIZE_MUST_BE_SET
+        11..=13 => 0,                          // REQUIRED_CLUSTER_WIDTH/HEIGHT/DEPTH
+        14 => 0,                               // NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        15 => 0,                               // CLUSTER_SCHEDULING_POLICY_PREFERENCE
         _ => return Err(CUDA_ERROR_INVALID_VALUE),
     })
 }
@@ -245,7 +245,10 @@ entry!(
 entry!(
     fn cuFuncSetAttribute(f: Handle, attrib: c_int, value: c_int) {
         with_state(|_, st| {
-            let func = st.functions.get_mut(&id(f)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            let func = st
+                .functions
+                .get_mut(&id(f))
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
             set_function_attribute(func, attrib, value)
         })
     }
@@ -253,7 +256,9 @@ entry!(
 
 /// Offset and size of a kernel's parameter `index`, through out-pointers that may be null.
 pub fn param_info(f: Handle, index: usize, offset: *mut usize, size: *mut usize) -> CuResult {
-    let (o, s) = with_function(f, |func| func.param_info(index).ok_or(CUDA_ERROR_INVALID_VALUE))?;
+    let (o, s) = with_function(f, |func| {
+        func.param_info(index).ok_or(CUDA_ERROR_INVALID_VALUE)
+    })?;
     if !offset.is_null() {
         put(offset, o)?;
     }

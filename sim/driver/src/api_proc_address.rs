@@ -49,7 +49,9 @@ fn get_proc_address(
         Resolution::NotFound => (None, SYMBOL_NOT_FOUND),
     };
     if found.is_none() && tracing_calls() {
-        eprintln!("gpushare-sim libcuda: cuGetProcAddress: no {name} for version {version}, flags {flags}");
+        eprintln!(
+            "gpushare-sim libcuda: cuGetProcAddress: no {name} for version {version}, flags {flags}"
+        );
     }
     put(pfn, found.unwrap_or(std::ptr::null()))?;
     if !status.is_null() {

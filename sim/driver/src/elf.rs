@@ -52,8 +52,10 @@ pub fn image_len(header: &[u8]) -> Option<usize> {
     if !is_elf(header) || header.get(4) != Some(&2) {
         return None;
     }
-    let sh_end = u64_at(header, 0x28)? + u64::from(u16_at(header, 0x3a)?) * u64::from(u16_at(header, 0x3c)?);
-    let ph_end = u64_at(header, 0x20)? + u64::from(u16_at(header, 0x36)?) * u64::from(u16_at(header, 0x38)?);
+    let sh_end =
+        u64_at(header, 0x28)? + u64::from(u16_at(header, 0x3a)?) * u64::from(u16_at(header, 0x3c)?);
+    let ph_end =
+        u64_at(header, 0x20)? + u64::from(u16_at(header, 0x36)?) * u64::from(u16_at(header, 0x38)?);
     usize::try_from(sh_end.max(ph_end).max(64)).ok()
 }
 
@@ -109,7 +111,10 @@ fn sections(b: &[u8]) -> Result<Vec<Section<'_>>, ImageError> {
         })
         .collect::<Option<_>>()
         .ok_or_else(|| bad("section headers out of range"))?;
-    let names = raw.get(shstrndx).ok_or_else(|| bad("no section name table"))?.3;
+    let names = raw
+        .get(shstrndx)
+        .ok_or_else(|| bad("no section name table"))?
+        .3;
     Ok(raw
         .iter()
         .map(|&(name, kind, link, data, size)| Section {
@@ -174,7 +179,8 @@ pub fn parse(b: &[u8]) -> Result<ModuleInfo, ImageError> {
                     let want = format!("{prefix}.{name}");
                     sections.iter().find(move |s| s.name == want)
                 };
-                let params = section(".nv.info").map_or(Ok(Vec::new()), |s| kernel_params(s.data))?;
+                let params =
+                    section(".nv.info").map_or(Ok(Vec::new()), |s| kernel_params(s.data))?;
                 kernels.push(Kernel {
                     name: name.to_string(),
                     params,
@@ -299,7 +305,13 @@ pub fn write(arch: u32, kernels: &[Kernel], globals: &[(String, usize)]) -> Vec<
         ..plain(n, SHT_SYMTAB, Vec::new())
     });
     let mut symbols: Vec<[u8; 24]> = vec![[0; 24]];
-    let symbol = |strtab: &mut Vec<u8>, name: &str, info: u8, other: u8, shndx: u16, value: u64, size: u64| {
+    let symbol = |strtab: &mut Vec<u8>,
+                  name: &str,
+                  info: u8,
+                  other: u8,
+                  shndx: u16,
+                  value: u64,
+                  size: u64| {
         let mut s = [0u8; 24];
         s[0..4].copy_from_slice(&add_name(strtab, name).to_le_bytes());
         s[4] = info;
@@ -337,7 +349,15 @@ pub fn write(arch: u32, kernels: &[Kernel], globals: &[(String, usize)]) -> Vec<
             align: 128,
             ..plain(n, SHT_PROGBITS, vec![0; 16])
         });
-        symbols.push(symbol(&mut strtab, &k.name, (STB_GLOBAL << 4) | STT_FUNC, STO_CUDA_ENTRY, text, 0, 16));
+        symbols.push(symbol(
+            &mut strtab,
+            &k.name,
+            (STB_GLOBAL << 4) | STT_FUNC,
+            STO_CUDA_ENTRY,
+            text,
+            0,
+            16,
+        ));
     }
     // Static shared memory: a `.nv.shared.<kernel>` section of that size; stack frames:
     // `EIATTR_FRAME_SIZE` records in the module's `.nv.info`; user constants: `.nv.constant3`.
@@ -363,7 +383,11 @@ pub fn write(arch: u32, kernels: &[Kernel], globals: &[(String, usize)]) -> Vec<
         align: 4,
         ..plain(n, SHT_CUDA_INFO, frames)
     });
-    let constant = kernels.iter().map(|k| k.resources.constant).max().unwrap_or(0);
+    let constant = kernels
+        .iter()
+        .map(|k| k.resources.constant)
+        .max()
+        .unwrap_or(0);
     if constant > 0 {
         let n = add_name(&mut shstr, ".nv.constant3");
         sections.push(Out {
@@ -377,7 +401,15 @@ pub fn write(arch: u32, kernels: &[Kernel], globals: &[(String, usize)]) -> Vec<
         let index = sections.len() as u16;
         let mut offset = 0u64;
         for (name, size) in globals {
-            symbols.push(symbol(&mut strtab, name, (STB_GLOBAL << 4) | STT_OBJECT, 0, index, offset, *size as u64));
+            symbols.push(symbol(
+                &mut strtab,
+                name,
+                (STB_GLOBAL << 4) | STT_OBJECT,
+                0,
+                index,
+                offset,
+                *size as u64,
+            ));
             offset += (*size as u64).div_ceil(8) * 8;
         }
         let n = add_name(&mut shstr, ".nv.global");
@@ -457,7 +489,11 @@ mod tests {
 
     #[test]
     fn a_written_image_reads_back() {
-        let mut kernels = [kernel("gpushare_spin", &[8]), kernel("touch", &[8, 4]), kernel("none", &[])];
+        let mut kernels = [
+            kernel("gpushare_spin", &[8]),
+            kernel("touch", &[8, 4]),
+            kernel("none", &[]),
+        ];
         kernels[1].resources = Resources {
             shared: 400,
             constant: 80,

@@ -53,7 +53,9 @@ pub fn entries(mut b: &[u8]) -> Result<Vec<Entry>, ImageError> {
     while b.len() >= 16 && u32_at(b, 0) == Some(MAGIC) {
         let len = container_len(b).ok_or_else(|| bad("header"))?;
         let header = u16_at(b, 6).unwrap_or(16) as usize;
-        let mut files = b.get(header..len).ok_or_else(|| bad("truncated container"))?;
+        let mut files = b
+            .get(header..len)
+            .ok_or_else(|| bad("truncated container"))?;
         while files.len() >= 64 {
             let kind = u16_at(files, 0).unwrap_or(0);
             let hsize = u32_at(files, 4).unwrap_or(0) as usize;
@@ -73,7 +75,9 @@ pub fn entries(mut b: &[u8]) -> Result<Vec<Entry>, ImageError> {
                 lz4_block(&data[..compressed.min(data.len())], uncompressed)
                     .ok_or_else(|| bad("corrupt LZ4 entry"))?
             } else if flags & FLAG_ZSTD != 0 {
-                return Err(ImageError::Unsupported("Zstandard-compressed fatbin entries"));
+                return Err(ImageError::Unsupported(
+                    "Zstandard-compressed fatbin entries",
+                ));
             } else {
                 data[..payload].to_vec()
             };
@@ -211,8 +215,14 @@ mod tests {
         let mut long = vec![0xf0, 5];
         long.extend(std::iter::repeat_n(b'q', 20));
         assert_eq!(lz4_block(&long, 20).unwrap(), vec![b'q'; 20]);
-        assert!(lz4_block(&[0x10, b'a', 9, 0], 5).is_none(), "offset before the start");
-        assert!(lz4_block(&src, 14).is_none(), "size disagrees with the header");
+        assert!(
+            lz4_block(&[0x10, b'a', 9, 0], 5).is_none(),
+            "offset before the start"
+        );
+        assert!(
+            lz4_block(&src, 14).is_none(),
+            "size disagrees with the header"
+        );
     }
 
     #[test]

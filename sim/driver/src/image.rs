@@ -91,7 +91,10 @@ pub fn parse(b: &[u8]) -> Result<ModuleInfo, ImageError> {
             _ => Ok(info),
         };
     }
-    match b.get(..4).map(|m| u32::from_le_bytes(m.try_into().expect("4 bytes"))) {
+    match b
+        .get(..4)
+        .map(|m| u32::from_le_bytes(m.try_into().expect("4 bytes")))
+    {
         Some(fatbin::MAGIC) => match fatbin::select(fatbin::entries(b)?)? {
             fatbin::Entry::Elf { image, .. } => elf::parse(&image),
             fatbin::Entry::Ptx { text, .. } => parse_ptx(&text),
@@ -202,9 +205,15 @@ mod tests {
         let from_ptx = load_at(ptx.as_ptr().cast()).unwrap();
         assert_eq!(from_ptx.kernels[0].params, vec![8]);
         let cubin = elf::write(90, &from_ptx.kernels, &[]);
-        assert_eq!(load_at(cubin.as_ptr().cast()).unwrap().kernels, from_ptx.kernels);
+        assert_eq!(
+            load_at(cubin.as_ptr().cast()).unwrap().kernels,
+            from_ptx.kernels
+        );
         let fat = fatbin::build(&[(1, 90, PTX.as_bytes(), None), (2, 80, b"old", None)]);
-        assert_eq!(load_at(fat.as_ptr().cast()).unwrap().kernels, from_ptx.kernels);
+        assert_eq!(
+            load_at(fat.as_ptr().cast()).unwrap().kernels,
+            from_ptx.kernels
+        );
         #[repr(C)]
         struct Wrapper(u32, u32, *const u8, *const u8);
         let w = Wrapper(fatbin::WRAPPER_MAGIC, 1, fat.as_ptr(), std::ptr::null());
@@ -217,6 +226,9 @@ mod tests {
         let cubin = elf::write(80, &[], &[]);
         assert_eq!(parse(&cubin), Err(ImageError::NoBinaryForGpu));
         assert_eq!(parse(b"garbage"), Err(ImageError::NotCuda));
-        assert_eq!(load_at(b"x\0".as_ptr().cast()), Err(CUDA_ERROR_INVALID_IMAGE));
+        assert_eq!(
+            load_at(b"x\0".as_ptr().cast()),
+            Err(CUDA_ERROR_INVALID_IMAGE)
+        );
     }
 }

@@ -135,7 +135,10 @@ pub fn parse(src: &str) -> Result<Module, PtxError> {
                     params,
                     resources,
                 });
-                bodies.push((kernels.len() - 1, entry_body(&body[header_end..]).to_string()));
+                bodies.push((
+                    kernels.len() - 1,
+                    entry_body(&body[header_end..]).to_string(),
+                ));
                 rest = &body[header_end..];
             }
             _ if depth == 0
@@ -199,7 +202,15 @@ fn declared(text: &str, space: &str) -> usize {
     text.split(';')
         .map(|st| st.trim().trim_start_matches('{').trim())
         .filter(|st| st.split_whitespace().next() == Some(space))
-        .filter_map(|st| decl_size(&st.split('=').next().unwrap_or("").split_whitespace().collect::<Vec<_>>()))
+        .filter_map(|st| {
+            decl_size(
+                &st.split('=')
+                    .next()
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .collect::<Vec<_>>(),
+            )
+        })
         .map(|(_, size)| size)
         .sum()
 }
@@ -217,7 +228,12 @@ fn module_scope(text: &str) -> Vec<(String, String, usize)> {
             }
             '}' if depth > 0 => depth -= 1,
             ';' if depth == 0 => {
-                let tokens: Vec<&str> = statement.split('=').next().unwrap_or("").split_whitespace().collect();
+                let tokens: Vec<&str> = statement
+                    .split('=')
+                    .next()
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .collect();
                 let space = tokens.iter().find(|t| **t == ".shared" || **t == ".const");
                 if let (Some(space), false) = (space, tokens.contains(&".extern")) {
                     if let Some((name, size)) = decl_size(&tokens) {
@@ -236,9 +252,8 @@ fn module_scope(text: &str) -> Vec<(String, String, usize)> {
 /// Whether `body` names the identifier `name` (not as part of a longer one).
 fn mentions(body: &str, name: &str) -> bool {
     let ident = |c: char| c.is_alphanumeric() || c == '_' || c == '$';
-    body.match_indices(name).any(|(i, _)| {
-        !body[..i].ends_with(ident) && !body[i + name.len()..].starts_with(ident)
-    })
+    body.match_indices(name)
+        .any(|(i, _)| !body[..i].ends_with(ident) && !body[i + name.len()..].starts_with(ident))
 }
 
 #[cfg(test)]

@@ -170,7 +170,10 @@ pub struct Module {
 
 impl Module {
     pub fn function(&self, name: &str) -> Option<u64> {
-        self.functions.iter().find(|(n, _)| n == name).map(|&(_, f)| f)
+        self.functions
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|&(_, f)| f)
     }
 }
 
@@ -212,7 +215,8 @@ pub struct ContextStorage {
     pub on_destroy: Option<ContextStorageDtor>,
 }
 
-pub type ContextStorageDtor = unsafe extern "C" fn(Handle, *mut std::ffi::c_void, *mut std::ffi::c_void);
+pub type ContextStorageDtor =
+    unsafe extern "C" fn(Handle, *mut std::ffi::c_void, *mut std::ffi::c_void);
 
 /// What a device pointer range is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -638,7 +642,9 @@ impl State {
             .filter_map(|s| s.capture.as_ref())
             .filter(|c| {
                 (c.thread == me && c.mode != CAPTURE_MODE_RELAXED)
-                    || (mode == CAPTURE_MODE_GLOBAL && c.thread != me && c.mode == CAPTURE_MODE_GLOBAL)
+                    || (mode == CAPTURE_MODE_GLOBAL
+                        && c.thread != me
+                        && c.mode == CAPTURE_MODE_GLOBAL)
             })
             .map(|c| c.graph)
             .collect();
@@ -682,7 +688,11 @@ impl State {
 
     /// Drop `count` references to a user object; its destructor, if they were the last, to run
     /// once the state is unlocked.
-    pub fn release_user_object(&mut self, obj: u64, count: u32) -> CuResult<Option<(HostFn, usize)>> {
+    pub fn release_user_object(
+        &mut self,
+        obj: u64,
+        count: u32,
+    ) -> CuResult<Option<(HostFn, usize)>> {
         let o = self
             .user_objects
             .get_mut(&obj)
@@ -725,7 +735,13 @@ pub type StorageCallback = (ContextStorageDtor, u64, usize, usize);
 pub fn run_storage_callbacks(callbacks: Vec<StorageCallback>) {
     for (f, ctx, key, value) in callbacks {
         // SAFETY: the runtime registered this destructor for exactly these arguments.
-        unsafe { f(handle(ctx), key as *mut std::ffi::c_void, value as *mut std::ffi::c_void) };
+        unsafe {
+            f(
+                handle(ctx),
+                key as *mut std::ffi::c_void,
+                value as *mut std::ffi::c_void,
+            )
+        };
     }
 }
 

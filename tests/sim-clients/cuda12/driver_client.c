@@ -7,7 +7,12 @@
  *   driver_client link PTX CUBIN    cuLink* of a PTX and a cubin (with other kernels); the
  *                                   linked cubin loads with all four; a second copy of the PTX
  *                                   does not link
- *   driver_client capture           the stream-capture rules (invalidation, modes, threads)
+ *   driver_client capture PTX       the stream-capture rules (invalidation, modes, threads)
+ *   driver_client long-capture PTX SECONDS
+ *                                   a global-mode capture kept open for SECONDS while this
+ *                                   process also runs 1 ms kernels on another stream (so, under
+ *                                   gpushare, tokens come and go during the capture); the
+ *                                   captured graph then runs
  *
  * Every failing check prints what failed and exits 1.
  */
@@ -17,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static const char *name_of(CUresult r) {
     const char *s = "?";
@@ -299,6 +305,40 @@ static void capture(const char *ptx) {
     printf("{\"capture_cases\":%d}\n", cases);
 }
 
+static void long_capture(const char *ptx, double seconds) {
+    CUmodule mod;
+    CK(cuModuleLoadData(&mod, read_file(ptx, NULL)));
+    CUfunction spin;
+    CK(cuModuleGetFunction(&spin, mod, "gpushare_spin"));
+    CUstream cap, work;
+    CK(cuStreamCreate(&cap, CU_STREAM_NON_BLOCKING));
+    CK(cuStreamCreate(&work, CU_STREAM_NON_BLOCKING));
+    uint64_t ms = 1000000;
+    void *args[] = {&ms};
+    CK(cuStreamBeginCapture(cap, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int captured = 0, ran = 0;
+    do {
+        CK(cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, cap, args, NULL));
+        captured++;
+        for (int i = 0; i < 10; i++, ran++)
+            CK(cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, work, args, NULL));
+        CK(cuStreamSynchronize(work));
+        clock_gettime(CLOCK_MONOTONIC, &t);
+    } while ((t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) / 1e9 < seconds);
+    CUgraph g;
+    CK(cuStreamEndCapture(cap, &g));
+    size_t nodes = 0;
+    CK(cuGraphGetNodes(g, NULL, &nodes));
+    EXPECT(nodes == (size_t)captured, "%zu nodes, %d captured", nodes, captured);
+    CUgraphExec exec;
+    CK(cuGraphInstantiate(&exec, g, 0));
+    CK(cuGraphLaunch(exec, cap));
+    CK(cuStreamSynchronize(cap));
+    printf("{\"captured\":%d,\"ran\":%d}\n", captured, ran);
+}
+
 int main(int argc, char **argv) {
     setup();
     if (argc >= 3 && strcmp(argv[1], "library") == 0) {
@@ -314,6 +354,11 @@ int main(int argc, char **argv) {
         capture(argv[2]);
         return 0;
     }
-    fprintf(stderr, "usage: %s library IMAGE... | link PTX CUBIN | capture PTX\n", argv[0]);
+    if (argc == 4 && strcmp(argv[1], "long-capture") == 0) {
+        long_capture(argv[2], atof(argv[3]));
+        return 0;
+    }
+    fprintf(stderr, "usage: %s library IMAGE... | link PTX CUBIN | capture PTX | long-capture PTX SECONDS\n",
+            argv[0]);
     return 2;
 }

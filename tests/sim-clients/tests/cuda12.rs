@@ -12,7 +12,7 @@
 
 mod common;
 
-use gpushare_sim_clients::harness::{Sim, describe, json_lines, output_with_timeout};
+use gpushare_sim_clients::harness::{Sim, describe, json_lines, output_with_timeout, target_dir};
 use gpushare_sim_clients::node::{Node, Tenant, common_active_window, gaps_in, shares_in};
 use gpushare_sim_clients::trace::Trace;
 use std::os::unix::fs::PermissionsExt;
@@ -56,9 +56,11 @@ fn python(code: &str) -> Output {
 /// Install the missing packages with pip (once per machine: later runs find them).
 fn install_packages() {
     let find = |m: &str| {
-        python(&format!("import importlib.util as u, sys; sys.exit(u.find_spec({m:?}) is None)"))
-            .status
-            .success()
+        python(&format!(
+            "import importlib.util as u, sys; sys.exit(u.find_spec({m:?}) is None)"
+        ))
+        .status
+        .success()
     };
     let missing: Vec<&str> = PACKAGES
         .iter()
@@ -113,7 +115,10 @@ fn clients() -> &'static Clients {
         // Tenants of other users run these programs too.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let src = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let (rt, nvcc) = (wheel_dir("nvidia.cuda_runtime"), wheel_dir("nvidia.cuda_nvcc"));
+        let (rt, nvcc) = (
+            wheel_dir("nvidia.cuda_runtime"),
+            wheel_dir("nvidia.cuda_nvcc"),
+        );
         // cuda_runtime_api.h needs crt/host_defines.h, which the nvcc wheel carries.
         let include = [rt.join("include"), nvcc.join("include")];
         let rt_lib = rt.join("lib");
@@ -156,9 +161,16 @@ fn clients() -> &'static Clients {
             .replace("touch", "touch2");
         std::fs::write(p("other.ptx"), other).unwrap();
         let ptxas = nvcc.join("bin/ptxas");
-        for (from, to) in [("gpushare_spin.ptx", "gpushare_spin.cubin"), ("other.ptx", "other.cubin")] {
+        for (from, to) in [
+            ("gpushare_spin.ptx", "gpushare_spin.cubin"),
+            ("other.ptx", "other.cubin"),
+        ] {
             run_ok(
-                Command::new(&ptxas).args(["-arch=sm_90"]).arg(p(from)).arg("-o").arg(p(to)),
+                Command::new(&ptxas)
+                    .args(["-arch=sm_90"])
+                    .arg(p(from))
+                    .arg("-o")
+                    .arg(p(to)),
                 "ptxas",
             );
         }
@@ -181,7 +193,10 @@ fn clients() -> &'static Clients {
 /// `gpushare-sim run --trace FILE -- CMD…`, which must succeed; its JSON lines and the trace.
 fn on_sim(cmd: &[&std::ffi::OsStr]) -> (Vec<serde_json::Value>, Trace) {
     let c = clients();
-    let trace = c.dir.path().join(format!("trace-{}.jsonl", std::process::id()));
+    let trace = c
+        .dir
+        .path()
+        .join(format!("trace-{}.jsonl", std::process::id()));
     let out = output_with_timeout(
         Sim::locate().run(&["--trace", trace.to_str().unwrap()], cmd),
         TIMEOUT,
@@ -217,14 +232,27 @@ fn libcudart_programs_run_unmodified() {
         assert_eq!(events.len(), 2, "PTX and cubin: {lines:?}");
         for e in events {
             let ms = common::f64_field(e, "elapsed_ms");
-            assert!((ms - 10.0).abs() < 0.05, "a 10 ms kernel timed {ms} ms: {e}");
+            assert!(
+                (ms - 10.0).abs() < 0.05,
+                "a 10 ms kernel timed {ms} ms: {e}"
+            );
         }
         let g = part(&lines, "graph")[0];
         let ms = common::f64_field(g, "elapsed_ms");
-        assert!((ms - 6.0).abs() < 0.05, "three 2 ms graph nodes took {ms} ms");
+        assert!(
+            (ms - 6.0).abs() < 0.05,
+            "three 2 ms graph nodes took {ms} ms"
+        );
         assert!(trace.overlaps().is_empty());
-        let spins = trace.records().iter().filter(|r| r.kernel == "gpushare_spin");
-        assert_eq!(spins.count(), 2 + 2 + 1 + 3, "pads, timed kernels, graph nodes");
+        let spins = trace
+            .records()
+            .iter()
+            .filter(|r| r.kernel == "gpushare_spin");
+        assert_eq!(
+            spins.count(),
+            2 + 2 + 1 + 3,
+            "pads, timed kernels, graph nodes"
+        );
     }
 }
 
@@ -241,7 +269,10 @@ fn cuda12_driver_features_work_with_the_real_header() {
     for l in &lines {
         for path in ["launch", "launch_ex", "cooperative", "graph"] {
             let ms = common::f64_field(l, path);
-            assert!((1.99..2.3).contains(&ms), "a 2 ms CUkernel by {path}: {ms} ms ({l})");
+            assert!(
+                (1.99..2.3).contains(&ms),
+                "a 2 ms CUkernel by {path}: {ms} ms ({l})"
+            );
         }
     }
     let (lines, _) = on_sim(&[
@@ -271,7 +302,10 @@ fn check_frameworks(lines: &[serde_json::Value]) {
     assert_eq!(by("numba")["device"], "NVIDIA H100 80GB HBM3");
     for f in ["cupy", "cuda_core"] {
         let ms = common::f64_field(by(f), "elapsed_ms");
-        assert!((ms - 10.0).abs() < 0.05, "{f}: a 10 ms kernel timed {ms} ms");
+        assert!(
+            (ms - 10.0).abs() < 0.05,
+            "{f}: a 10 ms kernel timed {ms} ms"
+        );
     }
 }
 
@@ -286,8 +320,15 @@ fn python_frameworks_run_unmodified() {
     check_frameworks(&lines);
     let count = |f: &dyn Fn(&str) -> bool| trace.records().iter().filter(|r| f(&r.kernel)).count();
     // numba mangles the Python function's name into its kernel's.
-    assert_eq!(count(&|k| k.contains("scale")), 10, "ten @cuda.jit launches");
-    assert!(count(&|k| k.starts_with("cupy_")) >= 2, "CuPy's elementwise and reduction kernels");
+    assert_eq!(
+        count(&|k| k.contains("scale")),
+        10,
+        "ten @cuda.jit launches"
+    );
+    assert!(
+        count(&|k| k.starts_with("cupy_")) >= 2,
+        "CuPy's elementwise and reduction kernels"
+    );
     assert_eq!(
         count(&|k| k == "gpushare_spin"),
         2 + 2 + 2,
@@ -331,7 +372,12 @@ fn frameworks_and_runtime_programs_are_gated_under_gpushare() {
 /// Two `runtime_client spin` tenants (plain launches and captured-graph launches, 4 s) under
 /// gpushare with `requests`, run to the end; then the node's trace and each one's share of
 /// device time where both ran.
-fn two_tenants(node: Node, program: &Path, users: Option<[u32; 2]>, requests: [f64; 2]) -> (Trace, Vec<f64>) {
+fn two_tenants(
+    node: Node,
+    program: &Path,
+    users: Option<[u32; 2]>,
+    requests: [f64; 2],
+) -> (Trace, Vec<f64>) {
     let c = clients();
     let tenants: Vec<Tenant> = (0..2)
         .map(|i| {
@@ -341,7 +387,12 @@ fn two_tenants(node: Node, program: &Path, users: Option<[u32; 2]>, requests: [f
                 1.0,
                 1.0,
                 program,
-                &["spin".as_ref(), c.ptx.as_os_str(), "1".as_ref(), "4".as_ref()],
+                &[
+                    "spin".as_ref(),
+                    c.ptx.as_os_str(),
+                    "1".as_ref(),
+                    "4".as_ref(),
+                ],
             );
             if let Some(u) = users {
                 std::os::unix::process::CommandExt::uid(&mut cmd, u[i]);
@@ -372,7 +423,10 @@ fn two_tenants(node: Node, program: &Path, users: Option<[u32; 2]>, requests: [f
 /// tenant's plain or graph launches gives native time-slicing's even split instead.
 fn assert_split(shares: &[f64], requests: [f64; 2]) {
     let busy: f64 = shares.iter().sum();
-    assert!(busy >= 0.8, "the GPU was busy only {busy:.3} of the time ({shares:?})");
+    assert!(
+        busy >= 0.8,
+        "the GPU was busy only {busy:.3} of the time ({shares:?})"
+    );
     for (got, want) in shares.iter().map(|s| s / busy).zip(requests) {
         assert!(
             (got - want).abs() <= 0.05,
@@ -390,6 +444,53 @@ fn two_libcudart_tenants_get_their_requests() {
     assert!(trace.overlaps().is_empty());
 }
 
+#[test]
+fn a_capture_spanning_several_tokens_succeeds_under_gpushare() {
+    let _serial = common::timing_lock();
+    let c = clients();
+    let node = Node::start(&[]);
+    // A busy competitor, so the capturing process's tokens end and come back during the capture.
+    let busy = Tenant::spawn(node.tenant_command(
+        "busy",
+        0.5,
+        1.0,
+        1.0,
+        target_dir().join("cudarc-client"),
+        &[
+            "spin",
+            "--ms-per-kernel",
+            "1",
+            "--sync-every",
+            "20",
+            "--duration-ms",
+            "1500",
+        ],
+    ));
+    let mut cmd = node.tenant_command(
+        "capture",
+        0.5,
+        1.0,
+        1.0,
+        &c.driver,
+        &["long-capture".as_ref(), c.ptx.as_os_str(), "1".as_ref()],
+    );
+    cmd.stdout(std::process::Stdio::piped());
+    let out = Tenant::spawn(cmd).wait_ok(TIMEOUT);
+    busy.wait_ok(TIMEOUT);
+    let line = &json_lines(&out.stdout)[0];
+    let tokens = node
+        .status_group("capture")
+        .expect("the scheduler saw the capturing process")["tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        tokens >= 3,
+        "the capture spanned {tokens} tokens: too few to show anything"
+    );
+    assert!(common::u64_field(line, "captured") >= 10, "{line}");
+    assert!(node.finish().overlaps().is_empty());
+}
+
 /// The uid of `name`, created (a system user without home) if it does not exist.
 fn user(name: &str) -> Option<u32> {
     let id = || {
@@ -403,7 +504,13 @@ fn user(name: &str) -> Option<u32> {
         return Some(u);
     }
     let _ = Command::new("useradd")
-        .args(["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name])
+        .args([
+            "--system",
+            "--no-create-home",
+            "--shell",
+            "/usr/sbin/nologin",
+            name,
+        ])
         .status();
     id()
 }
