@@ -430,13 +430,13 @@ pub fn write(arch: u32, kernels: &[Kernel], globals: &[(String, usize)]) -> Vec<
         if s.kind != SHT_NOBITS {
             s.size = s.data.len() as u64;
         }
-        while out.len() % 8 != 0 {
+        while !out.len().is_multiple_of(8) {
             out.push(0);
         }
         offsets.push(out.len() as u64);
         out.extend_from_slice(&s.data);
     }
-    while out.len() % 8 != 0 {
+    while !out.len().is_multiple_of(8) {
         out.push(0);
     }
     let shoff = out.len() as u64;

@@ -166,9 +166,14 @@ pub fn lz4_block(src: &[u8], expected: usize) -> Option<Vec<u8>> {
     (expected == 0 || out.len() == expected).then_some(out)
 }
 
+/// One entry for [`build`]: kind, SM architecture, payload, and, if LZ4-compressed, the
+/// compressed bytes with the uncompressed size (the payload is then ignored).
+#[cfg(test)]
+pub type TestEntry<'a> = (u16, u32, &'a [u8], Option<(&'a [u8], usize)>);
+
 /// Build a container from entries (for tests, and to describe the layout by example).
 #[cfg(test)]
-pub fn build(entries: &[(u16, u32, &[u8], Option<(&[u8], usize)>)]) -> Vec<u8> {
+pub fn build(entries: &[TestEntry]) -> Vec<u8> {
     let mut files = Vec::new();
     for &(kind, arch, payload, lz4) in entries {
         let mut h = [0u8; 64];

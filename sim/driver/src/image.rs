@@ -226,9 +226,6 @@ mod tests {
         let cubin = elf::write(80, &[], &[]);
         assert_eq!(parse(&cubin), Err(ImageError::NoBinaryForGpu));
         assert_eq!(parse(b"garbage"), Err(ImageError::NotCuda));
-        assert_eq!(
-            load_at(b"x\0".as_ptr().cast()),
-            Err(CUDA_ERROR_INVALID_IMAGE)
-        );
+        assert_eq!(load_at(c"x".as_ptr().cast()), Err(CUDA_ERROR_INVALID_IMAGE));
     }
 }

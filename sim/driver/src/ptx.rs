@@ -235,10 +235,10 @@ fn module_scope(text: &str) -> Vec<(String, String, usize)> {
                     .split_whitespace()
                     .collect();
                 let space = tokens.iter().find(|t| **t == ".shared" || **t == ".const");
-                if let (Some(space), false) = (space, tokens.contains(&".extern")) {
-                    if let Some((name, size)) = decl_size(&tokens) {
-                        out.push((space.to_string(), name, size));
-                    }
+                if let (Some(space), false) = (space, tokens.contains(&".extern"))
+                    && let Some((name, size)) = decl_size(&tokens)
+                {
+                    out.push((space.to_string(), name, size));
                 }
                 statement.clear();
             }

@@ -315,7 +315,7 @@ const FRAMEWORKS: [&str; 3] = ["numba", "cupy", "cuda_core"];
 fn python_frameworks_run_unmodified() {
     let script = frameworks_script();
     let mut cmd = vec!["python3".as_ref(), script.as_os_str()];
-    cmd.extend(FRAMEWORKS.iter().map(|f| std::ffi::OsStr::new(f)));
+    cmd.extend(FRAMEWORKS.iter().map(std::ffi::OsStr::new));
     let (lines, trace) = on_sim(&cmd);
     check_frameworks(&lines);
     let count = |f: &dyn Fn(&str) -> bool| trace.records().iter().filter(|r| f(&r.kernel)).count();
