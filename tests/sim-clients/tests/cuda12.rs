@@ -337,18 +337,24 @@ fn python_frameworks_run_unmodified() {
 }
 
 #[test]
-fn frameworks_and_runtime_programs_are_gated_under_gpushare() {
+fn frameworks_runtime_programs_and_cukernels_are_gated_under_gpushare() {
     let c = clients();
     let node = Node::start(&[]);
     let script = frameworks_script();
     let mut py_args = vec![script];
     py_args.extend(FRAMEWORKS.iter().map(PathBuf::from));
-    let runs: [(&str, PathBuf, Vec<PathBuf>); 2] = [
+    let runs: [(&str, PathBuf, Vec<PathBuf>); 3] = [
         ("python", "python3".into(), py_args),
         (
             "cudart",
             c.runtime_shared.clone(),
             vec!["check".into(), c.ptx.clone(), c.cubin.clone()],
+        ),
+        // CUkernel handles on every launch path and in a graph node.
+        (
+            "cukernel",
+            c.driver.clone(),
+            vec!["library".into(), c.ptx.clone(), c.cubin.clone()],
         ),
     ];
     for (group, program, args) in runs {
