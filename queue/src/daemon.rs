@@ -152,6 +152,11 @@ pub fn serve(opts: ServeOptions, gpus: Vec<GpuInfo>) -> anyhow::Result<()> {
         })?),
         None => None,
     };
+    if let Some(addr) = http.as_ref().and_then(|s| s.server_addr().to_ip()) {
+        // On stdout, for whoever started us with --listen 127.0.0.1:0.
+        println!("http {addr}");
+        let _ = std::io::stdout().flush();
+    }
 
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
@@ -536,6 +541,20 @@ fn read_books(sh: &Arc<Shared>) {
     let mut st = sh.lock();
     let now = now_ns();
     let before = st.version;
+    apply_books(&mut st, report, now);
+    step(sh, &mut st, now);
+    let changed = st.version != before;
+    drop(st);
+    if changed {
+        sh.changed.notify_all();
+    }
+}
+
+fn apply_books(
+    st: &mut State,
+    report: Result<Report, gpushare_scheduler::client::StatusError>,
+    now: u64,
+) {
     match report {
         Ok(r) => {
             let loads = loads_from(&st.gpus, &r);
@@ -553,12 +572,6 @@ fn read_books(sh: &Arc<Shared>) {
             }
             st.books = Err(e);
         }
-    }
-    step(sh, &mut st, now);
-    let changed = st.version != before;
-    drop(st);
-    if changed {
-        sh.changed.notify_all();
     }
 }
 
@@ -694,8 +707,12 @@ pub(crate) fn submit(sh: &Arc<Shared>, uid: u32, s: Submission) -> Result<JobId,
             .file_name()
             .map_or(s.cmd[0].clone(), |n| n.to_string_lossy().into_owned())
     });
+    // Place it by what is in use now, not at the last periodic look.
+    let books = gpushare_scheduler::client::fetch_status(&sh.opts.scheduler_socket);
     let mut st = sh.lock();
     let now = now_ns();
+    st.core.check(&s.demand).map_err(|e| e.to_string())?;
+    apply_books(&mut st, books, now);
     let id = st.core.submit(s.demand, now).map_err(|e| e.to_string())?;
     st.meta.insert(
         id,

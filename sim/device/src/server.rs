@@ -8,6 +8,7 @@ use gpushare_sim_wire::{self as wire, DeviceInfo, EventBoard, PROTOCOL_VERSION, 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -74,6 +75,8 @@ impl Server {
                 cfg.socket.display()
             )
         })?;
+        // Like /dev/nvidia* on a GPU node: every user's processes may use the device.
+        std::fs::set_permissions(&cfg.socket, std::fs::Permissions::from_mode(0o666))?;
         let trace = match &cfg.trace {
             Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| {
                 anyhow::anyhow!("cannot create trace file {}: {e}", p.display())

@@ -9,6 +9,7 @@
 //! record's time for the current one's.
 
 use std::fs::OpenOptions;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
@@ -35,6 +36,8 @@ impl EventBoard {
             .truncate(true)
             .open(path)?;
         file.set_len(slots as u64 * SLOT_BYTES as u64)?;
+        // The client maps it whoever it runs as (the device's socket is open to every user).
+        file.set_permissions(std::fs::Permissions::from_mode(0o666))?;
         Self::map(&file, slots)
     }
 
