@@ -176,7 +176,11 @@ fn jobs_table(jobs: &[JobView], all: bool) -> String {
         "ID", "NAME", "USER", "STATE", "POS", "GPUS", "SHARE", "MODE", "PRIO", "TIMEOUT", "ON"
     );
     let finished: Vec<&JobView> = jobs.iter().filter(|j| j.finished()).collect();
-    let keep_from = if all { 0 } else { finished.len().saturating_sub(20) };
+    let keep_from = if all {
+        0
+    } else {
+        finished.len().saturating_sub(20)
+    };
     let shown = jobs
         .iter()
         .filter(|j| !j.finished() || finished[keep_from..].iter().any(|f| f.id == j.id));
@@ -196,7 +200,11 @@ fn jobs_table(jobs: &[JobView], all: bool) -> String {
             j.demand
                 .timeout_ns
                 .map_or("-".into(), |t| format!("{:.0}s", t as f64 / 1e9)),
-            if on.is_empty() { "-".into() } else { on.join(",") }
+            if on.is_empty() {
+                "-".into()
+            } else {
+                on.join(",")
+            }
         ));
     }
     out

@@ -451,7 +451,9 @@ impl Core {
                 return bad(format!("preferred GPU {g} is listed twice"));
             }
         }
-        if d.wait_mode == WaitMode::Queue && !d.prefer.is_empty() && d.prefer.len() < d.gpus as usize
+        if d.wait_mode == WaitMode::Queue
+            && !d.prefer.is_empty()
+            && d.prefer.len() < d.gpus as usize
         {
             return bad(format!(
                 "the job waits (--wait-mode queue) for {} preferred GPUs but needs {}; prefer more GPUs or use --wait-mode schedule",
@@ -463,12 +465,11 @@ impl Core {
             return bad("--timeout must be longer than 0".into());
         }
         if let Some(m) = d.memory {
-            let candidates: Vec<u32> =
-                if d.wait_mode == WaitMode::Queue && !d.prefer.is_empty() {
-                    d.prefer.clone()
-                } else {
-                    (0..n).collect()
-                };
+            let candidates: Vec<u32> = if d.wait_mode == WaitMode::Queue && !d.prefer.is_empty() {
+                d.prefer.clone()
+            } else {
+                (0..n).collect()
+            };
             let big = candidates
                 .iter()
                 .filter(|&&g| self.gpus[g as usize].memory >= m)
@@ -678,7 +679,10 @@ impl Core {
 
     /// The policy's priority of a queued job (higher first; ties by submission).
     pub fn rank(&self, j: &Job) -> f64 {
-        let t_s = j.demand.timeout_ns.map_or(UNTIMED_RANK_S, |t| t as f64 / 1e9);
+        let t_s = j
+            .demand
+            .timeout_ns
+            .map_or(UNTIMED_RANK_S, |t| t as f64 / 1e9);
         match self.cfg.policy {
             Policy::Fifo => 0.0,
             Policy::Sjf => -t_s,
@@ -692,8 +696,7 @@ impl Core {
 
     /// Guaranteed shares on GPU `g`: the queue's running jobs and the scheduler's other groups.
     pub fn committed(&self, g: u32) -> f64 {
-        self.loads[g as usize].foreign_request
-            + self.on_gpu(g).map(|j| j.demand.share).sum::<f64>()
+        self.loads[g as usize].foreign_request + self.on_gpu(g).map(|j| j.demand.share).sum::<f64>()
     }
 
     /// The queue's running jobs on GPU `g`.
@@ -822,7 +825,8 @@ impl Core {
     ) -> Option<Vec<u32>> {
         let k = d.gpus as usize;
         let mut chosen: Vec<u32> = d.prefer.iter().copied().filter(|&g| ok(g)).collect();
-        if chosen.len() < k && !(d.wait_mode == WaitMode::Queue && !d.prefer.is_empty()) {
+        let may_go_elsewhere = d.prefer.is_empty() || d.wait_mode == WaitMode::Schedule;
+        if chosen.len() < k && may_go_elsewhere {
             let mut others: Vec<u32> = (0..self.gpus.len() as u32)
                 .filter(|g| !d.prefer.contains(g) && ok(*g))
                 .collect();

@@ -96,9 +96,8 @@ pub fn serve(opts: ServeOptions, gpus: Vec<GpuInfo>) -> anyhow::Result<()> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."))
         .to_path_buf();
-    std::fs::create_dir_all(&dir).map_err(|e| {
-        anyhow::anyhow!("cannot create {}: {e}; pick another --db", dir.display())
-    })?;
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| anyhow::anyhow!("cannot create {}: {e}; pick another --db", dir.display()))?;
     let jobs_dir = dir.join("jobs");
     std::fs::create_dir_all(&jobs_dir)?;
     std::fs::set_permissions(&jobs_dir, std::fs::Permissions::from_mode(0o700))?;
@@ -422,10 +421,7 @@ fn spawn(
         let _ = writeln!(log, "--- gpushare-queue: run {run} of job {id} ---");
     }
     let exe = std::env::current_exe().map_err(|e| format!("cannot find gpushare-queue: {e}"))?;
-    let groups: Vec<String> = sys::groups_of(&user)
-        .iter()
-        .map(u32::to_string)
-        .collect();
+    let groups: Vec<String> = sys::groups_of(&user).iter().map(u32::to_string).collect();
     let mut c = Command::new(exe);
     c.arg("shim")
         .arg("--exit-file")
@@ -498,7 +494,8 @@ fn poll_adopted(st: &mut State, jobs_dir: &Path, id: JobId, now: u64) {
     }
     let meta = &st.meta[&id];
     let exited = exit_file(jobs_dir, id, run).exists();
-    let shim_alive = matches!((meta.shim_pid, meta.shim_start), (Some(p), Some(t)) if sys::alive_since(p, t));
+    let shim_alive =
+        matches!((meta.shim_pid, meta.shim_start), (Some(p), Some(t)) if sys::alive_since(p, t));
     let job_alive = meta.pid.is_some_and(sys::group_alive);
     if exited || !(shim_alive || job_alive) {
         finish_run(st, jobs_dir, id, run, now);
@@ -691,7 +688,9 @@ pub(crate) fn submit(sh: &Arc<Shared>, uid: u32, s: Submission) -> Result<JobId,
     if let Some(cwd) = &s.cwd
         && !cwd.starts_with('/')
     {
-        return Err(format!("working directory {cwd:?} must be an absolute path"));
+        return Err(format!(
+            "working directory {cwd:?} must be an absolute path"
+        ));
     }
     if sys::euid() != 0 && uid != sys::euid() {
         return Err(format!(
@@ -747,7 +746,9 @@ pub(crate) fn cancel(sh: &Arc<Shared>, uid: u32, id: JobId) -> Result<JobView, S
     match owner {
         None => return Err(format!("no job {id}; `gpushare jobs` lists them")),
         Some(o) if o != uid && uid != 0 => {
-            return Err(format!("job {id} is not yours; only its owner or root may cancel it"));
+            return Err(format!(
+                "job {id} is not yours; only its owner or root may cancel it"
+            ));
         }
         _ => {}
     }
@@ -840,7 +841,10 @@ fn client(sh: Arc<Shared>, mut stream: UnixStream) {
             Ok(Some(r)) => r,
             Ok(None) => return,
             Err(e) => {
-                reply(&mut stream, &Response::Error(format!("malformed request: {e}")));
+                reply(
+                    &mut stream,
+                    &Response::Error(format!("malformed request: {e}")),
+                );
                 return;
             }
         };
@@ -973,7 +977,10 @@ mod tests {
         };
         let loads = loads_from(&gpus, &r);
         assert_eq!(loads[0], GpuLoad::default(), "GPU 0 is not in the books");
-        assert_eq!(loads[1].foreign_request, 0.3, "a group without processes holds nothing");
+        assert_eq!(
+            loads[1].foreign_request, 0.3,
+            "a group without processes holds nothing"
+        );
         assert_eq!(loads[1].foreign_memory, 20);
         assert_eq!(loads[1].job_memory, BTreeMap::from([(7, 30)]));
         assert_eq!(loads[1].memory_used(), 50);

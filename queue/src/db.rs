@@ -46,10 +46,7 @@ pub enum DbError {
     #[error("database: {0}")]
     Sql(#[from] rusqlite::Error),
     #[error("database holds a job record this version cannot read (job {id}): {source}")]
-    Decode {
-        id: i64,
-        source: serde_json::Error,
-    },
+    Decode { id: i64, source: serde_json::Error },
 }
 
 pub struct Db {

@@ -252,7 +252,10 @@ fn handle(sh: &Arc<Shared>, mut req: Request) {
 fn events(sh: &Shared, req: Request) {
     let mut w = req.into_writer();
     let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n";
-    if w.write_all(head.as_bytes()).and_then(|_| w.flush()).is_err() {
+    if w.write_all(head.as_bytes())
+        .and_then(|_| w.flush())
+        .is_err()
+    {
         return;
     }
     let mut seen = 0u64;
@@ -319,7 +322,10 @@ mod tests {
     fn bad_bodies_say_what_is_wrong() {
         for (body, says) in [
             (r#"{"cmd": ["x"], "gpu": 2}"#, "unknown field `gpu`"),
-            (r#"{"cmd": ["x"], "wait_mode": "later"}"#, "unknown wait mode"),
+            (
+                r#"{"cmd": ["x"], "wait_mode": "later"}"#,
+                "unknown wait mode",
+            ),
             (r#"{"cmd": ["x"], "memory": "lots"}"#, "memory"),
             (r#"{"cmd": ["x"], "timeout": "10"}"#, "needs a unit"),
             (r#"{"name": "x"}"#, "missing field `cmd`"),

@@ -64,7 +64,11 @@ enum Cmd {
     /// Serve the queue: the CLI's Unix socket, and with --listen the HTTP API and web page.
     Serve {
         /// SQLite database of jobs and tokens; job logs go to a `jobs/` directory beside it.
-        #[arg(long, value_name = "PATH", default_value = "/var/lib/gpushare/queue.db")]
+        #[arg(
+            long,
+            value_name = "PATH",
+            default_value = "/var/lib/gpushare/queue.db"
+        )]
         db: PathBuf,
         /// Unix socket for `gpushare submit/jobs/cancel/logs/token` [default: $GPUSHARE_QUEUE_SOCKET or /run/gpushare/queue.sock].
         #[arg(long, value_name = "PATH")]
@@ -254,7 +258,13 @@ fn main() -> ExitCode {
             } else {
                 println!(
                     "policy {}  gpus {}  jobs {}  seeds {}\nmean_response_s {:.1}\nmean_finish_s {:.1}\ntimed_out {}",
-                    r.policy, r.gpus, r.jobs, r.seeds, r.mean_response_s, r.mean_finish_s, r.timed_out
+                    r.policy,
+                    r.gpus,
+                    r.jobs,
+                    r.seeds,
+                    r.mean_response_s,
+                    r.mean_finish_s,
+                    r.timed_out
                 );
             }
             Ok(())

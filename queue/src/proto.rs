@@ -37,20 +37,31 @@ pub struct Submission {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Request {
-    Hello { version: u32 },
+    Hello {
+        version: u32,
+    },
     Submit(Submission),
     Jobs,
-    Cancel { id: u64 },
+    Cancel {
+        id: u64,
+    },
     /// The job's output; with `follow`, until the job has finished.
-    Logs { id: u64, follow: bool },
+    Logs {
+        id: u64,
+        follow: bool,
+    },
     /// The caller's token for the HTTP API (made on first use; `renew` replaces it).
-    Token { renew: bool },
+    Token {
+        renew: bool,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Response {
     Welcome,
-    Submitted { id: u64 },
+    Submitted {
+        id: u64,
+    },
     Jobs(Vec<JobView>),
     Cancelled(JobView),
     LogChunk(Vec<u8>),
@@ -164,7 +175,9 @@ impl QueueClient {
     }
 
     fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
-        self.stream.set_read_timeout(Some(Duration::from_secs(30))).ok();
+        self.stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .ok();
         self.send(req)?;
         self.recv()
     }

@@ -282,7 +282,12 @@ mod tests {
         for k in [1, 2, 4] {
             let [fifo, sjf, aging, shares] = Policy::ALL.map(|p| run(p, k));
             let r = |x: &ReplayResult| x.mean_response_s;
-            assert!(r(&fifo) > r(&aging), "K={k}: FIFO {} > aging {}", r(&fifo), r(&aging));
+            assert!(
+                r(&fifo) > r(&aging),
+                "K={k}: FIFO {} > aging {}",
+                r(&fifo),
+                r(&aging)
+            );
             assert!(
                 r(&aging) >= r(&sjf) * 0.95,
                 "K={k}: aging {} ≳ SJF {}",
@@ -299,7 +304,11 @@ mod tests {
                 );
             }
             for x in [&fifo, &sjf, &aging, &shares] {
-                assert_eq!(x.timed_out, 0, "{}: every job got what it was promised", x.policy);
+                assert_eq!(
+                    x.timed_out, 0,
+                    "{}: every job got what it was promised",
+                    x.policy
+                );
                 // Finish − response is the mean runtime for the non-sharing policies.
                 assert!(x.mean_finish_s > x.mean_response_s);
             }

@@ -64,9 +64,8 @@ pub fn groups_of(user: &User) -> Vec<u32> {
         let mut groups = vec![0 as libc::gid_t; n as usize];
         let mut count = n;
         // SAFETY: a NUL-terminated name, a buffer of `count` gids and its length.
-        let rc = unsafe {
-            libc::getgrouplist(name.as_ptr(), user.gid, groups.as_mut_ptr(), &mut count)
-        };
+        let rc =
+            unsafe { libc::getgrouplist(name.as_ptr(), user.gid, groups.as_mut_ptr(), &mut count) };
         if rc >= 0 {
             groups.truncate(count.max(0) as usize);
             return groups;

@@ -50,7 +50,7 @@ pub(crate) fn snapshot(st: &State) -> Snapshot {
                 name: g.name.clone(),
                 memory_total: g.memory,
                 memory_used: load.memory_used(),
-                queue_share: st.core.on_gpu(g.index).map(|j| j.demand.share).sum(),
+                queue_share: st.core.on_gpu(g.index).fold(0.0, |s, j| s + j.demand.share),
                 others_request: load.foreign_request,
                 achieved: report
                     .map(|r| {
@@ -168,8 +168,16 @@ pub fn live(s: &Snapshot) -> String {
             g.others_request,
             gib(g.memory_used),
             gib(g.memory_total),
-            if jobs.is_empty() { "-".into() } else { jobs.join(", ") },
-            if achieved.is_empty() { "-".into() } else { achieved.join(", ") }
+            if jobs.is_empty() {
+                "-".into()
+            } else {
+                jobs.join(", ")
+            },
+            if achieved.is_empty() {
+                "-".into()
+            } else {
+                achieved.join(", ")
+            }
         );
     }
     o.push_str("</table>\n");
@@ -206,7 +214,7 @@ pub fn live(s: &Snapshot) -> String {
     o.push_str("</table>\n");
 
     let mut finished: Vec<&JobView> = s.jobs.iter().filter(|j| j.finished()).collect();
-    finished.sort_by(|a, b| b.id.cmp(&a.id));
+    finished.sort_by_key(|j| std::cmp::Reverse(j.id));
     let _ = writeln!(
         o,
         "<h2>Finished queue</h2>\n<table id=\"finished\"><tr><th>ID</th><th>name</th><th>user</th><th>status</th><th>exit</th><th>mode</th><th>GPUs asked</th><th>GPUs used</th><th>share</th><th>timeout</th><th>registered</th><th>started</th><th>ended</th></tr>"
@@ -280,6 +288,9 @@ mod tests {
 
     #[test]
     fn text_is_escaped() {
-        assert_eq!(esc("<a href='x'>&\"</a>"), "&lt;a href=&#39;x&#39;&gt;&amp;&quot;&lt;/a&gt;");
+        assert_eq!(
+            esc("<a href='x'>&\"</a>"),
+            "&lt;a href=&#39;x&#39;&gt;&amp;&quot;&lt;/a&gt;"
+        );
     }
 }

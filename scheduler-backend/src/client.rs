@@ -24,7 +24,9 @@ pub enum StatusError {
     Refused(String),
     #[error("the scheduler closed the connection")]
     Closed,
-    #[error("the scheduler's report is not what this gpushare expects ({0}); use binaries of one release")]
+    #[error(
+        "the scheduler's report is not what this gpushare expects ({0}); use binaries of one release"
+    )]
     Decode(#[from] serde_json::Error),
 }
 

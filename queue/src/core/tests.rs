@@ -61,7 +61,10 @@ fn order_after_busy(policy: Policy, timeouts: [u64; 3]) -> Vec<JobId> {
 
 #[test]
 fn fifo_goes_by_submission() {
-    assert_eq!(order_after_busy(Policy::Fifo, [300, 20, 100]), vec![2, 3, 4]);
+    assert_eq!(
+        order_after_busy(Policy::Fifo, [300, 20, 100]),
+        vec![2, 3, 4]
+    );
 }
 
 #[test]
@@ -181,7 +184,11 @@ fn memory_caps_must_fit() {
     c.submit(d(40), 0).unwrap();
     c.submit(d(20), 0).unwrap();
     c.tick(0);
-    assert_eq!(started(&mut c), vec![1, 3], "50 + 20 fit in 80, 40 does not");
+    assert_eq!(
+        started(&mut c),
+        vec![1, 3],
+        "50 + 20 fit in 80, 40 does not"
+    );
     assert!(matches!(c.submit(d(81), 0), Err(SubmitError::Invalid(_))));
 }
 
@@ -284,7 +291,11 @@ fn shares_starts_a_short_job_beside_a_long_one_and_stretches_both_timeouts() {
     assert_eq!(started(&mut c), vec![1]);
     c.submit(timed(100), 10 * S).unwrap();
     c.tick(10 * S);
-    assert_eq!(started(&mut c), vec![2], "100 s < 990 s left: starts beside");
+    assert_eq!(
+        started(&mut c),
+        vec![2],
+        "100 s < 990 s left: starts beside"
+    );
     // A job longer than what job 2 has left waits.
     c.submit(timed(950), 11 * S).unwrap();
     c.tick(11 * S);
@@ -293,7 +304,10 @@ fn shares_starts_a_short_job_beside_a_long_one_and_stretches_both_timeouts() {
     assert_eq!(c.next_wakeup(), Some(210 * S));
     c.job_exited(2, Exit::Code(0), 150 * S).unwrap();
     c.tick(150 * S);
-    assert!(started(&mut c).is_empty(), "job 3 is not shorter than job 1's time left");
+    assert!(
+        started(&mut c).is_empty(),
+        "job 3 is not shorter than job 1's time left"
+    );
     // Job 1: 10 s alone + 140 s at half = 80 s, 920 s left alone.
     assert_eq!(c.next_wakeup(), Some(1070 * S));
 }
@@ -418,7 +432,11 @@ fn bad_demands_are_refused_and_change_nothing() {
     }
     assert_eq!(c.jobs().count(), 0);
     assert!(c.take_dirty().is_empty());
-    assert_eq!(c.submit(Demand::default(), 0), Ok(1), "ids were not used up");
+    assert_eq!(
+        c.submit(Demand::default(), 0),
+        Ok(1),
+        "ids were not used up"
+    );
 }
 
 #[test]
@@ -468,28 +486,30 @@ fn demand(gpus: u32) -> impl Strategy<Value = Demand> {
         proptest::option::of(1u64..300),
         0u32..2,
     )
-        .prop_map(move |(k, share, mem, prefer, queue, priority, timeout, retries)| {
-            let mut prefer: Vec<u32> = prefer;
-            prefer.dedup();
-            let mut seen = BTreeSet::new();
-            prefer.retain(|g| seen.insert(*g));
-            let wait_mode = if queue && prefer.len() >= k as usize {
-                WaitMode::Queue
-            } else {
-                WaitMode::Schedule
-            };
-            Demand {
-                gpus: k,
-                share,
-                limit: 1.0,
-                memory: mem.map(|g| g * GIB),
-                prefer,
-                wait_mode,
-                priority,
-                timeout_ns: timeout.map(|t| t * S),
-                retries,
-            }
-        })
+        .prop_map(
+            move |(k, share, mem, prefer, queue, priority, timeout, retries)| {
+                let mut prefer: Vec<u32> = prefer;
+                prefer.dedup();
+                let mut seen = BTreeSet::new();
+                prefer.retain(|g| seen.insert(*g));
+                let wait_mode = if queue && prefer.len() >= k as usize {
+                    WaitMode::Queue
+                } else {
+                    WaitMode::Schedule
+                };
+                Demand {
+                    gpus: k,
+                    share,
+                    limit: 1.0,
+                    memory: mem.map(|g| g * GIB),
+                    prefer,
+                    wait_mode,
+                    priority,
+                    timeout_ns: timeout.map(|t| t * S),
+                    retries,
+                }
+            },
+        )
 }
 
 fn events(gpus: u32) -> impl Strategy<Value = Vec<Ev>> {
@@ -536,10 +556,18 @@ fn check_invariants(c: &Core) -> Result<(), TestCaseError> {
         }
         let mine: f64 = c.on_gpu(g).map(|j| j.demand.share).sum();
         if c.config().policy == Policy::Shares && mine > 1.0 + 1e-6 {
-            let m = c.config().max_jobs_per_gpu.unwrap_or(SHARES_DEFAULT_MAX_JOBS);
+            let m = c
+                .config()
+                .max_jobs_per_gpu
+                .unwrap_or(SHARES_DEFAULT_MAX_JOBS);
             prop_assert!(jobs <= m, "GPU {} overcommitted with {} jobs", g, jobs);
         } else {
-            prop_assert!(mine <= 1.0 + 1e-6, "GPU {} overcommitted by the queue: {}", g, mine);
+            prop_assert!(
+                mine <= 1.0 + 1e-6,
+                "GPU {} overcommitted by the queue: {}",
+                g,
+                mine
+            );
         }
     }
     Ok(())

@@ -21,7 +21,10 @@ pub fn eventually<T>(within: Duration, what: &str, mut f: impl FnMut() -> Option
         if let Some(v) = f() {
             return v;
         }
-        assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {within:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -45,7 +48,12 @@ pub fn test_user(name: &str) -> (u32, u32) {
         unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
         if id("-u").is_none() {
             let out = Command::new("useradd")
-                .args(["--system", "--no-create-home", "--shell", "/usr/sbin/nologin"])
+                .args([
+                    "--system",
+                    "--no-create-home",
+                    "--shell",
+                    "/usr/sbin/nologin",
+                ])
                 .arg(name)
                 .output()
                 .expect("run useradd");
@@ -165,7 +173,11 @@ impl QueueNode {
         let mut a = vec!["submit"];
         a.extend_from_slice(args);
         let out = self.cli_as(user, &a);
-        assert!(out.status.success(), "gpushare submit failed\n{}", describe(&out));
+        assert!(
+            out.status.success(),
+            "gpushare submit failed\n{}",
+            describe(&out)
+        );
         String::from_utf8_lossy(&out.stdout)
             .trim()
             .parse()
@@ -179,7 +191,11 @@ impl QueueNode {
     /// `gpushare jobs --json`.
     pub fn jobs(&self) -> Vec<Value> {
         let out = self.cli(&["jobs", "--json"]);
-        assert!(out.status.success(), "gpushare jobs failed\n{}", describe(&out));
+        assert!(
+            out.status.success(),
+            "gpushare jobs failed\n{}",
+            describe(&out)
+        );
         serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|e| panic!("jobs --json is not a JSON list ({e})\n{}", describe(&out)))
     }
@@ -199,7 +215,10 @@ impl QueueNode {
             if last["state"] == state {
                 return last;
             }
-            let over = !matches!(last["state"].as_str(), Some("queued" | "running" | "killing"));
+            let over = !matches!(
+                last["state"].as_str(),
+                Some("queued" | "running" | "killing")
+            );
             assert!(
                 Instant::now() < deadline && !over,
                 "job {id} not {state} after {within:?}: {last}\n--- its output ---\n{}\n--- queue log ---\n{}",
@@ -229,7 +248,13 @@ impl Drop for QueueNode {
 
 /// A bare HTTP/1.1 exchange (the API and WebDriver both speak JSON over plain HTTP on
 /// loopback): status and body.
-pub fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+pub fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
     let mut req = format!(
@@ -245,33 +270,49 @@ pub fn http(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body
     req.push_str("\r\n");
     req.push_str(body);
     s.write_all(req.as_bytes()).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    // Read the head, then the body by its length (a server may keep the connection open).
+    let mut r = BufReader::new(s);
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        if r.read_line(&mut line).unwrap() == 0 || line == "\r\n" {
+            break;
+        }
+        head.push_str(&line);
+    }
     let status = head
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("not an HTTP response: {text:?}"));
-    let chunked = head
-        .lines()
-        .any(|l| l.to_ascii_lowercase().starts_with("transfer-encoding: chunked"));
-    let body = if chunked { dechunk(rest) } else { rest.to_string() };
-    (status, body)
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
+        .unwrap_or_else(|| panic!("not an HTTP response: {head:?}"));
+    let field = |name: &str| {
+        head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim()
+                .eq_ignore_ascii_case(name)
+                .then(|| v.trim().to_string())
+        })
+    };
+    let mut body = Vec::new();
+    if let Some(n) = field("content-length").and_then(|n| n.parse::<usize>().ok()) {
+        body.resize(n, 0);
+        r.read_exact(&mut body).unwrap();
+    } else if field("transfer-encoding").is_some_and(|t| t.eq_ignore_ascii_case("chunked")) {
+        loop {
+            let mut size = String::new();
+            r.read_line(&mut size).unwrap();
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            let mut chunk = vec![0; n + 2];
+            r.read_exact(&mut chunk).unwrap();
+            if n == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..n]);
         }
-        out.push_str(&rest[..n]);
-        s = &rest[n..].trim_start_matches("\r\n");
+    } else {
+        r.read_to_end(&mut body).unwrap();
     }
-    out
+    (status, String::from_utf8_lossy(&body).into_owned())
 }
 
 /// Pids of the simulated device's trace records of `pid` on `device`: whether it ran there.

@@ -75,7 +75,10 @@ impl Client {
             std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
             &devices,
         );
-        let devices = physical.iter().map(|&i| devices[i as usize].clone()).collect();
+        let devices = physical
+            .iter()
+            .map(|&i| devices[i as usize].clone())
+            .collect();
         let reader = stream
             .try_clone()
             .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
@@ -235,18 +238,27 @@ fn visible_devices(spec: Option<&str>, devices: &[DeviceInfo]) -> Vec<u32> {
     let Some(spec) = spec else {
         return (0..devices.len() as u32).collect();
     };
-    let hex = |d: &DeviceInfo| d.uuid.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let hex = |d: &DeviceInfo| {
+        d.uuid
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
     let mut out: Vec<u32> = Vec::new();
     for entry in spec.split(',').map(str::trim) {
         let found = if let Some(uuid) = entry.strip_prefix("GPU-") {
             let want = uuid.replace('-', "").to_ascii_lowercase();
-            let mut hits = (0..devices.len()).filter(|&i| !want.is_empty() && hex(&devices[i]).starts_with(&want));
+            let mut hits = (0..devices.len())
+                .filter(|&i| !want.is_empty() && hex(&devices[i]).starts_with(&want));
             match (hits.next(), hits.next()) {
                 (Some(i), None) => Some(i as u32),
                 _ => None,
             }
         } else {
-            entry.parse::<u32>().ok().filter(|&i| (i as usize) < devices.len())
+            entry
+                .parse::<u32>()
+                .ok()
+                .filter(|&i| (i as usize) < devices.len())
         };
         match found {
             Some(i) if !out.contains(&i) => out.push(i),
@@ -281,7 +293,11 @@ mod tests {
         assert_eq!(visible_devices(None, &d), vec![0, 1, 2, 3]);
         assert_eq!(visible_devices(Some("2"), &d), vec![2]);
         assert_eq!(visible_devices(Some("3, 1"), &d), vec![3, 1]);
-        assert_eq!(visible_devices(Some("1,7,2"), &d), vec![1], "ends at an invalid entry");
+        assert_eq!(
+            visible_devices(Some("1,7,2"), &d),
+            vec![1],
+            "ends at an invalid entry"
+        );
         assert_eq!(visible_devices(Some("1,1"), &d), vec![1]);
         assert_eq!(visible_devices(Some(""), &d), Vec::<u32>::new());
         assert_eq!(visible_devices(Some("-1"), &d), Vec::<u32>::new());
@@ -290,6 +306,10 @@ mod tests {
             visible_devices(Some("GPU-67707573-6861-7265-2d73-696d00000002,0"), &d),
             vec![2, 0]
         );
-        assert_eq!(visible_devices(Some("GPU-67707573"), &d), Vec::<u32>::new(), "ambiguous");
+        assert_eq!(
+            visible_devices(Some("GPU-67707573"), &d),
+            Vec::<u32>::new(),
+            "ambiguous"
+        );
     }
 }
