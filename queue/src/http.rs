@@ -329,7 +329,7 @@ mod tests {
             (r#"{"cmd": ["x"], "memory": "lots"}"#, "memory"),
             (r#"{"cmd": ["x"], "timeout": "10"}"#, "needs a unit"),
             (r#"{"name": "x"}"#, "missing field `cmd`"),
-            ("[1, 2", "EOF"),
+            (r#"{"cmd": ["x""#, "EOF"),
         ] {
             let e = parse(body).unwrap_err();
             assert!(e.contains(says), "{body}: {e}");

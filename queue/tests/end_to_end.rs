@@ -20,14 +20,14 @@ fn jobs_of_two_users_run_as_them_with_their_shares() {
     let alice = test_user("gpsq-alice");
     let bob = test_user("gpsq-bob");
     let q = QueueNode::start(&[], &["--policy", "fifo"]);
-    // Each job says who it runs as, then keeps the GPU busy for 2.5 s.
+    // Each job says who it runs as, then keeps the GPU busy for 3.5 s.
     let job = |share: &str| -> Vec<String> {
         let spin = cudarc(&[
             "spin",
             "--ms-per-kernel",
             "1",
             "--duration-ms",
-            "2500",
+            "3500",
             "--sync-every",
             "20",
         ]);
@@ -73,9 +73,15 @@ fn jobs_of_two_users_run_as_them_with_their_shares() {
     let trace = q.finish();
     let window = common_active_window(&trace, &pids, 300_000_000);
     let shares = shares_in(&trace, &pids, window);
+    // Of the time the GPU was busy: a loaded host leaves gaps (a starved holder wastes part of
+    // its turns, and the bigger share holds more of them). The GPU's own time-slicing would
+    // split it 0.5 / 0.5.
+    let of_busy = shares[0] / (shares[0] + shares[1]);
+    eprintln!("the 0.7 job had {of_busy:.3} of the busy time (shares {shares:?})");
     assert!(
-        (shares[0] - 0.7).abs() < 0.08 && (shares[1] - 0.3).abs() < 0.08,
-        "shares {shares:?} over {window}, expected 0.7 / 0.3"
+        (of_busy - 0.7).abs() < 0.08,
+        "the 0.7 job had {of_busy:.3} of the busy time (shares {shares:?} over {window}); {}",
+        gpushare_sim_clients::node::gaps_in(&trace, window).summary()
     );
 }
 
