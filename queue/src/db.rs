@@ -38,15 +38,15 @@ pub struct StoredJob {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
-    #[error("database {path}: {source}; check the --db path and its permissions")]
+    #[error("database {path}: {error}; check the --db path and its permissions")]
     Open {
         path: String,
-        source: rusqlite::Error,
+        error: rusqlite::Error,
     },
     #[error("database: {0}")]
     Sql(#[from] rusqlite::Error),
-    #[error("database holds a job record this version cannot read (job {id}): {source}")]
-    Decode { id: i64, source: serde_json::Error },
+    #[error("database holds a job record this version cannot read (job {id}): {error}")]
+    Decode { id: i64, error: serde_json::Error },
 }
 
 pub struct Db {
@@ -55,9 +55,9 @@ pub struct Db {
 
 impl Db {
     pub fn open(path: &Path) -> Result<Db, DbError> {
-        let open = |source| DbError::Open {
+        let open = |error| DbError::Open {
             path: path.display().to_string(),
-            source,
+            error,
         };
         let conn = Connection::open(path).map_err(open)?;
         conn.pragma_update(None, "journal_mode", "WAL")
@@ -86,7 +86,7 @@ impl Db {
         let mut out = Vec::new();
         for row in rows {
             let (id, body) = row?;
-            out.push(serde_json::from_str(&body).map_err(|source| DbError::Decode { id, source })?);
+            out.push(serde_json::from_str(&body).map_err(|error| DbError::Decode { id, error })?);
         }
         Ok(out)
     }

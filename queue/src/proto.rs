@@ -120,12 +120,9 @@ impl JobView {
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error(
-        "cannot reach gpushare-queue at {path}: {source}; is it running? (set {QUEUE_SOCKET_ENV} if it listens elsewhere)"
+        "cannot reach gpushare-queue at {path}: {error}; is it running? (set {QUEUE_SOCKET_ENV} if it listens elsewhere)"
     )]
-    Connect {
-        path: String,
-        source: std::io::Error,
-    },
+    Connect { path: String, error: std::io::Error },
     #[error("talking to gpushare-queue: {0}")]
     Wire(#[from] WireError),
     #[error("gpushare-queue closed the connection")]
@@ -144,9 +141,9 @@ pub struct QueueClient {
 
 impl QueueClient {
     pub fn connect(path: &Path) -> Result<QueueClient, ClientError> {
-        let stream = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+        let stream = UnixStream::connect(path).map_err(|error| ClientError::Connect {
             path: path.display().to_string(),
-            source,
+            error,
         })?;
         let mut c = QueueClient {
             stream,

@@ -41,9 +41,19 @@ fn ensure_browser() {
     apt(&["install", "-y", "-qq", "chromium", "chromium-driver"]);
 }
 
+/// A chromedriver process, killed when dropped (also when starting the session fails).
+struct Driver(Child);
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A chromedriver on a free loopback port and one headless Chromium session.
 struct Browser {
-    driver: Child,
+    _driver: Driver,
     addr: String,
     session: String,
     _profile: tempfile::TempDir,
@@ -57,12 +67,14 @@ impl Browser {
             .local_addr()
             .unwrap()
             .port();
-        let driver = Command::new(CHROMEDRIVER)
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start chromedriver");
+        let driver = Driver(
+            Command::new(CHROMEDRIVER)
+                .arg(format!("--port={port}"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start chromedriver"),
+        );
         let addr = format!("127.0.0.1:{port}");
         eventually(Duration::from_secs(30), "chromedriver to answer", || {
             std::net::TcpStream::connect(&addr).ok()?;
@@ -90,7 +102,7 @@ impl Browser {
             .expect("session id")
             .to_string();
         Browser {
-            driver,
+            _driver: driver,
             addr,
             session,
             _profile: profile,
@@ -133,9 +145,8 @@ impl Browser {
 impl Drop for Browser {
     fn drop(&mut self) {
         let path = format!("/session/{}", self.session);
+        // Ends Chromium; chromedriver goes with `_driver`.
         let _ = std::panic::catch_unwind(|| http(&self.addr, "DELETE", &path, &[], ""));
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
     }
 }
 

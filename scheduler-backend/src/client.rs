@@ -10,12 +10,9 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum StatusError {
     #[error(
-        "cannot reach gpushare-scheduler at {path}: {source}; is it running? (set GPUSHARE_SOCKET if it listens elsewhere)"
+        "cannot reach gpushare-scheduler at {path}: {error}; is it running? (set GPUSHARE_SOCKET if it listens elsewhere)"
     )]
-    Connect {
-        path: String,
-        source: std::io::Error,
-    },
+    Connect { path: String, error: std::io::Error },
     #[error("talking to gpushare-scheduler: {0}")]
     Wire(#[from] gpushare_protocol::WireError),
     #[error("talking to gpushare-scheduler: {0}")]
@@ -32,9 +29,9 @@ pub enum StatusError {
 
 /// The report of the scheduler listening at `socket` (at most 5 s).
 pub fn fetch_status(socket: &Path) -> Result<Report, StatusError> {
-    let mut s = UnixStream::connect(socket).map_err(|source| StatusError::Connect {
+    let mut s = UnixStream::connect(socket).map_err(|error| StatusError::Connect {
         path: socket.display().to_string(),
-        source,
+        error,
     })?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
     gpushare_protocol::send(
