@@ -1,10 +1,11 @@
 /* mem_race.c: allocate and free random sizes as fast as possible, for a race between processes
  * of one group against its memory cap. Linked directly against libcuda.
  *
- *   mem_race SEED START_NS DURATION_MS MAX_MIB TIMELINE_FILE
+ *   mem_race SEED GO_FILE DURATION_MS MAX_MIB TIMELINE_FILE
  *
- * After initialising (context, one warm-up allocation so the hook is connected) it waits until
- * CLOCK_MONOTONIC reaches START_NS, then for DURATION_MS: either frees one of the buffers it holds
+ * After initialising (context, one warm-up allocation so the hook is connected) it creates
+ * TIMELINE_FILE.ready and waits until GO_FILE exists (the test creates it once every racer is
+ * ready, however long a busy machine took to start them), then for DURATION_MS: either frees one of the buffers it holds
  * (cuMemFree_v2) or allocates 1 MiB..MAX_MIB MiB bytes (cuMemAlloc_v2; CUDA_ERROR_OUT_OF_MEMORY
  * counts as refused). At the end it frees everything.
  *
@@ -51,12 +52,12 @@ static void record(unsigned long long t, unsigned long long held) {
 int main(int argc, char **argv) {
     check_error_name = cuGetErrorName;
     if (argc != 6) {
-        fprintf(stderr, "usage: %s SEED START_NS DURATION_MS MAX_MIB TIMELINE_FILE\n", argv[0]);
+        fprintf(stderr, "usage: %s SEED GO_FILE DURATION_MS MAX_MIB TIMELINE_FILE\n", argv[0]);
         return 2;
     }
     rng = strtoull(argv[1], NULL, 10) * 0x9E3779B97F4A7C15ull + 1;
-    unsigned long long start = strtoull(argv[2], NULL, 10);
-    unsigned long long end = start + strtoull(argv[3], NULL, 10) * 1000000ull;
+    const char *go = argv[2];
+    unsigned long long duration = strtoull(argv[3], NULL, 10) * 1000000ull;
     size_t max_bytes = strtoull(argv[4], NULL, 10) << 20;
     FILE *out = fopen(argv[5], "w");
     EXPECT(out != NULL, "cannot open %s", argv[5]);
@@ -76,8 +77,13 @@ int main(int argc, char **argv) {
     unsigned long long held = 0, peak = 0;
     long allocs = 0, refused = 0, frees = 0;
 
-    while (now_ns() < start)
+    char ready[4096];
+    snprintf(ready, sizeof ready, "%s.ready", argv[5]);
+    FILE *r = fopen(ready, "w");
+    EXPECT(r != NULL && fclose(r) == 0, "cannot create %s", ready);
+    while (access(go, F_OK) != 0)
         usleep(200);
+    unsigned long long end = now_ns() + duration;
     record(now_ns(), 0);
     while (now_ns() < end) {
         unsigned long long r = next_rand();

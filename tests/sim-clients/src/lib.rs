@@ -5,6 +5,7 @@
 //! - [`harness`]: find the built simulator (`gpushare-sim`, `libcuda.so`) next to a test or
 //!   benchmark executable and run commands under it.
 //! - [`node`]: a simulated node (device + scheduler) and tenants under `gpushare run`.
+//! - [`margins`]: how far the end-to-end tests let a figure stray (behaviour, not precision).
 //! - [`ptx`]: the hand-written PTX module (`gpushare_spin`, `touch`) every client loads.
 //! - [`direct`]: the driver's own entry points, past any interposition (launch-overhead
 //!   measurement).
@@ -16,6 +17,7 @@
 
 pub mod direct;
 pub mod harness;
+pub mod margins;
 pub mod node;
 pub mod ptx;
 pub mod timeline;

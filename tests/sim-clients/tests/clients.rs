@@ -46,7 +46,7 @@ fn cudarc_smoke() {
     // On an idle stream the host's launch latency adds to it, but never subtracts.
     let idle = f64_field(&v, "spin_idle_stream_ms");
     assert!(
-        (1.94..3.0).contains(&idle),
+        (1.94..50.0).contains(&idle),
         "2 ms spin on an idle stream measured {idle} ms"
     );
     assert_near(

@@ -331,7 +331,7 @@ fn racing_processes_of_one_group_never_exceed_the_cap_together() {
     let (node, exe) = node_with("mem_race");
     let cap = 256 * MIB;
     for seed in [1u64, 2, 3] {
-        let start = monotonic_ns() + 1_000_000_000;
+        let go = node.tmp.path().join(format!("go-{seed}"));
         let files: Vec<PathBuf> = (0..2)
             .map(|p| node.tmp.path().join(format!("timeline-{seed}-{p}")))
             .collect();
@@ -341,7 +341,7 @@ fn racing_processes_of_one_group_never_exceed_the_cap_together() {
             .map(|(p, f)| {
                 let args = [
                     (seed * 10 + p as u64).to_string(),
-                    start.to_string(),
+                    go.display().to_string(),
                     "600".into(),
                     "16".into(),
                     f.display().to_string(),
@@ -350,6 +350,17 @@ fn racing_processes_of_one_group_never_exceed_the_cap_together() {
                 std::thread::spawn(move || run_ok(cmd))
             })
             .collect();
+        // Both racers initialised (however long a busy machine took): start them together.
+        let ready = |f: &PathBuf| PathBuf::from(format!("{}.ready", f.display())).exists();
+        let waiting_since = std::time::Instant::now();
+        while !files.iter().all(ready) {
+            assert!(
+                waiting_since.elapsed() < Duration::from_secs(30),
+                "seed {seed}: the racers never became ready"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::fs::write(&go, b"").expect("create the go file");
         let summaries: Vec<Value> = runs
             .into_iter()
             .map(|h| {

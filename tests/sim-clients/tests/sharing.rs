@@ -5,6 +5,7 @@ mod common;
 
 use common::{env, sh_quote, u64_field};
 use gpushare_sim_clients::harness::{describe, json_lines};
+use gpushare_sim_clients::margins;
 use gpushare_sim_clients::trace::{Trace, common_window};
 use std::collections::BTreeSet;
 
@@ -102,8 +103,9 @@ fn two_processes_share_one_device_evenly() {
         );
     }
     assert!(
-        util >= 0.95,
-        "device utilisation {util:.4} in {window}, expected >= 0.95"
+        util >= margins::UTILISATION,
+        "device utilisation {util:.4} in {window}, expected >= {}",
+        margins::UTILISATION
     );
     // Contended, the 2 ms kernels are preempted at the end of each 1 ms time slice.
     let contended = trace.filter(|r| r.window().intersect(&window.shrink(5_000_000)).is_some());
