@@ -63,6 +63,7 @@ fn unmap(addr: u64, size: usize) {
 
 /// Reserve `bytes` of the device's capacity in the device process.
 fn charge(d: &Driver, device: u32, bytes: u64) -> CuResult {
+    let device = d.client.physical(device);
     match d.client.call(|req| Request::Alloc { req, device, bytes })? {
         Reply::Alloc { ok: true, .. } => Ok(()),
         _ => Err(CUDA_ERROR_OUT_OF_MEMORY),
@@ -73,7 +74,10 @@ fn uncharge(d: &Driver, device: u32, bytes: u64) -> CuResult {
     if bytes == 0 {
         return Ok(());
     }
-    d.client.send(&Request::Free { device, bytes })
+    d.client.send(&Request::Free {
+        device: d.client.physical(device),
+        bytes,
+    })
 }
 
 /// Allocate device (or managed) memory on the current context's device.
@@ -212,7 +216,7 @@ entry!(
 entry!(
     fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
         let d = driver()?;
-        let device = d.lock().current_device()?;
+        let device = d.client.physical(d.lock().current_device()?);
         match d.client.call(|req| Request::MemInfo { req, device })? {
             Reply::MemInfo {
                 free: f, total: t, ..

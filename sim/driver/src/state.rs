@@ -384,7 +384,10 @@ impl State {
     /// Create a context with its legacy default stream, on the device and here.
     pub fn create_context(&mut self, client: &Client, device: u32, flags: u32) -> CuResult<u64> {
         let ctx = self.new_id();
-        client.send(&Request::CreateContext { ctx, device })?;
+        client.send(&Request::CreateContext {
+            ctx,
+            device: client.physical(device),
+        })?;
         self.contexts.insert(
             ctx,
             Context {
