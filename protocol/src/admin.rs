@@ -7,7 +7,8 @@
 //! answers [`AdminReply::Welcome`] or [`AdminReply::Error`] and closes. Then every request gets
 //! exactly one reply. [`AdminRequest::Sync`] replaces the whole table (an agent sends it after
 //! each (re)connection, so a restarted scheduler or agent heals); [`AdminRequest::Upsert`] and
-//! [`AdminRequest::Remove`] change one container.
+//! [`AdminRequest::Remove`] change one container; [`AdminRequest::Usage`] asks what the GPUs
+//! are really used for.
 
 use serde::{Deserialize, Serialize};
 
@@ -52,6 +53,35 @@ impl PodGroup {
     }
 }
 
+/// `GPU-8-4-4-4-12` hex form of a driver UUID, as nvidia-smi prints it (and as the admin
+/// protocol carries GPUs).
+pub fn gpu_uuid_string(u: &crate::GpuUuid) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+/// The inverse of [`gpu_uuid_string`]; `None` for anything else.
+pub fn parse_gpu_uuid(s: &str) -> Option<crate::GpuUuid> {
+    let rest = s.strip_prefix("GPU-")?;
+    let groups: Vec<usize> = rest.split('-').map(str::len).collect();
+    let hex: String = rest.split('-').collect();
+    if groups != [8, 4, 4, 4, 12] || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
 /// Agent → scheduler.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum AdminRequest {
@@ -63,6 +93,20 @@ pub enum AdminRequest {
     Upsert { group: PodGroup },
     /// The container (or its pod) is gone; its group is freed when its last process disconnects.
     Remove { key: ContainerKey },
+    /// What the scheduler measures on each GPU it has seen ([`AdminReply::Usage`]), for
+    /// placement.
+    Usage,
+}
+
+/// One GPU's measured use ([`AdminRequest::Usage`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuUsage {
+    /// `GPU-…` UUID.
+    pub gpu: String,
+    /// Share of GPU time used over the scheduler's window, 0..=1.
+    pub busy: f64,
+    /// Bytes of GPU memory its tenants hold.
+    pub memory_used: u64,
 }
 
 /// Scheduler → agent, one per request.
@@ -76,6 +120,10 @@ pub enum AdminReply {
     /// The request was refused (nothing changed); the message says why and what to do.
     Error {
         message: String,
+    },
+    /// Answer to [`AdminRequest::Usage`].
+    Usage {
+        gpus: Vec<GpuUsage>,
     },
 }
 
@@ -123,7 +171,28 @@ mod tests {
         }
     }
 
+    #[test]
+    fn gpu_uuids_round_trip() {
+        let text = "GPU-67707573-6861-7265-2d73-696d2d677075";
+        let u = parse_gpu_uuid(text).unwrap();
+        assert_eq!(&u, b"gpushare-sim-gpu");
+        assert_eq!(gpu_uuid_string(&u), text);
+        for bad in [
+            "GPU-6770757-36861-7265-2d73-696d2d677075",
+            "67707573-6861-7265-2d73-696d2d677075",
+            "GPU-zz707573-6861-7265-2d73-696d2d677075",
+            "GPU-",
+        ] {
+            assert_eq!(parse_gpu_uuid(bad), None, "{bad}");
+        }
+    }
+
     proptest! {
+        #[test]
+        fn gpu_uuid_text_round_trips(u in any::<[u8; 16]>()) {
+            prop_assert_eq!(parse_gpu_uuid(&gpu_uuid_string(&u)), Some(u));
+        }
+
         #[test]
         fn decoders_reject_garbage_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
             let (mut r, mut buf) = (&bytes[..], Vec::new());

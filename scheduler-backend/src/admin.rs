@@ -7,10 +7,13 @@
 //! whoever shares that directory (the agent's container), can change policy. Tenants never see
 //! it.
 
-use crate::daemon::{Shared, State, apply_group_changes, connected_groups, lock, with_state};
+use crate::daemon::{
+    Shared, State, apply_group_changes, connected_groups, lock, now_ns, report, with_state,
+};
 use crate::identity::Peer;
 use crate::pods::Lookup;
-use gpushare_protocol::admin::{ADMIN_PROTOCOL_VERSION, AdminReply, AdminRequest};
+use crate::status::Report;
+use gpushare_protocol::admin::{ADMIN_PROTOCOL_VERSION, AdminReply, AdminRequest, GpuUsage};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -100,6 +103,19 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
                 return;
             }
         };
+        if req == AdminRequest::Usage {
+            let report = {
+                let st = lock(&shared);
+                report(&st, now_ns())
+            };
+            reply(
+                &mut stream,
+                &AdminReply::Usage {
+                    gpus: usage(&report),
+                },
+            );
+            continue;
+        }
         let result = with_state(&shared, |st, now| {
             let connected = connected_groups(st);
             let changes = st.pods.apply(req, |name| connected.contains(name))?;
@@ -114,6 +130,23 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
             }
         }
     }
+}
+
+/// Per GPU: the groups' achieved shares and memory, summed.
+fn usage(r: &Report) -> Vec<GpuUsage> {
+    r.gpus
+        .iter()
+        .map(|g| GpuUsage {
+            gpu: g.uuid.clone(),
+            busy: g
+                .groups
+                .iter()
+                .map(|x| x.achieved_share)
+                .sum::<f64>()
+                .min(1.0),
+            memory_used: g.groups.iter().map(|x| x.memory_used).sum(),
+        })
+        .collect()
 }
 
 /// The group of a process whose container the agent registered, if any.

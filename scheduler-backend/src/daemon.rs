@@ -608,7 +608,7 @@ fn send(w: &Mutex<UnixStream>, msg: &ServerMsg) {
     }
 }
 
-fn report(st: &State, now: u64) -> Report {
+pub(crate) fn report(st: &State, now: u64) -> Report {
     let client = |id: &ClientId| {
         st.clients.get(id).map(|c| ClientReport {
             pid: c.pid,

@@ -145,11 +145,10 @@ fn systemd_pod_slice(component: &str) -> Option<String> {
 
 /// The components before `pod<uid>` end with `kubepods` or `kubepods/<qos>`.
 fn cgroupfs_parent(before: &[&str]) -> bool {
-    match before {
-        [.., "kubepods"] => true,
-        [.., "kubepods", "besteffort" | "burstable"] => true,
-        _ => false,
-    }
+    matches!(
+        before,
+        [.., "kubepods"] | [.., "kubepods", "besteffort" | "burstable"]
+    )
 }
 
 /// `cri-containerd-<id>`, `crio-<id>` or `docker-<id>` → the ID.

@@ -10,7 +10,7 @@ use crate::identity::PodIdentity;
 use crate::policy::GroupParams;
 use crate::status::{PodReport, uuid_string};
 use gpushare_protocol::GpuUuid;
-use gpushare_protocol::admin::{AdminRequest, ContainerKey, PodGroup};
+use gpushare_protocol::admin::{AdminRequest, ContainerKey, PodGroup, parse_gpu_uuid};
 use std::collections::{BTreeMap, HashMap};
 
 /// What the daemon must do to its policies and memory books.
@@ -69,6 +69,7 @@ impl PodTable {
         let mut out = Vec::new();
         match req {
             AdminRequest::Hello { .. } => return Err("Hello sent twice".into()),
+            AdminRequest::Usage => return Err("Usage changes nothing in the pod table".into()),
             AdminRequest::Sync { groups } => {
                 let mut checked = Vec::with_capacity(groups.len());
                 for g in groups {
@@ -266,20 +267,6 @@ fn check(g: PodGroup) -> Result<(PodGroup, Vec<GpuUuid>), String> {
     Ok((g, gpus))
 }
 
-/// `GPU-8-4-4-4-12` hex (as [`uuid_string`] writes it) → the driver's 16 bytes.
-pub fn parse_gpu_uuid(s: &str) -> Option<GpuUuid> {
-    let hex: String = s.strip_prefix("GPU-")?.split('-').collect();
-    let groups: Vec<usize> = s[4..].split('-').map(str::len).collect();
-    if groups != [8, 4, 4, 4, 12] || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, b) in out.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
-    }
-    Some(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,21 +295,6 @@ mod tests {
             pod_uid: uid.into(),
             container_id: id.into(),
         }
-    }
-
-    #[test]
-    fn gpu_uuids_round_trip() {
-        let u = parse_gpu_uuid(GPU).unwrap();
-        assert_eq!(uuid_string(&u), GPU);
-        assert_eq!(
-            parse_gpu_uuid("GPU-6770757-36861-7265-2d73-696d2d677075"),
-            None
-        );
-        assert_eq!(parse_gpu_uuid("67707573-6861-7265-2d73-696d2d677075"), None);
-        assert_eq!(
-            parse_gpu_uuid("GPU-zz707573-6861-7265-2d73-696d2d677075"),
-            None
-        );
     }
 
     #[test]

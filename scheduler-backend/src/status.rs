@@ -81,18 +81,7 @@ pub struct GroupReport {
     pub pod: Option<PodLabels>,
 }
 
-/// `GPU-8-4-4-4-12` hex form of a driver UUID.
-pub fn uuid_string(u: &[u8; 16]) -> String {
-    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
-}
+pub use gpushare_protocol::admin::gpu_uuid_string as uuid_string;
 
 /// The human-readable table of `gpushare status`.
 pub fn render(r: &Report) -> String {
