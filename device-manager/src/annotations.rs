@@ -2,7 +2,7 @@
 //!
 //! | annotation | value | invalid → |
 //! |---|---|---|
-//! | `gpushare.io/gpu-limit` | hard cap, `"0.6"` or `"60%"`, in (0, 1] | no cap (limit 1); below the request: the request |
+//! | `gpushare.io/gpu-limit` | hard cap, `"0.6"` or `"60%"`, in (0, 1]; below the units' share it lowers the guarantee to itself | no cap (limit 1) |
 //! | `gpushare.io/gpu-weight` | weight for spare time, a number > 0 (at most 1000) | 1 |
 //! | `gpushare.io/gpu-memory` | memory cap, a quantity (`"4Gi"`, `"512Mi"`, `"2G"`) > 0 | units/100 × the GPU's memory; above the GPU's memory: the GPU's memory |
 //!

@@ -49,8 +49,9 @@ pub struct Desired {
 ///
 /// - request = units / `units_per_gpu` on one GPU; more than one GPU's worth must be whole
 ///   GPUs (request 1 on each);
-/// - limit, weight, memory from the annotations ([`annotations`]); a limit below the request
-///   is raised to it; default memory cap = request × the GPU's memory;
+/// - limit, weight, memory from the annotations ([`annotations`]); a limit below the units'
+///   request lowers the request to it; default memory cap = the units' share of the GPU's
+///   memory;
 /// - a container whose pod is not (yet) known, or whose units name unknown GPUs, has no group.
 pub fn desired(
     pods: &[PodView],
@@ -119,23 +120,12 @@ fn group_of(
         }
     };
     let q = annotations::quota(&pod.annotations, &a.container, problems);
-    let limit = match q.limit {
-        Some(l) if l < request => {
-            problems.push(Problem::new(
-                annotations::LIMIT,
-                &l.to_string(),
-                format!(
-                    "limit {l} of container {} is below its request {request} ({} units): the request is its limit; lower the units or raise the limit",
-                    a.container,
-                    a.device_ids.len()
-                ),
-            ));
-            request
-        }
-        Some(l) => l,
-        None => 1.0,
-    };
+    // A cap below the units' request wins: the guarantee is lowered to it (the pod keeps the
+    // units it was scheduled with, but never gets more than its cap).
+    let limit = q.limit.unwrap_or(1.0);
+    let request = request.min(limit);
     let gpu_memory = units.keys().map(|g| memory_of[g]).min().unwrap_or(0);
+    let units_share = f64::from(units.values().sum::<u32>().min(per_gpu)) / f64::from(per_gpu);
     let memory = match q.memory {
         Some(m) if m > gpu_memory => {
             problems.push(Problem::new(
@@ -149,7 +139,7 @@ fn group_of(
             gpu_memory
         }
         Some(m) => m,
-        None => (request * gpu_memory as f64) as u64,
+        None => (units_share * gpu_memory as f64) as u64,
     };
     Some(PodGroup {
         pod_uid: pod.uid.clone(),
@@ -266,16 +256,31 @@ mod tests {
         let g = gpus(1);
         let pods = [pod(
             0,
-            &[(annotations::LIMIT, "0.1"), (annotations::WEIGHT, "-3")],
+            &[(annotations::LIMIT, "1.5"), (annotations::WEIGHT, "-3")],
         )];
         let d = desired(&pods, &[assign(0, &g[0], 0..30)], &g, 100);
         let grp = d.groups.values().next().unwrap();
         assert_eq!(
-            (grp.limit, grp.weight),
-            (0.3, 1.0),
-            "limit raised to the request"
+            (grp.request, grp.limit, grp.weight),
+            (0.3, 1.0, 1.0),
+            "defaults"
         );
         assert_eq!(d.problems.len(), 2, "{:?}", d.problems);
+    }
+
+    #[test]
+    fn a_limit_below_the_units_lowers_the_request() {
+        let g = gpus(1);
+        let pods = [pod(0, &[(annotations::LIMIT, "0.2")])];
+        let d = desired(&pods, &[assign(0, &g[0], 0..30)], &g, 100);
+        let grp = d.groups.values().next().unwrap();
+        assert_eq!((grp.request, grp.limit), (0.2, 0.2));
+        assert_eq!(
+            grp.memory,
+            Some((0.3 * (80 * GIB) as f64) as u64),
+            "memory follows the units"
+        );
+        assert!(d.problems.is_empty());
     }
 
     #[test]
@@ -359,7 +364,8 @@ mod tests {
                 let grp = d.groups.values().find(|x| x.pod == a.pod).unwrap();
                 let (gpu, _) = parse_device_id(&a.device_ids[0]).unwrap();
                 prop_assert_eq!(&grp.gpus, &vec![gpu.to_string()]);
-                prop_assert!((grp.request - a.device_ids.len() as f64 / 100.0).abs() < 1e-12);
+                let units = a.device_ids.len() as f64 / 100.0;
+                prop_assert!((grp.request - units.min(grp.limit)).abs() < 1e-12);
                 prop_assert!(grp.request <= grp.limit && grp.limit <= 1.0 && grp.weight > 0.0);
                 prop_assert!(grp.memory.unwrap() <= 80 * GIB);
                 *per_gpu.entry(gpu).or_default() += grp.request;

@@ -80,7 +80,10 @@ impl FakeApiServer {
             .route("/api/v1", get(api_resources))
             .route("/api/v1/pods", get(list_pods_all))
             .route("/api/v1/namespaces/{ns}/pods", get(list_pods_ns))
-            .route("/api/v1/namespaces/{ns}/pods/{name}", get(get_pod).patch(patch_pod))
+            .route(
+                "/api/v1/namespaces/{ns}/pods/{name}",
+                get(get_pod).patch(patch_pod),
+            )
             .route("/api/v1/events", get(list_events_all))
             .route(
                 "/api/v1/namespaces/{ns}/events",
@@ -209,15 +212,21 @@ fn unavailable(st: &Shared) -> Option<Response> {
 }
 
 async fn not_found() -> Response {
-    status(404, "NotFound", "the server could not find the requested resource")
+    status(
+        404,
+        "NotFound",
+        "the server could not find the requested resource",
+    )
 }
 
 async fn version(State(st): State<Shared>) -> Response {
     if let Some(r) = unavailable(&st) {
         return r;
     }
-    Json(json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-gpushare-fake",
-        "platform": "linux/amd64"}))
+    Json(
+        json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-gpushare-fake",
+        "platform": "linux/amd64"}),
+    )
     .into_response()
 }
 
@@ -245,10 +254,12 @@ async fn api_resources(State(st): State<Shared>) -> Response {
         json!({"name": name, "singularName": kind.to_lowercase(), "namespaced": true,
             "kind": kind, "verbs": verbs, "shortNames": short})
     };
-    Json(json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": [
-        res("pods", "Pod", &["po"], &["get", "list", "watch", "patch"]),
-        res("events", "Event", &["ev"], &["create", "get", "list", "patch"]),
-    ]}))
+    Json(
+        json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": [
+            res("pods", "Pod", &["po"], &["get", "list", "watch", "patch"]),
+            res("events", "Event", &["ev"], &["create", "get", "list", "patch"]),
+        ]}),
+    )
     .into_response()
 }
 
@@ -267,8 +278,10 @@ fn table(columns: &[&str], rows: Vec<(Vec<Value>, Value)>) -> Response {
         .into_iter()
         .map(|(cells, object)| json!({"cells": cells, "object": object}))
         .collect();
-    Json(json!({"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {},
-        "columnDefinitions": defs, "rows": rows}))
+    Json(
+        json!({"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {},
+        "columnDefinitions": defs, "rows": rows}),
+    )
     .into_response()
 }
 
@@ -317,7 +330,8 @@ async fn list_or_watch(
     }
     let fields = q.get("fieldSelector").cloned();
     let wanted = move |p: &Value| {
-        ns.as_ref().is_none_or(|n| p["metadata"]["namespace"] == n.as_str())
+        ns.as_ref()
+            .is_none_or(|n| p["metadata"]["namespace"] == n.as_str())
             && matches_fields(p, fields.as_ref())
     };
     if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
@@ -420,7 +434,9 @@ fn watch(
                 _ = tokio::time::sleep_until(deadline) => return,
             };
             let out: Vec<Bytes> = match signal {
-                Ok(Ok(Signal::CloseWatches)) | Ok(Err(broadcast::error::RecvError::Closed)) => return,
+                Ok(Ok(Signal::CloseWatches)) | Ok(Err(broadcast::error::RecvError::Closed)) => {
+                    return;
+                }
                 Ok(_) => {
                     let s = st.store.lock().unwrap();
                     let new: Vec<Bytes> = s
@@ -453,7 +469,9 @@ fn watch(
     });
     Response::builder()
         .header("content-type", "application/json")
-        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        .body(Body::from_stream(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        ))
         .unwrap()
 }
 
@@ -503,7 +521,11 @@ async fn patch_pod(
     if !(ct.starts_with("application/merge-patch+json")
         || ct.starts_with("application/strategic-merge-patch+json"))
     {
-        return status(415, "UnsupportedMediaType", &format!("patch type {ct} is not supported"));
+        return status(
+            415,
+            "UnsupportedMediaType",
+            &format!("patch type {ct} is not supported"),
+        );
     }
     let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
         return status(400, "BadRequest", "the patch is not JSON");
@@ -529,7 +551,11 @@ async fn list_events_all(State(st): State<Shared>, h: HeaderMap) -> Response {
     list_events(st, None, h)
 }
 
-async fn list_events_ns(State(st): State<Shared>, Path(ns): Path<String>, h: HeaderMap) -> Response {
+async fn list_events_ns(
+    State(st): State<Shared>,
+    Path(ns): Path<String>,
+    h: HeaderMap,
+) -> Response {
     list_events(st, Some(ns), h)
 }
 
@@ -541,7 +567,10 @@ fn list_events(st: Shared, ns: Option<String>, h: HeaderMap) -> Response {
     let items: Vec<Value> = s
         .events
         .iter()
-        .filter(|e| ns.as_ref().is_none_or(|n| e["metadata"]["namespace"] == n.as_str()))
+        .filter(|e| {
+            ns.as_ref()
+                .is_none_or(|n| e["metadata"]["namespace"] == n.as_str())
+        })
         .cloned()
         .collect();
     if wants_table(&h) {

@@ -145,10 +145,7 @@ impl Cluster {
     pub async fn start(sim_args: &[&str], manager_args: &[&str]) -> Cluster {
         let mut node = Node::device_only_with(sim_args);
         let admin_socket = node.tmp.path().join("admin/admin.sock");
-        node.start_scheduler_with(
-            false,
-            &["--admin-socket", admin_socket.to_str().unwrap()],
-        );
+        node.start_scheduler_with(false, &["--admin-socket", admin_socket.to_str().unwrap()]);
         let api = FakeApiServer::start().await;
         let kubeconfig = api.kubeconfig(node.tmp.path());
         let kubelet = FakeKubelet::start(&node.tmp.path().join("device-plugins"));
@@ -190,7 +187,9 @@ impl Cluster {
             .append(true)
             .open(self.manager_log_path())
             .unwrap();
-        let mut cmd = self.node.command(target_dir().join("gpushare-device-manager"));
+        let mut cmd = self
+            .node
+            .command(target_dir().join("gpushare-device-manager"));
         cmd.args(["--node-name", NODE])
             .arg("--device-plugin-dir")
             .arg(&self.kubelet.dir)
@@ -238,7 +237,11 @@ impl Cluster {
             .arg(self.node.tmp.path().join("kube-cache"))
             .args(args);
         let out = output_with_timeout(c, Duration::from_secs(60));
-        assert!(out.status.success(), "kubectl {args:?} failed\n{}", describe(&out));
+        assert!(
+            out.status.success(),
+            "kubectl {args:?} failed\n{}",
+            describe(&out)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
@@ -402,6 +405,7 @@ fn host_path(alloc: &ContainerAllocateResponse, v: &str) -> String {
 
 /// A stable hash of a name (for test UIDs and container IDs).
 fn fxhash(s: &str) -> u64 {
-    s.bytes()
-        .fold(0xcbf29ce484222325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100000001b3))
+    s.bytes().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
+    })
 }

@@ -128,7 +128,11 @@ impl FakeKubelet {
 
     /// A client of the plugin that registered last.
     pub async fn plugin(&self) -> DevicePluginClient<Channel> {
-        let (_, r) = self.registrations().last().cloned().expect("no plugin registered");
+        let (_, r) = self
+            .registrations()
+            .last()
+            .cloned()
+            .expect("no plugin registered");
         let ch = grpc::channel(&self.dir.join(&r.endpoint))
             .await
             .expect("connect to the plugin's socket");
@@ -218,9 +222,19 @@ impl FakePodResources {
     }
 
     /// Record that `container` of `namespace/pod` holds `device_ids` of `resource`.
-    pub fn assign(&self, namespace: &str, pod: &str, container: &str, resource: &str, device_ids: Vec<String>) {
+    pub fn assign(
+        &self,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+        resource: &str,
+        device_ids: Vec<String>,
+    ) {
         let mut pods = self.lister.pods.lock().unwrap();
-        let idx = match pods.iter().position(|p| p.name == pod && p.namespace == namespace) {
+        let idx = match pods
+            .iter()
+            .position(|p| p.name == pod && p.namespace == namespace)
+        {
             Some(i) => i,
             None => {
                 pods.push(PodResources {

@@ -32,7 +32,14 @@ struct Device {
 impl Device {
     fn start(socket: &Path, gpus: u32) -> Device {
         let child = Command::new(target_dir().join("gpushare-sim"))
-            .args(["serve", "--gpus", &gpus.to_string(), "--memory", "8GiB", "--socket"])
+            .args([
+                "serve",
+                "--gpus",
+                &gpus.to_string(),
+                "--memory",
+                "8GiB",
+                "--socket",
+            ])
             .arg(socket)
             .stdout(Stdio::null())
             .spawn()
@@ -86,7 +93,10 @@ async fn the_device_plugin_serves_the_kubelet_without_an_api_server() {
     let mut kubelet = FakeKubelet::start(&kubelet_dir);
     let podres = FakePodResources::start(&tmp.path().join("pod-resources.sock"));
     // A kubeconfig naming a port nobody listens on.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let kubeconfig = tmp.path().join("kubeconfig");
     std::fs::write(&kubeconfig, format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: http://{dead}\nusers:\n- name: u\n  user: {{}}\ncontexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n"
@@ -151,7 +161,10 @@ async fn the_device_plugin_serves_the_kubelet_without_an_api_server() {
     let available: Vec<String> = devs
         .iter()
         .map(|d| d.id.clone())
-        .filter(|id| !(id.starts_with(&gpus[0]) && id.split("::").nth(1).unwrap().parse::<u32>().unwrap() < 40))
+        .filter(|id| {
+            !(id.starts_with(&gpus[0])
+                && id.split("::").nth(1).unwrap().parse::<u32>().unwrap() < 40)
+        })
         .collect();
     let ask = |size: i32, available: Vec<String>| PreferredAllocationRequest {
         container_requests: vec![ContainerPreferredAllocationRequest {
@@ -169,7 +182,11 @@ async fn the_device_plugin_serves_the_kubelet_without_an_api_server() {
         .device_i_ds
         .clone();
     assert_eq!(pref.len(), 30);
-    assert!(pref.iter().all(|id| id.starts_with(&format!("{}::", gpus[0]))), "{pref:?}");
+    assert!(
+        pref.iter()
+            .all(|id| id.starts_with(&format!("{}::", gpus[0]))),
+        "{pref:?}"
+    );
     let err = plugin
         .get_preferred_allocation(ask(150, available))
         .await
@@ -194,7 +211,10 @@ async fn the_device_plugin_serves_the_kubelet_without_an_api_server() {
         .find(|m| m.container_path == "/usr/lib/gpushare")
         .expect("hook mount");
     assert!(hook.read_only);
-    assert!(hook.host_path.starts_with(hook_dir.to_str().unwrap()), "versioned dir under --hook-dir");
+    assert!(
+        hook.host_path.starts_with(hook_dir.to_str().unwrap()),
+        "versioned dir under --hook-dir"
+    );
     assert_eq!(
         std::fs::read(Path::new(&hook.host_path).join("libgpushare.so")).unwrap(),
         std::fs::read(target_dir().join("libgpushare.so")).unwrap()
@@ -214,8 +234,15 @@ async fn the_device_plugin_serves_the_kubelet_without_an_api_server() {
     let restarted = kubelet.restart().await;
     let again = kubelet.wait_registrations(2, Duration::from_secs(10)).await;
     let took = again.duration_since(restarted);
-    eprintln!("re-registered {} ms after the kubelet restarted", took.as_millis());
-    assert!(took < Duration::from_secs(2), "re-registration took {took:?}\n{}", log_text());
+    eprintln!(
+        "re-registered {} ms after the kubelet restarted",
+        took.as_millis()
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "re-registration took {took:?}\n{}",
+        log_text()
+    );
     let mut plugin = kubelet.plugin().await;
     let mut stream = plugin.list_and_watch(Empty {}).await.unwrap().into_inner();
     assert_eq!(stream.message().await.unwrap().unwrap().devices.len(), 200);
@@ -230,7 +257,10 @@ async fn the_device_plugin_serves_the_kubelet_without_an_api_server() {
             .unwrap_or_else(|_| panic!("GPU 1 never turned unhealthy\n{}", log_text()))
             .unwrap()
             .unwrap();
-        let (h0, h1) = (healthy(&msg.devices, &gpus[0]), healthy(&msg.devices, &gpus[1]));
+        let (h0, h1) = (
+            healthy(&msg.devices, &gpus[0]),
+            healthy(&msg.devices, &gpus[1]),
+        );
         if h0.len() == 100 && h0.iter().all(|h| *h) && h1.len() == 100 && h1.iter().all(|h| !*h) {
             break;
         }
@@ -248,7 +278,9 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
         return;
     }
     let mut c = Cluster::start(&["--memory", "8GiB"], &[]).await;
-    let a = c.admit("train-a", 30, json!({"gpushare.io/gpu-memory": "2Gi"})).await;
+    let a = c
+        .admit("train-a", 30, json!({"gpushare.io/gpu-memory": "2Gi"}))
+        .await;
     let b = c.admit("train-b", 70, json!({})).await;
     let group_a = "default/train-a/main";
     let group_b = "default/train-b/main";
@@ -266,15 +298,26 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
     assert_eq!(report["quarters_allocated"], json!(4), "{report}");
 
     // A process of a pod the manager never registered waits 2 s, then is told why.
-    let stranger = Cgroup::make(Driver::SystemdV2, "9e1c8e3a-6f0e-4a57-9a39-8f2d3c1b7e11", &"ab".repeat(32));
+    let stranger = Cgroup::make(
+        Driver::SystemdV2,
+        "9e1c8e3a-6f0e-4a57-9a39-8f2d3c1b7e11",
+        &"ab".repeat(32),
+    );
     let mut status = stranger.command(&target_dir().join("gpushare"), &["status".to_string()]);
     status.env("GPUSHARE_SOCKET", &c.node.sched_socket);
     let t = Instant::now();
     let out = c.spawn(status).finish_within(Duration::from_secs(20)).0;
     let waited = t.elapsed();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("no gpushare policy"), "{}", describe(&out));
-    assert!(waited >= Duration::from_millis(1900), "refused after {waited:?}, before the 2 s wait");
+    assert!(
+        !out.status.success() && err.contains("no gpushare policy"),
+        "{}",
+        describe(&out)
+    );
+    assert!(
+        waited >= Duration::from_millis(1900),
+        "refused after {waited:?}, before the 2 s wait"
+    );
     drop(stranger);
 
     let spin = Spin::for_ms(1.0, 9000.0).args();
@@ -283,10 +326,15 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
     let (pid_a, pid_b) = (t_a.pid(), t_b.pid());
     // Both identified from their cgroups: each group lists its tenant's pid.
     let on_gpu = |s: &Value, g: &str, pid: u32| {
-        gpushare_sim_clients::node::group_in(s, g)
-            .is_some_and(|x| x["pids"].as_array().is_some_and(|p| p.contains(&json!(pid))))
+        gpushare_sim_clients::node::group_in(s, g).is_some_and(|x| {
+            x["pids"]
+                .as_array()
+                .is_some_and(|p| p.contains(&json!(pid)))
+        })
     };
-    c.wait_status(Duration::from_secs(20), |s| on_gpu(s, group_a, pid_a) && on_gpu(s, group_b, pid_b));
+    c.wait_status(Duration::from_secs(20), |s| {
+        on_gpu(s, group_a, pid_a) && on_gpu(s, group_b, pid_b)
+    });
     let start = monotonic_ns() + 1_000_000_000;
     let win_a = Window::new(start, start + 3_000_000_000);
     while monotonic_ns() < win_a.end_ns {
@@ -294,50 +342,91 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
     }
 
     // Cap train-a at 0.2 with kubectl, without a restart.
-    c.kubectl(&["annotate", "pod", "train-a", "gpushare.io/gpu-limit=0.2", "--overwrite"]);
+    c.kubectl(&[
+        "annotate",
+        "pod",
+        "train-a",
+        "gpushare.io/gpu-limit=0.2",
+        "--overwrite",
+    ]);
     let annotated = Instant::now();
     c.wait_status(Duration::from_secs(5), |s| {
         gpushare_sim_clients::node::group_in(s, group_a).is_some_and(|g| g["limit"] == json!(0.2))
     });
     let latency = annotated.elapsed();
-    eprintln!("kubectl annotate → scheduler limit in {} ms", latency.as_millis());
-    assert!(latency < Duration::from_secs(1), "the new limit took {latency:?}");
+    eprintln!(
+        "kubectl annotate → scheduler limit in {} ms",
+        latency.as_millis()
+    );
+    assert!(
+        latency < Duration::from_secs(1),
+        "the new limit took {latency:?}"
+    );
     let start = monotonic_ns() + 500_000_000;
     let win_b = Window::new(start, start + 3_000_000_000);
 
     // A bad annotation: a Warning event, the metric, and train-b keeps its policy and runs.
-    c.kubectl(&["annotate", "pod", "train-b", "gpushare.io/gpu-weight=heavy", "--overwrite"]);
+    c.kubectl(&[
+        "annotate",
+        "pod",
+        "train-b",
+        "gpushare.io/gpu-weight=heavy",
+        "--overwrite",
+    ]);
     let deadline = Instant::now() + Duration::from_secs(10);
     let events = loop {
         let ev = c.kubectl(&["get", "events"]);
         if ev.contains("InvalidGpushareAnnotation") {
             break ev;
         }
-        assert!(Instant::now() < deadline, "no event\n{ev}\n{}", c.manager_log());
+        assert!(
+            Instant::now() < deadline,
+            "no event\n{ev}\n{}",
+            c.manager_log()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     eprintln!("kubectl get events:\n{events}");
-    assert!(events.contains("Warning") && events.contains("pod/train-b") && events.contains("gpushare.io/gpu-weight"), "{events}");
+    assert!(
+        events.contains("Warning")
+            && events.contains("pod/train-b")
+            && events.contains("gpushare.io/gpu-weight"),
+        "{events}"
+    );
     let metrics = c.manager_metrics();
     assert!(
         metrics.contains("gpushare_annotation_errors_total{namespace=\"default\",pod=\"train-b\",annotation=\"gpushare.io/gpu-weight\"} 1"),
         "{metrics}"
     );
-    assert!(metrics.contains("gpushare_device_manager_allocated_units{gpu=\"0\","), "{metrics}");
+    assert!(
+        metrics.contains("gpushare_device_manager_allocated_units{gpu=\"0\","),
+        "{metrics}"
+    );
     let s = c.node.status_json().unwrap();
-    assert_eq!(gpushare_sim_clients::node::group_in(&s, group_b).unwrap()["weight"], json!(1.0));
+    assert_eq!(
+        gpushare_sim_clients::node::group_in(&s, group_b).unwrap()["weight"],
+        json!(1.0)
+    );
     let text = Command::new(target_dir().join("gpushare"))
         .arg("status")
         .env("GPUSHARE_SOCKET", &c.node.sched_socket)
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&text.stdout);
-    assert!(text.contains("Kubernetes containers") && text.contains("train-a") && text.contains("running"), "{text}");
+    assert!(
+        text.contains("Kubernetes containers")
+            && text.contains("train-a")
+            && text.contains("running"),
+        "{text}"
+    );
 
     let out_a = t_a.wait_ok(Duration::from_secs(60));
     let out_b = t_b.wait_ok(Duration::from_secs(60));
     let _ = (out_a, out_b);
-    assert!(monotonic_ns() >= win_b.end_ns, "the tenants stopped before window B ended");
+    assert!(
+        monotonic_ns() >= win_b.end_ns,
+        "the tenants stopped before window B ended"
+    );
 
     // Pod deleted: its group goes (no process left).
     c.api.delete_pod("default", "train-a");
@@ -351,8 +440,21 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
     let trace = c.finish();
     let sa = shares_in(&trace, &[pid_a, pid_b], win_a);
     let sb = shares_in(&trace, &[pid_a, pid_b], win_b);
-    eprintln!("requests 0.3 / 0.7: {:.3} / {:.3}; train-a capped at 0.2: {:.3} / {:.3}", sa[0], sa[1], sb[0], sb[1]);
-    assert!((sa[0] - 0.3).abs() <= 0.06 && (sa[1] - 0.7).abs() <= 0.06, "shares {sa:?}, want 0.3 / 0.7");
-    assert!((sb[0] - 0.2).abs() <= 0.06, "capped share {:.3}, want 0.2", sb[0]);
-    assert!(sb[1] > sa[1] + 0.03, "train-b should get what train-a gave up: {sb:?} after {sa:?}");
+    eprintln!(
+        "requests 0.3 / 0.7: {:.3} / {:.3}; train-a capped at 0.2: {:.3} / {:.3}",
+        sa[0], sa[1], sb[0], sb[1]
+    );
+    assert!(
+        (sa[0] - 0.3).abs() <= 0.06 && (sa[1] - 0.7).abs() <= 0.06,
+        "shares {sa:?}, want 0.3 / 0.7"
+    );
+    assert!(
+        (sb[0] - 0.2).abs() <= 0.06,
+        "capped share {:.3}, want 0.2",
+        sb[0]
+    );
+    assert!(
+        sb[1] > sa[1] + 0.03,
+        "train-b should get what train-a gave up: {sb:?} after {sa:?}"
+    );
 }

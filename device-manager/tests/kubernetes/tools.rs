@@ -24,7 +24,10 @@ fn run(program: &str, args: &[&str]) -> bool {
 /// Python's scripts directory (where pip puts console scripts).
 fn python_scripts() -> Option<PathBuf> {
     let out = Command::new("python3")
-        .args(["-c", "import sysconfig; print(sysconfig.get_path('scripts'))"])
+        .args([
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('scripts'))",
+        ])
         .output()
         .ok()?;
     Some(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
@@ -70,7 +73,10 @@ pub fn kubernetes_validate() -> PathBuf {
             return p;
         }
         assert!(
-            run("python3", &["-m", "pip", "install", "--quiet", "kubernetes-validate"]),
+            run(
+                "python3",
+                &["-m", "pip", "install", "--quiet", "kubernetes-validate"]
+            ),
             "cannot install kubernetes-validate from PyPI; install it by hand"
         );
         find().expect("kubernetes-validate installed no command")
