@@ -28,6 +28,8 @@ struct Store {
     /// Watches from a resource version older than this get 410 Gone.
     oldest: u64,
     down: bool,
+    /// Requests refused while down.
+    refused: u64,
     names: u64,
 }
 
@@ -155,11 +157,6 @@ impl FakeApiServer {
         });
     }
 
-    pub fn pod(&self, ns: &str, name: &str) -> Option<Value> {
-        let s = self.inner.store.lock().unwrap();
-        s.pods.get(&(ns.to_string(), name.to_string())).cloned()
-    }
-
     /// Forget the watch history (as etcd compaction does) and end every watch: clients must
     /// relist after a 410 Gone.
     pub fn compact(&self) {
@@ -175,6 +172,11 @@ impl FakeApiServer {
     pub fn set_down(&self, down: bool) {
         self.inner.store.lock().unwrap().down = down;
         let _ = self.inner.tx.send(Signal::CloseWatches);
+    }
+
+    /// Requests answered 503 so far.
+    pub fn refused(&self) -> u64 {
+        self.inner.store.lock().unwrap().refused
     }
 
     /// Events of namespace `ns`.
@@ -204,10 +206,9 @@ fn status(code: u16, reason: &str, message: &str) -> Response {
 
 /// 503 while the server is down.
 fn unavailable(st: &Shared) -> Option<Response> {
-    st.store
-        .lock()
-        .unwrap()
-        .down
+    let mut s = st.store.lock().unwrap();
+    s.refused += u64::from(s.down);
+    s.down
         .then(|| status(503, "ServiceUnavailable", "the fake API server is down"))
 }
 

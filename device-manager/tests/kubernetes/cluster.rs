@@ -127,7 +127,6 @@ pub struct Cluster {
     pub admin_socket: PathBuf,
     pub metrics: std::net::SocketAddr,
     used: BTreeSet<String>,
-    pub node_name: String,
 }
 
 pub const NODE: &str = "node-1";
@@ -162,7 +161,6 @@ impl Cluster {
             admin_socket,
             metrics,
             used: BTreeSet::new(),
-            node_name: NODE.into(),
         };
         c.start_manager();
         c.kubelet
@@ -311,17 +309,15 @@ impl Cluster {
             .remove(0);
         self.used.extend(preferred.iter().cloned());
         self.podres
-            .assign("default", name, "main", RESOURCE, preferred.clone());
+            .assign("default", name, "main", RESOURCE, preferred);
         self.api.update_pod("default", name, |p| {
             p["status"] = json!({"phase": "Running", "containerStatuses": [{"name": "main",
                 "containerID": format!("containerd://{id}"), "ready": true, "restartCount": 0,
                 "image": "cuda-app", "imageID": "", "started": true}]});
         });
         Pod {
-            name: name.into(),
             uid,
             container_id: id,
-            device_ids: preferred,
             alloc,
         }
     }
@@ -384,10 +380,8 @@ impl Drop for Manager {
 
 /// A pod admitted by [`Cluster::admit`].
 pub struct Pod {
-    pub name: String,
     pub uid: String,
     pub container_id: String,
-    pub device_ids: Vec<String>,
     pub alloc: ContainerAllocateResponse,
 }
 
