@@ -9,7 +9,7 @@ use crate::kubelet::{FakeKubelet, FakePodResources};
 use gpushare_device_manager::inventory::RESOURCE;
 use gpushare_device_manager::proto::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
-    ContainerPreferredAllocationRequest, Empty, PreferredAllocationRequest,
+    ContainerPreferredAllocationRequest, PreferredAllocationRequest,
 };
 use gpushare_sim_clients::harness::{describe, output_with_timeout, target_dir};
 use gpushare_sim_clients::node::{Node, Tenant};
@@ -267,17 +267,8 @@ impl Cluster {
             "status": {"phase": "Pending"}
         }));
         let mut plugin = self.kubelet.plugin().await;
-        let list = plugin
-            .list_and_watch(Empty {})
+        let available: Vec<String> = crate::kubelet::devices(&mut plugin)
             .await
-            .unwrap()
-            .into_inner()
-            .message()
-            .await
-            .unwrap()
-            .unwrap();
-        let available: Vec<String> = list
-            .devices
             .iter()
             .filter(|d| d.health == "Healthy" && !self.used.contains(&d.id))
             .map(|d| d.id.clone())

@@ -156,6 +156,22 @@ impl FakeKubelet {
     }
 }
 
+/// The plugin's current device list (the first `ListAndWatch` message).
+pub async fn devices(
+    plugin: &mut DevicePluginClient<Channel>,
+) -> Vec<gpushare_device_manager::proto::deviceplugin::Device> {
+    plugin
+        .list_and_watch(Empty {})
+        .await
+        .expect("ListAndWatch")
+        .into_inner()
+        .message()
+        .await
+        .expect("a device list")
+        .expect("a device list")
+        .devices
+}
+
 #[derive(Clone, Default)]
 struct Lister {
     pods: Arc<Mutex<Vec<PodResources>>>,

@@ -138,16 +138,7 @@ async fn the_device_plugin_serves_the_kubelet_without_an_api_server() {
     assert_eq!(reg.resource_name, "gpushare.io/gpu-share");
     assert!(reg.options.unwrap().get_preferred_allocation_available);
     let mut plugin = kubelet.plugin().await;
-    let devs = plugin
-        .list_and_watch(Empty {})
-        .await
-        .unwrap()
-        .into_inner()
-        .message()
-        .await
-        .unwrap()
-        .unwrap()
-        .devices;
+    let devs = kubelet::devices(&mut plugin).await;
     assert_eq!(devs.len(), 200, "100 units per GPU, 2 GPUs");
     let gpus: std::collections::BTreeSet<String> = devs
         .iter()
