@@ -126,6 +126,7 @@ pub struct Cluster {
     manager_args: Vec<String>,
     pub admin_socket: PathBuf,
     pub metrics: std::net::SocketAddr,
+    pub scheduler_metrics: std::net::SocketAddr,
     used: BTreeSet<String>,
 }
 
@@ -144,7 +145,16 @@ impl Cluster {
     pub async fn start(sim_args: &[&str], manager_args: &[&str]) -> Cluster {
         let mut node = Node::device_only_with(sim_args);
         let admin_socket = node.tmp.path().join("admin/admin.sock");
-        node.start_scheduler_with(false, &["--admin-socket", admin_socket.to_str().unwrap()]);
+        let scheduler_metrics = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+        node.start_scheduler_with(
+            false,
+            &[
+                "--admin-socket",
+                admin_socket.to_str().unwrap(),
+                "--metrics",
+                &scheduler_metrics.to_string(),
+            ],
+        );
         let api = FakeApiServer::start().await;
         let kubeconfig = api.kubeconfig(node.tmp.path());
         let kubelet = FakeKubelet::start(&node.tmp.path().join("device-plugins"));
@@ -160,6 +170,7 @@ impl Cluster {
             manager_args: manager_args.iter().map(|s| s.to_string()).collect(),
             admin_socket,
             metrics,
+            scheduler_metrics,
             used: BTreeSet::new(),
         };
         c.start_manager();
@@ -245,14 +256,26 @@ impl Cluster {
 
     /// The manager's metrics page.
     pub fn manager_metrics(&self) -> String {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(self.metrics).expect("manager metrics");
-        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut out = String::new();
-        let _ = s.read_to_string(&mut out);
-        out
+        scrape(self.metrics)
     }
 
+    /// The scheduler's metrics page.
+    pub fn scheduler_metrics(&self) -> String {
+        scrape(self.scheduler_metrics)
+    }
+}
+
+/// `GET /metrics` from `addr`.
+fn scrape(addr: std::net::SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("metrics endpoint");
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+impl Cluster {
     /// What the kubelet does for a new pod with one container asking for `units`: the pod
     /// in the API server (bound to this node), preferred units, `Allocate`, the assignment in
     /// PodResources, the container ID in the pod's status.

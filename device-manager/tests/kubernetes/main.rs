@@ -386,6 +386,11 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
             && events.contains("gpushare.io/gpu-weight"),
         "{events}"
     );
+    let sched = c.scheduler_metrics();
+    assert!(
+        sched.contains("group=\"default/train-a/main\",namespace=\"default\",pod=\"train-a\",container=\"main\"}"),
+        "{sched}"
+    );
     let posted = c.api.events("default");
     assert_eq!(posted.len(), 1, "one event per problem: {posted:?}");
     assert_eq!(posted[0]["involvedObject"]["uid"], json!(b.uid));
