@@ -608,6 +608,16 @@ fn send(w: &Mutex<UnixStream>, msg: &ServerMsg) {
     }
 }
 
+/// `namespace`, `pod`, `container` of a Kubernetes container's group.
+fn pod_labels(st: &State, group: &str) -> Option<PodLabels> {
+    let (namespace, pod, container) = st.pods.labels(group)?;
+    Some(PodLabels {
+        namespace: namespace.into(),
+        pod: pod.into(),
+        container: container.into(),
+    })
+}
+
 pub(crate) fn report(st: &State, now: u64) -> Report {
     let client = |id: &ClientId| {
         st.clients.get(id).map(|c| ClientReport {
@@ -615,57 +625,51 @@ pub(crate) fn report(st: &State, now: u64) -> Report {
             group: c.group.clone().unwrap_or_default(),
         })
     };
-    let gpus =
-        st.policies
-            .iter()
-            .map(|(uuid, p)| {
-                let s = p.status(now);
-                GpuReport {
-                    uuid: uuid_string(uuid),
-                    holder: s.holder.as_ref().and_then(client),
-                    waiting: s.waiting.iter().filter_map(client).collect(),
-                    groups: s
-                        .groups
-                        .iter()
-                        .map(|g| GroupReport {
-                            name: g.name.clone(),
-                            request: g.params.request,
-                            limit: g.params.limit,
-                            weight: g.params.weight,
-                            effective_request: g.effective_request,
-                            target_share: g.target_share,
-                            // Clamp float noise (and a negative zero) from the usage window.
-                            achieved_share: if g.achieved_share > 0.0 {
-                                g.achieved_share
-                            } else {
-                                0.0
-                            },
-                            busy_seconds: g.busy_ns as f64 / 1e9,
-                            tokens: g.tokens,
-                            waits: g.waits,
-                            overruns: g.overruns,
-                            revocations: g.revocations,
-                            preempted: g.preempted,
-                            pids: g
-                                .clients
-                                .iter()
-                                .filter_map(|c| st.clients.get(c).map(|c| c.pid))
-                                .collect(),
-                            active: g.active,
-                            memory_used: st.memory.used(&g.name, uuid),
-                            memory_cap: st.memory.cap(&g.name),
-                            pod: st.pods.labels(&g.name).map(|(namespace, pod, container)| {
-                                PodLabels {
-                                    namespace: namespace.into(),
-                                    pod: pod.into(),
-                                    container: container.into(),
-                                }
-                            }),
-                        })
-                        .collect(),
-                }
-            })
-            .collect();
+    let gpus = st
+        .policies
+        .iter()
+        .map(|(uuid, p)| {
+            let s = p.status(now);
+            GpuReport {
+                uuid: uuid_string(uuid),
+                holder: s.holder.as_ref().and_then(client),
+                waiting: s.waiting.iter().filter_map(client).collect(),
+                groups: s
+                    .groups
+                    .iter()
+                    .map(|g| GroupReport {
+                        name: g.name.clone(),
+                        request: g.params.request,
+                        limit: g.params.limit,
+                        weight: g.params.weight,
+                        effective_request: g.effective_request,
+                        target_share: g.target_share,
+                        // Clamp float noise (and a negative zero) from the usage window.
+                        achieved_share: if g.achieved_share > 0.0 {
+                            g.achieved_share
+                        } else {
+                            0.0
+                        },
+                        busy_seconds: g.busy_ns as f64 / 1e9,
+                        tokens: g.tokens,
+                        waits: g.waits,
+                        overruns: g.overruns,
+                        revocations: g.revocations,
+                        preempted: g.preempted,
+                        pids: g
+                            .clients
+                            .iter()
+                            .filter_map(|c| st.clients.get(c).map(|c| c.pid))
+                            .collect(),
+                        active: g.active,
+                        memory_used: st.memory.used(&g.name, uuid),
+                        memory_cap: st.memory.cap(&g.name),
+                        pod: pod_labels(st, &g.name),
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
     Report {
         dev_mode: st.dev,
         gpus,
