@@ -3,11 +3,11 @@
 
 use crate::analysis::{RunFigures, analyse};
 use crate::client::ClientResult;
+use crate::cpu;
 use crate::expected;
 use crate::noise::{self, NoiseRecord, NoiseSession};
 use crate::scenario::Scenario;
 use crate::settings::{Settings, Source};
-use crate::{cpu, progress};
 use anyhow::{Context, bail};
 use gpushare_sim_clients::harness::target_dir;
 use gpushare_sim_clients::node::Tenant;
@@ -142,18 +142,6 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         outputs.push(ClientResult::last_in(&out.stdout));
     }
     let noise = noise.map(NoiseSession::stop);
-    if let Some(n) = &noise {
-        progress(format!(
-            "{}: noise: {} stalls ({})",
-            spec.label,
-            n.total_stalls(),
-            n.stalls
-                .iter()
-                .map(|p| format!("{} {}", p.process, p.stalls))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    }
     let scheduler_cpu = sched_cpu0.and_then(|(c0, t)| {
         let c1 = cpu::read(node.scheduler_pid()?)?;
         Some((cpu::delta(c0, c1), t.elapsed().as_secs_f64()))

@@ -136,13 +136,22 @@ fn repeated(
             .with_context(|| format!("{} run {k}", mode.label()))?;
             let f = &o.figures;
             progress(format!(
-                "{}: {} run {k}/{}: max |err| {:.4}, util {:.3}, handoff p99 {:.0} µs",
+                "{}: {} run {k}/{}: max |err| {:.4}, util {:.3}, handoff p99 {:.0} µs{}",
                 sc.name,
                 mode.label(),
                 s.repeat,
                 f.max_abs_error,
                 f.device_utilization,
-                f.handoff_p99_us
+                f.handoff_p99_us,
+                o.noise.as_ref().map_or_else(String::new, |n| format!(
+                    "; {} stalls ({})",
+                    n.total_stalls(),
+                    n.stalls
+                        .iter()
+                        .map(|p| format!("{} {}", p.process, p.stalls))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
             ));
             let records = match s.source {
                 Source::Device => format!("{stem}.trace.jsonl"),
