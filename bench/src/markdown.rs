@@ -181,9 +181,9 @@ fn scenario(o: &mut String, sc: &ScenarioReport) {
                     .map(|x| format!("{x:.3}"))
                     .collect::<Vec<_>>()
                     .join(" / "),
-                c.max_abs_error,
-                c.device_utilization,
-                c.handoff_p99_us
+                c.summary.max_abs_error,
+                c.summary.device_utilization,
+                c.summary.handoff_p99_us
             );
         }
     }

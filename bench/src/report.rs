@@ -2,6 +2,7 @@
 //! [`crate::markdown`]). Every headline figure of a scenario is given over its repeated runs as a
 //! [`Spread`] (min / median / max); each run's own figures are kept in `runs`.
 
+use crate::analysis::RunSummary;
 use crate::noise::{NoiseParams, NoiseRecord};
 use crate::scenario::Workload;
 use serde::{Deserialize, Serialize};
@@ -46,6 +47,18 @@ impl Spread {
 pub fn round(x: f64, decimals: i32) -> f64 {
     let k = 10f64.powi(decimals);
     (x * k).round() / k
+}
+
+/// `s` as the report gives it: shares to 4 places, times to 0.1 µs.
+pub fn rounded(s: &RunSummary) -> RunSummary {
+    RunSummary {
+        max_abs_error: round(s.max_abs_error, 4),
+        mean_abs_error: round(s.mean_abs_error, 4),
+        device_utilization: round(s.device_utilization, 4),
+        handoffs: s.handoffs,
+        handoff_p50_us: round(s.handoff_p50_us, 1),
+        handoff_p99_us: round(s.handoff_p99_us, 1),
+    }
 }
 
 /// `summary.json`.
@@ -95,7 +108,7 @@ pub struct Headline {
 
 impl Headline {
     pub fn of(runs: &[RunReport]) -> Headline {
-        let s = |f: fn(&RunReport) -> f64, d| Spread::all(runs.iter().map(f), d);
+        let s = |f: fn(&RunSummary) -> f64, d| Spread::all(runs.iter().map(|r| f(&r.summary)), d);
         Headline {
             max_abs_error: s(|r| r.max_abs_error, 4),
             mean_abs_error: s(|r| r.mean_abs_error, 4),
@@ -212,12 +225,8 @@ impl LatencySpread {
 pub struct RunReport {
     /// 1, 2, …
     pub run: u32,
-    pub max_abs_error: f64,
-    pub mean_abs_error: f64,
-    pub device_utilization: f64,
-    pub handoffs: usize,
-    pub handoff_p50_us: f64,
-    pub handoff_p99_us: f64,
+    #[serde(flatten)]
+    pub summary: RunSummary,
     /// Measurement windows and their span (CLOCK_MONOTONIC ns).
     pub windows: usize,
     pub measure_start_ns: u64,
@@ -255,9 +264,8 @@ pub struct TenantRun {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeviceCheck {
     pub achieved_shares: Vec<f64>,
-    pub max_abs_error: f64,
-    pub device_utilization: f64,
-    pub handoff_p99_us: f64,
+    #[serde(flatten)]
+    pub summary: RunSummary,
 }
 
 /// Launch overhead: `cudarc-client launch-latency` hooked against the driver's own entry.

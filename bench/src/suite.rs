@@ -10,7 +10,7 @@ use crate::overhead;
 use crate::progress;
 use crate::report::{
     Baseline, DeviceCheck, Failure, Headline, LatencySpread, Report, RunReport, ScenarioReport,
-    Spread, TenantReport, TenantRun, round,
+    Spread, TenantReport, TenantRun, round, rounded,
 };
 use crate::run::{self, Mode, RunOutcome, RunSpec};
 use crate::scenario::Scenario;
@@ -140,9 +140,9 @@ fn repeated(
                 sc.name,
                 mode.label(),
                 s.repeat,
-                f.max_abs_error,
-                f.device_utilization,
-                f.handoff_p99_us,
+                f.summary.max_abs_error,
+                f.summary.device_utilization,
+                f.summary.handoff_p99_us,
                 o.noise.as_ref().map_or_else(String::new, |n| format!(
                     "; {} stalls ({})",
                     n.total_stalls(),
@@ -167,12 +167,7 @@ fn run_report(run: u32, o: &RunOutcome, records: String) -> RunReport {
     let f = &o.figures;
     RunReport {
         run,
-        max_abs_error: round(f.max_abs_error, 4),
-        mean_abs_error: round(f.mean_abs_error, 4),
-        device_utilization: round(f.device_utilization, 4),
-        handoffs: f.handoffs,
-        handoff_p50_us: round(f.handoff_p50_us, 1),
-        handoff_p99_us: round(f.handoff_p99_us, 1),
+        summary: rounded(&f.summary),
         windows: f.windows.len(),
         measure_start_ns: f.measure_ns.0,
         measure_end_ns: f.measure_ns.1,
@@ -195,9 +190,7 @@ fn run_report(run: u32, o: &RunOutcome, records: String) -> RunReport {
             .map(|(cpu, wall)| round(cpu / wall.max(1e-9) * 100.0, 2)),
         device_trace_check: o.device_check.as_ref().map(|d| DeviceCheck {
             achieved_shares: d.achieved.iter().map(|&x| round(x, 4)).collect(),
-            max_abs_error: round(d.max_abs_error, 4),
-            device_utilization: round(d.device_utilization, 4),
-            handoff_p99_us: round(d.handoff_p99_us, 1),
+            summary: rounded(&d.summary),
         }),
         noise: o.noise.clone(),
         records,
@@ -212,8 +205,9 @@ fn median_run(runs: &[(RunOutcome, RunReport)]) -> usize {
         runs[a]
             .0
             .figures
+            .summary
             .max_abs_error
-            .total_cmp(&runs[b].0.figures.max_abs_error)
+            .total_cmp(&runs[b].0.figures.summary.max_abs_error)
     });
     order[(runs.len() - 1) / 2]
 }

