@@ -3,7 +3,7 @@
 //! one plot per scenario, and the kernel records of every run.
 
 use crate::alone::AloneCache;
-use crate::analysis::{self, RunFigures};
+use crate::analysis;
 use crate::client::ClientResult;
 use crate::markdown;
 use crate::overhead;
@@ -13,7 +13,7 @@ use crate::report::{
     Spread, TenantReport, TenantRun, round, rounded,
 };
 use crate::run::{self, Mode, RunOutcome, RunSpec};
-use crate::scenario::Scenario;
+use crate::scenario::{Scenario, TenantSpec};
 use crate::settings::{Settings, Source};
 use crate::svg;
 use anyhow::{Context, bail};
@@ -199,29 +199,84 @@ fn run_report(run: u32, o: &RunOutcome, records: String) -> RunReport {
 
 /// Index of the run with the median worst-window error (the lower middle one for an even
 /// count): the run plotted.
-fn median_run(runs: &[(RunOutcome, RunReport)]) -> usize {
+fn median_run(runs: &[RunOutcome]) -> usize {
     let mut order: Vec<usize> = (0..runs.len()).collect();
-    order.sort_by(|&a, &b| {
-        runs[a]
-            .0
-            .figures
-            .summary
-            .max_abs_error
-            .total_cmp(&runs[b].0.figures.summary.max_abs_error)
-    });
+    let worst = |k: usize| runs[k].figures.summary.max_abs_error;
+    order.sort_by(|&a, &b| worst(a).total_cmp(&worst(b)));
     order[(runs.len() - 1) / 2]
 }
 
-/// Plot `f` (run `k` of `n`) to `out/file`.
-fn plot(
+/// Plot the run of `runs` with the median worst-window error to `out/file`, the title
+/// `what` followed by which run it is; that run's index.
+fn plot_median(
     out: &Path,
     file: &str,
-    title: &str,
+    what: &str,
     names: &[String],
-    f: &RunFigures,
-) -> anyhow::Result<()> {
-    let svg = svg::shares_plot(title, &f.plot_t, names, &f.plot_shares, &f.target);
-    std::fs::write(out.join(file), svg).with_context(|| format!("cannot write {file}"))
+    runs: &[RunOutcome],
+) -> anyhow::Result<usize> {
+    let k = median_run(runs);
+    let f = &runs[k].figures;
+    let title = format!(
+        "{what}, run {} of {} (median worst window; dashed: targets)",
+        k + 1,
+        runs.len()
+    );
+    let svg = svg::shares_plot(&title, &f.plot_t, names, &f.plot_shares, &f.target);
+    std::fs::write(out.join(file), svg).with_context(|| format!("cannot write {file}"))?;
+    Ok(k)
+}
+
+/// Tenant `i` (`t`) over the runs with gpushare (`outcomes`, and their `runs`), the native
+/// runs `baseline` and its run alone.
+fn tenant_report(
+    i: usize,
+    t: &TenantSpec,
+    outcomes: &[RunOutcome],
+    runs: &[RunReport],
+    baseline: Option<&[RunReport]>,
+    alone: Option<&ClientResult>,
+) -> TenantReport {
+    let of = |runs: &[RunReport], f: fn(&TenantRun) -> Option<f64>, d| {
+        Spread::of(runs.iter().filter_map(|r| f(&r.tenants[i])), d)
+    };
+    let all = |f: fn(&TenantRun) -> f64| Spread::all(runs.iter().map(|r| f(&r.tenants[i])), 4);
+    let latency = |runs: &[RunReport]| {
+        LatencySpread::of(
+            &runs
+                .iter()
+                .map(|r| r.tenants[i].latency)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let solo = alone.and_then(ClientResult::throughput);
+    TenantReport {
+        name: t.name.clone(),
+        workload: t.workload,
+        gpu: t.gpu,
+        request: t.request,
+        limit: t.limit,
+        weight: t.weight,
+        target_share: all(|r| r.target_share),
+        achieved_share: all(|r| r.achieved_share),
+        abs_error: all(|r| r.abs_error),
+        max_window_error: all(|r| r.max_window_error),
+        throughput_kps: of(runs, |r| r.throughput_kps, 1),
+        alone_kernels_per_s: solo.map(|x| round(x, 1)),
+        throughput_vs_alone: Spread::of(
+            outcomes.iter().filter_map(|o| {
+                let with = o.outputs[i].as_ref()?.throughput()?;
+                solo.filter(|&a| a > 0.0).map(|a| with / a)
+            }),
+            4,
+        ),
+        baseline_achieved_share: baseline.and_then(|b| of(b, |r| Some(r.achieved_share), 4)),
+        baseline_abs_error: baseline.and_then(|b| of(b, |r| Some(r.abs_error), 4)),
+        baseline_throughput_kps: baseline.and_then(|b| of(b, |r| r.throughput_kps, 1)),
+        latency: latency(runs),
+        baseline_latency: baseline.and_then(latency),
+        alone_latency: alone.and_then(ClientResult::latency),
+    }
 }
 
 fn run_scenario(
@@ -241,7 +296,10 @@ fn run_scenario(
         duration_ns as f64 / 1e9,
         if s.baseline { " and natively" } else { "" }
     ));
-    let gs = repeated(sc, Mode::Gpushare, duration_ns, out, s)?;
+    let (outcomes, runs): (Vec<RunOutcome>, Vec<RunReport>) =
+        repeated(sc, Mode::Gpushare, duration_ns, out, s)?
+            .into_iter()
+            .unzip();
     let base = if s.baseline {
         Some(repeated(sc, Mode::Native, duration_ns, out, s)?)
     } else {
@@ -256,37 +314,15 @@ fn run_scenario(
         vec![None; sc.tenants.len()]
     };
     let names: Vec<String> = sc.tenants.iter().map(|t| t.name.clone()).collect();
-    let plotted = median_run(&gs);
     let plot_file = format!("{}.svg", sc.name);
-    plot(
-        out,
-        &plot_file,
-        &format!(
-            "{} — with gpushare, run {} of {} (median worst window; dashed: targets)",
-            sc.name,
-            plotted + 1,
-            gs.len()
-        ),
-        &names,
-        &gs[plotted].0.figures,
-    )?;
-    let baseline = match &base {
+    let what = format!("{} — with gpushare", sc.name);
+    let plotted = plot_median(out, &plot_file, &what, &names, &outcomes)?;
+    let baseline = match base {
         Some(b) => {
-            let k = median_run(b);
+            let (b_outcomes, runs): (Vec<RunOutcome>, Vec<RunReport>) = b.into_iter().unzip();
             let file = format!("{}-native.svg", sc.name);
-            plot(
-                out,
-                &file,
-                &format!(
-                    "{} — native time-slicing, run {} of {} (dashed: targets)",
-                    sc.name,
-                    k + 1,
-                    b.len()
-                ),
-                &names,
-                &b[k].0.figures,
-            )?;
-            let runs: Vec<RunReport> = b.iter().map(|(_, r)| r.clone()).collect();
+            let what = format!("{} — native time-slicing", sc.name);
+            let k = plot_median(out, &file, &what, &names, &b_outcomes)?;
             Some(Baseline {
                 headline: Headline::of(&runs),
                 runs,
@@ -296,53 +332,13 @@ fn run_scenario(
         }
         None => None,
     };
-    let runs: Vec<RunReport> = gs.iter().map(|(_, r)| r.clone()).collect();
     let tenants = sc
         .tenants
         .iter()
         .enumerate()
         .map(|(i, t)| {
-            let of = |runs: &[RunReport], f: fn(&TenantRun) -> Option<f64>, d| {
-                Spread::of(runs.iter().filter_map(|r| f(&r.tenants[i])), d)
-            };
-            let all =
-                |f: fn(&TenantRun) -> f64| Spread::all(runs.iter().map(|r| f(&r.tenants[i])), 4);
-            let solo = alone[i].as_ref().and_then(ClientResult::throughput);
             let b = baseline.as_ref().map(|b| b.runs.as_slice());
-            TenantReport {
-                name: t.name.clone(),
-                workload: t.workload,
-                gpu: t.gpu,
-                request: t.request,
-                limit: t.limit,
-                weight: t.weight,
-                target_share: all(|r| r.target_share),
-                achieved_share: all(|r| r.achieved_share),
-                abs_error: all(|r| r.abs_error),
-                max_window_error: all(|r| r.max_window_error),
-                throughput_kps: of(&runs, |r| r.throughput_kps, 1),
-                alone_kernels_per_s: solo.map(|x| round(x, 1)),
-                throughput_vs_alone: Spread::of(
-                    gs.iter().filter_map(|(o, _)| {
-                        let with = o.outputs[i].as_ref()?.throughput()?;
-                        solo.filter(|&a| a > 0.0).map(|a| with / a)
-                    }),
-                    4,
-                ),
-                baseline_achieved_share: b.and_then(|b| of(b, |r| Some(r.achieved_share), 4)),
-                baseline_abs_error: b.and_then(|b| of(b, |r| Some(r.abs_error), 4)),
-                baseline_throughput_kps: b.and_then(|b| of(b, |r| r.throughput_kps, 1)),
-                latency: LatencySpread::of(
-                    &runs
-                        .iter()
-                        .map(|r| r.tenants[i].latency)
-                        .collect::<Vec<_>>(),
-                ),
-                baseline_latency: b.and_then(|b| {
-                    LatencySpread::of(&b.iter().map(|r| r.tenants[i].latency).collect::<Vec<_>>())
-                }),
-                alone_latency: alone[i].as_ref().and_then(ClientResult::latency),
-            }
+            tenant_report(i, t, &outcomes, &runs, b, alone[i].as_ref())
         })
         .collect();
     Ok(ScenarioReport {
