@@ -8,8 +8,8 @@ use crate::scenario::{Scenario, TenantSpec};
 use crate::settings::Settings;
 use std::collections::HashMap;
 
-/// Results of tenants run alone, keyed by [`key`]: a workload shared by several tenants or
-/// scenarios runs alone only once.
+/// Results of tenants run alone, keyed by what determines the run: a workload shared by several
+/// tenants or scenarios runs alone only once.
 #[derive(Default)]
 pub struct AloneCache(HashMap<String, Option<ClientResult>>);
 
