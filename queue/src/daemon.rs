@@ -943,6 +943,7 @@ mod tests {
             active: false,
             memory_used: memory,
             memory_cap: None,
+            pod: None,
         }
     }
 
@@ -964,6 +965,7 @@ mod tests {
         ];
         let r = Report {
             dev_mode: true,
+            pods: vec![],
             gpus: vec![GpuReport {
                 uuid: "GPU-b".into(),
                 holder: None,
