@@ -12,8 +12,9 @@ The headers come from the PyPI wheel nvidia-cuda-runtime-cu12==12.9.79
 What is generated
 -----------------
 * ENTRY_POINTS: one row per ``PFN_<name>_v<version>[_ptsz|_ptds]`` typedef in
-  cudaTypedefs.h (the ``__CUDA_API_VERSION_INTERNAL`` legacy block included),
-  each with the exported driver symbol implementing that ABI version.
+  cudaTypedefs.h (the ``__CUDA_API_VERSION_INTERNAL`` legacy block included)
+  and cudaProfilerTypedefs.h (the profiler control API), each with the exported
+  driver symbol implementing that ABI version.
 * SYMBOLS: the distinct symbols of ENTRY_POINTS, sorted.
 * ERRORS / ERROR_CSTRS / result::*: every CUresult enumerator.
 * DEVICE_ATTRIBUTES: every CUdevice_attribute value (first name per value).
@@ -295,7 +296,7 @@ VERSIONED_RE = re.compile(r"^(\w+)_v(\d+)(?:_(ptsz|ptds))?$")
 LATEST_RE = re.compile(r"^#define\s+PFN_(\w+)\s+(.*?)\s*$", re.M)
 
 
-def parse_typedefs(text: str) -> tuple[list[tuple[str, int, str | None]], list[str]]:
+def parse_typedefs(text: str, unversioned: set[str] = UNVERSIONED_TYPEDEFS) -> tuple[list[tuple[str, int, str | None]], list[str]]:
     clean = strip_comments(text)
     if clean.count("typedef") != len(TYPEDEF_RE.findall(clean)):
         fail("cudaTypedefs.h has a typedef the PFN pattern does not recognise")
@@ -311,7 +312,7 @@ def parse_typedefs(text: str) -> tuple[list[tuple[str, int, str | None]], list[s
         if vm:
             row = (vm.group(1), int(vm.group(2)), vm.group(3))
         else:
-            if full not in UNVERSIONED_TYPEDEFS:
+            if full not in unversioned:
                 fail(f"unversioned typedef PFN_{full} is not in UNVERSIONED_TYPEDEFS")
             lm = re.fullmatch(rf"PFN_{full}_v(\d+)", latest.get(full, ""))
             if not lm:
@@ -322,7 +323,7 @@ def parse_typedefs(text: str) -> tuple[list[tuple[str, int, str | None]], list[s
             fail(f"duplicate typedef {row}")
         seen.add(row)
         rows.append(row)
-    for name in UNVERSIONED_TYPEDEFS:
+    for name in unversioned:
         if not any(r[0] == name for r in rows):
             fail(f"stale UNVERSIONED_TYPEDEFS entry {name}")
     # Report "latest version" macros that disagree with the typedefs.
@@ -563,6 +564,22 @@ def render(entries, errors, attrs) -> str:
     return "\n".join(o)
 
 
+def profiler_entry_points(inc: Path) -> list[tuple[str, int, bool, str]]:
+    """The profiler control API (cuProfilerStart/Stop/Initialize), a separate header pair:
+    cudaProfiler.h (not in the wheel) declares the functions, cudaProfilerTypedefs.h their
+    PFN typedefs. Each has a single ABI version, exported under its plain name."""
+    text = (inc / "cudaProfilerTypedefs.h").read_text(encoding="utf-8", errors="strict")
+    rows, _ = parse_typedefs(text, unversioned=set())
+    out = []
+    for base, ver, pt in rows:
+        if pt is not None or sum(1 for r in rows if r[0] == base) != 1:
+            fail(f"cudaProfilerTypedefs.h: {base} has more than one ABI version; map it by hand")
+        out.append((base, ver, False, base))
+    if not out:
+        fail("cudaProfilerTypedefs.h declares no entry points")
+    return out
+
+
 def generate(inc: Path) -> tuple[str, dict]:
     cuda_h = (inc / "cuda.h").read_text(encoding="utf-8", errors="strict")
     typedefs_h = (inc / "cudaTypedefs.h").read_text(encoding="utf-8", errors="strict")
@@ -577,6 +594,7 @@ def generate(inc: Path) -> tuple[str, dict]:
 
     typedefs, notes = parse_typedefs(typedefs_h)
     entries = build_entry_points(typedefs, symbols, app_expand, notes)
+    entries = sorted(entries + profiler_entry_points(inc))
     errors = parse_errors(cuda_h)
     attrs, aliases = parse_device_attributes(cuda_h)
     used = {e[3] for e in entries}

@@ -1,7 +1,7 @@
 //! Figures computed from kernel records: the device trace, or the tenants' timelines.
 
 use gpushare_sim_clients::trace::{Trace, Window};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Measurement windows start this long after the last tenant's first kernel.
 pub const WARMUP_NS: u64 = 1_000_000_000;
@@ -19,8 +19,23 @@ pub fn quantile(v: &[f64], q: f64) -> f64 {
     v[i]
 }
 
+/// A run's headline figures.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunSummary {
+    /// Largest |share − target| of any tenant in any window.
+    pub max_abs_error: f64,
+    /// Mean over tenants and windows of |share − target|.
+    pub mean_abs_error: f64,
+    /// Busy fraction of the GPUs over the measurement span (mean over GPUs).
+    pub device_utilization: f64,
+    /// Changes of the process running on a GPU, and the idle time at them (µs).
+    pub handoffs: usize,
+    pub handoff_p50_us: f64,
+    pub handoff_p99_us: f64,
+}
+
 /// One run's figures (with gpushare, or the native baseline).
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct RunFigures {
     /// Per tenant: target share over the measurement span.
     pub target: Vec<f64>,
@@ -30,15 +45,7 @@ pub struct RunFigures {
     pub abs_error: Vec<f64>,
     /// Per tenant: the largest |share − target| of a window.
     pub max_window_error: Vec<f64>,
-    /// Largest |share − target| of any tenant in any window.
-    pub max_abs_error: f64,
-    /// Mean over tenants and windows of |share − target|.
-    pub mean_abs_error: f64,
-    /// Busy fraction of the GPUs over the measurement span (mean over GPUs).
-    pub device_utilization: f64,
-    pub handoffs: usize,
-    pub handoff_p50_us: f64,
-    pub handoff_p99_us: f64,
+    pub summary: RunSummary,
     /// Measurement windows (s, from the first kernel of the run).
     pub windows: Vec<(f64, f64)>,
     /// The whole measurement span (CLOCK_MONOTONIC ns).
@@ -111,13 +118,13 @@ pub fn analyse(
         for (w, t) in windows.iter().zip(&window_targets) {
             let e = (share(i, *w) - t[i]).abs();
             f.max_window_error[i] = f.max_window_error[i].max(e);
-            f.max_abs_error = f.max_abs_error.max(e);
+            f.summary.max_abs_error = f.summary.max_abs_error.max(e);
             err_sum += e;
             err_n += 1;
         }
     }
-    f.mean_abs_error = err_sum / err_n.max(1) as f64;
-    f.device_utilization = devices
+    f.summary.mean_abs_error = err_sum / err_n.max(1) as f64;
+    f.summary.device_utilization = devices
         .iter()
         .map(|&d| trace.utilization(d, measure))
         .sum::<f64>()
@@ -128,9 +135,9 @@ pub fn analyse(
         .map(|g| g as f64 / 1e3)
         .collect();
     gaps.sort_by(f64::total_cmp);
-    f.handoffs = gaps.len();
-    f.handoff_p50_us = quantile(&gaps, 0.5);
-    f.handoff_p99_us = quantile(&gaps, 0.99);
+    f.summary.handoffs = gaps.len();
+    f.summary.handoff_p50_us = quantile(&gaps, 0.5);
+    f.summary.handoff_p99_us = quantile(&gaps, 0.99);
     f.windows = windows
         .iter()
         .map(|w| {

@@ -16,10 +16,12 @@
 //! weight = 1.0
 //! gpu = 0
 //! count = 1           # replicate: tenants NAME-0 … NAME-(count-1)
+//! expect = 0.5        # optional: the target share worked out by hand (nominal demand);
+//!                     # loading fails if the bench's water-filling disagrees
 //! ```
 
+use crate::expected;
 use anyhow::{Context, bail};
-use gpushare_scheduler::policy::{GroupParams, water_fill};
 use gpushare_sim_clients::trace::Window;
 use serde::Deserialize;
 use std::path::Path;
@@ -101,6 +103,9 @@ pub struct TenantSpec {
     pub gpu: u32,
     #[serde(default = "default_count")]
     pub count: u32,
+    /// Target share worked out by hand for the tenant's nominal demand (each replica's).
+    #[serde(default)]
+    pub expect: Option<f64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -152,13 +157,7 @@ impl Scenario {
                     f.gpus
                 );
             }
-            let p = GroupParams {
-                request: t.request,
-                limit: t.limit,
-                weight: t.weight,
-            };
-            p.validate()
-                .map_err(|e| anyhow::anyhow!("tenant {}: {e}", t.name))?;
+            check_params(&t).map_err(|e| anyhow::anyhow!("tenant {}: {e}", t.name))?;
             if t.count > 1 {
                 for i in 0..t.count {
                     tenants.push(TenantSpec {
@@ -171,43 +170,66 @@ impl Scenario {
                 tenants.push(t);
             }
         }
-        Ok(Scenario {
+        let sc = Scenario {
             name: f.name,
             description: f.description,
             duration_ns,
             gpus: f.gpus,
             full_only: f.full_only,
             tenants,
-        })
+        };
+        sc.check_expectations()?;
+        Ok(sc)
     }
 
-    /// Target share of each tenant on its GPU (DESIGN §2): water-filling over the tenants of
-    /// that GPU, tenant `i` capped at its demand `demand(i)` (§2.5: a group that needs less
-    /// than its target gets what it needs; the rest goes to the others).
-    pub fn target_shares(&self, demand: impl Fn(usize) -> f64) -> Vec<f64> {
-        let mut out = vec![0.0; self.tenants.len()];
-        for gpu in 0..self.gpus {
-            let idx: Vec<usize> = (0..self.tenants.len())
-                .filter(|&i| self.tenants[i].gpu == gpu)
-                .collect();
-            let groups: Vec<GroupParams> = idx
-                .iter()
-                .map(|&i| {
-                    let t = &self.tenants[i];
-                    let limit = t.limit.min(demand(i));
-                    GroupParams {
-                        request: t.request.min(limit),
-                        limit,
-                        weight: t.weight,
-                    }
-                })
-                .collect();
-            for (k, s) in water_fill(&groups).into_iter().enumerate() {
-                out[idx[k]] = s;
+    /// The hand-written `expect` of each tenant against the bench's water-filling
+    /// ([`expected::targets`]) at nominal demand: two independent readings of DESIGN §2.
+    fn check_expectations(&self) -> anyhow::Result<()> {
+        let targets = expected::targets(self, |i| self.tenants[i].demand());
+        for (t, target) in self.tenants.iter().zip(targets) {
+            if let Some(e) = t.expect
+                && (e - target).abs() > EXPECT_TOLERANCE
+            {
+                bail!(
+                    "tenant {}: expect = {e} but DESIGN §2 water-filling gives {target:.4}; \
+                     correct the expectation (or the tenant's request/limit/weight)",
+                    t.name
+                );
             }
         }
-        out
+        Ok(())
     }
+}
+
+/// How far a hand-written `expect` may differ from the computed target (rounding).
+const EXPECT_TOLERANCE: f64 = 5e-4;
+
+/// `0 ≤ request ≤ limit ≤ 1`, `weight > 0`, all finite (DESIGN §2's ranges).
+fn check_params(t: &TenantSpec) -> Result<(), String> {
+    for (name, v) in [
+        ("request", t.request),
+        ("limit", t.limit),
+        ("weight", t.weight),
+    ] {
+        if !v.is_finite() {
+            return Err(format!("{name} = {v} is not a number"));
+        }
+    }
+    if !(0.0 <= t.request && t.request <= t.limit && t.limit <= 1.0) {
+        return Err(format!(
+            "needs 0 <= request <= limit <= 1, got request {} and limit {}",
+            t.request, t.limit
+        ));
+    }
+    if t.weight <= 0.0 {
+        return Err(format!("weight {} must be above 0", t.weight));
+    }
+    if let Some(e) = t.expect
+        && !(0.0..=1.0).contains(&e)
+    {
+        return Err(format!("expect = {e} is not a share between 0 and 1"));
+    }
+    Ok(())
 }
 
 impl TenantSpec {
@@ -282,5 +304,44 @@ impl TenantSpec {
             ]),
         }
         a
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every shipped scenario loads, so its hand-written expectations agree with the
+    /// water-filling; and every tenant carries one.
+    #[test]
+    fn shipped_scenarios_agree_with_their_hand_written_expectations() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|x| x == "toml") {
+                let sc = Scenario::load(&path).unwrap_or_else(|e| panic!("{e:#}"));
+                for t in &sc.tenants {
+                    assert!(t.expect.is_some(), "{}: {} has no expect", sc.name, t.name);
+                }
+                n += 1;
+            }
+        }
+        assert!(n >= 10, "{n} scenarios in {}", dir.display());
+    }
+
+    #[test]
+    fn a_wrong_expectation_or_bad_parameters_are_refused() {
+        let sc = |tenant: &str| {
+            Scenario::parse(&format!(
+                "name = \"x\"\nduration = \"1s\"\n[[tenant]]\nname = \"a\"\nworkload = \"train\"\n{tenant}\n"
+            ))
+        };
+        assert!(sc("request = 0.2\nlimit = 0.3\nexpect = 0.3").is_ok());
+        let e = sc("request = 0.2\nlimit = 0.3\nexpect = 0.2").unwrap_err();
+        assert!(format!("{e:#}").contains("gives 0.3000"), "{e:#}");
+        assert!(sc("request = 0.5\nlimit = 0.3").is_err());
+        assert!(sc("weight = 0").is_err());
+        assert!(sc("limit = 1.5").is_err());
     }
 }

@@ -1,9 +1,10 @@
 //! `gpushare-bench run` on a small scenario, end to end on the simulated GPU (needs the
 //! workspace binaries: `cargo build --workspace --bins --lib`).
 
+use gpushare_bench::report::{Report, RunReport, Spread};
 use serde_json::Value;
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 /// A scenario of a training loop with request 0.6 and a second tenant (its `name` and
 /// `workload` lines) with 0.2.
@@ -41,115 +42,180 @@ fn with_threads() -> String {
     )
 }
 
-fn in_unit(v: &Value) -> bool {
-    v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x))
+fn in_unit(s: &Spread) -> bool {
+    (0.0..=1.0).contains(&s.min) && (0.0..=1.0).contains(&s.max)
+}
+
+fn ordered(s: &Spread) -> bool {
+    s.min <= s.median && s.median <= s.max
 }
 
 #[test]
 fn small_scenario_end_to_end() {
     let dir = std::env::temp_dir().join(format!("gpushare-bench-e2e-{}", std::process::id()));
     let out_dir = dir.join("out");
-    let summary = bench(&small(), &dir, &[], &[]);
-    let scenarios = summary["scenarios"].as_array().expect("scenarios[]");
-    assert_eq!(scenarios.len(), 1);
-    let sc = &scenarios[0];
-    assert_eq!(sc["name"], "e2e-small");
-    let tenants = sc["tenants"].as_array().expect("tenants[]");
-    assert_eq!(tenants.len(), 2);
+    let summary = bench(&small(), &dir, &["--repeat", "2"], &[]);
+    assert_eq!(summary.repeat, 2);
+    assert_eq!(summary.noise, None);
+    assert_eq!(summary.scenarios.len(), 1);
+    let sc = &summary.scenarios[0];
+    assert_eq!(sc.name, "e2e-small");
+    assert_eq!(sc.runs.len(), 2);
+    let base = sc.baseline.as_ref().expect("baseline");
+    assert_eq!(base.runs.len(), 2);
+    assert_eq!(sc.tenants.len(), 2);
     let mut target_sum = 0.0;
-    for t in tenants {
-        for k in [
-            "name",
-            "request",
-            "limit",
-            "target_share",
-            "achieved_share",
-            "abs_error",
+    for (i, t) in sc.tenants.iter().enumerate() {
+        let native = t.baseline_achieved_share.expect("baseline_achieved_share");
+        for (k, s) in [
+            ("target_share", t.target_share),
+            ("achieved_share", t.achieved_share),
+            ("abs_error", t.abs_error),
+            ("baseline_achieved_share", native),
         ] {
-            assert!(!t[k].is_null(), "tenant field {k} missing: {t}");
+            assert!(in_unit(&s) && ordered(&s), "{k} = {s:?}");
         }
-        for k in [
-            "target_share",
-            "achieved_share",
-            "abs_error",
-            "baseline_achieved_share",
-        ] {
-            assert!(in_unit(&t[k]), "{k} = {} not in [0, 1]", t[k]);
-        }
+        // The spread is over the runs' own figures.
+        let achieved: Vec<f64> = sc
+            .runs
+            .iter()
+            .map(|r| r.tenants[i].achieved_share)
+            .collect();
+        assert!(
+            achieved.contains(&t.achieved_share.min) && achieved.contains(&t.achieved_share.max)
+        );
         // Both tenants really ran.
-        assert!(t["achieved_share"].as_f64().unwrap() > 0.05, "{t}");
+        assert!(t.achieved_share.min > 0.05, "{t:?}");
         // Alone, the same workload runs faster than when sharing the GPU.
-        assert!(
-            t["alone_kernels_per_s"].as_f64().is_some_and(|x| x > 0.0),
-            "{t}"
-        );
-        assert!(
-            t["throughput_vs_alone"]
-                .as_f64()
-                .is_some_and(|x| x > 0.0 && x < 1.0),
-            "{t}"
-        );
-        target_sum += t["target_share"].as_f64().unwrap();
+        assert!(t.alone_kernels_per_s.is_some_and(|x| x > 0.0), "{t:?}");
+        let vs_alone = t.throughput_vs_alone.expect("throughput_vs_alone");
+        assert!(vs_alone.min > 0.0 && vs_alone.median < 1.0, "{t:?}");
+        target_sum += t.target_share.median;
     }
     assert!(
         target_sum <= 1.0 + 1e-9,
         "target shares sum to {target_sum}"
     );
-    for k in ["max_abs_error", "device_utilization"] {
-        assert!(in_unit(&sc[k]), "{k} = {} not in [0, 1]", sc[k]);
+    for (k, h) in [("gpushare", &sc.headline), ("native", &base.headline)] {
+        for s in [h.max_abs_error, h.device_utilization] {
+            assert!(in_unit(&s) && ordered(&s), "{k}: {h:?}");
+        }
         assert!(
-            in_unit(&sc["baseline"][k]),
-            "baseline {k} = {}",
-            sc["baseline"][k]
+            h.handoff_p99_us.min >= 0.0 && ordered(&h.handoff_p99_us),
+            "{k}: {h:?}"
         );
     }
-    assert!(sc["handoff_p99_us"].as_f64().is_some_and(|x| x >= 0.0));
+    let cpu = sc.scheduler_cpu_percent.expect("scheduler_cpu_percent");
     assert!(
-        sc["scheduler_cpu_percent"]
-            .as_f64()
-            .is_some_and(|x| (0.0..=200.0).contains(&x)),
-        "scheduler_cpu_percent = {}",
-        sc["scheduler_cpu_percent"]
+        (0.0..=200.0).contains(&cpu.min) && (0.0..=200.0).contains(&cpu.max),
+        "scheduler_cpu_percent = {cpu:?}"
     );
-    assert!(sc["device_utilization"].as_f64().unwrap() > 0.5);
-    assert!(summary.get("launch_overhead").is_some());
-    assert!(out_dir.join("summary.md").is_file());
+    assert!(
+        sc.headline.device_utilization.median > 0.5,
+        "{:?}",
+        sc.headline
+    );
+    for r in sc.runs.iter().chain(&base.runs) {
+        assert!(out_dir.join(&r.records).is_file(), "{} missing", r.records);
+    }
+    let raw: Value =
+        serde_json::from_slice(&std::fs::read(out_dir.join("summary.json")).unwrap()).unwrap();
+    assert!(raw.get("launch_overhead").is_some());
+    let md = std::fs::read_to_string(out_dir.join("summary.md")).unwrap();
+    assert!(md.contains("| e2e-small | 2 |"), "{md}");
     let svg = std::fs::read_to_string(out_dir.join("e2e-small.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `gpushare-bench run SCENARIO --out DIR ARGS…` with extra environment; its summary.json.
-fn bench(scenario: &str, dir: &Path, args: &[&str], env: &[(String, String)]) -> Value {
+fn bench(scenario: &str, dir: &Path, args: &[&str], env: &[(String, String)]) -> Report {
+    bench_with_pid(scenario, dir, args, env).0
+}
+
+/// [`bench`], and the benchmark's pid.
+fn bench_with_pid(
+    scenario: &str,
+    dir: &Path,
+    args: &[&str],
+    env: &[(String, String)],
+) -> (Report, u32) {
     std::fs::create_dir_all(dir).unwrap();
     let file = dir.join("scenario.toml");
     std::fs::write(&file, scenario).unwrap();
     let out_dir = dir.join("out");
-    let out = Command::new(env!("CARGO_BIN_EXE_gpushare-bench"))
+    let child = Command::new(env!("CARGO_BIN_EXE_gpushare-bench"))
         .arg("run")
         .arg(&file)
         .arg("--out")
         .arg(&out_dir)
         .args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("run gpushare-bench");
+    let pid = child.id();
+    let out = child.wait_with_output().expect("wait for gpushare-bench");
     assert!(
         out.status.success(),
         "gpushare-bench failed ({}); build the workspace first (cargo build --workspace --bins --lib)\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&std::fs::read(out_dir.join("summary.json")).unwrap()).unwrap()
+    let report = serde_json::from_slice(&std::fs::read(out_dir.join("summary.json")).unwrap())
+        .expect("summary.json is a Report");
+    (report, pid)
 }
 
-fn shares(sc: &Value) -> Vec<f64> {
-    sc["tenants"]
-        .as_array()
+/// Achieved shares of a run.
+fn shares(run: &RunReport) -> Vec<f64> {
+    run.tenants.iter().map(|t| t.achieved_share).collect()
+}
+
+/// `--noisy`: every run is disturbed by a hog and by stalls of each tenant and the scheduler,
+/// recorded in the report; the hog does not outlive the benchmark.
+#[test]
+fn a_noisy_run_records_its_stalls_and_leaves_no_hog() {
+    let dir = std::env::temp_dir().join(format!("gpushare-bench-noisy-{}", std::process::id()));
+    let args = [
+        "--repeat",
+        "1",
+        "--no-baseline",
+        "--no-alone",
+        "--noisy",
+        "--noise-seed",
+        "7",
+        "--stall-mean-interval-ms",
+        "20",
+    ];
+    let (summary, pid) = bench_with_pid(&small(), &dir, &args, &[]);
+    let noise = summary.noise.expect("noise parameters in the report");
+    assert_eq!(
+        (noise.seed, noise.hogs, noise.stall_mean_interval_ms),
+        (7, 1, 20.0)
+    );
+    assert_eq!((noise.stall_min_ms, noise.stall_max_ms), (0.1, 5.0));
+    let run = &summary.scenarios[0].runs[0];
+    let record = run.noise.as_ref().expect("the run's stalls");
+    let names: Vec<&str> = record.stalls.iter().map(|p| p.process.as_str()).collect();
+    assert_eq!(names, ["big", "small", "scheduler"]);
+    // ~40 stalls each in 2.5 s.
+    for p in &record.stalls {
+        assert!(p.stalls > 0 && p.stopped_ms > 0.0, "{record:?}");
+    }
+    // Both tenants ran through it.
+    assert!(shares(run).iter().all(|&s| s > 0.05), "{run:?}");
+    // No hog of this benchmark is left.
+    let parent = format!("--parent\0{pid}\0");
+    let hogs: Vec<String> = std::fs::read_dir("/proc")
         .unwrap()
-        .iter()
-        .map(|t| t["achieved_share"].as_f64().unwrap())
-        .collect()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).into_owned())
+        .filter(|c| c.contains("hog\0") && c.contains(&parent))
+        .collect();
+    assert!(hogs.is_empty(), "hogs left: {hogs:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The tenants' own timelines (CUDA timing events, the measurement on a real GPU) give the
@@ -160,20 +226,22 @@ fn timelines_from_timing_events_agree_with_the_device_trace() {
     let summary = bench(
         &with_threads(),
         &dir,
-        &["--source", "events", "--no-baseline", "--no-alone"],
+        &[
+            "--source",
+            "events",
+            "--no-baseline",
+            "--no-alone",
+            "--repeat",
+            "1",
+        ],
         &[],
     );
-    assert_eq!(summary["gpu"], "simulated");
-    assert_eq!(summary["measured_from"], "tenant CUDA timing events");
-    let sc = &summary["scenarios"][0];
-    let check = &sc["device_trace_check"];
-    let from_device: Vec<f64> = check["achieved_shares"]
-        .as_array()
-        .expect("device_trace_check.achieved_shares")
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect();
-    let from_events = shares(sc);
+    assert_eq!(summary.gpu, "simulated");
+    assert_eq!(summary.measured_from, "tenant CUDA timing events");
+    let run = &summary.scenarios[0].runs[0];
+    let check = run.device_trace_check.as_ref().expect("device_trace_check");
+    let from_device = check.achieved_shares.clone();
+    let from_events = shares(run);
     assert!(from_events.iter().all(|&s| s > 0.1), "{from_events:?}");
     for (e, d) in from_events.iter().zip(&from_device) {
         assert!(
@@ -182,15 +250,16 @@ fn timelines_from_timing_events_agree_with_the_device_trace() {
         );
     }
     let (ue, ud) = (
-        sc["device_utilization"].as_f64().unwrap(),
-        check["device_utilization"].as_f64().unwrap(),
+        run.summary.device_utilization,
+        check.summary.device_utilization,
     );
     assert!(
         (ue - ud).abs() <= 0.01,
         "utilisation: events {ue}, device {ud}"
     );
-    assert!(dir.join("out/e2e-threads.timeline.jsonl").is_file());
-    assert!(dir.join("out/e2e-threads.trace.jsonl").is_file());
+    assert_eq!(run.records, "e2e-threads-run1.timeline.jsonl");
+    assert!(dir.join("out/e2e-threads-run1.timeline.jsonl").is_file());
+    assert!(dir.join("out/e2e-threads-run1.trace.jsonl").is_file());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -215,25 +284,28 @@ fn on_a_machine_with_a_gpu_the_bench_runs_on_it() {
         .envs(env.iter().map(|(k, v)| (k, v)))
         .output()
         .unwrap();
-    let summary = bench(&small(), &dir, &["--no-baseline", "--no-alone"], &env);
-    let truth = machine.finish();
-    assert_eq!(summary["gpu"], "this machine's (1)");
-    assert_eq!(summary["measured_from"], "tenant CUDA timing events");
-    let sc = &summary["scenarios"][0];
-    assert!(sc.get("device_trace_check").is_none());
-    assert!(!dir.join("out/e2e-small.trace.jsonl").exists());
-    // The figures match the device's own record of the same span.
-    let window = Window::new(
-        sc["measure_start_ns"].as_u64().unwrap(),
-        sc["measure_end_ns"].as_u64().unwrap(),
+    let summary = bench(
+        &small(),
+        &dir,
+        &["--no-baseline", "--no-alone", "--repeat", "1"],
+        &env,
     );
+    let truth = machine.finish();
+    assert_eq!(summary.gpu, "this machine's (1)");
+    assert_eq!(summary.measured_from, "tenant CUDA timing events");
+    let run = &summary.scenarios[0].runs[0];
+    assert!(run.device_trace_check.is_none());
+    assert!(!dir.join("out/e2e-small-run1.trace.jsonl").exists());
+    assert!(dir.join("out/e2e-small-run1.timeline.jsonl").is_file());
+    // The figures match the device's own record of the same span.
+    let window = Window::new(run.measure_start_ns, run.measure_end_ns);
     let mut by_pid: Vec<f64> = truth
         .busy_by_pid(0, window)
         .values()
         .map(|&ns| ns as f64 / window.len_ns() as f64)
         .filter(|&s| s > 0.01)
         .collect();
-    let mut measured = shares(sc);
+    let mut measured = shares(run);
     by_pid.sort_by(f64::total_cmp);
     measured.sort_by(f64::total_cmp);
     assert_eq!(by_pid.len(), 2, "{by_pid:?}");

@@ -186,6 +186,18 @@ impl Gate {
         }
     }
 
+    /// A graph launch returned: [`Gate::leave`], counting it as `launches` launches (the graph's
+    /// kernels), so that the GPU time per launch the fences measure stays that of one kernel
+    /// whether kernels come one by one or in graphs.
+    pub fn leave_graph(&self, stream: Option<(P, bool)>, launches: u64) {
+        let extra = launches.saturating_sub(1);
+        let first = self.launches.fetch_add(extra, Ordering::Relaxed) + 1;
+        for n in first..first + extra {
+            self.launch_streams.record(n, stream);
+        }
+        self.leave(stream);
+    }
+
     fn enter_slow(&self, hook: &Hook) -> bool {
         if self.pace_due.load(Ordering::Relaxed) {
             self.wait_for_queue();

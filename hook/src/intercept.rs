@@ -12,7 +12,9 @@ use crate::memory;
 use crate::real;
 use gpushare_cuda_abi::{Resolution, resolve};
 use std::cell::Cell;
+use std::collections::HashMap;
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::{Mutex, OnceLock};
 
 type P = *mut c_void;
 type CUresult = u32;
@@ -26,17 +28,39 @@ fn current_gate() -> Option<(&'static Hook, &'static Gate)> {
     hook().and_then(|h| Some((h, h.gate_for_current()?)))
 }
 
-/// Run a launch through the gate of the current GPU. Panics never cross into the caller.
+/// Run a launch through the gate of the current GPU. Panics never cross into the caller. A
+/// launch into a stream being captured only adds a node to the capture's graph: it is neither
+/// gated nor fenced (the graph's launches are).
 #[inline]
 fn gated(stream: Option<(P, bool)>, launch: impl FnOnce() -> Option<CUresult>) -> CUresult {
+    gated_launches(stream, 1, launch)
+}
+
+/// [`gated`] for a launch of `launches` kernels at once (a graph).
+#[inline]
+fn gated_launches(
+    stream: Option<(P, bool)>,
+    launches: u64,
+    launch: impl FnOnce() -> Option<CUresult>,
+) -> CUresult {
     let run = || {
+        if let Some((s, per_thread)) = stream
+            && real::captures_active()
+            && real::stream_capturing(s, per_thread)
+        {
+            return launch().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        }
         match current_gate() {
             Some((h, g)) => {
                 if !g.enter(h) {
                     return CUDA_ERROR_NOT_PERMITTED;
                 }
                 let r = launch();
-                g.leave(stream);
+                if launches == 1 {
+                    g.leave(stream);
+                } else {
+                    g.leave_graph(stream, launches);
+                }
                 r
             }
             None => launch(),
@@ -65,8 +89,117 @@ launch_wrapper!(cuLaunchCooperativeKernel, per_thread = false, stream = s,
     (f: P, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, sh: u32, s: P, params: *mut P));
 launch_wrapper!(cuLaunchCooperativeKernel_ptsz, per_thread = true, stream = s,
     (f: P, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, sh: u32, s: P, params: *mut P));
-launch_wrapper!(cuGraphLaunch, per_thread = false, stream = s, (g: P, s: P));
-launch_wrapper!(cuGraphLaunch_ptsz, per_thread = true, stream = s, (g: P, s: P));
+// --- graphs: a graph launch is gated as the launch of all its kernels ---------------------
+
+/// Kernels of each executable graph instantiated in this process (exec handle → kernels).
+fn graph_kernels() -> &'static Mutex<HashMap<usize, u64>> {
+    static KERNELS: OnceLock<Mutex<HashMap<usize, u64>>> = OnceLock::new();
+    KERNELS.get_or_init(Default::default)
+}
+
+/// The kernel nodes of `graph` (at least 1: a graph of other nodes counts as one launch).
+fn kernel_nodes(graph: P) -> u64 {
+    const KERNEL_NODE: u32 = 0; // CU_GRAPH_NODE_TYPE_KERNEL
+    let (Some(get_nodes), Some(node_type)) = (real::cuGraphGetNodes(), real::cuGraphNodeGetType())
+    else {
+        return 1;
+    };
+    let mut n = 0usize;
+    // SAFETY: real driver calls; the node array has room for the count the driver reported.
+    unsafe {
+        if get_nodes(graph, std::ptr::null_mut(), &mut n) != 0 || n == 0 {
+            return 1;
+        }
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        if get_nodes(graph, nodes.as_mut_ptr(), &mut n) != 0 {
+            return 1;
+        }
+        let kernels = nodes[..n.min(nodes.len())]
+            .iter()
+            .filter(|&&node| {
+                let mut t = u32::MAX;
+                node_type(node, &mut t) == 0 && t == KERNEL_NODE
+            })
+            .count();
+        kernels.max(1) as u64
+    }
+}
+
+/// Run an instantiation; on success remember the executable graph's kernel count.
+fn instantiated(exec: *mut P, graph: P, call: impl FnOnce() -> Option<CUresult>) -> CUresult {
+    let run = || {
+        let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        if r == 0 && !exec.is_null() {
+            // SAFETY: the driver just wrote the new executable graph through this out-pointer.
+            let e = unsafe { *exec } as usize;
+            let kernels = kernel_nodes(graph);
+            graph_kernels()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(e, kernels);
+        }
+        r
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+macro_rules! instantiate_wrapper {
+    ($name:ident, ($exec:ident: *mut P, $graph:ident: P $(, $arg:ident: $ty:ty)*)) => {
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $name($exec: *mut P, $graph: P $(, $arg: $ty)*) -> CUresult {
+            // SAFETY: forwards the caller's arguments unchanged to the real function of the same
+            // name and signature.
+            instantiated($exec, $graph, || real::$name().map(|f| unsafe { f($exec, $graph $(, $arg)*) }))
+        }
+    };
+}
+
+instantiate_wrapper!(cuGraphInstantiate, (e: *mut P, g: P, err: *mut P, log: *mut c_char, n: usize));
+instantiate_wrapper!(cuGraphInstantiate_v2, (e: *mut P, g: P, err: *mut P, log: *mut c_char, n: usize));
+instantiate_wrapper!(cuGraphInstantiateWithFlags, (e: *mut P, g: P, flags: u64));
+instantiate_wrapper!(cuGraphInstantiateWithParams, (e: *mut P, g: P, params: P));
+instantiate_wrapper!(cuGraphInstantiateWithParams_ptsz, (e: *mut P, g: P, params: P));
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphExecDestroy(exec: P) -> CUresult {
+    let run = || {
+        graph_kernels()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(exec as usize));
+        // SAFETY: forwards the caller's argument unchanged.
+        real::cuGraphExecDestroy().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(exec) })
+    };
+    std::panic::catch_unwind(run).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+fn graph_launch(exec: P, stream: P, per_thread: bool) -> CUresult {
+    let kernels = graph_kernels()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(exec as usize))
+        .copied()
+        .unwrap_or(1);
+    let launch = if per_thread {
+        real::cuGraphLaunch_ptsz()
+    } else {
+        real::cuGraphLaunch()
+    };
+    // SAFETY: forwards the caller's arguments unchanged.
+    gated_launches(Some((stream, per_thread)), kernels, || {
+        launch.map(|f| unsafe { f(exec, stream) })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphLaunch(exec: P, stream: P) -> CUresult {
+    graph_launch(exec, stream, false)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphLaunch_ptsz(exec: P, stream: P) -> CUresult {
+    graph_launch(exec, stream, true)
+}
 
 /// Run a synchronisation, first letting the gate of the current GPU hand its token over if the
 /// turn ends with the work being waited for, and telling it when the synchronisation returned.
@@ -86,20 +219,70 @@ fn synced(sync: impl FnOnce() -> Option<CUresult>) -> CUresult {
 }
 
 macro_rules! sync_wrapper {
-    ($name:ident, ($($arg:ident: $ty:ty),*)) => {
+    ($name:ident = $real:ident, ($($arg:ident: $ty:ty),*)) => {
         #[unsafe(no_mangle)]
         pub extern "C" fn $name($($arg: $ty),*) -> CUresult {
             // SAFETY: forwards the caller's arguments unchanged to the real function of the same
             // name and signature.
-            synced(|| real::$name().map(|f| unsafe { f($($arg),*) }))
+            synced(|| real::$real().map(|f| unsafe { f($($arg),*) }))
         }
     };
 }
 
-sync_wrapper!(cuCtxSynchronize, ());
-sync_wrapper!(cuStreamSynchronize, (s: P));
-sync_wrapper!(cuStreamSynchronize_ptsz, (s: P));
-sync_wrapper!(cuEventSynchronize, (e: P));
+// The application's own synchronisations go to the driver unchanged (`raw_`: not the hook's
+// capture-safe use of the same functions).
+sync_wrapper!(cuCtxSynchronize = raw_cuCtxSynchronize, ());
+sync_wrapper!(cuStreamSynchronize = cuStreamSynchronize, (s: P));
+sync_wrapper!(cuStreamSynchronize_ptsz = cuStreamSynchronize_ptsz, (s: P));
+sync_wrapper!(cuEventSynchronize = raw_cuEventSynchronize, (e: P));
+
+/// Run a capture's begin (`begin`) or end, keeping count of the captures under way, so the hook
+/// knows when its own calls must not disturb one (see `real::captures_active`).
+fn capture_call(begin: bool, call: impl FnOnce() -> Option<CUresult>) -> CUresult {
+    const STREAM_CAPTURE_INVALIDATED: CUresult = 901;
+    const STREAM_CAPTURE_UNJOINED: CUresult = 904;
+    const STREAM_CAPTURE_WRONG_THREAD: CUresult = 908;
+    let run = || {
+        let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        crate::log::debug!("capture {} -> {r}", if begin { "begins" } else { "ends" });
+        match (begin, r) {
+            (true, 0) => real::capture_begun(),
+            // These errors end the capture too, as the driver documents.
+            (
+                false,
+                0
+                | STREAM_CAPTURE_INVALIDATED
+                | STREAM_CAPTURE_UNJOINED
+                | STREAM_CAPTURE_WRONG_THREAD,
+            ) => real::capture_ended(),
+            _ => {}
+        }
+        r
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+macro_rules! capture_wrapper {
+    ($name:ident, begin = $begin:expr, ($($arg:ident: $ty:ty),*)) => {
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            // SAFETY: forwards the caller's arguments unchanged to the real function of the same
+            // name and signature.
+            capture_call($begin, || real::$name().map(|f| unsafe { f($($arg),*) }))
+        }
+    };
+}
+
+capture_wrapper!(cuStreamBeginCapture, begin = true, (s: P));
+capture_wrapper!(cuStreamBeginCapture_ptsz, begin = true, (s: P));
+capture_wrapper!(cuStreamBeginCapture_v2, begin = true, (s: P, mode: i32));
+capture_wrapper!(cuStreamBeginCapture_v2_ptsz, begin = true, (s: P, mode: i32));
+capture_wrapper!(cuStreamBeginCaptureToGraph, begin = true,
+    (s: P, g: P, deps: *const P, edges: *const c_void, n: usize, mode: i32));
+capture_wrapper!(cuStreamBeginCaptureToGraph_ptsz, begin = true,
+    (s: P, g: P, deps: *const P, edges: *const c_void, n: usize, mode: i32));
+capture_wrapper!(cuStreamEndCapture, begin = false, (s: P, graph: *mut P));
+capture_wrapper!(cuStreamEndCapture_ptsz, begin = false, (s: P, graph: *mut P));
 
 /// The stream of a `CUlaunchConfig` (grid, block, shared memory bytes, then the stream).
 fn config_stream(config: *const c_void) -> P {
@@ -145,9 +328,9 @@ pub extern "C" fn cuLaunchCooperativeKernelMultiDevice(list: P, n: u32, flags: u
     })
 }
 
-/// Managed symbols (launches, synchronisations, allocations, frees, memory queries) and their
-/// wrappers, sorted by name.
-fn wrappers() -> [(&'static str, P); 34] {
+/// Managed symbols (launches, synchronisations, captures, allocations, frees, memory queries)
+/// and their wrappers, sorted by name.
+fn wrappers() -> [(&'static str, P); 48] {
     [
         ("cuArray3DCreate_v2", memory::cuArray3DCreate_v2 as P),
         ("cuArrayCreate_v2", memory::cuArrayCreate_v2 as P),
@@ -157,6 +340,21 @@ fn wrappers() -> [(&'static str, P); 34] {
         ("cuEventSynchronize", cuEventSynchronize as P),
         ("cuGetProcAddress", cuGetProcAddress as P),
         ("cuGetProcAddress_v2", cuGetProcAddress_v2 as P),
+        ("cuGraphExecDestroy", cuGraphExecDestroy as P),
+        ("cuGraphInstantiate", cuGraphInstantiate as P),
+        (
+            "cuGraphInstantiateWithFlags",
+            cuGraphInstantiateWithFlags as P,
+        ),
+        (
+            "cuGraphInstantiateWithParams",
+            cuGraphInstantiateWithParams as P,
+        ),
+        (
+            "cuGraphInstantiateWithParams_ptsz",
+            cuGraphInstantiateWithParams_ptsz as P,
+        ),
+        ("cuGraphInstantiate_v2", cuGraphInstantiate_v2 as P),
         ("cuGraphLaunch", cuGraphLaunch as P),
         ("cuGraphLaunch_ptsz", cuGraphLaunch_ptsz as P),
         ("cuLaunchCooperativeKernel", cuLaunchCooperativeKernel as P),
@@ -199,6 +397,23 @@ fn wrappers() -> [(&'static str, P); 34] {
             "cuMipmappedArrayDestroy",
             memory::cuMipmappedArrayDestroy as P,
         ),
+        ("cuStreamBeginCapture", cuStreamBeginCapture as P),
+        (
+            "cuStreamBeginCaptureToGraph",
+            cuStreamBeginCaptureToGraph as P,
+        ),
+        (
+            "cuStreamBeginCaptureToGraph_ptsz",
+            cuStreamBeginCaptureToGraph_ptsz as P,
+        ),
+        ("cuStreamBeginCapture_ptsz", cuStreamBeginCapture_ptsz as P),
+        ("cuStreamBeginCapture_v2", cuStreamBeginCapture_v2 as P),
+        (
+            "cuStreamBeginCapture_v2_ptsz",
+            cuStreamBeginCapture_v2_ptsz as P,
+        ),
+        ("cuStreamEndCapture", cuStreamEndCapture as P),
+        ("cuStreamEndCapture_ptsz", cuStreamEndCapture_ptsz as P),
         ("cuStreamSynchronize", cuStreamSynchronize as P),
         ("cuStreamSynchronize_ptsz", cuStreamSynchronize_ptsz as P),
     ]
@@ -353,6 +568,42 @@ mod tests {
         ];
         for entry in gpushare_cuda_abi::ENTRY_POINTS {
             if syncs.contains(&entry.name) {
+                assert!(
+                    wrapper(entry.symbol.as_bytes()).is_some(),
+                    "{} is not seen",
+                    entry.symbol
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_graph_instantiation_is_seen() {
+        for entry in gpushare_cuda_abi::ENTRY_POINTS {
+            let names = [
+                "cuGraphInstantiate",
+                "cuGraphInstantiateWithFlags",
+                "cuGraphInstantiateWithParams",
+            ];
+            if names.contains(&entry.name) {
+                assert!(
+                    wrapper(entry.symbol.as_bytes()).is_some(),
+                    "{} is not seen",
+                    entry.symbol
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_capture_begin_and_end_is_seen() {
+        for entry in gpushare_cuda_abi::ENTRY_POINTS {
+            let captures = [
+                "cuStreamBeginCapture",
+                "cuStreamBeginCaptureToGraph",
+                "cuStreamEndCapture",
+            ];
+            if captures.contains(&entry.name) {
                 assert!(
                     wrapper(entry.symbol.as_bytes()).is_some(),
                     "{} is not seen",

@@ -7,6 +7,8 @@
 //! `/proc/<pid>/cgroup`). A declared group is honoured only when the daemon runs with `--dev`.
 
 pub use gpushare_frame::{MAX_FRAME, WireError, encode, recv, send};
+
+pub mod admin;
 use serde::{Deserialize, Serialize};
 
 pub const PROTOCOL_VERSION: u32 = 3;

@@ -218,6 +218,7 @@ weight = 2
             uid,
             gid: 0,
             cgroup: cgroup.into(),
+            pod: None,
         };
         assert_eq!(c.group_for(&peer(1000, "/")).unwrap().name, "train");
         assert_eq!(

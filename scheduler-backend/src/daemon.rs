@@ -5,10 +5,11 @@
 use crate::config::{Config, GroupConfig};
 use crate::identity::{self, Peer};
 use crate::memory::MemoryBooks;
+use crate::pods::{GroupChange, PodTable};
 use crate::policy::{ClientId, Decision, GroupParams, Policy, TurnUse};
-use crate::status::{ClientReport, GpuReport, GroupReport, Report, uuid_string};
+use crate::status::{ClientReport, GpuReport, GroupReport, PodLabels, Report, uuid_string};
 use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -25,6 +26,8 @@ pub struct DaemonOptions {
     pub dev: bool,
     /// Serve Prometheus metrics over HTTP at this address (`GET /metrics`).
     pub metrics: Option<std::net::SocketAddr>,
+    /// Serve the admin protocol (Kubernetes node agent) on this socket.
+    pub admin_socket: Option<PathBuf>,
 }
 
 struct Client {
@@ -35,8 +38,8 @@ struct Client {
     peer: Peer,
 }
 
-struct State {
-    config: Config,
+pub(crate) struct State {
+    pub(crate) config: Config,
     dev: bool,
     /// Every group the policies know: from the config, and declared ones in dev mode.
     groups: BTreeMap<String, GroupParams>,
@@ -44,16 +47,18 @@ struct State {
     memory: MemoryBooks,
     clients: HashMap<ClientId, Client>,
     next_client: ClientId,
+    /// Kubernetes containers registered over the admin socket.
+    pub(crate) pods: PodTable,
 }
 
-struct Shared {
-    state: Mutex<State>,
-    changed: Condvar,
+pub(crate) struct Shared {
+    pub(crate) state: Mutex<State>,
+    pub(crate) changed: Condvar,
 }
 
 type Outbox = Vec<(ClientId, ServerMsg)>;
 
-fn lock(s: &Shared) -> MutexGuard<'_, State> {
+pub(crate) fn lock(s: &Shared) -> MutexGuard<'_, State> {
     s.state.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -95,6 +100,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             memory,
             clients: HashMap::new(),
             next_client: 1,
+            pods: PodTable::default(),
         }),
         changed: Condvar::new(),
     });
@@ -111,6 +117,13 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         std::thread::Builder::new()
             .name("metrics".into())
             .spawn(move || metrics_loop(s, http))?;
+    }
+    if let Some(path) = &opts.admin_socket {
+        let admin = crate::admin::bind(path)?;
+        let s = shared.clone();
+        std::thread::Builder::new()
+            .name("admin".into())
+            .spawn(move || crate::admin::listen(s, admin))?;
     }
     if let Some(path) = opts.config_path.clone() {
         let s = shared.clone();
@@ -143,6 +156,12 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
     let _ = stream.set_read_timeout(None);
     let id = match first {
         Ok(Some(ClientMsg::Hello { version, declared })) => {
+            if let Err(message) = crate::admin::await_pod(&shared, &peer) {
+                tracing::warn!(pid = peer.pid, "refused: {message}");
+                let fatal = true;
+                send(&writer, &ServerMsg::Error { message, fatal });
+                return;
+            }
             let hello = {
                 let mut st = lock(&shared);
                 hello(&mut st, &peer, version, declared, writer.clone())
@@ -215,10 +234,13 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
     let out = {
         let mut st = lock(&shared);
         let now = now_ns();
-        st.clients.remove(&id);
+        let gone = st.clients.remove(&id);
         st.memory.forget_client(id);
         for p in st.policies.values_mut() {
             p.disconnect(id, now);
+        }
+        if let Some(group) = gone.and_then(|c| c.group) {
+            crate::admin::client_left(&mut st, &group, now);
         }
         let mut out = Outbox::new();
         collect(&mut st, &mut out);
@@ -243,7 +265,10 @@ fn hello(
             "client speaks protocol {version}, scheduler {PROTOCOL_VERSION}: install libgpushare.so and gpushare-scheduler from the same release"
         ));
     }
+    let pod_group = crate::admin::pod_group(st, peer);
     let group = match declared {
+        // A process in a registered Kubernetes container: identity from the kernel only.
+        _ if pod_group.is_some() => pod_group,
         Some(spec) if st.dev => {
             let params = GroupParams {
                 request: spec.request,
@@ -293,9 +318,63 @@ fn hello(
 
 fn set_group(st: &mut State, name: &str, params: GroupParams) {
     st.groups.insert(name.to_string(), params);
-    for p in st.policies.values_mut() {
-        let _ = p.set_group(name, params);
+    for (gpu, p) in st.policies.iter_mut() {
+        if st.pods.on_gpu(name, gpu) {
+            let _ = p.set_group(name, params);
+        }
     }
+}
+
+fn remove_group(st: &mut State, name: &str, now: u64) {
+    st.groups.remove(name);
+    for p in st.policies.values_mut() {
+        p.remove_group(name, now);
+    }
+}
+
+/// Admin hook: apply the pod table's changes to the policies and memory books.
+pub(crate) fn apply_group_changes(st: &mut State, changes: Vec<GroupChange>, now: u64) {
+    for c in changes {
+        match c {
+            GroupChange::Set {
+                name,
+                params,
+                memory,
+            } => {
+                set_group(st, &name, params);
+                st.memory.set_cap(&name, memory);
+            }
+            GroupChange::Remove { name } => {
+                remove_group(st, &name, now);
+                st.memory.set_cap(&name, None);
+            }
+        }
+    }
+}
+
+/// Groups with at least one connected process.
+pub(crate) fn connected_groups(st: &State) -> HashSet<String> {
+    st.clients
+        .values()
+        .filter_map(|c| c.group.clone())
+        .collect()
+}
+
+/// Admin hook: change the state with `f` (given the time), then deliver what the policies
+/// decided as a result, and wake whoever waits for a change.
+pub(crate) fn with_state<R>(shared: &Shared, f: impl FnOnce(&mut State, u64) -> R) -> R {
+    let (r, out) = {
+        let mut st = lock(shared);
+        let r = f(&mut st, now_ns());
+        let mut out = Outbox::new();
+        collect(&mut st, &mut out);
+        (r, deliver(&st, out))
+    };
+    shared.changed.notify_all();
+    for (w, m) in out {
+        send(&w, &m);
+    }
+    r
 }
 
 fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
@@ -464,10 +543,10 @@ fn group_or_error(st: &State, id: ClientId, out: &mut Outbox) -> Option<String> 
 /// The policy of `gpu`, created with every known group on first use.
 fn policy_for(st: &mut State, gpu: GpuUuid) -> &mut Policy {
     let cfg = st.config.policy.clone();
-    let groups = &st.groups;
+    let (groups, pods) = (&st.groups, &st.pods);
     st.policies.entry(gpu).or_insert_with(|| {
         let mut p = Policy::new(cfg);
-        for (name, params) in groups {
+        for (name, params) in groups.iter().filter(|(n, _)| pods.on_gpu(n, &gpu)) {
             let _ = p.set_group(name, *params);
         }
         p
@@ -542,7 +621,17 @@ fn send(w: &Mutex<UnixStream>, msg: &ServerMsg) {
     }
 }
 
-fn report(st: &State, now: u64) -> Report {
+/// `namespace`, `pod`, `container` of a Kubernetes container's group.
+fn pod_labels(st: &State, group: &str) -> Option<PodLabels> {
+    let (namespace, pod, container) = st.pods.labels(group)?;
+    Some(PodLabels {
+        namespace: namespace.into(),
+        pod: pod.into(),
+        container: container.into(),
+    })
+}
+
+pub(crate) fn report(st: &State, now: u64) -> Report {
     let client = |id: &ClientId| {
         st.clients.get(id).map(|c| ClientReport {
             pid: c.pid,
@@ -588,6 +677,7 @@ fn report(st: &State, now: u64) -> Report {
                         active: g.active,
                         memory_used: st.memory.used(&g.name, uuid),
                         memory_cap: st.memory.cap(&g.name),
+                        pod: pod_labels(st, &g.name),
                     })
                     .collect(),
             }
@@ -596,6 +686,7 @@ fn report(st: &State, now: u64) -> Report {
     Report {
         dev_mode: st.dev,
         gpus,
+        pods: st.pods.report(),
     }
 }
 
@@ -693,10 +784,7 @@ fn apply(st: &mut State, cfg: Config, now: u64) {
         .cloned()
         .collect();
     for g in removed {
-        st.groups.remove(&g.name);
-        for p in st.policies.values_mut() {
-            p.remove_group(&g.name, now);
-        }
+        remove_group(st, &g.name, now);
     }
     for p in st.policies.values_mut() {
         p.set_config(cfg.policy.clone());

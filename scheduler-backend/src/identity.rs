@@ -1,5 +1,6 @@
 //! Who is on the other end of a socket, from the kernel rather than from the client:
-//! `SO_PEERCRED` for pid/uid/gid, `/proc/<pid>/cgroup` for the container.
+//! `SO_PEERCRED` for pid/uid/gid, `/proc/<pid>/cgroup` for the container, and from its cgroup
+//! path the Kubernetes pod and container ([`pod_identity`]).
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -11,6 +12,8 @@ pub struct Peer {
     pub gid: u32,
     /// The process's cgroup path(s) from `/proc/<pid>/cgroup`, comma-separated.
     pub cgroup: String,
+    /// The Kubernetes container the process runs in, if its cgroup is a kubelet's.
+    pub pod: Option<PodIdentity>,
 }
 
 pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
@@ -34,8 +37,8 @@ pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let mut paths: Vec<String> = std::fs::read_to_string(format!("/proc/{}/cgroup", cred.pid))
-        .unwrap_or_default()
+    let text = std::fs::read_to_string(format!("/proc/{}/cgroup", cred.pid)).unwrap_or_default();
+    let mut paths: Vec<String> = text
         .lines()
         .filter_map(|l| l.splitn(3, ':').nth(2).map(str::to_string))
         .collect();
@@ -46,7 +49,137 @@ pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
         uid: cred.uid,
         gid: cred.gid,
         cgroup,
+        pod: pod_identity(&text),
     })
+}
+
+/// A Kubernetes container, as its cgroup names it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PodIdentity {
+    /// The pod's `metadata.uid`, with dashes (`0b1c8e3a-6f0e-4a57-9a39-8f2d3c1b7e11`), or the
+    /// 32-hex-digit hash a static pod has.
+    pub pod_uid: String,
+    /// The container's 64-hex-digit ID, without runtime prefix.
+    pub container_id: String,
+}
+
+/// The pod and container of a process from the text of its `/proc/<pid>/cgroup`: the line(s)
+/// whose path has the kubelet's layout (cgroup v1 and v2 alike). `None` if no line does, or if
+/// two lines name different containers.
+pub fn pod_identity(proc_cgroup: &str) -> Option<PodIdentity> {
+    let mut found: Option<PodIdentity> = None;
+    for line in proc_cgroup.lines() {
+        let Some(path) = line.splitn(3, ':').nth(2) else {
+            continue;
+        };
+        if let Some(id) = pod_identity_of_path(path) {
+            match &found {
+                Some(f) if *f != id => return None,
+                _ => found = Some(id),
+            }
+        }
+    }
+    found
+}
+
+/// The pod and container of one cgroup path, parsed exactly in the kubelet's layouts:
+///
+/// - systemd driver: `…/kubepods[-<qos>]-pod<uid with _>.slice/<runtime>-<id>.scope[/…]` where
+///   the slice name is `[<root>-]kubepods[-besteffort|-burstable]-pod<uid>` and `<runtime>` is
+///   `cri-containerd`, `crio` or `docker`;
+/// - cgroupfs driver: `…/kubepods[/besteffort|/burstable]/pod<uid>/<id>[/…]`, the container
+///   component being the bare ID or `cri-containerd-`, `crio-`, `docker-` and the ID.
+///
+/// Anything may precede the kubelet's part (a `--cgroup-root`, or the `/..` of a path seen from
+/// another cgroup namespace); components after the container are cgroups the container made
+/// inside its own.
+pub fn pod_identity_of_path(path: &str) -> Option<PodIdentity> {
+    let parts: Vec<&str> = path.split('/').filter(|c| !c.is_empty()).collect();
+    for i in 0..parts.len().saturating_sub(1) {
+        if let Some(pod_uid) = systemd_pod_slice(parts[i]) {
+            let container_id = parts[i + 1]
+                .strip_suffix(".scope")
+                .and_then(runtime_prefixed_id)?;
+            return Some(PodIdentity {
+                pod_uid,
+                container_id,
+            });
+        }
+        if let Some(uid) = parts[i].strip_prefix("pod")
+            && valid_uid(uid)
+            && cgroupfs_parent(&parts[..i])
+        {
+            let c = parts[i + 1];
+            let container_id = if is_container_id(c) {
+                c.to_string()
+            } else {
+                runtime_prefixed_id(c)?
+            };
+            return Some(PodIdentity {
+                pod_uid: uid.to_string(),
+                container_id,
+            });
+        }
+    }
+    None
+}
+
+/// `[<root>-]kubepods[-<qos>]-pod<uid_with_underscores>.slice` → the UID with dashes.
+fn systemd_pod_slice(component: &str) -> Option<String> {
+    let name = component.strip_suffix(".slice")?;
+    let (parent, pod) = name.rsplit_once('-')?;
+    let uid = pod.strip_prefix("pod")?.replace('_', "-");
+    if !valid_uid(&uid) {
+        return None;
+    }
+    let parent = parent
+        .strip_suffix("-besteffort")
+        .or_else(|| parent.strip_suffix("-burstable"))
+        .unwrap_or(parent);
+    let root_ok = match parent.strip_suffix("kubepods")? {
+        "" => true,
+        root => root.ends_with('-') && root.split('-').filter(|t| !t.is_empty()).count() > 0,
+    };
+    root_ok.then_some(uid)
+}
+
+/// The components before `pod<uid>` end with `kubepods` or `kubepods/<qos>`.
+fn cgroupfs_parent(before: &[&str]) -> bool {
+    matches!(
+        before,
+        [.., "kubepods"] | [.., "kubepods", "besteffort" | "burstable"]
+    )
+}
+
+/// `cri-containerd-<id>`, `crio-<id>` or `docker-<id>` → the ID.
+fn runtime_prefixed_id(s: &str) -> Option<String> {
+    ["cri-containerd-", "crio-", "docker-"]
+        .iter()
+        .find_map(|p| s.strip_prefix(p))
+        .filter(|id| is_container_id(id))
+        .map(str::to_string)
+}
+
+fn is_container_id(s: &str) -> bool {
+    s.len() == 64
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// A pod UID: `8-4-4-4-12` lowercase hex (API pods), or 32 lowercase hex (static pods).
+fn valid_uid(s: &str) -> bool {
+    let hex = |b: u8| b.is_ascii_digit() || (b'a'..=b'f').contains(&b);
+    match s.len() {
+        36 => s.bytes().enumerate().all(|(i, b)| {
+            if [8, 13, 18, 23].contains(&i) {
+                b == b'-'
+            } else {
+                hex(b)
+            }
+        }),
+        32 => s.bytes().all(hex),
+        _ => false,
+    }
 }
 
 #[cfg(test)]
@@ -60,5 +193,119 @@ mod tests {
         assert_eq!(p.pid, std::process::id());
         // SAFETY: getuid has no preconditions.
         assert_eq!(p.uid, unsafe { libc::getuid() });
+    }
+
+    const UID: &str = "0b1c8e3a-6f0e-4a57-9a39-8f2d3c1b7e11";
+    const UID_: &str = "0b1c8e3a_6f0e_4a57_9a39_8f2d3c1b7e11";
+
+    fn id() -> String {
+        "3f".repeat(32)
+    }
+
+    fn expect(path: &str) -> Option<PodIdentity> {
+        pod_identity_of_path(path)
+    }
+
+    fn ok() -> Option<PodIdentity> {
+        Some(PodIdentity {
+            pod_uid: UID.into(),
+            container_id: id(),
+        })
+    }
+
+    #[test]
+    fn systemd_driver_layouts() {
+        let id = id();
+        for path in [
+            format!(
+                "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice/cri-containerd-{id}.scope"
+            ),
+            format!(
+                "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID_}.slice/crio-{id}.scope"
+            ),
+            format!("/kubepods.slice/kubepods-pod{UID_}.slice/docker-{id}.scope"),
+            // --cgroup-root=/kubelet (kind), and a path seen from another cgroup namespace.
+            format!(
+                "/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-besteffort.slice/kubelet-kubepods-besteffort-pod{UID_}.slice/cri-containerd-{id}.scope"
+            ),
+            format!("/../../kubepods-burstable-pod{UID_}.slice/cri-containerd-{id}.scope"),
+            // A cgroup the container made inside its own.
+            format!(
+                "/kubepods.slice/kubepods-pod{UID_}.slice/cri-containerd-{id}.scope/init.scope"
+            ),
+        ] {
+            assert_eq!(expect(&path), ok(), "{path}");
+        }
+    }
+
+    #[test]
+    fn cgroupfs_driver_layouts() {
+        let id = id();
+        for path in [
+            format!("/kubepods/besteffort/pod{UID}/{id}"),
+            format!("/kubepods/burstable/pod{UID}/{id}"),
+            format!("/kubepods/pod{UID}/{id}"),
+            format!("/kubepods/burstable/pod{UID}/crio-{id}"),
+            format!("/kubepods/pod{UID}/docker-{id}"),
+            format!("/kubelet/kubepods/besteffort/pod{UID}/{id}"),
+        ] {
+            assert_eq!(expect(&path), ok(), "{path}");
+        }
+        let static_pod = "7f3b0b8c9d2e4f6a8b1c3d5e7f9a0b2c";
+        assert_eq!(
+            expect(&format!("/kubepods/burstable/pod{static_pod}/{id}")),
+            Some(PodIdentity {
+                pod_uid: static_pod.into(),
+                container_id: id.clone()
+            })
+        );
+    }
+
+    #[test]
+    fn near_misses_are_not_pods() {
+        let id = id();
+        for path in [
+            // the pod's own cgroup (no container), conmon, a short or upper-case ID
+            format!("/kubepods.slice/kubepods-pod{UID_}.slice"),
+            format!("/kubepods.slice/kubepods-pod{UID_}.slice/crio-conmon-{id}.scope"),
+            format!(
+                "/kubepods.slice/kubepods-pod{UID_}.slice/cri-containerd-{}.scope",
+                &id[..63]
+            ),
+            format!("/kubepods/pod{UID}/{}", id.to_uppercase()),
+            // wrong QoS, not under kubepods, dashes in a systemd UID, a mangled UID
+            format!("/kubepods.slice/kubepods-gold-pod{UID_}.slice/cri-containerd-{id}.scope"),
+            format!("/notkubepods/pod{UID}/{id}"),
+            format!("/system.slice/pod{UID}/{id}"),
+            format!("/kubepods.slice/kubepods-pod{UID}.slice/cri-containerd-{id}.scope"),
+            format!("/kubepods/pod{}/{id}", &UID[1..]),
+            // substrings of a pod path elsewhere in a name
+            format!("/user.slice/my-kubepods-pod{UID_}.slice.bak/cri-containerd-{id}.scope"),
+            "/".to_string(),
+            String::new(),
+        ] {
+            assert_eq!(expect(&path), None, "{path}");
+        }
+    }
+
+    #[test]
+    fn v1_and_v2_lines_of_proc_cgroup() {
+        let id = id();
+        let v2 = format!("0::/kubepods.slice/kubepods-pod{UID_}.slice/cri-containerd-{id}.scope\n");
+        assert_eq!(pod_identity(&v2), ok());
+        let hybrid = format!(
+            "9:name=systemd:/kubepods/pod{UID}/{id}\n4:memory:/kubepods/pod{UID}/{id}\n1:cpu:/\n0::/\n"
+        );
+        assert_eq!(pod_identity(&hybrid), ok());
+        let conflicting = format!(
+            "4:memory:/kubepods/pod{UID}/{id}\n0::/kubepods/pod{UID}/{}\n",
+            "ab".repeat(32)
+        );
+        assert_eq!(
+            pod_identity(&conflicting),
+            None,
+            "two containers: no answer"
+        );
+        assert_eq!(pod_identity("0::/user.slice/session-1.scope\n"), None);
     }
 }

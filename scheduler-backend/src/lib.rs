@@ -1,10 +1,15 @@
 //! gpushare's scheduler: the pure fair-share policy core ([`policy`], one instance per GPU) and
 //! the daemon around it: configuration ([`config`]), client identity from the socket
-//! ([`identity`]), the socket server ([`daemon`]) and the status report ([`status`]).
+//! ([`identity`]), the socket server ([`daemon`]) and the status report ([`status`]), which
+//! [`client`] fetches from a running daemon; for Kubernetes, the admin socket ([`admin`])
+//! through which the node agent registers containers ([`pods`]).
 
+pub mod admin;
+pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod identity;
 pub mod memory;
+pub mod pods;
 pub mod policy;
 pub mod status;

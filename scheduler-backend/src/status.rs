@@ -7,6 +7,36 @@ use std::fmt::Write;
 pub struct Report {
     pub dev_mode: bool,
     pub gpus: Vec<GpuReport>,
+    /// Kubernetes containers the node agent registered (empty without one).
+    #[serde(default)]
+    pub pods: Vec<PodReport>,
+}
+
+/// A Kubernetes container known to the scheduler through the admin socket.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PodReport {
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+    pub pod_uid: String,
+    pub container_id: Option<String>,
+    /// Its scheduler group.
+    pub group: String,
+    pub gpus: Vec<String>,
+    pub request: f64,
+    pub limit: f64,
+    pub weight: f64,
+    pub memory: Option<u64>,
+    /// Removed from the node; the group lives until its last process disconnects.
+    pub removed: bool,
+}
+
+/// `namespace`, `pod`, `container` of a group that is a Kubernetes container.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PodLabels {
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -46,20 +76,12 @@ pub struct GroupReport {
     /// GPU memory the group's processes hold on this GPU, and its cap (`None`: uncapped).
     pub memory_used: u64,
     pub memory_cap: Option<u64>,
+    /// Set when the group is a Kubernetes container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<PodLabels>,
 }
 
-/// `GPU-8-4-4-4-12` hex form of a driver UUID.
-pub fn uuid_string(u: &[u8; 16]) -> String {
-    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
-}
+pub use gpushare_protocol::admin::gpu_uuid_string as uuid_string;
 
 /// The human-readable table of `gpushare status`.
 pub fn render(r: &Report) -> String {
@@ -129,11 +151,49 @@ pub fn render(r: &Report) -> String {
             );
         }
     }
+    if !r.pods.is_empty() {
+        render_pods(&mut out, &r.pods);
+    }
     out
 }
 
+/// The Kubernetes section of `gpushare status`: every container the node agent registered.
+fn render_pods(out: &mut String, pods: &[PodReport]) {
+    let _ = writeln!(
+        out,
+        "\nKubernetes containers:\n  {:<20} {:<28} {:<16} {:>7} {:>6} {:>6} {:>11}  {:<8}  GPU",
+        "NAMESPACE", "POD", "CONTAINER", "REQUEST", "LIMIT", "WEIGHT", "MEMORY(MiB)", "STATE"
+    );
+    for p in pods {
+        let memory = p.memory.map_or("-".to_string(), |m| {
+            format!("{:.0}", m as f64 / (1u64 << 20) as f64)
+        });
+        let state = if p.removed {
+            "removed"
+        } else if p.container_id.is_some() {
+            "running"
+        } else {
+            "starting"
+        };
+        let _ = writeln!(
+            out,
+            "  {:<20} {:<28} {:<16} {:>7.2} {:>6.2} {:>6.2} {:>11}  {:<8}  {}",
+            p.namespace,
+            p.pod,
+            p.container,
+            p.request,
+            p.limit,
+            p.weight,
+            memory,
+            state,
+            p.gpus.join(",")
+        );
+    }
+}
+
 /// The report in Prometheus text format (`GET /metrics`), with DCGM-style `gpu` and `UUID`
-/// labels and a `group` label.
+/// labels, a `group` label, and for a Kubernetes container's group `namespace`, `pod` and
+/// `container` (as dcgm-exporter labels them).
 pub fn prometheus(r: &Report) -> String {
     type Metric = (
         &'static str,
@@ -215,17 +275,30 @@ pub fn prometheus(r: &Report) -> String {
         for (i, gpu) in r.gpus.iter().enumerate() {
             for g in &gpu.groups {
                 if let Some(v) = value(g) {
+                    let pod = g.pod.as_ref().map_or(String::new(), |p| {
+                        format!(
+                            ",namespace=\"{}\",pod=\"{}\",container=\"{}\"",
+                            label(&p.namespace),
+                            label(&p.pod),
+                            label(&p.container)
+                        )
+                    });
                     let _ = writeln!(
                         out,
-                        "{name}{{gpu=\"{i}\",UUID=\"{}\",group=\"{}\"}} {v}",
+                        "{name}{{gpu=\"{i}\",UUID=\"{}\",group=\"{}\"{pod}}} {v}",
                         gpu.uuid,
-                        g.name.replace('"', "'")
+                        label(&g.name)
                     );
                 }
             }
         }
     }
     out
+}
+
+/// A Prometheus label value: quotes and backslashes cannot break out of it.
+fn label(v: &str) -> String {
+    v.replace(['"', '\\'], "'")
 }
 
 #[cfg(test)]
@@ -252,15 +325,24 @@ mod tests {
             active: true,
             memory_used: 10,
             memory_cap: None,
+            pod: None,
         };
+        let mut p = g.clone();
+        p.name = "ns/train/main".into();
+        p.pod = Some(PodLabels {
+            namespace: "ns".into(),
+            pod: "train".into(),
+            container: "main".into(),
+        });
         let r = Report {
             dev_mode: true,
             gpus: vec![GpuReport {
                 uuid: "GPU-x".into(),
                 holder: None,
                 waiting: vec![],
-                groups: vec![g],
+                groups: vec![g, p],
             }],
+            pods: vec![],
         };
         let text = prometheus(&r);
         assert!(text.contains("# TYPE gpushare_group_share gauge"));
@@ -269,6 +351,9 @@ mod tests {
             !text.contains("gpushare_group_memory_cap_bytes{"),
             "uncapped: no sample"
         );
+        assert!(text.contains(
+            "gpushare_group_share{gpu=\"0\",UUID=\"GPU-x\",group=\"ns/train/main\",namespace=\"ns\",pod=\"train\",container=\"main\"} 0.49"
+        ));
     }
 
     #[test]

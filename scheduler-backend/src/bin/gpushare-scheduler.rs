@@ -24,6 +24,11 @@ struct Cli {
     /// Serve Prometheus metrics at ADDR (e.g. 127.0.0.1:9400), path /metrics.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<std::net::SocketAddr>,
+    /// Serve the admin socket for gpushare-device-manager here (e.g.
+    /// /run/gpushare-admin/admin.sock; created mode 0600). With it, processes in Kubernetes pods
+    /// get their container's policy and wait up to 2 s for it.
+    #[arg(long, value_name = "PATH")]
+    admin_socket: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -45,6 +50,7 @@ fn main() -> ExitCode {
         config_path: cli.config,
         dev: cli.dev,
         metrics: cli.metrics,
+        admin_socket: cli.admin_socket,
     }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -123,6 +123,8 @@ fn prepare(device: &DeviceArgs) -> anyhow::Result<(RunDir, Server)> {
     let dir = std::env::temp_dir().join(format!("gpushare-sim-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    // Searchable by every user, so processes of any user reach the socket and their boards.
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     let run_dir = RunDir(dir.clone());
     for name in ["libcuda.so", "libcuda.so.1"] {
         std::os::unix::fs::symlink(&driver, dir.join(name))?;

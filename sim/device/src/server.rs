@@ -8,6 +8,7 @@ use gpushare_sim_wire::{self as wire, DeviceInfo, EventBoard, PROTOCOL_VERSION, 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -37,6 +38,8 @@ struct State {
     writers: HashMap<ConnId, Arc<Mutex<UnixStream>>>,
     /// Each client's event board and its file (removed when the client goes).
     boards: HashMap<ConnId, (EventBoard, PathBuf)>,
+    /// Each client's user, from the socket (its event board is made for that user).
+    uids: HashMap<ConnId, u32>,
     waiters: Vec<Waiter>,
     trace: Option<BufWriter<File>>,
     next_conn: ConnId,
@@ -74,6 +77,8 @@ impl Server {
                 cfg.socket.display()
             )
         })?;
+        // Every user may use the simulated GPUs, as every user may open /dev/nvidia*.
+        std::fs::set_permissions(&cfg.socket, std::fs::Permissions::from_mode(0o666))?;
         let trace = match &cfg.trace {
             Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| {
                 anyhow::anyhow!("cannot create trace file {}: {e}", p.display())
@@ -86,6 +91,7 @@ impl Server {
                 model: Model::new(cfg.model),
                 writers: HashMap::new(),
                 boards: HashMap::new(),
+                uids: HashMap::new(),
                 waiters: Vec::new(),
                 trace,
                 next_conn: 1,
@@ -163,6 +169,28 @@ fn device_infos(memory: &[u64]) -> Vec<DeviceInfo> {
         .collect()
 }
 
+/// The user of the process at the other end of `stream` (`SO_PEERCRED`).
+fn peer_uid(stream: &UnixStream) -> Option<u32> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a valid ucred.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(cred.uid)
+}
+
 fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
@@ -177,6 +205,9 @@ fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
             let conn = st.next_conn;
             st.next_conn += 1;
             st.writers.insert(conn, Arc::new(Mutex::new(writer)));
+            if let Some(uid) = peer_uid(&stream) {
+                st.uids.insert(conn, uid);
+            }
             conn
         };
         let s = shared.clone();
@@ -219,6 +250,7 @@ fn client_loop(conn: ConnId, stream: UnixStream, shared: Arc<Shared>) {
         let now = now_ns();
         st.model.disconnect(conn, now);
         st.writers.remove(&conn);
+        st.uids.remove(&conn);
         if let Some((_, path)) = st.boards.remove(&conn) {
             let _ = std::fs::remove_file(path);
         }
@@ -230,6 +262,7 @@ fn client_loop(conn: ConnId, stream: UnixStream, shared: Arc<Shared>) {
 }
 
 fn handle(st: &mut State, shared: &Shared, conn: ConnId, req: Request, now: u64, out: &mut Outbox) {
+    let uid = st.uids.get(&conn).copied();
     let m = &mut st.model;
     let err = |req: Option<u64>, message: String| (conn, Reply::Error { req, message });
     match req {
@@ -245,7 +278,7 @@ fn handle(st: &mut State, shared: &Shared, conn: ConnId, req: Request, now: u64,
                 return;
             }
             let path = PathBuf::from(format!("{}.events-{conn}", shared.socket.display()));
-            let board = match EventBoard::create(&path, EVENT_SLOTS) {
+            let board = match EventBoard::create(&path, EVENT_SLOTS, uid) {
                 Ok(b) => b,
                 Err(e) => {
                     out.push(err(

@@ -43,11 +43,15 @@ entry!(
         let tail = d.lock().ctx_tail(id(ctx));
         // Destroying a context waits for its work, as the real driver does.
         d.client.wait(tail)?;
-        let mut st = d.lock();
-        if st.primary.iter().any(|p| p.ctx == Some(id(ctx))) {
-            return Err(CUDA_ERROR_INVALID_CONTEXT);
-        }
-        st.destroy_context(&d.client, id(ctx))
+        let callbacks = {
+            let mut st = d.lock();
+            if st.primary.iter().any(|p| p.ctx == Some(id(ctx))) {
+                return Err(CUDA_ERROR_INVALID_CONTEXT);
+            }
+            st.destroy_context(&d.client, id(ctx))?
+        };
+        state::run_storage_callbacks(callbacks);
+        Ok(())
     }
 );
 
@@ -159,8 +163,10 @@ entry!(
     fn cuCtxSynchronize() {
         let d = driver()?;
         let tail = {
-            let st = d.lock();
-            st.ctx_tail(st.current()?)
+            let mut st = d.lock();
+            let ctx = st.current()?;
+            st.check_ctx_not_capturing(ctx)?;
+            st.ctx_tail(ctx)
         };
         d.client.wait(tail).map(|_| ())
     }
@@ -221,22 +227,30 @@ entry!(
     }
 );
 
+/// The primary context of `dev`, created if it does not exist yet; `retain` counts a reference.
+pub fn primary_context(dev: CUdevice, retain: bool) -> CuResult<u64> {
+    let d = driver()?;
+    let device = d.check_device(dev)? as usize;
+    let mut st = d.lock();
+    let p = st.primary[device];
+    let ctx = match p.ctx {
+        Some(c) => c,
+        None => st.create_context(&d.client, device as u32, p.flags)?,
+    };
+    st.primary[device] = Primary {
+        ctx: Some(ctx),
+        refs: p.refs + u32::from(retain),
+        flags: p.flags,
+    };
+    Ok(ctx)
+}
+
 entry!(
     fn cuDevicePrimaryCtxRetain(pctx: *mut Handle, dev: CUdevice) {
-        let d = driver()?;
-        let device = d.check_device(dev)? as usize;
-        let mut st = d.lock();
-        let p = st.primary[device];
-        let ctx = match p.ctx {
-            Some(c) => c,
-            None => st.create_context(&d.client, device as u32, p.flags)?,
-        };
-        st.primary[device] = Primary {
-            ctx: Some(ctx),
-            refs: p.refs + 1,
-            flags: p.flags,
-        };
-        put(pctx, handle(ctx))
+        if pctx.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        put(pctx, handle(primary_context(dev, true)?))
     }
 );
 
@@ -263,14 +277,18 @@ fn primary_reset(dev: CUdevice) -> CuResult {
     };
     let tail = d.lock().ctx_tail(ctx);
     d.client.wait(tail)?;
-    let mut st = d.lock();
-    let flags = st.primary[device].flags;
-    st.primary[device] = Primary {
-        ctx: None,
-        refs: 0,
-        flags,
+    let callbacks = {
+        let mut st = d.lock();
+        let flags = st.primary[device].flags;
+        st.primary[device] = Primary {
+            ctx: None,
+            refs: 0,
+            flags,
+        };
+        st.destroy_context(&d.client, ctx)?
     };
-    st.destroy_context(&d.client, ctx)
+    state::run_storage_callbacks(callbacks);
+    Ok(())
 }
 
 entry!(
@@ -318,5 +336,18 @@ entry!(
 entry!(
     fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: c_uint) {
         primary_set_flags(dev, flags)
+    }
+);
+
+// The profiler control API: no profiler attaches to the simulated device, so starting and
+// stopping collection only checks for a context, as the driver does.
+entry!(
+    fn cuProfilerStart() {
+        with_state(|_, st| st.current().map(|_| ()))
+    }
+);
+entry!(
+    fn cuProfilerStop() {
+        with_state(|_, st| st.current().map(|_| ()))
     }
 );

@@ -65,7 +65,7 @@ fn record(h: Handle, stream: Handle, pt: bool) -> CuResult {
                 return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
             }
             let ev = st.events.get_mut(&id(h)).expect("checked above");
-            ev.captured = Some((cap.graph, cap.id, cap.deps));
+            ev.captured = Some(cap);
             return Ok(());
         }
         // A generation never used before on any slot: a slot's next owner cannot read this
@@ -93,8 +93,17 @@ entry_pt!(cuEventRecordWithFlags / cuEventRecordWithFlags_ptsz, |pt| fn(h: Handl
 fn completion(h: Handle, wait: bool) -> CuResult<u64> {
     let d = driver()?;
     let (rec, slot, generation) = {
-        let st = d.lock();
+        let mut st = d.lock();
         let ev = st.events.get(&id(h)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        // An event recorded in a capture stands for no device work: querying or waiting for
+        // it while the capture goes on is invalid and invalidates the capture.
+        if let Some(graph) = ev.captured.as_ref().map(|c| c.graph)
+            && st.capture_active(graph)
+        {
+            st.invalidate_capture(graph);
+            return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        let ev = &st.events[&id(h)];
         match (ev.done_ns, ev.record) {
             (Some(t), _) => return Ok(t),
             (None, None) => return Ok(0),

@@ -5,9 +5,11 @@ use crate::api_launch::{check_dims, kernel_arg0};
 use crate::api_memory::{copy_checked, memset_checked};
 use crate::client::HostCall;
 use crate::ffi::*;
-use crate::state::{Graph, NodeKind, State, with_state};
+use crate::state::{
+    Exec, Graph, NodeKind, State, UserObject, run_user_object_destructors, with_state,
+};
 use gpushare_sim_wire::Op;
-use std::ffi::{c_char, c_uint};
+use std::ffi::{c_char, c_uint, c_void};
 
 /// If `stream` is capturing, append `kind` after the capture's frontier and report `true`.
 pub fn capture_node(st: &mut State, stream: u64, kind: NodeKind) -> CuResult<bool> {
@@ -43,11 +45,13 @@ entry!(
 
 entry!(
     fn cuGraphDestroy(h: Handle) {
-        with_state(|_, st| {
-            st.graphs.remove(&id(h)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let due = with_state(|_, st| {
+            let g = st.graphs.remove(&id(h)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
             st.graph_nodes.retain(|_, (g, _)| *g != id(h));
-            Ok(())
-        })
+            Ok(release_refs(st, &g.user_refs))
+        })?;
+        run_user_object_destructors(due);
+        Ok(())
     }
 );
 
@@ -203,19 +207,171 @@ entry!(
     }
 );
 
-fn instantiate(out: *mut Handle, graph: Handle) -> CuResult {
+fn instantiate_flags(out: *mut Handle, graph: Handle, flags: u64) -> CuResult {
     with_state(|_, st| {
         let g = st.graphs.get(&id(graph)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let nodes = g.nodes.clone();
+        let exec = Exec {
+            nodes: g.nodes.clone(),
+            flags,
+            user_refs: g.user_refs.clone(),
+        };
+        // The executable graph holds its own references to the graph's user objects.
+        for &(obj, n) in &exec.user_refs {
+            if let Some(o) = st.user_objects.get_mut(&obj) {
+                o.refs += n;
+            }
+        }
         let e = st.new_id();
-        st.execs.insert(e, nodes);
+        st.execs.insert(e, exec);
         put(out, handle(e))
     })
 }
 
+fn instantiate(out: *mut Handle, graph: Handle) -> CuResult {
+    instantiate_flags(out, graph, 0)
+}
+
+/// Drop the user-object references `refs` held, running destructors that come due.
+fn release_refs(st: &mut State, refs: &[(u64, u32)]) -> Vec<(HostFn, usize)> {
+    refs.iter()
+        .filter_map(|&(obj, n)| st.release_user_object(obj, n).ok().flatten())
+        .collect()
+}
+
 entry!(
-    fn cuGraphInstantiateWithFlags(out: *mut Handle, graph: Handle, _flags: u64) {
-        instantiate(out, graph)
+    fn cuGraphInstantiateWithFlags(out: *mut Handle, graph: Handle, flags: u64) {
+        instantiate_flags(out, graph, flags)
+    }
+);
+
+entry!(
+    fn cuGraphExecGetFlags(exec: Handle, flags: *mut u64) {
+        let f = with_state(|_, st| {
+            st.execs
+                .get(&id(exec))
+                .map(|e| e.flags)
+                .ok_or(CUDA_ERROR_INVALID_VALUE)
+        })?;
+        put(flags, f)
+    }
+);
+
+entry!(
+    fn cuUserObjectCreate(
+        out: *mut Handle,
+        ptr: *mut c_void,
+        destroy: Option<HostFn>,
+        initial_refs: c_uint,
+        flags: c_uint,
+    ) {
+        // CU_USER_OBJECT_NO_DESTRUCTOR_SYNC = 1 is the only flag and is required.
+        let destroy = destroy.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if initial_refs == 0 || flags != 1 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        with_state(|_, st| {
+            let h = st.new_id();
+            st.user_objects.insert(
+                h,
+                UserObject {
+                    refs: initial_refs,
+                    ptr: ptr as usize,
+                    destroy,
+                },
+            );
+            put(out, handle(h))
+        })
+    }
+);
+
+entry!(
+    fn cuUserObjectRetain(obj: Handle, count: c_uint) {
+        with_state(|_, st| {
+            let o = st
+                .user_objects
+                .get_mut(&id(obj))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            if count == 0 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            o.refs += count;
+            Ok(())
+        })
+    }
+);
+
+entry!(
+    fn cuUserObjectRelease(obj: Handle, count: c_uint) {
+        let due = with_state(|_, st| st.release_user_object(id(obj), count))?;
+        run_user_object_destructors(due.into_iter().collect());
+        Ok(())
+    }
+);
+
+entry!(
+    fn cuGraphRetainUserObject(graph: Handle, obj: Handle, count: c_uint, flags: c_uint) {
+        // CU_GRAPH_USER_OBJECT_MOVE = 1: the caller's references move to the graph.
+        if count == 0 || flags & !1 != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        with_state(|_, st| {
+            let o = st
+                .user_objects
+                .get_mut(&id(obj))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            if flags & 1 == 0 {
+                o.refs += count;
+            }
+            let g = st
+                .graphs
+                .get_mut(&id(graph))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            match g.user_refs.iter_mut().find(|(h, _)| *h == id(obj)) {
+                Some((_, n)) => *n += count,
+                None => g.user_refs.push((id(obj), count)),
+            }
+            Ok(())
+        })
+    }
+);
+
+entry!(
+    fn cuGraphReleaseUserObject(graph: Handle, obj: Handle, count: c_uint) {
+        let due = with_state(|_, st| {
+            let g = st
+                .graphs
+                .get_mut(&id(graph))
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            let held = g.user_refs.iter_mut().find(|(h, _)| *h == id(obj));
+            match held {
+                Some((_, n)) if *n >= count && count > 0 => *n -= count,
+                _ => return Err(CUDA_ERROR_INVALID_VALUE),
+            }
+            g.user_refs.retain(|(_, n)| *n > 0);
+            st.release_user_object(id(obj), count)
+        })?;
+        run_user_object_destructors(due.into_iter().collect());
+        Ok(())
+    }
+);
+
+/// `cuGraphInstantiate` with an error-node and a log out-parameter (ABI versions 10000, 11000).
+fn instantiate_with_log(out: *mut Handle, graph: Handle, err_node: *mut Handle) -> CuResult {
+    if !err_node.is_null() {
+        put(err_node, std::ptr::null_mut())?;
+    }
+    instantiate(out, graph)
+}
+
+entry!(
+    fn cuGraphInstantiate(
+        out: *mut Handle,
+        graph: Handle,
+        err_node: *mut Handle,
+        _log: *mut c_char,
+        _log_size: usize,
+    ) {
+        instantiate_with_log(out, graph, err_node)
     }
 );
 
@@ -227,10 +383,7 @@ entry!(
         _log: *mut c_char,
         _log_size: usize,
     ) {
-        if !err_node.is_null() {
-            put(err_node, std::ptr::null_mut())?;
-        }
-        instantiate(out, graph)
+        instantiate_with_log(out, graph, err_node)
     }
 );
 
@@ -258,12 +411,12 @@ entry_pt!(cuGraphInstantiateWithParams / cuGraphInstantiateWithParams_ptsz, |_pt
 
 entry!(
     fn cuGraphExecDestroy(h: Handle) {
-        with_state(|_, st| {
-            st.execs
-                .remove(&id(h))
-                .map(|_| ())
-                .ok_or(CUDA_ERROR_INVALID_VALUE)
-        })
+        let due = with_state(|_, st| {
+            let e = st.execs.remove(&id(h)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            Ok(release_refs(st, &e.user_refs))
+        })?;
+        run_user_object_destructors(due);
+        Ok(())
     }
 );
 
@@ -277,7 +430,7 @@ entry_pt!(cuGraphUpload / cuGraphUpload_ptsz, |pt| fn(exec: Handle, stream: Hand
 entry_pt!(cuGraphLaunch / cuGraphLaunch_ptsz, |pt| fn(exec: Handle, stream: Handle) {
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, stream, pt)?;
-        let nodes = st.execs.get(&id(exec)).ok_or(CUDA_ERROR_INVALID_VALUE)?.clone();
+        let nodes = st.execs.get(&id(exec)).ok_or(CUDA_ERROR_INVALID_VALUE)?.nodes.clone();
         if st.streams[&s].capture.is_some() {
             return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }

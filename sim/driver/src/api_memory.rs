@@ -13,10 +13,10 @@
 
 use crate::api_graph::capture_node;
 use crate::ffi::*;
-use crate::state::{Alloc, AllocKind, Driver, NodeKind, State, driver, with_state};
+use crate::state::{Alloc, AllocKind, Driver, NodeKind, Pinned, State, driver, with_state};
 use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
 use gpushare_sim_wire::{Reply, Request};
-use std::ffi::{c_uint, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 
 /// Allocation granularity charged against the device's capacity.
 const CHARGE_ALIGN: u64 = 512;
@@ -63,6 +63,7 @@ fn unmap(addr: u64, size: usize) {
 
 /// Reserve `bytes` of the device's capacity in the device process.
 fn charge(d: &Driver, device: u32, bytes: u64) -> CuResult {
+    let device = d.client.physical(device);
     match d.client.call(|req| Request::Alloc { req, device, bytes })? {
         Reply::Alloc { ok: true, .. } => Ok(()),
         _ => Err(CUDA_ERROR_OUT_OF_MEMORY),
@@ -73,7 +74,10 @@ fn uncharge(d: &Driver, device: u32, bytes: u64) -> CuResult {
     if bytes == 0 {
         return Ok(());
     }
-    d.client.send(&Request::Free { device, bytes })
+    d.client.send(&Request::Free {
+        device: d.client.physical(device),
+        bytes,
+    })
 }
 
 /// Allocate device (or managed) memory on the current context's device.
@@ -82,7 +86,11 @@ fn allocate(size: usize, kind: AllocKind) -> CuResult<u64> {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let d = driver()?;
-    let device = d.lock().current_device()?;
+    let device = {
+        let mut st = d.lock();
+        st.check_unsafe_call()?;
+        st.current_device()?
+    };
     let charged = (size as u64).div_ceil(CHARGE_ALIGN) * CHARGE_ALIGN;
     charge(d, device, charged)?;
     let addr = match map(size, true) {
@@ -108,6 +116,7 @@ fn release(ptr: u64) -> CuResult {
     let d = driver()?;
     let a = {
         let mut st = d.lock();
+        st.check_unsafe_call()?;
         match st.allocs.get(&ptr) {
             Some(a) if matches!(a.kind, AllocKind::Device | AllocKind::Managed) => {}
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
@@ -207,7 +216,7 @@ entry!(
 entry!(
     fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
         let d = driver()?;
-        let device = d.lock().current_device()?;
+        let device = d.client.physical(d.lock().current_device()?);
         match d.client.call(|req| Request::MemInfo { req, device })? {
             Reply::MemInfo {
                 free: f, total: t, ..
@@ -223,12 +232,12 @@ entry!(
 entry!(
     fn cuMemGetAddressRange_v2(base: *mut CUdeviceptr, size: *mut usize, ptr: CUdeviceptr) {
         with_state(|_, st| {
-            let (b, a) = st.find_alloc(ptr, 0).ok_or(CUDA_ERROR_NOT_FOUND)?;
+            let (b, s) = st.device_range(ptr, 0).ok_or(CUDA_ERROR_NOT_FOUND)?;
             if !base.is_null() {
                 put(base, b)?;
             }
             if !size.is_null() {
-                put(size, a.size)?;
+                put(size, s)?;
             }
             Ok(())
         })
@@ -237,13 +246,26 @@ entry!(
 
 // --- page-locked host memory -------------------------------------------------------------
 
-fn host_alloc(pp: *mut *mut c_void, size: usize) -> CuResult {
-    if size == 0 {
+/// `CU_MEMHOSTALLOC_PORTABLE | DEVICEMAP | WRITECOMBINED`.
+const HOST_ALLOC_FLAGS: u32 = 0x7;
+/// `CU_MEMHOSTREGISTER_PORTABLE | DEVICEMAP | IOMEMORY | READ_ONLY`.
+const HOST_REGISTER_FLAGS: u32 = 0xf;
+
+fn host_alloc(pp: *mut *mut c_void, size: usize, flags: u32) -> CuResult {
+    if size == 0 || flags & !HOST_ALLOC_FLAGS != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    with_state(|_, st| st.check_unsafe_call())?;
     let p = map(size, true)?;
     with_state(|_, st| {
-        st.pinned.insert(p, size);
+        st.pinned.insert(
+            p,
+            Pinned {
+                size,
+                flags,
+                allocated: true,
+            },
+        );
         Ok(())
     })?;
     put(pp, p as *mut c_void)
@@ -251,21 +273,20 @@ fn host_alloc(pp: *mut *mut c_void, size: usize) -> CuResult {
 
 entry!(
     fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) {
-        host_alloc(pp, size)
+        host_alloc(pp, size, 0)
     }
 );
 entry!(
-    fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, _flags: c_uint) {
-        host_alloc(pp, size)
+    fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, flags: c_uint) {
+        host_alloc(pp, size, flags)
     }
 );
 
 entry!(
     fn cuMemFreeHost(p: *mut c_void) {
-        let size = with_state(|_, st| {
-            st.pinned
-                .remove(&(p as u64))
-                .ok_or(CUDA_ERROR_INVALID_VALUE)
+        let size = with_state(|_, st| match st.pinned.get(&(p as u64)) {
+            Some(b) if b.allocated => Ok(st.pinned.remove(&(p as u64)).expect("present").size),
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
         })?;
         unmap(p as u64, size);
         Ok(())
@@ -273,14 +294,28 @@ entry!(
 );
 
 entry!(
-    fn cuMemHostRegister_v2(p: *mut c_void, size: usize, _flags: c_uint) {
-        if p.is_null() || size == 0 {
+    fn cuMemHostRegister_v2(p: *mut c_void, size: usize, flags: c_uint) {
+        if p.is_null() || size == 0 || flags & !HOST_REGISTER_FLAGS != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         with_state(|_, st| {
-            if st.pinned.insert(p as u64, size).is_some() {
+            let (start, end) = (p as u64, p as u64 + size as u64);
+            let overlaps = st
+                .pinned
+                .range(..end)
+                .next_back()
+                .is_some_and(|(&b, q)| b + q.size as u64 > start);
+            if overlaps {
                 return Err(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
             }
+            st.pinned.insert(
+                start,
+                Pinned {
+                    size,
+                    flags,
+                    allocated: false,
+                },
+            );
             Ok(())
         })
     }
@@ -288,11 +323,12 @@ entry!(
 
 entry!(
     fn cuMemHostUnregister(p: *mut c_void) {
-        with_state(|_, st| {
-            st.pinned
-                .remove(&(p as u64))
-                .map(|_| ())
-                .ok_or(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+        with_state(|_, st| match st.pinned.get(&(p as u64)) {
+            Some(b) if !b.allocated => {
+                st.pinned.remove(&(p as u64));
+                Ok(())
+            }
+            _ => Err(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED),
         })
     }
 );
@@ -315,51 +351,107 @@ entry!(
 entry!(
     fn cuMemHostGetFlags(flags: *mut c_uint, p: *mut c_void) {
         with_state(|_, st| {
-            if !st.is_pinned(p as u64, 1) {
-                return Err(CUDA_ERROR_INVALID_VALUE);
-            }
-            put(flags, 0)
+            let (_, b) = st
+                .find_pinned(p as u64, 1)
+                .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            put(flags, b.flags)
         })
     }
 );
 
+/// What a pointer points into: base, size, device, kind, and whether it is host memory.
+fn pointer_info(st: &State, ptr: CUdeviceptr) -> Option<(u64, usize, u32, AllocKind, bool)> {
+    if let Some((b, a)) = st.find_alloc(ptr, 0) {
+        return Some((b, a.size, a.device, a.kind, false));
+    }
+    let (b, p) = st.find_pinned(ptr, 0)?;
+    Some((b, p.size, 0, AllocKind::Device, true))
+}
+
+/// Write one `CUpointer_attribute` of `ptr` to `data`.
+fn pointer_attribute(
+    st: &State,
+    attribute: c_uint,
+    ptr: CUdeviceptr,
+    data: *mut c_void,
+) -> CuResult {
+    let (base, size, device, kind, host) = pointer_info(st, ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    match attribute {
+        // CONTEXT
+        1 => put(data as *mut Handle, handle(st.current().unwrap_or(0))),
+        // MEMORY_TYPE: HOST = 1, DEVICE = 2
+        2 => put(data as *mut c_uint, if host { 1 } else { 2 }),
+        // DEVICE_POINTER
+        3 => put(data as *mut u64, ptr),
+        // HOST_POINTER: only host and managed memory have one
+        4 if host || kind == AllocKind::Managed => put(data as *mut u64, ptr),
+        4 => Err(CUDA_ERROR_INVALID_VALUE),
+        // SYNC_MEMOPS
+        6 => put(data as *mut c_uint, 1),
+        // BUFFER_ID: unique per allocation for the process's lifetime
+        7 => put(data as *mut u64, base),
+        // IS_MANAGED
+        8 => put(data as *mut c_uint, (kind == AllocKind::Managed) as c_uint),
+        // DEVICE_ORDINAL
+        9 => put(data as *mut i32, device as i32),
+        // IS_LEGACY_CUDA_IPC_CAPABLE
+        10 => put(data as *mut c_uint, 0),
+        // RANGE_START_ADDR, RANGE_SIZE
+        11 => put(data as *mut u64, base),
+        12 => put(data as *mut usize, size),
+        // MAPPED
+        13 => put(data as *mut c_uint, 1),
+        // ALLOWED_HANDLE_TYPES
+        14 => put(data as *mut u64, 0),
+        // IS_GPU_DIRECT_RDMA_CAPABLE
+        15 => put(data as *mut c_uint, 0),
+        // ACCESS_FLAGS: read and write
+        16 => put(data as *mut c_uint, 3),
+        // MEMPOOL_HANDLE: not from a pool
+        17 => put(data as *mut Handle, std::ptr::null_mut()),
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
 entry!(
     fn cuPointerGetAttribute(data: *mut c_void, attribute: c_uint, ptr: CUdeviceptr) {
+        with_state(|_, st| pointer_attribute(st, attribute, ptr, data))
+    }
+);
+
+entry!(
+    fn cuPointerGetAttributes(
+        n: c_uint,
+        attributes: *mut c_uint,
+        data: *mut *mut c_void,
+        ptr: CUdeviceptr,
+    ) {
+        let attributes = slice(attributes as *const c_uint, n as usize)?;
+        let outs = slice(data as *const *mut c_void, n as usize)?;
         with_state(|_, st| {
-            let dev = st
-                .find_alloc(ptr, 0)
-                .map(|(b, a)| (b, a.size, a.device, a.kind));
-            let pinned = st.is_pinned(ptr, 1);
-            let (base, size, device, kind) = match dev {
-                Some(x) => x,
-                None if pinned => (ptr, 0, 0, AllocKind::Device),
-                None => return Err(CUDA_ERROR_INVALID_VALUE),
-            };
-            let host = dev.is_none();
-            match attribute {
-                // CONTEXT
-                1 => put(data as *mut Handle, handle(st.current().unwrap_or(0))),
-                // MEMORY_TYPE: HOST = 1, DEVICE = 2
-                2 => put(data as *mut c_uint, if host { 1 } else { 2 }),
-                // DEVICE_POINTER
-                3 => put(data as *mut u64, ptr),
-                // HOST_POINTER: only host and managed memory have one
-                4 if host || kind == AllocKind::Managed => put(data as *mut u64, ptr),
-                4 => Err(CUDA_ERROR_INVALID_VALUE),
-                // IS_MANAGED
-                8 => put(
-                    data as *mut c_uint,
-                    (kind == AllocKind::Managed && !host) as c_uint,
-                ),
-                // DEVICE_ORDINAL
-                9 => put(data as *mut i32, device as i32),
-                // RANGE_START_ADDR, RANGE_SIZE
-                11 => put(data as *mut u64, base),
-                12 => put(data as *mut usize, size),
-                // MAPPED
-                13 => put(data as *mut c_uint, 1),
-                _ => Err(CUDA_ERROR_INVALID_VALUE),
+            let known = pointer_info(st, ptr).is_some();
+            for (&a, &out) in attributes.iter().zip(outs) {
+                if out.is_null() {
+                    continue;
+                }
+                if known {
+                    match pointer_attribute(st, a, ptr, out) {
+                        // Device memory has no host pointer: it reads as null.
+                        Err(_) if a == 4 => put(out as *mut u64, 0)?,
+                        r => r?,
+                    }
+                } else {
+                    // Not a CUDA pointer: every attribute reads as zero (memory type 0:
+                    // unregistered host memory), and the call succeeds.
+                    match a {
+                        1 | 3 | 4 | 7 | 11 | 14 | 17 => put(out as *mut u64, 0)?,
+                        12 => put(out as *mut usize, 0)?,
+                        9 => put(out as *mut i32, -2)?,
+                        _ => put(out as *mut c_uint, 0)?,
+                    }
+                }
             }
+            Ok(())
         })
     }
 );
@@ -376,8 +468,10 @@ enum Dir {
     Any,
 }
 
+/// Error unless `[ptr, ptr + len)` is memory the device addresses: an allocation of this
+/// process or (mapped) page-locked host memory.
 fn check_dev(st: &State, ptr: u64, len: usize) -> CuResult {
-    st.find_alloc(ptr, len)
+    st.device_range(ptr, len)
         .map(|_| ())
         .ok_or(CUDA_ERROR_INVALID_VALUE)
 }
@@ -407,6 +501,7 @@ fn copy_sync(pt: bool, dir: Dir, dst: u64, src: u64, len: usize) -> CuResult {
     let fence = {
         let mut st = d.lock();
         check_copy(&st, dir, dst, src, len)?;
+        st.check_unsafe_call()?;
         let s = st.resolve_stream(&d.client, std::ptr::null_mut(), pt)?;
         st.check_not_capturing(s)?;
         st.fence(&d.client, s)?
@@ -734,11 +829,36 @@ fn check_managed_range(ptr: u64, len: usize) -> CuResult {
     with_state(|_, st| check_dev(st, ptr, len))
 }
 
+/// `CUmemLocation`: where memory should live (a device, the host, a host NUMA node).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct MemLocation {
+    kind: c_int,
+    id: c_int,
+}
+
 entry_pt!(cuMemPrefetchAsync / cuMemPrefetchAsync_ptsz, |_pt| fn(ptr: CUdeviceptr, n: usize, _dev: CUdevice, _s: Handle) {
+    check_managed_range(ptr, n)
+});
+entry_pt!(cuMemPrefetchAsync_v2 / cuMemPrefetchAsync_v2_ptsz, |_pt| fn(
+    ptr: CUdeviceptr,
+    n: usize,
+    _location: MemLocation,
+    flags: c_uint,
+    _s: Handle,
+) {
+    if flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
     check_managed_range(ptr, n)
 });
 entry!(
     fn cuMemAdvise(ptr: CUdeviceptr, n: usize, _advice: c_uint, _dev: CUdevice) {
+        check_managed_range(ptr, n)
+    }
+);
+entry!(
+    fn cuMemAdvise_v2(ptr: CUdeviceptr, n: usize, _advice: c_uint, _location: MemLocation) {
         check_managed_range(ptr, n)
     }
 );

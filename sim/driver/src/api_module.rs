@@ -1,43 +1,46 @@
-//! Modules from PTX text, their functions and globals, function attributes and occupancy.
+//! Modules from any image (PTX, cubin, fat binary), their functions and globals, function
+//! attributes and occupancy.
 
 use crate::ffi::*;
-use crate::ptx::{self, PtxError};
+use crate::image::{self, ModuleInfo};
 use crate::state::{Alloc, AllocKind, Function, Module, State, with_state};
 use gpushare_sim_wire::Request;
 use std::collections::HashMap;
 use std::ffi::{CString, c_char, c_int, c_uint, c_void};
 
-/// Load PTX text into a new module of the current context.
-fn load(out: *mut Handle, text: &[u8]) -> CuResult {
-    let text = std::str::from_utf8(text).map_err(|_| CUDA_ERROR_INVALID_IMAGE)?;
-    let parsed = ptx::parse(text).map_err(|e| match e {
-        PtxError::NotPtx => CUDA_ERROR_INVALID_IMAGE,
-        PtxError::Malformed(_) => CUDA_ERROR_INVALID_PTX,
-    })?;
+/// Create a module from an image's description: its kernels announced to the device, its
+/// variables backed by zeroed memory. A library's module (`library` set) needs no current
+/// context; its variables then live on device 0.
+pub fn create_module(info: ModuleInfo, library: Option<u64>) -> CuResult<u64> {
     with_state(|d, st| {
-        let device = st.current_device()?;
+        let device = match library {
+            Some(_) => st.current_device().unwrap_or(0),
+            None => st.current_device()?,
+        };
         let module = st.new_id();
-        let mut functions = HashMap::new();
-        for k in parsed.kernels {
+        let mut functions = Vec::new();
+        for k in info.kernels {
             let f = st.new_id();
             d.client.send(&Request::RegisterFunction {
                 function: f,
                 name: k.name.clone(),
             })?;
-            functions.insert(k.name.clone(), f);
-            let name = CString::new(k.name).map_err(|_| CUDA_ERROR_INVALID_PTX)?;
+            let name = CString::new(k.name.clone()).map_err(|_| CUDA_ERROR_INVALID_IMAGE)?;
+            functions.push((k.name, f));
             st.functions.insert(
                 f,
                 Function {
                     name,
                     params: k.params,
-                    ptx_version: parsed.version,
+                    resources: k.resources,
+                    ptx_version: info.version,
                     module,
+                    attrs: Vec::new(),
                 },
             );
         }
         let mut globals = HashMap::new();
-        for (name, size) in parsed.globals {
+        for (name, size) in info.globals {
             let addr = map_global(size)?;
             st.allocs.insert(
                 addr,
@@ -51,9 +54,25 @@ fn load(out: *mut Handle, text: &[u8]) -> CuResult {
             );
             globals.insert(name, (addr, size));
         }
-        st.modules.insert(module, Module { functions, globals });
-        put(out, handle(module))
+        st.modules.insert(
+            module,
+            Module {
+                functions,
+                globals,
+                library,
+            },
+        );
+        Ok(module)
     })
+}
+
+/// Load the image at `image` into a new module of the current context.
+fn load(out: *mut Handle, image: *const c_void) -> CuResult {
+    if out.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let info = image::load_at(image)?;
+    put(out, handle(create_module(info, None)?))
 }
 
 /// Zeroed backing for a module variable.
@@ -62,14 +81,9 @@ fn map_global(size: usize) -> CuResult<u64> {
     Ok(Box::leak(v).as_mut_ptr() as u64)
 }
 
-/// The bytes of a NUL-terminated image (PTX is text; binary images are rejected by the parser).
-fn image_bytes<'a>(image: *const c_void) -> CuResult<&'a [u8]> {
-    Ok(c_str(image as *const c_char)?.to_bytes())
-}
-
 entry!(
     fn cuModuleLoadData(out: *mut Handle, image: *const c_void) {
-        load(out, image_bytes(image)?)
+        load(out, image)
     }
 );
 
@@ -81,32 +95,39 @@ entry!(
         _options: *mut c_int,
         _values: *mut *mut c_void,
     ) {
-        load(out, image_bytes(image)?)
+        load(out, image)
     }
 );
 
 entry!(
     fn cuModuleLoadFatBinary(out: *mut Handle, image: *const c_void) {
-        load(out, image_bytes(image)?)
+        load(out, image)
     }
 );
+
+/// Read an image file (PTX, cubin or fat binary).
+pub fn read_image_file(path: *const c_char) -> CuResult<ModuleInfo> {
+    let path = c_str(path)?
+        .to_str()
+        .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+    let bytes = std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?;
+    image::parse(&bytes).map_err(|e| e.code())
+}
 
 entry!(
     fn cuModuleLoad(out: *mut Handle, path: *const c_char) {
-        let path = c_str(path)?
-            .to_str()
-            .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
-        let bytes = std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?;
-        load(out, &bytes)
+        let info = read_image_file(path)?;
+        put(out, handle(create_module(info, None)?))
     }
 );
 
-fn unload(st: &mut State, module: u64) -> CuResult {
+/// Forget a module, its functions and its variables' memory.
+pub fn unload(st: &mut State, module: u64) -> CuResult {
     let m = st
         .modules
         .remove(&module)
         .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-    for f in m.functions.values() {
+    for (_, f) in &m.functions {
         st.functions.remove(f);
     }
     for (addr, size) in m.globals.values() {
@@ -133,10 +154,7 @@ entry!(
         let name = c_str(name)?.to_str().map_err(|_| CUDA_ERROR_NOT_FOUND)?;
         with_state(|_, st| {
             let m = st.modules.get(&id(h)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-            put(
-                out,
-                handle(*m.functions.get(name).ok_or(CUDA_ERROR_NOT_FOUND)?),
-            )
+            put(out, handle(m.function(name).ok_or(CUDA_ERROR_NOT_FOUND)?))
         })
     }
 );
@@ -172,40 +190,114 @@ entry!(
     }
 );
 
-fn with_function<T>(f: Handle, body: impl FnOnce(&Function) -> CuResult<T>) -> CuResult<T> {
+pub fn with_function<T>(f: Handle, body: impl FnOnce(&Function) -> CuResult<T>) -> CuResult<T> {
     with_state(|_, st| body(st.functions.get(&id(f)).ok_or(CUDA_ERROR_INVALID_HANDLE)?))
+}
+
+/// `CUfunction_attribute` values a kernel reports: an H100's limits, or what was set.
+pub fn function_attribute(func: &Function, attrib: c_int) -> CuResult<c_int> {
+    if let Some(&(_, v)) = func.attrs.iter().find(|(a, _)| *a == attrib) {
+        return Ok(v);
+    }
+    Ok(match attrib {
+        0 => 1024,                             // MAX_THREADS_PER_BLOCK
+        1 => func.resources.shared as c_int,   // SHARED_SIZE_BYTES (static)
+        2 => func.resources.constant as c_int, // CONST_SIZE_BYTES
+        3 => func.resources.local as c_int,    // LOCAL_SIZE_BYTES
+        4 => 32,                               // NUM_REGS
+        5 | 6 => func.ptx_version.max(90),     // PTX_VERSION, BINARY_VERSION
+        7 => 0,                                // CACHE_MODE_CA
+        8 => 49152,                            // MAX_DYNAMIC_SHARED_SIZE_BYTES
+        9 => -1,                               // PREFERRED_SHARED_MEMORY_CARVEOUT
+        10 => 0,                               // CLUSTER_SIZE_MUST_BE_SET
+        11..=13 => 0,                          // REQUIRED_CLUSTER_WIDTH/HEIGHT/DEPTH
+        14 => 0,                               // NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        15 => 0,                               // CLUSTER_SCHEDULING_POLICY_PREFERENCE
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    })
+}
+
+/// Set a settable `CUfunction_attribute` (the documented ones: dynamic shared memory size,
+/// carveout, cluster shape and policy), checking the value against the H100's limits.
+pub fn set_function_attribute(func: &mut Function, attrib: c_int, value: c_int) -> CuResult {
+    let ok = match attrib {
+        8 => (0..=232_448).contains(&value), // MAX_DYNAMIC_SHARED_SIZE_BYTES, the opt-in maximum
+        9 => (-1..=100).contains(&value),    // PREFERRED_SHARED_MEMORY_CARVEOUT
+        11..=13 => (0..=16).contains(&value),
+        14 | 15 => value >= 0,
+        _ => false,
+    };
+    if !ok {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    func.attrs.retain(|(a, _)| *a != attrib);
+    func.attrs.push((attrib, value));
+    Ok(())
 }
 
 entry!(
     fn cuFuncGetAttribute(value: *mut c_int, attrib: c_int, f: Handle) {
-        let v = with_function(f, |func| {
-            Ok(match attrib {
-                0 => 1024,                         // MAX_THREADS_PER_BLOCK
-                1..=3 => 0,                        // SHARED / CONST / LOCAL sizes
-                4 => 32,                           // NUM_REGS
-                5 | 6 => func.ptx_version.max(90), // PTX_VERSION, BINARY_VERSION
-                7 => 0,                            // CACHE_MODE_CA
-                8 => 49152,                        // MAX_DYNAMIC_SHARED_SIZE_BYTES
-                9 => -1,                           // PREFERRED_SHARED_MEMORY_CARVEOUT
-                10 => 0,                           // CLUSTER_SIZE_MUST_BE_SET
-                11..=13 => 0,                      // REQUIRED_CLUSTER_WIDTH/HEIGHT/DEPTH
-                14 => 0,                           // NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-                15 => 0,                           // CLUSTER_SCHEDULING_POLICY_PREFERENCE
-                _ => return Err(CUDA_ERROR_INVALID_VALUE),
-            })
-        })?;
+        let v = with_function(f, |func| function_attribute(func, attrib))?;
         put(value, v)
     }
 );
 
 entry!(
-    fn cuFuncSetAttribute(f: Handle, attrib: c_int, _value: c_int) {
-        with_function(f, |_| {
-            if (0..=15).contains(&attrib) {
-                Ok(())
-            } else {
-                Err(CUDA_ERROR_INVALID_VALUE)
+    fn cuFuncSetAttribute(f: Handle, attrib: c_int, value: c_int) {
+        with_state(|_, st| {
+            let func = st
+                .functions
+                .get_mut(&id(f))
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            set_function_attribute(func, attrib, value)
+        })
+    }
+);
+
+/// Offset and size of a kernel's parameter `index`, through out-pointers that may be null.
+pub fn param_info(f: Handle, index: usize, offset: *mut usize, size: *mut usize) -> CuResult {
+    let (o, s) = with_function(f, |func| {
+        func.param_info(index).ok_or(CUDA_ERROR_INVALID_VALUE)
+    })?;
+    if !offset.is_null() {
+        put(offset, o)?;
+    }
+    if !size.is_null() {
+        put(size, s)?;
+    }
+    Ok(())
+}
+
+entry!(
+    fn cuFuncGetParamInfo(f: Handle, index: usize, offset: *mut usize, size: *mut usize) {
+        param_info(f, index, offset, size)
+    }
+);
+
+entry!(
+    fn cuFuncIsLoaded(state: *mut c_int, f: Handle) {
+        with_function(f, |_| Ok(()))?;
+        put(state, 1) // CU_FUNCTION_LOADING_STATE_LOADED: images load eagerly here
+    }
+);
+
+entry!(
+    fn cuFuncLoad(f: Handle) {
+        with_function(f, |_| Ok(()))
+    }
+);
+
+entry!(
+    fn cuModuleEnumerateFunctions(out: *mut Handle, n: c_uint, h: Handle) {
+        with_state(|_, st| {
+            let m = st.modules.get(&id(h)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            if m.functions.len() > n as usize {
+                return Err(CUDA_ERROR_INVALID_VALUE);
             }
+            for (i, (_, f)) in m.functions.iter().enumerate() {
+                put(out.wrapping_add(i), handle(*f))?;
+            }
+            Ok(())
         })
     }
 );

@@ -48,6 +48,11 @@ fn get_proc_address(
         Resolution::VersionNotSufficient => (None, VERSION_NOT_SUFFICIENT),
         Resolution::NotFound => (None, SYMBOL_NOT_FOUND),
     };
+    if found.is_none() && tracing_calls() {
+        eprintln!(
+            "gpushare-sim libcuda: cuGetProcAddress: no {name} for version {version}, flags {flags}"
+        );
+    }
     put(pfn, found.unwrap_or(std::ptr::null()))?;
     if !status.is_null() {
         put(status, st)?;
@@ -75,16 +80,6 @@ entry!(
         status: *mut c_int,
     ) {
         get_proc_address(symbol, pfn, version, flags, status)
-    }
-);
-
-// Private export tables of the CUDA runtime: not part of the simulated driver.
-entry!(
-    fn cuGetExportTable(table: *mut *const c_void, _uuid: *const c_void) {
-        if !table.is_null() {
-            put(table, std::ptr::null())?;
-        }
-        Err(CUDA_ERROR_NOT_SUPPORTED)
     }
 );
 

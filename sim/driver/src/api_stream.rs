@@ -3,7 +3,10 @@
 use crate::api_graph::capture_node;
 use crate::client::HostCall;
 use crate::ffi::*;
-use crate::state::{Capture, Graph, NodeKind, driver, with_state};
+use crate::state::{
+    CAPTURE_MODE_GLOBAL, CAPTURE_MODE_RELAXED, Capture, Graph, NodeKind, driver,
+    exchange_capture_mode, thread_key, with_state,
+};
 use gpushare_sim_wire::Op;
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -93,23 +96,21 @@ entry_pt!(cuStreamWaitEvent / cuStreamWaitEvent_ptsz, |pt| fn(h: Handle, event: 
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, h, pt)?;
         let ev = st.events.get(&id(event)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        if let Some((graph, cap_id, deps)) = ev.captured.clone()
-            && st.graphs.contains_key(&graph)
+        if let Some(cap) = ev.captured.clone()
+            && st.capture_active(cap.graph)
         {
             // A capture fork/join: the waiting stream follows the captured work.
             let stream = st.streams.get_mut(&s).expect("resolved stream exists");
             match stream.capture.as_mut() {
-                Some(c) if c.graph == graph => {
-                    for n in deps {
+                Some(c) if c.graph == cap.graph => {
+                    for n in cap.deps {
                         if !c.deps.contains(&n) {
                             c.deps.push(n);
                         }
                     }
                 }
                 Some(_) => return Err(CUDA_ERROR_STREAM_CAPTURE_ISOLATION),
-                None => {
-                    stream.capture = Some(Capture { graph, id: cap_id, deps, invalidated: false })
-                }
+                None => stream.capture = Some(cap),
             }
             return Ok(());
         }
@@ -142,6 +143,25 @@ entry_pt!(cuStreamGetCtx / cuStreamGetCtx_ptsz, |pt| fn(h: Handle, ctx: *mut Han
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, h, pt)?;
         put(ctx, handle(st.streams[&s].ctx))
+    })
+});
+
+entry_pt!(cuStreamGetCtx_v2 / cuStreamGetCtx_v2_ptsz, |pt| fn(h: Handle, ctx: *mut Handle, green: *mut Handle) {
+    with_state(|d, st| {
+        let s = st.resolve_stream(&d.client, h, pt)?;
+        put(ctx, handle(st.streams[&s].ctx))?;
+        // No green contexts on the simulated device.
+        if !green.is_null() {
+            put(green, std::ptr::null_mut())?;
+        }
+        Ok(())
+    })
+});
+
+entry_pt!(cuStreamGetDevice / cuStreamGetDevice_ptsz, |pt| fn(h: Handle, dev: *mut CUdevice) {
+    with_state(|d, st| {
+        let s = st.resolve_stream(&d.client, h, pt)?;
+        put(dev, st.contexts[&st.streams[&s].ctx].device as CUdevice)
     })
 });
 
@@ -206,7 +226,10 @@ unsafe extern "C" fn noop_host_fn(_: *mut c_void) {}
 
 static CAPTURE_IDS: AtomicU64 = AtomicU64::new(1);
 
-fn begin_capture(h: Handle, pt: bool) -> CuResult {
+fn begin_capture(h: Handle, pt: bool, mode: c_int) -> CuResult {
+    if !(CAPTURE_MODE_GLOBAL..=CAPTURE_MODE_RELAXED).contains(&mode) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, h, pt)?;
         if st.streams[&s].legacy {
@@ -222,15 +245,20 @@ fn begin_capture(h: Handle, pt: bool) -> CuResult {
             id: CAPTURE_IDS.fetch_add(1, Ordering::Relaxed),
             deps: Vec::new(),
             invalidated: false,
+            mode,
+            thread: thread_key(),
         };
         st.streams.get_mut(&s).expect("resolved").capture = Some(cap);
         Ok(())
     })
 }
 
-entry_pt!(cuStreamBeginCapture / cuStreamBeginCapture_ptsz, |pt| fn(h: Handle) { begin_capture(h, pt) });
-entry_pt!(cuStreamBeginCapture_v2 / cuStreamBeginCapture_v2_ptsz, |pt| fn(h: Handle, _mode: c_int) {
-    begin_capture(h, pt)
+// The original entry point (ABI 10000) captures in global mode.
+entry_pt!(cuStreamBeginCapture / cuStreamBeginCapture_ptsz, |pt| fn(h: Handle) {
+    begin_capture(h, pt, CAPTURE_MODE_GLOBAL)
+});
+entry_pt!(cuStreamBeginCapture_v2 / cuStreamBeginCapture_v2_ptsz, |pt| fn(h: Handle, mode: c_int) {
+    begin_capture(h, pt, mode)
 });
 
 entry_pt!(cuStreamEndCapture / cuStreamEndCapture_ptsz, |pt| fn(h: Handle, graph: *mut Handle) {
@@ -276,6 +304,19 @@ entry_pt!(cuStreamGetCaptureInfo_v2 / cuStreamGetCaptureInfo_v2_ptsz, |pt| fn(
     deps: *mut *const Handle,
     num_deps: *mut usize,
 ) {
+    capture_info(h, pt, status, cap_id, graph, deps, num_deps)
+});
+
+/// `cuStreamGetCaptureInfo`'s out-parameters (all but the status may be null).
+fn capture_info(
+    h: Handle,
+    pt: bool,
+    status: *mut c_int,
+    cap_id: *mut u64,
+    graph: *mut Handle,
+    deps: *mut *const Handle,
+    num_deps: *mut usize,
+) -> CuResult {
     let (s, i, g) = capture_status(h, pt)?;
     put(status, s)?;
     for (ptr, v) in [(cap_id, i)] {
@@ -293,11 +334,32 @@ entry_pt!(cuStreamGetCaptureInfo_v2 / cuStreamGetCaptureInfo_v2_ptsz, |pt| fn(
         put(num_deps, 0)?;
     }
     Ok(())
+}
+
+entry_pt!(cuStreamGetCaptureInfo_v3 / cuStreamGetCaptureInfo_v3_ptsz, |pt| fn(
+    h: Handle,
+    status: *mut c_int,
+    cap_id: *mut u64,
+    graph: *mut Handle,
+    deps: *mut *const Handle,
+    edges: *mut *const c_void,
+    num_deps: *mut usize,
+) {
+    capture_info(h, pt, status, cap_id, graph, deps, num_deps)?;
+    // Edges carry no data here (all default edges): a null array, as documented.
+    if !edges.is_null() {
+        put(edges, std::ptr::null())?;
+    }
+    Ok(())
 });
 
 entry!(
     fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) {
         driver()?;
-        get(mode).map(|_| ())
+        let new = get(mode)?;
+        if !(CAPTURE_MODE_GLOBAL..=CAPTURE_MODE_RELAXED).contains(&new) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        put(mode, exchange_capture_mode(new))
     }
 );

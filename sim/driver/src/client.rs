@@ -24,7 +24,10 @@ pub struct Client {
     pending: Arc<Mutex<HashMap<u64, Sender<Reply>>>>,
     next_req: AtomicU64,
     pub host_calls: Arc<Mutex<HashMap<(u64, u64), HostCall>>>,
+    /// The GPUs this process sees, in ordinal order (`CUDA_VISIBLE_DEVICES` applied).
     pub devices: Vec<DeviceInfo>,
+    /// The device process's index of each visible GPU (what requests name), by ordinal.
+    physical: Vec<u32>,
     /// Where the device posts event records' completion times (one slot per event object).
     pub events: EventBoard,
 }
@@ -68,6 +71,14 @@ impl Client {
             eprintln!("gpushare-sim libcuda: cannot map the event board {board}: {e}");
             CUDA_ERROR_OPERATING_SYSTEM
         })?;
+        let physical = visible_devices(
+            std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
+            &devices,
+        );
+        let devices = physical
+            .iter()
+            .map(|&i| devices[i as usize].clone())
+            .collect();
         let reader = stream
             .try_clone()
             .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
@@ -77,6 +88,7 @@ impl Client {
             next_req: AtomicU64::new(1),
             host_calls: Arc::default(),
             devices,
+            physical,
             events,
         };
         let (host_tx, host_rx) = channel();
@@ -92,6 +104,11 @@ impl Client {
             .spawn(move || host_loop(host_rx, calls, writer))
             .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
         Ok(client)
+    }
+
+    /// The device process's index of the GPU with this process's ordinal `device`.
+    pub fn physical(&self, device: u32) -> u32 {
+        self.physical[device as usize]
     }
 
     /// Send without waiting for an answer.
@@ -210,5 +227,89 @@ fn host_loop(
         if send_on(&writer, &Request::HostFuncDone { stream, seq }).is_err() {
             return;
         }
+    }
+}
+
+/// The device indices a process sees under `CUDA_VISIBLE_DEVICES` (`None`: every GPU), in the
+/// order listed, as the real driver reads it: comma-separated ordinals or UUIDs (`GPU-…`, any
+/// unique prefix); the list ends at the first entry that names no GPU (or one already listed),
+/// so an empty or invalid value hides every GPU.
+fn visible_devices(spec: Option<&str>, devices: &[DeviceInfo]) -> Vec<u32> {
+    let Some(spec) = spec else {
+        return (0..devices.len() as u32).collect();
+    };
+    let hex = |d: &DeviceInfo| {
+        d.uuid
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    let mut out: Vec<u32> = Vec::new();
+    for entry in spec.split(',').map(str::trim) {
+        let found = if let Some(uuid) = entry.strip_prefix("GPU-") {
+            let want = uuid.replace('-', "").to_ascii_lowercase();
+            let mut hits = (0..devices.len())
+                .filter(|&i| !want.is_empty() && hex(&devices[i]).starts_with(&want));
+            match (hits.next(), hits.next()) {
+                (Some(i), None) => Some(i as u32),
+                _ => None,
+            }
+        } else {
+            entry
+                .parse::<u32>()
+                .ok()
+                .filter(|&i| (i as usize) < devices.len())
+        };
+        match found {
+            Some(i) if !out.contains(&i) => out.push(i),
+            _ => break,
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpus(n: u32) -> Vec<DeviceInfo> {
+        (0..n)
+            .map(|i| {
+                let mut uuid = *b"gpushare-sim-gpu";
+                uuid[12..].copy_from_slice(&i.to_be_bytes());
+                DeviceInfo {
+                    name: format!("gpu {i}"),
+                    uuid,
+                    total_memory: 1 << 30,
+                    pci_bus: i,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn cuda_visible_devices() {
+        let d = gpus(4);
+        assert_eq!(visible_devices(None, &d), vec![0, 1, 2, 3]);
+        assert_eq!(visible_devices(Some("2"), &d), vec![2]);
+        assert_eq!(visible_devices(Some("3, 1"), &d), vec![3, 1]);
+        assert_eq!(
+            visible_devices(Some("1,7,2"), &d),
+            vec![1],
+            "ends at an invalid entry"
+        );
+        assert_eq!(visible_devices(Some("1,1"), &d), vec![1]);
+        assert_eq!(visible_devices(Some(""), &d), Vec::<u32>::new());
+        assert_eq!(visible_devices(Some("-1"), &d), Vec::<u32>::new());
+        // GPU-67707573-6861-7265-2d73-696d00000002 is GPU 2; a unique prefix will do.
+        assert_eq!(
+            visible_devices(Some("GPU-67707573-6861-7265-2d73-696d00000002,0"), &d),
+            vec![2, 0]
+        );
+        assert_eq!(
+            visible_devices(Some("GPU-67707573"), &d),
+            Vec::<u32>::new(),
+            "ambiguous"
+        );
     }
 }

@@ -86,6 +86,21 @@ pub fn guard(f: impl FnOnce() -> CuResult) -> CUresult {
     }
 }
 
+/// Whether `GPUSHARE_SIM_TRACE` asks for every driver call on stderr.
+pub fn tracing_calls() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("GPUSHARE_SIM_TRACE").is_some_and(|v| v != "0"))
+}
+
+/// [`guard`] for the exported entry point `name`, traced when `GPUSHARE_SIM_TRACE` is set.
+pub fn entry_point(name: &str, f: impl FnOnce() -> CuResult) -> CUresult {
+    let r = guard(f);
+    if tracing_calls() {
+        eprintln!("gpushare-sim libcuda: {name} -> {r}");
+    }
+    r
+}
+
 /// Export a driver entry point. The body returns [`CuResult`]; pointer arguments are only
 /// touched through the helpers below.
 macro_rules! entry {
@@ -93,7 +108,7 @@ macro_rules! entry {
         $(#[$m])*
         #[unsafe(no_mangle)]
         pub extern "C" fn $name($($arg: $ty),*) -> $crate::ffi::CUresult {
-            $crate::ffi::guard(|| -> $crate::ffi::CuResult { $body })
+            $crate::ffi::entry_point(stringify!($name), || -> $crate::ffi::CuResult { $body })
         }
     };
 }

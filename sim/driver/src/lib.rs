@@ -5,19 +5,26 @@
 //!
 //! Layout: [`ffi`] holds the C types and the `entry!` export macros; [`client`] the connection
 //! to the device; [`state`] the process's driver objects; the `api_*` modules the exported
-//! entry points by area; [`ptx`] the PTX reader.
+//! entry points by area; [`image`] reads module images ([`ptx`] text, [`elf`] cubins,
+//! [`fatbin`] containers).
 
 #[macro_use]
 mod ffi;
 mod api_context;
 mod api_device;
 mod api_event;
+mod api_export_table;
 mod api_graph;
 mod api_launch;
+mod api_library;
+mod api_link;
 mod api_memory;
 mod api_module;
 mod api_proc_address;
 mod api_stream;
 mod client;
+mod elf;
+mod fatbin;
+mod image;
 mod ptx;
 mod state;

@@ -1,12 +1,7 @@
 //! Just enough of a PTX reader for the simulated driver: the ISA version, each kernel's name
 //! and parameter sizes (to read launch arguments), and module-scope `.global` variables.
 
-#[derive(Debug, PartialEq, Eq)]
-pub struct Kernel {
-    pub name: String,
-    /// Size in bytes of each parameter, in order.
-    pub params: Vec<usize>,
-}
+pub use crate::image::{Kernel, Resources};
 
 #[derive(Debug, PartialEq, Eq)]
 pub struct Module {
@@ -78,6 +73,7 @@ pub fn parse(src: &str) -> Result<Module, PtxError> {
     }
     let mut version = 0;
     let mut kernels = Vec::new();
+    let mut bodies = Vec::new();
     let mut globals = Vec::new();
     let mut depth = 0usize;
     let mut rest = text.as_str();
@@ -130,7 +126,19 @@ pub fn parse(src: &str) -> Result<Module, PtxError> {
                         params.push(size);
                     }
                 }
-                kernels.push(Kernel { name, params });
+                let resources = Resources {
+                    local: declared(entry_body(&body[header_end..]), ".local"),
+                    ..Resources::default()
+                };
+                kernels.push(Kernel {
+                    name,
+                    params,
+                    resources,
+                });
+                bodies.push((
+                    kernels.len() - 1,
+                    entry_body(&body[header_end..]).to_string(),
+                ));
                 rest = &body[header_end..];
             }
             _ if depth == 0
@@ -150,11 +158,102 @@ pub fn parse(src: &str) -> Result<Module, PtxError> {
             _ => rest = &tail[1..],
         }
     }
+    // Module-scope shared and constant variables count for the kernels that use them.
+    let module_scope = module_scope(&text);
+    for (k, body) in bodies {
+        let used = |space: &str| -> usize {
+            module_scope
+                .iter()
+                .filter(|(s, name, _)| s == space && mentions(&body, name))
+                .map(|(_, _, size)| size)
+                .sum()
+        };
+        let r = &mut kernels[k].resources;
+        r.shared += declared(&body, ".shared") + used(".shared");
+        r.constant = used(".const");
+    }
     Ok(Module {
         version,
         kernels,
         globals,
     })
+}
+
+/// The text of a function body starting at its `{`, braces included.
+fn entry_body(from_brace: &str) -> &str {
+    let mut depth = 0usize;
+    for (i, c) in from_brace.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth = depth.saturating_sub(1);
+                if depth == 0 {
+                    return &from_brace[..=i];
+                }
+            }
+            _ => {}
+        }
+    }
+    from_brace
+}
+
+/// Bytes declared in state space `space` (e.g. `.local`) by the statements of `text`.
+fn declared(text: &str, space: &str) -> usize {
+    text.split(';')
+        .map(|st| st.trim().trim_start_matches('{').trim())
+        .filter(|st| st.split_whitespace().next() == Some(space))
+        .filter_map(|st| {
+            decl_size(
+                &st.split('=')
+                    .next()
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .map(|(_, size)| size)
+        .sum()
+}
+
+/// Module-scope `.shared` and `.const` variables (not `.extern`): state space, name, bytes.
+fn module_scope(text: &str) -> Vec<(String, String, usize)> {
+    let mut out = Vec::new();
+    let mut depth = 0usize;
+    let mut statement = String::new();
+    for c in text.chars() {
+        match c {
+            '{' if depth > 0 || !statement.contains('=') => {
+                depth += 1;
+                statement.clear();
+            }
+            '}' if depth > 0 => depth -= 1,
+            ';' if depth == 0 => {
+                let tokens: Vec<&str> = statement
+                    .split('=')
+                    .next()
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .collect();
+                let space = tokens.iter().find(|t| **t == ".shared" || **t == ".const");
+                if let (Some(space), false) = (space, tokens.contains(&".extern"))
+                    && let Some((name, size)) = decl_size(&tokens)
+                {
+                    out.push((space.to_string(), name, size));
+                }
+                statement.clear();
+            }
+            _ if depth == 0 => statement.push(c),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Whether `body` names the identifier `name` (not as part of a longer one).
+fn mentions(body: &str, name: &str) -> bool {
+    let ident = |c: char| c.is_alphanumeric() || c == '_' || c == '$';
+    body.match_indices(name)
+        .any(|(i, _)| !body[..i].ends_with(ident) && !body[i + name.len()..].starts_with(ident))
 }
 
 #[cfg(test)]
@@ -201,19 +300,58 @@ $L__BB0_1:
             vec![
                 Kernel {
                     name: "gpushare_spin".into(),
-                    params: vec![8]
+                    params: vec![8],
+                    ..Kernel::default()
                 },
                 Kernel {
                     name: "touch".into(),
-                    params: vec![8, 4, 24]
+                    params: vec![8, 4, 24],
+                    ..Kernel::default()
                 },
                 Kernel {
                     name: "noargs".into(),
-                    params: vec![]
+                    params: vec![],
+                    ..Kernel::default()
                 },
             ]
         );
         assert_eq!(m.globals, vec![("counter".into(), 4), ("table".into(), 64)]);
+    }
+
+    #[test]
+    fn static_shared_local_and_constant_memory_per_kernel() {
+        let src = r#"
+.version 8.0
+.target sm_90
+.visible .shared .align 4 .b8 smem_a[400];
+.shared .align 8 .b8 smem_b[64];
+.extern .shared .align 16 .b8 dynamic[];
+.const .align 8 .b8 table[80] = {1, 2};
+.visible .entry uses_a(.param .u64 p) {
+    .local .align 16 .b8 __local_depot0[4000];
+    .shared .align 4 .u32 inner;
+    st.shared.u32 [smem_a], 1;
+    ld.const.u64 %rd1, [table];
+    ret;
+}
+.visible .entry uses_b() { st.shared.u32 [smem_b+4], 1; st.shared.u32 [smem_ax], 1; ret; }
+"#;
+        let m = parse(src).unwrap();
+        assert_eq!(
+            m.kernels[0].resources,
+            Resources {
+                shared: 404,
+                constant: 80,
+                local: 4000
+            }
+        );
+        assert_eq!(
+            m.kernels[1].resources,
+            Resources {
+                shared: 64,
+                ..Resources::default()
+            }
+        );
     }
 
     #[test]

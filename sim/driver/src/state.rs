@@ -66,7 +66,10 @@ thread_local! {
 }
 
 pub fn current_ctx() -> Option<u64> {
-    CTX_STACK.with(|s| s.borrow().last().copied())
+    CTX_STACK
+        .try_with(|s| s.borrow().last().copied())
+        .ok()
+        .flatten()
 }
 
 pub fn set_current(ctx: Option<u64>) {
@@ -89,10 +92,11 @@ pub fn pop_current() -> Option<u64> {
 
 /// Forget `ctx` in this thread's stack after it was destroyed.
 pub fn forget_ctx(ctx: u64) {
-    CTX_STACK.with(|s| s.borrow_mut().retain(|&c| c != ctx))
+    // At thread exit (a runtime releasing its context from a destructor) the stack may be gone.
+    let _ = CTX_STACK.try_with(|s| s.borrow_mut().retain(|&c| c != ctx));
 }
 
-fn thread_key() -> u64 {
+pub fn thread_key() -> u64 {
     // SAFETY: pthread_self has no preconditions.
     unsafe { libc::pthread_self() as u64 }
 }
@@ -122,6 +126,25 @@ pub struct Capture {
     pub id: u64,
     pub deps: Vec<usize>,
     pub invalidated: bool,
+    /// `CUstreamCaptureMode` it was begun with, and the thread that began it.
+    pub mode: i32,
+    pub thread: u64,
+}
+
+/// `CUstreamCaptureMode` (thread-local is 1, between these two).
+pub const CAPTURE_MODE_GLOBAL: i32 = 0;
+pub const CAPTURE_MODE_RELAXED: i32 = 2;
+
+thread_local! {
+    /// This thread's capture interaction mode (`cuThreadExchangeStreamCaptureMode`).
+    static CAPTURE_MODE: std::cell::Cell<i32> = const { std::cell::Cell::new(CAPTURE_MODE_GLOBAL) };
+}
+
+/// Set this thread's capture interaction mode; returns the previous one.
+pub fn exchange_capture_mode(mode: i32) -> i32 {
+    CAPTURE_MODE
+        .try_with(|m| m.replace(mode))
+        .unwrap_or(CAPTURE_MODE_GLOBAL)
 }
 
 #[derive(Default)]
@@ -133,22 +156,67 @@ pub struct Event {
     pub record: Option<OpRef>,
     /// Completion time once known, so repeated queries need no round trip.
     pub done_ns: Option<u64>,
-    /// Recorded while capturing: the graph and the nodes a waiter must follow.
-    pub captured: Option<(u64, u64, Vec<usize>)>,
+    /// Recorded while capturing: the capture, with the nodes a waiter must follow as its deps.
+    pub captured: Option<Capture>,
 }
 
 pub struct Module {
-    pub functions: HashMap<String, u64>,
+    /// Function ids in image order, by name.
+    pub functions: Vec<(String, u64)>,
     pub globals: HashMap<String, (u64, usize)>,
+    /// The library this module belongs to (`cuLibraryGetModule`), if any.
+    pub library: Option<u64>,
 }
 
+impl Module {
+    pub fn function(&self, name: &str) -> Option<u64> {
+        self.functions
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|&(_, f)| f)
+    }
+}
+
+/// A kernel. Its id is both its `CUfunction` and, for a library's kernels, its `CUkernel`: the
+/// simulated device runs a function in any context, so the two handles need not differ.
 pub struct Function {
     /// NUL-terminated for cuFuncGetName.
     pub name: std::ffi::CString,
     pub params: Vec<usize>,
+    pub resources: crate::image::Resources,
     pub ptx_version: i32,
     pub module: u64,
+    /// Attributes set with cuFuncSetAttribute / cuKernelSetAttribute: (attribute, value).
+    pub attrs: Vec<(i32, i32)>,
 }
+
+impl Function {
+    /// Byte offset and size of parameter `i`, each parameter aligned to its natural alignment
+    /// (its size's lowest set bit, at most 8), as the ABI lays out the parameter buffer.
+    pub fn param_info(&self, i: usize) -> Option<(usize, usize)> {
+        let mut off = 0usize;
+        for (k, &size) in self.params.iter().enumerate() {
+            let align = (size & size.wrapping_neg()).clamp(1, 8);
+            off = off.div_ceil(align) * align;
+            if k == i {
+                return Some((off, size));
+            }
+            off += size;
+        }
+        None
+    }
+}
+
+/// A value the CUDA runtime keeps with a context (`cuGetExportTable`'s context-local storage),
+/// and the callback to run when the context is destroyed.
+#[derive(Clone, Copy)]
+pub struct ContextStorage {
+    pub value: usize,
+    pub on_destroy: Option<ContextStorageDtor>,
+}
+
+pub type ContextStorageDtor =
+    unsafe extern "C" fn(Handle, *mut std::ffi::c_void, *mut std::ffi::c_void);
 
 /// What a device pointer range is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -201,6 +269,24 @@ pub enum NodeKind {
 #[derive(Default)]
 pub struct Graph {
     pub nodes: Vec<NodeKind>,
+    /// References this graph holds on user objects: (object, count).
+    pub user_refs: Vec<(u64, u32)>,
+}
+
+/// An executable graph: its nodes, the flags it was instantiated with, and the user-object
+/// references it took over from its graph.
+#[derive(Default)]
+pub struct Exec {
+    pub nodes: Vec<NodeKind>,
+    pub flags: u64,
+    pub user_refs: Vec<(u64, u32)>,
+}
+
+/// A user object (`cuUserObjectCreate`): a destructor run once its references are gone.
+pub struct UserObject {
+    pub refs: u32,
+    pub ptr: usize,
+    pub destroy: HostFn,
 }
 
 pub struct State {
@@ -215,13 +301,32 @@ pub struct State {
     next_event_slot: u32,
     pub modules: HashMap<u64, Module>,
     pub functions: HashMap<u64, Function>,
+    /// Loaded libraries: library → its module.
+    pub libraries: HashMap<u64, u64>,
+    /// Link states of cuLinkCreate: their images so far, and the last completed output.
+    pub links: HashMap<u64, crate::api_link::LinkState>,
+    /// Context-local storage: (context, key) → value.
+    pub ctx_storage: HashMap<(u64, usize), ContextStorage>,
     pub graphs: HashMap<u64, Graph>,
-    pub execs: HashMap<u64, Vec<NodeKind>>,
+    pub execs: HashMap<u64, Exec>,
+    pub user_objects: HashMap<u64, UserObject>,
     /// Graph node handles: id → (graph, index).
     pub graph_nodes: HashMap<u64, (u64, usize)>,
     pub allocs: BTreeMap<u64, Alloc>,
-    /// Page-locked host buffers (cuMemAllocHost / HostAlloc / HostRegister): base → size.
-    pub pinned: BTreeMap<u64, usize>,
+    /// Page-locked host buffers (cuMemAllocHost / HostAlloc / HostRegister): base → size and
+    /// the flags they were made with.
+    pub pinned: BTreeMap<u64, Pinned>,
+}
+
+/// A page-locked host buffer. With unified addressing it is mapped into every context: its
+/// host address is also its device address.
+#[derive(Clone, Copy)]
+pub struct Pinned {
+    pub size: usize,
+    /// `CU_MEMHOSTALLOC_*` / `CU_MEMHOSTREGISTER_*` flags as given.
+    pub flags: u32,
+    /// Allocated by the driver (freed with cuMemFreeHost) rather than registered.
+    pub allocated: bool,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -245,8 +350,12 @@ impl State {
             next_event_slot: 0,
             modules: HashMap::new(),
             functions: HashMap::new(),
+            libraries: HashMap::new(),
+            links: HashMap::new(),
+            ctx_storage: HashMap::new(),
             graphs: HashMap::new(),
             execs: HashMap::new(),
+            user_objects: HashMap::new(),
             graph_nodes: HashMap::new(),
             allocs: BTreeMap::new(),
             pinned: BTreeMap::new(),
@@ -275,7 +384,10 @@ impl State {
     /// Create a context with its legacy default stream, on the device and here.
     pub fn create_context(&mut self, client: &Client, device: u32, flags: u32) -> CuResult<u64> {
         let ctx = self.new_id();
-        client.send(&Request::CreateContext { ctx, device })?;
+        client.send(&Request::CreateContext {
+            ctx,
+            device: client.physical(device),
+        })?;
         self.contexts.insert(
             ctx,
             Context {
@@ -323,8 +435,9 @@ impl State {
         Ok(id)
     }
 
-    /// Destroy a context's objects here and on the device.
-    pub fn destroy_context(&mut self, client: &Client, ctx: u64) -> CuResult {
+    /// Destroy a context's objects here and on the device. Returns the context-local storage
+    /// callbacks to run once the state is unlocked: `(callback, context, key, value)`.
+    pub fn destroy_context(&mut self, client: &Client, ctx: u64) -> CuResult<Vec<StorageCallback>> {
         let c = self
             .contexts
             .remove(&ctx)
@@ -334,7 +447,18 @@ impl State {
         }
         self.per_thread.retain(|k, _| k.1 != ctx);
         forget_ctx(ctx);
-        client.send(&Request::DestroyContext { ctx })
+        let mut callbacks = Vec::new();
+        self.ctx_storage.retain(|&(c, key), v| {
+            if c != ctx {
+                return true;
+            }
+            if let Some(f) = v.on_destroy {
+                callbacks.push((f, ctx, key, v.value));
+            }
+            false
+        });
+        client.send(&Request::DestroyContext { ctx })?;
+        Ok(callbacks)
     }
 
     pub fn current(&self) -> CuResult<u64> {
@@ -417,6 +541,10 @@ impl State {
         op: Op,
         extra: &[OpRef],
     ) -> CuResult<OpRef> {
+        if !self.streams.contains_key(&stream) {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        self.check_legacy_use(stream)?;
         let mut deps = extra.to_vec();
         self.implicit_deps(stream, &mut deps);
         let s = self
@@ -454,16 +582,105 @@ impl State {
     }
 
     /// Error unless `stream` may be used for host-synchronous work (not being captured).
+    /// Synchronising or querying a capturing stream invalidates its capture.
     pub fn check_not_capturing(&mut self, stream: u64) -> CuResult {
-        let s = self
-            .streams
-            .get_mut(&stream)
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        if let Some(c) = s.capture.as_mut() {
-            c.invalidated = true;
+        let s = self.streams.get(&stream).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if let Some(graph) = s.capture.as_ref().map(|c| c.graph) {
+            self.invalidate_capture(graph);
             return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
         Ok(())
+    }
+
+    /// Error unless no stream of `ctx` is capturing: synchronising a context (or device) with
+    /// a capture under way invalidates the capture.
+    pub fn check_ctx_not_capturing(&mut self, ctx: u64) -> CuResult {
+        let graphs: Vec<u64> = self.contexts[&ctx]
+            .streams
+            .iter()
+            .filter_map(|s| self.streams.get(s)?.capture.as_ref().map(|c| c.graph))
+            .collect();
+        if graphs.is_empty() {
+            return Ok(());
+        }
+        for g in graphs {
+            self.invalidate_capture(g);
+        }
+        Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+    }
+
+    /// Whether a capture into `graph` is still under way on some stream.
+    pub fn capture_active(&self, graph: u64) -> bool {
+        self.streams
+            .values()
+            .any(|s| s.capture.as_ref().is_some_and(|c| c.graph == graph))
+    }
+
+    /// Mark the capture into `graph` invalidated on every stream taking part in it: it goes on
+    /// until `cuStreamEndCapture`, which then fails.
+    pub fn invalidate_capture(&mut self, graph: u64) {
+        for s in self.streams.values_mut() {
+            if let Some(c) = s.capture.as_mut().filter(|c| c.graph == graph) {
+                c.invalidated = true;
+            }
+        }
+    }
+
+    /// A potentially unsafe call (one that may synchronise implicitly, such as a plain
+    /// allocation or a synchronous copy) from this thread: prohibited while this thread has a
+    /// capture that is not relaxed, or, unless this thread's interaction mode is thread-local
+    /// or relaxed, while another thread has a global-mode capture. A prohibited call fails and
+    /// invalidates the captures that prohibit it, as the driver documents.
+    pub fn check_unsafe_call(&mut self) -> CuResult {
+        let mode = CAPTURE_MODE
+            .try_with(|m| m.get())
+            .unwrap_or(CAPTURE_MODE_GLOBAL);
+        if mode == CAPTURE_MODE_RELAXED {
+            return Ok(());
+        }
+        let me = thread_key();
+        let offending: Vec<u64> = self
+            .streams
+            .values()
+            .filter_map(|s| s.capture.as_ref())
+            .filter(|c| {
+                (c.thread == me && c.mode != CAPTURE_MODE_RELAXED)
+                    || (mode == CAPTURE_MODE_GLOBAL
+                        && c.thread != me
+                        && c.mode == CAPTURE_MODE_GLOBAL)
+            })
+            .map(|c| c.graph)
+            .collect();
+        if offending.is_empty() {
+            return Ok(());
+        }
+        for g in offending {
+            self.invalidate_capture(g);
+        }
+        Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+    }
+
+    /// Error if work on the legacy stream `stream` would wait for a capturing blocking stream
+    /// of its context (an implicit dependency a capture cannot hold); invalidates that capture.
+    fn check_legacy_use(&mut self, stream: u64) -> CuResult {
+        let s = &self.streams[&stream];
+        if !s.legacy {
+            return Ok(());
+        }
+        let graphs: Vec<u64> = self.contexts[&s.ctx]
+            .streams
+            .iter()
+            .filter_map(|o| self.streams.get(o))
+            .filter(|o| o.flags & CU_STREAM_NON_BLOCKING == 0)
+            .filter_map(|o| o.capture.as_ref().map(|c| c.graph))
+            .collect();
+        if graphs.is_empty() {
+            return Ok(());
+        }
+        for g in graphs {
+            self.invalidate_capture(g);
+        }
+        Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
     }
 
     /// The allocation containing `[ptr, ptr + len)`, if any.
@@ -472,12 +689,79 @@ impl State {
         (ptr.checked_add(len as u64)? <= base + a.size as u64).then_some((base, a))
     }
 
-    pub fn is_pinned(&self, ptr: u64, len: usize) -> bool {
-        self.pinned
-            .range(..=ptr)
-            .next_back()
-            .is_some_and(|(&b, &sz)| ptr + len as u64 <= b + sz as u64)
+    /// Drop `count` references to a user object; its destructor, if they were the last, to run
+    /// once the state is unlocked.
+    pub fn release_user_object(
+        &mut self,
+        obj: u64,
+        count: u32,
+    ) -> CuResult<Option<(HostFn, usize)>> {
+        let o = self
+            .user_objects
+            .get_mut(&obj)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if count == 0 || count > o.refs {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        o.refs -= count;
+        if o.refs > 0 {
+            return Ok(None);
+        }
+        let o = self.user_objects.remove(&obj).expect("present");
+        Ok(Some((o.destroy, o.ptr)))
     }
+
+    /// The page-locked buffer containing `[ptr, ptr + len)`, if any.
+    pub fn find_pinned(&self, ptr: u64, len: usize) -> Option<(u64, &Pinned)> {
+        let (&base, p) = self.pinned.range(..=ptr).next_back()?;
+        (ptr.checked_add(len as u64)? <= base + p.size as u64).then_some((base, p))
+    }
+
+    pub fn is_pinned(&self, ptr: u64, len: usize) -> bool {
+        self.find_pinned(ptr, len).is_some()
+    }
+
+    /// Base and size of the memory a device may address at `[ptr, ptr + len)`: an allocation,
+    /// or a page-locked host buffer (mapped, with unified addressing).
+    pub fn device_range(&self, ptr: u64, len: usize) -> Option<(u64, usize)> {
+        self.find_alloc(ptr, len)
+            .map(|(b, a)| (b, a.size))
+            .or_else(|| self.find_pinned(ptr, len).map(|(b, p)| (b, p.size)))
+    }
+}
+
+/// A context-local storage destructor due: (callback, context, key, value).
+pub type StorageCallback = (ContextStorageDtor, u64, usize, usize);
+
+/// Run the destructors [`State::destroy_context`] collected (with the state unlocked: they may
+/// call back into the driver).
+pub fn run_storage_callbacks(callbacks: Vec<StorageCallback>) {
+    for (f, ctx, key, value) in callbacks {
+        // SAFETY: the runtime registered this destructor for exactly these arguments.
+        unsafe {
+            f(
+                handle(ctx),
+                key as *mut std::ffi::c_void,
+                value as *mut std::ffi::c_void,
+            )
+        };
+    }
+}
+
+/// Run user-object destructors on a thread of their own, as the driver does (they may not call
+/// into CUDA, and must not run under the state lock).
+pub fn run_user_object_destructors(due: Vec<(HostFn, usize)>) {
+    if due.is_empty() {
+        return;
+    }
+    let _ = std::thread::Builder::new()
+        .name("sim-driver-userobj".into())
+        .spawn(move || {
+            for (f, ptr) in due {
+                // SAFETY: the application registered `f` for `ptr` with cuUserObjectCreate.
+                unsafe { f(ptr as *mut std::ffi::c_void) };
+            }
+        });
 }
 
 /// Lock the driver's state after `cuInit`.

@@ -26,15 +26,31 @@ unsafe impl Send for EventBoard {}
 unsafe impl Sync for EventBoard {}
 
 impl EventBoard {
-    /// Create (or truncate) the board file at `path` with `slots` slots and map it.
-    pub fn create(path: &Path, slots: u32) -> std::io::Result<EventBoard> {
+    /// Create (or truncate) the board file at `path` with `slots` slots and map it. The file
+    /// is readable and writable by its owner only; `for_uid` makes it usable by that user (the
+    /// client's, which may differ from the device's, as any user may use a GPU): the file is
+    /// given to that user, or, where the device may not give files away (it does not run as
+    /// root), opened to all users, as `/dev/nvidia*` are.
+    pub fn create(path: &Path, slots: u32, for_uid: Option<u32>) -> std::io::Result<EventBoard> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let _ = std::fs::remove_file(path);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
+            .mode(0o600)
             .open(path)?;
         file.set_len(slots as u64 * SLOT_BYTES as u64)?;
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if let Some(uid) = for_uid.filter(|&u| u != me) {
+            // SAFETY: fchown on a file descriptor this function owns; -1 keeps the group.
+            let given = unsafe { libc::fchown(file.as_raw_fd(), uid, u32::MAX) } == 0;
+            if !given {
+                file.set_permissions(std::fs::Permissions::from_mode(0o666))?;
+            }
+        }
         Self::map(&file, slots)
     }
 
@@ -129,7 +145,7 @@ mod tests {
     #[test]
     fn a_posted_time_is_read_for_its_generation_only() {
         let dir = std::env::temp_dir().join(format!("board-test-{}", std::process::id()));
-        let device = EventBoard::create(&dir, 8).unwrap();
+        let device = EventBoard::create(&dir, 8, None).unwrap();
         let client = EventBoard::open(&dir, 8).unwrap();
         assert_eq!(client.read(3, 1), None, "nothing posted yet");
         device.post(3, 1, 1234);

@@ -1,0 +1,39 @@
+//! `gpushare-bench`: run fairness scenarios with gpushare and without it (native time-slicing),
+//! each several times, measure launch overhead, and write `summary.json` (a [`report::Report`]),
+//! `summary.md`, one SVG plot of shares over time per scenario and the kernel records the
+//! figures come from: the simulated device's trace (`NAME-runK.trace.jsonl`,
+//! `NAME-native-runK.trace.jsonl`; `gpushare-sim report` reads them), or, with `--source events`
+//! and always on a machine with a real GPU, the tenants' own timelines from CUDA timing events
+//! (`NAME-runK.timeline.jsonl`, same format).
+//!
+//! Modules, one job each:
+//! - [`scenario`]: scenario files; [`expected`]: target shares (the benchmark's own
+//!   water-filling of DESIGN §2, independent of the scheduler's code);
+//! - [`run`]: one run of a scenario's tenants on a node; [`alone`]: tenants alone;
+//!   [`overhead`]: launch overhead; [`noise`]: the noisy-host mode;
+//! - [`analysis`]: figures from kernel records; [`client`]: what the tenants report;
+//!   [`cpu`]: the scheduler's CPU time;
+//! - [`report`]: the typed report; [`markdown`], [`svg`]: its renderings;
+//! - [`suite`]: a whole invocation (repeats, report files); [`settings`]: its options;
+//!   [`real_gpu`]: is there a GPU on this machine.
+
+pub mod alone;
+pub mod analysis;
+pub mod client;
+pub mod cpu;
+pub mod expected;
+pub mod markdown;
+pub mod noise;
+pub mod overhead;
+pub mod real_gpu;
+pub mod report;
+pub mod run;
+pub mod scenario;
+pub mod settings;
+pub mod suite;
+pub mod svg;
+
+/// A progress line on stderr.
+pub fn progress(msg: impl AsRef<str>) {
+    eprintln!("[gpushare-bench] {}", msg.as_ref());
+}

@@ -1,0 +1,335 @@
+//! The report: `summary.json` is a [`Report`] (rendered to `summary.md` by
+//! [`crate::markdown`]). Every headline figure of a scenario is given over its repeated runs as a
+//! [`Spread`] (min / median / max); each run's own figures are kept in `runs`.
+
+use crate::analysis::RunSummary;
+use crate::noise::{NoiseParams, NoiseRecord};
+use crate::scenario::Workload;
+use serde::{Deserialize, Serialize};
+
+/// A figure over repeated runs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Spread {
+    pub min: f64,
+    /// The middle run's (the mean of the two middle ones for an even count).
+    pub median: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    /// Min / median / max of `values`, rounded to `decimals` places; `None` when empty.
+    pub fn of(values: impl IntoIterator<Item = f64>, decimals: i32) -> Option<Spread> {
+        let mut v: Vec<f64> = values.into_iter().collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Some(Spread {
+            min: round(v[0], decimals),
+            median: round(median, decimals),
+            max: round(v[n - 1], decimals),
+        })
+    }
+
+    /// [`Spread::of`] for figures every run has.
+    pub fn all(values: impl IntoIterator<Item = f64>, decimals: i32) -> Spread {
+        Spread::of(values, decimals).expect("at least one run")
+    }
+}
+
+/// `x` rounded to `decimals` places.
+pub fn round(x: f64, decimals: i32) -> f64 {
+    let k = 10f64.powi(decimals);
+    (x * k).round() / k
+}
+
+/// `s` as the report gives it: shares to 4 places, times to 0.1 µs.
+pub fn rounded(s: &RunSummary) -> RunSummary {
+    RunSummary {
+        max_abs_error: round(s.max_abs_error, 4),
+        mean_abs_error: round(s.mean_abs_error, 4),
+        device_utilization: round(s.device_utilization, 4),
+        handoffs: s.handoffs,
+        handoff_p50_us: round(s.handoff_p50_us, 1),
+        handoff_p99_us: round(s.handoff_p99_us, 1),
+    }
+}
+
+/// `summary.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    /// Run with `--quick` (3 s per scenario).
+    pub quick: bool,
+    /// `simulated`, or `this machine's (N)`.
+    pub gpu: String,
+    /// `device trace` or `tenant CUDA timing events`.
+    pub measured_from: String,
+    /// Runs per scenario (`--repeat`), with gpushare and natively each.
+    pub repeat: u32,
+    /// The noisy-host mode's parameters, when `--noisy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub noise: Option<NoiseParams>,
+    pub wall_s: f64,
+    pub warmup_s: f64,
+    pub window_s: f64,
+    pub scenarios: Vec<ScenarioReport>,
+    /// With `--overhead` (always in `suite`).
+    pub launch_overhead: Option<LaunchOverhead>,
+    pub errors: Vec<Failure>,
+}
+
+/// A part of the benchmark that failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Failure {
+    /// Scenario name, or `launch_overhead`.
+    pub name: String,
+    pub error: String,
+}
+
+/// The figures of a scenario's headline, over its runs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Headline {
+    /// Largest |share − target| of any tenant in any window.
+    pub max_abs_error: Spread,
+    /// Mean over tenants and windows of |share − target|.
+    pub mean_abs_error: Spread,
+    /// Busy fraction of the GPUs over the measurement span.
+    pub device_utilization: Spread,
+    /// Idle time at changes of the process running on a GPU (µs).
+    pub handoff_p50_us: Spread,
+    pub handoff_p99_us: Spread,
+}
+
+impl Headline {
+    pub fn of(runs: &[RunReport]) -> Headline {
+        let s = |f: fn(&RunSummary) -> f64, d| Spread::all(runs.iter().map(|r| f(&r.summary)), d);
+        Headline {
+            max_abs_error: s(|r| r.max_abs_error, 4),
+            mean_abs_error: s(|r| r.mean_abs_error, 4),
+            device_utilization: s(|r| r.device_utilization, 4),
+            handoff_p50_us: s(|r| r.handoff_p50_us, 1),
+            handoff_p99_us: s(|r| r.handoff_p99_us, 1),
+        }
+    }
+}
+
+/// One scenario: its tenants' figures and the headline, over `runs` with gpushare (and the
+/// same number natively, in `baseline`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScenarioReport {
+    pub name: String,
+    pub description: String,
+    pub gpus: u32,
+    pub duration_s: f64,
+    pub tenants: Vec<TenantReport>,
+    /// Sum of the tenants' targets (above 1 with several GPUs).
+    pub target_share_sum: Spread,
+    #[serde(flatten)]
+    pub headline: Headline,
+    /// Scheduler CPU time per wall time while the tenants ran (%).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduler_cpu_percent: Option<Spread>,
+    /// Each run with gpushare.
+    pub runs: Vec<RunReport>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<Baseline>,
+    /// Shares over time of the run with the median `max_abs_error` (`plot_run`, from 1).
+    pub plot: String,
+    pub plot_run: u32,
+    pub wall_s: f64,
+}
+
+/// The same tenants without gpushare (the device's own time-slicing).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Baseline {
+    #[serde(flatten)]
+    pub headline: Headline,
+    pub runs: Vec<RunReport>,
+    pub plot: String,
+    pub plot_run: u32,
+}
+
+/// A tenant over the runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TenantReport {
+    pub name: String,
+    pub workload: Workload,
+    pub gpu: u32,
+    pub request: f64,
+    pub limit: f64,
+    pub weight: f64,
+    /// Over the measurement span; it moves between runs only for a latency tenant (its demand
+    /// is the work of the requests that arrived).
+    pub target_share: Spread,
+    pub achieved_share: Spread,
+    pub abs_error: Spread,
+    /// The worst window's |share − target|.
+    pub max_window_error: Spread,
+    /// Kernels per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throughput_kps: Option<Spread>,
+    /// The same workload alone under gpushare (one run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alone_kernels_per_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throughput_vs_alone: Option<Spread>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline_achieved_share: Option<Spread>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline_abs_error: Option<Spread>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline_throughput_kps: Option<Spread>,
+    /// Latency tenants: request latency with gpushare, natively, alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency: Option<LatencySpread>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline_latency: Option<LatencySpread>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alone_latency: Option<Latency>,
+}
+
+/// Request latency of one run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Latency {
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub requests: u64,
+}
+
+/// Request latency over runs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LatencySpread {
+    pub p50_ms: Spread,
+    pub p99_ms: Spread,
+}
+
+impl LatencySpread {
+    /// `None` unless every run has a latency.
+    pub fn of(runs: &[Option<Latency>]) -> Option<LatencySpread> {
+        let all: Vec<Latency> = runs.iter().copied().collect::<Option<_>>()?;
+        Some(LatencySpread {
+            p50_ms: Spread::of(all.iter().map(|l| l.p50_ms), 2)?,
+            p99_ms: Spread::of(all.iter().map(|l| l.p99_ms), 2)?,
+        })
+    }
+}
+
+/// One run's figures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunReport {
+    /// 1, 2, …
+    pub run: u32,
+    #[serde(flatten)]
+    pub summary: RunSummary,
+    /// Measurement windows and their span (CLOCK_MONOTONIC ns).
+    pub windows: usize,
+    pub measure_start_ns: u64,
+    pub measure_end_ns: u64,
+    /// Per tenant, in the scenario's order.
+    pub tenants: Vec<TenantRun>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduler_cpu_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduler_cpu_percent: Option<f64>,
+    /// Measuring from the tenants' timelines on the simulator: the device trace's figures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_trace_check: Option<DeviceCheck>,
+    /// `--noisy`: what the noise did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub noise: Option<NoiseRecord>,
+    /// The kernel records the figures come from (file in the output directory).
+    pub records: String,
+}
+
+/// One tenant in one run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TenantRun {
+    pub target_share: f64,
+    pub achieved_share: f64,
+    pub abs_error: f64,
+    pub max_window_error: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throughput_kps: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency: Option<Latency>,
+}
+
+/// The device trace's figures of a run measured from the tenants' timelines.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceCheck {
+    pub achieved_shares: Vec<f64>,
+    #[serde(flatten)]
+    pub summary: RunSummary,
+}
+
+/// Launch overhead: `cudarc-client launch-latency` hooked against the driver's own entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LaunchOverhead {
+    pub method: String,
+    /// Native/hooked process pairs.
+    pub pairs: usize,
+    pub launches_per_sample: u64,
+    /// Medians over the hooked processes: through the hook, and through the driver's own entry
+    /// in the same processes.
+    pub hooked_ns: f64,
+    pub native_ns: f64,
+    pub overhead_ns: f64,
+    /// Throughput ratio (driver's own time / hooked time) over the hooked processes.
+    pub ratio: Spread,
+    /// The same ratio in processes without the hook (both routes are the driver): the noise
+    /// floor.
+    pub control_ratio: Spread,
+    pub separate_processes: SeparateProcesses,
+    /// Hooked, while another group competes for the token.
+    pub hooked_turnover_ns: f64,
+}
+
+/// Launch cost of separate native and hooked processes (medians over the pairs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SeparateProcesses {
+    pub native_ns: f64,
+    pub hooked_ns: f64,
+    pub ratio: Spread,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_of_runs() {
+        let s = Spread::of([0.3, 0.1, 0.2], 4).unwrap();
+        assert_eq!(
+            s,
+            Spread {
+                min: 0.1,
+                median: 0.2,
+                max: 0.3
+            }
+        );
+        assert_eq!(Spread::of([4.0, 1.0], 1).unwrap().median, 2.5);
+        assert_eq!(Spread::of([0.123456], 3).unwrap().median, 0.123);
+        assert_eq!(Spread::of(std::iter::empty(), 3), None);
+    }
+
+    #[test]
+    fn latency_over_runs_needs_every_run() {
+        let l = |p50| {
+            Some(Latency {
+                p50_ms: p50,
+                p99_ms: 2.0 * p50,
+                requests: 10,
+            })
+        };
+        let s = LatencySpread::of(&[l(1.0), l(3.0), l(2.0)]).unwrap();
+        assert_eq!(s.p50_ms.median, 2.0);
+        assert_eq!(s.p99_ms.max, 6.0);
+        assert_eq!(LatencySpread::of(&[l(1.0), None]), None);
+    }
+}

@@ -1,0 +1,226 @@
+//! One run of (some of) a scenario's tenants on a fresh node, with gpushare or natively, and
+//! its figures.
+
+use crate::analysis::{RunFigures, analyse};
+use crate::client::ClientResult;
+use crate::cpu;
+use crate::expected;
+use crate::noise::{self, NoiseRecord, NoiseSession};
+use crate::scenario::Scenario;
+use crate::settings::{Settings, Source};
+use anyhow::{Context, bail};
+use gpushare_sim_clients::harness::target_dir;
+use gpushare_sim_clients::node::Tenant;
+use gpushare_sim_clients::trace::{Trace, Window};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// With gpushare or without.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// A scheduler, tenants under `gpushare run`.
+    Gpushare,
+    /// The same tenants on the bare device (its own time-slicing).
+    Native,
+}
+
+impl Mode {
+    pub fn label(self) -> &'static str {
+        match self {
+            Mode::Gpushare => "gpushare",
+            Mode::Native => "native",
+        }
+    }
+}
+
+/// What to run.
+pub struct RunSpec<'a> {
+    pub sc: &'a Scenario,
+    /// Indices of the tenants of `sc` to run.
+    pub which: &'a [usize],
+    pub mode: Mode,
+    pub duration_ns: u64,
+    /// Where to keep the kernel records (the device trace, `…trace.jsonl`; with `--source
+    /// events` also the tenants' timelines next to it, `…timeline.jsonl`).
+    pub keep_trace: Option<&'a Path>,
+    /// Names the run for its noise seed (e.g. `three-requests/gpushare/2`).
+    pub label: &'a str,
+}
+
+/// One run's results.
+pub struct RunOutcome {
+    pub figures: RunFigures,
+    /// Measuring from the tenants' timelines on the simulator: the device trace's figures.
+    pub device_check: Option<RunFigures>,
+    /// Each tenant's result line.
+    pub outputs: Vec<Option<ClientResult>>,
+    /// With gpushare: the scheduler's CPU time while the tenants ran, and the wall time it was
+    /// measured over (s).
+    pub scheduler_cpu: Option<(f64, f64)>,
+    pub noise: Option<NoiseRecord>,
+}
+
+/// Run `spec` on a fresh node.
+pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
+    let RunSpec {
+        sc,
+        which,
+        mode,
+        duration_ns,
+        ..
+    } = *spec;
+    let mut node = s.node(sc.gpus)?;
+    if mode == Mode::Gpushare {
+        node.start_scheduler(&[]);
+    }
+    let client = target_dir().join("cudarc-client");
+    let duration_ms = duration_ns as f64 / 1e6;
+    let sched_cpu0 = node
+        .scheduler_pid()
+        .and_then(cpu::read)
+        .map(|c| (c, Instant::now()));
+    let timelines: Vec<PathBuf> = (0..which.len())
+        .map(|k| node.tmp.path().join(format!("timeline-{k}.jsonl")))
+        .collect();
+    let mut running: Vec<Tenant> = Vec::new();
+    for (k, &i) in which.iter().enumerate() {
+        let t = &sc.tenants[i];
+        let mut args = Vec::new();
+        if s.source == Source::Events {
+            args.push("--timeline".to_string());
+            args.push(timelines[k].display().to_string());
+        }
+        args.extend(t.client_args(duration_ms, k as u64 + 1));
+        let cmd = match mode {
+            Mode::Gpushare => {
+                node.tenant_command(&t.name, t.request, t.limit, t.weight, &client, &args)
+            }
+            Mode::Native => {
+                let mut c = node.command(&client);
+                c.args(&args);
+                c
+            }
+        };
+        running.push(node.spawn(cmd));
+    }
+    let pids: Vec<u32> = running.iter().map(Tenant::pid).collect();
+    // Dropped (continuing any stopped process, killing the hogs) before the node on every path.
+    let noise = match s.noise {
+        Some(params) => {
+            let mut victims: Vec<(String, u32)> = which
+                .iter()
+                .zip(&pids)
+                .map(|(&i, &pid)| (sc.tenants[i].name.clone(), pid))
+                .collect();
+            victims.extend(node.scheduler_pid().map(|p| ("scheduler".to_string(), p)));
+            let seed = noise::run_seed(params.seed, spec.label);
+            Some(
+                NoiseSession::start(&params, seed, &victims, noise::hog_command)
+                    .context("cannot start the noisy-host mode's hog or stall thread")?,
+            )
+        }
+        None => None,
+    };
+    let deadline = Duration::from_nanos(duration_ns) + Duration::from_secs(30);
+    let t0 = Instant::now();
+    let mut outputs = Vec::new();
+    let mut failures = Vec::new();
+    for (k, t) in running.into_iter().enumerate() {
+        let (out, killed) = t.finish_within(deadline.saturating_sub(t0.elapsed()));
+        let name = &sc.tenants[which[k]].name;
+        if killed || !out.status.success() {
+            failures.push(format!(
+                "tenant {name} {}: {}",
+                if killed {
+                    "did not finish in time".to_string()
+                } else {
+                    format!("failed ({})", out.status)
+                },
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        outputs.push(ClientResult::last_in(&out.stdout));
+    }
+    let noise = noise.map(NoiseSession::stop);
+    let scheduler_cpu = sched_cpu0.and_then(|(c0, t)| {
+        let c1 = cpu::read(node.scheduler_pid()?)?;
+        Some((cpu::delta(c0, c1), t.elapsed().as_secs_f64()))
+    });
+    let log = match mode {
+        Mode::Gpushare => node.scheduler_log(),
+        Mode::Native => String::new(),
+    };
+    // The tenants' timelines (read before the node's scratch directory goes), or the device's.
+    let timeline = if s.source == Source::Events && failures.is_empty() {
+        let mut records = Vec::new();
+        for (path, &i) in timelines.iter().zip(which) {
+            let t = Trace::read(path).with_context(|| {
+                format!(
+                    "tenant {}: no timeline ({})",
+                    sc.tenants[i].name,
+                    path.display()
+                )
+            })?;
+            records.extend_from_slice(t.records());
+        }
+        Some(Trace::from_records(records))
+    } else {
+        None
+    };
+    let device_trace = node.stop();
+    if let Some(dest) = spec.keep_trace {
+        let write = |trace: &Trace, dest: &Path| {
+            trace
+                .write(dest)
+                .with_context(|| format!("cannot write {}", dest.display()))
+        };
+        if let Some(t) = &device_trace {
+            write(t, dest)?;
+        }
+        if let Some(t) = &timeline {
+            write(t, &timeline_path(dest))?;
+        }
+    }
+    if !failures.is_empty() {
+        bail!("{}\n{}", failures.join("\n"), log.trim());
+    }
+    let (trace, check) = match timeline {
+        Some(t) => (t, device_trace),
+        None => (
+            device_trace.context("no device trace (running on the system's driver)")?,
+            None,
+        ),
+    };
+    // Targets per window: a latency tenant demands the work of the requests that arrived in it
+    // (it reports their times); the others their nominal demand.
+    let targets = |w: Window| -> Vec<f64> {
+        let all = expected::targets(sc, |i| {
+            let t = &sc.tenants[i];
+            let arrivals = which
+                .iter()
+                .position(|&j| j == i)
+                .and_then(|k| outputs[k].as_ref()?.arrivals_ns.as_ref());
+            match arrivals {
+                Some(a) => t.demand_in(a, w),
+                None => t.demand(),
+            }
+        });
+        which.iter().map(|&i| all[i]).collect()
+    };
+    let gpus: Vec<u32> = which.iter().map(|&i| sc.tenants[i].gpu).collect();
+    let figures = analyse(&trace, &pids, &gpus, &targets);
+    Ok(RunOutcome {
+        figures,
+        device_check: check.map(|t| analyse(&t, &pids, &gpus, &targets)),
+        outputs,
+        scheduler_cpu,
+        noise,
+    })
+}
+
+/// Where the timeline a kept trace `NAME.trace.jsonl` comes with goes: `NAME.timeline.jsonl`.
+pub fn timeline_path(trace: &Path) -> PathBuf {
+    let name = trace.file_name().unwrap_or_default().to_string_lossy();
+    let stem = name.strip_suffix(".trace.jsonl").unwrap_or(&name);
+    trace.with_file_name(format!("{stem}.timeline.jsonl"))
+}

@@ -1,0 +1,379 @@
+//! Which units a container should get (`GetPreferredAllocation`) and what the kubelet must put
+//! into it (`Allocate`). Pure: the plugin shell passes the GPUs' measured load in.
+//!
+//! A request of up to one GPU's units comes from one GPU. Which one: `binpack` (default) takes
+//! the GPU with the fewest free units that still fit (keeping whole GPUs free for big
+//! requests), `spread` the one with the most; ties, and the choice among equally free GPUs,
+//! go to the GPU the scheduler measured as least loaded (GPU time and memory actually used,
+//! not what was requested: requests over-provision). More than one GPU's units must be whole
+//! GPUs.
+
+use crate::inventory::parse_device_id;
+use crate::proto::deviceplugin::{CdiDevice, ContainerAllocateResponse, Mount};
+use std::collections::{BTreeMap, BTreeSet};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Placement {
+    /// Fill the fullest GPU that fits first.
+    Binpack,
+    /// Use the emptiest GPU first.
+    Spread,
+}
+
+/// What the scheduler measured on a GPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Load {
+    /// Share of GPU time used over the scheduler's window, 0..=1.
+    pub busy: f64,
+    /// Share of the GPU's memory held by its tenants, 0..=1.
+    pub memory: f64,
+}
+
+impl Load {
+    fn score(&self) -> f64 {
+        self.busy.max(0.0) + self.memory.max(0.0)
+    }
+}
+
+/// The preferred `size` units out of `available`, including `must_include`.
+pub fn preferred(
+    available: &[String],
+    must_include: &[String],
+    size: usize,
+    units_per_gpu: u32,
+    placement: Placement,
+    load: &BTreeMap<String, Load>,
+) -> Result<Vec<String>, String> {
+    let per_gpu = units_per_gpu as usize;
+    let mut free: BTreeMap<&str, BTreeSet<u32>> = BTreeMap::new();
+    for id in available.iter().chain(must_include) {
+        if let Some((gpu, n)) = parse_device_id(id) {
+            free.entry(gpu).or_default().insert(n);
+        }
+    }
+    let required: BTreeSet<&str> = must_include
+        .iter()
+        .filter_map(|id| parse_device_id(id).map(|(g, _)| g))
+        .collect();
+    let load_of = |g: &str| load.get(g).copied().unwrap_or_default().score();
+    if size <= per_gpu {
+        let mut fits: Vec<(&str, usize)> = free
+            .iter()
+            .filter(|(g, units)| units.len() >= size && required.iter().all(|r| r == *g))
+            .map(|(g, units)| (*g, units.len()))
+            .collect();
+        fits.sort_by(|a, b| {
+            let by_free = match placement {
+                Placement::Binpack => a.1.cmp(&b.1),
+                Placement::Spread => b.1.cmp(&a.1),
+            };
+            by_free.then(load_of(a.0).total_cmp(&load_of(b.0)))
+        });
+        let Some((gpu, _)) = fits.first() else {
+            return Err(format!(
+                "no single GPU has {size} free units of gpushare.io/gpu-share: a request of up to {per_gpu} units must come from one GPU"
+            ));
+        };
+        let must: Vec<String> = must_include.to_vec();
+        let rest = free[gpu]
+            .iter()
+            .map(|n| crate::inventory::device_id(gpu, *n))
+            .filter(|id| !must.contains(id));
+        return Ok(must.iter().cloned().chain(rest).take(size).collect());
+    }
+    whole_gpus_check(size, units_per_gpu)?;
+    let mut whole: Vec<&str> = free
+        .iter()
+        .filter(|(_, units)| units.len() == per_gpu)
+        .map(|(g, _)| *g)
+        .collect();
+    whole.sort_by(|a, b| {
+        (!required.contains(a))
+            .cmp(&!required.contains(b))
+            .then(load_of(a).total_cmp(&load_of(b)))
+    });
+    let n = size / per_gpu;
+    if whole.len() < n || required.iter().any(|r| !whole[..n].contains(r)) {
+        return Err(format!(
+            "{size} units need {n} whole free GPUs; only {} are free",
+            whole.len()
+        ));
+    }
+    Ok(whole[..n]
+        .iter()
+        .flat_map(|g| (0..units_per_gpu).map(move |u| crate::inventory::device_id(g, u)))
+        .collect())
+}
+
+fn whole_gpus_check(size: usize, units_per_gpu: u32) -> Result<(), String> {
+    if !size.is_multiple_of(units_per_gpu as usize) {
+        return Err(format!(
+            "{size} units of gpushare.io/gpu-share: above {units_per_gpu} units a container must ask for whole GPUs (a multiple of {units_per_gpu})"
+        ));
+    }
+    Ok(())
+}
+
+/// The GPUs of one container's units, checked: up to one GPU's worth from one GPU, or whole
+/// GPUs.
+pub fn gpus_of(device_ids: &[String], units_per_gpu: u32) -> Result<Vec<String>, String> {
+    let mut units: BTreeMap<&str, u32> = BTreeMap::new();
+    for id in device_ids {
+        let (gpu, _) = parse_device_id(id)
+            .filter(|(_, n)| *n < units_per_gpu)
+            .ok_or_else(|| format!("{id:?} is not a gpushare.io/gpu-share device ID"))?;
+        *units.entry(gpu).or_default() += 1;
+    }
+    let size = device_ids.len();
+    match units.len() {
+        0 => Err("no units requested".into()),
+        1 => Ok(units.keys().map(|g| g.to_string()).collect()),
+        _ => {
+            if size > units_per_gpu as usize {
+                whole_gpus_check(size, units_per_gpu)?;
+            }
+            if units.values().any(|u| *u != units_per_gpu) {
+                return Err(format!(
+                    "the kubelet assigned units from several GPUs ({units:?}): a container's units must come from one GPU, or be whole GPUs. Free units are fragmented across GPUs; retry the pod or ask for fewer units"
+                ));
+            }
+            Ok(units.keys().map(|g| g.to_string()).collect())
+        }
+    }
+}
+
+/// How the hook gets into a container.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preload {
+    /// `LD_PRELOAD` in the container's environment.
+    LdPreload,
+    /// A read-only `/etc/ld.so.preload` mounted over the image's.
+    LdSoPreload,
+}
+
+/// Where the hook's versioned host directory is mounted in containers.
+pub const HOOK_MOUNT: &str = "/usr/lib/gpushare";
+
+/// What `Allocate` needs besides the units: paths on the host, and options.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Injection {
+    /// The scheduler's tenant socket; its directory is mounted at the same path.
+    pub tenant_socket: std::path::PathBuf,
+    /// Versioned host directory holding `libgpushare.so` (and `ld.so.preload`).
+    pub hook_dir: std::path::PathBuf,
+    pub preload: Preload,
+    /// CDI kind (e.g. `nvidia.com/gpu`): each GPU also as the CDI device `<kind>=<UUID>`.
+    pub cdi_kind: Option<String>,
+}
+
+/// The container's part of the `Allocate` answer for `gpus`.
+pub fn container_response(gpus: &[String], inj: &Injection) -> ContainerAllocateResponse {
+    let mut envs = std::collections::HashMap::new();
+    envs.insert("NVIDIA_VISIBLE_DEVICES".to_string(), gpus.join(","));
+    envs.insert(
+        gpushare_protocol::SOCKET_ENV.to_string(),
+        inj.tenant_socket.display().to_string(),
+    );
+    let socket_dir = inj
+        .tenant_socket
+        .parent()
+        .unwrap_or(std::path::Path::new("/"))
+        .display()
+        .to_string();
+    let mut mounts = vec![
+        Mount {
+            container_path: socket_dir.clone(),
+            host_path: socket_dir,
+            read_only: false,
+        },
+        Mount {
+            container_path: HOOK_MOUNT.to_string(),
+            host_path: inj.hook_dir.display().to_string(),
+            read_only: true,
+        },
+    ];
+    match inj.preload {
+        Preload::LdPreload => {
+            envs.insert(
+                "LD_PRELOAD".to_string(),
+                format!("{HOOK_MOUNT}/libgpushare.so"),
+            );
+        }
+        Preload::LdSoPreload => mounts.push(Mount {
+            container_path: "/etc/ld.so.preload".to_string(),
+            host_path: inj.hook_dir.join("ld.so.preload").display().to_string(),
+            read_only: true,
+        }),
+    }
+    let cdi_devices = inj
+        .cdi_kind
+        .iter()
+        .flat_map(|kind| {
+            gpus.iter().map(move |g| CdiDevice {
+                name: format!("{kind}={g}"),
+            })
+        })
+        .collect();
+    ContainerAllocateResponse {
+        envs,
+        mounts,
+        devices: vec![],
+        annotations: Default::default(),
+        cdi_devices,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inventory::device_id;
+    use proptest::prelude::*;
+
+    const A: &str = "GPU-00000000-0000-0000-0000-00000000000a";
+    const B: &str = "GPU-00000000-0000-0000-0000-00000000000b";
+
+    fn ids(gpu: &str, r: std::ops::Range<u32>) -> Vec<String> {
+        r.map(|n| device_id(gpu, n)).collect()
+    }
+
+    fn gpu_of(v: &[String]) -> BTreeSet<&str> {
+        v.iter().map(|id| parse_device_id(id).unwrap().0).collect()
+    }
+
+    #[test]
+    fn binpack_fills_the_fuller_gpu_and_spread_the_emptier() {
+        // A has 40 free units, B 100.
+        let avail: Vec<String> = ids(A, 60..100).into_iter().chain(ids(B, 0..100)).collect();
+        let none = BTreeMap::new();
+        let b = preferred(&avail, &[], 30, 100, Placement::Binpack, &none).unwrap();
+        assert_eq!(gpu_of(&b), BTreeSet::from([A]));
+        assert_eq!(b.len(), 30);
+        let s = preferred(&avail, &[], 30, 100, Placement::Spread, &none).unwrap();
+        assert_eq!(gpu_of(&s), BTreeSet::from([B]));
+        let big = preferred(&avail, &[], 50, 100, Placement::Binpack, &none).unwrap();
+        assert_eq!(gpu_of(&big), BTreeSet::from([B]), "A cannot fit 50");
+    }
+
+    #[test]
+    fn measured_load_breaks_ties() {
+        let avail: Vec<String> = ids(A, 0..100).into_iter().chain(ids(B, 0..100)).collect();
+        let load = BTreeMap::from([
+            (
+                A.to_string(),
+                Load {
+                    busy: 0.9,
+                    memory: 0.5,
+                },
+            ),
+            (
+                B.to_string(),
+                Load {
+                    busy: 0.1,
+                    memory: 0.0,
+                },
+            ),
+        ]);
+        for p in [Placement::Binpack, Placement::Spread] {
+            let v = preferred(&avail, &[], 30, 100, p, &load).unwrap();
+            assert_eq!(gpu_of(&v), BTreeSet::from([B]), "{p:?}");
+        }
+    }
+
+    #[test]
+    fn whole_gpus_or_a_clear_refusal() {
+        let avail: Vec<String> = ids(A, 0..100).into_iter().chain(ids(B, 0..100)).collect();
+        let none = BTreeMap::new();
+        assert_eq!(
+            preferred(&avail, &[], 200, 100, Placement::Binpack, &none)
+                .unwrap()
+                .len(),
+            200
+        );
+        let e = preferred(&avail, &[], 150, 100, Placement::Binpack, &none).unwrap_err();
+        assert!(e.contains("whole GPUs"), "{e}");
+        assert!(
+            gpus_of(
+                &ids(A, 0..50)
+                    .into_iter()
+                    .chain(ids(B, 0..100))
+                    .collect::<Vec<_>>(),
+                100
+            )
+            .is_err()
+        );
+        let split: Vec<String> = ids(A, 0..10).into_iter().chain(ids(B, 0..10)).collect();
+        assert!(gpus_of(&split, 100).unwrap_err().contains("several GPUs"));
+        assert_eq!(gpus_of(&ids(A, 5..35), 100).unwrap(), vec![A.to_string()]);
+        assert!(gpus_of(&["nonsense".to_string()], 100).is_err());
+        assert!(
+            gpus_of(&[device_id(A, 100)], 100).is_err(),
+            "unit beyond the GPU"
+        );
+    }
+
+    #[test]
+    fn allocate_injects_gpu_socket_and_hook() {
+        let inj = Injection {
+            tenant_socket: "/run/gpushare/gpushare.sock".into(),
+            hook_dir: "/var/lib/gpushare/lib/0.1.0-abc".into(),
+            preload: Preload::LdPreload,
+            cdi_kind: Some("nvidia.com/gpu".into()),
+        };
+        let r = container_response(&[A.to_string()], &inj);
+        assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], A);
+        assert_eq!(r.envs["GPUSHARE_SOCKET"], "/run/gpushare/gpushare.sock");
+        assert_eq!(r.envs["LD_PRELOAD"], "/usr/lib/gpushare/libgpushare.so");
+        assert!(
+            r.mounts
+                .iter()
+                .any(|m| m.host_path == "/var/lib/gpushare/lib/0.1.0-abc" && m.read_only)
+        );
+        assert!(
+            r.mounts
+                .iter()
+                .any(|m| m.host_path == "/run/gpushare" && !m.read_only)
+        );
+        assert_eq!(r.cdi_devices[0].name, format!("nvidia.com/gpu={A}"));
+        let r = container_response(
+            &[A.to_string()],
+            &Injection {
+                preload: Preload::LdSoPreload,
+                ..inj
+            },
+        );
+        assert!(!r.envs.contains_key("LD_PRELOAD"));
+        assert!(
+            r.mounts
+                .iter()
+                .any(|m| m.container_path == "/etc/ld.so.preload" && m.read_only)
+        );
+    }
+
+    proptest! {
+        /// Any feasible request gets `size` distinct available units of one GPU, with the
+        /// required ones.
+        #[test]
+        fn preferred_units_are_available_distinct_and_from_one_gpu(
+            free_a in 0u32..=100, free_b in 0u32..=100, size in 1usize..=100, spread in any::<bool>(), must in any::<bool>()
+        ) {
+            let avail: Vec<String> = ids(A, 100 - free_a..100).into_iter().chain(ids(B, 100 - free_b..100)).collect();
+            let must_include: Vec<String> = if must && free_a > 0 { vec![device_id(A, 99)] } else { vec![] };
+            let p = if spread { Placement::Spread } else { Placement::Binpack };
+            match preferred(&avail, &must_include, size, 100, p, &BTreeMap::new()) {
+                Ok(v) => {
+                    prop_assert_eq!(v.len(), size);
+                    prop_assert_eq!(gpu_of(&v).len(), 1);
+                    let set: BTreeSet<&String> = v.iter().collect();
+                    prop_assert_eq!(set.len(), size);
+                    prop_assert!(v.iter().all(|id| avail.contains(id)));
+                    prop_assert!(must_include.iter().all(|m| v.contains(m)));
+                }
+                Err(_) => {
+                    let fits_a = free_a as usize >= size;
+                    let fits_b = free_b as usize >= size && must_include.is_empty();
+                    prop_assert!(!fits_a && !fits_b, "refused although it fits");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! The pod annotations that set a container's quota, parsed and checked. Pure.
+//!
+//! | annotation | value | invalid → |
+//! |---|---|---|
+//! | `gpushare.io/gpu-limit` | hard cap, `"0.6"` or `"60%"`, in (0, 1]; below the units' share it lowers the guarantee to itself | no cap (limit 1) |
+//! | `gpushare.io/gpu-weight` | weight for spare time, a number > 0 (at most 1000) | 1 |
+//! | `gpushare.io/gpu-memory` | memory cap, a quantity (`"4Gi"`, `"512Mi"`, `"2G"`) > 0 | units/100 × the GPU's memory; above the GPU's memory: the GPU's memory |
+//!
+//! Each applies to every gpushare container of the pod; `<annotation>.<container>` (e.g.
+//! `gpushare.io/gpu-limit.worker`) applies to that container only and takes precedence.
+
+use std::collections::BTreeMap;
+
+pub const LIMIT: &str = "gpushare.io/gpu-limit";
+pub const WEIGHT: &str = "gpushare.io/gpu-weight";
+pub const MEMORY: &str = "gpushare.io/gpu-memory";
+
+/// Largest weight accepted.
+pub const MAX_WEIGHT: f64 = 1000.0;
+
+/// A container's quota as the annotations set it (`None`: not set, or invalid).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Quota {
+    pub limit: Option<f64>,
+    pub weight: Option<f64>,
+    pub memory: Option<u64>,
+}
+
+/// An annotation that could not be used as written.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Problem {
+    /// The annotation key as written on the pod.
+    pub annotation: String,
+    pub value: String,
+    /// What is wrong and what was used instead.
+    pub message: String,
+}
+
+impl Problem {
+    pub fn new(annotation: &str, value: &str, message: String) -> Problem {
+        Problem {
+            annotation: annotation.to_string(),
+            value: value.to_string(),
+            message,
+        }
+    }
+}
+
+/// The quota of `container` from the pod's annotations, and what was wrong with them.
+pub fn quota(
+    annotations: &BTreeMap<String, String>,
+    container: &str,
+    problems: &mut Vec<Problem>,
+) -> Quota {
+    let pick = |base: &str| -> Option<(String, &String)> {
+        let own = format!("{base}.{container}");
+        annotations
+            .get(&own)
+            .map(|v| (own, v))
+            .or_else(|| annotations.get(base).map(|v| (base.to_string(), v)))
+    };
+    let mut q = Quota::default();
+    if let Some((key, v)) = pick(LIMIT) {
+        match parse_fraction(v) {
+            Ok(l) => q.limit = Some(l),
+            Err(e) => problems.push(Problem::new(
+                &key,
+                v,
+                format!("{e}; running without a cap (limit 1) until it is fixed"),
+            )),
+        }
+    }
+    if let Some((key, v)) = pick(WEIGHT) {
+        match parse_weight(v) {
+            Ok(w) => q.weight = Some(w),
+            Err(e) => problems.push(Problem::new(
+                &key,
+                v,
+                format!("{e}; using weight 1 until it is fixed"),
+            )),
+        }
+    }
+    if let Some((key, v)) = pick(MEMORY) {
+        match parse_quantity(v) {
+            Ok(m) => q.memory = Some(m),
+            Err(e) => problems.push(Problem::new(
+                &key,
+                v,
+                format!("{e}; using the default cap (the container's units / 100 × the GPU's memory) until it is fixed"),
+            )),
+        }
+    }
+    q
+}
+
+/// `"0.6"` or `"60%"` → 0.6, in (0, 1].
+pub fn parse_fraction(v: &str) -> Result<f64, String> {
+    let t = v.trim();
+    let (num, scale) = match t.strip_suffix('%') {
+        Some(p) => (p.trim(), 100.0),
+        None => (t, 1.0),
+    };
+    let bad = || {
+        format!(
+            "{v:?} is not a share of GPU time: write a fraction in (0, 1] or a percentage, e.g. \"0.6\" or \"60%\""
+        )
+    };
+    let x = plain_number(num).ok_or_else(bad)? / scale;
+    if x > 0.0 && x <= 1.0 {
+        Ok(x)
+    } else {
+        Err(bad())
+    }
+}
+
+/// A weight: a number in (0, [`MAX_WEIGHT`]].
+pub fn parse_weight(v: &str) -> Result<f64, String> {
+    match plain_number(v.trim()) {
+        Some(w) if w > 0.0 && w <= MAX_WEIGHT => Ok(w),
+        _ => Err(format!(
+            "{v:?} is not a weight: write a number greater than 0 and at most {MAX_WEIGHT}, e.g. \"2\""
+        )),
+    }
+}
+
+/// A Kubernetes quantity of bytes: a number with an optional suffix `Ki Mi Gi Ti Pi` (binary)
+/// or `k M G T P` (decimal); more than 0.
+pub fn parse_quantity(v: &str) -> Result<u64, String> {
+    let t = v.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, suffix) = t.split_at(split);
+    let mult: f64 = match suffix {
+        "" => 1.0,
+        "Ki" => 1024.0,
+        "Mi" => 1024f64.powi(2),
+        "Gi" => 1024f64.powi(3),
+        "Ti" => 1024f64.powi(4),
+        "Pi" => 1024f64.powi(5),
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        _ => f64::NAN,
+    };
+    match plain_number(num).map(|n| (n * mult).round()) {
+        Some(b) if b >= 1.0 && b < u64::MAX as f64 => Ok(b as u64),
+        _ => Err(format!(
+            "{v:?} is not an amount of memory: write a quantity such as \"4Gi\", \"512Mi\" or \"2G\""
+        )),
+    }
+}
+
+/// Digits with at most one decimal point (no sign, exponent, `inf` or `NaN`).
+fn plain_number(s: &str) -> Option<f64> {
+    let ok = !s.is_empty()
+        && s.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+        && s.bytes().filter(|&b| b == b'.').count() <= 1
+        && s.bytes().any(|b| b.is_ascii_digit());
+    ok.then(|| s.parse().ok()).flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn documented_forms() {
+        assert_eq!(parse_fraction("0.6"), Ok(0.6));
+        assert_eq!(parse_fraction("60%"), Ok(0.6));
+        assert_eq!(parse_fraction(" 1 "), Ok(1.0));
+        for bad in [
+            "0", "1.5", "150%", "-0.2", "abc", "", "%", "0.5.5", "1e-1", "NaN", "inf",
+        ] {
+            assert!(parse_fraction(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_weight("2"), Ok(2.0));
+        for bad in ["0", "-1", "1001", "two"] {
+            assert!(parse_weight(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_quantity("4Gi"), Ok(4 << 30));
+        assert_eq!(parse_quantity("512Mi"), Ok(512 << 20));
+        assert_eq!(parse_quantity("1.5Gi"), Ok(3 << 29));
+        assert_eq!(parse_quantity("2G"), Ok(2_000_000_000));
+        assert_eq!(parse_quantity("1048576"), Ok(1 << 20));
+        for bad in ["4GiB", "0", "lots", "-1Gi", "Gi"] {
+            assert!(parse_quantity(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn container_keys_override_pod_keys_and_problems_are_explained() {
+        let a = ann(&[
+            (LIMIT, "0.5"),
+            ("gpushare.io/gpu-limit.worker", "20%"),
+            (WEIGHT, "heavy"),
+            (MEMORY, "2Gi"),
+        ]);
+        let mut p = Vec::new();
+        let main = quota(&a, "main", &mut p);
+        assert_eq!(
+            main,
+            Quota {
+                limit: Some(0.5),
+                weight: None,
+                memory: Some(2 << 30)
+            }
+        );
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].annotation, WEIGHT);
+        assert!(p[0].message.contains("weight 1"), "{}", p[0].message);
+        let worker = quota(&a, "worker", &mut Vec::new());
+        assert_eq!(worker.limit, Some(0.2));
+    }
+
+    proptest! {
+        #[test]
+        fn parsers_never_panic_and_accept_only_their_ranges(s in ".{0,12}") {
+            if let Ok(x) = parse_fraction(&s) { prop_assert!(x > 0.0 && x <= 1.0); }
+            if let Ok(w) = parse_weight(&s) { prop_assert!(w > 0.0 && w <= MAX_WEIGHT); }
+            if let Ok(m) = parse_quantity(&s) { prop_assert!(m >= 1); }
+        }
+
+        #[test]
+        fn percentages_and_fractions_agree(p in 1u32..=100) {
+            let a = parse_fraction(&format!("{p}%")).unwrap();
+            let b = parse_fraction(&format!("{}", p as f64 / 100.0)).unwrap();
+            prop_assert!((a - b).abs() < 1e-12);
+        }
+    }
+}

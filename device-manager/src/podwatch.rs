@@ -1,0 +1,135 @@
+//! The pods on this node, from a watch of the API server (`spec.nodeName=<node>`), kept as a
+//! local store of [`PodView`]s. A relist (after a 410 Gone, say) replaces the store whole once
+//! it is complete; while the API server is unreachable the store keeps what it last saw, so
+//! the last known policy stays in force.
+
+use crate::reconcile::PodView;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use tokio::sync::Notify;
+
+/// The pods seen, by UID. `ready` once the first complete list arrived.
+#[derive(Debug, Default)]
+pub struct PodStore {
+    pub pods: BTreeMap<String, PodView>,
+    pub ready: bool,
+    /// Pods of a relist in progress.
+    pending: Option<BTreeMap<String, PodView>>,
+}
+
+impl PodStore {
+    /// Apply one watcher event; `true` if what the store holds changed.
+    pub fn apply(&mut self, ev: watcher::Event<Pod>) -> bool {
+        match ev {
+            watcher::Event::Init => {
+                self.pending = Some(BTreeMap::new());
+                false
+            }
+            watcher::Event::InitApply(p) => {
+                if let (Some(pending), Some(v)) = (self.pending.as_mut(), view(&p)) {
+                    pending.insert(v.uid.clone(), v);
+                }
+                false
+            }
+            watcher::Event::InitDone => {
+                if let Some(p) = self.pending.take() {
+                    self.pods = p;
+                }
+                self.ready = true;
+                true
+            }
+            watcher::Event::Apply(p) => match view(&p) {
+                Some(v) if self.pods.get(&v.uid) != Some(&v) => {
+                    self.pods.insert(v.uid.clone(), v);
+                    true
+                }
+                _ => false,
+            },
+            watcher::Event::Delete(p) => p
+                .metadata
+                .uid
+                .as_ref()
+                .is_some_and(|uid| self.pods.remove(uid).is_some()),
+        }
+    }
+}
+
+/// What the manager needs of a pod.
+pub fn view(p: &Pod) -> Option<PodView> {
+    let m = &p.metadata;
+    let container_ids = p
+        .status
+        .iter()
+        .flat_map(|s| s.container_statuses.iter().flatten())
+        .filter_map(|c| {
+            let id = c.container_id.as_deref()?;
+            // `containerd://<id>`, `cri-o://<id>`, `docker://<id>`
+            let id = id.split_once("://").map_or(id, |(_, id)| id);
+            Some((c.name.clone(), id.to_string()))
+        })
+        .collect();
+    Some(PodView {
+        uid: m.uid.clone()?,
+        namespace: m.namespace.clone()?,
+        name: m.name.clone()?,
+        annotations: m.annotations.clone().unwrap_or_default(),
+        container_ids,
+    })
+}
+
+/// A client from `--kubeconfig`, or else the in-cluster config (or `$KUBECONFIG`).
+pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(p) => {
+            let kc = kube::config::Kubeconfig::read_from(p).map_err(|e| {
+                anyhow::anyhow!("cannot read --kubeconfig {}: {e}", p.display())
+            })?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::infer().await.map_err(|e| {
+            anyhow::anyhow!(
+                "no Kubernetes API config: {e}; run in a pod with a service account or pass --kubeconfig"
+            )
+        })?,
+    };
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// Watch the node's pods for ever (reconnecting with backoff), keeping `store` and poking
+/// `changed` whenever it changes.
+pub async fn run(
+    client: kube::Client,
+    node: String,
+    store: Arc<Mutex<PodStore>>,
+    changed: Arc<Notify>,
+) {
+    let api: Api<Pod> = Api::all(client);
+    let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+    let mut events = watcher(api, cfg).default_backoff().boxed();
+    let mut failing = false;
+    while let Some(ev) = events.next().await {
+        match ev {
+            Ok(ev) => {
+                if failing {
+                    tracing::info!("API server reachable again");
+                    failing = false;
+                }
+                let mut s = store.lock().unwrap_or_else(|e| e.into_inner());
+                if s.apply(ev) {
+                    changed.notify_one();
+                }
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!("pod watch failing (keeping the last known pods): {e}");
+                    failing = true;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! The queue's Unix-socket protocol (`gpushare submit / jobs / cancel / logs / token` ↔
+//! `gpushare-queue serve`) and the client the CLI uses. Frames from [`gpushare_frame`]; the
+//! first request is [`Request::Hello`]. Who is asking is taken from the socket (`SO_PEERCRED`),
+//! never from a message.
+
+use crate::core::Demand;
+use gpushare_frame::WireError;
+use serde::{Deserialize, Serialize};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub const QUEUE_PROTOCOL_VERSION: u32 = 1;
+/// Environment variable naming the queue's socket.
+pub const QUEUE_SOCKET_ENV: &str = "GPUSHARE_QUEUE_SOCKET";
+/// Where the queue listens when `GPUSHARE_QUEUE_SOCKET` is not set.
+pub const DEFAULT_QUEUE_SOCKET: &str = "/run/gpushare/queue.sock";
+
+/// `$GPUSHARE_QUEUE_SOCKET`, or the default.
+pub fn queue_socket() -> PathBuf {
+    std::env::var_os(QUEUE_SOCKET_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| DEFAULT_QUEUE_SOCKET.into())
+}
+
+/// A job as submitted: what it asks for and what to run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Submission {
+    pub name: Option<String>,
+    pub demand: Demand,
+    pub cmd: Vec<String>,
+    /// Extra environment for the job.
+    pub env: Vec<(String, String)>,
+    /// Working directory (default: the user's home).
+    pub cwd: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    Hello {
+        version: u32,
+    },
+    Submit(Submission),
+    Jobs,
+    Cancel {
+        id: u64,
+    },
+    /// The job's output; with `follow`, until the job has finished.
+    Logs {
+        id: u64,
+        follow: bool,
+    },
+    /// The caller's token for the HTTP API (made on first use; `renew` replaces it).
+    Token {
+        renew: bool,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Response {
+    Welcome,
+    Submitted {
+        id: u64,
+    },
+    Jobs(Vec<JobView>),
+    Cancelled(JobView),
+    LogChunk(Vec<u8>),
+    /// The end of the output; the job as it is then.
+    LogEnd(JobView),
+    Token(String),
+    Error(String),
+}
+
+/// A job as users see it (`gpushare jobs`, the HTTP API, the web page).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobView {
+    pub id: u64,
+    pub name: String,
+    pub user: String,
+    pub uid: u32,
+    /// `queued`, `running`, `killing`, `succeeded`, `failed`, `timed out`, `cancelled`, `lost`.
+    pub state: String,
+    /// Place in the queue (1 = next), while queued.
+    pub queue_position: Option<u32>,
+    pub demand: Demand,
+    /// GPUs in use (or used by the last run).
+    pub gpus: Vec<u32>,
+    pub pid: Option<u32>,
+    pub runs: u32,
+    pub submitted_unix: f64,
+    pub started_unix: Option<f64>,
+    pub ended_unix: Option<f64>,
+    /// Last change of state.
+    pub updated_unix: f64,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    /// Why it could not start, if so.
+    pub error: Option<String>,
+    pub cmd: Vec<String>,
+}
+
+impl JobView {
+    pub fn finished(&self) -> bool {
+        !matches!(self.state.as_str(), "queued" | "running" | "killing")
+    }
+
+    /// What `gpushare submit --attach` exits with: the job's code; 128+N for a signal; 124 for
+    /// a timeout (as `timeout(1)`); 125 if it was cancelled, could not start or was lost.
+    pub fn exit_status(&self) -> u8 {
+        match (self.state.as_str(), self.exit_code, self.signal) {
+            ("timed out", _, _) => 124,
+            ("succeeded", _, _) => 0,
+            ("failed", Some(c), _) => c.clamp(0, 255) as u8,
+            ("failed", None, Some(s)) => (128 + s).clamp(0, 255) as u8,
+            _ => 125,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error(
+        "cannot reach gpushare-queue at {path}: {error}; is it running? (set {QUEUE_SOCKET_ENV} if it listens elsewhere)"
+    )]
+    Connect { path: String, error: std::io::Error },
+    #[error("talking to gpushare-queue: {0}")]
+    Wire(#[from] WireError),
+    #[error("gpushare-queue closed the connection")]
+    Closed,
+    #[error("{0}")]
+    Refused(String),
+    #[error("unexpected answer from gpushare-queue: {0:?}")]
+    Unexpected(Box<Response>),
+}
+
+/// A connection to the queue.
+pub struct QueueClient {
+    stream: UnixStream,
+    buf: Vec<u8>,
+}
+
+impl QueueClient {
+    pub fn connect(path: &Path) -> Result<QueueClient, ClientError> {
+        let stream = UnixStream::connect(path).map_err(|error| ClientError::Connect {
+            path: path.display().to_string(),
+            error,
+        })?;
+        let mut c = QueueClient {
+            stream,
+            buf: Vec::new(),
+        };
+        match c.call(&Request::Hello {
+            version: QUEUE_PROTOCOL_VERSION,
+        })? {
+            Response::Welcome => Ok(c),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    fn send(&mut self, req: &Request) -> Result<(), ClientError> {
+        gpushare_frame::send(&mut self.stream, req)?;
+        Ok(())
+    }
+
+    /// The next response; a [`Response::Error`] becomes [`ClientError::Refused`].
+    pub fn recv(&mut self) -> Result<Response, ClientError> {
+        match gpushare_frame::recv::<Response>(&mut self.stream, &mut self.buf)? {
+            Some(Response::Error(m)) => Err(ClientError::Refused(m)),
+            Some(r) => Ok(r),
+            None => Err(ClientError::Closed),
+        }
+    }
+
+    fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
+        self.stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .ok();
+        self.send(req)?;
+        self.recv()
+    }
+
+    pub fn submit(&mut self, s: Submission) -> Result<u64, ClientError> {
+        match self.call(&Request::Submit(s))? {
+            Response::Submitted { id } => Ok(id),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    pub fn jobs(&mut self) -> Result<Vec<JobView>, ClientError> {
+        match self.call(&Request::Jobs)? {
+            Response::Jobs(j) => Ok(j),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    pub fn cancel(&mut self, id: u64) -> Result<JobView, ClientError> {
+        match self.call(&Request::Cancel { id })? {
+            Response::Cancelled(j) => Ok(j),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    pub fn token(&mut self, renew: bool) -> Result<String, ClientError> {
+        match self.call(&Request::Token { renew })? {
+            Response::Token(t) => Ok(t),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Write the job's output to `out` as it comes; returns the job once the output ended
+    /// (with `follow`: once the job finished).
+    pub fn logs(
+        &mut self,
+        id: u64,
+        follow: bool,
+        out: &mut impl std::io::Write,
+    ) -> Result<JobView, ClientError> {
+        self.stream.set_read_timeout(None).ok();
+        self.send(&Request::Logs { id, follow })?;
+        loop {
+            match self.recv()? {
+                Response::LogChunk(bytes) => {
+                    // The reader may have gone (a closed pipe): keep draining quietly.
+                    let _ = out.write_all(&bytes).and_then(|_| out.flush());
+                }
+                Response::LogEnd(job) => return Ok(job),
+                other => return Err(ClientError::Unexpected(Box::new(other))),
+            }
+        }
+    }
+}
