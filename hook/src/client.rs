@@ -412,7 +412,7 @@ impl Hook {
 
     /// Run the watcher now: a token was granted (it must be watched) or its deadline moved (cut
     /// short, a holder blocked in a synchronisation should give it back at once).
-    fn wake_watcher(&self) {
+    pub fn wake_watcher(&self) {
         *self.wake.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
         self.wake.1.notify_one();
     }

@@ -1,30 +1,34 @@
-//! The token gate of one GPU in this process.
+//! The turn gate of one GPU in this process.
 //!
 //! Fast path ([`Gate::enter`]): check that no pacing wait is due, count the launch as in
-//! progress and check that a token is held (no clock read: the watcher takes the token away at
-//! its deadline); on return ([`Gate::leave`]) count it and note its stream (for
-//! [`crate::queue`]). Everything else happens on the slow path under a mutex:
-//! - waiting for a grant;
+//! progress and check that the turn is open (no clock read: the watcher closes it near its
+//! deadline); on return ([`Gate::leave`]) count it and note its stream (for [`crate::queue`]).
+//! Everything else happens on the slow path under a mutex:
+//! - waiting for a turn. The scheduler grants turns ahead of their start (the turn before
+//!   ends then); a launcher waits until a *lead* before the start and opens the gate, so its
+//!   first kernels are queued on the GPU as the previous turn's last ones finish, without any
+//!   process waking up for the handoff itself. The lead adapts to how late this process's own
+//!   timed waits return (`GPUSHARE_HANDOFF_LEAD` is its least value);
 //! - pacing: every K launches (half the queue budget, an eighth of the quota, of estimated GPU
 //!   work) a fence event is recorded on the launching stream; while more than half the budget
 //!   is queued, the next launch waits for the oldest fence before it is submitted, so with the
-//!   next K launches the queue stays within the budget — what the next holder's first kernels
-//!   wait behind. (Waiting before a launch, not in the one just submitted, leaves an
-//!   application free to record its own events right after each launch.) The GPU time
-//!   per launch is learned from the fences' completions ([`crate::queue`]), so K adapts: many
-//!   tiny kernels pay for one fence per batch, long kernels are paced one by one;
-//! - draining at expiry or when idle: stop admitting, wait for in-progress launches, synchronise
-//!   every context used, and report grant → drained as the time this process held the GPU;
-//!   the token is handed over when about a handoff lead of work is left (its tail estimated,
-//!   settled later), and already when the application synchronises so close to the deadline
-//!   that its turn is over once that work drains, or went idle after one of its last 8
-//!   synchronisations.
+//!   next K launches the queue stays within the budget. (Waiting before a launch, not in the
+//!   one just submitted, leaves an application free to record its own events right after each
+//!   launch.) The GPU time per launch is learned from the fences' completions
+//!   ([`crate::queue`]), so K adapts: many tiny kernels pay for one fence per batch, long
+//!   kernels are paced one by one;
+//! - ending a turn: the watcher closes the gate when the work queued would run to the deadline,
+//!   lets in-progress launches return, waits (without the lock) for this process's work to
+//!   drain, and reports the turn's first launch and the end of its last kernel; the next turn
+//!   was planned by the scheduler long before. A turn whose holder goes idle (no launch for
+//!   `GPUSHARE_IDLE_RELEASE`, or a synchronisation after which it went idle the last times) is
+//!   given back early (yielded), as its work drains.
 
 use crate::client::Hook;
 use crate::log::debug;
 use crate::queue::{LaunchStreams, Queue};
 use crate::real;
-use gpushare_protocol::ClientMsg;
+use gpushare_protocol::{ClientMsg, TurnUse};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -40,22 +44,43 @@ const IDLE_RECENTLY: u32 = 250;
 /// Deadline meaning "no limits" (fail-open).
 const UNLIMITED: u64 = u64::MAX;
 
+/// A turn granted by the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Turn {
+    token: u64,
+    start_ns: u64,
+    deadline_ns: u64,
+    quota_ns: u64,
+    /// When the gate opened for it (its first launch), if it has.
+    opened_ns: Option<u64>,
+    /// The gate closed for it: its work drains and is reported.
+    closed: bool,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Token {
     None,
+    /// Asked for a turn, or still launching as a turn ended (the scheduler then counts this
+    /// process as waiting for another).
     Requested,
-    Held {
-        token: u64,
-        granted_ns: u64,
-        quota_ns: u64,
-    },
+    Held(Turn),
     Unthrottled,
     /// The scheduler refused this process (e.g. no group matches it): launches fail.
     Refused,
 }
 
+/// How many recent lateness samples of timed waits set the lead.
+const LATENESS_SAMPLES: usize = 16;
+/// The lead never exceeds this: turns are granted 5 ms ahead by default.
+const MAX_LEAD_NS: u64 = 3_000_000;
+
 struct Inner {
     token: Token,
+    /// A further turn granted while `token` still holds one (it starts after that one ends).
+    next: Option<Turn>,
+    /// How late recent timed waits for a turn's opening returned (ns), in a ring.
+    lateness: [u64; LATENESS_SAMPLES],
+    lateness_at: usize,
     queue: Queue,
     /// The contexts launched into (synchronised at a drain).
     ctxs: Vec<P>,
@@ -72,22 +97,23 @@ unsafe impl Send for Inner {}
 
 pub struct Gate {
     pub uuid: [u8; 16],
-    /// Absolute CLOCK_MONOTONIC deadline of the held token; 0 when none (or being given back).
-    /// Launches are admitted while it is non-zero: the watcher wakes at the deadline and clears
-    /// it as it drains.
+    /// Absolute CLOCK_MONOTONIC deadline of the open turn; 0 while the gate is closed.
+    /// Launches are admitted while it is non-zero: the watcher clears it near the deadline.
     deadline: AtomicU64,
     /// Launches between admission and return from the driver.
     in_progress: AtomicU32,
-    /// The scheduler extended the held token: nobody else wants the GPU, so the watcher need
-    /// not look for idleness until the deadline (whoever asks ends the extension, and the new
-    /// deadline says so).
+    /// The scheduler extended the turn: nobody else wants the GPU, so the watcher need not look
+    /// for idleness until the deadline (whoever asks ends the extension, and the new deadline
+    /// says so).
     alone: AtomicBool,
     /// Launchers waiting in `wait_for_queue` for their queued work: busy, not idle.
     pacing: AtomicU32,
+    /// Launchers waiting for a turn: this process has work.
+    waiters: AtomicU32,
     /// The last fence found more than half the queue budget queued: the next launch waits
     /// (takes the slow path) until it is not.
     pace_due: AtomicBool,
-    /// A drain holds the lock (until this process's work has drained).
+    /// A turn's work drains (the gate is closed for it).
     draining: AtomicBool,
     /// When the application last began to synchronise (0: never), and when that returned; with
     /// the launch count at each, which says exactly whether anything was launched since.
@@ -118,6 +144,7 @@ impl Gate {
             in_progress: AtomicU32::new(0),
             alone: AtomicBool::new(false),
             pacing: AtomicU32::new(0),
+            waiters: AtomicU32::new(0),
             pace_due: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             synced_at: AtomicU64::new(0),
@@ -131,6 +158,9 @@ impl Gate {
             next_pace: AtomicU64::new(1),
             inner: Mutex::new(Inner {
                 token: Token::None,
+                next: None,
+                lateness: [0; LATENESS_SAMPLES],
+                lateness_at: 0,
                 queue: Queue::default(),
                 ctxs: Vec::new(),
                 seen_launches: 0,
@@ -203,7 +233,7 @@ impl Gate {
             self.wait_for_queue();
         }
         let mut g = self.lock();
-        // The first launch since a synchronisation that handed the token over: was the
+        // The first launch since a synchronisation that gave the turn back: was the
         // application idle in between (see `before_sync`)?
         let returned = self.sync_returned_at.load(Ordering::Relaxed);
         if g.token == Token::None
@@ -214,44 +244,75 @@ impl Gate {
         {
             self.idled_after_sync.store(true, Ordering::Relaxed);
         }
-        loop {
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        // When this launcher last waited for a turn's opening (to learn how late it woke).
+        let mut waited_for: Option<u64> = None;
+        let admitted = loop {
             match g.token {
-                Token::Refused => return false,
-                Token::Unthrottled => break,
-                Token::Held { .. } => {
-                    let d = self.deadline.load(Ordering::Acquire);
-                    if d != 0 && crate::now_ns() < d {
-                        break;
+                Token::Refused => break false,
+                Token::Unthrottled => break true,
+                Token::Held(turn) if !turn.closed => {
+                    if self.deadline.load(Ordering::Acquire) != 0 {
+                        break true;
                     }
-                    // This launch wants the GPU again: queue for it in the same breath, so the
-                    // scheduler weighs this process against the others for the next turn.
-                    self.drain_and_release(hook, &mut g, true);
+                    let now = crate::now_ns();
+                    let open_at = turn.start_ns.saturating_sub(lead_ns(&g, hook));
+                    if now >= open_at {
+                        if let Some(at) = waited_for {
+                            note_lateness(&mut g, now.saturating_sub(at));
+                        }
+                        self.open(&mut g, now);
+                        hook.wake_watcher();
+                        break true;
+                    }
+                    waited_for = Some(open_at);
+                    g = self.wait(g, Duration::from_nanos(open_at - now));
                 }
                 Token::None => {
                     if hook.send(&ClientMsg::Acquire { gpu: self.uuid }) {
                         g.token = Token::Requested;
                     } else {
-                        g = self
-                            .changed
-                            .wait_timeout(g, Duration::from_millis(100))
-                            .unwrap_or_else(|e| e.into_inner())
-                            .0;
+                        g = self.wait(g, Duration::from_millis(100));
                     }
                 }
-                Token::Requested => {
-                    g = self
-                        .changed
-                        .wait_timeout(g, Duration::from_millis(100))
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0;
+                // Waiting for a grant, or for the last turn's work to drain.
+                Token::Requested | Token::Held(_) => {
+                    waited_for = None;
+                    g = self.wait(g, Duration::from_millis(100));
                 }
             }
+        };
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
+        if admitted {
+            self.in_progress.fetch_add(1, Ordering::AcqRel);
         }
-        self.in_progress.fetch_add(1, Ordering::AcqRel);
-        true
+        admitted
     }
 
-    /// The token, held from `start_ns` (when the previous holder's queued work drains).
+    fn wait<'a>(&self, g: MutexGuard<'a, Inner>, d: Duration) -> MutexGuard<'a, Inner> {
+        self.changed
+            .wait_timeout(g, d)
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+    }
+
+    /// Open the gate for the held turn (its first launch is about to be made, at `now`).
+    fn open(&self, g: &mut Inner, now: u64) {
+        let Token::Held(turn) = &mut g.token else {
+            return;
+        };
+        turn.opened_ns = Some(now);
+        self.alone.store(false, Ordering::Relaxed);
+        // Fence the turn's first launch: its queue is known from the start.
+        self.next_pace
+            .store(self.launches.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        self.deadline
+            .store(turn.deadline_ns.max(1), Ordering::Release);
+        self.changed.notify_all();
+    }
+
+    /// A turn from `start_ns` to `deadline_ns`, usually ahead of its start; or a planned one
+    /// moved earlier (same token).
     pub fn on_grant(
         &self,
         hook: &Hook,
@@ -261,38 +322,77 @@ impl Gate {
         quota_ns: u64,
     ) {
         let mut g = self.lock();
-        if g.token != Token::Requested {
-            // Nobody here wants it (any more): hand it straight back.
-            hook.send(&ClientMsg::Release {
-                gpu: self.uuid,
-                token,
-                used_ns: 0,
-            });
-            return;
-        }
-        g.token = Token::Held {
+        let turn = Turn {
             token,
-            granted_ns: crate::now_ns().max(start_ns),
+            start_ns,
+            deadline_ns,
             quota_ns,
+            opened_ns: None,
+            closed: false,
         };
-        self.alone.store(false, Ordering::Relaxed);
-        self.deadline.store(deadline_ns.max(1), Ordering::Release);
+        let retime = |t: &mut Turn| {
+            t.start_ns = start_ns;
+            t.deadline_ns = deadline_ns;
+            t.quota_ns = quota_ns;
+        };
+        let inner = &mut *g;
+        match (&mut inner.token, &mut inner.next) {
+            (Token::Held(t), _) if t.token == token => {
+                retime(t);
+                if t.opened_ns.is_some() && !t.closed {
+                    self.deadline.store(deadline_ns.max(1), Ordering::Release);
+                }
+            }
+            (_, Some(n)) if n.token == token => retime(n),
+            (Token::Requested, _) => g.token = Token::Held(turn),
+            (Token::Held(_), next) => *next = Some(turn),
+            // Nobody here wants it (any more), or no limits apply: give it straight back.
+            (Token::None | Token::Unthrottled | Token::Refused, _) => {
+                drop(g);
+                self.give_back(hook, token, crate::now_ns(), None, false);
+                return;
+            }
+        }
         self.changed.notify_all();
     }
 
-    /// The token overran: stop admitting at once; the next launch or the watcher drains it.
+    /// Stop launching in turn `token` at once (it ended without a report by its end + grace), or
+    /// forget it if it has not started.
     pub fn on_revoke(&self, token: u64) {
+        let mut g = self.lock();
+        if g.next.is_some_and(|n| n.token == token) {
+            g.next = None;
+            return;
+        }
+        if let Token::Held(t) = g.token
+            && t.token == token
+            && t.opened_ns.is_none()
+        {
+            g.token = g.next.take().map_or(Token::Requested, Token::Held);
+            return;
+        }
+        drop(g);
         self.on_deadline(token, 1);
     }
 
-    /// The token now ends at `deadline_ns`, unless it is being given back already (a drain
-    /// clears the deadline under the lock). One already past (a revocation, a turn cut short to
-    /// now) stops admission at once: the next launch drains, without waiting for the watcher.
+    /// Turn `token` now ends at `deadline_ns` (earlier or later). One already past (a
+    /// revocation, a turn cut short to now) closes the gate at once: the next launch waits,
+    /// without waiting for the watcher.
     pub fn on_deadline(&self, token: u64, deadline_ns: u64) {
-        let g = self.lock();
-        let current = self.deadline.load(Ordering::Acquire);
-        if matches!(g.token, Token::Held { token: t, .. } if t == token) && current != 0 {
-            self.alone.store(deadline_ns > current, Ordering::Relaxed);
+        let mut g = self.lock();
+        if let Some(n) = g.next.as_mut().filter(|n| n.token == token) {
+            n.deadline_ns = deadline_ns;
+            return;
+        }
+        let Token::Held(t) = &mut g.token else {
+            return;
+        };
+        if t.token != token || t.closed {
+            return;
+        }
+        self.alone.store(deadline_ns > t.deadline_ns, Ordering::Relaxed);
+        t.deadline_ns = deadline_ns;
+        if t.opened_ns.is_some() {
             let ended = deadline_ns <= crate::now_ns();
             self.deadline
                 .store(if ended { 0 } else { deadline_ns }, Ordering::Release);
@@ -309,11 +409,12 @@ impl Gate {
         self.changed.notify_all();
     }
 
-    /// The scheduler is gone (it released our token when the socket closed).
+    /// The scheduler is gone (its turns with it).
     pub fn on_disconnected(&self) {
         let mut g = self.lock();
         if !matches!(g.token, Token::Unthrottled | Token::Refused) {
             g.token = Token::None;
+            g.next = None;
             self.deadline.store(0, Ordering::Release);
         }
         self.changed.notify_all();
@@ -333,35 +434,72 @@ impl Gate {
         self.changed.notify_all();
     }
 
-    /// Watcher duty: release a token that expired or whose holder launched nothing for
-    /// `idle_ns`. Returns when to look again (`None`: no token held, nothing to watch).
+    /// Watcher duty: close the open turn when the work queued would run to its deadline, give
+    /// back one whose holder launched nothing for `idle_ns` (or that came with nothing to
+    /// launch). Returns when to look again (`None`: nothing to watch).
     pub fn watch(&self, hook: &Hook, idle_ns: u64) -> Option<u64> {
         let mut g = self.lock();
-        let Token::Held { granted_ns, .. } = g.token else {
+        let Token::Held(turn) = g.token else {
             return None;
         };
-        // The clock is read under the lock: a launcher pacing may have held it a while.
-        let now = crate::now_ns();
-        let deadline = self.deadline.load(Ordering::Acquire);
-        let (last, synced_last) = self.last_active(&mut g, now);
-        let idle_since = last.max(granted_ns).saturating_add(idle_ns);
-        let quiet = self.in_progress.load(Ordering::Acquire) == 0
-            && self.pacing.load(Ordering::Acquire) == 0;
-        if self.alone.load(Ordering::Relaxed) && now < deadline {
-            return Some(deadline);
-        }
-        let idle = quiet && now >= idle_since;
-        if now >= deadline || idle {
-            // Given back for idleness (not at the deadline) with nothing launched since the
-            // application synchronised: it went idle after synchronising.
-            if now < deadline && synced_last {
-                self.idled_after_sync.store(true, Ordering::Relaxed);
-            }
-            // At the deadline, an application that is not idle wants the next turn too.
-            self.drain_and_release(hook, &mut g, !idle);
+        if turn.closed {
             return None;
         }
-        Some(if quiet { idle_since } else { now + idle_ns }.min(deadline))
+        // The clock is read under the lock: a launcher pacing may have held it a while.
+        let now = crate::now_ns();
+        let Some(opened) = turn.opened_ns else {
+            // Not opened: nothing was launched since it started (and its lead) — give it back
+            // once that lasts an idle release.
+            let idle_at = turn.start_ns.saturating_add(idle_ns);
+            if now < idle_at {
+                return Some(idle_at);
+            }
+            if self.waiters.load(Ordering::Acquire) == 0 {
+                self.close(hook, g, Some(now), false);
+            }
+            return None;
+        };
+        let deadline = self.deadline.load(Ordering::Acquire).max(1);
+        let (last, synced_last) = self.last_active(&mut g, now);
+        let idle_since = last.max(opened).saturating_add(idle_ns);
+        let quiet = self.in_progress.load(Ordering::Acquire) == 0
+            && self.pacing.load(Ordering::Acquire) == 0;
+        let alone = self.alone.load(Ordering::Relaxed);
+        if quiet && !alone && now >= idle_since && now < deadline {
+            // Given back for idleness with nothing launched since the application
+            // synchronised: it went idle after synchronising.
+            if synced_last {
+                self.idled_after_sync.store(true, Ordering::Relaxed);
+            }
+            self.close(hook, g, Some(now), false);
+            return None;
+        }
+        // Close when the work queued would run to the deadline.
+        let budget = queue_budget_of(turn.quota_ns) as u64;
+        let queued = self.queued_now(&mut g, now).unwrap_or(budget / 2);
+        let close_at = deadline.saturating_sub(queued);
+        if now >= close_at {
+            let busy = !quiet || self.waiters.load(Ordering::Acquire) > 0 || now < idle_since;
+            self.close(hook, g, None, busy);
+            return None;
+        }
+        // Look again at the latest a budget before the deadline (the queue estimate then
+        // says when exactly), and for idleness.
+        let next = if deadline - now > budget {
+            deadline - budget
+        } else {
+            close_at
+        };
+        let idle_check = if quiet { idle_since } else { now + idle_ns };
+        Some(if alone { next } else { next.min(idle_check) })
+    }
+
+    /// The GPU work this process has queued now, as far as its fences tell.
+    fn queued_now(&self, g: &mut Inner, now: u64) -> Option<u64> {
+        let launched = self.launches.load(Ordering::Relaxed);
+        g.queue.complete_finished(launched);
+        g.queue.scan(&self.launch_streams, launched);
+        g.queue.queued_ns(now, 0).map(|(tail, _)| tail)
     }
 
     /// When the application last launched or began to synchronise (the fast path takes no
@@ -386,132 +524,100 @@ impl Gate {
         }
     }
 
-    /// Stop admitting, let in-progress launches return, wait for this process's GPU work, and
-    /// give the token back with the time it was held. With `again`, ask for the next turn first
-    /// (the scheduler then chooses among all who want the GPU, this process included).
-    fn drain_and_release(&self, hook: &Hook, g: &mut Inner, again: bool) {
-        let Token::Held {
-            token, granted_ns, ..
-        } = g.token
-        else {
+    /// Close the gate for the held turn, let in-progress launches return, wait (without the
+    /// lock) for this process's GPU work to drain, and report the turn: its first launch and the
+    /// end of its last kernel, and whether this process has more work (`again`, or a launcher
+    /// waiting by then). `yield_at`: the turn is given back before its deadline (at that time),
+    /// with when its work should drain, so the next turn starts there.
+    fn close(&self, hook: &Hook, mut g: MutexGuard<'_, Inner>, yield_at: Option<u64>, again: bool) {
+        let Token::Held(turn) = &mut g.token else {
             return;
         };
+        turn.closed = true;
+        let turn = *turn;
         self.deadline.store(0, Ordering::SeqCst);
         self.draining.store(true, Ordering::Release);
         while self.in_progress.load(Ordering::SeqCst) != 0 {
             std::thread::yield_now();
         }
-        // Hand over early: wait only until the work still queued is about one handoff
-        // (`GPUSHARE_HANDOFF_LEAD`), so the next holder's first kernels reach the GPU as ours
-        // finish instead of after an idle round trip; that tail is charged as estimated.
-        let estimate = self
-            .queued_estimate(g, hook.settings.handoff_lead_ns)
-            .map(|tail| crate::now_ns().saturating_sub(granted_ns) + tail);
-        if let Some(used_ns) = estimate {
-            self.give_back(hook, g, token, used_ns, again);
+        if let Some(now) = yield_at {
+            let drained_ns = now + self.queued_now(&mut g, now).unwrap_or(0);
+            debug!("yield turn {} (drains at {drained_ns})", turn.token);
+            hook.send(&ClientMsg::Yield {
+                gpu: self.uuid,
+                token: turn.token,
+                drained_ns,
+            });
         }
-        // Draining also restarts the pacing from an empty queue, so that no fence spacing
-        // spans another holder's turn.
-        for &ctx in &g.ctxs {
+        let ctxs = g.ctxs.clone();
+        drop(g);
+        for ctx in ctxs {
             sync_context(ctx);
         }
+        let last_ns = crate::now_ns();
+        let mut g = self.lock();
+        // Draining also restarts the pacing from an empty queue, so that no fence spacing spans
+        // another holder's turn.
         g.queue
             .drained(&self.launch_streams, self.launches.load(Ordering::Relaxed));
         self.pace_due.store(false, Ordering::Relaxed);
-        let used_ns = crate::now_ns().saturating_sub(granted_ns);
-        match estimate {
-            None => self.give_back(hook, g, token, used_ns, again),
-            // The tail took longer than estimated: settle the charge, so the estimate never
-            // lets a group run past its share or its cap.
-            Some(est) if used_ns > est => {
-                hook.send(&ClientMsg::Settle {
-                    gpu: self.uuid,
-                    token,
-                    used_ns,
-                });
-            }
-            Some(_) => {}
-        }
+        let again = again || self.waiters.load(Ordering::Acquire) > 0;
+        g.token = match g.next.take() {
+            Some(n) => Token::Held(n),
+            None if again => Token::Requested,
+            None => Token::None,
+        };
         self.draining.store(false, Ordering::Release);
+        self.changed.notify_all();
+        drop(g);
+        let used = turn.opened_ns.map(|first_ns| TurnUse { first_ns, last_ns });
+        debug!("turn {} used {used:?}, again {again}", turn.token);
+        hook.send(&ClientMsg::Report {
+            gpu: self.uuid,
+            token: turn.token,
+            used,
+            again,
+        });
+        hook.wake_watcher();
     }
 
-    /// Wait until the GPU work still queued is estimated at `lead_ns` or less; that estimate,
-    /// or `None` when it cannot be made (see [`Queue::queued_ns`]; or the estimate would not run
-    /// down; or a fence the driver would not wait for). Between fences it sleeps to the moment
-    /// the estimate reaches the lead, so the handover does not jump by whole kernels. On several
-    /// streams, up to half a lead of work launched after the streams' newest fences is
-    /// tolerated in the estimate.
-    fn queued_estimate(&self, g: &mut Inner, lead_ns: u64) -> Option<u64> {
-        if lead_ns == 0 {
-            return None;
-        }
-        g.queue
-            .scan(&self.launch_streams, self.launches.load(Ordering::Relaxed));
-        loop {
-            // Fences on other streams may have completed before the oldest: take them in too,
-            // so that the GPU time per launch counts their launches with the time they took.
-            g.queue
-                .complete_finished(self.launches.load(Ordering::Relaxed));
-            let now = crate::now_ns();
-            let (tail, runs_down) = g.queue.queued_ns(now, lead_ns / 2)?;
-            if tail <= lead_ns {
-                return Some(tail);
-            }
-            if !runs_down {
-                return None;
-            }
-            // When the oldest fence completes, relative to the moment the tail reaches the lead
-            // (none pending: the estimate runs down from the last completion).
-            let fence_in = g.queue.oldest_fence_in(tail).unwrap_or(f64::INFINITY);
-            if fence_in <= (tail - lead_ns) as f64 {
-                if !g
-                    .queue
-                    .complete_oldest(self.launches.load(Ordering::Relaxed))
-                {
-                    return None;
-                }
-            } else {
-                std::thread::sleep(Duration::from_nanos(tail - lead_ns));
-            }
-        }
+    /// Give turn `token` back unused (granted when nobody here wanted it).
+    fn give_back(&self, hook: &Hook, token: u64, now: u64, used: Option<TurnUse>, again: bool) {
+        hook.send(&ClientMsg::Yield {
+            gpu: self.uuid,
+            token,
+            drained_ns: now,
+        });
+        hook.send(&ClientMsg::Report {
+            gpu: self.uuid,
+            token,
+            used,
+            again,
+        });
     }
 
-    /// The application is about to wait for its GPU work. The turn is over in all but name when
-    /// the token ends before that work has drained plus a handoff lead, or when this
-    /// application went idle after one of its last 8 synchronisations (a missed idle costs the
-    /// GPU an idle release, a needless handover only the rest of this turn: a request server
-    /// whose next requests queued up for a while still hands over after the one that empties
-    /// its queue): then hand over as the work drains, as at expiry, rather than leave the next
-    /// holder an idle GPU for a round trip after it (or after the idle release). Skipped while
-    /// another thread is launching or the gate is busy.
+    /// The application is about to synchronise. If it went idle after one of its last
+    /// synchronisations (a request server, a bursty job: learnt), give the turn back as the work
+    /// it waits for drains, rather than leave the next holder an idle GPU until the idle
+    /// release. Skipped while another thread is launching or the gate is busy.
     pub fn before_sync(&self, hook: &Hook) {
-        // Going idle next matters only to someone waiting (not while the token is extended).
+        // Going idle next matters only to someone waiting (not while the turn is extended).
         let idle_next =
             self.learn_after_sync() > IDLE_RECENTLY && !self.alone.load(Ordering::Relaxed);
         let deadline = self.deadline.load(Ordering::Acquire);
-        if deadline == 0
+        if !idle_next
+            || deadline == 0
             || deadline == UNLIMITED
             || self.in_progress.load(Ordering::Acquire) != 0
             || self.pacing.load(Ordering::Acquire) != 0
         {
             return;
         }
-        let Ok(mut g) = self.inner.try_lock() else {
+        let Ok(g) = self.inner.try_lock() else {
             return;
         };
-        if !matches!(g.token, Token::Held { .. }) {
-            return;
-        }
-        let launched = self.launches.load(Ordering::Relaxed);
-        g.queue.complete_finished(launched);
-        g.queue.scan(&self.launch_streams, launched);
-        let now = crate::now_ns();
-        let lead_ns = hook.settings.handoff_lead_ns;
-        let Some((tail, _)) = g.queue.queued_ns(now, lead_ns / 2) else {
-            return;
-        };
-        if idle_next || now + tail + lead_ns >= deadline {
-            self.drain_and_release(hook, &mut g, false);
+        if matches!(g.token, Token::Held(t) if t.opened_ns.is_some() && !t.closed) {
+            self.close(hook, g, Some(crate::now_ns()), false);
         }
     }
 
@@ -553,20 +659,6 @@ impl Gate {
         };
         self.idle_after_sync_score.store(score, Ordering::Relaxed);
         score
-    }
-
-    /// Return the token (asking for the next turn first with `again`).
-    fn give_back(&self, hook: &Hook, g: &mut Inner, token: u64, used_ns: u64, again: bool) {
-        g.token = Token::None;
-        debug!("release token {token} after {used_ns} ns");
-        if again && hook.send(&ClientMsg::Acquire { gpu: self.uuid }) {
-            g.token = Token::Requested;
-        }
-        hook.send(&ClientMsg::Release {
-            gpu: self.uuid,
-            token,
-            used_ns,
-        });
     }
 
     /// Record a fence after launch `n` (on `stream`, whose key is `key`); when too much work is
@@ -663,12 +755,35 @@ impl Gate {
     }
 }
 
-/// The queue budget of the token held (an eighth of its quota, at least 0.1 ms), if one is.
+/// The queue budget of the turn held, if one is.
 fn queue_budget(g: &Inner) -> Option<f64> {
     match g.token {
-        Token::Held { quota_ns, .. } => Some((quota_ns / 8).max(100_000) as f64),
+        Token::Held(t) => Some(queue_budget_of(t.quota_ns)),
         _ => None,
     }
+}
+
+/// The queue budget of a turn of `quota_ns`: an eighth of it, at least 0.1 ms.
+fn queue_budget_of(quota_ns: u64) -> f64 {
+    (quota_ns / 8).max(100_000) as f64
+}
+
+/// How long before a turn's start the gate opens: `GPUSHARE_HANDOFF_LEAD` at least, more when
+/// this process's timed waits have returned late lately (the latest of them, and 0.2 ms), at
+/// most [`MAX_LEAD_NS`].
+fn lead_ns(g: &Inner, hook: &Hook) -> u64 {
+    let late = g.lateness.iter().copied().max().unwrap_or(0);
+    hook.settings
+        .handoff_lead_ns
+        .max(late + 200_000)
+        .min(MAX_LEAD_NS)
+}
+
+/// A timed wait for a turn's opening returned `late_ns` late.
+fn note_lateness(g: &mut Inner, late_ns: u64) {
+    let i = g.lateness_at % LATENESS_SAMPLES;
+    g.lateness[i] = late_ns;
+    g.lateness_at = g.lateness_at.wrapping_add(1);
 }
 
 /// For a queue budget and the GPU time per launch: launches between fences (K, half the budget
@@ -706,16 +821,20 @@ fn sync_context(ctx: P) {
 mod tests {
     use super::*;
 
-    /// A gate holding `token` for an hour.
+    /// A gate whose turn `token`, an hour long, is open.
     fn holding(token: u64) -> Gate {
         let gate = Gate::new([0; 16]);
-        gate.lock().token = Token::Held {
+        let now = crate::now_ns();
+        let deadline_ns = now + 3_600_000_000_000;
+        gate.lock().token = Token::Held(Turn {
             token,
-            granted_ns: crate::now_ns(),
+            start_ns: now,
+            deadline_ns,
             quota_ns: 20_000_000,
-        };
-        gate.deadline
-            .store(crate::now_ns() + 3_600_000_000_000, Ordering::Release);
+            opened_ns: Some(now),
+            closed: false,
+        });
+        gate.deadline.store(deadline_ns, Ordering::Release);
         gate
     }
 

@@ -303,16 +303,6 @@ impl Queue {
         Some((tail, since.is_some()))
     }
 
-    /// When the oldest pending fence should complete, given the queued work's estimate `tail`
-    /// (ns from now): that less the work not before the fence (launches on other streams count
-    /// as after it).
-    pub fn oldest_fence_in(&self, tail: u64) -> Option<f64> {
-        let f = self.fences.front()?;
-        let before = f.seq.saturating_sub(self.streams[f.stream].done);
-        let after = self.queued().saturating_sub(before);
-        Some(tail as f64 - after as f64 * self.ns_per_launch()?)
-    }
-
     /// Whether a launcher should wait for its oldest fence: more than `limit_ns` of work is
     /// queued (or launches are queued and nothing is learnt yet), and there is a fence before
     /// the newest to wait for.
@@ -497,7 +487,6 @@ mod tests {
         // A fence recorded before the last one completed: the GPU has worked since that.
         fence(&mut q, &ring, A, 8, 500);
         assert_eq!(q.queued_ns(1_200, 0), Some((400, true)));
-        assert_eq!(q.oldest_fence_in(400), Some(200.0), "2 launches after it");
         // One recorded after it (the GPU may have idled in between): from its recording.
         q.fences[0].recorded_ns = 1_100;
         assert_eq!(q.queued_ns(1_200, 0), Some((500, true)));
@@ -518,11 +507,6 @@ mod tests {
         fence(&mut q, &ring, B, 6, 0);
         q.busy = (100.0, 1.0);
         assert_eq!(q.queued_ns(0, 0), Some((600, true)));
-        assert_eq!(
-            q.oldest_fence_in(600),
-            Some(300.0),
-            "B's 3 launches count as after A's fence"
-        );
         complete(&mut q, 6, 400);
         assert_eq!(
             q.queued(),
