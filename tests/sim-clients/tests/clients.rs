@@ -291,9 +291,12 @@ fn a_client_timeline_matches_the_device_trace() {
         };
         let (mine, truth) = (ends(&timeline), ends(&device));
         assert_eq!(mine.len(), 100, "stream {stream}");
+        // The anchor that places the timeline on CLOCK_MONOTONIC is polled from the host: on a
+        // busy machine it may be seen a few ms late (the benchmark reports the agreement on a
+        // quiet one, `device_trace_check`); a kernel placed on the wrong turn is 20 ms off.
         for (m, t) in mine.iter().zip(&truth) {
             assert!(
-                m.abs_diff(*t) <= 200_000,
+                m.abs_diff(*t) <= 5_000_000,
                 "stream {stream}: kernel ending at {t} recorded at {m}"
             );
         }
