@@ -390,7 +390,8 @@ impl Gate {
         if t.token != token || t.closed {
             return;
         }
-        self.alone.store(deadline_ns > t.deadline_ns, Ordering::Relaxed);
+        self.alone
+            .store(deadline_ns > t.deadline_ns, Ordering::Relaxed);
         t.deadline_ns = deadline_ns;
         if t.opened_ns.is_some() {
             let ended = deadline_ns <= crate::now_ns();
@@ -405,17 +406,22 @@ impl Gate {
             g.token = Token::None;
             self.deadline.store(0, Ordering::Release);
             self.next_pace.store(1, Ordering::Relaxed);
+            g.queue
+                .drained(&self.launch_streams, self.launches.load(Ordering::Relaxed));
         }
         self.changed.notify_all();
     }
 
-    /// The scheduler is gone (its turns with it).
+    /// The scheduler is gone (its turns with it). What the queue knew is forgotten too: the
+    /// next fence's spacing from the last one would span the outage.
     pub fn on_disconnected(&self) {
         let mut g = self.lock();
         if !matches!(g.token, Token::Unthrottled | Token::Refused) {
             g.token = Token::None;
             g.next = None;
             self.deadline.store(0, Ordering::Release);
+            g.queue
+                .drained(&self.launch_streams, self.launches.load(Ordering::Relaxed));
         }
         self.changed.notify_all();
     }
@@ -465,7 +471,10 @@ impl Gate {
         let quiet = self.in_progress.load(Ordering::Acquire) == 0
             && self.pacing.load(Ordering::Acquire) == 0;
         let alone = self.alone.load(Ordering::Relaxed);
-        if quiet && !alone && now >= idle_since && now < deadline {
+        let queued = self.queued_now(&mut g, now);
+        // Idle: nothing launched for the idle release, and nothing of this process's left on
+        // the GPU (a synchronisation waiting for queued work is not idleness).
+        if quiet && !alone && now >= idle_since && now < deadline && queued == Some(0) {
             // Given back for idleness with nothing launched since the application
             // synchronised: it went idle after synchronising.
             if synced_last {
@@ -474,23 +483,37 @@ impl Gate {
             self.close(hook, g, Some(now), false);
             return None;
         }
+        // The next turn is this process's own, back to back: no handoff, the gate stays open;
+        // at the deadline the turn is reported and the next one takes over.
+        if let Some(n) = g.next.filter(|n| n.start_ns <= deadline) {
+            if now < deadline {
+                return Some(deadline);
+            }
+            self.roll_over(hook, g, turn, n, deadline);
+            return Some(now);
+        }
         // Close when the work queued would run to the deadline.
         let budget = queue_budget_of(turn.quota_ns) as u64;
-        let queued = self.queued_now(&mut g, now).unwrap_or(budget / 2);
-        let close_at = deadline.saturating_sub(queued);
+        // (Pacing keeps the queue within the budget: an estimate far beyond is stale.)
+        let close_at = deadline.saturating_sub(queued.unwrap_or(budget / 2).min(2 * budget));
         if now >= close_at {
             let busy = !quiet || self.waiters.load(Ordering::Acquire) > 0 || now < idle_since;
             self.close(hook, g, None, busy);
             return None;
         }
-        // Look again at the latest a budget before the deadline (the queue estimate then
-        // says when exactly), and for idleness.
+        // Look again at the latest a budget before the deadline (the queue estimate then says
+        // when exactly), and for idleness: once the idle release has passed, when the work
+        // queued should have drained.
         let next = if deadline - now > budget {
             deadline - budget
         } else {
             close_at
         };
-        let idle_check = if quiet { idle_since } else { now + idle_ns };
+        let idle_check = match (quiet, now >= idle_since) {
+            (false, _) => now + idle_ns,
+            (true, false) => idle_since,
+            (true, true) => now + queued.unwrap_or(idle_ns).max(100_000),
+        };
         Some(if alone { next } else { next.min(idle_check) })
     }
 
@@ -506,8 +529,7 @@ impl Gate {
     /// timestamp), and whether that was a synchronisation: exactly, when it began one with
     /// nothing launched since (later than any launch: a paced one may be a whole queue budget
     /// earlier), or when the last launch was paced; else when the watcher, looking at `now`, saw
-    /// the launch count move (a look late at most). Waiting in a synchronisation counts towards
-    /// idleness: the work it waits for drains as the token is handed over (`drain_and_release`).
+    /// the launch count move (a look late at most).
     fn last_active(&self, g: &mut Inner, now: u64) -> (u64, bool) {
         let count = self.launches.load(Ordering::Relaxed);
         if count != g.seen_launches {
@@ -579,6 +601,35 @@ impl Gate {
             again,
         });
         hook.wake_watcher();
+    }
+
+    /// Turn `turn` ends at `at` and this process's next turn `next` starts there: report the
+    /// one, open the other, without closing the gate.
+    fn roll_over(
+        &self,
+        hook: &Hook,
+        mut g: MutexGuard<'_, Inner>,
+        turn: Turn,
+        next: Turn,
+        at: u64,
+    ) {
+        g.next = None;
+        g.token = Token::Held(Turn {
+            opened_ns: Some(at),
+            ..next
+        });
+        self.deadline
+            .store(next.deadline_ns.max(1), Ordering::Release);
+        drop(g);
+        hook.send(&ClientMsg::Report {
+            gpu: self.uuid,
+            token: turn.token,
+            used: turn.opened_ns.map(|first_ns| TurnUse {
+                first_ns,
+                last_ns: at,
+            }),
+            again: true,
+        });
     }
 
     /// Give turn `token` back unused (granted when nobody here wanted it).
@@ -763,9 +814,10 @@ fn queue_budget(g: &Inner) -> Option<f64> {
     }
 }
 
-/// The queue budget of a turn of `quota_ns`: an eighth of it, at least 0.1 ms.
+/// The queue budget of a turn of `quota_ns`: an eighth of it, 0.1 ms to 2.5 ms (what a
+/// handoff may wait behind, however long the turns).
 fn queue_budget_of(quota_ns: u64) -> f64 {
-    (quota_ns / 8).max(100_000) as f64
+    (quota_ns / 8).clamp(100_000, 2_500_000) as f64
 }
 
 /// How long before a turn's start the gate opens: `GPUSHARE_HANDOFF_LEAD` at least, more when

@@ -557,6 +557,7 @@ fn policy_for(st: &mut State, gpu: GpuUuid) -> &mut Policy {
 fn collect(st: &mut State, out: &mut Outbox) {
     for (gpu, p) in st.policies.iter_mut() {
         for d in p.take_decisions() {
+            tracing::debug!(?d, "decision");
             match d {
                 Decision::Grant {
                     client,
@@ -575,11 +576,7 @@ fn collect(st: &mut State, out: &mut Outbox) {
                     },
                 )),
                 Decision::Revoke { client, token } => {
-                    tracing::info!(
-                        client,
-                        token,
-                        "revoking a token held past its deadline and grace"
-                    );
+                    tracing::info!(client, token, "revoking a turn (no report, or withdrawn)");
                     out.push((client, ServerMsg::Revoke { gpu: *gpu, token }))
                 }
                 Decision::Shorten {

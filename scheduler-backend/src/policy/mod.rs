@@ -44,8 +44,9 @@
 //!    those that may start then (ties: the one waiting longest); within a group clients are
 //!    served in the order they asked, i.e. round-robin. The holder of the current turn counts
 //!    as waiting for another (it is still launching, as far as the policy knows) unless it
-//!    yielded; if it is chosen again its turn is *extended* ([`Decision::Extend`]) instead of a
-//!    new one granted. A client whose report says it has no more work leaves the queue (a turn
+//!    yielded; if it is chosen again while no other group wants the GPU its turn is *extended*
+//!    ([`Decision::Extend`]), else it gets a new turn back to back (its hook reports the one
+//!    before at the handoff, so a stopped process is noticed there). A client whose report says it has no more work leaves the queue (a turn
 //!    already planned for it is revoked). The GPU is never left without a turn while a group
 //!    that may start waits (work conservation).
 //! 5. **Yield.** A client whose work runs out gives its turn back with an estimate of when its
@@ -500,17 +501,32 @@ impl Policy {
             });
             self.ended.insert(token, t);
         }
-        // A client whose turn ended a grant-ahead ago without a report is not presumed to want
-        // another: it may be stopped (it asks again when it reports).
-        let ahead = self.cfg.grant_ahead_ns;
-        let silent: Vec<ClientId> = self
+        // A client whose turn ended half a grace ago without a report may be stopped: it is
+        // not presumed to want another (it asks again when it reports), and a turn of its that
+        // started since, which it cannot use, ends now.
+        let silence = self.silence_ns();
+        let silent: Vec<(ClientId, u64)> = self
             .ended
             .values()
-            .filter(|t| !t.yielded && now >= t.end().saturating_add(ahead))
-            .map(|t| t.client)
+            .filter(|t| !t.yielded && !t.revoked && now >= t.end().saturating_add(silence))
+            .map(|t| (t.client, t.end()))
             .collect();
-        for client in silent {
+        for (client, ended_at) in silent {
             self.dequeue(client, now);
+            if let Some(t) = self
+                .current
+                .as_ref()
+                .filter(|t| t.client == client && t.start_ns >= ended_at)
+            {
+                let token = t.token;
+                self.yield_current(now, now);
+                self.decisions.push(Decision::Revoke { client, token });
+            }
+            if let Some(t) = self.next.as_ref().filter(|t| t.client == client) {
+                let token = t.token;
+                self.withdraw_next(now);
+                self.decisions.push(Decision::Revoke { client, token });
+            }
         }
         let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
         let refilled: Vec<String> = self
@@ -576,18 +592,13 @@ impl Policy {
                 .filter(|t| !t.revoked)
                 .map(|t| t.end().saturating_add(self.cfg.grace_ns)),
         );
-        // A silent client leaves the queue (see `tick`).
+        // A silent client leaves the queue and its turns (see `tick`).
         at.extend(
             self.ended
                 .values()
-                .filter(|t| {
-                    !t.yielded
-                        && self
-                            .clients
-                            .get(&t.client)
-                            .is_some_and(|c| c.waiting.is_some())
-                })
-                .map(|t| t.end().saturating_add(ahead)),
+                .filter(|t| !t.yielded && !t.revoked)
+                .map(|t| t.end().saturating_add(self.silence_ns()))
+                .filter(|&t| t > self.now),
         );
         at.into_iter().min()
     }
@@ -671,6 +682,12 @@ impl Policy {
     }
 
     // ---- internals ----
+
+    /// How long after a turn's end without its report its client is taken to be stopped: half
+    /// the grace (its hook reports as the turn's work drains, a few ms at most).
+    fn silence_ns(&self) -> u64 {
+        self.cfg.grace_ns / 2
+    }
 
     /// Moves the clock to `now` (never backwards): credit accrues for the time a turn ran,
     /// turns end at their deadlines and planned ones start, groups that yielded stop counting
@@ -971,14 +988,13 @@ impl Policy {
         if let Some(c) = self.clients.get_mut(&client) {
             c.waiting = None;
         }
-        if let Some(cur) = self
-            .current
-            .as_mut()
-            .filter(|c| c.client == client && c.deadline_ns == start && at == start)
-        {
-            if !others_active {
-                cur.unextended.get_or_insert(cur.deadline_ns);
-            }
+        // Its own client again, alone on the GPU: the turn goes on (extended). With others
+        // waiting it gets a new turn back to back, which its hook reports the one before for:
+        // a holder that has stopped is noticed at the handoff (see `tick`).
+        if let Some(cur) = self.current.as_mut().filter(|c| {
+            c.client == client && c.deadline_ns == start && at == start && !others_active
+        }) {
+            cur.unextended.get_or_insert(cur.deadline_ns);
             cur.deadline_ns += quota_ns;
             cur.quota_ns += quota_ns;
             cur.applied += quota_ns;

@@ -216,8 +216,8 @@ fn a_report_without_more_work_takes_the_client_out_of_the_queue() {
     assert!(p.status(20 * MS).waiting.is_empty());
 }
 
-/// A stopped process (no report after its turn) is not presumed to want more: the others have
-/// the GPU until it reports again.
+/// A stopped process (no report half a grace after its turn) is not presumed to want more: the
+/// others have the GPU until it reports again.
 #[test]
 fn a_silent_client_is_not_given_turns() {
     let mut p = a_and_b();
@@ -960,7 +960,7 @@ fn an_overrunning_tenant_gains_nothing() {
     let end = 200 * S;
     let groups = [("over", gp(0.5, 1.0, 1.0)), ("fair", gp(0.5, 1.0, 1.0))];
     let mut t0 = Tenant::new(0, Demand::Busy);
-    t0.overrun = Some((0.7, 15 * MS));
+    t0.overrun = Some((0.7, 8 * MS));
     let tenants = vec![t0, Tenant::new(1, Demand::Busy)];
     let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 8);
     sim.run_until(end);

@@ -682,12 +682,12 @@ const MALFORMED: [(&str, &[u8]); 4] = [
     ("huge length", &[0xf0, 0xff, 0xff, 0xff, 1, 2, 3, 4]),
     // A zero-length frame.
     ("empty frame", &[0, 0, 0, 0]),
-    // A valid Hello (postcard: variant 0, version 2 = PROTOCOL_VERSION as a varint, declared =
+    // A valid Hello (postcard: variant 0, version 3 = PROTOCOL_VERSION as a varint, declared =
     // None), then an undecodable frame.
     (
         "hello, then garbage",
         &[
-            3, 0, 0, 0, 0, 2, 0, 5, 0, 0, 0, 0xfe, 0xfe, 0xfe, 0xfe, 0xfe,
+            3, 0, 0, 0, 0, 3, 0, 5, 0, 0, 0, 0xfe, 0xfe, 0xfe, 0xfe, 0xfe,
         ],
     ),
 ];
