@@ -78,6 +78,8 @@ struct Inner {
     token: Token,
     /// A further turn granted while `token` still holds one (it starts after that one ends).
     next: Option<Turn>,
+    /// 100 ms waits for a grant since the last request.
+    requests_unanswered: u32,
     /// How late recent timed waits for a turn's opening returned (ns), in a ring.
     lateness: [u64; LATENESS_SAMPLES],
     lateness_at: usize,
@@ -159,6 +161,7 @@ impl Gate {
             inner: Mutex::new(Inner {
                 token: Token::None,
                 next: None,
+                requests_unanswered: 0,
                 lateness: [0; LATENESS_SAMPLES],
                 lateness_at: 0,
                 queue: Queue::default(),
@@ -275,10 +278,19 @@ impl Gate {
                         g = self.wait(g, Duration::from_millis(100));
                     }
                 }
-                // Waiting for a grant, or for the last turn's work to drain.
+                // Waiting for a grant, or for the last turn's work to drain. (Asked long ago and
+                // still nothing: ask again — the scheduler may have taken this process for a
+                // stopped one.)
                 Token::Requested | Token::Held(_) => {
                     waited_for = None;
                     g = self.wait(g, Duration::from_millis(100));
+                    if g.token == Token::Requested {
+                        g.requests_unanswered += 1;
+                        if g.requests_unanswered >= 5 {
+                            g.requests_unanswered = 0;
+                            hook.send(&ClientMsg::Acquire { gpu: self.uuid });
+                        }
+                    }
                 }
             }
         };
@@ -344,7 +356,10 @@ impl Gate {
                 }
             }
             (_, Some(n)) if n.token == token => retime(n),
-            (Token::Requested, _) => g.token = Token::Held(turn),
+            (Token::Requested, _) => {
+                inner.requests_unanswered = 0;
+                inner.token = Token::Held(turn);
+            }
             (Token::Held(_), next) => *next = Some(turn),
             // Nobody here wants it (any more), or no limits apply: give it straight back.
             (Token::None | Token::Unthrottled | Token::Refused, _) => {
@@ -368,7 +383,9 @@ impl Gate {
             && t.token == token
             && t.opened_ns.is_none()
         {
-            g.token = g.next.take().map_or(Token::Requested, Token::Held);
+            // Withdrawn (this process was taken to be stopped, say): a launcher asks again.
+            g.token = g.next.take().map_or(Token::None, Token::Held);
+            self.changed.notify_all();
             return;
         }
         drop(g);

@@ -501,15 +501,18 @@ impl Policy {
             });
             self.ended.insert(token, t);
         }
-        // A client whose turn ended half a grace ago without a report may be stopped: it is
+        // A client whose turn ended a grace ago without a report may be stopped: it is
         // not presumed to want another (it asks again when it reports), and a turn of its that
         // started since, which it cannot use, ends now.
         let silence = self.silence_ns();
         let silent: Vec<(ClientId, u64)> = self
             .ended
-            .values()
-            .filter(|t| !t.yielded && !t.revoked && now >= t.end().saturating_add(silence))
-            .map(|t| (t.client, t.end()))
+            .values_mut()
+            .filter(|t| !t.yielded && !t.silenced && now >= t.end().saturating_add(silence))
+            .map(|t| {
+                t.silenced = true;
+                (t.client, t.end())
+            })
             .collect();
         for (client, ended_at) in silent {
             self.dequeue(client, now);
@@ -596,7 +599,7 @@ impl Policy {
         at.extend(
             self.ended
                 .values()
-                .filter(|t| !t.yielded && !t.revoked)
+                .filter(|t| !t.yielded && !t.silenced)
                 .map(|t| t.end().saturating_add(self.silence_ns()))
                 .filter(|&t| t > self.now),
         );
@@ -683,10 +686,10 @@ impl Policy {
 
     // ---- internals ----
 
-    /// How long after a turn's end without its report its client is taken to be stopped: half
-    /// the grace (its hook reports as the turn's work drains, a few ms at most).
+    /// How long after a turn's end without its report its client is taken to be stopped: the
+    /// grace (its hook reports as the turn's work drains, a few ms at most).
     fn silence_ns(&self) -> u64 {
-        self.cfg.grace_ns / 2
+        self.cfg.grace_ns
     }
 
     /// Moves the clock to `now` (never backwards): credit accrues for the time a turn ran,
@@ -1024,6 +1027,7 @@ impl Policy {
             followed: false,
             yielded: false,
             revoked: false,
+            silenced: false,
             applied: quota_ns,
             recorded: 0,
         };

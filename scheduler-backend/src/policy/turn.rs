@@ -38,6 +38,8 @@ pub(super) struct Turn {
     pub yielded: bool,
     /// Its client was told to stop (no report by its end + grace).
     pub revoked: bool,
+    /// Its client was taken to be stopped (no report long after its end).
+    pub silenced: bool,
     /// Debited from credit and bucket so far (the reservation, then the charge).
     pub applied: u64,
     /// Added to the usage statistics so far.
@@ -101,6 +103,7 @@ mod tests {
             followed: false,
             yielded: false,
             revoked: false,
+            silenced: false,
             applied: 0,
             recorded: 0,
         }
