@@ -4,9 +4,10 @@
 //! ```toml
 //! [scheduler]
 //! quota = "20ms"      # token length
-//! min_quota = "2ms"   # smallest token a capped group is given
-//! grace = "20ms"      # a holder is revoked at deadline + grace
+//! min_quota = "2ms"   # shortest turn, and how long a turn cut short still lasts
+//! grace = "20ms"      # a turn unreported by its end + grace is revoked
 //! window = "5s"       # window of the achieved shares in `gpushare status`
+//! grant_ahead = "5ms" # the next turn is granted this long before the current one ends
 //!
 //! [[group]]
 //! name = "training"
@@ -42,6 +43,7 @@ struct RawScheduler {
     min_quota: Option<String>,
     grace: Option<String>,
     window: Option<String>,
+    grant_ahead: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -133,6 +135,11 @@ impl Config {
         )?;
         dur(&raw.scheduler.grace, "grace", &mut policy.grace_ns)?;
         dur(&raw.scheduler.window, "window", &mut policy.window_ns)?;
+        dur(
+            &raw.scheduler.grant_ahead,
+            "grant_ahead",
+            &mut policy.grant_ahead_ns,
+        )?;
         if policy.quota_ns == 0
             || policy.min_quota_ns > policy.quota_ns
             || policy.window_ns < policy.quota_ns
