@@ -198,6 +198,68 @@ fn idle_share_goes_to_the_busy_tenant() {
     );
 }
 
+/// System calls (`perf stat -e raw_syscalls:sys_enter`, children included) made while running
+/// `cmd`, which must succeed. (A kernel counter: the processes run at their own speed, unlike
+/// under strace, which would slow the host until the hook's pacing measured it instead of the
+/// GPU.)
+fn syscalls(node: &Node, what: &str, cmd: std::process::Command) -> u64 {
+    let out_file = node.tmp.path().join(format!("{what}.perf"));
+    let mut counted = std::process::Command::new("perf");
+    counted
+        .args(["stat", "-e", "raw_syscalls:sys_enter", "-x", ",", "-o"])
+        .arg(&out_file)
+        .arg("--")
+        .arg(cmd.get_program());
+    counted.args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => counted.env(k, v),
+            None => counted.env_remove(k),
+        };
+    }
+    let out = gpushare_sim_clients::harness::output_with_timeout(counted, TENANT_TIMEOUT);
+    assert!(
+        out.status.success(),
+        "{what} under perf failed\n{}",
+        describe(&out)
+    );
+    let summary = std::fs::read_to_string(&out_file).expect("perf stat output");
+    summary
+        .lines()
+        .find(|l| l.contains("raw_syscalls:sys_enter"))
+        .and_then(|l| l.split(',').next())
+        .and_then(|c| c.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no system call count in:\n{summary}"))
+}
+
+/// DESIGN §3: the launch fast path (a turn open) makes no system call. `perf stat` counts every
+/// system call of 62 000 launches (`cudarc-client launch-latency`: 2 000 warm-up launches, then
+/// 20 000 by each of three routes) natively and under the hook with the token held: the
+/// difference per launch is the hook's — a few fences and the connection, far below one call
+/// per launch (a lock that had to wait would show as a `futex` call per launch).
+#[test]
+fn the_launch_fast_path_makes_no_system_call() {
+    let node = Node::start(&[]);
+    let args = ["launch-latency", "--n", "20000"];
+    let mut native = node.command(cudarc());
+    native.args(args);
+    let native = syscalls(&node, "native", native);
+    let hooked = syscalls(
+        &node,
+        "hooked",
+        node.tenant_command("solo", 1.0, 1.0, 1.0, cudarc(), &args),
+    );
+    let launches = 62_000.0;
+    let per_launch = (hooked as f64 - native as f64) / launches;
+    eprintln!(
+        "system calls: native {native}, hooked {hooked}: {per_launch:+.4} per launch added by the hook"
+    );
+    assert!(
+        per_launch < 0.05,
+        "the hook adds {per_launch:.3} system calls per launch (native {native}, hooked {hooked})"
+    );
+}
+
 /// `spin_direct` / `spin_procaddr` arguments: MS KERNELS SYNC_EVERY MODE.
 /// Run `tenants` to completion on `node`, then check their shares against `want`.
 fn expect_split(node: Node, what: &str, tenants: Vec<Tenant>, want: &[f64]) {
