@@ -401,8 +401,8 @@ impl Policy {
 
     /// `client` gives back its turn `token` before its deadline: it has no more work for now
     /// (it asks again when it has), and what it launched drains at about `drained_ns`. The next
-    /// turn starts there (at most a minimum quota from now). Yielding a planned turn withdraws
-    /// it. Stale tokens are ignored.
+    /// turn starts there (at most a minimum quota from now, and not after the deadline).
+    /// Yielding a planned turn withdraws it. Stale tokens are ignored.
     pub fn yield_turn(
         &mut self,
         client: ClientId,
@@ -427,7 +427,9 @@ impl Policy {
             .as_ref()
             .is_some_and(|t| t.token == token && t.client == client)
         {
-            let at = drained_ns.clamp(now, now + self.cfg.min_quota_ns);
+            // Never past its deadline: a yield does not lengthen a turn.
+            let deadline = self.current.as_ref().map_or(now, |t| t.deadline_ns);
+            let at = drained_ns.clamp(now, (now + self.cfg.min_quota_ns).min(deadline).max(now));
             self.yield_current(at, now);
         }
         self.mark_held_back(now);
