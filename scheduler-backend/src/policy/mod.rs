@@ -94,6 +94,20 @@ pub type ClientId = u64;
 
 /// Ended turns awaiting their client's report, at most (the oldest is settled as held beyond).
 const MAX_ENDED: usize = 1024;
+/// Handoffs remembered until both their turns have reported, at most.
+const MAX_HANDOFFS: usize = 256;
+
+/// A handoff between two turns back to back, and what their clients measured around it: where
+/// the one's kernels ended and the other's began.
+#[derive(Debug, Clone)]
+struct Handoff {
+    before: (u64, String),
+    after: (u64, String),
+    /// The instant the charges divide at until both are known.
+    at: u64,
+    last_ns: Option<u64>,
+    first_ns: Option<u64>,
+}
 
 /// What the shell must do, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -214,6 +228,8 @@ pub struct Policy {
     /// Where the last turn ended: no turn starts before (a yielded turn's work drains until
     /// then).
     busy_until: u64,
+    /// Recent handoffs awaiting their turns' reports (point 7).
+    handoffs: std::collections::VecDeque<Handoff>,
     next_token: u64,
     /// Latest time seen; calls with an earlier `now` are treated as happening now.
     now: u64,
@@ -237,6 +253,7 @@ impl Policy {
             next: None,
             ended: BTreeMap::new(),
             busy_until: 0,
+            handoffs: std::collections::VecDeque::new(),
             next_token: 1,
             now: 0,
             seq: 0,
@@ -463,6 +480,7 @@ impl Policy {
         if self.ended.get(&token).is_some_and(|t| t.client == client) {
             let t = self.ended.remove(&token).expect("checked");
             self.settle(t, used, now);
+            self.note_handoffs(token, used, now);
         }
         if again {
             self.enqueue(client, now);
@@ -746,6 +764,9 @@ impl Policy {
         if let Some(n) = self.next.as_mut() {
             n.deadline_ns = at + n.quota_ns;
             n.start_ns = at;
+            if let Some(h) = self.handoffs.iter_mut().find(|h| h.after.0 == n.token) {
+                h.at = at;
+            }
             self.decisions.push(Decision::Grant {
                 client: n.client,
                 token: n.token,
@@ -792,6 +813,43 @@ impl Policy {
             self.settle(oldest, None, at);
         }
         self.ended.insert(t.token, t);
+    }
+
+    /// Turn `token`'s client measured `used`: where a handoff it took part in is now known on
+    /// both sides, the charges divide there instead of at the planned instant — midway between
+    /// the one's last kernel and the other's first launch, as the GPU time-slices the two in
+    /// between (at most a queue budget either way). A holder whose kernels ran on past its turn
+    /// pays for them; one whose kernels ended early does not pay for the GPU idling before the
+    /// next holder's first (nor does that one).
+    fn note_handoffs(&mut self, token: u64, used: Option<TurnUse>, now: u64) {
+        for h in self.handoffs.iter_mut() {
+            if h.before.0 == token {
+                h.last_ns = used.map(|u| u.last_ns);
+            }
+            if h.after.0 == token {
+                h.first_ns = used.map(|u| u.first_ns);
+            }
+        }
+        let (lo, _) = self.cfg.credit_bounds();
+        let (depth, window) = (self.cfg.bucket_depth(), self.cfg.window_ns);
+        let cap = 2_500_000i64;
+        let mut i = 0;
+        while i < self.handoffs.len() {
+            let h = &self.handoffs[i];
+            let (Some(last), Some(first)) = (h.last_ns, h.first_ns) else {
+                i += 1;
+                continue;
+            };
+            let middle = (first as i128 + last as i128) / 2;
+            let shift = (middle - h.at as i128).clamp(-(cap as i128), cap as i128) as f64;
+            let h = self.handoffs.remove(i).expect("in range");
+            if let Some(g) = self.groups.get_mut(&h.before.1) {
+                g.settle(shift, now, lo, depth, window);
+            }
+            if let Some(g) = self.groups.get_mut(&h.after.1) {
+                g.settle(-shift, now, lo, depth, window);
+            }
+        }
     }
 
     /// Charges turn `t` what its client's report says (`None`: as held), settling what was
@@ -1040,10 +1098,31 @@ impl Policy {
             deadline_ns: turn.deadline_ns,
             quota_ns,
         });
-        if turn.after_turn
-            && let Some(prev) = self.ended.values_mut().rev().find(|t| t.end() == start_ns)
-        {
-            prev.followed = true;
+        if turn.after_turn {
+            let before = match self.current.as_ref().filter(|c| c.deadline_ns == start_ns) {
+                Some(c) => Some((c.token, c.group.clone())),
+                None => self
+                    .ended
+                    .values_mut()
+                    .rev()
+                    .find(|t| t.end() == start_ns)
+                    .map(|prev| {
+                        prev.followed = true;
+                        (prev.token, prev.group.clone())
+                    }),
+            };
+            if let Some(before) = before {
+                if self.handoffs.len() >= MAX_HANDOFFS {
+                    self.handoffs.pop_front();
+                }
+                self.handoffs.push_back(Handoff {
+                    before,
+                    after: (token, turn.group.clone()),
+                    at: start_ns,
+                    last_ns: None,
+                    first_ns: None,
+                });
+            }
         }
         self.next = Some(turn);
         self.promote(now);

@@ -976,7 +976,12 @@ fn an_overrunning_tenant_gains_nothing() {
     );
     let st = sim.policy.status(sim.now);
     eprintln!("overrun: over {o:.4}, fair {f:.4}");
-    assert!((o - 0.5).abs() < 0.01 && (f - 0.5).abs() < 0.01, "{o} {f}");
+    // Its last kernels run past its turns by 2.8 ms on average: the handoff after each is moved
+    // to midway between its last kernel and the next holder's first launch, so it pays for half
+    // of that (on a real GPU the two time-slice there, and it is charged exactly what it used;
+    // this simulator's GPU runs the overrun beside the next turn), and gets fewer turns for it.
+    assert!(o < 0.5 && f > 0.5 && o > 0.45, "{o} {f}");
+    assert!((o + f - 1.0).abs() < 0.005, "{o} {f}");
     assert_eq!(group(&st, "over").revocations, 0);
 }
 
