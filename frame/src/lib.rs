@@ -1,7 +1,11 @@
 //! Framing shared by gpushare's socket protocols (hook ↔ scheduler, simulated driver ↔ device):
 //! a little-endian `u32` length, then a `postcard` body. Decoders reject oversized or
-//! undecodable frames with an error, never a panic.
+//! undecodable frames with an error, never a panic. [`listen_at`] publishes the sockets these
+//! protocols are served on.
 
+mod listen;
+
+pub use listen::listen_at;
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 

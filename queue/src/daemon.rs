@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::net::SocketAddr;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -128,23 +128,9 @@ pub fn serve(opts: ServeOptions, gpus: Vec<GpuInfo>) -> anyhow::Result<()> {
         "gpushare-queue starting"
     );
 
-    if let Some(parent) = opts.socket.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| {
-            anyhow::anyhow!(
-                "cannot create {}: {e}; pick another --socket",
-                parent.display()
-            )
-        })?;
-    }
-    let _ = std::fs::remove_file(&opts.socket);
-    let listener = UnixListener::bind(&opts.socket).map_err(|e| {
-        anyhow::anyhow!(
-            "cannot listen on {}: {e}; pick another --socket",
-            opts.socket.display()
-        )
-    })?;
     // Every user may submit; who they are comes from SO_PEERCRED.
-    std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o666))?;
+    let listener = gpushare_frame::listen_at(&opts.socket, 0o666)
+        .map_err(|e| anyhow::anyhow!("{e}; pick another --socket"))?;
     let http = match opts.listen {
         Some(addr) => Some(tiny_http::Server::http(addr).map_err(|e| {
             anyhow::anyhow!("cannot serve HTTP on {addr}: {e}; pick another --listen address")

@@ -14,7 +14,6 @@ use crate::identity::Peer;
 use crate::pods::Lookup;
 use crate::status::Report;
 use gpushare_protocol::admin::{ADMIN_PROTOCOL_VERSION, AdminReply, AdminRequest, GpuUsage};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
@@ -26,23 +25,8 @@ pub const POD_WAIT: Duration = Duration::from_secs(2);
 
 /// Bind the admin socket (replacing a stale one), mode 0600.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            anyhow::anyhow!(
-                "cannot create {}: {e}; pick another --admin-socket",
-                dir.display()
-            )
-        })?;
-    }
-    let _ = std::fs::remove_file(path);
-    let listener = UnixListener::bind(path).map_err(|e| {
-        anyhow::anyhow!(
-            "cannot listen on {}: {e}; pick another --admin-socket",
-            path.display()
-        )
-    })?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(listener)
+    gpushare_frame::listen_at(path, 0o600)
+        .map_err(|e| anyhow::anyhow!("{e}; pick another --admin-socket"))
 }
 
 /// Serve admin clients, one thread each, until the process exits.

@@ -11,8 +11,7 @@ use crate::status::{ClientReport, GpuReport, GroupReport, PodLabels, Report, uui
 use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
@@ -68,23 +67,9 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         Some(p) => Config::load(p)?,
         None => Config::default(),
     };
-    if let Some(dir) = opts.socket.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            anyhow::anyhow!(
-                "cannot create {}: {e}; pick another --socket",
-                dir.display()
-            )
-        })?;
-    }
-    let _ = std::fs::remove_file(&opts.socket);
-    let listener = UnixListener::bind(&opts.socket).map_err(|e| {
-        anyhow::anyhow!(
-            "cannot listen on {}: {e}; pick another --socket",
-            opts.socket.display()
-        )
-    })?;
     // Tenants run as other users: anyone may connect; identity comes from SO_PEERCRED.
-    std::fs::set_permissions(&opts.socket, std::fs::Permissions::from_mode(0o666))?;
+    let listener = gpushare_frame::listen_at(&opts.socket, 0o666)
+        .map_err(|e| anyhow::anyhow!("{e}; pick another --socket"))?;
     let mut groups = BTreeMap::new();
     let mut memory = MemoryBooks::default();
     for g in &config.groups {

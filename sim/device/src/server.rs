@@ -8,7 +8,6 @@ use gpushare_sim_wire::{self as wire, DeviceInfo, EventBoard, PROTOCOL_VERSION, 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -70,15 +69,9 @@ type Outbox = Vec<(ConnId, Reply)>;
 
 impl Server {
     pub fn start(cfg: ServerConfig) -> anyhow::Result<Server> {
-        let _ = std::fs::remove_file(&cfg.socket);
-        let listener = UnixListener::bind(&cfg.socket).map_err(|e| {
-            anyhow::anyhow!(
-                "cannot listen on {}: {e}; pick another --socket path",
-                cfg.socket.display()
-            )
-        })?;
         // Every user may use the simulated GPUs, as every user may open /dev/nvidia*.
-        std::fs::set_permissions(&cfg.socket, std::fs::Permissions::from_mode(0o666))?;
+        let listener = gpushare_frame::listen_at(&cfg.socket, 0o666)
+            .map_err(|e| anyhow::anyhow!("{e}; pick another --socket path"))?;
         let trace = match &cfg.trace {
             Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| {
                 anyhow::anyhow!("cannot create trace file {}: {e}", p.display())
