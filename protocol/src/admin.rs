@@ -130,11 +130,11 @@ pub enum AdminReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpushare_frame::fuzz;
     use proptest::prelude::*;
 
-    #[test]
-    fn round_trip() {
-        let g = PodGroup {
+    fn group() -> PodGroup {
+        PodGroup {
             pod_uid: "0b1c8e3a-6f0e-4a57-9a39-8f2d3c1b7e11".into(),
             namespace: "default".into(),
             pod: "train".into(),
@@ -145,30 +145,46 @@ mod tests {
             limit: 0.6,
             weight: 2.0,
             memory: Some(2 << 30),
-        };
-        let msgs = [
+        }
+    }
+
+    #[test]
+    fn requests_round_trip_and_hostile_ones_are_rejected() {
+        let g = group();
+        let samples = [
             AdminRequest::Hello {
                 version: ADMIN_PROTOCOL_VERSION,
                 agent: "test".into(),
             },
             AdminRequest::Sync {
-                groups: vec![g.clone()],
+                groups: vec![g.clone(), g.clone()],
             },
+            AdminRequest::Upsert { group: g.clone() },
             AdminRequest::Remove { key: g.key() },
+            AdminRequest::Usage,
         ];
-        let mut wire = Vec::new();
-        for m in &msgs {
-            crate::send(&mut wire, m).unwrap();
-        }
-        let (mut r, mut buf) = (&wire[..], Vec::new());
-        for m in &msgs {
-            assert_eq!(
-                crate::recv::<AdminRequest>(&mut r, &mut buf)
-                    .unwrap()
-                    .as_ref(),
-                Some(m)
-            );
-        }
+        fuzz::frames(21, &samples, 100_000, |_| {}).assert_exercised(100_000);
+    }
+
+    #[test]
+    fn replies_round_trip_and_hostile_ones_are_rejected() {
+        let samples = [
+            AdminReply::Welcome {
+                version: ADMIN_PROTOCOL_VERSION,
+            },
+            AdminReply::Done,
+            AdminReply::Error {
+                message: "no".into(),
+            },
+            AdminReply::Usage {
+                gpus: vec![GpuUsage {
+                    gpu: "GPU-67707573-6861-7265-2d73-696d2d677075".into(),
+                    busy: 0.5,
+                    memory_used: 1 << 30,
+                }],
+            },
+        ];
+        fuzz::frames(22, &samples, 100_000, |_| {}).assert_exercised(100_000);
     }
 
     #[test]
@@ -189,16 +205,25 @@ mod tests {
 
     proptest! {
         #[test]
-        fn gpu_uuid_text_round_trips(u in any::<[u8; 16]>()) {
+        fn every_gpu_uuid_prints_and_parses_back(u in any::<[u8; 16]>()) {
             prop_assert_eq!(parse_gpu_uuid(&gpu_uuid_string(&u)), Some(u));
         }
+    }
 
-        #[test]
-        fn decoders_reject_garbage_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let (mut r, mut buf) = (&bytes[..], Vec::new());
-            while let Ok(Some(_)) = crate::recv::<AdminRequest>(&mut r, &mut buf) {}
-            let (mut r, mut buf) = (&bytes[..], Vec::new());
-            while let Ok(Some(_)) = crate::recv::<AdminReply>(&mut r, &mut buf) {}
-        }
+    /// Whatever parses is a UUID that prints back as written (up to hex case).
+    #[test]
+    fn gpu_uuid_text_round_trips_and_hostile_text_is_rejected() {
+        let samples = [
+            "GPU-67707573-6861-7265-2d73-696d2d677075",
+            "GPU-00000000-0000-0000-0000-00000000000F",
+        ];
+        fuzz::texts(23, &samples, 100_000, |s| match parse_gpu_uuid(s) {
+            Some(u) => {
+                assert!(gpu_uuid_string(&u).eq_ignore_ascii_case(s), "{s}");
+                true
+            }
+            None => false,
+        })
+        .assert_exercised(100_000);
     }
 }

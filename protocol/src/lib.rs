@@ -133,11 +133,12 @@ pub enum ServerMsg {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
+    use gpushare_frame::fuzz;
 
-    #[test]
-    fn round_trip() {
-        let msgs = [
+    const GPU: GpuUuid = *b"gpushare-sim-gpu";
+
+    fn client_msgs() -> Vec<ClientMsg> {
+        vec![
             ClientMsg::Hello {
                 version: PROTOCOL_VERSION,
                 declared: Some(GroupSpec {
@@ -148,6 +149,16 @@ mod tests {
                     memory: Some(4 << 30),
                 }),
             },
+            ClientMsg::Hello {
+                version: PROTOCOL_VERSION,
+                declared: None,
+            },
+            ClientMsg::Acquire { gpu: GPU },
+            ClientMsg::Yield {
+                gpu: GPU,
+                token: 3,
+                drained_ns: 20_000_000,
+            },
             ClientMsg::Report {
                 gpu: [7; 16],
                 token: 3,
@@ -157,27 +168,63 @@ mod tests {
                 }),
                 again: true,
             },
-        ];
-        let mut wire = Vec::new();
-        for m in &msgs {
-            send(&mut wire, m).unwrap();
-        }
-        let (mut r, mut buf) = (&wire[..], Vec::new());
-        for m in &msgs {
-            assert_eq!(
-                recv::<ClientMsg>(&mut r, &mut buf).unwrap().as_ref(),
-                Some(m)
-            );
-        }
+            ClientMsg::Report {
+                gpu: GPU,
+                token: u64::MAX,
+                used: None,
+                again: false,
+            },
+            ClientMsg::Status,
+            ClientMsg::MemReserve {
+                req: 1,
+                gpu: GPU,
+                bytes: 1 << 30,
+            },
+            ClientMsg::MemFree {
+                gpu: GPU,
+                bytes: 1 << 30,
+            },
+            ClientMsg::MemQuery { req: 2, gpu: GPU },
+            ClientMsg::MemSync { gpu: GPU, bytes: 5 },
+        ]
     }
 
-    proptest! {
-        #[test]
-        fn decoders_reject_garbage_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let (mut r, mut buf) = (&bytes[..], Vec::new());
-            while let Ok(Some(_)) = recv::<ClientMsg>(&mut r, &mut buf) {}
-            let (mut r, mut buf) = (&bytes[..], Vec::new());
-            while let Ok(Some(_)) = recv::<ServerMsg>(&mut r, &mut buf) {}
-        }
+    #[test]
+    fn client_messages_round_trip_and_hostile_ones_are_rejected() {
+        fuzz::frames(11, &client_msgs(), 150_000, |_| {}).assert_exercised(150_000);
+    }
+
+    #[test]
+    fn server_messages_round_trip_and_hostile_ones_are_rejected() {
+        let samples = [
+            ServerMsg::Welcome {
+                group: "train".into(),
+            },
+            ServerMsg::Grant {
+                gpu: GPU,
+                token: 9,
+                start_ns: 1,
+                deadline_ns: 20_000_001,
+                quota_ns: 20_000_000,
+            },
+            ServerMsg::Revoke { gpu: GPU, token: 9 },
+            ServerMsg::Status { json: "{}".into() },
+            ServerMsg::Memory {
+                req: 1,
+                granted: true,
+                cap: Some(4 << 30),
+                used: 1 << 30,
+            },
+            ServerMsg::Error {
+                message: "no".into(),
+                fatal: true,
+            },
+            ServerMsg::Deadline {
+                gpu: GPU,
+                token: 9,
+                deadline_ns: u64::MAX,
+            },
+        ];
+        fuzz::frames(12, &samples, 150_000, |_| {}).assert_exercised(150_000);
     }
 }

@@ -778,3 +778,220 @@ fn apply(st: &mut State, cfg: Config, now: u64) {
     }
     st.config = cfg;
 }
+
+/// The daemon's receive paths fed hostile input, as peers would send it: whatever a socket
+/// decodes goes through the handlers, and a config file that parses is applied as on reload.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpushare_frame::fuzz;
+    use gpushare_protocol::admin::{AdminRequest, ContainerKey, PodGroup};
+
+    const GPU: GpuUuid = *b"gpushare-sim-gpu";
+    const GPU_TEXT: &str = "GPU-67707573-6861-7265-2d73-696d2d677075";
+
+    fn state(dev: bool) -> State {
+        let config = Config::parse(
+            "[[group]]\nname = \"train\"\nuids = [1000]\nrequest = 0.3\nmemory = \"1GiB\"",
+        )
+        .unwrap();
+        let mut st = State {
+            config: Config::default(),
+            dev,
+            groups: BTreeMap::new(),
+            policies: BTreeMap::new(),
+            memory: MemoryBooks::default(),
+            clients: HashMap::new(),
+            next_client: 1,
+            pods: PodTable::default(),
+        };
+        apply(&mut st, config, 0);
+        st
+    }
+
+    /// A client as `serve` registers it, after its Hello.
+    fn connect(st: &mut State, declared: Option<GroupSpec>) -> Result<ClientId, String> {
+        let peer = Peer {
+            pid: 1,
+            uid: 1000,
+            gid: 1000,
+            cgroup: "/user.slice".into(),
+            pod: None,
+        };
+        let (writer, _) = UnixStream::pair().unwrap();
+        let writer = Arc::new(Mutex::new(writer));
+        hello(st, &peer, PROTOCOL_VERSION, declared, writer).map(|(id, _)| id)
+    }
+
+    /// Tokens the policy hands out are small numbers: samples use them so that mutated
+    /// messages reach turns that exist.
+    fn client_msgs() -> Vec<ClientMsg> {
+        let used = gpushare_protocol::TurnUse {
+            first_ns: 1_000_000,
+            last_ns: 3_000_000,
+        };
+        vec![
+            ClientMsg::Hello {
+                version: PROTOCOL_VERSION,
+                declared: Some(GroupSpec {
+                    name: "dev".into(),
+                    request: 0.5,
+                    limit: 1.0,
+                    weight: 2.0,
+                    memory: Some(1 << 30),
+                }),
+            },
+            ClientMsg::Acquire { gpu: GPU },
+            ClientMsg::Yield {
+                gpu: GPU,
+                token: 1,
+                drained_ns: 2_000_000,
+            },
+            ClientMsg::Report {
+                gpu: GPU,
+                token: 2,
+                used: Some(used),
+                again: true,
+            },
+            ClientMsg::Report {
+                gpu: GPU,
+                token: 1,
+                used: None,
+                again: false,
+            },
+            ClientMsg::Status,
+            ClientMsg::MemReserve {
+                req: 1,
+                gpu: GPU,
+                bytes: 512 << 20,
+            },
+            ClientMsg::MemFree {
+                gpu: GPU,
+                bytes: 256 << 20,
+            },
+            ClientMsg::MemQuery { req: 2, gpu: GPU },
+            ClientMsg::MemSync {
+                gpu: GPU,
+                bytes: 1 << 20,
+            },
+        ]
+    }
+
+    /// Hostile tenants of a `--dev` scheduler: a Hello (re)connects, anything else goes to
+    /// `handle` from the latest client, with the clock moving and the timer thread's ticks.
+    #[test]
+    fn hostile_client_streams_are_handled_without_panicking() {
+        let mut st = state(true);
+        let mut id = connect(&mut st, None).unwrap();
+        let (mut now, mut handled) = (1_000_000_000u64, 0usize);
+        let n = 30_000;
+        fuzz::frames(51, &client_msgs(), n, |msg| {
+            // A fresh daemon now and then, so that random GPUs and groups do not pile up.
+            if handled % 1_000 == 0 {
+                st = state(true);
+                id = connect(&mut st, None).unwrap();
+            }
+            handled += 1;
+            now += 500_000;
+            let mut out = match msg {
+                ClientMsg::Hello { declared, .. } => {
+                    if let Ok(new) = connect(&mut st, declared) {
+                        id = new;
+                    }
+                    Outbox::new()
+                }
+                msg => handle(&mut st, id, msg, now),
+            };
+            for p in st.policies.values_mut() {
+                p.tick(now);
+            }
+            collect(&mut st, &mut out);
+        })
+        .assert_exercised(n);
+        assert!(handled > n / 10, "{handled} messages handled");
+    }
+
+    fn pod_group(pod_uid: &str) -> PodGroup {
+        PodGroup {
+            pod_uid: pod_uid.into(),
+            namespace: "default".into(),
+            pod: "train".into(),
+            container: "main".into(),
+            container_id: Some("ab".repeat(32)),
+            gpus: vec![GPU_TEXT.into()],
+            request: 0.3,
+            limit: 0.6,
+            weight: 2.0,
+            memory: Some(2 << 30),
+        }
+    }
+
+    /// Hostile admin requests go to the pod table and the policies as `admin::serve` applies
+    /// them; a tenant of those pods keeps using the GPU meanwhile.
+    #[test]
+    fn hostile_admin_streams_are_applied_without_panicking() {
+        // A second pod of the same name whose UID has a multi-byte character across byte 8,
+        // where the group's disambiguating suffix was cut (regression: a slicing panic).
+        let (a, b) = (pod_group("0b1c8e3a-6f0e"), pod_group("pod-uidé-1"));
+        let samples = [
+            AdminRequest::Sync {
+                groups: vec![a.clone()],
+            },
+            AdminRequest::Upsert { group: b.clone() },
+            AdminRequest::Upsert { group: a.clone() },
+            AdminRequest::Remove { key: a.key() },
+            AdminRequest::Remove {
+                key: ContainerKey {
+                    pod_uid: b.pod_uid.clone(),
+                    container: "main".into(),
+                },
+            },
+            AdminRequest::Usage,
+        ];
+        let mut st = state(false);
+        let id = connect(&mut st, None).unwrap();
+        let (mut now, mut applied) = (1_000_000_000u64, 0usize);
+        let n = 100_000;
+        fuzz::frames(52, &samples, n, |req| {
+            now += 500_000;
+            let connected = connected_groups(&st);
+            if let Ok(changes) = st.pods.apply(req, |name| connected.contains(name)) {
+                apply_group_changes(&mut st, changes, now);
+                applied += 1;
+            }
+            let mut out = handle(&mut st, id, ClientMsg::Acquire { gpu: GPU }, now);
+            collect(&mut st, &mut out);
+        })
+        .assert_exercised(n);
+        assert!(applied > 0);
+    }
+
+    /// Config files as an administrator might break them: whatever parses is applied to a
+    /// running daemon as on reload (anything else keeps the previous config).
+    #[test]
+    fn hostile_configs_are_rejected_or_applied_without_panicking() {
+        let samples = [
+            "[scheduler]\nquota = \"10ms\"\nmin_quota = \"1ms\"\ngrace = \"5ms\"\nwindow = \"5s\"\ngrant_ahead = \"2ms\"\n",
+            "[[group]]\nname = \"train\"\nuids = [1000]\ngids = [7]\nrequest = 0.3\nlimit = 0.6\nweight = 1.5\nmemory = \"4GiB\"\n",
+            "[[group]]\nname = \"pods\"\ncgroups = [\"kubepods/pod42\"]\nweight = 2\n",
+        ];
+        let mut st = state(false);
+        let id = connect(&mut st, None).unwrap();
+        let mut now = 1_000_000_000u64;
+        let n = 50_000;
+        fuzz::texts(53, &samples, n, |text| {
+            let Ok(cfg) = Config::parse(text) else {
+                return false;
+            };
+            now += 500_000;
+            apply(&mut st, cfg, now);
+            let mut out = handle(&mut st, id, ClientMsg::Acquire { gpu: GPU }, now);
+            for p in st.policies.values_mut() {
+                p.tick(now + 1_000_000_000);
+            }
+            collect(&mut st, &mut out);
+            true
+        })
+        .assert_exercised(n);
+    }
+}

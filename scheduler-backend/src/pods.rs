@@ -128,7 +128,8 @@ impl PodTable {
     fn fresh_name(&self, g: &PodGroup) -> String {
         let base = format!("{}/{}/{}", g.namespace, g.pod, g.container);
         if self.by_name.contains_key(&base) {
-            format!("{base}@{}", &g.pod_uid[..g.pod_uid.len().min(8)])
+            let short: String = g.pod_uid.chars().take(8).collect();
+            format!("{base}@{short}")
         } else {
             base
         }
@@ -412,6 +413,27 @@ mod tests {
             t.apply(AdminRequest::Upsert { group: no_gpu }, |_| false)
                 .unwrap_err()
                 .contains("GPU UUID")
+        );
+    }
+
+    /// Regression (found fuzzing the admin socket): the suffix that tells two pods of one name
+    /// apart was cut at byte 8 of the pod UID, inside a multi-byte character.
+    #[test]
+    fn a_pod_uid_with_multibyte_characters_names_its_group() {
+        let mut t = PodTable::default();
+        for uid in ["a", "pod-uidé-1"] {
+            let req = AdminRequest::Upsert {
+                group: PodGroup {
+                    pod: "train".into(),
+                    ..group(uid, "main", None, 0.1)
+                },
+            };
+            t.apply(req, |_| false).unwrap();
+        }
+        assert!(
+            t.by_name.contains_key("ns/train/main@pod-uidé"),
+            "{:?}",
+            t.by_name
         );
     }
 

@@ -48,7 +48,16 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
             ));
         }
     };
-    Ok((n * mult as f64).round() as u64)
+    to_u64((n * mult as f64).round(), s)
+}
+
+/// `x` as a `u64`, or an error where a cast would saturate (a huge value is a typo, not a cap).
+fn to_u64(x: f64, s: &str) -> Result<u64, String> {
+    if x < u64::MAX as f64 {
+        Ok(x as u64)
+    } else {
+        Err(format!("{s:?} is too large"))
+    }
 }
 
 /// Parse a duration into nanoseconds: a number with `ns`, `us`, `µs`, `ms` or `s`.
@@ -69,12 +78,13 @@ pub fn parse_duration_ns(s: &str) -> Result<u64, String> {
             ));
         }
     };
-    Ok((n * mult).round() as u64)
+    to_u64((n * mult).round(), s)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpushare_frame::fuzz;
 
     #[test]
     fn sizes() {
@@ -96,5 +106,38 @@ mod tests {
         assert!(parse_duration_ns("10").is_err());
         assert_eq!(parse_duration_ns("0"), Ok(0));
         assert!(parse_duration_ns("10min").is_err());
+    }
+
+    #[test]
+    fn values_past_u64_are_rejected_not_saturated() {
+        assert!(parse_size("99999999999999999999999GiB").is_err());
+        assert!(parse_size("18446744073709551616").is_err());
+        assert!(parse_duration_ns("18446744074s").is_err());
+        assert!(parse_duration_ns("18446744073s").is_ok());
+    }
+
+    /// Whatever is accepted is the value its plain form (bytes, ns) also parses to.
+    #[test]
+    fn hostile_text_is_rejected_without_panicking() {
+        let sizes = ["80GiB", "512MiB", "4096", "1.5GiB", "2GB", "7 K", "0.5T"];
+        fuzz::texts(41, &sizes, 100_000, |s| match parse_size(s) {
+            Ok(v) if v < 1 << 53 => {
+                assert_eq!(parse_size(&v.to_string()), Ok(v), "{s:?}");
+                true
+            }
+            Ok(_) => true,
+            Err(_) => false,
+        })
+        .assert_exercised(100_000);
+        let durations = ["1ms", "25us", "5s", "0.5ms", "0", "10 µs", "3ns"];
+        fuzz::texts(42, &durations, 100_000, |s| match parse_duration_ns(s) {
+            Ok(v) if v < 1 << 53 => {
+                assert_eq!(parse_duration_ns(&format!("{v}ns")), Ok(v), "{s:?}");
+                true
+            }
+            Ok(_) => true,
+            Err(_) => false,
+        })
+        .assert_exercised(100_000);
     }
 }

@@ -152,14 +152,26 @@ pub enum Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
+    use gpushare_frame::fuzz;
 
     #[test]
-    fn round_trip() {
-        let msgs = vec![
+    fn requests_round_trip_and_hostile_ones_are_rejected() {
+        let samples = [
             Request::Hello {
                 version: PROTOCOL_VERSION,
                 pid: 7,
+            },
+            Request::CreateContext { ctx: 1, device: 0 },
+            Request::DestroyContext { ctx: 1 },
+            Request::CreateStream {
+                stream: 3,
+                ctx: 1,
+                priority: -1,
+            },
+            Request::DestroyStream { stream: 3 },
+            Request::RegisterFunction {
+                function: 4,
+                name: "gpushare_spin".into(),
             },
             Request::Submit {
                 stream: 3,
@@ -170,25 +182,80 @@ mod tests {
                     arg0: Some(1_000_000),
                 },
             },
+            Request::Submit {
+                stream: 3,
+                seq: 10,
+                deps: vec![],
+                op: Op::Event {
+                    slot: 2,
+                    generation: 5,
+                },
+            },
+            Request::Submit {
+                stream: 3,
+                seq: 11,
+                deps: vec![(3, 10)],
+                op: Op::HostFunc,
+            },
+            Request::Submit {
+                stream: 3,
+                seq: 12,
+                deps: vec![],
+                op: Op::Marker,
+            },
+            Request::HostFuncDone { stream: 3, seq: 11 },
+            Request::Wait {
+                req: 1,
+                ops: vec![(3, 9), (3, 10)],
+            },
+            Request::Query {
+                req: 2,
+                ops: vec![(3, 12)],
+            },
+            Request::Alloc {
+                req: 3,
+                device: 0,
+                bytes: 1 << 30,
+            },
+            Request::Free {
+                device: 0,
+                bytes: 1 << 30,
+            },
+            Request::MemInfo { req: 4, device: 0 },
         ];
-        let mut wire = Vec::new();
-        for m in &msgs {
-            send(&mut wire, m).unwrap();
-        }
-        let mut r = &wire[..];
-        let mut buf = Vec::new();
-        for m in &msgs {
-            assert_eq!(recv::<Request>(&mut r, &mut buf).unwrap().as_ref(), Some(m));
-        }
-        assert!(recv::<Request>(&mut r, &mut buf).unwrap().is_none());
+        fuzz::frames(31, &samples, 150_000, |_| {}).assert_exercised(150_000);
     }
 
-    proptest! {
-        #[test]
-        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-            let mut r = &bytes[..];
-            let mut buf = Vec::new();
-            while let Ok(Some(_)) = recv::<Request>(&mut r, &mut buf) {}
-        }
+    #[test]
+    fn replies_round_trip_and_hostile_ones_are_rejected() {
+        let samples = [
+            Reply::Hello {
+                devices: vec![DeviceInfo {
+                    name: "NVIDIA H100 80GB HBM3".into(),
+                    uuid: *b"gpushare-sim-gpu",
+                    total_memory: 80 << 30,
+                    pci_bus: 0x18,
+                }],
+                event_board: "/tmp/sim.sock.events-1".into(),
+                event_slots: 4096,
+            },
+            Reply::Done { req: 1, end_ns: 5 },
+            Reply::Status {
+                req: 2,
+                ends: vec![Some(5), None],
+            },
+            Reply::Alloc { req: 3, ok: true },
+            Reply::MemInfo {
+                req: 4,
+                free: 1,
+                total: 2,
+            },
+            Reply::RunHostFunc { stream: 3, seq: 11 },
+            Reply::Error {
+                req: Some(1),
+                message: "no".into(),
+            },
+        ];
+        fuzz::frames(32, &samples, 100_000, |_| {}).assert_exercised(100_000);
     }
 }
