@@ -151,7 +151,7 @@ pub fn frames<T>(seed: u64, samples: &[T], n: usize, mut sink: impl FnMut(T)) ->
 where
     T: Serialize + DeserializeOwned + PartialEq + Debug,
 {
-    let valid: Vec<Vec<u8>> = samples.iter().map(|m| encoded(m)).collect();
+    let valid: Vec<Vec<u8>> = samples.iter().map(encoded).collect();
     let stream = valid.concat();
     let (mut r, mut buf) = (&stream[..], Vec::new());
     for m in samples {
@@ -172,8 +172,7 @@ where
                     assert_eq!(encoded(&again.unwrap().unwrap()), bytes, "{m:?}");
                     sink(m);
                 }
-                Ok(None) => return !first,
-                Err(_) => return !first,
+                Ok(None) | Err(_) => return !first,
             }
             first = false;
         }

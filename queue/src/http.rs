@@ -335,4 +335,25 @@ mod tests {
             assert!(e.contains(says), "{body}: {e}");
         }
     }
+
+    /// `POST /api/jobs` bodies as a token holder might send them: a 400 or a job for the core.
+    #[test]
+    fn hostile_bodies_are_rejected_without_panicking() {
+        let samples = [
+            r#"{"cmd": ["true"]}"#,
+            r#"{"cmd": ["x", "--y"], "name": "n", "gpus": 1, "share": 0.5, "limit": 0.75, "memory": "4GiB", "prefer": [1, 0], "wait_mode": "queue", "priority": -3, "timeout": "90s", "retries": 2, "env": {"A": "1"}, "cwd": "/tmp"}"#,
+            r#"{"cmd": ["x"], "wait_mode": "schedule", "memory": "512MiB", "timeout": "1e3s"}"#,
+        ];
+        let mut admit = crate::proto::tests::Admit::new();
+        let n = 100_000;
+        gpushare_frame::fuzz::texts(73, &samples, n, |body| match parse(body) {
+            Ok(s) => {
+                admit.submit(s.demand);
+                true
+            }
+            Err(_) => false,
+        })
+        .assert_exercised(n);
+        assert!(admit.queued > 0);
+    }
 }
