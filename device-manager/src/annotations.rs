@@ -165,6 +165,7 @@ fn plain_number(s: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpushare_frame::fuzz;
     use proptest::prelude::*;
 
     fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -223,14 +224,34 @@ mod tests {
         assert_eq!(worker.limit, Some(0.2));
     }
 
-    proptest! {
-        #[test]
-        fn parsers_never_panic_and_accept_only_their_ranges(s in ".{0,12}") {
-            if let Ok(x) = parse_fraction(&s) { prop_assert!(x > 0.0 && x <= 1.0); }
-            if let Ok(w) = parse_weight(&s) { prop_assert!(w > 0.0 && w <= MAX_WEIGHT); }
-            if let Ok(m) = parse_quantity(&s) { prop_assert!(m >= 1); }
-        }
+    /// Annotation values as users mistype them: each parser accepts only its range.
+    #[test]
+    fn hostile_values_are_rejected_without_panicking() {
+        let n = 100_000;
+        let fractions = ["0.6", "60%", " 1 ", "0.05", "100 %"];
+        fuzz::texts(61, &fractions, n, |s| {
+            parse_fraction(s)
+                .inspect(|x| assert!(*x > 0.0 && *x <= 1.0, "{s:?}"))
+                .is_ok()
+        })
+        .assert_exercised(n);
+        let weights = ["2", "0.5", "1000", " 7 "];
+        fuzz::texts(62, &weights, n, |s| {
+            parse_weight(s)
+                .inspect(|w| assert!(*w > 0.0 && *w <= MAX_WEIGHT, "{s:?}"))
+                .is_ok()
+        })
+        .assert_exercised(n);
+        let quantities = ["4Gi", "512Mi", "1.5Gi", "2G", "1048576", "3Pi", "7k"];
+        fuzz::texts(63, &quantities, n, |s| {
+            parse_quantity(s)
+                .inspect(|m| assert!(*m >= 1, "{s:?}"))
+                .is_ok()
+        })
+        .assert_exercised(n);
+    }
 
+    proptest! {
         #[test]
         fn percentages_and_fractions_agree(p in 1u32..=100) {
             let a = parse_fraction(&format!("{p}%")).unwrap();
