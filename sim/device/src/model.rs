@@ -201,10 +201,15 @@ impl Model {
         self.pids.remove(&conn);
     }
 
+    /// False if there is no such device, or `key` is in use: a reused key would leave the old
+    /// context's streams behind, known to the device but to no context.
     pub fn create_context(&mut self, key: Key, device: u32) -> bool {
         let Some(dev) = self.devices.get_mut(device as usize) else {
             return false;
         };
+        if self.ctxs.contains_key(&key) {
+            return false;
+        }
         dev.ctxs.push(key);
         self.ctxs.insert(
             key,
@@ -254,7 +259,12 @@ impl Model {
         }
     }
 
+    /// False if `ctx` does not exist or `key` is in use (a reused key would leave its first
+    /// context naming a stream the device no longer has).
     pub fn create_stream(&mut self, key: Key, ctx: Key, priority: i32) -> bool {
+        if self.streams.contains_key(&key) {
+            return false;
+        }
         let Some(c) = self.ctxs.get_mut(&ctx) else {
             return false;
         };

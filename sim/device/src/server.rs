@@ -294,7 +294,10 @@ fn handle(st: &mut State, shared: &Shared, conn: ConnId, req: Request, now: u64,
         }
         Request::CreateContext { ctx, device } => {
             if !m.create_context((conn, ctx), device) {
-                out.push(err(None, format!("no simulated device {device}")));
+                out.push(err(
+                    None,
+                    format!("context {ctx}: no simulated device {device}, or the context exists"),
+                ));
             }
         }
         Request::DestroyContext { ctx } => m.destroy_context((conn, ctx), now),
@@ -306,7 +309,7 @@ fn handle(st: &mut State, shared: &Shared, conn: ConnId, req: Request, now: u64,
             if !m.create_stream((conn, stream), (conn, ctx), priority) {
                 out.push(err(
                     None,
-                    format!("stream {stream} names unknown context {ctx}"),
+                    format!("stream {stream} names unknown context {ctx}, or exists"),
                 ));
             }
         }
@@ -467,4 +470,116 @@ fn next_wake(st: &State, now: u64) -> Option<u64> {
         .into_iter()
         .flatten()
         .min()
+}
+
+/// The device's receive path fed hostile input: whatever a client's stream decodes goes to
+/// `handle` and the clock's `pump`, as `client_loop` and `clock_loop` do.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpushare_frame::fuzz;
+    use gpushare_sim_wire::Op;
+
+    fn shared() -> Shared {
+        let model = ModelConfig::default();
+        Shared {
+            devices: device_infos(&model.device_memory),
+            state: Mutex::new(State {
+                model: Model::new(model),
+                writers: HashMap::new(),
+                boards: HashMap::new(),
+                uids: HashMap::new(),
+                waiters: Vec::new(),
+                trace: None,
+                next_conn: 1,
+                stopping: false,
+                clock_wake: 0,
+            }),
+            changed: Condvar::new(),
+            socket: PathBuf::from("/nonexistent/gpushare-sim.sock"),
+        }
+    }
+
+    /// A context, a stream and a function exist, so that mutated requests reach them. `Hello`
+    /// (which maps an event board file) is exercised by the socket tests, not here.
+    #[test]
+    fn hostile_client_streams_are_handled_without_panicking() {
+        let samples = [
+            Request::CreateContext { ctx: 1, device: 0 },
+            Request::CreateStream {
+                stream: 2,
+                ctx: 1,
+                priority: 0,
+            },
+            Request::RegisterFunction {
+                function: 3,
+                name: "gpushare_spin".into(),
+            },
+            Request::Submit {
+                stream: 2,
+                seq: 1,
+                deps: vec![],
+                op: Op::Kernel {
+                    function: 3,
+                    arg0: Some(100_000),
+                },
+            },
+            Request::Submit {
+                stream: 2,
+                seq: 2,
+                deps: vec![(2, 1)],
+                op: Op::HostFunc,
+            },
+            Request::Submit {
+                stream: 2,
+                seq: 3,
+                deps: vec![(2, 2)],
+                op: Op::Event {
+                    slot: 0,
+                    generation: 1,
+                },
+            },
+            Request::HostFuncDone { stream: 2, seq: 2 },
+            Request::Wait {
+                req: 1,
+                ops: vec![(2, 1), (2, 3)],
+            },
+            Request::Query {
+                req: 2,
+                ops: vec![(2, 1)],
+            },
+            Request::Alloc {
+                req: 3,
+                device: 0,
+                bytes: 1 << 30,
+            },
+            Request::Free {
+                device: 0,
+                bytes: 1 << 30,
+            },
+            Request::MemInfo { req: 4, device: 0 },
+            Request::DestroyStream { stream: 2 },
+            Request::DestroyContext { ctx: 1 },
+        ];
+        let mut sh = shared();
+        let (mut now, mut handled) = (1_000_000_000u64, 0usize);
+        let n = 100_000;
+        fuzz::frames(81, &samples, n, |req| {
+            if matches!(req, Request::Hello { .. }) {
+                return;
+            }
+            // A fresh device now and then, so that random streams do not pile up.
+            if handled % 1_000 == 0 {
+                sh = shared();
+            }
+            handled += 1;
+            now += 50_000;
+            let mut out = Outbox::new();
+            let mut st = lock(&sh);
+            handle(&mut st, &sh, 1, req, now, &mut out);
+            pump(&mut st, now, &mut out);
+        })
+        .assert_exercised(n);
+        assert!(handled > n / 10, "{handled} requests handled");
+    }
 }

@@ -384,3 +384,20 @@ fn only_the_latest_record_of_a_slot_is_posted() {
         .collect();
     assert_eq!(posted, [(5, 2)]);
 }
+
+/// Regression (found fuzzing the device socket): a context or stream created again under a
+/// key in use left a context naming a stream the device had dropped, and the next kernel
+/// search panicked. Reused keys are refused; the first objects keep working.
+#[test]
+fn reused_context_and_stream_keys_are_refused() {
+    let mut m = model(false);
+    client(&mut m, 1, 0);
+    assert!(m.create_context((1, 2), 0));
+    assert!(!m.create_context((1, 2), 1));
+    assert!(!m.create_stream((1, 1), (1, 2), 0));
+    m.destroy_stream((1, 1));
+    assert!(m.create_stream((1, 1), (1, 2), 0));
+    spin(&mut m, 0, 1, 1, 1, MS);
+    m.advance(2 * MS);
+    assert_eq!(m.completion((1, 1), 1), Some(MS));
+}
