@@ -308,4 +308,33 @@ mod tests {
         );
         assert_eq!(pod_identity("0::/user.slice/session-1.scope\n"), None);
     }
+
+    /// A tenant's `/proc/<pid>/cgroup` decides whose policy it gets: mangled ones name a valid
+    /// pod and container or none.
+    #[test]
+    fn hostile_cgroup_files_are_rejected_without_panicking() {
+        let id = id();
+        let samples = [
+            format!(
+                "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID_}.slice/crio-{id}.scope\n"
+            ),
+            format!(
+                "9:name=systemd:/kubepods/besteffort/pod{UID}/docker-{id}/inner\n1:cpu:/\n0::/\n"
+            ),
+            format!("0::/../kubepods/pod{}/{id}\n", "ab".repeat(16)),
+        ];
+        let samples: Vec<&str> = samples.iter().map(String::as_str).collect();
+        let n = 100_000;
+        gpushare_frame::fuzz::texts(54, &samples, n, |text| match pod_identity(text) {
+            Some(p) => {
+                assert!(
+                    valid_uid(&p.pod_uid) && is_container_id(&p.container_id),
+                    "{text:?}"
+                );
+                true
+            }
+            None => false,
+        })
+        .assert_exercised(n);
+    }
 }
