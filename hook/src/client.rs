@@ -226,16 +226,13 @@ impl Hook {
                 let Ok(reader) = s.try_clone() else {
                     return false;
                 };
-                // A restarted scheduler learns what this process already holds, before anything
-                // else this process sends on the new connection.
+                // A restarted scheduler learns what this process holds on every GPU (nothing,
+                // too: its journal may remember more), before anything else this process sends
+                // on the new connection.
                 for (i, g) in self.gates.iter().enumerate() {
                     let bytes = self.memory.held(i);
-                    if bytes > 0 {
-                        let _ = gpushare_protocol::send(
-                            &mut s,
-                            &ClientMsg::MemSync { gpu: g.uuid, bytes },
-                        );
-                    }
+                    let _ =
+                        gpushare_protocol::send(&mut s, &ClientMsg::MemSync { gpu: g.uuid, bytes });
                 }
                 *w = Some(s);
                 drop(w);

@@ -544,6 +544,48 @@ fn scheduler_restart_keeps_the_books() {
     assert_eq!(u(&g, "memory_used"), 0, "{g}");
 }
 
+/// Restarts racing allocations: a process holds 3 GiB of a 4 GiB cap and sits idle; the daemon
+/// is killed (-9) and restarted 50 times, and each time another process of the group asks for
+/// 2 GiB as soon as the new daemon listens, before or after the holder has reconnected (the
+/// delay varies). The daemon's journal keeps the holder's 3 GiB on the books: never granted.
+/// A holder that dies while the daemon is down does not keep its memory: after the next
+/// restart the whole cap is free.
+#[test]
+fn restarts_racing_allocations_never_exceed_the_cap() {
+    let (mut node, exe) = node_with("mem_tool");
+    let h = holder(&node, &exe, "race", "4GiB", 3 * GIB);
+    let trials = 50;
+    let mut granted = Vec::new();
+    for trial in 0..trials {
+        node.kill_scheduler();
+        node.start_scheduler(&[]);
+        std::thread::sleep(Duration::from_millis([0, 0, 1, 3, 10][trial % 5]));
+        let r = try_alloc(&node, &exe, "race", "4GiB", 2 * GIB, 0);
+        if i(&r, "result") != OOM {
+            granted.push((trial, r));
+        }
+    }
+    eprintln!(
+        "{trials} restarts raced: {} grants over the cap",
+        granted.len()
+    );
+    assert!(
+        granted.is_empty(),
+        "2 GiB granted beside a 3 GiB holder of a 4 GiB cap after a restart: {granted:?}"
+    );
+    node.kill_scheduler();
+    h.signal(libc::SIGKILL);
+    let (status, _) = h.finish(Duration::from_secs(5));
+    assert!(status.is_some(), "the killed holder did not exit");
+    node.start_scheduler(&[]);
+    let all = try_alloc(&node, &exe, "race", "4GiB", 4 * GIB, 0);
+    assert_eq!(
+        i(&all, "result"),
+        0,
+        "the dead holder's memory stays on the restored books: {all}"
+    );
+}
+
 /// `gpushare status --json` (and the table) shows each group's memory used and cap on the GPU.
 #[test]
 fn status_reports_memory_used_and_cap() {
