@@ -918,6 +918,52 @@ fn strict_node() -> Node {
     node
 }
 
+/// A tenant cannot talk its way out of its group: under a config (no `--dev`) that puts this
+/// uid in a group limited to 0.2, a process declaring another group with request and limit 1
+/// (`gpushare run --group … --limit 1`, i.e. `GPUSHARE_GROUP`/`GPUSHARE_LIMIT`) is served as
+/// its uid's group and held to 0.2 of the device.
+#[test]
+fn a_declared_group_does_not_override_the_config() {
+    let mut node = Node::device_only();
+    let config = node.tmp.path().join("config.toml");
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    std::fs::write(
+        &config,
+        format!(
+            "[[group]]\nname = \"mine\"\nuids = [{uid}]\nrequest = 0.1\nlimit = 0.2\n\n\
+             [[group]]\nname = \"big\"\nuids = [4000000000]\nrequest = 1.0\n"
+        ),
+    )
+    .unwrap();
+    node.start_scheduler_with(false, &["--config", config.to_str().unwrap()]);
+    let t = node.spawn(node.run_command(
+        &["--group", "big", "--request", "1", "--limit", "1"],
+        cudarc(),
+        &Spin::kernels(1.0, 450).args(),
+    ));
+    let pid = t.pid();
+    wait_all(vec![t]);
+    let big = node.status_group("big");
+    let mine = node
+        .status_group("mine")
+        .expect("group mine in gpushare status");
+    let trace = node.finish();
+    let span = trace.span_of_pid(pid).expect("the tenant ran");
+    let w = Window::new(span.start_ns + WARMUP_NS, span.end_ns - 50 * MS);
+    let s = shares_in(&trace, &[pid], w);
+    eprintln!(
+        "declared big/1.0 under a config limiting it to 0.2: share {:.4}; status mine {mine}, big {big:?}",
+        s[0]
+    );
+    assert!(
+        big.as_ref()
+            .is_none_or(|g| g["tokens"].as_u64().unwrap_or(0) == 0),
+        "the declared group was served: {big:?}"
+    );
+    assert_shares("declared limit 1 under a config limit of 0.2", &s, &[0.2]);
+}
+
 /// Run a tenant no group matches for 3 s; its output, whether it was still running, and
 /// how many kernels it ran on the device.
 fn unknown_tenant(
