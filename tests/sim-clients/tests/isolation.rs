@@ -236,7 +236,10 @@ fn syscalls(node: &Node, what: &str, cmd: std::process::Command) -> u64 {
 /// system call of 62 000 launches (`cudarc-client launch-latency`: 2 000 warm-up launches, then
 /// 20 000 by each of three routes) natively and under the hook with the token held: the
 /// difference per launch is the hook's — a few fences and the connection, far below one call
-/// per launch (a lock that had to wait would show as a `futex` call per launch).
+/// per launch (a lock that had to wait would show as a `futex` call per launch). The simulated
+/// driver's own calls (2.4 per launch) vary with the machine's load by a few percent of that,
+/// so the bound is a quarter call per launch: measured +0.02 on a quiet machine, +0.05 with
+/// three builds running beside the suite.
 #[test]
 fn the_launch_fast_path_makes_no_system_call() {
     let node = Node::start(&[]);
@@ -255,7 +258,7 @@ fn the_launch_fast_path_makes_no_system_call() {
         "system calls: native {native}, hooked {hooked}: {per_launch:+.4} per launch added by the hook"
     );
     assert!(
-        per_launch < 0.05,
+        per_launch < 0.25,
         "the hook adds {per_launch:.3} system calls per launch (native {native}, hooked {hooked})"
     );
 }
