@@ -232,6 +232,39 @@ fn syscalls(node: &Node, what: &str, cmd: std::process::Command) -> u64 {
         .unwrap_or_else(|| panic!("no system call count in:\n{summary}"))
 }
 
+/// The glibc baseline: `libgpushare.so` loads into any process whose C library is glibc 2.34 or
+/// newer (Debian 12, Ubuntu 22.04, RHEL 9). A container with an older glibc would skip the
+/// preload (`ld.so` prints a warning and runs the program ungated), so a build that needs a newer
+/// symbol version must be noticed here, not on a user's node.
+#[test]
+fn the_hook_needs_at_most_glibc_2_34() {
+    let lib = target_dir().join("libgpushare.so");
+    let out = std::process::Command::new("objdump")
+        .arg("-T")
+        .arg(&lib)
+        .output()
+        .expect("run objdump (binutils)");
+    assert!(
+        out.status.success(),
+        "objdump -T {}\n{}",
+        lib.display(),
+        describe(&out)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let version = |v: &str| -> Vec<u32> { v.split('.').filter_map(|p| p.parse().ok()).collect() };
+    let needed = text
+        .split_whitespace()
+        .filter_map(|w| w.trim_matches(['(', ')']).strip_prefix("GLIBC_"))
+        .map(version)
+        .max()
+        .expect("the hook links glibc");
+    eprintln!("libgpushare.so needs glibc {needed:?}");
+    assert!(
+        needed <= vec![2, 34],
+        "libgpushare.so needs glibc {needed:?}, above the documented baseline 2.34"
+    );
+}
+
 /// DESIGN §3: the launch fast path (a turn open) makes no system call. `perf stat` counts every
 /// system call of 62 000 launches (`cudarc-client launch-latency`: 2 000 warm-up launches, then
 /// 20 000 by each of three routes) natively and under the hook with the token held: the
