@@ -752,14 +752,19 @@ fn timer_loop(shared: Arc<Shared>) {
     }
 }
 
-/// Keep the journal up to date with frees and departures, and lay to rest the restored
-/// holdings of processes that exited without reconnecting.
+/// Keep the journal up to date with frees and departures, lay to rest the restored holdings
+/// of processes that exited without reconnecting, and (every second) free the memory of
+/// connected clients whose process has exited while a forked child keeps its socket open.
 fn journal_loop(shared: Arc<Shared>) {
     let restored = Instant::now();
-    loop {
+    for round in 0u64.. {
         std::thread::sleep(crate::journal::FLUSH_EVERY);
         let mut st = lock(&shared);
         let st = &mut *st;
+        if round % 10 == 0 {
+            st.memory
+                .forget_exited(|p| crate::journal::alive(p) == Some(false));
+        }
         if st.memory.has_ghosts() {
             let grace_over = restored.elapsed() > crate::journal::UNVERIFIABLE_GHOST_GRACE;
             st.memory.retain_ghosts(|p| match crate::journal::alive(p) {

@@ -131,6 +131,20 @@ impl MemoryBooks {
         self.changed = true;
     }
 
+    /// Forget what the clients whose process has exited hold, even while their connection
+    /// lives on: a forked child may have kept a copy of it.
+    pub fn forget_exited(&mut self, mut exited: impl FnMut(&ProcessId) -> bool) {
+        let gone: Vec<u64> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| exited(p))
+            .map(|(c, _)| *c)
+            .collect();
+        for client in gone {
+            self.forget_client(client);
+        }
+    }
+
     /// Every non-zero holding of a known process, connected or ghost: what the journal keeps.
     pub fn holdings(&self) -> Vec<Holding> {
         let live = self
@@ -257,6 +271,22 @@ mod tests {
         assert!(
             m.reserve(1, "a", GPU, 4 * GIB).granted,
             "a dead ghost frees its bytes"
+        );
+    }
+
+    #[test]
+    fn an_exited_process_frees_its_memory_whoever_keeps_its_connection() {
+        let mut m = MemoryBooks::default();
+        m.set_cap("a", Some(4 * GIB));
+        m.attach(1, ProcessId { pid: 10, start: 1 });
+        m.attach(2, ProcessId { pid: 11, start: 1 });
+        assert!(m.reserve(1, "a", GPU, 3 * GIB).granted);
+        assert!(m.reserve(2, "a", GPU, GIB).granted);
+        m.forget_exited(|p| p.pid == 10);
+        assert_eq!(
+            m.used("a", &GPU),
+            GIB,
+            "only the exited process's bytes are free"
         );
     }
 
