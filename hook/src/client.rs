@@ -7,9 +7,10 @@ use crate::real;
 use gpushare_protocol::{ClientMsg, GroupSpec, PROTOCOL_VERSION, ServerMsg};
 use std::collections::HashMap;
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
 use std::sync::{Condvar, Mutex, Once};
 use std::time::Duration;
@@ -69,6 +70,10 @@ pub struct Hook {
     pub settings: Settings,
     pub gates: Vec<Gate>,
     writer: Mutex<Option<UnixStream>>,
+    /// The connection's file descriptors (writer, reader; -1: none), for a forked child to close:
+    /// recorded as soon as each is open and cleared before it is closed, so a child never closes
+    /// a number the application has since reused.
+    conn_fds: [AtomicI32; 2],
     connected: AtomicBool,
     /// The scheduler refused this process; it will not ask again.
     refused: AtomicBool,
@@ -107,7 +112,7 @@ fn init_hook() -> Option<&'static Hook> {
     }
     static AT_FORK: Once = Once::new();
     AT_FORK.call_once(|| {
-        // SAFETY: registers a child-side handler that only stores to an atomic.
+        // SAFETY: registers a child-side handler that only uses atomics and close(2).
         unsafe { libc::pthread_atfork(None, None, Some(forget_parent_hook)) };
     });
     let h: &'static Hook = Box::leak(Box::new(Hook::new()?));
@@ -116,9 +121,23 @@ fn init_hook() -> Option<&'static Hook> {
     Some(h)
 }
 
-/// In a forked child: the parent's hook (connection, threads, tokens) is not ours.
+/// In a forked child: the parent's hook (connection, threads, tokens) is not ours. Its
+/// connection is closed here: a child that never uses CUDA (a data-loader worker) would otherwise
+/// keep it open after the parent exits, and the scheduler would keep the parent's memory booked.
+/// Only atomics and close(2) (async-signal-safe): another thread may have held any lock at the
+/// fork. The parent's `Hook` stays leaked in the child, so those numbers are never closed again.
 extern "C" fn forget_parent_hook() {
-    HOOK.store(std::ptr::null_mut(), Ordering::Release);
+    let parent = HOOK.swap(std::ptr::null_mut(), Ordering::AcqRel);
+    // SAFETY: a non-null pointer is a leaked `Hook`, never freed.
+    if let Some(h) = unsafe { parent.as_ref() } {
+        for fd in &h.conn_fds {
+            let n = fd.swap(-1, Ordering::AcqRel);
+            if n >= 0 {
+                // SAFETY: `n` is the parent's connection, inherited and used by nothing here.
+                unsafe { libc::close(n) };
+            }
+        }
+    }
 }
 
 impl Hook {
@@ -140,6 +159,7 @@ impl Hook {
             settings: Settings::from_env(),
             gates,
             writer: Mutex::new(None),
+            conn_fds: [AtomicI32::new(-1), AtomicI32::new(-1)],
             connected: AtomicBool::new(false),
             refused: AtomicBool::new(false),
             pending: Mutex::new(HashMap::new()),
@@ -200,42 +220,50 @@ impl Hook {
                 );
                 (msg, false)
             })?;
-            let hello = ClientMsg::Hello {
-                version: PROTOCOL_VERSION,
-                declared: self.settings.declared.clone(),
-            };
-            let io = |e: std::io::Error| (e.to_string(), false);
-            gpushare_protocol::send(&mut s, &hello).map_err(|e| (e.to_string(), false))?;
-            s.set_read_timeout(Some(Duration::from_secs(5)))
-                .map_err(io)?;
-            match gpushare_protocol::recv::<ServerMsg>(&mut s, &mut Vec::new()) {
-                Ok(Some(ServerMsg::Welcome { group })) => debug!("connected as group {group}"),
-                Ok(Some(ServerMsg::Error { message, .. })) => return Err((message, true)),
-                other => {
-                    return Err((
-                        format!("unexpected answer from the scheduler: {other:?}"),
-                        false,
-                    ));
+            self.conn_fds[0].store(s.as_raw_fd(), Ordering::Release);
+            let handshake = |s: &mut UnixStream| {
+                let hello = ClientMsg::Hello {
+                    version: PROTOCOL_VERSION,
+                    declared: self.settings.declared.clone(),
+                };
+                let io = |e: std::io::Error| (e.to_string(), false);
+                gpushare_protocol::send(s, &hello).map_err(|e| (e.to_string(), false))?;
+                s.set_read_timeout(Some(Duration::from_secs(5)))
+                    .map_err(io)?;
+                match gpushare_protocol::recv::<ServerMsg>(s, &mut Vec::new()) {
+                    Ok(Some(ServerMsg::Welcome { group })) => {
+                        debug!("connected as group {group}")
+                    }
+                    Ok(Some(ServerMsg::Error { message, .. })) => return Err((message, true)),
+                    other => {
+                        return Err((
+                            format!("unexpected answer from the scheduler: {other:?}"),
+                            false,
+                        ));
+                    }
                 }
+                s.set_read_timeout(None).map_err(io)
+            };
+            if let Err(e) = handshake(&mut s) {
+                self.conn_fds[0].store(-1, Ordering::Release);
+                return Err(e);
             }
-            s.set_read_timeout(None).map_err(io)?;
             Ok(s)
         };
         match attempt() {
             Ok(mut s) => {
                 let Ok(reader) = s.try_clone() else {
+                    self.conn_fds[0].store(-1, Ordering::Release);
                     return false;
                 };
-                // A restarted scheduler learns what this process already holds, before anything
-                // else this process sends on the new connection.
+                self.conn_fds[1].store(reader.as_raw_fd(), Ordering::Release);
+                // A restarted scheduler learns what this process holds on every GPU (nothing,
+                // too: its journal may remember more), before anything else this process sends
+                // on the new connection.
                 for (i, g) in self.gates.iter().enumerate() {
                     let bytes = self.memory.held(i);
-                    if bytes > 0 {
-                        let _ = gpushare_protocol::send(
-                            &mut s,
-                            &ClientMsg::MemSync { gpu: g.uuid, bytes },
-                        );
-                    }
+                    let _ =
+                        gpushare_protocol::send(&mut s, &ClientMsg::MemSync { gpu: g.uuid, bytes });
                 }
                 *w = Some(s);
                 drop(w);
@@ -297,6 +325,7 @@ impl Hook {
         if gpushare_protocol::encode(msg, &mut buf).is_ok() && s.write_all(&buf).is_ok() {
             return true;
         }
+        self.conn_fds[0].store(-1, Ordering::Release);
         *w = None;
         false
     }
@@ -396,12 +425,19 @@ impl Hook {
             }
         }
         debug!("lost the scheduler connection");
+        // Both ends closed (each fd forgotten first) before a reconnect may open new ones.
+        {
+            let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+            self.conn_fds[0].store(-1, Ordering::Release);
+            *w = None;
+        }
+        self.conn_fds[1].store(-1, Ordering::Release);
+        drop(s);
         self.connected.store(false, Ordering::Release);
         self.pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
-        *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = None;
         for g in &self.gates {
             g.on_disconnected();
         }

@@ -330,7 +330,7 @@ pub extern "C" fn cuLaunchCooperativeKernelMultiDevice(list: P, n: u32, flags: u
 
 /// Managed symbols (launches, synchronisations, captures, allocations, frees, memory queries)
 /// and their wrappers, sorted by name.
-fn wrappers() -> [(&'static str, P); 48] {
+fn wrappers() -> [(&'static str, P); 51] {
     [
         ("cuArray3DCreate_v2", memory::cuArray3DCreate_v2 as P),
         ("cuArrayCreate_v2", memory::cuArrayCreate_v2 as P),
@@ -388,7 +388,13 @@ fn wrappers() -> [(&'static str, P); 48] {
         ("cuMemFreeAsync_ptsz", memory::cuMemFreeAsync_ptsz as P),
         ("cuMemFree_v2", memory::cuMemFree_v2 as P),
         ("cuMemGetInfo_v2", memory::cuMemGetInfo_v2 as P),
+        ("cuMemMap", memory::cuMemMap as P),
         ("cuMemRelease", memory::cuMemRelease as P),
+        (
+            "cuMemRetainAllocationHandle",
+            memory::cuMemRetainAllocationHandle as P,
+        ),
+        ("cuMemUnmap", memory::cuMemUnmap as P),
         (
             "cuMipmappedArrayCreate",
             memory::cuMipmappedArrayCreate as P,
@@ -549,6 +555,9 @@ mod tests {
             "cuMemFreeAsync",
             "cuMemFreeAsync_ptsz",
             "cuMemRelease",
+            "cuMemRetainAllocationHandle",
+            "cuMemMap",
+            "cuMemUnmap",
             "cuArrayDestroy",
             "cuMipmappedArrayDestroy",
             "cuMemGetInfo_v2",

@@ -7,7 +7,7 @@ use crate::client::{Hook, hook};
 use crate::real;
 use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
 use gpushare_protocol::{ClientMsg, ServerMsg};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::Mutex;
 
@@ -21,22 +21,57 @@ const CUDA_ERROR_UNKNOWN: CUresult = 999;
 /// Pitch alignment assumed when reserving for cuMemAllocPitch (the real pitch is known after).
 const PITCH_ALIGN: usize = 512;
 
-/// What this process holds: per allocation (device pointer or handle) its GPU and size.
+/// What this process holds on each GPU.
 #[derive(Default)]
 pub struct Books {
-    allocs: Mutex<HashMap<u64, (usize, u64)>>,
+    held: Mutex<Held>,
+}
+
+#[derive(Default)]
+struct Held {
+    /// Allocations one call frees, by device pointer or array: (gate, bytes).
+    allocs: HashMap<u64, (usize, u64)>,
+    /// Physical allocations (`cuMemCreate` on a GPU), by handle.
+    physical: HashMap<u64, Physical>,
+    /// Mapped ranges of those: base address → (size, handle).
+    mappings: BTreeMap<u64, (usize, u64)>,
+}
+
+/// The driver frees a physical allocation only once every reference to its handle is released
+/// and every mapping of it unmapped (PyTorch's expandable segments release handles while their
+/// memory stays mapped), so it is charged until then.
+struct Physical {
+    gpu: usize,
+    bytes: u64,
+    refs: u32,
+    mappings: u32,
+}
+
+impl Held {
+    /// Forget the physical allocation `handle` if nothing references or maps it any more:
+    /// its gate and bytes.
+    fn take_unused(&mut self, handle: u64) -> Option<(usize, u64)> {
+        let p = self.physical.get(&handle)?;
+        if p.refs > 0 || p.mappings > 0 {
+            return None;
+        }
+        self.physical.remove(&handle).map(|p| (p.gpu, p.bytes))
+    }
 }
 
 impl Books {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (usize, u64)>> {
-        self.allocs.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Bytes held on the GPU of gate `gpu`.
     pub fn held(&self, gpu: usize) -> u64 {
-        self.lock()
-            .values()
-            .filter(|(g, _)| *g == gpu)
+        let held = self.lock();
+        let allocs = held.allocs.values().copied();
+        let physical = held.physical.values().map(|p| (p.gpu, p.bytes));
+        allocs
+            .chain(physical)
+            .filter(|&(g, _)| g == gpu)
             .map(|(_, b)| b)
             .sum()
     }
@@ -68,13 +103,25 @@ fn give_back(h: &Hook, gpu: usize, bytes: u64) {
     }
 }
 
-/// Reserve, allocate, then record the allocation under the key `key_of` reads from the
-/// driver's out-pointer, or roll back.
+/// Reserve, allocate, then record the allocation under the key `key` reads from the driver's
+/// out-pointer, or roll back.
 fn allocate(
     gpu: Option<usize>,
     bytes: Option<usize>,
     alloc: impl FnOnce() -> Option<CUresult>,
     key: impl FnOnce() -> u64,
+) -> CUresult {
+    allocate_into(gpu, bytes, alloc, |held, gpu, bytes| {
+        held.allocs.insert(key(), (gpu, bytes));
+    })
+}
+
+/// [`allocate`], with `record` writing the books once the driver allocated.
+fn allocate_into(
+    gpu: Option<usize>,
+    bytes: Option<usize>,
+    alloc: impl FnOnce() -> Option<CUresult>,
+    record: impl FnOnce(&mut Held, usize, u64),
 ) -> CUresult {
     let run = || {
         let (Some(h), Some(bytes)) = (hook(), bytes) else {
@@ -89,7 +136,7 @@ fn allocate(
         }
         let r = alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         if r == CUDA_SUCCESS {
-            h.memory.lock().insert(key(), (gpu, bytes));
+            record(&mut h.memory.lock(), gpu, bytes);
         } else {
             give_back(h, gpu, bytes);
         }
@@ -98,19 +145,30 @@ fn allocate(
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
 }
 
-/// Free through the driver, then give back what the allocation `key` held.
-fn release(key: u64, free: impl FnOnce() -> Option<CUresult>) -> CUresult {
+/// Call the driver; if it succeeded, update the books and give back what `update` says the
+/// call freed.
+fn then_books(
+    call: impl FnOnce() -> Option<CUresult>,
+    update: impl FnOnce(&mut Held) -> Vec<(usize, u64)>,
+) -> CUresult {
     let run = || {
-        let r = free().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         if r == CUDA_SUCCESS
             && let Some(h) = hook()
-            && let Some((gpu, bytes)) = h.memory.lock().remove(&key)
         {
-            give_back(h, gpu, bytes);
+            let freed = update(&mut h.memory.lock());
+            for (gpu, bytes) in freed {
+                give_back(h, gpu, bytes);
+            }
         }
         r
     };
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+/// Free through the driver, then give back what the allocation `key` held.
+fn release(key: u64, free: impl FnOnce() -> Option<CUresult>) -> CUresult {
+    then_books(free, |held| held.allocs.remove(&key).into_iter().collect())
 }
 
 /// Read a caller's struct or an out-pointer the driver has just written (`None` if null).
@@ -218,6 +276,9 @@ struct AllocationProp {
     location_id: i32,
 }
 
+/// `CUmemLocationType` of memory on a GPU (the others are host memory).
+const LOCATION_DEVICE: u32 = 1;
+
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemCreate(
     handle: *mut u64,
@@ -225,17 +286,96 @@ pub extern "C" fn cuMemCreate(
     prop: *const c_void,
     flags: u64,
 ) -> CUresult {
-    // The allocation is on the device the properties name, not the current context's.
     let Some(p) = read(prop.cast::<AllocationProp>()) else {
         return CUDA_ERROR_INVALID_VALUE;
     };
-    let gpu = (p.location_type == 1 && p.location_id >= 0).then_some(p.location_id as usize);
+    let create = || real::cuMemCreate().map(|f| unsafe { f(handle, size, prop, flags) });
+    // Host memory (NCCL's host buffers) is not the GPU's: not charged.
+    if p.location_type != LOCATION_DEVICE {
+        return create().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+    }
+    // The allocation is on the device the properties name, not the current context's.
+    let gpu = (p.location_id >= 0).then_some(p.location_id as usize);
     let gpu = gpu.filter(|&g| hook().is_some_and(|h| g < h.gates.len()));
-    allocate(
-        gpu,
-        Some(size),
-        || real::cuMemCreate().map(|f| unsafe { f(handle, size, prop, flags) }),
-        || read(handle).unwrap_or(0),
+    allocate_into(gpu, Some(size), create, |held, gpu, bytes| {
+        let p = Physical {
+            gpu,
+            bytes,
+            refs: 1,
+            mappings: 0,
+        };
+        held.physical.insert(read(handle).unwrap_or(0), p);
+    })
+}
+
+/// One reference fewer; the memory is given back once no reference or mapping is left.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemRelease(handle: u64) -> CUresult {
+    then_books(
+        || real::cuMemRelease().map(|f| unsafe { f(handle) }),
+        |held| {
+            if let Some(p) = held.physical.get_mut(&handle) {
+                p.refs = p.refs.saturating_sub(1);
+            }
+            held.take_unused(handle).into_iter().collect()
+        },
+    )
+}
+
+/// The handle of a mapped address, with one more reference (released by its own cuMemRelease).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemRetainAllocationHandle(handle: *mut u64, addr: P) -> CUresult {
+    then_books(
+        || real::cuMemRetainAllocationHandle().map(|f| unsafe { f(handle, addr) }),
+        |held| {
+            if let Some(p) = read(handle).and_then(|h| held.physical.get_mut(&h)) {
+                p.refs += 1;
+            }
+            Vec::new()
+        },
+    )
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemMap(
+    ptr: u64,
+    size: usize,
+    offset: usize,
+    handle: u64,
+    flags: u64,
+) -> CUresult {
+    then_books(
+        || real::cuMemMap().map(|f| unsafe { f(ptr, size, offset, handle, flags) }),
+        |held| {
+            if let Some(p) = held.physical.get_mut(&handle) {
+                p.mappings += 1;
+                held.mappings.insert(ptr, (size, handle));
+            }
+            Vec::new()
+        },
+    )
+}
+
+/// Unmaps every mapping in the range; those that were the last use of their memory give it back.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CUresult {
+    then_books(
+        || real::cuMemUnmap().map(|f| unsafe { f(ptr, size) }),
+        |held| {
+            let end = ptr.saturating_add(size as u64);
+            let bases: Vec<u64> = held.mappings.range(ptr..end).map(|(&b, _)| b).collect();
+            let mut freed = Vec::new();
+            for base in bases {
+                let Some((_, handle)) = held.mappings.remove(&base) else {
+                    continue;
+                };
+                if let Some(p) = held.physical.get_mut(&handle) {
+                    p.mappings = p.mappings.saturating_sub(1);
+                }
+                freed.extend(held.take_unused(handle));
+            }
+            freed
+        },
     )
 }
 
@@ -293,13 +433,6 @@ pub extern "C" fn cuMemFreeAsync(ptr: u64, s: P) -> CUresult {
 pub extern "C" fn cuMemFreeAsync_ptsz(ptr: u64, s: P) -> CUresult {
     release(ptr, || {
         real::cuMemFreeAsync_ptsz().map(|f| unsafe { f(ptr, s) })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemRelease(handle: u64) -> CUresult {
-    release(handle, || {
-        real::cuMemRelease().map(|f| unsafe { f(handle) })
     })
 }
 

@@ -143,6 +143,9 @@ real_fns! {
     cuMemFreeAsync: fn(u64, P);
     cuMemFreeAsync_ptsz: fn(u64, P);
     cuMemRelease: fn(u64);
+    cuMemRetainAllocationHandle: fn(*mut u64, P);
+    cuMemMap: fn(u64, usize, usize, u64, u64);
+    cuMemUnmap: fn(u64, usize);
     cuArrayDestroy: fn(P);
     cuMipmappedArrayDestroy: fn(P);
     cuMemGetInfo_v2: fn(*mut usize, *mut usize);

@@ -221,6 +221,7 @@ weight = 2
         );
         assert_eq!(c.groups[0].memory, Some(4 << 30));
         let peer = |uid, cgroup: &str| Peer {
+            start: 0,
             pid: 1,
             uid,
             gid: 0,

@@ -4,6 +4,7 @@
 
 use crate::config::{Config, GroupConfig};
 use crate::identity::{self, Peer};
+use crate::journal::Journal;
 use crate::memory::MemoryBooks;
 use crate::pods::{GroupChange, PodTable};
 use crate::policy::{ClientId, Decision, GroupParams, Policy, TurnUse};
@@ -14,7 +15,7 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 pub use gpushare_units::monotonic_ns as now_ns;
 
@@ -27,6 +28,8 @@ pub struct DaemonOptions {
     pub metrics: Option<std::net::SocketAddr>,
     /// Serve the admin protocol (Kubernetes node agent) on this socket.
     pub admin_socket: Option<PathBuf>,
+    /// The memory books' journal ([`crate::journal`]).
+    pub books: PathBuf,
 }
 
 struct Client {
@@ -44,6 +47,7 @@ pub(crate) struct State {
     groups: BTreeMap<String, GroupParams>,
     policies: BTreeMap<GpuUuid, Policy>,
     memory: MemoryBooks,
+    journal: Journal,
     clients: HashMap<ClientId, Client>,
     next_client: ClientId,
     /// Kubernetes containers registered over the admin socket.
@@ -76,6 +80,13 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         groups.insert(g.name.clone(), g.params);
         memory.set_cap(&g.name, g.memory);
     }
+    let mut journal = Journal::new(opts.books.clone());
+    let ghosts = journal.load();
+    if !ghosts.is_empty() {
+        tracing::info!(holdings = ghosts.len(), path = %journal.path().display(), "memory books restored; they count until their processes reconnect or exit");
+    }
+    memory.adopt(ghosts);
+    journal.save(&mut memory);
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
             config,
@@ -83,6 +94,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             groups,
             policies: BTreeMap::new(),
             memory,
+            journal,
             clients: HashMap::new(),
             next_client: 1,
             pods: PodTable::default(),
@@ -110,6 +122,10 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             .name("admin".into())
             .spawn(move || crate::admin::listen(s, admin))?;
     }
+    let s = shared.clone();
+    std::thread::Builder::new()
+        .name("journal".into())
+        .spawn(move || journal_loop(s))?;
     if let Some(path) = opts.config_path.clone() {
         let s = shared.clone();
         std::thread::Builder::new()
@@ -289,6 +305,7 @@ fn hello(
     };
     let id = st.next_client;
     st.next_client += 1;
+    st.memory.attach(id, peer.process());
     st.clients.insert(
         id,
         Client {
@@ -444,6 +461,8 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
             Some(group) => {
                 policy_for(st, gpu); // so `gpushare status` shows the GPU
                 let u = st.memory.reserve(id, &group, gpu, bytes);
+                // On disk before the process is told it may allocate.
+                st.journal.save(&mut st.memory);
                 out.push((
                     id,
                     ServerMsg::Memory {
@@ -730,6 +749,30 @@ fn timer_loop(shared: Arc<Shared>) {
             }
             None => shared.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
         };
+    }
+}
+
+/// Keep the journal up to date with frees and departures, lay to rest the restored holdings
+/// of processes that exited without reconnecting, and (every second) free the memory of
+/// connected clients whose process has exited while a forked child keeps its socket open.
+fn journal_loop(shared: Arc<Shared>) {
+    let restored = Instant::now();
+    for round in 0u64.. {
+        std::thread::sleep(crate::journal::FLUSH_EVERY);
+        let mut st = lock(&shared);
+        let st = &mut *st;
+        if round % 10 == 0 {
+            st.memory
+                .forget_exited(|p| crate::journal::alive(p) == Some(false));
+        }
+        if st.memory.has_ghosts() {
+            let grace_over = restored.elapsed() > crate::journal::UNVERIFIABLE_GHOST_GRACE;
+            st.memory.retain_ghosts(|p| match crate::journal::alive(p) {
+                Some(alive) => alive,
+                None => !grace_over,
+            });
+        }
+        st.journal.save(&mut st.memory);
     }
 }
 

@@ -8,6 +8,9 @@ use std::os::unix::net::UnixStream;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Peer {
     pub pid: u32,
+    /// When the process started (clock ticks since boot; 0 if unknown), so that a later
+    /// process reusing the pid is not taken for it.
+    pub start: u64,
     pub uid: u32,
     pub gid: u32,
     /// The process's cgroup path(s) from `/proc/<pid>/cgroup`, comma-separated.
@@ -46,11 +49,34 @@ pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
     let cgroup = paths.join(",");
     Ok(Peer {
         pid: cred.pid as u32,
+        start: start_time(cred.pid as u32).unwrap_or(0),
         uid: cred.uid,
         gid: cred.gid,
         cgroup,
         pod: pod_identity(&text),
     })
+}
+
+/// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat` field 22), or
+/// `None` if there is no such process (or `pid` is 0: a peer in another pid namespace).
+pub fn start_time(pid: u32) -> Option<u64> {
+    if pid == 0 {
+        return None;
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may contain anything: count from after it.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
+impl Peer {
+    /// The process, as the memory books and their journal know it.
+    pub fn process(&self) -> crate::memory::ProcessId {
+        crate::memory::ProcessId {
+            pid: self.pid,
+            start: self.start,
+        }
+    }
 }
 
 /// A Kubernetes container, as its cgroup names it.
@@ -193,6 +219,23 @@ mod tests {
         assert_eq!(p.pid, std::process::id());
         // SAFETY: getuid has no preconditions.
         assert_eq!(p.uid, unsafe { libc::getuid() });
+        assert!(p.start > 0, "start time read from /proc");
+        assert_eq!(start_time(p.pid), Some(p.start), "stable for a process");
+        let child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let mut child = child;
+        let started = start_time(child.id()).unwrap();
+        assert!(started >= p.start, "a later process started later");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(
+            start_time(child.id()),
+            None,
+            "a reaped process has no start time"
+        );
+        assert_eq!(start_time(0), None);
     }
 
     const UID: &str = "0b1c8e3a-6f0e-4a57-9a39-8f2d3c1b7e11";

@@ -1,7 +1,8 @@
 //! gpushare's scheduler: the pure fair-share policy core ([`policy`], one instance per GPU) and
 //! the daemon around it: configuration ([`config`]), client identity from the socket
 //! ([`identity`]), the socket server ([`daemon`]) and the status report ([`status`]), which
-//! [`client`] fetches from a running daemon; for Kubernetes, the admin socket ([`admin`])
+//! [`client`] fetches from a running daemon; the memory books ([`memory`]) and their journal
+//! ([`journal`]), which survives a restart; for Kubernetes, the admin socket ([`admin`])
 //! through which the node agent registers containers ([`pods`]).
 
 pub mod admin;
@@ -9,6 +10,7 @@ pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod identity;
+pub mod journal;
 pub mod memory;
 pub mod pods;
 pub mod policy;

@@ -3,10 +3,32 @@
 //!
 //! A process reserves before it allocates and gives back on free or failure, so two processes
 //! of a group can never overshoot the cap together. A process's holdings vanish with it.
+//!
+//! The books outlive the daemon through its journal ([`crate::journal`]): what a process held
+//! when the daemon died comes back as a *ghost* holding, counted against the cap until the
+//! process reconnects and states what it holds ([`MemoryBooks::sync`]) or is gone.
 
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
 pub type GpuUuid = [u8; 16];
+
+/// A process, told apart from a later one that reuses its pid by its start time (clock ticks
+/// since boot, `/proc/<pid>/stat` field 22; 0 when unknown).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ProcessId {
+    pub pid: u32,
+    pub start: u64,
+}
+
+/// One line of the books as the journal keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holding {
+    pub process: ProcessId,
+    pub group: String,
+    pub gpu: GpuUuid,
+    pub bytes: u64,
+}
 
 #[derive(Debug, Default)]
 pub struct MemoryBooks {
@@ -14,6 +36,12 @@ pub struct MemoryBooks {
     caps: HashMap<String, u64>,
     /// What each client holds per GPU, and its group.
     held: HashMap<(u64, GpuUuid), (String, u64)>,
+    /// The process behind each client that may hold memory.
+    processes: HashMap<u64, ProcessId>,
+    /// Holdings of processes that have not reconnected since the daemon restarted.
+    ghosts: HashMap<(ProcessId, GpuUuid), (String, u64)>,
+    /// The holdings changed since [`take_changed`](Self::take_changed) last said so.
+    changed: bool,
 }
 
 /// Outcome of a reservation or query.
@@ -36,13 +64,20 @@ impl MemoryBooks {
         self.caps.get(group).copied()
     }
 
-    /// Bytes the group holds on `gpu`, over all its processes.
+    /// Bytes the group holds on `gpu`, over all its processes, connected or not yet back.
     pub fn used(&self, group: &str, gpu: &GpuUuid) -> u64 {
-        self.held
-            .iter()
-            .filter(|((_, g), (grp, _))| g == gpu && grp == group)
+        let live = self.held.iter().map(|((_, g), h)| (g, h));
+        let ghosts = self.ghosts.iter().map(|((_, g), h)| (g, h));
+        live.chain(ghosts)
+            .filter(|(g, (grp, _))| *g == gpu && grp == group)
             .map(|(_, (_, b))| *b)
             .sum()
+    }
+
+    /// Client `client` is process `process`: its holdings are journaled under it, and replace
+    /// that process's ghosts when it syncs.
+    pub fn attach(&mut self, client: u64, process: ProcessId) {
+        self.processes.insert(client, process);
     }
 
     /// Reserve `bytes` for `client` of `group` on `gpu`, unless that would exceed the cap.
@@ -50,11 +85,12 @@ impl MemoryBooks {
         let cap = self.cap(group);
         let used = self.used(group, &gpu);
         let granted = cap.is_none_or(|c| used.saturating_add(bytes) <= c);
-        if granted {
+        if granted && bytes > 0 {
             self.held
                 .entry((client, gpu))
                 .or_insert_with(|| (group.to_string(), 0))
                 .1 += bytes;
+            self.changed = true;
         }
         Usage {
             granted,
@@ -66,12 +102,18 @@ impl MemoryBooks {
     pub fn free(&mut self, client: u64, gpu: GpuUuid, bytes: u64) {
         if let Some((_, held)) = self.held.get_mut(&(client, gpu)) {
             *held = held.saturating_sub(bytes);
+            self.changed = true;
         }
     }
 
-    /// A reconnecting client states what it holds; the books take its word for it.
+    /// A reconnecting client states what it holds on `gpu`; the books take its word for it,
+    /// and its process's ghost holding there is laid to rest.
     pub fn sync(&mut self, client: u64, group: &str, gpu: GpuUuid, bytes: u64) {
         self.held.insert((client, gpu), (group.to_string(), bytes));
+        if let Some(p) = self.processes.get(&client) {
+            self.ghosts.remove(&(*p, gpu));
+        }
+        self.changed = true;
     }
 
     pub fn query(&self, group: &str, gpu: &GpuUuid) -> Usage {
@@ -85,6 +127,75 @@ impl MemoryBooks {
     /// The client is gone: everything it held is free again.
     pub fn forget_client(&mut self, client: u64) {
         self.held.retain(|(c, _), _| *c != client);
+        self.processes.remove(&client);
+        self.changed = true;
+    }
+
+    /// Forget what the clients whose process has exited hold, even while their connection
+    /// lives on: a forked child may have kept a copy of it.
+    pub fn forget_exited(&mut self, mut exited: impl FnMut(&ProcessId) -> bool) {
+        let gone: Vec<u64> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| exited(p))
+            .map(|(c, _)| *c)
+            .collect();
+        for client in gone {
+            self.forget_client(client);
+        }
+    }
+
+    /// Every non-zero holding of a known process, connected or ghost: what the journal keeps.
+    pub fn holdings(&self) -> Vec<Holding> {
+        let live = self
+            .held
+            .iter()
+            .filter_map(|((client, gpu), (group, bytes))| {
+                let process = *self.processes.get(client)?;
+                Some((process, *gpu, group, *bytes))
+            });
+        let ghosts = self
+            .ghosts
+            .iter()
+            .map(|((process, gpu), (group, bytes))| (*process, *gpu, group, *bytes));
+        live.chain(ghosts)
+            .filter(|(.., bytes)| *bytes > 0)
+            .map(|(process, gpu, group, bytes)| Holding {
+                process,
+                group: group.clone(),
+                gpu,
+                bytes,
+            })
+            .collect()
+    }
+
+    /// Take the journal's holdings as ghosts (a restarted daemon, before any client connects).
+    pub fn adopt(&mut self, holdings: Vec<Holding>) {
+        for h in holdings {
+            let ghost = self
+                .ghosts
+                .entry((h.process, h.gpu))
+                .or_insert_with(|| (h.group, 0));
+            ghost.1 = ghost.1.saturating_add(h.bytes);
+        }
+        self.changed = true;
+    }
+
+    /// Keep only the ghosts of processes `keep` accepts (the others have exited).
+    pub fn retain_ghosts(&mut self, mut keep: impl FnMut(&ProcessId) -> bool) {
+        let before = self.ghosts.len();
+        self.ghosts.retain(|(p, _), _| keep(p));
+        self.changed |= self.ghosts.len() != before;
+    }
+
+    /// Whether any ghost holding is left.
+    pub fn has_ghosts(&self) -> bool {
+        !self.ghosts.is_empty()
+    }
+
+    /// Whether the holdings changed since the last call (the journal is then rewritten).
+    pub fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed)
     }
 }
 
@@ -124,6 +235,59 @@ mod tests {
         );
         m.free(4, GPU, 3 * GIB);
         assert_eq!(m.query("a", &GPU).used, GIB);
+    }
+
+    #[test]
+    fn a_ghost_counts_until_its_process_restates_or_is_gone() {
+        let p = |pid| ProcessId { pid, start: 7 };
+        let mut m = MemoryBooks::default();
+        m.set_cap("a", Some(4 * GIB));
+        m.adopt(vec![Holding {
+            process: p(10),
+            group: "a".into(),
+            gpu: GPU,
+            bytes: 3 * GIB,
+        }]);
+        assert!(m.has_ghosts());
+        m.attach(1, p(11));
+        assert!(!m.reserve(1, "a", GPU, 2 * GIB).granted, "the ghost counts");
+        m.sync(1, "a", GPU, 0);
+        assert!(m.has_ghosts(), "another process's sync leaves the ghost");
+        m.attach(2, p(10));
+        m.sync(2, "a", GPU, 3 * GIB);
+        assert!(!m.has_ghosts(), "its own process's sync replaces it");
+        assert_eq!(m.used("a", &GPU), 3 * GIB, "not counted twice");
+        assert_eq!(m.holdings().len(), 1);
+        m.forget_client(2);
+        m.adopt(m.holdings());
+        assert!(!m.has_ghosts(), "nothing held, nothing adopted");
+        m.adopt(vec![Holding {
+            process: p(12),
+            group: "a".into(),
+            gpu: GPU,
+            bytes: 4 * GIB,
+        }]);
+        m.retain_ghosts(|q| q.pid != 12);
+        assert!(
+            m.reserve(1, "a", GPU, 4 * GIB).granted,
+            "a dead ghost frees its bytes"
+        );
+    }
+
+    #[test]
+    fn an_exited_process_frees_its_memory_whoever_keeps_its_connection() {
+        let mut m = MemoryBooks::default();
+        m.set_cap("a", Some(4 * GIB));
+        m.attach(1, ProcessId { pid: 10, start: 1 });
+        m.attach(2, ProcessId { pid: 11, start: 1 });
+        assert!(m.reserve(1, "a", GPU, 3 * GIB).granted);
+        assert!(m.reserve(2, "a", GPU, GIB).granted);
+        m.forget_exited(|p| p.pid == 10);
+        assert_eq!(
+            m.used("a", &GPU),
+            GIB,
+            "only the exited process's bytes are free"
+        );
     }
 
     proptest! {

@@ -29,6 +29,11 @@ struct Cli {
     /// get their container's policy and wait up to 2 s for it.
     #[arg(long, value_name = "PATH")]
     admin_socket: Option<PathBuf>,
+    /// Journal of the GPU memory each process holds, rewritten as it changes, so that a
+    /// restarted daemon keeps every group under its memory cap [default: the socket path with
+    /// `.books` appended]. Keep it on tmpfs beside the socket.
+    #[arg(long, value_name = "FILE")]
+    books: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -45,7 +50,13 @@ fn main() -> ExitCode {
             .map(PathBuf::from)
             .unwrap_or_else(|| gpushare_protocol::DEFAULT_SOCKET.into())
     });
+    let books = cli.books.unwrap_or_else(|| {
+        let mut p = socket.clone().into_os_string();
+        p.push(".books");
+        p.into()
+    });
     match run(DaemonOptions {
+        books,
         socket,
         config_path: cli.config,
         dev: cli.dev,

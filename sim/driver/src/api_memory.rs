@@ -864,12 +864,69 @@ entry!(
 );
 
 // --- virtual memory management -------------------------------------------------------------
+//
+// As the driver documents: a physical allocation (cuMemCreate) is freed once every reference to
+// its handle is released (cuMemRelease; cuMemRetainAllocationHandle adds one) AND every mapping
+// of it is unmapped (cuMemUnmap), in either order. Arrays share the table, with one reference
+// and no mappings.
 
-/// Physical allocations made by cuMemCreate: handle → (device, bytes).
-fn vmm_handles() -> &'static std::sync::Mutex<std::collections::HashMap<u64, (u32, u64)>> {
-    static H: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<u64, (u32, u64)>>> =
-        std::sync::OnceLock::new();
-    H.get_or_init(Default::default)
+/// A physical allocation: where it lives (`None`: host memory, not charged to a device), its
+/// size, handle references and live mappings.
+struct Physical {
+    device: Option<u32>,
+    bytes: u64,
+    refs: u32,
+    mappings: u32,
+}
+
+#[derive(Default)]
+struct Vmm {
+    physical: std::collections::HashMap<u64, Physical>,
+    /// Mapped ranges: base → (size, handle).
+    mappings: std::collections::BTreeMap<u64, (usize, u64)>,
+}
+
+fn vmm() -> std::sync::MutexGuard<'static, Vmm> {
+    static V: std::sync::OnceLock<std::sync::Mutex<Vmm>> = std::sync::OnceLock::new();
+    V.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Record a new physical allocation (one reference, no mapping); its handle.
+fn new_physical(d: &Driver, device: Option<u32>, bytes: u64) -> u64 {
+    let h = d.lock().new_id();
+    let p = Physical {
+        device,
+        bytes,
+        refs: 1,
+        mappings: 0,
+    };
+    vmm().physical.insert(h, p);
+    h
+}
+
+/// Free the physical allocation `h` if nothing references or maps it any more.
+fn free_if_unused(d: &Driver, v: &mut Vmm, h: u64) -> CuResult {
+    match v.physical.get(&h) {
+        Some(p) if p.refs == 0 && p.mappings == 0 => {
+            let p = v.physical.remove(&h).expect("present");
+            p.device.map_or(Ok(()), |dev| uncharge(d, dev, p.bytes))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Drop one reference to a cuMemCreate handle or an array (a handle without references is
+/// invalid, even while its memory is still mapped).
+fn release_handle(h: u64) -> CuResult {
+    let d = driver()?;
+    let mut v = vmm();
+    match v.physical.get_mut(&h) {
+        Some(p) if p.refs > 0 => p.refs -= 1,
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    }
+    free_if_unused(d, &mut v, h)
 }
 
 /// `CUmemAllocationProp`, the fields we read: type, requested handle types, location.
@@ -881,6 +938,11 @@ pub struct AllocationProp {
     location_type: c_uint,
     location_id: i32,
 }
+
+/// `CUmemLocationType`.
+const LOCATION_DEVICE: c_uint = 1;
+const LOCATION_HOST: c_uint = 2;
+const LOCATION_HOST_NUMA: c_uint = 3;
 
 entry!(
     fn cuMemGetAllocationGranularity(
@@ -896,41 +958,51 @@ entry!(
 entry!(
     fn cuMemCreate(out: *mut u64, size: usize, prop: *const AllocationProp, flags: u64) {
         let p = get(prop)?;
-        // CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1.
-        if flags != 0
-            || p.kind != 1
-            || p.location_type != 1
-            || size == 0
-            || !size.is_multiple_of(VMM_GRANULARITY)
-        {
+        // CU_MEM_ALLOCATION_TYPE_PINNED = 1.
+        if flags != 0 || p.kind != 1 || size == 0 || !size.is_multiple_of(VMM_GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let d = driver()?;
-        let device = d.check_device(p.location_id)?;
-        charge(d, device, size as u64)?;
-        let h = d.lock().new_id();
-        vmm_handles()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(h, (device, size as u64));
-        put(out, h)
+        // Host memory is not the device's: HOST ignores the id and cannot be shared between
+        // processes; HOST_NUMA names a NUMA node (this host has one, node 0); any other location
+        // (HOST_NUMA_CURRENT included) is not accepted for a physical allocation.
+        let device = match p.location_type {
+            LOCATION_DEVICE => Some(d.check_device(p.location_id)?),
+            LOCATION_HOST if p.handle_types == 0 => None,
+            LOCATION_HOST_NUMA if p.location_id == 0 => None,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        if let Some(dev) = device {
+            charge(d, dev, size as u64)?;
+        }
+        let h = new_physical(d, device, size as u64);
+        put(out, h).inspect_err(|_| {
+            let _ = release_handle(h);
+        })
     }
 );
-
-/// Give back the memory of a cuMemCreate handle or an array.
-fn release_handle(h: u64) -> CuResult {
-    let d = driver()?;
-    let entry = vmm_handles()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&h);
-    let (device, bytes) = entry.ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    uncharge(d, device, bytes)
-}
 
 entry!(
     fn cuMemRelease(h: u64) {
         release_handle(h)
+    }
+);
+
+entry!(
+    fn cuMemRetainAllocationHandle(out: *mut u64, addr: *mut c_void) {
+        let mut v = vmm();
+        let addr = addr as u64;
+        let (&base, &(size, h)) = v
+            .mappings
+            .range(..=addr)
+            .next_back()
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if addr >= base + size as u64 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        put(out, h)?;
+        v.physical.get_mut(&h).expect("a mapped handle").refs += 1;
+        Ok(())
     }
 );
 
@@ -967,13 +1039,19 @@ entry!(
 
 entry!(
     fn cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, h: u64, flags: u64) {
-        let (device, bytes) = vmm_handles()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&h)
-            .copied()
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        if flags != 0 || offset as u64 + size as u64 > bytes {
+        let mut guard = vmm();
+        let v = &mut *guard;
+        let p = v.physical.get_mut(&h).filter(|p| p.refs > 0);
+        let p = p.ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        let end = ptr
+            .checked_add(size as u64)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let overlaps = v
+            .mappings
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&b, &(s, _))| b + s as u64 > ptr);
+        if flags != 0 || overlaps || offset as u64 + size as u64 > p.bytes {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         // SAFETY: `ptr..ptr+size` lies in a range reserved by cuMemAddressReserve (PROT_NONE).
@@ -982,6 +1060,10 @@ entry!(
         if r != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        p.mappings += 1;
+        // Host memory mapped for the device reports device 0, like pinned host memory.
+        let device = p.device.unwrap_or(0);
+        v.mappings.insert(ptr, (size, h));
         with_state(|_, st| {
             st.allocs.insert(
                 ptr,
@@ -1000,18 +1082,43 @@ entry!(
 
 entry!(
     fn cuMemUnmap(ptr: CUdeviceptr, size: usize) {
-        with_state(|_, st| match st.allocs.get(&ptr) {
-            Some(a) if a.mapped == 0 && a.size == size => {
-                st.allocs.remove(&ptr);
-                Ok(())
+        let d = driver()?;
+        let mut v = vmm();
+        // The range must be made of whole mappings, back to back, from `ptr` to `ptr + size`.
+        let end = ptr
+            .checked_add(size as u64)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let covered: Vec<(u64, usize, u64)> = v
+            .mappings
+            .range(ptr..end)
+            .map(|(&b, &(s, h))| (b, s, h))
+            .collect();
+        let mut at = ptr;
+        for &(b, s, _) in &covered {
+            if b != at {
+                return Err(CUDA_ERROR_INVALID_VALUE);
             }
-            _ => Err(CUDA_ERROR_INVALID_VALUE),
+            at = b + s as u64;
+        }
+        if size == 0 || at != end {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        with_state(|_, st| {
+            for &(b, _, _) in &covered {
+                st.allocs.remove(&b);
+            }
+            Ok(())
         })?;
         // SAFETY: the range was mapped by cuMemMap; dropping its pages and access returns it to the
         // reserved state.
         unsafe {
             libc::madvise(ptr as *mut c_void, size, libc::MADV_DONTNEED);
             libc::mprotect(ptr as *mut c_void, size, libc::PROT_NONE);
+        }
+        for (b, _, h) in covered {
+            v.mappings.remove(&b);
+            v.physical.get_mut(&h).expect("a mapped handle").mappings -= 1;
+            free_if_unused(d, &mut v, h)?;
         }
         Ok(())
     }
@@ -1036,11 +1143,7 @@ fn array_create(out: *mut Handle, bytes: usize) -> CuResult {
     let d = driver()?;
     let device = d.lock().current_device()?;
     charge(d, device, bytes as u64)?;
-    let h = d.lock().new_id();
-    vmm_handles()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(h, (device, bytes as u64));
+    let h = new_physical(d, Some(device), bytes as u64);
     put(out, handle(h))
 }
 

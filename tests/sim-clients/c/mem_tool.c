@@ -10,12 +10,29 @@
  *                               CUDA_ERROR_OUT_OF_MEMORY, for at most RETRY_MS; prints
  *                               {"result":…,"attempts":…,"t_start_ns":…,"t_done_ns":…}; frees
  *   mem_tool bench N BYTES      N × (cuMemAlloc_v2(BYTES); cuMemFree_v2), after a warm-up;
- *                               prints {"ns_per_alloc":…,"ns_per_free":…} */
+ *                               prints {"ns_per_alloc":…,"ns_per_free":…}
+ *   mem_tool vmm BYTES          the lifetime of physical allocations of BYTES on the device, one
+ *                               stage per SIGUSR1, each printing {"stage":…,"free":…}
+ *                               (cuMemGetInfo_v2) once done: "released_mapped": created, mapped,
+ *                               its handle released; "unmapped": then unmapped (freed);
+ *                               "retained_unmapped": a second one created and mapped, its handle
+ *                               retained again from an address inside the mapping, the first
+ *                               reference released, unmapped; "released": the retained
+ *                               reference released (freed)
+ *   mem_tool vmm-host BYTES DEV cuMemCreate(BYTES) in host memory (HOST, then HOST_NUMA node 0),
+ *                               both mapped, then cuMemAlloc_v2(DEV) while they live; prints
+ *                               {"host":…,"host_numa":…,"host_numa_current":…(its result),
+ *                               "free_before":…,"free_after":…,"device_alloc":…}
+ *   mem_tool fork-hold BYTES    cuMemAlloc_v2(BYTES), then fork a child that never uses CUDA
+ *                               (stdio on /dev/null; exits on SIGUSR1, or after 120 s); prints
+ *                               {"held":BYTES,"child":PID} and exits without freeing */
 #define _GNU_SOURCE
 #include "cuda_min.h"
 
 #include "cuda_mem.h"
 
+#include <fcntl.h>
+#include <stdint.h>
 #include <signal.h>
 #include <string.h>
 #include <unistd.h>
@@ -37,6 +54,42 @@ static void setup(void) {
     CK(cuCtxCreate_v2(&ctx, 0, dev));
 }
 
+static void wait_usr1(void) {
+    while (!release_now)
+        usleep(1000);
+    release_now = 0;
+}
+
+static size_t mem_free(void) {
+    size_t free = 0, total = 0;
+    CK(cuMemGetInfo_v2(&free, &total));
+    return free;
+}
+
+static void print_stage(const char *stage) {
+    printf("{\"stage\":\"%s\",\"free\":%zu}\n", stage, mem_free());
+    fflush(stdout);
+}
+
+static CUmemAllocationProp located(int type, int id) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = type;
+    prop.location.id = id;
+    return prop;
+}
+
+/* Reserve an address range for `bytes` and map `h` there with read-write access from device 0. */
+static CUdeviceptr map_rw(CUmemGenericAllocationHandle h, size_t bytes) {
+    CUdeviceptr va;
+    CK(cuMemAddressReserve(&va, bytes, 0, 0, 0));
+    CK(cuMemMap(va, bytes, 0, h, 0));
+    CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    CK(cuMemSetAccess(va, bytes, &access, 1));
+    return va;
+}
+
 static void print_info(const char *key) {
     size_t free = 0, total = 0, dtotal = 0;
     CK(cuMemGetInfo_v2(&free, &total));
@@ -49,7 +102,9 @@ static void print_info(const char *key) {
 int main(int argc, char **argv) {
     check_error_name = cuGetErrorName;
     if (argc < 2) {
-        fprintf(stderr, "usage: %s info | hold BYTES | try BYTES RETRY_MS | bench N BYTES\n",
+        fprintf(stderr,
+                "usage: %s info | hold BYTES | try BYTES RETRY_MS | bench N BYTES | vmm BYTES | "
+                "vmm-host BYTES DEV | fork-hold BYTES\n",
                 argv[0]);
         return 2;
     }
@@ -121,6 +176,93 @@ int main(int argc, char **argv) {
         }
         printf("{\"n\":%ld,\"bytes\":%zu,\"ns_per_alloc\":%.0f,\"ns_per_free\":%.0f}\n", n, bytes,
                (double)alloc_ns / n, (double)free_ns / n);
+    } else if (strcmp(cmd, "vmm") == 0 && argc == 3) {
+        size_t bytes = strtoull(argv[2], NULL, 10);
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_usr1;
+        sigaction(SIGUSR1, &sa, NULL);
+        setup();
+        CUmemAllocationProp prop = located(CU_MEM_LOCATION_TYPE_DEVICE, 0);
+        CUmemGenericAllocationHandle h, again;
+        CK(cuMemCreate(&h, bytes, &prop, 0));
+        CUdeviceptr va = map_rw(h, bytes);
+        CK(cuMemsetD8_v2(va, 0x5a, 2u << 20)); /* usable (touching all of it would cost RAM) */
+        CK(cuMemRelease(h));
+        print_stage("released_mapped");
+        wait_usr1();
+        CK(cuMemUnmap(va, bytes));
+        print_stage("unmapped");
+        wait_usr1();
+        CK(cuMemCreate(&h, bytes, &prop, 0));
+        CK(cuMemMap(va, bytes, 0, h, 0));
+        CK(cuMemRetainAllocationHandle(&again, (void *)(uintptr_t)(va + bytes / 2)));
+        EXPECT(again == h, "cuMemRetainAllocationHandle returned another handle");
+        CK(cuMemRelease(h));
+        CK(cuMemUnmap(va, bytes));
+        print_stage("retained_unmapped");
+        wait_usr1();
+        CK(cuMemRelease(again));
+        CK(cuMemAddressFree(va, bytes));
+        print_stage("released");
+    } else if (strcmp(cmd, "vmm-host") == 0 && argc == 4) {
+        size_t bytes = strtoull(argv[2], NULL, 10);
+        size_t dev_bytes = strtoull(argv[3], NULL, 10);
+        setup();
+        size_t before = mem_free();
+        CUmemAllocationProp host = located(CU_MEM_LOCATION_TYPE_HOST, 0);
+        CUmemAllocationProp numa = located(CU_MEM_LOCATION_TYPE_HOST_NUMA, 0);
+        CUmemAllocationProp current = located(CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT, 0);
+        CUmemGenericAllocationHandle hh, hn, hc;
+        CUresult rh = cuMemCreate(&hh, bytes, &host, 0);
+        CUresult rn = cuMemCreate(&hn, bytes, &numa, 0);
+        CUresult rc = cuMemCreate(&hc, bytes, &current, 0);
+        CUdeviceptr vh = 0, vn = 0;
+        if (rh == CUDA_SUCCESS)
+            vh = map_rw(hh, bytes);
+        if (rn == CUDA_SUCCESS)
+            vn = map_rw(hn, bytes);
+        size_t after = mem_free();
+        CUdeviceptr p = 0;
+        CUresult ra = cuMemAlloc_v2(&p, dev_bytes);
+        printf("{\"host\":%d,\"host_numa\":%d,\"host_numa_current\":%d,\"free_before\":%zu,"
+               "\"free_after\":%zu,\"device_alloc\":%d}\n",
+               rh, rn, rc, before, after, ra);
+        fflush(stdout);
+        if (ra == CUDA_SUCCESS)
+            CK(cuMemFree_v2(p));
+        if (rh == CUDA_SUCCESS) {
+            CK(cuMemUnmap(vh, bytes));
+            CK(cuMemRelease(hh));
+        }
+        if (rn == CUDA_SUCCESS) {
+            CK(cuMemUnmap(vn, bytes));
+            CK(cuMemRelease(hn));
+        }
+    } else if (strcmp(cmd, "fork-hold") == 0 && argc == 3) {
+        size_t bytes = strtoull(argv[2], NULL, 10);
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_usr1;
+        sigaction(SIGUSR1, &sa, NULL);
+        setup();
+        CUdeviceptr p;
+        CK(cuMemAlloc_v2(&p, bytes));
+        fflush(stdout);
+        pid_t child = fork();
+        if (child < 0)
+            fail("fork");
+        if (child == 0) {
+            /* A data-loader worker: no CUDA, and not the test's pipes (the test waits for them). */
+            int null = open("/dev/null", O_RDWR);
+            for (int fd = 0; fd <= 2; fd++)
+                dup2(null, fd);
+            unsigned long long t0 = now_ns();
+            while (!release_now && now_ns() - t0 < 120000000000ull)
+                usleep(1000);
+            _exit(0);
+        }
+        printf("{\"held\":%zu,\"child\":%d}\n", bytes, (int)child);
     } else {
         fprintf(stderr, "bad arguments\n");
         return 2;

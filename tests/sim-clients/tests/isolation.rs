@@ -232,11 +232,47 @@ fn syscalls(node: &Node, what: &str, cmd: std::process::Command) -> u64 {
         .unwrap_or_else(|| panic!("no system call count in:\n{summary}"))
 }
 
+/// The glibc baseline: `libgpushare.so` loads into any process whose C library is glibc 2.34 or
+/// newer (Debian 12, Ubuntu 22.04, RHEL 9). A container with an older glibc would skip the
+/// preload (`ld.so` prints a warning and runs the program ungated), so a build that needs a newer
+/// symbol version must be noticed here, not on a user's node.
+#[test]
+fn the_hook_needs_at_most_glibc_2_34() {
+    let lib = target_dir().join("libgpushare.so");
+    let out = std::process::Command::new("objdump")
+        .arg("-T")
+        .arg(&lib)
+        .output()
+        .expect("run objdump (binutils)");
+    assert!(
+        out.status.success(),
+        "objdump -T {}\n{}",
+        lib.display(),
+        describe(&out)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let version = |v: &str| -> Vec<u32> { v.split('.').filter_map(|p| p.parse().ok()).collect() };
+    let needed = text
+        .split_whitespace()
+        .filter_map(|w| w.trim_matches(['(', ')']).strip_prefix("GLIBC_"))
+        .map(version)
+        .max()
+        .expect("the hook links glibc");
+    eprintln!("libgpushare.so needs glibc {needed:?}");
+    assert!(
+        needed <= vec![2, 34],
+        "libgpushare.so needs glibc {needed:?}, above the documented baseline 2.34"
+    );
+}
+
 /// DESIGN §3: the launch fast path (a turn open) makes no system call. `perf stat` counts every
 /// system call of 62 000 launches (`cudarc-client launch-latency`: 2 000 warm-up launches, then
 /// 20 000 by each of three routes) natively and under the hook with the token held: the
 /// difference per launch is the hook's — a few fences and the connection, far below one call
-/// per launch (a lock that had to wait would show as a `futex` call per launch).
+/// per launch (a lock that had to wait would show as a `futex` call per launch). The simulated
+/// driver's own calls (2.4 per launch) vary with the machine's load by a few percent of that,
+/// so the bound is a quarter call per launch: measured +0.02 on a quiet machine, +0.05 with
+/// three builds running beside the suite.
 #[test]
 fn the_launch_fast_path_makes_no_system_call() {
     let node = Node::start(&[]);
@@ -255,7 +291,7 @@ fn the_launch_fast_path_makes_no_system_call() {
         "system calls: native {native}, hooked {hooked}: {per_launch:+.4} per launch added by the hook"
     );
     assert!(
-        per_launch < 0.05,
+        per_launch < 0.25,
         "the hook adds {per_launch:.3} system calls per launch (native {native}, hooked {hooked})"
     );
 }
@@ -916,6 +952,52 @@ fn strict_node() -> Node {
     .unwrap();
     node.start_scheduler_with(false, &["--config", config.to_str().unwrap()]);
     node
+}
+
+/// A tenant cannot talk its way out of its group: under a config (no `--dev`) that puts this
+/// uid in a group limited to 0.2, a process declaring another group with request and limit 1
+/// (`gpushare run --group … --limit 1`, i.e. `GPUSHARE_GROUP`/`GPUSHARE_LIMIT`) is served as
+/// its uid's group and held to 0.2 of the device.
+#[test]
+fn a_declared_group_does_not_override_the_config() {
+    let mut node = Node::device_only();
+    let config = node.tmp.path().join("config.toml");
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    std::fs::write(
+        &config,
+        format!(
+            "[[group]]\nname = \"mine\"\nuids = [{uid}]\nrequest = 0.1\nlimit = 0.2\n\n\
+             [[group]]\nname = \"big\"\nuids = [4000000000]\nrequest = 1.0\n"
+        ),
+    )
+    .unwrap();
+    node.start_scheduler_with(false, &["--config", config.to_str().unwrap()]);
+    let t = node.spawn(node.run_command(
+        &["--group", "big", "--request", "1", "--limit", "1"],
+        cudarc(),
+        &Spin::kernels(1.0, 450).args(),
+    ));
+    let pid = t.pid();
+    wait_all(vec![t]);
+    let big = node.status_group("big");
+    let mine = node
+        .status_group("mine")
+        .expect("group mine in gpushare status");
+    let trace = node.finish();
+    let span = trace.span_of_pid(pid).expect("the tenant ran");
+    let w = Window::new(span.start_ns + WARMUP_NS, span.end_ns - 50 * MS);
+    let s = shares_in(&trace, &[pid], w);
+    eprintln!(
+        "declared big/1.0 under a config limiting it to 0.2: share {:.4}; status mine {mine}, big {big:?}",
+        s[0]
+    );
+    assert!(
+        big.as_ref()
+            .is_none_or(|g| g["tokens"].as_u64().unwrap_or(0) == 0),
+        "the declared group was served: {big:?}"
+    );
+    assert_shares("declared limit 1 under a config limit of 0.2", &s, &[0.2]);
 }
 
 /// Run a tenant no group matches for 3 s; its output, whether it was still running, and

@@ -496,6 +496,174 @@ fn killed_process_releases_its_memory_at_once() {
     );
 }
 
+/// `mem_tool vmm BYTES`, driven through its stages: `check(stage, free)` at each.
+fn vmm_stages(cmd: Command, mut check: impl FnMut(&str, u64)) {
+    let stages = [
+        "released_mapped",
+        "unmapped",
+        "retained_unmapped",
+        "released",
+    ];
+    let mut p = Proc::spawn(cmd);
+    for (n, want) in stages.iter().enumerate() {
+        let v = p.expect_json("stage", RUN);
+        assert_eq!(v["stage"], *want, "{v}");
+        check(want, u(&v, "free"));
+        if n + 1 < stages.len() {
+            p.signal(libc::SIGUSR1);
+        }
+    }
+    let (status, stderr) = p.finish(RUN);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "mem_tool vmm: {stderr}"
+    );
+}
+
+/// A physical allocation (cuMemCreate) holds its memory until its handle is released AND it is
+/// unmapped, in either order, and a handle retained from a mapped address (cuMemRetainAllocationHandle)
+/// needs its own release (PyTorch's expandable segments release handles while mapped). The
+/// simulated driver frees it exactly then; under a 4 GiB cap, while 3 GiB live, a second process
+/// of the group is refused 2 GiB, and granted them once the memory is freed. Each stage's line
+/// comes after a cuMemGetInfo_v2 round trip, so the scheduler has seen the stage's frees.
+#[test]
+fn physical_memory_is_charged_until_released_and_unmapped() {
+    let (node, exe) = node_with("mem_tool");
+    let bytes = (3 * GIB).to_string();
+    let live = |stage: &str| matches!(stage, "released_mapped" | "retained_unmapped");
+
+    let mut bare = node.command(&exe);
+    bare.args(["vmm", &bytes]);
+    let mut device_free = Vec::new();
+    vmm_stages(bare, |stage, free| {
+        device_free.push((stage.to_string(), free))
+    });
+    let all = device_free.iter().map(|(_, f)| *f).max().unwrap();
+    for (stage, free) in &device_free {
+        let want = if live(stage) { all - 3 * GIB } else { all };
+        assert_eq!(
+            *free, want,
+            "device memory free at {stage}: {device_free:?}"
+        );
+    }
+
+    let capped = in_group(&node, "vmm", Some("4GiB"), &exe, &["vmm", &bytes]);
+    vmm_stages(capped, |stage, free| {
+        let used = node.status_group("vmm").map_or(0, |g| u(&g, "memory_used"));
+        let other = try_alloc(&node, &exe, "vmm", "4GiB", 2 * GIB, 0);
+        eprintln!("{stage}: free {free}, group uses {used}, another process asks 2 GiB: {other}");
+        if live(stage) {
+            assert_eq!((free, used), (GIB, 3 * GIB), "{stage}: 3 GiB still live");
+            assert_eq!(
+                i(&other, "result"),
+                OOM,
+                "{stage}: 2 GiB granted beside 3 GiB live"
+            );
+        } else {
+            assert_eq!((free, used), (4 * GIB, 0), "{stage}: the memory was freed");
+            assert_eq!(
+                i(&other, "result"),
+                0,
+                "{stage}: 2 GiB refused after the free"
+            );
+        }
+    });
+}
+
+/// Host memory from cuMemCreate (location HOST, or HOST_NUMA node 0: NCCL's host buffers) is not
+/// the GPU's: the simulated device does not lose it, and under a 4 GiB cap the process holding
+/// 2 × 3 GiB of it still gets all 4 GiB of device memory. HOST_NUMA_CURRENT is refused for a
+/// physical allocation (CUDA_ERROR_INVALID_VALUE), as by the driver.
+#[test]
+fn host_located_physical_memory_is_not_charged_to_the_gpu() {
+    let (node, exe) = node_with("mem_tool");
+    let (host, dev) = ((3 * GIB).to_string(), (4 * GIB).to_string());
+    let args = ["vmm-host", host.as_str(), dev.as_str()];
+    let mut bare = node.command(&exe);
+    bare.args(args);
+    let runs = [
+        ("bare", run_ok(bare)),
+        (
+            "capped",
+            run_ok(in_group(&node, "hostmem", Some("4GiB"), &exe, &args)),
+        ),
+    ];
+    for (name, (lines, out)) in &runs {
+        let v = line_with(lines, "host", out);
+        eprintln!("{name}: {v}");
+        let results = ["host", "host_numa", "host_numa_current", "device_alloc"].map(|k| i(v, k));
+        assert_eq!(results, [0, 0, 1, 0], "{name}: {v}");
+        assert_eq!(u(v, "free_after"), u(v, "free_before"), "{name}: {v}");
+    }
+    assert_eq!(
+        u(line_with(&runs[1].1.0, "host", &runs[1].1.1), "free_before"),
+        4 * GIB
+    );
+}
+
+/// A process holding 3 GiB of a 4 GiB cap forks a child that never uses CUDA (a data-loader
+/// worker) and exits without freeing anything: its memory is the group's again while the child
+/// lives (the child closed its copy of the parent's scheduler connection at the fork), and a new
+/// process gets 3 GiB.
+#[test]
+fn an_exited_parents_memory_is_freed_while_its_forked_child_lives() {
+    /// The forked child: killed when the test ends, however it ends.
+    struct Child(i32);
+    impl Child {
+        fn alive(&self) -> bool {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.0));
+            // The state follows the command name in parentheses; Z: exited, not yet reaped.
+            stat.is_ok_and(|s| {
+                s.rsplit_once(") ")
+                    .is_some_and(|(_, r)| !r.starts_with('Z'))
+            })
+        }
+    }
+    impl Drop for Child {
+        fn drop(&mut self) {
+            // SAFETY: plain syscall; the pid is the test's grandchild, alive until told to exit.
+            unsafe { libc::kill(self.0, libc::SIGKILL) };
+        }
+    }
+    let (node, exe) = node_with("mem_tool");
+    let bytes = (3 * GIB).to_string();
+    let mut parent = Proc::spawn(in_group(
+        &node,
+        "fk",
+        Some("4GiB"),
+        &exe,
+        &["fork-hold", &bytes],
+    ));
+    let held = parent.expect_json("child", RUN);
+    let child = Child(i(&held, "child") as i32);
+    let (status, stderr) = parent.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "fork-hold: {stderr}");
+    assert!(stderr.is_empty(), "the hook printed something: {stderr}");
+    assert!(child.alive(), "the forked child exited early");
+
+    // The daemon learns of the parent's exit from its connection closing.
+    let t0 = Instant::now();
+    let used = |node: &Node| node.status_group("fk").map_or(0, |g| u(&g, "memory_used"));
+    while used(&node) != 0 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let got = try_alloc(&node, &exe, "fk", "4GiB", 3 * GIB, 0);
+    eprintln!(
+        "parent exited; after {:.1} ms the group uses {}; a new process asks 3 GiB: {got}",
+        t0.elapsed().as_secs_f64() * 1e3,
+        used(&node)
+    );
+    assert!(
+        child.alive(),
+        "the forked child did not live through the test"
+    );
+    assert_eq!(
+        i(&got, "result"),
+        0,
+        "3 GiB refused while the exited parent's forked child lives: its 3 GiB are still booked"
+    );
+}
+
 /// Over the cap: CUDA_ERROR_OUT_OF_MEMORY, and the process keeps working (a spin kernel launched
 /// afterwards runs and synchronises, copies round-trip, the whole cap can be allocated later).
 #[test]
@@ -542,6 +710,48 @@ fn scheduler_restart_keeps_the_books() {
     );
     let g = node.status_group("r").expect("group r in gpushare status");
     assert_eq!(u(&g, "memory_used"), 0, "{g}");
+}
+
+/// Restarts racing allocations: a process holds 3 GiB of a 4 GiB cap and sits idle; the daemon
+/// is killed (-9) and restarted 50 times, and each time another process of the group asks for
+/// 2 GiB as soon as the new daemon listens, before or after the holder has reconnected (the
+/// delay varies). The daemon's journal keeps the holder's 3 GiB on the books: never granted.
+/// A holder that dies while the daemon is down does not keep its memory: after the next
+/// restart the whole cap is free.
+#[test]
+fn restarts_racing_allocations_never_exceed_the_cap() {
+    let (mut node, exe) = node_with("mem_tool");
+    let h = holder(&node, &exe, "race", "4GiB", 3 * GIB);
+    let trials = 50;
+    let mut granted = Vec::new();
+    for trial in 0..trials {
+        node.kill_scheduler();
+        node.start_scheduler(&[]);
+        std::thread::sleep(Duration::from_millis([0, 0, 1, 3, 10][trial % 5]));
+        let r = try_alloc(&node, &exe, "race", "4GiB", 2 * GIB, 0);
+        if i(&r, "result") != OOM {
+            granted.push((trial, r));
+        }
+    }
+    eprintln!(
+        "{trials} restarts raced: {} grants over the cap",
+        granted.len()
+    );
+    assert!(
+        granted.is_empty(),
+        "2 GiB granted beside a 3 GiB holder of a 4 GiB cap after a restart: {granted:?}"
+    );
+    node.kill_scheduler();
+    h.signal(libc::SIGKILL);
+    let (status, _) = h.finish(Duration::from_secs(5));
+    assert!(status.is_some(), "the killed holder did not exit");
+    node.start_scheduler(&[]);
+    let all = try_alloc(&node, &exe, "race", "4GiB", 4 * GIB, 0);
+    assert_eq!(
+        i(&all, "result"),
+        0,
+        "the dead holder's memory stays on the restored books: {all}"
+    );
 }
 
 /// `gpushare status --json` (and the table) shows each group's memory used and cap on the GPU.
