@@ -844,6 +844,8 @@ mod tests {
             groups: BTreeMap::new(),
             policies: BTreeMap::new(),
             memory: MemoryBooks::default(),
+            // Unwritable: the fuzz loop does not write a file per reservation.
+            journal: Journal::new(PathBuf::from("/nonexistent/gpushare-books")),
             clients: HashMap::new(),
             next_client: 1,
             pods: PodTable::default(),
@@ -856,6 +858,7 @@ mod tests {
     fn connect(st: &mut State, declared: Option<GroupSpec>) -> Result<ClientId, String> {
         let peer = Peer {
             pid: 1,
+            start: 0,
             uid: 1000,
             gid: 1000,
             cgroup: "/user.slice".into(),
