@@ -64,6 +64,56 @@ pub fn recv<T: for<'de> Deserialize<'de>>(
     Ok(Some(postcard::from_bytes(buf)?))
 }
 
+/// Frames that arrive in pieces, for a non-blocking reader: [`push`](FrameBuf::push) the bytes
+/// as they come, take whole frames with [`take`](FrameBuf::take). A length over `max` is an
+/// error as soon as its 4 bytes are in, so a peer can never make the reader hold more than
+/// `max + 4` bytes ([`room`](FrameBuf::room) says how many more it may take).
+#[derive(Debug)]
+pub struct FrameBuf {
+    buf: Vec<u8>,
+    max: usize,
+}
+
+impl FrameBuf {
+    pub fn new(max: usize) -> FrameBuf {
+        FrameBuf {
+            buf: Vec::new(),
+            max,
+        }
+    }
+
+    /// Bytes the buffer may still take before a frame must be taken out.
+    pub fn room(&self) -> usize {
+        (self.max + 4).saturating_sub(self.buf.len())
+    }
+
+    /// Append bytes read from the stream (at most [`room`](FrameBuf::room)).
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next whole frame, decoded; `Ok(None)` until one is complete.
+    pub fn take<T: for<'de> Deserialize<'de>>(&mut self) -> Result<Option<T>, WireError> {
+        let Some(head) = self.buf.first_chunk::<4>() else {
+            return Ok(None);
+        };
+        let len = u32::from_le_bytes(*head) as usize;
+        if len > self.max {
+            return Err(WireError::TooLarge(len));
+        }
+        if self.buf.len() < 4 + len {
+            return Ok(None);
+        }
+        let msg = postcard::from_bytes(&self.buf[4..4 + len]);
+        self.buf.drain(..4 + len);
+        if self.buf.is_empty() {
+            // An idle connection keeps no buffer.
+            self.buf = Vec::new();
+        }
+        Ok(Some(msg?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,12 +140,47 @@ mod tests {
         assert!(matches!(err, WireError::TooLarge(_)));
     }
 
+    #[test]
+    fn frames_in_pieces_come_out_whole() {
+        let mut wire = Vec::new();
+        for i in 0..3u32 {
+            send(&mut wire, &(i, "x".repeat(i as usize))).unwrap();
+        }
+        let mut fb = FrameBuf::new(64);
+        let mut got = Vec::new();
+        for b in &wire {
+            assert!(fb.room() > 0);
+            fb.push(std::slice::from_ref(b));
+            while let Some(m) = fb.take::<(u32, String)>().unwrap() {
+                got.push(m.0);
+            }
+        }
+        assert_eq!(got, [0, 1, 2]);
+        assert_eq!(fb.room(), 68);
+    }
+
+    #[test]
+    fn a_long_frame_is_refused_by_its_length() {
+        let mut fb = FrameBuf::new(64);
+        fb.push(&65u32.to_le_bytes());
+        assert!(matches!(fb.take::<u32>(), Err(WireError::TooLarge(65))));
+    }
+
     proptest! {
         #[test]
         fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let mut r = &bytes[..];
             let mut buf = Vec::new();
             while let Ok(Some(_)) = recv::<(u64, Vec<String>)>(&mut r, &mut buf) {}
+        }
+
+        #[test]
+        fn garbage_in_pieces_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let mut fb = FrameBuf::new(32);
+            for chunk in bytes.chunks(7) {
+                fb.push(&chunk[..chunk.len().min(fb.room())]);
+                while let Ok(Some(_)) = fb.take::<(u64, Vec<String>)>() {}
+            }
         }
     }
 }
