@@ -16,8 +16,8 @@ pub const MAX_FRAME: usize = 1 << 20;
 pub enum WireError {
     #[error("i/o: {0}")]
     Io(#[from] io::Error),
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
-    TooLarge(usize),
+    #[error("frame of {len} bytes exceeds the {max}-byte limit")]
+    TooLarge { len: usize, max: usize },
     #[error("undecodable frame: {0}")]
     Decode(#[from] postcard::Error),
 }
@@ -30,7 +30,10 @@ pub fn encode<T: Serialize>(msg: &T, buf: &mut Vec<u8>) -> Result<(), WireError>
     *buf = body;
     let len = buf.len() - 4;
     if len > MAX_FRAME {
-        return Err(WireError::TooLarge(len));
+        return Err(WireError::TooLarge {
+            len,
+            max: MAX_FRAME,
+        });
     }
     buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
     Ok(())
@@ -57,7 +60,10 @@ pub fn recv<T: for<'de> Deserialize<'de>>(
     }
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_FRAME {
-        return Err(WireError::TooLarge(len));
+        return Err(WireError::TooLarge {
+            len,
+            max: MAX_FRAME,
+        });
     }
     buf.resize(len, 0);
     r.read_exact(buf)?;
@@ -99,7 +105,7 @@ impl FrameBuf {
         };
         let len = u32::from_le_bytes(*head) as usize;
         if len > self.max {
-            return Err(WireError::TooLarge(len));
+            return Err(WireError::TooLarge { len, max: self.max });
         }
         if self.buf.len() < 4 + len {
             return Ok(None);
@@ -137,7 +143,7 @@ mod tests {
         let mut wire = ((MAX_FRAME + 1) as u32).to_le_bytes().to_vec();
         wire.extend_from_slice(&[0; 16]);
         let err = recv::<u32>(&mut &wire[..], &mut Vec::new()).unwrap_err();
-        assert!(matches!(err, WireError::TooLarge(_)));
+        assert!(matches!(err, WireError::TooLarge { .. }));
     }
 
     #[test]
@@ -163,7 +169,10 @@ mod tests {
     fn a_long_frame_is_refused_by_its_length() {
         let mut fb = FrameBuf::new(64);
         fb.push(&65u32.to_le_bytes());
-        assert!(matches!(fb.take::<u32>(), Err(WireError::TooLarge(65))));
+        assert!(matches!(
+            fb.take::<u32>(),
+            Err(WireError::TooLarge { len: 65, max: 64 })
+        ));
     }
 
     proptest! {
