@@ -162,9 +162,10 @@ impl Server {
                 self.on_time(shared);
             }
             for c in std::mem::take(&mut self.again) {
-                match c {
-                    0 => self.accept(),
-                    c => self.read(shared, c),
+                if c == LISTENER.0 {
+                    self.accept();
+                } else {
+                    self.read(shared, c);
                 }
                 self.on_time(shared);
             }
