@@ -18,8 +18,8 @@ pub const MAX_FRAME: usize = 1 << 20;
 pub enum WireError {
     #[error("i/o: {0}")]
     Io(#[from] io::Error),
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
-    TooLarge(usize),
+    #[error("frame of {len} bytes exceeds the {max}-byte limit")]
+    TooLarge { len: usize, max: usize },
     #[error("undecodable frame: {0}")]
     Decode(#[from] postcard::Error),
 }
@@ -32,7 +32,10 @@ pub fn encode<T: Serialize>(msg: &T, buf: &mut Vec<u8>) -> Result<(), WireError>
     *buf = body;
     let len = buf.len() - 4;
     if len > MAX_FRAME {
-        return Err(WireError::TooLarge(len));
+        return Err(WireError::TooLarge {
+            len,
+            max: MAX_FRAME,
+        });
     }
     buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
     Ok(())
@@ -66,11 +69,64 @@ pub fn recv<T: for<'de> Deserialize<'de>>(
     }
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_FRAME {
-        return Err(WireError::TooLarge(len));
+        return Err(WireError::TooLarge {
+            len,
+            max: MAX_FRAME,
+        });
     }
     buf.resize(len, 0);
     r.read_exact(buf)?;
     Ok(Some(postcard::from_bytes(buf)?))
+}
+
+/// Frames that arrive in pieces, for a non-blocking reader: [`push`](FrameBuf::push) the bytes
+/// as they come, take whole frames with [`take`](FrameBuf::take). A length over `max` is an
+/// error as soon as its 4 bytes are in, so a peer can never make the reader hold more than
+/// `max + 4` bytes ([`room`](FrameBuf::room) says how many more it may take).
+#[derive(Debug)]
+pub struct FrameBuf {
+    buf: Vec<u8>,
+    max: usize,
+}
+
+impl FrameBuf {
+    pub fn new(max: usize) -> FrameBuf {
+        FrameBuf {
+            buf: Vec::new(),
+            max,
+        }
+    }
+
+    /// Bytes the buffer may still take before a frame must be taken out.
+    pub fn room(&self) -> usize {
+        (self.max + 4).saturating_sub(self.buf.len())
+    }
+
+    /// Append bytes read from the stream (at most [`room`](FrameBuf::room)).
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// The next whole frame, decoded; `Ok(None)` until one is complete.
+    pub fn take<T: for<'de> Deserialize<'de>>(&mut self) -> Result<Option<T>, WireError> {
+        let Some(head) = self.buf.first_chunk::<4>() else {
+            return Ok(None);
+        };
+        let len = u32::from_le_bytes(*head) as usize;
+        if len > self.max {
+            return Err(WireError::TooLarge { len, max: self.max });
+        }
+        if self.buf.len() < 4 + len {
+            return Ok(None);
+        }
+        let msg = postcard::from_bytes(&self.buf[4..4 + len]);
+        self.buf.drain(..4 + len);
+        if self.buf.is_empty() {
+            // An idle connection keeps no buffer.
+            self.buf = Vec::new();
+        }
+        Ok(Some(msg?))
+    }
 }
 
 #[cfg(test)]
@@ -95,7 +151,36 @@ mod tests {
         let mut wire = ((MAX_FRAME + 1) as u32).to_le_bytes().to_vec();
         wire.extend_from_slice(&[0; 16]);
         let err = recv::<u32>(&mut &wire[..], &mut Vec::new()).unwrap_err();
-        assert!(matches!(err, WireError::TooLarge(_)));
+        assert!(matches!(err, WireError::TooLarge { .. }));
+    }
+
+    #[test]
+    fn frames_in_pieces_come_out_whole() {
+        let mut wire = Vec::new();
+        for i in 0..3u32 {
+            send(&mut wire, &(i, "x".repeat(i as usize))).unwrap();
+        }
+        let mut fb = FrameBuf::new(64);
+        let mut got = Vec::new();
+        for b in &wire {
+            assert!(fb.room() > 0);
+            fb.push(std::slice::from_ref(b));
+            while let Some(m) = fb.take::<(u32, String)>().unwrap() {
+                got.push(m.0);
+            }
+        }
+        assert_eq!(got, [0, 1, 2]);
+        assert_eq!(fb.room(), 68);
+    }
+
+    #[test]
+    fn a_long_frame_is_refused_by_its_length() {
+        let mut fb = FrameBuf::new(64);
+        fb.push(&65u32.to_le_bytes());
+        assert!(matches!(
+            fb.take::<u32>(),
+            Err(WireError::TooLarge { len: 65, max: 64 })
+        ));
     }
 
     #[test]
@@ -108,6 +193,34 @@ mod tests {
                 "{cut}"
             );
         }
+    }
+
+    #[test]
+    fn hostile_streams_in_pieces_are_rejected_without_panicking() {
+        let samples: Vec<Vec<u8>> = [(0u64, vec![]), (u64::MAX, vec!["two".to_string()])]
+            .iter()
+            .map(|m| {
+                let mut b = Vec::new();
+                send(&mut b, m).unwrap();
+                b
+            })
+            .collect();
+        fuzz::run(2, &samples, 100_000, |bytes| {
+            let mut fb = FrameBuf::new(32);
+            let mut decoded = false;
+            for chunk in bytes.chunks(7) {
+                fb.push(&chunk[..chunk.len().min(fb.room())]);
+                loop {
+                    match fb.take::<(u64, Vec<String>)>() {
+                        Ok(Some(_)) => decoded = true,
+                        Ok(None) => break,
+                        Err(_) => return decoded,
+                    }
+                }
+            }
+            decoded
+        })
+        .assert_exercised(100_000);
     }
 
     #[test]

@@ -17,11 +17,16 @@ use gpushare_protocol::admin::{ADMIN_PROTOCOL_VERSION, AdminReply, AdminRequest,
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 /// How long a process of a pod waits for the agent to register its container before it is
 /// refused.
 pub const POD_WAIT: Duration = Duration::from_secs(2);
+
+/// Admin clients served at once (a thread each; there is one agent per node): more are closed,
+/// so that the daemon's threads stay few whatever connects.
+const MAX_ADMIN_CLIENTS: usize = 8;
 
 /// Bind the admin socket (replacing a stale one), mode 0600.
 pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
@@ -29,14 +34,27 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
         .map_err(|e| anyhow::anyhow!("{e}; pick another --admin-socket"))
 }
 
-/// Serve admin clients, one thread each, until the process exits.
+/// Serve admin clients, one thread each (at most [`MAX_ADMIN_CLIENTS`]), until the process
+/// exits.
 pub(crate) fn listen(shared: Arc<Shared>, listener: UnixListener) {
+    let active = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
-        let s = shared.clone();
-        let _ = std::thread::Builder::new()
+        if active.fetch_add(1, Ordering::AcqRel) >= MAX_ADMIN_CLIENTS {
+            active.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!("closing an admin connection: {MAX_ADMIN_CLIENTS} are open already");
+            continue;
+        }
+        let (s, a) = (shared.clone(), active.clone());
+        let spawned = std::thread::Builder::new()
             .name("admin".into())
-            .spawn(move || serve(s, stream));
+            .spawn(move || {
+                serve(s, stream);
+                a.fetch_sub(1, Ordering::AcqRel);
+            });
+        if spawned.is_err() {
+            active.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -141,40 +159,28 @@ pub(crate) fn pod_group(st: &State, peer: &Peer) -> Option<String> {
     }
 }
 
-/// Before a process of a pod is admitted: wait up to [`POD_WAIT`] for the agent to register
-/// its container. `Err` is the message that refuses it. Processes outside pods, processes a
-/// config group matches, and every process while no agent manages this node pass at once.
-pub(crate) fn await_pod(shared: &Shared, peer: &Peer) -> Result<(), String> {
+/// Whether a process may be admitted as far as its pod goes: `Ok(true)` yes, `Ok(false)` not
+/// yet (the agent has not registered its container; ask again when the state changes), `Err`
+/// the message that refuses it. `waited` says it has waited [`POD_WAIT`] already. Processes
+/// outside pods, processes a config group matches, and every process while no agent manages
+/// this node pass at once.
+pub(crate) fn pod_admission(st: &State, peer: &Peer, waited: bool) -> Result<bool, String> {
     let Some(who) = &peer.pod else {
-        return Ok(());
+        return Ok(true);
     };
-    let deadline = Instant::now() + POD_WAIT;
-    let mut st = lock(shared);
-    loop {
-        if !st.pods.active() || st.config.group_for(peer).is_some() {
-            return Ok(());
-        }
-        match st.pods.lookup(who) {
-            Lookup::Group(_) => return Ok(()),
-            Lookup::Removed(name) => {
-                return Err(format!(
-                    "container {name} was removed from this node; its processes may not start new GPU work"
-                ));
-            }
-            Lookup::Unknown => {}
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(format!(
-                "pod {} container {} has no gpushare policy after {POD_WAIT:?}: only containers that request gpushare.io/gpu-share may use the GPU; if this one does, check that gpushare-device-manager runs on this node (its log says why it did not register the container)",
-                who.pod_uid, who.container_id
-            ));
-        }
-        st = shared
-            .changed
-            .wait_timeout(st, left)
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
+    if !st.pods.active() || st.config.group_for(peer).is_some() {
+        return Ok(true);
+    }
+    match st.pods.lookup(who) {
+        Lookup::Group(_) => Ok(true),
+        Lookup::Removed(name) => Err(format!(
+            "container {name} was removed from this node; its processes may not start new GPU work"
+        )),
+        Lookup::Unknown if waited => Err(format!(
+            "pod {} container {} has no gpushare policy after {POD_WAIT:?}: only containers that request gpushare.io/gpu-share may use the GPU; if this one does, check that gpushare-device-manager runs on this node (its log says why it did not register the container)",
+            who.pod_uid, who.container_id
+        )),
+        Lookup::Unknown => Ok(false),
     }
 }
 

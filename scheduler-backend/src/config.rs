@@ -9,6 +9,11 @@
 //! window = "5s"       # window of the achieved shares in `gpushare status`
 //! grant_ahead = "5ms" # the next turn is granted this long before the current one ends
 //!
+//! [connections]       # the tenant socket's bounds (a flood costs memory, never fairness)
+//! max = 4096          # connections in total; more are closed at once
+//! max_per_uid = 256   # connections of one user (SO_PEERCRED uid)
+//! hello_timeout = "2s" # a connection that has not said Hello by then is closed
+//!
 //! [[group]]
 //! name = "training"
 //! uids = [1000]                  # processes of these users…
@@ -46,6 +51,14 @@ struct RawScheduler {
     grant_ahead: Option<String>,
 }
 
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawConnections {
+    max: Option<usize>,
+    max_per_uid: Option<usize>,
+    hello_timeout: Option<String>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawGroup {
@@ -75,6 +88,8 @@ struct RawConfig {
     #[serde(default)]
     scheduler: RawScheduler,
     #[serde(default)]
+    connections: RawConnections,
+    #[serde(default)]
     group: Vec<RawGroup>,
 }
 
@@ -99,9 +114,32 @@ impl GroupConfig {
     }
 }
 
+/// Bounds on the tenant socket, so that no number of idle, slow or hostile connections can
+/// exhaust the daemon (see `[connections]` in README "Configuration reference").
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ConnectionLimits {
+    /// Connections in total.
+    pub max: usize,
+    /// Connections of one user (`SO_PEERCRED` uid).
+    pub max_per_uid: usize,
+    /// How long a new connection may take to say Hello.
+    pub hello_timeout_ns: u64,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            max: 4096,
+            max_per_uid: 256,
+            hello_timeout_ns: 2_000_000_000,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Config {
     pub policy: PolicyConfig,
+    pub connections: ConnectionLimits,
     pub groups: Vec<GroupConfig>,
 }
 
@@ -146,6 +184,17 @@ impl Config {
         {
             return Err("scheduler: need 0 < min_quota <= quota <= window".into());
         }
+        let mut connections = ConnectionLimits::default();
+        let raw_conn = &raw.connections;
+        connections.max = raw_conn.max.unwrap_or(connections.max);
+        connections.max_per_uid = raw_conn.max_per_uid.unwrap_or(connections.max_per_uid);
+        if let Some(s) = &raw_conn.hello_timeout {
+            connections.hello_timeout_ns = gpushare_units::parse_duration_ns(s)
+                .map_err(|e| format!("connections.hello_timeout: {e}"))?;
+        }
+        if connections.max == 0 || connections.max_per_uid == 0 {
+            return Err("connections: max and max_per_uid must be at least 1".into());
+        }
         let mut groups = Vec::new();
         for g in raw.group {
             if groups.iter().any(|x: &GroupConfig| x.name == g.name) {
@@ -175,7 +224,11 @@ impl Config {
                 memory,
             });
         }
-        Ok(Config { policy, groups })
+        Ok(Config {
+            policy,
+            connections,
+            groups,
+        })
     }
 
     /// The first group whose uids, gids or cgroups match the peer.
@@ -192,6 +245,10 @@ mod tests {
 [scheduler]
 quota = "10ms"
 grace = "5ms"
+
+[connections]
+max_per_uid = 16
+hello_timeout = "500ms"
 
 [[group]]
 name = "train"
@@ -211,6 +268,14 @@ weight = 2
         let c = Config::parse(EXAMPLE).unwrap();
         assert_eq!(c.policy.quota_ns, 10_000_000);
         assert_eq!(c.policy.grace_ns, 5_000_000);
+        assert_eq!(
+            c.connections,
+            ConnectionLimits {
+                max: 4096,
+                max_per_uid: 16,
+                hello_timeout_ns: 500_000_000,
+            }
+        );
         assert_eq!(
             c.groups[0].params,
             GroupParams {

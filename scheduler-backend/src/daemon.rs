@@ -1,20 +1,21 @@
-//! The daemon's I/O shell around the per-GPU [`Policy`] instances: a Unix socket, one reader
-//! thread per client, a timer thread for revocations and cap refills, and a config watcher for
-//! hot reload. All decisions come from the policy; this module only routes messages.
+//! The daemon around the per-GPU [`Policy`] instances: its state, what each client message
+//! does, and the status report. One event loop ([`crate::server`]) serves the tenant socket and
+//! the policies' timers; metrics, the admin socket and config reloads have a thread each. All
+//! decisions come from the policy; this module only routes messages.
 
 use crate::config::{Config, GroupConfig};
-use crate::identity::{self, Peer};
+use crate::identity::Peer;
 use crate::journal::Journal;
 use crate::memory::MemoryBooks;
 use crate::pods::{GroupChange, PodTable};
 use crate::policy::{ClientId, Decision, GroupParams, Policy, TurnUse};
+use crate::server::{ConnId, Server};
 use crate::status::{ClientReport, GpuReport, GroupReport, PodLabels, Report, uuid_string};
 use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 pub use gpushare_units::monotonic_ns as now_ns;
@@ -33,7 +34,7 @@ pub struct DaemonOptions {
 }
 
 struct Client {
-    writer: Arc<Mutex<UnixStream>>,
+    conn: ConnId,
     pid: u32,
     /// `None` until the client is matched to a group (status-only clients never are).
     group: Option<String>,
@@ -56,10 +57,24 @@ pub(crate) struct State {
 
 pub(crate) struct Shared {
     pub(crate) state: Mutex<State>,
-    pub(crate) changed: Condvar,
+    /// Wakes the event loop, which delivers what the policies decided and admits the clients
+    /// that wait for their pod.
+    waker: mio::Waker,
+}
+
+impl Shared {
+    /// Another thread changed the state: let the event loop act on it.
+    pub(crate) fn changed(&self) {
+        if let Err(e) = self.waker.wake() {
+            tracing::error!("cannot wake the event loop: {e}");
+        }
+    }
 }
 
 type Outbox = Vec<(ClientId, ServerMsg)>;
+
+/// Messages for the event loop to send, by connection.
+pub(crate) type Delivery = Vec<(ConnId, ServerMsg)>;
 
 pub(crate) fn lock(s: &Shared) -> MutexGuard<'_, State> {
     s.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -87,6 +102,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     }
     memory.adopt(ghosts);
     journal.save(&mut memory);
+    let (server, waker) = Server::new(listener)?;
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
             config,
@@ -99,13 +115,9 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             next_client: 1,
             pods: PodTable::default(),
         }),
-        changed: Condvar::new(),
+        waker,
     });
     tracing::info!(socket = %opts.socket.display(), dev = opts.dev, "gpushare-scheduler listening");
-    let s = shared.clone();
-    std::thread::Builder::new()
-        .name("timer".into())
-        .spawn(move || timer_loop(s))?;
     if let Some(addr) = opts.metrics {
         let http = std::net::TcpListener::bind(addr).map_err(|e| {
             anyhow::anyhow!("cannot serve metrics on {addr}: {e}; pick another --metrics address")
@@ -132,125 +144,81 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             .name("config".into())
             .spawn(move || reload_loop(s, path))?;
     }
-    for stream in listener.incoming() {
-        let Ok(stream) = stream else { continue };
-        let s = shared.clone();
-        let _ = std::thread::Builder::new()
-            .name("client".into())
-            .spawn(move || serve(s, stream));
-    }
+    server.run(&shared)?;
     Ok(())
 }
 
-fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
-    let Ok(peer) = identity::peer(&stream) else {
-        return;
+/// What became of a connection's first message.
+pub(crate) enum Greeting {
+    /// A client now; send it this `Welcome`.
+    Admitted(ClientId, ServerMsg),
+    /// Refused with this message for the user (then closed).
+    Refused(String),
+    /// A process of a Kubernetes container the agent has not registered yet: greet it again
+    /// when the state changes, and for the last time once it has waited
+    /// [`POD_WAIT`](crate::admin::POD_WAIT).
+    AwaitPod,
+}
+
+/// A new connection's first message, from the process `peer`, on `conn`; `waited` says it has
+/// waited [`POD_WAIT`](crate::admin::POD_WAIT) for its pod already.
+pub(crate) fn greet(
+    st: &mut State,
+    peer: &Peer,
+    conn: ConnId,
+    first: &ClientMsg,
+    waited: bool,
+) -> Greeting {
+    let ClientMsg::Hello { version, declared } = first else {
+        return Greeting::Refused("the first message must be Hello".into());
     };
-    let Ok(writer) = stream.try_clone() else {
-        return;
-    };
-    let writer = Arc::new(Mutex::new(writer));
-    let mut buf = Vec::new();
-    // A client must say hello promptly; a silent or truncated one does not hold a thread.
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-    let first = gpushare_protocol::recv::<ClientMsg>(&mut stream, &mut buf);
-    let _ = stream.set_read_timeout(None);
-    let id = match first {
-        Ok(Some(ClientMsg::Hello { version, declared })) => {
-            if let Err(message) = crate::admin::await_pod(&shared, &peer) {
-                tracing::warn!(pid = peer.pid, "refused: {message}");
-                let fatal = true;
-                send(&writer, &ServerMsg::Error { message, fatal });
-                return;
-            }
-            let hello = {
-                let mut st = lock(&shared);
-                hello(&mut st, &peer, version, declared, writer.clone())
-            };
-            match hello {
-                Ok((id, group)) => {
-                    send(&writer, &ServerMsg::Welcome { group });
-                    id
-                }
-                Err(message) => {
-                    tracing::warn!(pid = peer.pid, "refused: {message}");
-                    send(
-                        &writer,
-                        &ServerMsg::Error {
-                            message,
-                            fatal: true,
-                        },
-                    );
-                    return;
-                }
-            }
-        }
-        Ok(Some(_)) => {
-            tracing::warn!(
-                pid = peer.pid,
-                "dropping a client whose first message is not Hello"
-            );
-            send(
-                &writer,
-                &ServerMsg::Error {
-                    message: "the first message must be Hello".into(),
-                    fatal: true,
-                },
-            );
-            return;
-        }
-        Ok(None) => return,
-        Err(e) => {
-            tracing::warn!(
-                pid = peer.pid,
-                "dropping a client after a malformed first message: {e}"
-            );
-            return;
-        }
-    };
-    loop {
-        match gpushare_protocol::recv::<ClientMsg>(&mut stream, &mut buf) {
-            Ok(Some(msg)) => {
-                let out = {
-                    let mut st = lock(&shared);
-                    let mut out = handle(&mut st, id, msg, now_ns());
-                    collect(&mut st, &mut out);
-                    deliver(&st, out)
-                };
-                shared.changed.notify_all();
-                for (w, m) in out {
-                    send(&w, &m);
-                }
-            }
-            Ok(None) => break,
-            Err(e) => {
-                tracing::warn!(
-                    pid = peer.pid,
-                    "dropping client after a malformed message: {e}"
-                );
-                break;
-            }
-        }
+    match crate::admin::pod_admission(st, peer, waited) {
+        Ok(true) => {}
+        Ok(false) => return Greeting::AwaitPod,
+        Err(message) => return Greeting::Refused(message),
     }
-    let out = {
-        let mut st = lock(&shared);
-        let now = now_ns();
-        let gone = st.clients.remove(&id);
-        st.memory.forget_client(id);
-        for p in st.policies.values_mut() {
-            p.disconnect(id, now);
-        }
-        if let Some(group) = gone.and_then(|c| c.group) {
-            crate::admin::client_left(&mut st, &group, now);
-        }
-        let mut out = Outbox::new();
-        collect(&mut st, &mut out);
-        deliver(&st, out)
-    };
-    shared.changed.notify_all();
-    for (w, m) in out {
-        send(&w, &m);
+    match hello(st, peer, *version, declared.clone(), conn) {
+        Ok((id, group)) => Greeting::Admitted(id, ServerMsg::Welcome { group }),
+        Err(message) => Greeting::Refused(message),
     }
+}
+
+/// A client's message: its replies, and whatever the policies decided meanwhile.
+pub(crate) fn on_message(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Delivery {
+    let mut out = handle(st, id, msg, now);
+    collect(st, &mut out);
+    deliver(st, out)
+}
+
+/// A client's connection closed: everything it held is released at once.
+pub(crate) fn on_disconnect(st: &mut State, id: ClientId, now: u64) -> Delivery {
+    let gone = st.clients.remove(&id);
+    st.memory.forget_client(id);
+    for p in st.policies.values_mut() {
+        p.disconnect(id, now);
+    }
+    if let Some(group) = gone.and_then(|c| c.group) {
+        crate::admin::client_left(st, &group, now);
+    }
+    let mut out = Outbox::new();
+    collect(st, &mut out);
+    deliver(st, out)
+}
+
+/// The passage of time: what the policies decided by `now` (revocations, turns ending and
+/// starting, cap refills), and when they next need to be told the time.
+pub(crate) fn on_tick(st: &mut State, now: u64) -> (Delivery, Option<u64>) {
+    for p in st.policies.values_mut() {
+        p.tick(now);
+    }
+    let mut out = Outbox::new();
+    collect(st, &mut out);
+    let wake = st
+        .policies
+        .values()
+        .filter_map(|p| p.next_wakeup(now))
+        .min();
+    (deliver(st, out), wake)
 }
 
 /// Register a client and find its group. Errors are messages for the user.
@@ -259,7 +227,7 @@ fn hello(
     peer: &Peer,
     version: u32,
     declared: Option<GroupSpec>,
-    writer: Arc<Mutex<UnixStream>>,
+    conn: ConnId,
 ) -> Result<(ClientId, String), String> {
     if version != PROTOCOL_VERSION {
         return Err(format!(
@@ -309,7 +277,7 @@ fn hello(
     st.clients.insert(
         id,
         Client {
-            writer,
+            conn,
             pid: peer.pid,
             group: group.clone(),
             peer: peer.clone(),
@@ -362,20 +330,11 @@ pub(crate) fn connected_groups(st: &State) -> HashSet<String> {
         .collect()
 }
 
-/// Admin hook: change the state with `f` (given the time), then deliver what the policies
-/// decided as a result, and wake whoever waits for a change.
+/// Admin hook: change the state with `f` (given the time), then wake the event loop, which
+/// delivers what the policies decided as a result.
 pub(crate) fn with_state<R>(shared: &Shared, f: impl FnOnce(&mut State, u64) -> R) -> R {
-    let (r, out) = {
-        let mut st = lock(shared);
-        let r = f(&mut st, now_ns());
-        let mut out = Outbox::new();
-        collect(&mut st, &mut out);
-        (r, deliver(&st, out))
-    };
-    shared.changed.notify_all();
-    for (w, m) in out {
-        send(&w, &m);
-    }
+    let r = f(&mut lock(shared), now_ns());
+    shared.changed();
     r
 }
 
@@ -605,21 +564,10 @@ fn collect(st: &mut State, out: &mut Outbox) {
     }
 }
 
-type Delivery = Vec<(Arc<Mutex<UnixStream>>, ServerMsg)>;
-
 fn deliver(st: &State, out: Outbox) -> Delivery {
     out.into_iter()
-        .filter_map(|(id, m)| st.clients.get(&id).map(|c| (c.writer.clone(), m)))
+        .filter_map(|(id, m)| st.clients.get(&id).map(|c| (c.conn, m)))
         .collect()
-}
-
-fn send(w: &Mutex<UnixStream>, msg: &ServerMsg) {
-    let mut buf = Vec::new();
-    if gpushare_protocol::encode(msg, &mut buf).is_ok() {
-        let mut s = w.lock().unwrap_or_else(|e| e.into_inner());
-        // A client that went away is cleaned up by its reader thread.
-        let _ = s.write_all(&buf);
-    }
 }
 
 /// `namespace`, `pod`, `container` of a Kubernetes container's group.
@@ -713,45 +661,6 @@ fn metrics_loop(shared: Arc<Shared>, http: std::net::TcpListener) {
     }
 }
 
-fn timer_loop(shared: Arc<Shared>) {
-    // SAFETY: prctl(PR_SET_TIMERSLACK) only changes this thread's timer slack.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
-    let mut st = lock(&shared);
-    loop {
-        let now = now_ns();
-        for p in st.policies.values_mut() {
-            p.tick(now);
-        }
-        let mut out = Outbox::new();
-        collect(&mut st, &mut out);
-        if !out.is_empty() {
-            let d = deliver(&st, out);
-            drop(st);
-            for (w, m) in d {
-                send(&w, &m);
-            }
-            st = lock(&shared);
-            continue;
-        }
-        let wake = st
-            .policies
-            .values()
-            .filter_map(|p| p.next_wakeup(now))
-            .min();
-        st = match wake {
-            Some(t) => {
-                let d = Duration::from_nanos(t.saturating_sub(now_ns()).max(1_000));
-                shared
-                    .changed
-                    .wait_timeout(st, d)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0
-            }
-            None => shared.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
-        };
-    }
-}
-
 /// Keep the journal up to date with frees and departures, lay to rest the restored holdings
 /// of processes that exited without reconnecting, and (every second) free the memory of
 /// connected clients whose process has exited while a forked child keeps its socket open.
@@ -789,11 +698,9 @@ fn reload_loop(shared: Arc<Shared>, path: PathBuf) {
         seen = m;
         match Config::load(&path) {
             Ok(cfg) => {
-                let mut st = lock(&shared);
-                apply(&mut st, cfg, now_ns());
+                apply(&mut lock(&shared), cfg, now_ns());
                 tracing::info!(path = %path.display(), "configuration reloaded");
-                drop(st);
-                shared.changed.notify_all();
+                shared.changed();
             }
             Err(e) => tracing::error!("keeping the previous configuration: {e}"),
         }
@@ -854,7 +761,7 @@ mod tests {
         st
     }
 
-    /// A client as `serve` registers it, after its Hello.
+    /// A client as the event loop registers it, after its Hello.
     fn connect(st: &mut State, declared: Option<GroupSpec>) -> Result<ClientId, String> {
         let peer = Peer {
             pid: 1,
@@ -864,9 +771,8 @@ mod tests {
             cgroup: "/user.slice".into(),
             pod: None,
         };
-        let (writer, _) = UnixStream::pair().unwrap();
-        let writer = Arc::new(Mutex::new(writer));
-        hello(st, &peer, PROTOCOL_VERSION, declared, writer).map(|(id, _)| id)
+        let conn = st.next_client as ConnId;
+        hello(st, &peer, PROTOCOL_VERSION, declared, conn).map(|(id, _)| id)
     }
 
     /// Tokens the policy hands out are small numbers: samples use them so that mutated

@@ -20,6 +20,12 @@ pub struct Peer {
 }
 
 pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
+    credentials(stream).map(peer_of)
+}
+
+/// The kernel's credentials of a connected Unix socket's peer (`SO_PEERCRED`): one system
+/// call, so that a daemon can check its connection limits before doing any other work.
+pub fn credentials(socket: &impl AsRawFd) -> std::io::Result<libc::ucred> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: 0,
@@ -30,7 +36,7 @@ pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
     // size given.
     let r = unsafe {
         libc::getsockopt(
-            stream.as_raw_fd(),
+            socket.as_raw_fd(),
             libc::SOL_SOCKET,
             libc::SO_PEERCRED,
             (&mut cred as *mut libc::ucred).cast(),
@@ -40,6 +46,11 @@ pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }
+    Ok(cred)
+}
+
+/// The peer with these credentials, its cgroup read from `/proc/<pid>/cgroup`.
+pub fn peer_of(cred: libc::ucred) -> Peer {
     let text = std::fs::read_to_string(format!("/proc/{}/cgroup", cred.pid)).unwrap_or_default();
     let mut paths: Vec<String> = text
         .lines()
@@ -47,14 +58,14 @@ pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
         .collect();
     paths.dedup();
     let cgroup = paths.join(",");
-    Ok(Peer {
+    Peer {
         pid: cred.pid as u32,
         start: start_time(cred.pid as u32).unwrap_or(0),
         uid: cred.uid,
         gid: cred.gid,
         cgroup,
         pod: pod_identity(&text),
-    })
+    }
 }
 
 /// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat` field 22), or

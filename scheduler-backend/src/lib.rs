@@ -1,6 +1,7 @@
 //! gpushare's scheduler: the pure fair-share policy core ([`policy`], one instance per GPU) and
 //! the daemon around it: configuration ([`config`]), client identity from the socket
-//! ([`identity`]), the socket server ([`daemon`]) and the status report ([`status`]), which
+//! ([`identity`]), the daemon's state and message handling ([`daemon`]) around the tenant
+//! socket's event loop ([`server`]) and the status report ([`status`]), which
 //! [`client`] fetches from a running daemon; the memory books ([`memory`]) and their journal
 //! ([`journal`]), which survives a restart; for Kubernetes, the admin socket ([`admin`])
 //! through which the node agent registers containers ([`pods`]).
@@ -14,4 +15,5 @@ pub mod journal;
 pub mod memory;
 pub mod pods;
 pub mod policy;
+pub mod server;
 pub mod status;
