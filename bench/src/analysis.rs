@@ -1,6 +1,6 @@
 //! Figures computed from kernel records: the device trace, or the tenants' timelines.
 
-use gpushare_sim_clients::trace::{Trace, Window};
+use gpushare_testkit::trace::{Trace, Window};
 use serde::{Deserialize, Serialize};
 
 /// Measurement windows start this long after the last tenant's first kernel.

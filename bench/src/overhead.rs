@@ -7,8 +7,8 @@ use crate::progress;
 use crate::report::{LaunchOverhead, SeparateProcesses, Spread, round};
 use crate::settings::Settings;
 use anyhow::{Context, bail};
-use gpushare_sim_clients::harness::target_dir;
-use gpushare_sim_clients::node::Tenant;
+use gpushare_testkit::harness::target_dir;
+use gpushare_testkit::node::Tenant;
 use std::process::Command;
 use std::time::Duration;
 

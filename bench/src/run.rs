@@ -9,9 +9,9 @@ use crate::noise::{self, NoiseRecord, NoiseSession};
 use crate::scenario::Scenario;
 use crate::settings::{Settings, Source};
 use anyhow::{Context, bail};
-use gpushare_sim_clients::harness::target_dir;
-use gpushare_sim_clients::node::Tenant;
-use gpushare_sim_clients::trace::{Trace, Window};
+use gpushare_testkit::harness::target_dir;
+use gpushare_testkit::node::Tenant;
+use gpushare_testkit::trace::{Trace, Window};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 

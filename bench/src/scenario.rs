@@ -22,7 +22,7 @@
 
 use crate::expected;
 use anyhow::{Context, bail};
-use gpushare_sim_clients::trace::Window;
+use gpushare_testkit::trace::Window;
 use serde::Deserialize;
 use std::path::Path;
 

@@ -3,7 +3,7 @@
 use crate::noise::NoiseParams;
 use crate::scenario::Scenario;
 use anyhow::bail;
-use gpushare_sim_clients::node::Node;
+use gpushare_testkit::node::Node;
 
 /// Scenario duration with `--quick`.
 pub const QUICK_DURATION_NS: u64 = 3_000_000_000;

@@ -268,8 +268,8 @@ fn timelines_from_timing_events_agree_with_the_device_trace() {
 /// whose trace is the ground truth the bench never sees.
 #[test]
 fn on_a_machine_with_a_gpu_the_bench_runs_on_it() {
-    use gpushare_sim_clients::node::Node;
-    use gpushare_sim_clients::trace::Window;
+    use gpushare_testkit::node::Node;
+    use gpushare_testkit::trace::Window;
     let dir = std::env::temp_dir().join(format!("gpushare-bench-system-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     // The machine's GPU: a simulated device the bench finds only through the environment.

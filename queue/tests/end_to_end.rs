@@ -5,8 +5,8 @@
 mod common;
 
 use common::*;
-use gpushare_sim_clients::harness::{describe, target_dir};
-use gpushare_sim_clients::node::{Spin, Tenant, common_active_window, shares_in};
+use gpushare_testkit::harness::{describe, target_dir};
+use gpushare_testkit::node::{Spin, Tenant, common_active_window, shares_in};
 use std::time::Duration;
 
 const SPIN: Duration = Duration::from_secs(60);
@@ -79,9 +79,9 @@ fn jobs_of_two_users_run_as_them_with_their_shares() {
     let of_busy = shares[0] / (shares[0] + shares[1]);
     eprintln!("the 0.7 job had {of_busy:.3} of the busy time (shares {shares:?})");
     assert!(
-        (of_busy - 0.7).abs() < gpushare_sim_clients::margins::SPLIT,
+        (of_busy - 0.7).abs() < gpushare_testkit::margins::SPLIT,
         "the 0.7 job had {of_busy:.3} of the busy time (shares {shares:?} over {window}); {}",
-        gpushare_sim_clients::node::gaps_in(&trace, window).summary()
+        gpushare_testkit::node::gaps_in(&trace, window).summary()
     );
 }
 

@@ -1,5 +1,5 @@
 //! A Kubernetes node made of stand-ins: the simulated GPU and `gpushare-scheduler` (from
-//! `gpushare_sim_clients::node::Node`), a fake API server, a fake kubelet and PodResources,
+//! `gpushare_testkit::node::Node`), a fake API server, a fake kubelet and PodResources,
 //! and the real `gpushare-device-manager`; "pods" whose containers are processes placed in
 //! kubelet-style cgroups (so the scheduler identifies them from the kernel) and started with
 //! what `Allocate` returned, as a container runtime would.
@@ -11,8 +11,8 @@ use gpushare_device_manager::proto::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
     ContainerPreferredAllocationRequest, PreferredAllocationRequest,
 };
-use gpushare_sim_clients::harness::{describe, output_with_timeout, target_dir};
-use gpushare_sim_clients::node::{Node, Tenant};
+use gpushare_testkit::harness::{describe, output_with_timeout, target_dir};
+use gpushare_testkit::node::{Node, Tenant};
 use serde_json::{Value, json};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -231,7 +231,7 @@ impl Cluster {
     }
 
     /// Stop everything; the device trace.
-    pub fn finish(self) -> gpushare_sim_clients::trace::Trace {
+    pub fn finish(self) -> gpushare_testkit::trace::Trace {
         let Cluster { node, manager, .. } = self;
         drop(manager);
         node.finish()

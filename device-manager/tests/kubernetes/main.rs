@@ -12,9 +12,9 @@ use gpushare_device_manager::proto::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
     PreferredAllocationRequest,
 };
-use gpushare_sim_clients::harness::{describe, json_lines, target_dir};
-use gpushare_sim_clients::node::{Spin, common_active_window, monotonic_ns, shares_in, wait_for};
-use gpushare_sim_clients::trace::Window;
+use gpushare_testkit::harness::{describe, json_lines, target_dir};
+use gpushare_testkit::node::{Spin, common_active_window, monotonic_ns, shares_in, wait_for};
+use gpushare_testkit::trace::Window;
 use kubelet::{FakeKubelet, FakePodResources};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -321,7 +321,7 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
     let (pid_a, pid_b) = (t_a.pid(), t_b.pid());
     // Both identified from their cgroups: each group lists its tenant's pid.
     let on_gpu = |s: &Value, g: &str, pid: u32| {
-        gpushare_sim_clients::node::group_in(s, g).is_some_and(|x| {
+        gpushare_testkit::node::group_in(s, g).is_some_and(|x| {
             x["pids"]
                 .as_array()
                 .is_some_and(|p| p.contains(&json!(pid)))
@@ -344,7 +344,7 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
     ]);
     let annotated = Instant::now();
     c.wait_status(Duration::from_secs(5), |s| {
-        gpushare_sim_clients::node::group_in(s, group_a).is_some_and(|g| g["limit"] == json!(0.2))
+        gpushare_testkit::node::group_in(s, group_a).is_some_and(|g| g["limit"] == json!(0.2))
     });
     let latency = annotated.elapsed();
     eprintln!(
@@ -409,7 +409,7 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
     );
     let s = c.node.status_json().unwrap();
     assert_eq!(
-        gpushare_sim_clients::node::group_in(&s, group_b).unwrap()["weight"],
+        gpushare_testkit::node::group_in(&s, group_b).unwrap()["weight"],
         json!(1.0)
     );
     let text = Command::new(target_dir().join("gpushare"))
@@ -432,7 +432,7 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
     c.api.delete_pod("default", "train-a");
     c.podres.forget("default", "train-a");
     c.wait_status(Duration::from_secs(10), |s| {
-        gpushare_sim_clients::node::group_in(s, group_a).is_none()
+        gpushare_testkit::node::group_in(s, group_a).is_none()
             && s["pods"].as_array().is_some_and(|p| p.len() == 1)
     });
     drop((cg_a, cg_b));
@@ -562,7 +562,7 @@ async fn the_policy_survives_api_outages_manager_restarts_and_compaction() {
     let tenant = c.spawn(c.container_process(&p, &cg, &spin));
     let pid = tenant.pid();
     let has_pid = move |s: &Value| {
-        gpushare_sim_clients::node::group_in(s, group).is_some_and(|g| {
+        gpushare_testkit::node::group_in(s, group).is_some_and(|g| {
             g["pids"]
                 .as_array()
                 .is_some_and(|v| v.contains(&json!(pid)))
@@ -619,7 +619,7 @@ async fn the_policy_survives_api_outages_manager_restarts_and_compaction() {
     assert!(has_pid(&c.node.status_json().unwrap()));
     drop(tenant);
     c.wait_status(Duration::from_secs(10), |s| {
-        gpushare_sim_clients::node::group_in(s, group).is_none()
+        gpushare_testkit::node::group_in(s, group).is_none()
             && s["pods"].as_array().is_some_and(Vec::is_empty)
     });
     drop(cg);

@@ -1,10 +1,10 @@
 //! A simulated node with a job queue: the device and the scheduler from
-//! [`gpushare_sim_clients::node::Node`], `gpushare-queue serve` beside them, and the `gpushare`
+//! [`gpushare_testkit::node::Node`], `gpushare-queue serve` beside them, and the `gpushare`
 //! CLI pointed at it.
 #![allow(dead_code)] // each test binary uses its own part of this module
 
-use gpushare_sim_clients::harness::{describe, output_with_timeout, target_dir};
-use gpushare_sim_clients::node::{Node, wait_for};
+use gpushare_testkit::harness::{describe, output_with_timeout, target_dir};
+use gpushare_testkit::node::{Node, wait_for};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -139,7 +139,7 @@ impl QueueNode {
     }
 
     /// Stop the queue and the node; the device trace.
-    pub fn finish(mut self) -> gpushare_sim_clients::trace::Trace {
+    pub fn finish(mut self) -> gpushare_testkit::trace::Trace {
         self.kill_daemon();
         std::mem::replace(&mut self.node, Node::on_system_driver()).finish()
     }
@@ -316,7 +316,7 @@ pub fn http(
 }
 
 /// Pids of the simulated device's trace records of `pid` on `device`: whether it ran there.
-pub fn ran_on(trace: &gpushare_sim_clients::trace::Trace, pid: u32, device: u32) -> bool {
+pub fn ran_on(trace: &gpushare_testkit::trace::Trace, pid: u32, device: u32) -> bool {
     trace
         .records()
         .iter()

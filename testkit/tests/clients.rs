@@ -4,8 +4,8 @@
 mod common;
 
 use common::{assert_near, env, f64_field, u64_field};
-use gpushare_sim_clients::harness::describe;
-use gpushare_sim_clients::trace::Trace;
+use gpushare_testkit::harness::describe;
+use gpushare_testkit::trace::Trace;
 
 const GIB: u64 = 1 << 30;
 
@@ -192,7 +192,7 @@ fn bad_flags_and_missing_command_fail_clearly() {
     let check = |args: &[&str], expect: &[&str]| {
         let mut cmd = std::process::Command::new(&env.sim.bin);
         cmd.args(args);
-        let out = gpushare_sim_clients::harness::output_with_timeout(cmd, common::RUN_TIMEOUT);
+        let out = gpushare_testkit::harness::output_with_timeout(cmd, common::RUN_TIMEOUT);
         let stderr = String::from_utf8_lossy(&out.stderr).to_lowercase();
         assert!(
             !out.status.success(),
@@ -309,7 +309,7 @@ fn a_client_timeline_matches_the_device_trace() {
     );
     let mut cmd = std::process::Command::new(&env.client);
     cmd.args(["--timeline", file, "smoke"]);
-    let out = gpushare_sim_clients::harness::output_with_timeout(cmd, common::RUN_TIMEOUT);
+    let out = gpushare_testkit::harness::output_with_timeout(cmd, common::RUN_TIMEOUT);
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("spin` and `latency"),

@@ -13,12 +13,12 @@
 //! 0.6 / 0.4 split: a client escaping the gate would get at least 0.5, the device's own
 //! time-slicing.
 
-use gpushare_sim_clients::harness::{describe, target_dir};
-use gpushare_sim_clients::margins;
-use gpushare_sim_clients::node::{
+use gpushare_testkit::harness::{describe, target_dir};
+use gpushare_testkit::margins;
+use gpushare_testkit::node::{
     Node, Spin, Tenant, common_active_window, gaps_in, group_in, monotonic_ns, shares_in,
 };
-use gpushare_sim_clients::trace::{Trace, Window};
+use gpushare_testkit::trace::{Trace, Window};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -217,7 +217,7 @@ fn syscalls(node: &Node, what: &str, cmd: std::process::Command) -> u64 {
             None => counted.env_remove(k),
         };
     }
-    let out = gpushare_sim_clients::harness::output_with_timeout(counted, TENANT_TIMEOUT);
+    let out = gpushare_testkit::harness::output_with_timeout(counted, TENANT_TIMEOUT);
     assert!(
         out.status.success(),
         "{what} under perf failed\n{}",

@@ -6,7 +6,7 @@
 //! with [`BUILD_HINT`] otherwise.
 //!
 //! ```no_run
-//! use gpushare_sim_clients::harness::Sim;
+//! use gpushare_testkit::harness::Sim;
 //!
 //! let sim = Sim::locate();
 //! let out = sim.run(&["--gpus", "2"], ["sh", "-c", "exit 3"]).output().unwrap();
@@ -117,7 +117,7 @@ impl Sim {
     }
 }
 
-/// The C clients' sources (`tests/sim-clients/c`).
+/// The C clients' sources (`testkit/c`).
 pub fn c_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("c")
 }

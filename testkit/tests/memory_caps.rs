@@ -5,8 +5,8 @@
 //! Every tenant runs as `gpushare run --group G --memory CAP -- PROGRAM`; the simulated device
 //! has 80 GiB, so every out-of-memory seen here comes from the cap, not from the device.
 
-use gpushare_sim_clients::harness::{describe, json_lines, output_with_timeout, target_dir};
-use gpushare_sim_clients::node::{Node, monotonic_ns};
+use gpushare_testkit::harness::{describe, json_lines, output_with_timeout, target_dir};
+use gpushare_testkit::node::{Node, monotonic_ns};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::ffi::OsStr;

@@ -8,9 +8,9 @@
 //! `gpushare status` and `/metrics` answer within 1 s throughout.
 
 use gpushare_protocol::{ClientMsg, PROTOCOL_VERSION};
-use gpushare_sim_clients::harness::target_dir;
-use gpushare_sim_clients::margins;
-use gpushare_sim_clients::node::{Node, Spin, Tenant, common_active_window, gaps_in, shares_in};
+use gpushare_testkit::harness::target_dir;
+use gpushare_testkit::margins;
+use gpushare_testkit::node::{Node, Spin, Tenant, common_active_window, gaps_in, shares_in};
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;

@@ -4,9 +4,9 @@
 mod common;
 
 use common::{env, sh_quote, u64_field};
-use gpushare_sim_clients::harness::{describe, json_lines};
-use gpushare_sim_clients::margins;
-use gpushare_sim_clients::trace::{Trace, common_window};
+use gpushare_testkit::harness::{describe, json_lines};
+use gpushare_testkit::margins;
+use gpushare_testkit::trace::{Trace, common_window};
 use std::collections::BTreeSet;
 
 /// A shell script starting `cmds` in the background and failing if any of them fails.

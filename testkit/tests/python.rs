@@ -2,9 +2,9 @@
 //! gpushare (its ~500 `cuGetProcAddress` lookups at import are the route the hook must catch).
 //! Needs `pip install "cuda-bindings>=12.9,<13" numpy` (`.ci/run` installs them).
 
-use gpushare_sim_clients::harness::{Sim, describe, json_lines, output_with_timeout};
-use gpushare_sim_clients::node::Node;
-use gpushare_sim_clients::trace::Trace;
+use gpushare_testkit::harness::{Sim, describe, json_lines, output_with_timeout};
+use gpushare_testkit::node::Node;
+use gpushare_testkit::trace::Trace;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -62,7 +62,7 @@ fn cuda_bindings_are_gated_and_capped_by_gpushare() {
     require_bindings();
     let (py, ptx) = script();
     let node = Node::start(&[]);
-    let mut cmd = node.command(gpushare_sim_clients::harness::target_dir().join("gpushare"));
+    let mut cmd = node.command(gpushare_testkit::harness::target_dir().join("gpushare"));
     cmd.args([
         "run",
         "--group",

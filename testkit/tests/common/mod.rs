@@ -1,8 +1,8 @@
 //! Helpers shared by this package's integration tests.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use gpushare_sim_clients::harness::{Sim, describe, json_lines, output_with_timeout};
-use gpushare_sim_clients::trace::Trace;
+use gpushare_testkit::harness::{Sim, describe, json_lines, output_with_timeout};
+use gpushare_testkit::trace::Trace;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -80,7 +80,7 @@ impl Env {
 
     /// Compile `c/NAME.c` into the scratch directory; see [`Sim::compile_c`].
     pub fn compile_c(&self, name: &str, link_libcuda: bool) -> PathBuf {
-        let src = gpushare_sim_clients::harness::c_dir().join(format!("{name}.c"));
+        let src = gpushare_testkit::harness::c_dir().join(format!("{name}.c"));
         let out = self.tmp.path().join(name);
         self.sim
             .compile_c(&src, &out, link_libcuda)

@@ -12,9 +12,9 @@
 
 mod common;
 
-use gpushare_sim_clients::harness::{Sim, describe, json_lines, output_with_timeout, target_dir};
-use gpushare_sim_clients::node::{Node, Tenant, common_active_window, gaps_in, shares_in};
-use gpushare_sim_clients::trace::Trace;
+use gpushare_testkit::harness::{Sim, describe, json_lines, output_with_timeout, target_dir};
+use gpushare_testkit::node::{Node, Tenant, common_active_window, gaps_in, shares_in};
+use gpushare_testkit::trace::Trace;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -12,10 +12,10 @@ use cudarc::driver::{
     result,
 };
 use cudarc::nvrtc::Ptx;
-use gpushare_sim_clients::direct;
-use gpushare_sim_clients::ptx::{SPIN_KERNEL, SPIN_PTX, TOUCH_KERNEL};
-use gpushare_sim_clients::timeline::Timeline;
-use gpushare_sim_clients::trace;
+use gpushare_testkit::direct;
+use gpushare_testkit::ptx::{SPIN_KERNEL, SPIN_PTX, TOUCH_KERNEL};
+use gpushare_testkit::timeline::Timeline;
+use gpushare_testkit::trace;
 use serde_json::{Value, json};
 use std::ffi::c_void;
 use std::path::Path;

@@ -2,8 +2,8 @@
 //! child, and a child that touches CUDA) finishes, its children exit cleanly and say nothing, and
 //! the scheduler still serves the parent and another tenant afterwards.
 
-use gpushare_sim_clients::harness::describe;
-use gpushare_sim_clients::node::Node;
+use gpushare_testkit::harness::describe;
+use gpushare_testkit::node::Node;
 use std::time::Duration;
 
 #[test]

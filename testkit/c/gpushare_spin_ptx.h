@@ -1,4 +1,4 @@
-/* Generated from ../ptx/gpushare_spin.ptx; a unit test of gpushare-sim-clients checks that
+/* Generated from ../ptx/gpushare_spin.ptx; a unit test of gpushare-testkit checks that
  * the two stay identical. */
 #ifndef GPUSHARE_SPIN_PTX_H
 #define GPUSHARE_SPIN_PTX_H

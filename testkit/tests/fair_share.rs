@@ -1,9 +1,9 @@
 //! End to end: tenants under `gpushare run` (hook + `gpushare-scheduler --dev`) on one simulated
 //! GPU get the shares DESIGN §2 promises, measured on the device trace.
 
-use gpushare_sim_clients::margins;
-use gpushare_sim_clients::node::Node;
-use gpushare_sim_clients::trace::{Trace, Window, common_window};
+use gpushare_testkit::margins;
+use gpushare_testkit::node::Node;
+use gpushare_testkit::trace::{Trace, Window, common_window};
 use std::process::Child;
 
 fn wait_ok(mut c: Child) {
