@@ -82,6 +82,9 @@ pub(crate) fn lock(s: &Shared) -> MutexGuard<'_, State> {
 
 /// Run the daemon until the process is killed.
 pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
+    // Read before the file is loaded: a change made once the socket is up, however soon, is
+    // then seen by the reload thread, whenever it starts.
+    let config_mtime = opts.config_path.as_deref().and_then(mtime);
     let config = match &opts.config_path {
         Some(p) => Config::load(p)?,
         None => Config::default(),
@@ -142,7 +145,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
         let s = shared.clone();
         std::thread::Builder::new()
             .name("config".into())
-            .spawn(move || reload_loop(s, path))?;
+            .spawn(move || reload_loop(s, path, config_mtime))?;
     }
     server.run(&shared)?;
     Ok(())
@@ -685,10 +688,14 @@ fn journal_loop(shared: Arc<Shared>) {
     }
 }
 
-/// Re-read the config when its file changes; a broken file keeps the previous config.
-fn reload_loop(shared: Arc<Shared>, path: PathBuf) {
-    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let mut seen: Option<SystemTime> = mtime(&path);
+fn mtime(path: &std::path::Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// Re-read the config when its file changes (from the version `loaded` at start); a broken
+/// file keeps the previous config.
+fn reload_loop(shared: Arc<Shared>, path: PathBuf, loaded: Option<SystemTime>) {
+    let mut seen = loaded;
     loop {
         std::thread::sleep(Duration::from_secs(1));
         let m = mtime(&path);
