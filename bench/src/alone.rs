@@ -61,6 +61,7 @@ impl AloneCache {
             duration_ns,
             keep_trace: None,
             label: &label,
+            flood: None,
         };
         let v = run::run(&spec, s)?.outputs.swap_remove(0);
         self.0.insert(key, v.clone());

@@ -210,6 +210,22 @@ fn scenario(o: &mut String, sc: &ScenarioReport) {
             stalls.join("; ")
         );
     }
+    if let Some(f) = &sc.flood {
+        let c = &f.connections;
+        let _ = writeln!(
+            o,
+            "\nUnder a connection flood in every run with gpushare ({} idle connections that said Hello, {} junk connections renewed every {} ms, {} stalled mid-frame after their Hello, {} mid-Hello): scheduler threads at most {}; `gpushare status` {} ms at most, {} ms median per run; {} status call(s) failed.",
+            c.idle,
+            c.junk,
+            c.junk_renew_ms,
+            c.stalled_after_hello,
+            c.mid_hello,
+            spread(&f.threads_max, 0),
+            spread(&f.status_max_ms, 1),
+            spread(&f.status_median_ms, 1),
+            f.status_failures
+        );
+    }
     let _ = writeln!(o, "\n![{}]({})", sc.name, sc.plot);
 }
 

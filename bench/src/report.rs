@@ -5,6 +5,7 @@
 use crate::analysis::RunSummary;
 use crate::noise::{NoiseParams, NoiseRecord};
 use crate::scenario::Workload;
+use gpushare_testkit::flood::{FloodOutcome, FloodSpec};
 use serde::{Deserialize, Serialize};
 
 /// A figure over repeated runs.
@@ -135,6 +136,9 @@ pub struct ScenarioReport {
     /// Scheduler CPU time per wall time while the tenants ran (%).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scheduler_cpu_percent: Option<Spread>,
+    /// Scenarios with a `[flood]`: the flood and what the scheduler did under it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flood: Option<FloodReport>,
     /// Each run with gpushare.
     pub runs: Vec<RunReport>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -243,6 +247,9 @@ pub struct RunReport {
     /// `--noisy`: what the noise did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub noise: Option<NoiseRecord>,
+    /// Under a `[flood]`: the scheduler's threads, `gpushare status` latency, the connections.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flood: Option<FloodRun>,
     /// The kernel records the figures come from (file in the output directory).
     pub records: String,
 }
@@ -258,6 +265,58 @@ pub struct TenantRun {
     pub throughput_kps: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub latency: Option<Latency>,
+}
+
+/// A scenario's connection flood over its runs with gpushare.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FloodReport {
+    /// The connections of each kind.
+    pub connections: FloodSpec,
+    /// The scheduler's thread count, the most seen in each run (`/proc/PID/task`, sampled every
+    /// [`FLOOD_SAMPLE_MS`] ms).
+    pub threads_max: Spread,
+    /// `gpushare status --json` wall time per call (process start included), each run's
+    /// slowest and median (ms).
+    pub status_max_ms: Spread,
+    pub status_median_ms: Spread,
+    /// Status calls that failed, over all runs.
+    pub status_failures: usize,
+}
+
+impl FloodReport {
+    /// `None` unless every run was flooded.
+    pub fn of(connections: FloodSpec, runs: &[RunReport]) -> Option<FloodReport> {
+        let all: Vec<&FloodRun> = runs
+            .iter()
+            .map(|r| r.flood.as_ref())
+            .collect::<Option<_>>()?;
+        Some(FloodReport {
+            connections,
+            threads_max: Spread::of(all.iter().map(|f| f.threads_max as f64), 0)?,
+            status_max_ms: Spread::of(all.iter().map(|f| f.status_max_ms), 1)?,
+            status_median_ms: Spread::of(all.iter().map(|f| f.status_median_ms), 1)?,
+            status_failures: all.iter().map(|f| f.status_failures.len()).sum(),
+        })
+    }
+}
+
+/// How often a flooded run samples the scheduler's threads and `gpushare status`.
+pub const FLOOD_SAMPLE_MS: u64 = 250;
+
+/// One run under a connection flood.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FloodRun {
+    pub threads_max: usize,
+    /// `gpushare status --json` calls made while the tenants ran, the slowest and the median (ms).
+    pub status_calls: usize,
+    pub status_max_ms: f64,
+    pub status_median_ms: f64,
+    /// Why the status calls that failed did.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub status_failures: Vec<String>,
+    /// What became of the flood's connections at the end of the run.
+    #[serde(flatten)]
+    pub connections: FloodOutcome,
 }
 
 /// The device trace's figures of a run measured from the tenants' timelines.

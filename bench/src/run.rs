@@ -6,11 +6,13 @@ use crate::client::ClientResult;
 use crate::cpu;
 use crate::expected;
 use crate::noise::{self, NoiseRecord, NoiseSession};
+use crate::report::{FLOOD_SAMPLE_MS, FloodRun, round};
 use crate::scenario::Scenario;
 use crate::settings::{Settings, Source};
 use anyhow::{Context, bail};
+use gpushare_testkit::flood::{self, Flood, FloodSpec, Watch, Watched};
 use gpushare_testkit::harness::target_dir;
-use gpushare_testkit::node::Tenant;
+use gpushare_testkit::node::{Node, Tenant};
 use gpushare_testkit::trace::{Trace, Window};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -45,6 +47,8 @@ pub struct RunSpec<'a> {
     pub keep_trace: Option<&'a Path>,
     /// Names the run for its noise seed (e.g. `three-requests/gpushare/2`).
     pub label: &'a str,
+    /// A connection flood against the scheduler's socket while the tenants run (with gpushare).
+    pub flood: Option<&'a FloodSpec>,
 }
 
 /// One run's results.
@@ -58,6 +62,8 @@ pub struct RunOutcome {
     /// measured over (s).
     pub scheduler_cpu: Option<(f64, f64)>,
     pub noise: Option<NoiseRecord>,
+    /// Under a flood: the scheduler's threads, `gpushare status` latency, the connections.
+    pub flood: Option<FloodRun>,
 }
 
 /// Run `spec` on a fresh node.
@@ -70,9 +76,23 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         ..
     } = *spec;
     let mut node = s.node(sc.gpus)?;
+    let flood_spec = spec.flood.filter(|_| mode == Mode::Gpushare);
     if mode == Mode::Gpushare {
-        node.start_scheduler(&[]);
+        match flood_spec {
+            Some(f) => start_flooded_scheduler(&mut node, f)?,
+            None => node.start_scheduler(&[]),
+        }
     }
+    // The flood from before the tenants start to after they end, and its watch.
+    let flooded = match (flood_spec, node.scheduler_pid()) {
+        (Some(f), Some(pid)) => {
+            let socket = node.sched_socket.clone();
+            let flood = Flood::start(&socket, f).context("cannot flood the scheduler's socket")?;
+            let watch = Watch::start(pid, socket, Duration::from_millis(FLOOD_SAMPLE_MS));
+            Some((flood, watch))
+        }
+        _ => None,
+    };
     let client = target_dir().join("cudarc-client");
     let duration_ms = duration_ns as f64 / 1e6;
     let sched_cpu0 = node
@@ -142,6 +162,17 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         outputs.push(ClientResult::last_in(&out.stdout));
     }
     let noise = noise.map(NoiseSession::stop);
+    let flood = flooded.map(|(flood, watch)| flood_run(watch.stop(), flood));
+    if let Some(f) = &flood
+        && !f.status_failures.is_empty()
+    {
+        crate::progress(format!(
+            "{}: gpushare status failed {} time(s) under the flood: {}",
+            spec.label,
+            f.status_failures.len(),
+            f.status_failures[0]
+        ));
+    }
     let scheduler_cpu = sched_cpu0.and_then(|(c0, t)| {
         let c1 = cpu::read(node.scheduler_pid()?)?;
         Some((cpu::delta(c0, c1), t.elapsed().as_secs_f64()))
@@ -215,7 +246,50 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         outputs,
         scheduler_cpu,
         noise,
+        flood,
     })
+}
+
+/// Start the node's scheduler (`--dev`) for a flood of `f`: the flood comes from the bench's
+/// own uid, like the tenants and `gpushare status`, so the config raises `[connections]
+/// max_per_uid` (and `max` if needed) above it; and this process may hold that many sockets.
+fn start_flooded_scheduler(node: &mut Node, f: &FloodSpec) -> anyhow::Result<()> {
+    let n = f.connections();
+    flood::raise_open_files_limit(n as u64 + 1024)
+        .map_err(|e| anyhow::anyhow!("the flood: {e}"))?;
+    let config = node.tmp.path().join("flood-config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "# The bench's [flood]: its connections come from the bench's own uid, like the\n\
+             # tenants'; the bounds leave room for all of them and the tenants beside.\n\
+             [connections]\nmax = {}\nmax_per_uid = {}\n",
+            (n + 512).max(4096),
+            n + 256
+        ),
+    )
+    .with_context(|| format!("cannot write {}", config.display()))?;
+    node.start_scheduler(&["--config", &config.display().to_string()]);
+    Ok(())
+}
+
+/// A flooded run's record from what its watch saw and its flood.
+fn flood_run(w: Watched, flood: Flood) -> FloodRun {
+    let mut ms: Vec<f64> = w.status_s.iter().map(|s| s * 1e3).collect();
+    ms.sort_by(f64::total_cmp);
+    let median = match ms.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => ms[n / 2],
+        n => (ms[n / 2 - 1] + ms[n / 2]) / 2.0,
+    };
+    FloodRun {
+        threads_max: w.threads.iter().copied().max().unwrap_or(0),
+        status_calls: ms.len(),
+        status_max_ms: round(ms.last().copied().unwrap_or(0.0), 1),
+        status_median_ms: round(median, 1),
+        status_failures: w.status_failures,
+        connections: flood.stop(),
+    }
 }
 
 /// Where the timeline a kept trace `NAME.trace.jsonl` comes with goes: `NAME.timeline.jsonl`.

@@ -18,10 +18,20 @@
 //! count = 1           # replicate: tenants NAME-0 … NAME-(count-1)
 //! expect = 0.5        # optional: the target share worked out by hand (nominal demand);
 //!                     # loading fails if the bench's water-filling disagrees
+//!
+//! [flood]             # optional: a connection flood against the scheduler's socket for the
+//!                     # whole of each run with gpushare (not the native or alone runs);
+//!                     # every key optional, the defaults those of the flood test:
+//! idle = 2000                 # connections that said Hello, then nothing more
+//! junk = 300                  # connections sending junk…
+//! junk_renew_ms = 100         # …each opened again this often
+//! stalled_after_hello = 100   # connections with half a frame after their Hello
+//! mid_hello = 100             # connections with half a Hello
 //! ```
 
 use crate::expected;
 use anyhow::{Context, bail};
+use gpushare_testkit::flood::FloodSpec;
 use gpushare_testkit::trace::Window;
 use serde::Deserialize;
 use std::path::Path;
@@ -119,6 +129,8 @@ struct ScenarioFile {
     full_only: bool,
     #[serde(default)]
     description: String,
+    #[serde(default)]
+    flood: Option<FloodSpec>,
     tenant: Vec<TenantSpec>,
 }
 
@@ -130,6 +142,8 @@ pub struct Scenario {
     pub duration_ns: u64,
     pub gpus: u32,
     pub full_only: bool,
+    /// A connection flood during the runs with gpushare.
+    pub flood: Option<FloodSpec>,
     pub tenants: Vec<TenantSpec>,
 }
 
@@ -176,6 +190,7 @@ impl Scenario {
             duration_ns,
             gpus: f.gpus,
             full_only: f.full_only,
+            flood: f.flood,
             tenants,
         };
         sc.check_expectations()?;
@@ -343,5 +358,22 @@ mod tests {
         assert!(sc("request = 0.5\nlimit = 0.3").is_err());
         assert!(sc("weight = 0").is_err());
         assert!(sc("limit = 1.5").is_err());
+    }
+
+    #[test]
+    fn a_flood_table_takes_the_flood_tests_defaults() {
+        let sc = |flood: &str| {
+            Scenario::parse(&format!(
+                "name = \"x\"\nduration = \"1s\"\n{flood}\n[[tenant]]\nname = \"a\"\nworkload = \"train\"\n"
+            ))
+        };
+        assert_eq!(sc("").unwrap().flood, None);
+        assert_eq!(sc("[flood]").unwrap().flood, Some(FloodSpec::default()));
+        let f = sc("[flood]\nidle = 10\njunk_renew_ms = 50")
+            .unwrap()
+            .flood
+            .unwrap();
+        assert_eq!((f.idle, f.junk, f.junk_renew_ms), (10, 300, 50));
+        assert!(sc("[flood]\nidel = 10").is_err());
     }
 }

@@ -9,8 +9,8 @@ use crate::markdown;
 use crate::overhead;
 use crate::progress;
 use crate::report::{
-    Baseline, DeviceCheck, Failure, Headline, LatencySpread, Report, RunReport, ScenarioReport,
-    Spread, TenantReport, TenantRun, round, rounded,
+    Baseline, DeviceCheck, Failure, FloodReport, Headline, LatencySpread, Report, RunReport,
+    ScenarioReport, Spread, TenantReport, TenantRun, round, rounded,
 };
 use crate::run::{self, Mode, RunOutcome, RunSpec};
 use crate::scenario::{Scenario, TenantSpec};
@@ -130,19 +130,28 @@ fn repeated(
                     duration_ns,
                     keep_trace: Some(&trace),
                     label: &label,
+                    flood: sc.flood.as_ref(),
                 },
                 s,
             )
             .with_context(|| format!("{} run {k}", mode.label()))?;
             let f = &o.figures;
             progress(format!(
-                "{}: {} run {k}/{}: max |err| {:.4}, util {:.3}, handoff p99 {:.0} µs{}",
+                "{}: {} run {k}/{}: max |err| {:.4}, util {:.3}, handoff p99 {:.0} µs{}{}",
                 sc.name,
                 mode.label(),
                 s.repeat,
                 f.summary.max_abs_error,
                 f.summary.device_utilization,
                 f.summary.handoff_p99_us,
+                o.flood.as_ref().map_or_else(String::new, |f| format!(
+                    "; flooded: scheduler threads ≤ {}, status {:.1} ms max ({:.1} median, {} calls), {} junk connections",
+                    f.threads_max,
+                    f.status_max_ms,
+                    f.status_median_ms,
+                    f.status_calls,
+                    f.connections.junk_opened
+                )),
                 o.noise.as_ref().map_or_else(String::new, |n| format!(
                     "; {} stalls ({})",
                     n.total_stalls(),
@@ -193,6 +202,7 @@ fn run_report(run: u32, o: &RunOutcome, records: String) -> RunReport {
             summary: rounded(&d.summary),
         }),
         noise: o.noise.clone(),
+        flood: o.flood.clone(),
         records,
     }
 }
@@ -354,6 +364,7 @@ fn run_scenario(
         ),
         headline: Headline::of(&runs),
         scheduler_cpu_percent: Spread::of(runs.iter().filter_map(|r| r.scheduler_cpu_percent), 2),
+        flood: sc.flood.and_then(|f| FloodReport::of(f, &runs)),
         runs,
         baseline,
         plot: plot_file,

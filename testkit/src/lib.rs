@@ -5,6 +5,8 @@
 //! - [`harness`]: find the built simulator (`gpushare-sim`, `libcuda.so`) next to a test or
 //!   benchmark executable and run commands under it.
 //! - [`node`]: a simulated node (device + scheduler) and tenants under `gpushare run`.
+//! - [`flood`]: a connection flood against a scheduler's socket (issue 19), and what a flooded
+//!   run watches (the scheduler's threads, `gpushare status` latency).
 //! - [`margins`]: how far the end-to-end tests let a figure stray (behaviour, not precision).
 //! - [`ptx`]: the hand-written PTX module (`gpushare_spin`, `touch`) every client loads.
 //! - [`direct`]: the driver's own entry points, past any interposition (launch-overhead
@@ -16,6 +18,7 @@
 //! `c/` use the driver API directly (linked, or through `cuGetProcAddress`).
 
 pub mod direct;
+pub mod flood;
 pub mod harness;
 pub mod margins;
 pub mod node;

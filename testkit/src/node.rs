@@ -160,15 +160,7 @@ impl Node {
     }
 
     pub fn status_json(&self) -> Result<serde_json::Value, String> {
-        let mut c = Command::new(target_dir().join("gpushare"));
-        c.args(["status", "--json"])
-            .env("GPUSHARE_SOCKET", &self.sched_socket);
-        let out = output_with_timeout(c, Duration::from_secs(5));
-        if !out.status.success() {
-            return Err(describe(&out));
-        }
-        serde_json::from_slice(&out.stdout)
-            .map_err(|e| format!("status --json is not JSON ({e})\n{}", describe(&out)))
+        status_json_at(&self.sched_socket)
     }
 
     /// Pid of the process holding GPU 0's token, from `gpushare status --json`.
@@ -635,6 +627,19 @@ pub fn gaps_in(trace: &Trace, window: Window) -> Gaps {
         prev = Some((r.pid, r.end_ns));
     }
     g
+}
+
+/// `gpushare status --json` against the scheduler socket `socket` (at most 5 s: it panics
+/// beyond).
+pub fn status_json_at(socket: &Path) -> Result<serde_json::Value, String> {
+    let mut c = Command::new(target_dir().join("gpushare"));
+    c.args(["status", "--json"]).env("GPUSHARE_SOCKET", socket);
+    let out = output_with_timeout(c, Duration::from_secs(5));
+    if !out.status.success() {
+        return Err(describe(&out));
+    }
+    serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("status --json is not JSON ({e})\n{}", describe(&out)))
 }
 
 /// The entry of `group` on GPU 0 in a `gpushare status --json` report.

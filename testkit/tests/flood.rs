@@ -7,109 +7,17 @@
 //! its threads stay few, the tenants keep their shares within [`margins::SHARE`], and
 //! `gpushare status` and `/metrics` answer within 1 s throughout.
 
-use gpushare_protocol::{ClientMsg, PROTOCOL_VERSION};
+use gpushare_testkit::flood::{Flood, FloodSpec, raise_open_files_limit, threads_of};
 use gpushare_testkit::harness::target_dir;
 use gpushare_testkit::margins;
 use gpushare_testkit::node::{Node, Spin, Tenant, common_active_window, gaps_in, shares_in};
-use std::io::{ErrorKind, Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
-use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-const IDLE: usize = 2000;
-const JUNK: usize = 300;
-const HALF_FRAMES: usize = 100;
 const MAX_THREADS: usize = 64;
 const ANSWER_WITHIN: Duration = Duration::from_secs(1);
 const WARMUP_NS: u64 = 300_000_000;
-
-/// Allow this process the descriptors the flood needs (the scheduler raises its own limit).
-fn raise_open_files_limit(want: u64) {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit with a valid rlimit struct.
-    unsafe {
-        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
-        lim.rlim_cur = lim.rlim_cur.max(want.min(lim.rlim_max));
-        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
-    }
-    assert!(
-        lim.rlim_cur >= want,
-        "this test needs {want} open files; the hard limit is {}",
-        lim.rlim_max
-    );
-}
-
-fn hello() -> Vec<u8> {
-    let mut frame = Vec::new();
-    let msg = ClientMsg::Hello {
-        version: PROTOCOL_VERSION,
-        declared: None,
-    };
-    gpushare_protocol::encode(&msg, &mut frame).unwrap();
-    frame
-}
-
-fn connect_and_send(socket: &Path, bytes: &[u8]) -> UnixStream {
-    let mut s = UnixStream::connect(socket).expect("connect to the scheduler");
-    s.write_all(bytes).expect("write to the scheduler");
-    s
-}
-
-/// Whether the scheduler has closed `s` (what it sent before is skipped; never blocks).
-fn closed(mut s: &UnixStream) -> bool {
-    s.set_nonblocking(true).unwrap();
-    let mut buf = [0u8; 256];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) => return true,
-            Ok(_) => continue,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
-            Err(_) => return true,
-        }
-    }
-}
-
-/// Keep `JUNK` connections sending junk until `stop`: every 100 ms a round replaces each one
-/// with a new connection and new junk (a garbage frame, a huge length, a Hello then garbage),
-/// counting them in `opened`.
-fn junk_senders(socket: &Path, stop: Arc<AtomicBool>, opened: Arc<AtomicU64>) {
-    let mut hello_then_garbage = hello();
-    hello_then_garbage.extend_from_slice(&[5, 0, 0, 0, 0xfe, 0xfe, 0xfe, 0xfe, 0xfe]);
-    let junk: [&[u8]; 3] = [
-        &[8, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff],
-        &[0xf0, 0xff, 0xff, 0xff, 1, 2, 3, 4],
-        &hello_then_garbage,
-    ];
-    // The flooder competes with the tenants for this 2-core machine's CPU: at low priority,
-    // the test measures what the flood does to the scheduler, not what it does to the CPU.
-    // SAFETY: setpriority on this thread (Linux: a thread id is a PRIO_PROCESS id).
-    unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
-    let mut slots: Vec<Option<UnixStream>> = (0..JUNK).map(|_| None).collect();
-    let mut round = 0;
-    while !stop.load(Ordering::Relaxed) {
-        for (i, slot) in slots.iter_mut().enumerate() {
-            *slot = UnixStream::connect(socket).ok().inspect(|mut s| {
-                let _ = s.write_all(junk[(i + round) % junk.len()]);
-            });
-            opened.fetch_add(1, Ordering::Relaxed);
-        }
-        round += 1;
-        // Paced, so that the flood is many connections rather than all of the machine's CPU.
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn threads_of(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .expect("the scheduler runs")
-        .count()
-}
 
 /// CPU seconds (user + system) process `pid` has used.
 fn cpu_seconds(pid: u32) -> f64 {
@@ -152,7 +60,7 @@ fn get_metrics(port: u16) -> String {
 
 #[test]
 fn a_connection_flood_costs_neither_threads_nor_shares() {
-    raise_open_files_limit(4096);
+    raise_open_files_limit(4096).unwrap_or_else(|e| panic!("this test: {e}"));
     let mut node = Node::device_only();
     // As root, the tenants are told apart by their gid, as a production config would; otherwise
     // they declare their groups to a --dev scheduler.
@@ -179,28 +87,10 @@ fn a_connection_flood_costs_neither_threads_nor_shares() {
     let pid = node.scheduler_pid().unwrap();
     let socket = node.sched_socket.clone();
 
-    // The flood, before and while the tenants run.
-    let hello = hello();
-    let idle: Vec<UnixStream> = (0..IDLE)
-        .map(|_| connect_and_send(&socket, &hello))
-        .collect();
-    let stalled_after_hello: Vec<UnixStream> = (0..HALF_FRAMES)
-        .map(|_| {
-            let mut bytes = hello.clone();
-            bytes.extend_from_slice(&[40, 0, 0, 0, 1, 2, 3]);
-            connect_and_send(&socket, &bytes)
-        })
-        .collect();
-    let half_hellos: Vec<UnixStream> = (0..HALF_FRAMES)
-        .map(|_| connect_and_send(&socket, &hello[..hello.len() - 1]))
-        .collect();
-    let half_hellos_sent = Instant::now();
-    let stop = Arc::new(AtomicBool::new(false));
-    let opened = Arc::new(AtomicU64::new(0));
-    let junk = {
-        let (socket, stop, opened) = (socket.clone(), stop.clone(), opened.clone());
-        std::thread::spawn(move || junk_senders(&socket, stop, opened))
-    };
+    // The flood, before and while the tenants run: 2,000 idle, 300 junk renewed every 100 ms,
+    // 100 stalled after Hello, 100 mid-Hello.
+    let spec = FloodSpec::default();
+    let flood = Flood::start(&socket, &spec).expect("flood the scheduler");
 
     // Synchronising every 200 ms rather than every 20, the tenants keep work queued across a
     // late wake-up of their own host thread on this busy machine: the shares measure the
@@ -230,7 +120,7 @@ fn a_connection_flood_costs_neither_threads_nor_shares() {
     let (mut threads, mut status_s, mut metrics_s) = (Vec::new(), Vec::new(), Vec::new());
     let mut tenants: Vec<Tenant> = tenants.into();
     while tenants.iter_mut().any(Tenant::running) {
-        threads.push(threads_of(pid));
+        threads.push(threads_of(pid).expect("the scheduler runs"));
         let t = Instant::now();
         let status = node.status_json();
         status_s.push(t.elapsed().as_secs_f64());
@@ -242,16 +132,11 @@ fn a_connection_flood_costs_neither_threads_nor_shares() {
         assert!(page.starts_with("HTTP/1.0 200"), "{page}");
         std::thread::sleep(Duration::from_millis(250));
     }
-    stop.store(true, Ordering::Relaxed);
-    junk.join().unwrap();
     let outputs: Vec<_> = tenants
         .into_iter()
         .map(|t| t.wait_ok(Duration::from_secs(30)))
         .collect();
-    let idle_alive = idle.iter().filter(|s| !closed(s)).count();
-    let stalled_alive = stalled_after_hello.iter().filter(|s| !closed(s)).count();
-    let half_hellos_alive = half_hellos.iter().filter(|s| !closed(s)).count();
-    let half_hello_age = half_hellos_sent.elapsed();
+    let f = flood.stop();
     let (scheduler_cpu, test_cpu) = (cpu_seconds(pid), cpu_seconds(std::process::id()));
     let scheduler_rss = peak_rss_mib(pid);
     let alive = node.scheduler_running();
@@ -263,8 +148,15 @@ fn a_connection_flood_costs_neither_threads_nor_shares() {
     let shares = shares_in(&trace, &pids, w);
     let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     eprintln!(
-        "flood: {IDLE} idle ({idle_alive} still open), {} junk connections opened, {HALF_FRAMES} stalled mid-frame after Hello ({stalled_alive} open), {HALF_FRAMES} mid-Hello ({half_hellos_alive} open after {half_hello_age:?}); scheduler threads {threads:?}; shares {shares:.4?} over {:.2} s (targets [0.7, 0.3]), utilisation {:.4} ({}); status {:.1} ms max of {} ({status_s:.3?} s), /metrics {:.1} ms max; CPU: scheduler {scheduler_cpu:.2} s, test (flood) {test_cpu:.2} s; scheduler peak RSS {scheduler_rss:.1} MiB",
-        opened.load(Ordering::Relaxed),
+        "flood: {} idle ({} still open), {} junk connections opened, {} stalled mid-frame after Hello ({} open), {} mid-Hello ({} open after {:.2} s); scheduler threads {threads:?}; shares {shares:.4?} over {:.2} s (targets [0.7, 0.3]), utilisation {:.4} ({}); status {:.1} ms max of {} ({status_s:.3?} s), /metrics {:.1} ms max; CPU: scheduler {scheduler_cpu:.2} s, test (flood) {test_cpu:.2} s; scheduler peak RSS {scheduler_rss:.1} MiB",
+        spec.idle,
+        f.idle_open,
+        f.junk_opened,
+        spec.stalled_after_hello,
+        f.stalled_after_hello_open,
+        spec.mid_hello,
+        f.mid_hello_open,
+        f.mid_hello_age_s,
         w.len_ns() as f64 / 1e9,
         trace.utilization(0, w),
         gaps_in(&trace, w).summary(),
@@ -295,15 +187,16 @@ fn a_connection_flood_costs_neither_threads_nor_shares() {
         "/metrics took {metrics_s:?} s"
     );
     assert_eq!(
-        idle_alive, IDLE,
+        f.idle_open, spec.idle,
         "idle connections that said Hello were closed"
     );
     assert_eq!(
-        stalled_alive, HALF_FRAMES,
+        f.stalled_after_hello_open, spec.stalled_after_hello,
         "connections with half a frame after their Hello were closed"
     );
     assert_eq!(
-        half_hellos_alive, 0,
-        "connections that never finished their Hello are still open after {half_hello_age:?}"
+        f.mid_hello_open, 0,
+        "connections that never finished their Hello are still open after {:.2} s",
+        f.mid_hello_age_s
     );
 }
