@@ -47,6 +47,14 @@ static void on_usr1(int sig) {
     release_now = 1;
 }
 
+/* SIGUSR1 from the test: go on to the next stage (release what is held). */
+static void release_on_usr1(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_usr1;
+    sigaction(SIGUSR1, &sa, NULL);
+}
+
 static void setup(void) {
     CK(cuInit(0));
     CK(cuDeviceGet(&dev, 0));
@@ -114,10 +122,7 @@ int main(int argc, char **argv) {
         print_info("info");
     } else if (strcmp(cmd, "hold") == 0 && argc == 3) {
         size_t bytes = strtoull(argv[2], NULL, 10);
-        struct sigaction sa;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_handler = on_usr1;
-        sigaction(SIGUSR1, &sa, NULL);
+        release_on_usr1();
         setup();
         CUdeviceptr p;
         CK(cuMemAlloc_v2(&p, bytes));
@@ -178,10 +183,7 @@ int main(int argc, char **argv) {
                (double)alloc_ns / n, (double)free_ns / n);
     } else if (strcmp(cmd, "vmm") == 0 && argc == 3) {
         size_t bytes = strtoull(argv[2], NULL, 10);
-        struct sigaction sa;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_handler = on_usr1;
-        sigaction(SIGUSR1, &sa, NULL);
+        release_on_usr1();
         setup();
         CUmemAllocationProp prop = located(CU_MEM_LOCATION_TYPE_DEVICE, 0);
         CUmemGenericAllocationHandle h, again;
@@ -241,10 +243,7 @@ int main(int argc, char **argv) {
         }
     } else if (strcmp(cmd, "fork-hold") == 0 && argc == 3) {
         size_t bytes = strtoull(argv[2], NULL, 10);
-        struct sigaction sa;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_handler = on_usr1;
-        sigaction(SIGUSR1, &sa, NULL);
+        release_on_usr1();
         setup();
         CUdeviceptr p;
         CK(cuMemAlloc_v2(&p, bytes));
