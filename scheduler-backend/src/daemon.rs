@@ -139,8 +139,8 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     }
     let s = shared.clone();
     std::thread::Builder::new()
-        .name("journal".into())
-        .spawn(move || journal_loop(s))?;
+        .name("books".into())
+        .spawn(move || books_loop(s))?;
     if let Some(path) = opts.config_path.clone() {
         let s = shared.clone();
         std::thread::Builder::new()
@@ -667,7 +667,7 @@ fn metrics_loop(shared: Arc<Shared>, http: std::net::TcpListener) {
 /// Keep the journal up to date with frees and departures, lay to rest the restored holdings
 /// of processes that exited without reconnecting, and (every second) free the memory of
 /// connected clients whose process has exited while a forked child keeps its socket open.
-fn journal_loop(shared: Arc<Shared>) {
+fn books_loop(shared: Arc<Shared>) {
     let restored = Instant::now();
     for round in 0u64.. {
         std::thread::sleep(crate::journal::FLUSH_EVERY);
