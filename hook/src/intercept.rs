@@ -6,9 +6,9 @@
 //!    version table (`gpushare-cuda-abi`) says which symbol that is, and a managed symbol is
 //!    swapped for its wrapper.
 
-use crate::client::{Hook, hook};
 use crate::gate::Gate;
 use crate::memory;
+use crate::process::hook;
 use crate::real;
 use gpushare_cuda_abi::{Resolution, resolve};
 use std::cell::Cell;
@@ -22,10 +22,10 @@ const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 const CUDA_ERROR_NOT_PERMITTED: CUresult = 800;
 const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
-/// The hook and the gate of the current context's GPU (`None`: nothing to gate).
+/// The gate of the current context's GPU (`None`: nothing to gate).
 #[inline]
-fn current_gate() -> Option<(&'static Hook, &'static Gate)> {
-    hook().and_then(|h| Some((h, h.gate_for_current()?)))
+fn current_gate() -> Option<&'static Gate> {
+    hook()?.gate_for_current()
 }
 
 /// Run a launch through the gate of the current GPU. Panics never cross into the caller. A
@@ -51,8 +51,8 @@ fn gated_launches(
             return launch().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         }
         match current_gate() {
-            Some((h, g)) => {
-                if !g.enter(h) {
+            Some(g) => {
+                if !g.enter() {
                     return CUDA_ERROR_NOT_PERMITTED;
                 }
                 let r = launch();
@@ -206,11 +206,11 @@ pub extern "C" fn cuGraphLaunch_ptsz(exec: P, stream: P) -> CUresult {
 fn synced(sync: impl FnOnce() -> Option<CUresult>) -> CUresult {
     let run = || {
         let gate = current_gate();
-        if let Some((h, g)) = gate {
-            g.before_sync(h);
+        if let Some(g) = gate {
+            g.before_sync();
         }
         let r = sync().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        if let Some((_, g)) = gate {
+        if let Some(g) = gate {
             g.after_sync();
         }
         r

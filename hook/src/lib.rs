@@ -1,26 +1,37 @@
 //! `libgpushare.so`: preloaded into tenant processes, it holds each kernel launch until the
-//! process has its GPU's time token from `gpushare-scheduler`, bounds the work queued on the GPU,
-//! and reports how long it really held the GPU.
+//! process has its GPU's time turn from `gpushare-scheduler`, bounds the work queued on the GPU,
+//! reports how long it really held the GPU, and holds allocations to the group's memory cap.
 //!
-//! Layers, each in its own module: [`real`] finds the real driver (and the real `dlsym`);
-//! [`intercept`] is the FFI surface (exported `cu*` launch symbols, `dlsym`,
-//! `cuGetProcAddress`); [`gate`] is the per-GPU token gate with its launch fast path;
-//! [`queue`] estimates the GPU work this process has queued, from its fence events;
-//! [`client`] talks to the scheduler; [`memory`] holds every allocation to the group's GPU
-//! memory cap.
+//! Layers, lowest first (each module imports only those below it):
+//! - [`real`] finds the real driver (and the real `dlsym`); [`driver`] wraps the hook's own
+//!   driver calls in safe, typed functions;
+//! - [`settings`] reads the environment; [`port`] is the connection to the scheduler;
+//! - [`turn`] is the pure turn state machine and pacing arithmetic (tested in virtual time);
+//!   [`queue`] estimates the GPU work this process has queued, from its fence events;
+//!   [`books`] keeps the memory this process holds;
+//! - [`gate`] is one GPU's gate: the launch fast path, and a watcher and a drainer that carry
+//!   out the machine's decisions;
+//! - [`process`] is the process's hook: gates, port and books, and what happens at `fork`;
+//! - [`intercept`] and [`memory`] are the FFI surface: the exported `cu*` symbols, `dlsym` and
+//!   `cuGetProcAddress`, which route every launch, synchronisation and allocation.
 //!
 //! Rules for a guest in someone else's process: nothing runs at load time; no panic crosses
 //! `extern "C"`; the fast path is a few atomic operations (no clock read, no lock); no output
 //! unless `GPUSHARE_LOG` is set (or the scheduler is unreachable in fail-open mode, which warns
 //! once).
 
-mod client;
+mod books;
+mod driver;
 mod gate;
 mod intercept;
 mod log;
 mod memory;
+mod port;
+mod process;
 mod queue;
 mod real;
+mod settings;
+mod turn;
 
 /// CLOCK_MONOTONIC in nanoseconds: the time base of token deadlines.
 pub use gpushare_units::monotonic_ns as now_ns;

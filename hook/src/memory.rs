@@ -3,13 +3,12 @@
 //! give back without waiting for an answer. `cuMemGetInfo_v2` and `cuDeviceTotalMem_v2` report
 //! the cap and what is left of it, never more than the device really has.
 
-use crate::client::{Hook, hook};
+use crate::books::{Held, Physical};
+use crate::process::{Hook, hook};
 use crate::real;
 use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
 use gpushare_protocol::{ClientMsg, ServerMsg};
-use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
-use std::sync::Mutex;
 
 type P = *mut c_void;
 type CUresult = u32;
@@ -21,82 +20,26 @@ const CUDA_ERROR_UNKNOWN: CUresult = 999;
 /// Pitch alignment assumed when reserving for cuMemAllocPitch (the real pitch is known after).
 const PITCH_ALIGN: usize = 512;
 
-/// What this process holds on each GPU.
-#[derive(Default)]
-pub struct Books {
-    held: Mutex<Held>,
-}
-
-#[derive(Default)]
-struct Held {
-    /// Allocations one call frees, by device pointer or array: (gate, bytes).
-    allocs: HashMap<u64, (usize, u64)>,
-    /// Physical allocations (`cuMemCreate` on a GPU), by handle.
-    physical: HashMap<u64, Physical>,
-    /// Mapped ranges of those: base address → (size, handle).
-    mappings: BTreeMap<u64, (usize, u64)>,
-}
-
-/// The driver frees a physical allocation only once every reference to its handle is released
-/// and every mapping of it unmapped (PyTorch's expandable segments release handles while their
-/// memory stays mapped), so it is charged until then.
-struct Physical {
-    gpu: usize,
-    bytes: u64,
-    refs: u32,
-    mappings: u32,
-}
-
-impl Held {
-    /// Forget the physical allocation `handle` if nothing references or maps it any more:
-    /// its gate and bytes.
-    fn take_unused(&mut self, handle: u64) -> Option<(usize, u64)> {
-        let p = self.physical.get(&handle)?;
-        if p.refs > 0 || p.mappings > 0 {
-            return None;
-        }
-        self.physical.remove(&handle).map(|p| (p.gpu, p.bytes))
-    }
-}
-
-impl Books {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
-        self.held.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Bytes held on the GPU of gate `gpu`.
-    pub fn held(&self, gpu: usize) -> u64 {
-        let held = self.lock();
-        let allocs = held.allocs.values().copied();
-        let physical = held.physical.values().map(|p| (p.gpu, p.bytes));
-        allocs
-            .chain(physical)
-            .filter(|&(g, _)| g == gpu)
-            .map(|(_, b)| b)
-            .sum()
-    }
-}
-
 /// Reserve `bytes` on gate `gpu`; false means over the cap. Without a scheduler, fail-open
 /// enforces nothing and fail-closed waits for it (and refuses if it does not answer).
 fn reserve(h: &Hook, gpu: usize, bytes: u64) -> bool {
     if !h.wait_connected() {
-        return !h.is_refused();
+        return !h.port.is_refused();
     }
     let uuid = h.gates[gpu].uuid;
-    match h.call(|req| ClientMsg::MemReserve {
+    match h.port.call(|req| ClientMsg::MemReserve {
         req,
         gpu: uuid,
         bytes,
     }) {
         Some(ServerMsg::Memory { granted, .. }) => granted,
-        _ => h.settings.fail == crate::client::FailPolicy::Open,
+        _ => h.settings.fail == crate::settings::FailPolicy::Open,
     }
 }
 
 fn give_back(h: &Hook, gpu: usize, bytes: u64) {
     if bytes > 0 {
-        h.send(&ClientMsg::MemFree {
+        h.port.send(&ClientMsg::MemFree {
             gpu: h.gates[gpu].uuid,
             bytes,
         });
@@ -452,11 +395,11 @@ pub extern "C" fn cuMipmappedArrayDestroy(arr: P) -> CUresult {
 
 /// The group's cap and use on gate `gpu`, if the group has a cap.
 fn cap_of(h: &Hook, gpu: usize) -> Option<(u64, u64)> {
-    if !h.is_connected() {
+    if !h.port.is_connected() {
         return None;
     }
     let uuid = h.gates[gpu].uuid;
-    match h.call(|req| ClientMsg::MemQuery { req, gpu: uuid })? {
+    match h.port.call(|req| ClientMsg::MemQuery { req, gpu: uuid })? {
         ServerMsg::Memory {
             cap: Some(cap),
             used,

@@ -10,7 +10,7 @@
 //! fences; on several, the GPU's pace through all of them, whether it runs their kernels one at
 //! a time or side by side).
 
-use crate::real;
+use crate::driver;
 use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -187,10 +187,8 @@ impl Queue {
         if let Some(i) = self.pool.iter().position(|(c, _)| *c == ctx) {
             return Some(self.pool.swap_remove(i).1);
         }
-        let mut e: P = std::ptr::null_mut();
-        // SAFETY: creates an event in the calling thread's current context (`ctx`).
-        let ok = real::cuEventCreate().is_some_and(|c| unsafe { c(&mut e, 0) } == 0);
-        ok.then_some(e)
+        // In the calling thread's current context (`ctx`).
+        driver::event_create()
     }
 
     /// An event taken but not recorded.
@@ -319,14 +317,10 @@ impl Queue {
     /// Take in the fences that have completed, without waiting (`launched`: the launch count
     /// now); on several streams, in whatever order they completed.
     pub fn complete_finished(&mut self, launched: u64) {
-        let Some(query) = real::cuEventQuery() else {
-            return;
-        };
         let now = crate::now_ns();
         let mut i = 0;
         while let Some(f) = self.fences.get(i) {
-            // SAFETY: a fence event recorded by the gate.
-            if unsafe { query(f.event) } == 0 {
+            if driver::event_done(f.event) == Some(true) {
                 let f = self.fences.remove(i).expect("in range");
                 self.completed(f, launched, now);
             } else {
@@ -342,8 +336,7 @@ impl Queue {
         let Some(f) = self.fences.pop_front() else {
             return false;
         };
-        // SAFETY: a fence event recorded by the gate.
-        if real::cuEventSynchronize().is_none_or(|s| unsafe { s(f.event) } != 0) {
+        if !driver::event_wait(f.event) {
             self.pool.push((f.ctx, f.event));
             return false;
         }
@@ -359,12 +352,10 @@ impl Queue {
         let vouched = f.seq.saturating_sub(s.done);
         s.done = s.done.max(f.seq);
         let ms = self.last_done.as_ref().and_then(|prev| {
-            let mut ms = 0f32;
-            // SAFETY: two completed timing events of one context.
-            let ok = prev.ctx == f.ctx
-                && real::cuEventElapsedTime()
-                    .is_some_and(|e| unsafe { e(&mut ms, prev.event, f.event) } == 0);
-            ok.then_some(ms as f64)
+            // Two completed timing events of one context.
+            (prev.ctx == f.ctx)
+                .then(|| driver::event_elapsed_ms(prev.event, f.event))?
+                .map(f64::from)
         });
         match ms {
             Some(ms) if ms < 0.0 => {

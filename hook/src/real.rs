@@ -105,6 +105,7 @@ type P = *mut c_void;
 real_fns! {
     cuDeviceGetCount: fn(*mut i32);
     cuDeviceGetUuid: fn(*mut [u8; 16], i32);
+    cuDeviceGetUuid_v2: fn(*mut [u8; 16], i32);
     cuCtxGetCurrent: fn(*mut P);
     cuCtxGetDevice: fn(*mut i32);
     cuCtxPushCurrent_v2: fn(P);

@@ -1,0 +1,114 @@
+//! Typed, safe wrappers over the hook's own driver calls (the gate's fences and drains, the
+//! process's device discovery): the one place outside the exported symbols where the hook calls
+//! the driver, so the layers above hold no `unsafe`. Capture-safety is `crate::real`'s
+//! (`own_*` calls); a missing entry point reads as a failed call.
+
+use crate::real;
+use std::ffi::c_void;
+
+/// A driver handle (context, stream, event), usable from any thread.
+pub type Handle = *mut c_void;
+
+/// `CU_EVENT_BLOCKING_SYNC`: a thread waiting for the event sleeps instead of spinning a core
+/// (the hook's fences are waited for by launchers and drains, never on a latency path).
+const EVENT_BLOCKING_SYNC: u32 = 1;
+const CUDA_SUCCESS: u32 = 0;
+const CUDA_ERROR_NOT_READY: u32 = 600;
+
+/// The number of devices the driver shows this process.
+pub fn device_count() -> Option<usize> {
+    let get = real::cuDeviceGetCount()?;
+    let mut n = 0;
+    // SAFETY: real driver entry point with a valid out-pointer.
+    (unsafe { get(&mut n) } == CUDA_SUCCESS && n > 0).then_some(n as usize)
+}
+
+/// Device `dev`'s UUID: `cuDeviceGetUuid_v2` where the driver has it (the first version gives
+/// every MIG slice its GPU's UUID), else the first version.
+pub fn device_uuid(dev: usize) -> Option<[u8; 16]> {
+    let get = real::cuDeviceGetUuid_v2().or_else(real::cuDeviceGetUuid)?;
+    let mut uuid = [0u8; 16];
+    // SAFETY: valid out-pointer and device ordinal.
+    (unsafe { get(&mut uuid, dev as i32) } == CUDA_SUCCESS).then_some(uuid)
+}
+
+/// The device of the calling thread's current context.
+pub fn current_device() -> Option<usize> {
+    let get = real::cuCtxGetDevice()?;
+    let mut dev = 0;
+    // SAFETY: real driver entry point with a valid out-pointer.
+    (unsafe { get(&mut dev) } == CUDA_SUCCESS && dev >= 0).then_some(dev as usize)
+}
+
+/// The calling thread's current context.
+pub fn current_context() -> Option<Handle> {
+    let get = real::cuCtxGetCurrent()?;
+    let mut ctx: Handle = std::ptr::null_mut();
+    // SAFETY: real driver call with a valid out-pointer.
+    (unsafe { get(&mut ctx) } == CUDA_SUCCESS && !ctx.is_null()).then_some(ctx)
+}
+
+/// A new fence event in the calling thread's current context.
+pub fn event_create() -> Option<Handle> {
+    let create = real::cuEventCreate()?;
+    let mut e: Handle = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; flags as documented.
+    (unsafe { create(&mut e, EVENT_BLOCKING_SYNC) } == CUDA_SUCCESS).then_some(e)
+}
+
+/// Record `event` on `stream` (a `_ptsz` entry point's stream if `per_thread`); false if it was
+/// not recorded (e.g. the stream is being captured).
+pub fn event_record(event: Handle, stream: Handle, per_thread: bool) -> bool {
+    let record = if per_thread {
+        real::cuEventRecord_ptsz()
+    } else {
+        real::cuEventRecord()
+    };
+    // SAFETY: the hook's own event, on a stream the application launched on.
+    record.is_some_and(|r| unsafe { r(event, stream) } == CUDA_SUCCESS)
+}
+
+/// Whether `event`'s work has completed: `Some(true)` done, `Some(false)` not yet, `None` the
+/// query failed.
+pub fn event_done(event: Handle) -> Option<bool> {
+    let query = real::cuEventQuery()?;
+    // SAFETY: the hook's own event.
+    match unsafe { query(event) } {
+        CUDA_SUCCESS => Some(true),
+        CUDA_ERROR_NOT_READY => Some(false),
+        _ => None,
+    }
+}
+
+/// Wait for `event`; false if the wait failed.
+pub fn event_wait(event: Handle) -> bool {
+    // SAFETY: the hook's own event.
+    real::cuEventSynchronize().is_some_and(|s| unsafe { s(event) } == CUDA_SUCCESS)
+}
+
+/// Milliseconds of GPU time between two completed events of the same context.
+pub fn event_elapsed_ms(start: Handle, end: Handle) -> Option<f32> {
+    let elapsed = real::cuEventElapsedTime()?;
+    let mut ms = 0f32;
+    // SAFETY: valid out-pointer; the hook's own events.
+    (unsafe { elapsed(&mut ms, start, end) } == CUDA_SUCCESS).then_some(ms)
+}
+
+/// Wait for all work of `ctx`, from whatever thread this is.
+pub fn synchronize_context(ctx: Handle) {
+    let (Some(push), Some(sync), Some(pop)) = (
+        real::cuCtxPushCurrent_v2(),
+        real::cuCtxSynchronize(),
+        real::cuCtxPopCurrent_v2(),
+    ) else {
+        return;
+    };
+    let mut popped: Handle = std::ptr::null_mut();
+    // SAFETY: push/pop are balanced; `ctx` is a context this process launched into.
+    unsafe {
+        if push(ctx) == CUDA_SUCCESS {
+            sync();
+            pop(&mut popped);
+        }
+    }
+}

@@ -1,0 +1,692 @@
+//! The turn state machine of one GPU in this process, and the pacing arithmetic: pure. Events
+//! and the time come in (grants, revocations, launchers arriving, the watcher looking, the
+//! application synchronising), decisions come out (what to tell the scheduler, whether a launch
+//! is admitted, when to close the gate, what the launch fast path's deadline is). No atomics,
+//! no driver, no clock: every race between a revocation, a drain and an early release is tested
+//! in virtual time (the tests below, thousands of turns in milliseconds). [`crate::gate`] reads
+//! its atomics into an [`Activity`], calls in under its lock and carries the decisions out.
+//!
+//! A turn's life: the scheduler grants it ahead of its start; a launcher waits until a *lead*
+//! before the start and opens the gate ([`Turns::admit`]); the watcher closes the gate when the
+//! work queued would run to the deadline, or gives the turn back early when the holder went idle
+//! ([`Turns::watch`]); the gate drains this process's work and reports the turn
+//! ([`Turns::begin_close`], [`Turns::yield_turn`], [`Turns::end_close`]). A turn followed by this process's own next one
+//! rolls over without closing ([`Turns::roll_over`]).
+
+use gpushare_protocol::TurnUse;
+
+/// The fast path's deadline meaning "no limits" (fail-open).
+pub const UNLIMITED: u64 = u64::MAX;
+
+/// The idle-after-synchronisation score just after idleness, and the score above which the
+/// next synchronisation is expected to be followed by idleness too (1000 · 0.85⁸ ≈ 272 > 250).
+const IDLE: u32 = 1000;
+const IDLE_RECENTLY: u32 = 250;
+
+/// How many recent lateness samples of timed waits set the lead.
+const LATENESS_SAMPLES: usize = 16;
+/// The lead never exceeds this: turns are granted 5 ms ahead by default.
+const MAX_LEAD_NS: u64 = 3_000_000;
+/// A launcher waiting for a grant (or for a closed turn's drain) looks again this often.
+const GRANT_WAIT_NS: u64 = 100_000_000;
+/// Grant waits without an answer before the request is sent again (the scheduler may have
+/// taken this process for a stopped one).
+const UNANSWERED_ASKS: u32 = 5;
+
+/// A turn granted by the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Turn {
+    pub token: u64,
+    pub start_ns: u64,
+    pub deadline_ns: u64,
+    pub quota_ns: u64,
+    /// When the gate opened for it (its first launch), if it has.
+    pub opened_ns: Option<u64>,
+    /// Its deadline arrived already past (revoked, or cut short to now): no launch is admitted
+    /// any more, the watcher closes it.
+    pub stopped: bool,
+    /// The gate closed for it: its work drains and is reported.
+    pub closed: bool,
+}
+
+impl Turn {
+    fn new(token: u64, start_ns: u64, deadline_ns: u64, quota_ns: u64) -> Turn {
+        Turn {
+            token,
+            start_ns,
+            deadline_ns,
+            quota_ns,
+            opened_ns: None,
+            stopped: false,
+            closed: false,
+        }
+    }
+
+    fn retime(&mut self, start_ns: u64, deadline_ns: u64, quota_ns: u64) {
+        self.start_ns = start_ns;
+        self.deadline_ns = deadline_ns;
+        self.quota_ns = quota_ns;
+        self.stopped = false;
+    }
+
+    fn is_open(&self) -> bool {
+        self.opened_ns.is_some() && !self.closed && !self.stopped
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Token {
+    None,
+    /// Asked for a turn, or still launching as a turn ended (the scheduler then counts this
+    /// process as waiting for another).
+    Requested,
+    Held(Turn),
+    Unthrottled,
+    /// The scheduler refused this process (e.g. no group matches it): launches fail.
+    Refused,
+}
+
+/// What the scheduler is to be told (the gate adds its GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Say {
+    Acquire,
+    Yield {
+        token: u64,
+        drained_ns: u64,
+    },
+    Report {
+        token: u64,
+        used: Option<TurnUse>,
+        again: bool,
+    },
+}
+
+/// The hook's settings that shape turns.
+#[derive(Debug, Clone, Copy)]
+pub struct TurnConfig {
+    /// A holder that launched nothing for this long gives its turn back.
+    pub idle_release_ns: u64,
+    /// The least lead before a turn's start at which the gate opens.
+    pub handoff_lead_ns: u64,
+}
+
+/// What the gate's counters say at a moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Activity {
+    /// Launches returned so far.
+    pub launches: u64,
+    /// No launch between admission and return, and no launcher waiting for its queued work.
+    pub quiet: bool,
+    /// Launchers waiting for a turn.
+    pub waiters: u32,
+}
+
+/// One launcher's progress through [`Turns::admit`].
+#[derive(Debug, Default)]
+pub struct Waiter {
+    /// The opening time its last timed wait was for (to learn how late it woke).
+    waited_for: Option<u64>,
+    /// Its last wait was for a grant.
+    waited_for_grant: bool,
+}
+
+/// What a launcher does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// The launch runs.
+    Admit,
+    /// The launch runs, and it opened the gate for the held turn: the fast path's deadline
+    /// changed and the watcher must look.
+    Opened,
+    /// The launch must not run: this process was refused.
+    Refuse,
+    /// Ask for a turn ([`Say::Acquire`]), then [`Turns::asked`].
+    Ask,
+    /// Wait until this time, or until woken by a change, and ask again.
+    Wait { until_ns: u64 },
+}
+
+/// What the watcher does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Watch {
+    /// Nothing to watch until something changes.
+    Nothing,
+    /// Look again at this time.
+    At(u64),
+    /// Close the gate for the held turn, drain and report it; `yield_at`: given back before its
+    /// deadline, at that time; `busy`: this process has more work.
+    Close { yield_at: Option<u64>, busy: bool },
+    /// The turn ended and this process's next one starts there: [`Turns::roll_over`].
+    RollOver,
+}
+
+/// The turn state of one GPU.
+#[derive(Debug)]
+pub struct Turns {
+    cfg: TurnConfig,
+    token: Token,
+    /// A further turn granted while `token` still holds one (it starts after that one ends).
+    next: Option<Turn>,
+    /// Grant waits since the last request.
+    requests_unanswered: u32,
+    /// The newest token reported or withdrawn on this connection: a grant moving one of these
+    /// crossed this process's report on the way (the scheduler numbers turns in order).
+    retired: u64,
+    /// How late recent timed waits for a turn's opening returned (ns), in a ring.
+    lateness: [u64; LATENESS_SAMPLES],
+    lateness_at: usize,
+    /// The scheduler extended the turn: nobody else wants the GPU, so the watcher need not look
+    /// for idleness until the deadline (whoever asks ends the extension, and the new deadline
+    /// says so).
+    alone: bool,
+    /// The launch count the watcher last saw, and when it saw it change.
+    seen_launches: u64,
+    seen_at: u64,
+    /// The latest launch that was paced (fenced), and when it returned.
+    paced_launch: u64,
+    paced_at: u64,
+    sync: SyncHistory,
+    /// What to tell the scheduler, in order ([`Turns::take_said`]).
+    said: Vec<Say>,
+}
+
+/// What followed the application's recent synchronisations.
+#[derive(Debug, Default)]
+struct SyncHistory {
+    /// When the application last began to synchronise (0: never), and when that returned; with
+    /// the launch count at each, which says exactly whether anything was launched since.
+    began_at: u64,
+    launches_at_begin: u64,
+    returned_at: u64,
+    launches_at_return: u64,
+    /// It went idle after that synchronisation (no launch for the idle release time).
+    idled_after: bool,
+    /// Whether the application went idle after a recent synchronisation rather than launching
+    /// again (a request-serving or bursty process, whose turn is best handed over as its
+    /// synchronised work drains): 1000 after one that was followed by idleness, 15 % less after
+    /// each followed by more launches; above [`IDLE_RECENTLY`] for the next 8.
+    score: u32,
+}
+
+impl Turns {
+    pub fn new(cfg: TurnConfig) -> Turns {
+        Turns {
+            cfg,
+            token: Token::None,
+            next: None,
+            requests_unanswered: 0,
+            retired: 0,
+            lateness: [0; LATENESS_SAMPLES],
+            lateness_at: 0,
+            alone: false,
+            seen_launches: 0,
+            seen_at: 0,
+            paced_launch: 0,
+            paced_at: 0,
+            sync: SyncHistory::default(),
+            said: Vec::new(),
+        }
+    }
+
+    #[cfg(test)]
+    pub fn token(&self) -> Token {
+        self.token
+    }
+
+    /// What to tell the scheduler since the last call, in order.
+    pub fn take_said(&mut self) -> Vec<Say> {
+        std::mem::take(&mut self.said)
+    }
+
+    /// The launch fast path's deadline: that of the open turn, [`UNLIMITED`] without limits,
+    /// 0 (closed: launches take the slow path) otherwise.
+    pub fn gate_deadline(&self) -> u64 {
+        match self.token {
+            Token::Unthrottled => UNLIMITED,
+            Token::Held(t) if t.is_open() => t.deadline_ns.max(1),
+            _ => 0,
+        }
+    }
+
+    /// The queue budget of the turn held, if one is.
+    pub fn queue_budget(&self) -> Option<f64> {
+        match self.token {
+            Token::Held(t) => Some(queue_budget_of(t.quota_ns)),
+            _ => None,
+        }
+    }
+
+    // --- launchers -----------------------------------------------------------------------
+
+    /// A launcher takes the slow path at `now`, the launch count being `launches`: the first
+    /// launch since a synchronisation that gave the turn back tells whether the application
+    /// was idle in between (see [`Turns::before_sync`]).
+    pub fn launcher_arrives(&mut self, now: u64, launches: u64) {
+        let s = &mut self.sync;
+        if self.token == Token::None
+            && s.returned_at != 0
+            && launches == s.launches_at_return
+            && now >= s.returned_at + self.cfg.idle_release_ns
+        {
+            s.idled_after = true;
+        }
+    }
+
+    /// What launcher `w` does at `now`.
+    pub fn admit(&mut self, now: u64, w: &mut Waiter) -> Step {
+        if std::mem::take(&mut w.waited_for_grant) && self.token == Token::Requested {
+            self.requests_unanswered += 1;
+            if self.requests_unanswered >= UNANSWERED_ASKS {
+                self.requests_unanswered = 0;
+                self.said.push(Say::Acquire);
+            }
+        }
+        match self.token {
+            Token::Refused => Step::Refuse,
+            Token::Unthrottled => Step::Admit,
+            Token::Held(t) if t.is_open() => Step::Admit,
+            Token::Held(t) if t.opened_ns.is_none() && !t.closed => {
+                let open_at = t.start_ns.saturating_sub(self.lead_ns());
+                if now < open_at {
+                    w.waited_for = Some(open_at);
+                    return Step::Wait { until_ns: open_at };
+                }
+                if let Some(at) = w.waited_for.take() {
+                    self.note_lateness(now.saturating_sub(at));
+                }
+                self.open(now);
+                Step::Opened
+            }
+            Token::None => Step::Ask,
+            // Waiting for a grant, or for the last turn to close and drain.
+            Token::Requested | Token::Held(_) => {
+                w.waited_for = None;
+                w.waited_for_grant = true;
+                Step::Wait {
+                    until_ns: now + GRANT_WAIT_NS,
+                }
+            }
+        }
+    }
+
+    /// The request of [`Step::Ask`] was sent (`sent`), or could not be (the launcher waits a
+    /// grant wait and asks again).
+    pub fn asked(&mut self, sent: bool) {
+        if sent && self.token == Token::None {
+            self.token = Token::Requested;
+        }
+    }
+
+    /// Open the gate for the held turn (its first launch is about to be made, at `now`).
+    fn open(&mut self, now: u64) {
+        if let Token::Held(t) = &mut self.token {
+            t.opened_ns = Some(now);
+            self.alone = false;
+        }
+    }
+
+    /// How long before a turn's start the gate opens: the configured lead at least, more when
+    /// this process's timed waits have returned late lately (the latest of them, and 0.2 ms),
+    /// at most [`MAX_LEAD_NS`].
+    pub fn lead_ns(&self) -> u64 {
+        let late = self.lateness.iter().copied().max().unwrap_or(0);
+        self.cfg
+            .handoff_lead_ns
+            .max(late + 200_000)
+            .min(MAX_LEAD_NS)
+    }
+
+    fn note_lateness(&mut self, late_ns: u64) {
+        self.lateness[self.lateness_at % LATENESS_SAMPLES] = late_ns;
+        self.lateness_at = self.lateness_at.wrapping_add(1);
+    }
+
+    // --- the scheduler -------------------------------------------------------------------
+
+    /// A turn from `start_ns` to `deadline_ns`, usually ahead of its start; or a planned one
+    /// moved (same token). One nobody here wants is given straight back.
+    pub fn grant(&mut self, token: u64, start_ns: u64, deadline_ns: u64, quota_ns: u64, now: u64) {
+        let current = matches!(self.token, Token::Held(t) if t.token == token)
+            || self.next.is_some_and(|n| n.token == token);
+        if token <= self.retired && !current {
+            return;
+        }
+        let turn = Turn::new(token, start_ns, deadline_ns, quota_ns);
+        match (&mut self.token, &mut self.next) {
+            (Token::Held(t), _) if t.token == token => t.retime(start_ns, deadline_ns, quota_ns),
+            (_, Some(n)) if n.token == token => n.retime(start_ns, deadline_ns, quota_ns),
+            (Token::Requested, _) => {
+                self.requests_unanswered = 0;
+                self.token = Token::Held(turn);
+            }
+            (Token::Held(_), next) => *next = Some(turn),
+            (Token::None | Token::Unthrottled | Token::Refused, _) => {
+                self.retire(token);
+                self.said.push(Say::Yield {
+                    token,
+                    drained_ns: now,
+                });
+                self.said.push(Say::Report {
+                    token,
+                    used: None,
+                    again: false,
+                });
+            }
+        }
+    }
+
+    /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
+    /// or forget it if it has not started (withdrawn: a launcher asks again).
+    pub fn revoke(&mut self, token: u64, now: u64) {
+        if self.next.is_some_and(|n| n.token == token) {
+            self.next = None;
+            return;
+        }
+        if let Token::Held(t) = self.token
+            && t.token == token
+            && t.opened_ns.is_none()
+            && !t.closed
+        {
+            self.retire(token);
+            self.token = self.next.take().map_or(Token::None, Token::Held);
+            return;
+        }
+        self.deadline(token, 1, now);
+    }
+
+    /// Turn `token` now ends at `deadline_ns` (earlier: cut short; later: extended, nobody
+    /// else wants the GPU). One already past stops the open turn at once.
+    pub fn deadline(&mut self, token: u64, deadline_ns: u64, now: u64) {
+        if let Some(n) = self.next.as_mut().filter(|n| n.token == token) {
+            n.deadline_ns = deadline_ns;
+            return;
+        }
+        let Token::Held(t) = &mut self.token else {
+            return;
+        };
+        if t.token != token || t.closed {
+            return;
+        }
+        self.alone = deadline_ns > t.deadline_ns;
+        t.deadline_ns = deadline_ns;
+        if t.opened_ns.is_some() {
+            t.stopped = deadline_ns <= now;
+        }
+    }
+
+    /// Connected (again) to the scheduler. True when limits apply again after running
+    /// unthrottled (the gate restarts its pacing from an empty queue).
+    pub fn connected(&mut self) -> bool {
+        self.retired = 0;
+        let was = self.token == Token::Unthrottled;
+        if was {
+            self.token = Token::None;
+        }
+        was
+    }
+
+    /// The scheduler is gone, its turns with it. True when the gate must forget its queue.
+    pub fn disconnected(&mut self) -> bool {
+        self.retired = 0;
+        if matches!(self.token, Token::Unthrottled | Token::Refused) {
+            return false;
+        }
+        self.token = Token::None;
+        self.next = None;
+        true
+    }
+
+    pub fn refused(&mut self) {
+        self.token = Token::Refused;
+    }
+
+    pub fn unthrottled(&mut self) {
+        self.token = Token::Unthrottled;
+    }
+
+    // --- the watcher ---------------------------------------------------------------------
+
+    /// Watcher duty at `now`: close the open turn when the work queued (`queued`, asked only
+    /// when needed) would run to its deadline; give back one whose holder launched nothing for
+    /// the idle release (or that came with nothing to launch).
+    pub fn watch(
+        &mut self,
+        now: u64,
+        a: Activity,
+        queued: &mut dyn FnMut() -> Option<u64>,
+    ) -> Watch {
+        let idle_ns = self.cfg.idle_release_ns.max(100_000);
+        let Token::Held(turn) = self.token else {
+            return Watch::Nothing;
+        };
+        if turn.closed {
+            return Watch::Nothing;
+        }
+        let Some(opened) = turn.opened_ns else {
+            // Not opened: nothing was launched since it started (and its lead) — give it back
+            // once that lasts an idle release.
+            let idle_at = turn.start_ns.saturating_add(idle_ns);
+            if now < idle_at {
+                return Watch::At(idle_at);
+            }
+            if a.waiters == 0 {
+                return Watch::Close {
+                    yield_at: Some(now),
+                    busy: false,
+                };
+            }
+            return Watch::Nothing;
+        };
+        let deadline = if turn.stopped { 1 } else { turn.deadline_ns };
+        let (last, synced_last) = self.last_active(now, a.launches);
+        let idle_since = last.max(opened).saturating_add(idle_ns);
+        let queued = queued();
+        // Idle: nothing launched for the idle release, and nothing of this process's left on
+        // the GPU (a synchronisation waiting for queued work is not idleness).
+        if a.quiet && !self.alone && now >= idle_since && now < deadline && queued == Some(0) {
+            // Given back for idleness with nothing launched since the application
+            // synchronised: it went idle after synchronising.
+            if synced_last {
+                self.sync.idled_after = true;
+            }
+            return Watch::Close {
+                yield_at: Some(now),
+                busy: false,
+            };
+        }
+        // The next turn is this process's own, back to back: no handoff, the gate stays open;
+        // at the deadline the turn is reported and the next one takes over.
+        if self.next.is_some_and(|n| n.start_ns <= deadline) {
+            return if now < deadline {
+                Watch::At(deadline)
+            } else {
+                Watch::RollOver
+            };
+        }
+        // Close when the work queued would run to the deadline.
+        let budget = queue_budget_of(turn.quota_ns) as u64;
+        // (Pacing keeps the queue within the budget: an estimate far beyond is stale.)
+        let close_at = deadline.saturating_sub(queued.unwrap_or(budget / 2).min(2 * budget));
+        if now >= close_at {
+            let busy = !a.quiet || a.waiters > 0 || now < idle_since;
+            return Watch::Close {
+                yield_at: None,
+                busy,
+            };
+        }
+        // Look again at the latest a budget before the deadline (the queue estimate then says
+        // when exactly), and for idleness: once the idle release has passed, when the work
+        // queued should have drained.
+        let next = if deadline - now > budget {
+            deadline - budget
+        } else {
+            close_at
+        };
+        let idle_check = match (a.quiet, now >= idle_since) {
+            (false, _) => now + idle_ns,
+            (true, false) => idle_since,
+            (true, true) => now + queued.unwrap_or(idle_ns).max(100_000),
+        };
+        Watch::At(if self.alone {
+            next
+        } else {
+            next.min(idle_check)
+        })
+    }
+
+    /// When the application last launched or began to synchronise (the fast path takes no
+    /// timestamp), and whether that was a synchronisation: exactly, when it began one with
+    /// nothing launched since (later than any launch: a paced one may be a whole queue budget
+    /// earlier), or when the last launch was paced; else when the watcher, looking at `now`, saw
+    /// the launch count move (a look late at most).
+    fn last_active(&mut self, now: u64, launches: u64) -> (u64, bool) {
+        if launches != self.seen_launches {
+            self.seen_launches = launches;
+            self.seen_at = now;
+        }
+        let s = &self.sync;
+        if s.began_at != 0 && launches == s.launches_at_begin {
+            (s.began_at, true)
+        } else if self.paced_launch == launches {
+            (self.paced_at, false)
+        } else {
+            (self.seen_at, false)
+        }
+    }
+
+    /// Launch `n` was paced (fenced) as it returned at `now`.
+    pub fn paced(&mut self, n: u64, now: u64) {
+        (self.paced_launch, self.paced_at) = (n, now);
+    }
+
+    /// Close the gate for the held turn: launches stop, and the gate drains this process's work.
+    /// Returns the turn, or `None` when there is none to close.
+    pub fn begin_close(&mut self) -> Option<Turn> {
+        let Token::Held(t) = &mut self.token else {
+            return None;
+        };
+        if t.closed {
+            return None;
+        }
+        t.closed = true;
+        Some(*t)
+    }
+
+    /// The turn being closed is given back before its deadline: its work drains at
+    /// `drained_ns`, where the next turn can start.
+    pub fn yield_turn(&mut self, turn: &Turn, drained_ns: u64) {
+        self.said.push(Say::Yield {
+            token: turn.token,
+            drained_ns,
+        });
+    }
+
+    /// `turn`'s work drained at `last_ns` (or the gate stopped waiting for it then): report
+    /// it, and go on with the next turn if one is planned, else ask for another (`again`) or
+    /// hold none. (Disconnected, refused or unthrottled meanwhile: that state stands.)
+    pub fn end_close(&mut self, turn: Turn, last_ns: u64, again: bool) {
+        if matches!(self.token, Token::Held(t) if t.token == turn.token) {
+            self.token = match self.next.take() {
+                Some(n) => Token::Held(n),
+                None if again => Token::Requested,
+                None => Token::None,
+            };
+        }
+        self.retire(turn.token);
+        self.said.push(Say::Report {
+            token: turn.token,
+            used: turn.opened_ns.map(|first_ns| TurnUse { first_ns, last_ns }),
+            again,
+        });
+    }
+
+    /// The held turn ended at its deadline and the next one, this process's too, starts there:
+    /// report the one, open the other, without closing the gate.
+    pub fn roll_over(&mut self) {
+        let (Token::Held(turn), Some(next)) = (self.token, self.next.take()) else {
+            return;
+        };
+        // (A turn opened after its deadline, moved earlier meanwhile, ends where it opened.)
+        let at = turn.deadline_ns.max(turn.opened_ns.unwrap_or(0));
+        self.retire(turn.token);
+        self.token = Token::Held(Turn {
+            opened_ns: Some(at),
+            ..next
+        });
+        self.said.push(Say::Report {
+            token: turn.token,
+            used: turn.opened_ns.map(|first_ns| TurnUse {
+                first_ns,
+                last_ns: at,
+            }),
+            again: true,
+        });
+    }
+
+    fn retire(&mut self, token: u64) {
+        self.retired = self.retired.max(token);
+    }
+
+    // --- synchronisations ------------------------------------------------------------------
+
+    /// The application is about to synchronise at `now`. If it went idle after one of its last
+    /// synchronisations (a request server, a bursty job: learnt), the turn is best given back as
+    /// the work it waits for drains, rather than leave the next holder an idle GPU until the
+    /// idle release: true when the gate should close now (and yield). Not while the turn is
+    /// extended, or while another thread launches or paces.
+    pub fn before_sync(&mut self, now: u64, a: Activity) -> bool {
+        let idle_next = self.learn_after_sync(now, a.launches) > IDLE_RECENTLY && !self.alone;
+        idle_next && a.quiet && matches!(self.token, Token::Held(t) if t.is_open())
+    }
+
+    /// A synchronisation returned at `now`.
+    pub fn after_sync(&mut self, now: u64, launches: u64) {
+        self.sync.launches_at_return = launches;
+        self.sync.returned_at = now;
+    }
+
+    /// Fold what followed the previous synchronisation (idleness, or more launches) into the
+    /// score, and return it.
+    fn learn_after_sync(&mut self, now: u64, launches: u64) -> u32 {
+        let s = &mut self.sync;
+        let outcome = if s.began_at == 0 {
+            None
+        } else if s.idled_after {
+            Some(IDLE)
+        } else if launches > s.launches_at_begin {
+            Some(0)
+        } else {
+            None // synchronised twice in a row
+        };
+        s.idled_after = false;
+        s.launches_at_begin = launches;
+        s.began_at = now;
+        match outcome {
+            Some(IDLE) => s.score = IDLE,
+            Some(_) => s.score = 85 * s.score / 100,
+            None => {}
+        }
+        s.score
+    }
+}
+
+/// The queue budget of a turn of `quota_ns`: an eighth of it, 0.1 ms to 2.5 ms (what a
+/// handoff may wait behind, however long the turns).
+pub fn queue_budget_of(quota_ns: u64) -> f64 {
+    (quota_ns / 8).clamp(100_000, 2_500_000) as f64
+}
+
+/// For a queue budget and the GPU time per launch: launches between fences (K, half the budget
+/// of work, 1 to 4096), and the queued work above which a launcher waits for its oldest fence
+/// (half the budget, so that K more launches keep the queue within the budget).
+pub fn pacing(budget_ns: f64, est_ns: f64) -> (u64, f64) {
+    let k = if est_ns > 0.0 {
+        (budget_ns / (2.0 * est_ns)).clamp(1.0, 4096.0) as u64
+    } else {
+        1
+    };
+    (k, budget_ns / 2.0)
+}
+
+#[cfg(test)]
+mod tests;
