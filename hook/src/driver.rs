@@ -1,4 +1,4 @@
-//! Typed, safe wrappers over the hook's own driver calls (the gate's fences and drains, the
+//! Typed, safe wrappers over the hook's own driver (and thread) calls (the gate's fences and drains, the
 //! process's device discovery): the one place outside the exported symbols where the hook calls
 //! the driver, so the layers above hold no `unsafe`. Capture-safety is `crate::real`'s
 //! (`own_*` calls); a missing entry point reads as a failed call.
@@ -6,8 +6,25 @@
 use crate::real;
 use std::ffi::c_void;
 
-/// A driver handle (context, stream, event), usable from any thread.
-pub type Handle = *mut c_void;
+/// A context or event handle the hook keeps (driver handles are valid from any thread).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Handle(*mut c_void);
+
+impl Handle {
+    /// No handle (tests of the bookkeeping around handles).
+    #[cfg(test)]
+    pub fn null() -> Handle {
+        Handle(std::ptr::null_mut())
+    }
+}
+
+// SAFETY: driver handles are opaque values the driver accepts from any thread of the process.
+unsafe impl Send for Handle {}
+// SAFETY: as above; a `Handle` is never dereferenced.
+unsafe impl Sync for Handle {}
+
+/// A stream as the application passed it (never kept past the call).
+pub type Stream = *mut c_void;
 
 /// `CU_EVENT_BLOCKING_SYNC`: a thread waiting for the event sleeps instead of spinning a core
 /// (the hook's fences are waited for by launchers and drains, never on a latency path).
@@ -43,29 +60,30 @@ pub fn current_device() -> Option<usize> {
 /// The calling thread's current context.
 pub fn current_context() -> Option<Handle> {
     let get = real::cuCtxGetCurrent()?;
-    let mut ctx: Handle = std::ptr::null_mut();
+    let mut ctx = std::ptr::null_mut();
     // SAFETY: real driver call with a valid out-pointer.
-    (unsafe { get(&mut ctx) } == CUDA_SUCCESS && !ctx.is_null()).then_some(ctx)
+    (unsafe { get(&mut ctx) } == CUDA_SUCCESS && !ctx.is_null()).then_some(Handle(ctx))
 }
 
 /// A new fence event in the calling thread's current context.
 pub fn event_create() -> Option<Handle> {
     let create = real::cuEventCreate()?;
-    let mut e: Handle = std::ptr::null_mut();
+    let mut e = std::ptr::null_mut();
     // SAFETY: valid out-pointer; flags as documented.
-    (unsafe { create(&mut e, EVENT_BLOCKING_SYNC) } == CUDA_SUCCESS).then_some(e)
+    (unsafe { create(&mut e, EVENT_BLOCKING_SYNC) } == CUDA_SUCCESS && !e.is_null())
+        .then_some(Handle(e))
 }
 
 /// Record `event` on `stream` (a `_ptsz` entry point's stream if `per_thread`); false if it was
 /// not recorded (e.g. the stream is being captured).
-pub fn event_record(event: Handle, stream: Handle, per_thread: bool) -> bool {
+pub fn event_record(event: Handle, stream: Stream, per_thread: bool) -> bool {
     let record = if per_thread {
         real::cuEventRecord_ptsz()
     } else {
         real::cuEventRecord()
     };
     // SAFETY: the hook's own event, on a stream the application launched on.
-    record.is_some_and(|r| unsafe { r(event, stream) } == CUDA_SUCCESS)
+    record.is_some_and(|r| unsafe { r(event.0, stream) } == CUDA_SUCCESS)
 }
 
 /// Whether `event`'s work has completed: `Some(true)` done, `Some(false)` not yet, `None` the
@@ -73,7 +91,7 @@ pub fn event_record(event: Handle, stream: Handle, per_thread: bool) -> bool {
 pub fn event_done(event: Handle) -> Option<bool> {
     let query = real::cuEventQuery()?;
     // SAFETY: the hook's own event.
-    match unsafe { query(event) } {
+    match unsafe { query(event.0) } {
         CUDA_SUCCESS => Some(true),
         CUDA_ERROR_NOT_READY => Some(false),
         _ => None,
@@ -83,7 +101,7 @@ pub fn event_done(event: Handle) -> Option<bool> {
 /// Wait for `event`; false if the wait failed.
 pub fn event_wait(event: Handle) -> bool {
     // SAFETY: the hook's own event.
-    real::cuEventSynchronize().is_some_and(|s| unsafe { s(event) } == CUDA_SUCCESS)
+    real::cuEventSynchronize().is_some_and(|s| unsafe { s(event.0) } == CUDA_SUCCESS)
 }
 
 /// Milliseconds of GPU time between two completed events of the same context.
@@ -91,7 +109,7 @@ pub fn event_elapsed_ms(start: Handle, end: Handle) -> Option<f32> {
     let elapsed = real::cuEventElapsedTime()?;
     let mut ms = 0f32;
     // SAFETY: valid out-pointer; the hook's own events.
-    (unsafe { elapsed(&mut ms, start, end) } == CUDA_SUCCESS).then_some(ms)
+    (unsafe { elapsed(&mut ms, start.0, end.0) } == CUDA_SUCCESS).then_some(ms)
 }
 
 /// Wait for all work of `ctx`, from whatever thread this is.
@@ -103,12 +121,25 @@ pub fn synchronize_context(ctx: Handle) {
     ) else {
         return;
     };
-    let mut popped: Handle = std::ptr::null_mut();
+    let mut popped = std::ptr::null_mut();
     // SAFETY: push/pop are balanced; `ctx` is a context this process launched into.
     unsafe {
-        if push(ctx) == CUDA_SUCCESS {
+        if push(ctx.0) == CUDA_SUCCESS {
             sync();
             pop(&mut popped);
         }
     }
+}
+
+/// The calling thread's id (a per-thread default stream is that thread's own).
+pub fn thread_id() -> u64 {
+    // SAFETY: pthread_self has no preconditions.
+    (unsafe { libc::pthread_self() }) as u64
+}
+
+/// Wake this thread's timed waits on time (a watcher ends turns when it wakes at their
+/// deadline), not up to the default 50 µs of timer slack late.
+pub fn precise_timers() {
+    // SAFETY: prctl(PR_SET_TIMERSLACK) only changes this thread's timer slack.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1_000 as libc::c_ulong) };
 }

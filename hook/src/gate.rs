@@ -19,7 +19,7 @@
 //!   held across a driver wait, and each GPU has its own watcher and drainer, so a process
 //!   driving several GPUs never has one GPU's drain hold up another's turns.
 
-use crate::driver::{self, Handle as P};
+use crate::driver::{self, Handle, Stream};
 use crate::log::debug;
 use crate::port::Port;
 use crate::queue::{LaunchStreams, Queue};
@@ -33,11 +33,8 @@ struct Inner {
     turns: Turns,
     queue: Queue,
     /// The contexts launched into (synchronised at a drain).
-    ctxs: Vec<P>,
+    ctxs: Vec<Handle>,
 }
-
-// SAFETY: the raw pointers are driver handles (contexts), usable from any thread.
-unsafe impl Send for Inner {}
 
 pub struct Gate {
     pub uuid: [u8; 16],
@@ -173,7 +170,7 @@ impl Gate {
 
     /// The launch returned; every K launches, record a fence on `stream`.
     #[inline]
-    pub fn leave(&self, stream: Option<(P, bool)>) {
+    pub fn leave(&self, stream: Option<(Stream, bool)>) {
         let n = self.launches.fetch_add(1, Ordering::Relaxed) + 1;
         // Before the launch stops counting as in progress: a drain, which waits for that, knows
         // the stream of every launch.
@@ -189,7 +186,7 @@ impl Gate {
     /// A graph launch returned: [`Gate::leave`], counting it as `launches` launches (the graph's
     /// kernels), so that the GPU time per launch the fences measure stays that of one kernel
     /// whether kernels come one by one or in graphs.
-    pub fn leave_graph(&self, stream: Option<(P, bool)>, launches: u64) {
+    pub fn leave_graph(&self, stream: Option<(Stream, bool)>, launches: u64) {
         let extra = launches.saturating_sub(1);
         let first = self.launches.fetch_add(extra, Ordering::Relaxed) + 1;
         for n in first..first + extra {
@@ -325,10 +322,7 @@ impl Gate {
     /// the gate — the launch fast path does not read the clock — or the idle release after the
     /// last activity it knows of), or until woken by a change; no wake-ups while no turn is held.
     fn watch_loop(&'static self) {
-        // Turns end when this thread wakes at their deadline: wake on time, not up to the
-        // default 50 µs of timer slack late.
-        // SAFETY: prctl(PR_SET_TIMERSLACK) only changes this thread's timer slack.
-        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1_000 as libc::c_ulong) };
+        driver::precise_timers();
         let mut next: Option<u64> = None;
         loop {
             let (flag, cv) = &self.wake;
@@ -453,7 +447,7 @@ impl Gate {
 
     /// Record a fence after launch `n` (on `stream`, whose key is `key`); when too much work is
     /// queued, the next launch waits.
-    fn fence(&self, stream: P, per_thread: bool, key: u64, n: u64) {
+    fn fence(&self, stream: Stream, per_thread: bool, key: u64, n: u64) {
         // A drain makes a fence pointless: fence the next launch instead of holding this launch
         // call (already submitted) for the gate's lock.
         if self.draining.load(Ordering::Acquire) {
@@ -543,11 +537,8 @@ struct DrainState {
     /// Drains asked for and done (a later one covers the earlier ones' work too).
     asked: u64,
     done: u64,
-    ctxs: Vec<P>,
+    ctxs: Vec<Handle>,
 }
-
-// SAFETY: the raw pointers are driver handles (contexts), usable from any thread.
-unsafe impl Send for DrainState {}
 
 impl Drainer {
     fn lock(&self) -> MutexGuard<'_, DrainState> {
@@ -556,7 +547,7 @@ impl Drainer {
 
     /// Drain `ctxs`; true once their work completed, false if `until_ns` came first (the drain
     /// goes on, and a later one waits for it).
-    fn drain(&self, ctxs: Vec<P>, until_ns: u64) -> bool {
+    fn drain(&self, ctxs: Vec<Handle>, until_ns: u64) -> bool {
         let mut s = self.lock();
         s.asked += 1;
         let ticket = s.asked;

@@ -10,12 +10,9 @@
 //! fences; on several, the GPU's pace through all of them, whether it runs their kernels one at
 //! a time or side by side).
 
-use crate::driver;
+use crate::driver::{self, Handle, Stream as StreamHandle};
 use std::collections::VecDeque;
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-type P = *mut c_void;
 
 /// The most streams tracked at once; launches on more leave the queue unestimated until the
 /// next drain (no early handover).
@@ -44,7 +41,7 @@ impl LaunchStreams {
     /// Launch `n` went to `stream` (`per_thread`: through a `_ptsz` entry point); `None`: no
     /// stream named. Returns the stream's key.
     #[inline]
-    pub fn record(&self, n: u64, stream: Option<(P, bool)>) -> u64 {
+    pub fn record(&self, n: u64, stream: Option<(StreamHandle, bool)>) -> u64 {
         let key = stream.map_or(NO_STREAM, |(s, per_thread)| stream_key(s, per_thread));
         self.0[n as usize % RING]
             .store(key & KEY_MASK | (n & 0xffff) << KEY_BITS, Ordering::Release);
@@ -63,19 +60,18 @@ impl LaunchStreams {
 /// through any entry point, or null through a `_ptsz` one) the launching thread's, whose own
 /// stream it is.
 #[inline]
-fn stream_key(stream: P, per_thread: bool) -> u64 {
+fn stream_key(stream: StreamHandle, per_thread: bool) -> u64 {
     match stream as u64 {
-        // SAFETY: pthread_self has no preconditions.
-        2 => (unsafe { libc::pthread_self() }) as u64,
-        0 if per_thread => (unsafe { libc::pthread_self() }) as u64,
+        2 => driver::thread_id(),
+        0 if per_thread => driver::thread_id(),
         1 => 0,
         handle => handle,
     }
 }
 
 struct Fence {
-    event: P,
-    ctx: P,
+    event: Handle,
+    ctx: Handle,
     /// Its stream (index into `Queue::streams`) and the launches on it up to the fence.
     stream: usize,
     seq: u64,
@@ -116,7 +112,7 @@ pub struct Queue {
     /// fence recorded after one of them, taken in late, is dropped.
     settled: u64,
     /// Fence events to reuse, with their contexts.
-    pool: Vec<(P, P)>,
+    pool: Vec<(Handle, Handle)>,
     /// The completed fence that completed last (timing reference for the next), when it was
     /// seen to complete, and the launch count then: the launches up to that count were all
     /// queued by that moment, so the GPU has worked through them without a break since.
@@ -129,9 +125,6 @@ pub struct Queue {
     /// still add up.)
     busy: (f64, f64),
 }
-
-// SAFETY: the raw pointers are driver handles (contexts, events), usable from any thread.
-unsafe impl Send for Queue {}
 
 impl Queue {
     /// Attribute launches up to `n` to their streams, stopping at one still being written.
@@ -183,7 +176,7 @@ impl Queue {
     }
 
     /// A pooled timing event of `ctx`, or a new one.
-    pub fn take_event(&mut self, ctx: P) -> Option<P> {
+    pub fn take_event(&mut self, ctx: Handle) -> Option<Handle> {
         if let Some(i) = self.pool.iter().position(|(c, _)| *c == ctx) {
             return Some(self.pool.swap_remove(i).1);
         }
@@ -192,7 +185,7 @@ impl Queue {
     }
 
     /// An event taken but not recorded.
-    pub fn put_event(&mut self, ctx: P, event: P) {
+    pub fn put_event(&mut self, ctx: Handle, event: Handle) {
         self.pool.push((ctx, event));
     }
 
@@ -201,7 +194,7 @@ impl Queue {
     pub fn push_fence(
         &mut self,
         ring: &LaunchStreams,
-        (event, ctx): (P, P),
+        (event, ctx): (Handle, Handle),
         key: u64,
         n: u64,
         now: u64,
@@ -238,7 +231,7 @@ impl Queue {
     }
 
     /// The oldest pending fence's event.
-    pub fn oldest_event(&self) -> Option<P> {
+    pub fn oldest_event(&self) -> Option<Handle> {
         self.fences.front().map(|f| f.event)
     }
 
@@ -410,13 +403,13 @@ mod tests {
     /// Launches `from..=to` on stream `key`.
     fn launch(ring: &LaunchStreams, from: u64, to: u64, key: u64) {
         for n in from..=to {
-            ring.record(n, Some((key as P, false)));
+            ring.record(n, Some((key as StreamHandle, false)));
         }
     }
 
     /// A fence on `key` after launch `n`, recorded at `at`.
     fn fence(q: &mut Queue, ring: &LaunchStreams, key: u64, n: u64, at: u64) {
-        let null = std::ptr::null_mut();
+        let null = Handle::null();
         q.push_fence(ring, (null, null), key, n, at);
     }
 
@@ -446,10 +439,14 @@ mod tests {
     fn per_thread_default_streams_are_each_threads_own() {
         let null = std::ptr::null_mut();
         let here = stream_key(null, true);
-        assert_eq!(stream_key(2 as P, false), here, "CU_STREAM_PER_THREAD");
+        assert_eq!(
+            stream_key(2 as StreamHandle, false),
+            here,
+            "CU_STREAM_PER_THREAD"
+        );
         assert_eq!(stream_key(null, false), 0, "the legacy default stream");
-        assert_eq!(stream_key(1 as P, true), 0, "CU_STREAM_LEGACY");
-        assert_eq!(stream_key(A as P, true), A, "a created stream");
+        assert_eq!(stream_key(1 as StreamHandle, true), 0, "CU_STREAM_LEGACY");
+        assert_eq!(stream_key(A as StreamHandle, true), A, "a created stream");
         let there = std::thread::spawn(|| stream_key(std::ptr::null_mut(), true))
             .join()
             .unwrap();
