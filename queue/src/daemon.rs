@@ -952,6 +952,7 @@ mod tests {
         let r = Report {
             dev_mode: true,
             pods: vec![],
+            unhooked: vec![],
             gpus: vec![GpuReport {
                 uuid: "GPU-b".into(),
                 holder: None,

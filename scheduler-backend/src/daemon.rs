@@ -53,6 +53,8 @@ pub(crate) struct State {
     next_client: ClientId,
     /// Kubernetes containers registered over the admin socket.
     pub(crate) pods: PodTable,
+    /// GPU processes of the node with no connection here, at the last census.
+    unhooked: Vec<crate::census::Unhooked>,
 }
 
 pub(crate) struct Shared {
@@ -117,6 +119,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             clients: HashMap::new(),
             next_client: 1,
             pods: PodTable::default(),
+            unhooked: Vec::new(),
         }),
         waker,
     });
@@ -141,6 +144,10 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     std::thread::Builder::new()
         .name("books".into())
         .spawn(move || books_loop(s))?;
+    let s = shared.clone();
+    std::thread::Builder::new()
+        .name("census".into())
+        .spawn(move || census_loop(s))?;
     if let Some(path) = opts.config_path.clone() {
         let s = shared.clone();
         std::thread::Builder::new()
@@ -639,6 +646,7 @@ pub(crate) fn report(st: &State, now: u64) -> Report {
         dev_mode: st.dev,
         gpus,
         pods: st.pods.report(),
+        unhooked: st.unhooked.clone(),
     }
 }
 
@@ -685,6 +693,25 @@ fn books_loop(shared: Arc<Shared>) {
             });
         }
         st.journal.save(&mut st.memory);
+    }
+}
+
+/// Take the census of GPU processes without a connection here (`/proc` is read without the
+/// state's lock).
+fn census_loop(shared: Arc<Shared>) {
+    let own = std::process::id();
+    loop {
+        let connected: HashSet<u32> = lock(&shared).clients.values().map(|c| c.pid).collect();
+        let found = crate::census::take(std::path::Path::new("/proc"), &connected, own);
+        // A process that connected while /proc was read is not listed.
+        let mut st = lock(&shared);
+        let now: HashSet<u32> = st.clients.values().map(|c| c.pid).collect();
+        st.unhooked = found
+            .into_iter()
+            .filter(|u| !now.contains(&u.pid))
+            .collect();
+        drop(st);
+        std::thread::sleep(crate::census::EVERY);
     }
 }
 
@@ -763,6 +790,7 @@ mod tests {
             clients: HashMap::new(),
             next_client: 1,
             pods: PodTable::default(),
+            unhooked: Vec::new(),
         };
         apply(&mut st, config, 0);
         st

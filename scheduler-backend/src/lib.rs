@@ -7,6 +7,7 @@
 //! through which the node agent registers containers ([`pods`]).
 
 pub mod admin;
+pub mod census;
 pub mod client;
 pub mod config;
 pub mod daemon;

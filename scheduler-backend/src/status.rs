@@ -10,6 +10,9 @@ pub struct Report {
     /// Kubernetes containers the node agent registered (empty without one).
     #[serde(default)]
     pub pods: Vec<PodReport>,
+    /// Processes of the node that use the GPU driver without a connection here: ungated.
+    #[serde(default)]
+    pub unhooked: Vec<crate::census::Unhooked>,
 }
 
 /// A Kubernetes container known to the scheduler through the admin socket.
@@ -154,7 +157,33 @@ pub fn render(r: &Report) -> String {
     if !r.pods.is_empty() {
         render_pods(&mut out, &r.pods);
     }
+    render_unhooked(&mut out, &r.unhooked);
     out
+}
+
+/// The warning about GPU processes without the hook's connection.
+fn render_unhooked(out: &mut String, unhooked: &[crate::census::Unhooked]) {
+    let (loaded, missing): (Vec<_>, Vec<_>) = unhooked.iter().partition(|u| u.hook_loaded);
+    let list = |v: &[&crate::census::Unhooked]| {
+        v.iter()
+            .map(|u| format!("{} ({})", u.pid, u.command))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !missing.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nWARNING: these processes use the GPU driver WITHOUT gpushare's hook (ungated, uncapped): {}\n  Run them with `gpushare run`, or check that LD_PRELOAD names libgpushare.so and that their glibc is 2.34 or newer.",
+            list(&missing)
+        );
+    }
+    if !loaded.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nNot connected yet (the hook connects at the first launch or allocation; refused processes stay here): {}",
+            list(&loaded)
+        );
+    }
 }
 
 /// The Kubernetes section of `gpushare status`: every container the node agent registered.
@@ -293,6 +322,11 @@ pub fn prometheus(r: &Report) -> String {
             }
         }
     }
+    let missing = r.unhooked.iter().filter(|u| !u.hook_loaded).count();
+    let _ = writeln!(
+        out,
+        "# HELP gpushare_unhooked_processes Processes using the GPU driver without gpushare's hook (ungated).\n# TYPE gpushare_unhooked_processes gauge\ngpushare_unhooked_processes {missing}"
+    );
     out
 }
 
@@ -304,6 +338,7 @@ fn label(v: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::census::Unhooked;
 
     #[test]
     fn prometheus_text() {
@@ -343,6 +378,11 @@ mod tests {
                 groups: vec![g, p],
             }],
             pods: vec![],
+            unhooked: vec![Unhooked {
+                pid: 42,
+                command: "python3".into(),
+                hook_loaded: false,
+            }],
         };
         let text = prometheus(&r);
         assert!(text.contains("# TYPE gpushare_group_share gauge"));
@@ -354,6 +394,12 @@ mod tests {
         assert!(text.contains(
             "gpushare_group_share{gpu=\"0\",UUID=\"GPU-x\",group=\"ns/train/main\",namespace=\"ns\",pod=\"train\",container=\"main\"} 0.49"
         ));
+        assert!(text.contains("\ngpushare_unhooked_processes 1\n"));
+        let table = render(&r);
+        assert!(
+            table.contains("WITHOUT gpushare's hook (ungated, uncapped): 42 (python3)"),
+            "{table}"
+        );
     }
 
     #[test]

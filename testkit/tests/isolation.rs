@@ -265,6 +265,38 @@ fn the_hook_needs_at_most_glibc_2_34() {
     );
 }
 
+/// Issue 18: a check that the hook actually loaded. A process using the driver without the hook
+/// (no preload: an image whose glibc is too old, or that clears `LD_PRELOAD`) runs ungated; the
+/// scheduler's census of `/proc` lists it in `gpushare status` (and the metrics), and not a
+/// process under `gpushare run` once it has connected.
+#[test]
+fn a_gpu_process_without_the_hook_is_listed_by_status() {
+    let node = Node::start(&[]);
+    let exe = node.compile_c("mem_tool.c", true);
+    let hold = ["hold", "1048576"];
+    let mut bare = node.command(&exe);
+    bare.args(hold);
+    let mut bare = node.spawn(bare);
+    let mut hooked = node.spawn(node.run_command(&["--group", "seen"], &exe, &hold));
+    let (b, h) = (u64::from(bare.pid()), u64::from(hooked.pid()));
+    wait_for_status(&node, "the bare process listed, not the hooked one", |s| {
+        let entry = |pid| {
+            s["unhooked"]
+                .as_array()
+                .and_then(|a| a.iter().find(|u| u["pid"].as_u64() == Some(pid)).cloned())
+        };
+        let bare_listed = entry(b).is_some_and(|u| u["hook_loaded"] == false);
+        bare_listed && entry(h).is_none() && group_in(s, "seen").is_some()
+    });
+    for t in [&mut bare, &mut hooked] {
+        t.signal(libc::SIGUSR1);
+    }
+    for t in [bare, hooked] {
+        let (out, killed) = t.finish_within(TENANT_TIMEOUT);
+        assert!(out.status.success() && !killed, "{}", describe(&out));
+    }
+}
+
 /// DESIGN §3: the launch fast path (a turn open) makes no system call. `perf stat` counts every
 /// system call of 62 000 launches (`cudarc-client launch-latency`: 2 000 warm-up launches, then
 /// 20 000 by each of three routes) natively and under the hook with the token held: the
