@@ -65,7 +65,8 @@ struct DeviceArgs {
     /// Duration of kernels named NAME, e.g. --kernel gemm=2ms (repeatable).
     #[arg(long = "kernel", value_name = "NAME=DURATION", value_parser = parse_kernel)]
     kernels: Vec<(String, u64)>,
-    /// Duration of kernels that are neither gpushare_spin* nor named by --kernel.
+    /// Duration of kernels that are neither gpushare_spin* nor named by --kernel
+    /// (gpushare_wait_flag* kernels run it once the flag they spin on is set).
     #[arg(long, default_value = "5us", value_parser = parse_duration_ns)]
     default_kernel: u64,
     /// Write the device-side trace (JSON Lines, one object per kernel or preempted slice).

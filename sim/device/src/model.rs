@@ -13,6 +13,22 @@
 //! - decisions are committed at device time `cursor`; the model may run ahead of `now` only
 //!   within the current slice of the current context, where nothing another client does can
 //!   change the outcome. Completions committed ahead become visible when `now` reaches them.
+//!
+//! Peer waits (what NCCL's kernels do: spin on a flag that a kernel on another GPU writes):
+//! - a `gpushare_wait_flag*` kernel spins on the device until the flag its first argument
+//!   points to is set, then runs for its own duration (as any kernel: `--kernel` or the default)
+//!   and completes. While it spins it holds the device like any running kernel: time-sliced
+//!   with other contexts, preempted at its slice's end when another context has work (never,
+//!   without preemption), resumed later where it was;
+//! - a `gpushare_set_flag*` kernel runs for its duration and, as it completes, sets the flag its
+//!   first argument points to. A flag is a device address in one process (a client
+//!   connection): any of its GPUs may set it for any other. Once set it stays set for the life
+//!   of the process (the device does not see host writes such as memsets, nor frees);
+//! - a spinning kernel's progress is never committed beyond what is known: the model lets it
+//!   spin only up to the *spin horizon*, the earliest instant at which a flag not yet known to
+//!   be set could still be set (`now`, or earlier a spinning kernel's slice end, where another
+//!   context's kernel, which might set a flag, could take its device). A flag set at `t` is
+//!   seen by its spinning waiters at `t` (or when one next gets its device back).
 
 use crate::trace::Record;
 use rustc_hash::FxHashMap;
@@ -52,21 +68,33 @@ impl Default for ModelConfig {
     }
 }
 
+/// What a peer-wait kernel does with the flag (a device address) its first argument names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlagOp {
+    /// `gpushare_wait_flag*`: spin until the flag is set (then the kernel's own duration runs).
+    Wait(u64),
+    /// `gpushare_set_flag*`: set the flag as the kernel completes.
+    Set(u64),
+}
+
+/// Kernel name prefix of peer-wait kernels: spin until a flag is set.
+pub const WAIT_FLAG_KERNEL: &str = "gpushare_wait_flag";
+/// Kernel name prefix of flag-setting kernels.
+pub const SET_FLAG_KERNEL: &str = "gpushare_set_flag";
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Work {
     Kernel {
         name: Arc<str>,
         remaining_ns: u64,
+        /// A flag this kernel waits for (until it has seen it set) or sets.
+        flag: Option<FlagOp>,
     },
     /// `event`: a record of the event in this board slot, with this generation, whose
     /// completion time outlives the stream's history (until the slot's next record).
-    Marker {
-        event: Option<(u32, u64)>,
-    },
+    Marker { event: Option<(u32, u64)> },
     /// `notified` once the client has been asked to run it.
-    HostFunc {
-        notified: bool,
-    },
+    HostFunc { notified: bool },
 }
 
 #[derive(Debug)]
@@ -137,6 +165,10 @@ pub struct Model {
     events: FxHashMap<(Key, u64), u64>,
     /// The latest record `(stream, seq)` of each client's event board slot.
     event_slots: FxHashMap<(ConnId, u32), (Key, u64)>,
+    /// When each flag `(connection, device address)` was set (the earliest decided set).
+    flags: FxHashMap<(ConnId, u64), u64>,
+    /// How far spinning peer-wait kernels may be committed during this [`Model::advance`].
+    spin_horizon: u64,
 }
 
 /// An event record whose completion time is now known (possibly ahead of it).
@@ -171,6 +203,8 @@ impl Model {
             decided_events: Vec::new(),
             events: FxHashMap::default(),
             event_slots: FxHashMap::default(),
+            flags: FxHashMap::default(),
+            spin_horizon: 0,
         }
     }
 
@@ -192,6 +226,7 @@ impl Model {
         self.functions.retain(|k, _| k.0 != conn);
         self.events.retain(|k, _| k.0.0 != conn);
         self.event_slots.retain(|k, _| k.0 != conn);
+        self.flags.retain(|k, _| k.0 != conn);
         let held: Vec<_> = self.held.keys().filter(|k| k.0 == conn).copied().collect();
         for key in held {
             let bytes = self.held.remove(&key).unwrap_or(0);
@@ -223,6 +258,12 @@ impl Model {
 
     /// Drop a context and its streams with whatever they still had queued.
     pub fn destroy_context(&mut self, key: Key, now: u64) {
+        if !self.ctxs.contains_key(&key) {
+            return;
+        }
+        // Up to `now` the context was there: decide that first (a spinning kernel, committed
+        // no further than what was known, spun until now).
+        self.advance(now);
         let Some(ctx) = self.ctxs.remove(&key) else {
             return;
         };
@@ -308,7 +349,8 @@ impl Model {
         self.functions.insert(key, Arc::from(name));
     }
 
-    /// Device time a kernel needs: `gpushare_spin*` kernels spin for their first argument.
+    /// Device time a kernel needs: `gpushare_spin*` kernels spin for their first argument (a
+    /// `gpushare_wait_flag*` kernel needs this once its flag is set).
     fn kernel_duration(&self, name: &str, arg0: Option<u64>) -> u64 {
         if name.starts_with("gpushare_spin")
             && let Some(ns) = arg0
@@ -339,7 +381,16 @@ impl Model {
                     .ok_or(SubmitError::UnknownFunction)?
                     .clone();
                 let remaining_ns = self.kernel_duration(&name, *arg0);
-                Work::Kernel { name, remaining_ns }
+                let flag = match *arg0 {
+                    Some(addr) if name.starts_with(WAIT_FLAG_KERNEL) => Some(FlagOp::Wait(addr)),
+                    Some(addr) if name.starts_with(SET_FLAG_KERNEL) => Some(FlagOp::Set(addr)),
+                    _ => None,
+                };
+                Work::Kernel {
+                    name,
+                    remaining_ns,
+                    flag,
+                }
             }
             Op::Marker => Work::Marker { event: None },
             &Op::Event { slot, generation } => Work::Marker {
@@ -460,6 +511,54 @@ impl Model {
 
     /// Process everything decidable up to `now`.
     pub fn advance(&mut self, now: u64) {
+        // Spinning kernels first stay where they are; once everything else is decided, no flag
+        // can be set before the spin horizon, so they spin up to it, and what that decided
+        // (a slice's end) may let the horizon move on.
+        self.spin_horizon = 0;
+        loop {
+            self.settle(now);
+            match self.spin_limit(now) {
+                Some(h) if h > self.spin_horizon => self.spin_horizon = h,
+                _ => break,
+            }
+        }
+    }
+
+    /// The flag the kernel running from `stream` spins on, while it has not seen it set.
+    fn spinning_on(&self, stream: Key) -> Option<u64> {
+        match self.streams.get(&stream)?.queue.front()?.work {
+            Work::Kernel {
+                flag: Some(FlagOp::Wait(addr)),
+                ..
+            } => Some(addr),
+            _ => None,
+        }
+    }
+
+    /// The spin horizon once everything else up to `now` is decided. Every completion not
+    /// decided yet (a flag's set among them) waits for a future launch or host function (after
+    /// `now`), or for a spinning kernel to end or give its device up: at its slice's end, or
+    /// when its flag, known to be set, is seen, at the earliest. `None` while nothing spins.
+    fn spin_limit(&self, now: u64) -> Option<u64> {
+        self.devices
+            .iter()
+            .filter_map(|dev| {
+                let run = dev.running?;
+                let addr = self.spinning_on(run.stream)?;
+                let slice_end = if self.cfg.preempt {
+                    dev.slice_end
+                } else {
+                    u64::MAX
+                };
+                let set = self.flags.get(&(run.stream.0, addr)).copied();
+                Some(slice_end.min(set.unwrap_or(u64::MAX)))
+            })
+            .min()
+            .map(|t| t.min(now))
+    }
+
+    /// Everything decidable up to `now` with spinning kernels held at the spin horizon.
+    fn settle(&mut self, now: u64) {
         loop {
             let mut progress = false;
             for d in 0..self.devices.len() {
@@ -535,6 +634,31 @@ impl Model {
             let dev = &self.devices[d];
             let cap = if preempt { dev.slice_end } else { u64::MAX };
             let cursor = dev.cursor;
+            if cursor < cap
+                && let Some(addr) = self.spinning_on(run.stream)
+            {
+                let set = self.flags.get(&(run.stream.0, addr)).copied();
+                if set.is_some_and(|t| t <= cursor) {
+                    // Seen: the kernel goes on with its own work.
+                    if let Some(QueuedOp {
+                        work: Work::Kernel { flag, .. },
+                        ..
+                    }) = self
+                        .streams
+                        .get_mut(&run.stream)
+                        .and_then(|s| s.queue.front_mut())
+                    {
+                        *flag = None;
+                    }
+                    return true;
+                }
+                let to = cap.min(self.spin_horizon).min(set.unwrap_or(u64::MAX));
+                if to > cursor {
+                    self.devices[d].cursor = to;
+                    return true;
+                }
+                return false;
+            }
             if cursor < cap {
                 let s = self
                     .streams
@@ -647,13 +771,17 @@ impl Model {
             .streams
             .get_mut(&run.stream)
             .expect("running stream exists");
-        let kernel = match s.queue.front().map(|o| &o.work) {
-            Some(Work::Kernel { name, .. }) => name.clone(),
+        let (kernel, flag) = match s.queue.front().map(|o| &o.work) {
+            Some(Work::Kernel { name, flag, .. }) => (name.clone(), *flag),
             _ => unreachable!("running stream's head is a kernel"),
         };
         let ctx = s.ctx;
         if !preempted {
             Self::complete_front(s, end);
+            if let Some(FlagOp::Set(addr)) = flag {
+                let t = self.flags.entry((run.stream.0, addr)).or_insert(end);
+                *t = (*t).min(end);
+            }
         }
         self.trace.push(Record {
             device: d as u32,
@@ -685,6 +813,18 @@ impl Model {
             }
             if let Some(e) = waiting {
                 consider(e);
+            }
+            // A spinning kernel: its slice's end (another context may take the device), and
+            // when its flag is set, if that is decided.
+            if let Some(run) = dev.running
+                && let Some(addr) = self.spinning_on(run.stream)
+            {
+                if self.cfg.preempt {
+                    consider(dev.slice_end);
+                }
+                if let Some(&t) = self.flags.get(&(run.stream.0, addr)) {
+                    consider(t);
+                }
             }
         }
         for (&key, s) in &self.streams {

@@ -29,7 +29,8 @@ pub fn check_dims(grid: [u32; 3], block: [u32; 3]) -> CuResult {
 }
 
 /// Read the launch's first argument when it is 8 bytes wide: the duration of `gpushare_spin*`
-/// kernels. Arguments come either from `kernelParams` or from an `extra` parameter buffer.
+/// kernels, the flag address of `gpushare_wait_flag*` / `gpushare_set_flag*` ones. Arguments
+/// come either from `kernelParams` or from an `extra` parameter buffer.
 pub fn kernel_arg0(
     st: &State,
     function: u64,

@@ -24,7 +24,8 @@ pub type OpRef = (u64, u64);
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Op {
     /// A kernel: `function` was announced with [`Request::RegisterFunction`]; `arg0` is the value
-    /// of its first parameter when that is 8 bytes wide (the duration of `gpushare_spin*`).
+    /// of its first parameter when that is 8 bytes wide (the duration of `gpushare_spin*`, the
+    /// flag address of `gpushare_wait_flag*` and `gpushare_set_flag*`).
     Kernel { function: u64, arg0: Option<u64> },
     /// Zero-duration marker (stream join, fence): completes once its dependencies have.
     Marker,

@@ -401,3 +401,312 @@ fn reused_context_and_stream_keys_are_refused() {
     m.advance(2 * MS);
     assert_eq!(m.completion((1, 1), 1), Some(MS));
 }
+
+/// Peer waits: client `conn` gets a second context on device 1 with stream 2, and the
+/// `gpushare_wait_flag` (function 2) and `gpushare_set_flag` (function 3) kernels.
+fn two_gpu_client(m: &mut Model, conn: ConnId) {
+    client(m, conn, 0);
+    assert!(m.create_context((conn, 2), 1));
+    assert!(m.create_stream((conn, 2), (conn, 2), 0));
+    peer_kernels(m, conn);
+}
+
+fn peer_kernels(m: &mut Model, conn: ConnId) {
+    m.register_function((conn, 2), "gpushare_wait_flag");
+    m.register_function((conn, 3), "gpushare_set_flag");
+}
+
+fn wait_flag(m: &mut Model, now: u64, conn: ConnId, stream: u64, seq: u64, flag: u64) {
+    let op = Op::Kernel {
+        function: 2,
+        arg0: Some(flag),
+    };
+    m.submit(now, (conn, stream), seq, &[], &op).unwrap();
+}
+
+fn set_flag(m: &mut Model, now: u64, conn: ConnId, stream: u64, seq: u64, flag: u64) {
+    let op = Op::Kernel {
+        function: 3,
+        arg0: Some(flag),
+    };
+    m.submit(now, (conn, stream), seq, &[], &op).unwrap();
+}
+
+/// Default kernel duration: what a peer kernel runs once it may (after its flag, for a wait).
+const K: u64 = 5 * US;
+const FLAG: u64 = 0x7f00_0000_1000;
+
+#[test]
+fn a_peer_wait_ends_when_another_gpu_sets_its_flag() {
+    let mut m = model(true);
+    two_gpu_client(&mut m, 1);
+    wait_flag(&mut m, 0, 1, 1, 1, FLAG);
+    m.advance(0);
+    for now in [100 * US, 3 * MS, 20 * MS] {
+        m.advance(now);
+        assert_eq!(m.completion((1, 1), 1), None, "still spinning at {now}");
+    }
+    // Set on device 1 at 20 ms: seen as the setter completes, then the waiter's own 5 µs.
+    set_flag(&mut m, 20 * MS, 1, 2, 1, FLAG);
+    m.advance(20 * MS);
+    assert_eq!(m.completion((1, 2), 1), Some(20 * MS + K));
+    m.advance(20 * MS + K);
+    assert_eq!(m.completion((1, 1), 1), Some(20 * MS + 2 * K));
+    let trace = m.take_trace();
+    let wait: Vec<_> = trace
+        .iter()
+        .filter(|r| r.kernel == "gpushare_wait_flag")
+        .collect();
+    // Alone on its device it kept it: one record, from its start to its end.
+    assert_eq!(wait.len(), 1, "{trace:?}");
+    assert_eq!((wait[0].device, wait[0].start_ns), (0, 0));
+    assert_eq!(wait[0].end_ns, 20 * MS + 2 * K);
+    assert!(!wait[0].preempted);
+    assert_eq!(m.next_wakeup(20 * MS), None);
+}
+
+#[test]
+fn a_spinning_kernel_is_not_committed_beyond_what_is_known() {
+    let mut m = model(true);
+    two_gpu_client(&mut m, 1);
+    wait_flag(&mut m, 0, 1, 1, 1, FLAG);
+    m.advance(0);
+    m.advance(500 * US);
+    // Set mid-slice: the waiter sees it then, not at its slice's end.
+    set_flag(&mut m, 500 * US, 1, 2, 1, FLAG);
+    m.advance(500 * US);
+    // The set is decided (ahead, within device 1's slice) but the spinner is not: another
+    // launch might still set its flag sooner. The device looks again when the set lands.
+    assert_eq!(m.completion((1, 2), 1), Some(500 * US + K));
+    assert_eq!(m.completion((1, 1), 1), None);
+    assert_eq!(m.next_wakeup(500 * US), Some(500 * US + K));
+    m.advance(500 * US + K);
+    assert_eq!(m.completion((1, 1), 1), Some(500 * US + 2 * K));
+}
+
+#[test]
+fn a_flag_set_before_the_wait_starts_lets_it_run_at_once() {
+    let mut m = model(true);
+    two_gpu_client(&mut m, 1);
+    set_flag(&mut m, 0, 1, 2, 1, FLAG);
+    m.advance(MS);
+    wait_flag(&mut m, MS, 1, 1, 1, FLAG);
+    m.advance(MS);
+    assert_eq!(m.completion((1, 1), 1), Some(MS + K));
+}
+
+#[test]
+fn a_spinning_kernel_is_time_sliced_and_preempted_like_any_other() {
+    let mut m = model(true);
+    two_gpu_client(&mut m, 1);
+    client(&mut m, 2, 0);
+    // Process 1 spins on device 0 until 10 ms; process 2 has 20 ms of work there.
+    wait_flag(&mut m, 0, 1, 1, 1, FLAG);
+    for seq in 1..=10 {
+        spin(&mut m, 0, 2, 1, seq, 2 * MS);
+    }
+    let mut now = 0;
+    while now < 10 * MS {
+        m.advance(now);
+        now += 100 * US;
+    }
+    set_flag(&mut m, 10 * MS, 1, 2, 1, FLAG);
+    m.advance(10 * MS);
+    m.advance(40 * MS);
+    let trace = m.take_trace();
+    assert_no_overlap(&trace);
+    let on0: Vec<_> = trace.iter().filter(|r| r.device == 0).collect();
+    // Alternating 1 ms slices while both have work: the spinning kernel is preempted each time.
+    let waits: Vec<_> = on0
+        .iter()
+        .filter(|r| r.kernel == "gpushare_wait_flag")
+        .collect();
+    assert!(waits.len() >= 4, "{waits:?}");
+    assert!(waits[..waits.len() - 1].iter().all(|r| r.preempted));
+    for r in &waits[..waits.len() - 1] {
+        assert_eq!(r.end_ns - r.start_ns, MS, "a full slice: {r:?}");
+    }
+    let busy2 = busy_by_conn(&trace, 102, 0, 10 * MS) as f64;
+    assert!(
+        (busy2 / (10 * MS) as f64 - 0.5).abs() < 0.05,
+        "process 2 got {busy2} ns of the first 10 ms"
+    );
+    // The waiter saw the flag when it next had the device, then ran its 5 µs.
+    let done = m.completion((1, 1), 1).expect("the wait completed");
+    assert!(
+        done > 10 * MS + K && done <= 11 * MS + 25 * US + K,
+        "{done}"
+    );
+    assert_eq!(waits.last().unwrap().end_ns, done);
+    assert!(m.completion((2, 1), 10).is_some());
+}
+
+#[test]
+fn without_preemption_a_spinning_kernel_holds_the_device_until_its_flag() {
+    let mut m = model(false);
+    two_gpu_client(&mut m, 1);
+    client(&mut m, 2, 0);
+    wait_flag(&mut m, 0, 1, 1, 1, FLAG);
+    m.advance(0);
+    spin(&mut m, 100 * US, 2, 1, 1, 100 * US);
+    m.advance(100 * US);
+    m.advance(30 * MS);
+    assert_eq!(m.completion((2, 1), 1), None, "the device is held");
+    set_flag(&mut m, 30 * MS, 1, 2, 1, FLAG);
+    m.advance(30 * MS);
+    m.advance(31 * MS);
+    assert_eq!(m.completion((1, 1), 1), Some(30 * MS + 2 * K));
+    assert_eq!(
+        m.completion((2, 1), 1),
+        Some(30 * MS + 2 * K + 25 * US + 100 * US)
+    );
+}
+
+#[test]
+fn a_context_of_the_same_process_on_the_same_gpu_may_set_the_flag() {
+    let mut m = model(true);
+    client(&mut m, 1, 0);
+    assert!(m.create_context((1, 2), 0));
+    assert!(m.create_stream((1, 2), (1, 2), 0));
+    peer_kernels(&mut m, 1);
+    wait_flag(&mut m, 0, 1, 1, 1, FLAG);
+    set_flag(&mut m, 0, 1, 2, 1, FLAG);
+    // Everything is decided in one step: the spinner gives the device up at its slice's end,
+    // the other context sets the flag, and the spinner sees it when it is back.
+    m.advance(10 * MS);
+    let set_end = MS + 25 * US + K;
+    assert_eq!(m.completion((1, 2), 1), Some(set_end));
+    assert_eq!(m.completion((1, 1), 1), Some(set_end + 25 * US + K));
+    assert_no_overlap(&m.take_trace());
+}
+
+#[test]
+fn flags_are_per_process() {
+    let mut m = model(true);
+    two_gpu_client(&mut m, 1);
+    client(&mut m, 2, 1);
+    peer_kernels(&mut m, 2);
+    wait_flag(&mut m, 0, 1, 1, 1, FLAG);
+    set_flag(&mut m, 0, 2, 1, 1, FLAG);
+    m.advance(5 * MS);
+    assert_eq!(m.completion((2, 1), 1), Some(K));
+    assert_eq!(
+        m.completion((1, 1), 1),
+        None,
+        "another process's address is not this one's flag"
+    );
+}
+
+#[test]
+fn a_killed_spinner_frees_the_device_and_its_time_is_traced() {
+    let mut m = model(true);
+    two_gpu_client(&mut m, 1);
+    wait_flag(&mut m, 0, 1, 1, 1, FLAG);
+    m.advance(0);
+    m.advance(2 * MS);
+    client(&mut m, 2, 0);
+    spin(&mut m, 2 * MS + 500 * US, 2, 1, 1, 100 * US);
+    // Killed at 2.7 ms (no advance since 2.5 ms): its time on the device ends then.
+    m.disconnect(1, 2700 * US);
+    m.advance(2700 * US);
+    let done = m.completion((2, 1), 1).unwrap();
+    let trace = m.take_trace();
+    assert_no_overlap(&trace);
+    let spun: u64 = trace
+        .iter()
+        .filter(|r| r.pid == 101)
+        .map(|r| r.end_ns - r.start_ns)
+        .sum();
+    // Slices to 3 ms were its own; process 2 arrived at 2.5 ms and waits for the slice end,
+    // but the spinner died first.
+    assert_eq!(spun, 2700 * US, "{trace:?}");
+    assert_eq!(done, 2700 * US + 25 * US + 100 * US);
+}
+
+/// Two GPUs hand a flag back and forth (a ring of two, as NCCL's kernels do): each round,
+/// device 1 sets A, device 0 waits for A then sets B, device 1 waits for B. All queued at
+/// once and decided in one step, or step by step in small increments: the same exact times.
+#[test]
+fn ping_pong_between_two_gpus_has_exact_times_however_the_model_is_stepped() {
+    const ROUNDS: u64 = 50;
+    let run = |step: Option<u64>| {
+        let mut m = model(true);
+        two_gpu_client(&mut m, 1);
+        for i in 0..ROUNDS {
+            let (a, b) = (FLAG + 16 * i, FLAG + 16 * i + 8);
+            set_flag(&mut m, 0, 1, 2, 2 * i + 1, a);
+            wait_flag(&mut m, 0, 1, 1, 2 * i + 1, a);
+            set_flag(&mut m, 0, 1, 1, 2 * i + 2, b);
+            wait_flag(&mut m, 0, 1, 2, 2 * i + 2, b);
+        }
+        match step {
+            None => m.advance(10 * MS),
+            Some(d) => {
+                let mut now = 0;
+                while now <= 10 * MS {
+                    m.advance(now);
+                    now += d;
+                }
+            }
+        }
+        let trace = m.take_trace();
+        assert_no_overlap(&trace);
+        (
+            (1..=2 * ROUNDS)
+                .map(|q| (m.completion((1, 1), q), m.completion((1, 2), q)))
+                .collect::<Vec<_>>(),
+            trace,
+        )
+    };
+    let (at_once, trace) = run(None);
+    // Round i: set A ends at 20i+5 µs, wait A at +10, set B at +15, wait B at +20.
+    for i in 0..ROUNDS {
+        let base = 4 * K * i;
+        let q = (2 * i + 1) as usize - 1;
+        assert_eq!(
+            at_once[q],
+            (Some(base + 2 * K), Some(base + K)),
+            "round {i}"
+        );
+        assert_eq!(
+            at_once[q + 1],
+            (Some(base + 3 * K), Some(base + 4 * K)),
+            "round {i}"
+        );
+    }
+    assert!(trace.iter().all(|r| !r.preempted));
+    for step in [7 * US, 100 * US, 1100 * US] {
+        assert_eq!(run(Some(step)).0, at_once, "stepped by {step} ns");
+    }
+}
+
+#[test]
+fn a_kernel_waits_for_an_event_recorded_on_another_gpu() {
+    let mut m = model(true);
+    two_gpu_client(&mut m, 1);
+    // Device 1 runs 3 ms; device 0's stream waits for it (cuStreamWaitEvent on an event
+    // recorded on device 1's stream), then runs 1 ms.
+    spin(&mut m, 0, 1, 2, 1, 3 * MS);
+    m.submit(
+        0,
+        (1, 2),
+        2,
+        &[],
+        &Op::Event {
+            slot: 0,
+            generation: 1,
+        },
+    )
+    .unwrap();
+    m.submit(0, (1, 1), 1, &[(2, 2)], &Op::Marker).unwrap();
+    spin(&mut m, 0, 1, 1, 2, MS);
+    let mut now = 0;
+    while now <= 5 * MS {
+        m.advance(now);
+        now += 250 * US;
+    }
+    assert_eq!(m.completion((1, 1), 2), Some(4 * MS));
+    let trace = m.take_trace();
+    let r = trace.iter().find(|r| r.device == 0).unwrap();
+    assert_eq!((r.start_ns, r.end_ns), (3 * MS, 4 * MS));
+}

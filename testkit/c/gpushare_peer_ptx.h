@@ -1,0 +1,51 @@
+/* Generated from ../ptx/gpushare_peer.ptx; a unit test of gpushare-testkit checks that
+ * the two stay identical. */
+#ifndef GPUSHARE_PEER_PTX_H
+#define GPUSHARE_PEER_PTX_H
+
+static const char GPUSHARE_PEER_PTX[] =
+    "//\n"
+    "// Hand-written PTX for peer waits across GPUs (valid on a real sm_90 GPU), as NCCL's kernels\n"
+    "// do them: a kernel on one GPU spins on a flag in memory that a kernel on another GPU sets.\n"
+    "//\n"
+    "// gpushare_wait_flag(u64* flag): spins until *flag != 0 (acquire loads at system scope). The\n"
+    "//   simulator keeps such a kernel on its device, time-sliced like any kernel, until a\n"
+    "//   gpushare_set_flag kernel of the same process has set that flag.\n"
+    "// gpushare_set_flag(u64* flag): stores 1 into *flag (a release store at system scope).\n"
+    "//\n"
+    ".version 8.0\n"
+    ".target sm_90\n"
+    ".address_size 64\n"
+    "\n"
+    "\t// .globl\tgpushare_wait_flag\n"
+    ".visible .entry gpushare_wait_flag(\n"
+    "\t.param .u64 gpushare_wait_flag_param_0\n"
+    ")\n"
+    "{\n"
+    "\t.reg .pred \t%p<2>;\n"
+    "\t.reg .b64 \t%rd<4>;\n"
+    "\n"
+    "\tld.param.u64 \t%rd1, [gpushare_wait_flag_param_0];\n"
+    "\tcvta.to.global.u64 \t%rd2, %rd1;\n"
+    "$L__BB0_1:\n"
+    "\tld.acquire.sys.global.u64 \t%rd3, [%rd2];\n"
+    "\tsetp.eq.s64 \t%p1, %rd3, 0;\n"
+    "\t@%p1 bra \t$L__BB0_1;\n"
+    "\tret;\n"
+    "}\n"
+    "\n"
+    "\t// .globl\tgpushare_set_flag\n"
+    ".visible .entry gpushare_set_flag(\n"
+    "\t.param .u64 gpushare_set_flag_param_0\n"
+    ")\n"
+    "{\n"
+    "\t.reg .b64 \t%rd<4>;\n"
+    "\n"
+    "\tld.param.u64 \t%rd1, [gpushare_set_flag_param_0];\n"
+    "\tcvta.to.global.u64 \t%rd2, %rd1;\n"
+    "\tmov.u64 \t%rd3, 1;\n"
+    "\tst.release.sys.global.u64 \t[%rd2], %rd3;\n"
+    "\tret;\n"
+    "}\n";
+
+#endif
