@@ -258,13 +258,23 @@ impl Gate {
     pub fn on_revoke(&self, token: u64) {
         let mut g = self.lock();
         g.turns.revoke(token, crate::now_ns());
+        self.bound_drain(&g);
         self.changed(&mut g);
     }
 
     pub fn on_deadline(&self, token: u64, deadline_ns: u64) {
         let mut g = self.lock();
         g.turns.deadline(token, deadline_ns, crate::now_ns());
+        self.bound_drain(&g);
         self.changed(&mut g);
+    }
+
+    /// A drain under way ends by its turn's end (as it is now: a yielded turn ends where its
+    /// work should have drained; a revoked one ended long ago) plus the drain grace.
+    fn bound_drain(&self, g: &Inner) {
+        if let Some(d) = g.turns.closing_deadline() {
+            self.drainer.until(d.saturating_add(self.drain_grace_ns));
+        }
     }
 
     pub fn on_connected(&self) {
@@ -399,9 +409,17 @@ impl Gate {
             g.turns.yield_turn(&turn, drained_ns);
             self.apply(&mut g);
         }
+        if turn.opened_ns.is_none() {
+            // Nothing was launched in it: nothing of it to drain (and work of an earlier turn
+            // that is still draining is not this one's).
+            drop(g);
+            self.closed(turn, false, busy);
+            return;
+        }
+        self.bound_drain(&g);
         let ctxs = g.ctxs.clone();
         drop(g);
-        let drained = self.drainer.drain(ctxs, limit);
+        let drained = self.drainer.drain(ctxs);
         self.closed(turn, drained, busy);
     }
 
@@ -525,7 +543,8 @@ impl Gate {
 }
 
 /// One GPU's drains, on a thread of their own: `cuCtxSynchronize` cannot be given a time
-/// limit, so the watcher asks this thread to wait and waits for it only as long as it may.
+/// limit, so the watcher asks this thread to wait and waits for it only until the drain's
+/// limit (which a turn cut short or revoked meanwhile brings forward).
 #[derive(Default)]
 struct Drainer {
     state: Mutex<DrainState>,
@@ -538,6 +557,8 @@ struct DrainState {
     asked: u64,
     done: u64,
     ctxs: Vec<Handle>,
+    /// When the drain under way stops being waited for.
+    until_ns: u64,
 }
 
 impl Drainer {
@@ -545,9 +566,15 @@ impl Drainer {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Drain `ctxs`; true once their work completed, false if `until_ns` came first (the drain
+    /// The drain under way (or the next) is waited for until `until_ns`.
+    fn until(&self, until_ns: u64) {
+        self.lock().until_ns = until_ns;
+        self.cv.notify_all();
+    }
+
+    /// Drain `ctxs`; true once their work completed, false if the limit came first (the drain
     /// goes on, and a later one waits for it).
-    fn drain(&self, ctxs: Vec<Handle>, until_ns: u64) -> bool {
+    fn drain(&self, ctxs: Vec<Handle>) -> bool {
         let mut s = self.lock();
         s.asked += 1;
         let ticket = s.asked;
@@ -558,12 +585,13 @@ impl Drainer {
                 return true;
             }
             let now = crate::now_ns();
-            if now >= until_ns {
+            if now >= s.until_ns {
                 return false;
             }
+            let wait = Duration::from_nanos(s.until_ns - now);
             s = self
                 .cv
-                .wait_timeout(s, Duration::from_nanos(until_ns - now))
+                .wait_timeout(s, wait)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
@@ -669,12 +697,25 @@ mod tests {
         let d: &'static Drainer = Box::leak(Box::default());
         // No drainer thread yet: nothing completes.
         let t0 = crate::now_ns();
-        assert!(!d.drain(Vec::new(), t0 + 20_000_000));
+        d.until(t0 + 20_000_000);
+        assert!(!d.drain(Vec::new()));
         let waited = crate::now_ns() - t0;
         assert!((20_000_000..1_000_000_000).contains(&waited), "{waited} ns");
+        // A limit brought forward (the turn revoked) ends the wait early.
+        let t0 = crate::now_ns();
+        d.until(t0 + 60_000_000_000);
+        let cut = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            d.until(0);
+        });
+        assert!(!d.drain(Vec::new()));
+        let waited = crate::now_ns() - t0;
+        assert!(waited < 10_000_000_000, "{waited} ns");
+        cut.join().unwrap();
         std::thread::spawn(move || d.run());
-        assert!(d.drain(Vec::new(), crate::now_ns() + 10_000_000_000));
-        assert_eq!(d.lock().done, 2, "one drain covers the earlier one");
+        d.until(crate::now_ns() + 10_000_000_000);
+        assert!(d.drain(Vec::new()));
+        assert_eq!(d.lock().done, 3, "one drain covers the earlier ones");
     }
 
     /// The fast path's cost, printed: an in-progress count and a deadline load, and on return

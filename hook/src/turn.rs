@@ -404,7 +404,13 @@ impl Turns {
         let Token::Held(t) = &mut self.token else {
             return;
         };
-        if t.token != token || t.closed {
+        if t.token != token {
+            return;
+        }
+        if t.closed {
+            // Draining: only how long its drain may take changes (cut short or revoked: the
+            // scheduler expects the report sooner).
+            t.deadline_ns = t.deadline_ns.min(deadline_ns);
             return;
         }
         self.alone = deadline_ns > t.deadline_ns;
@@ -442,6 +448,14 @@ impl Turns {
 
     pub fn unthrottled(&mut self) {
         self.token = Token::Unthrottled;
+    }
+
+    /// The deadline of the turn being closed (its drain is bounded from there), if one is.
+    pub fn closing_deadline(&self) -> Option<u64> {
+        match self.token {
+            Token::Held(t) if t.closed => Some(t.deadline_ns),
+            _ => None,
+        }
     }
 
     // --- the watcher ---------------------------------------------------------------------
@@ -575,6 +589,12 @@ impl Turns {
     /// The turn being closed is given back before its deadline: its work drains at
     /// `drained_ns`, where the next turn can start.
     pub fn yield_turn(&mut self, turn: &Turn, drained_ns: u64) {
+        // The scheduler ends it there: so does its drain's bound.
+        if let Token::Held(t) = &mut self.token
+            && t.token == turn.token
+        {
+            t.deadline_ns = t.deadline_ns.min(drained_ns);
+        }
         self.said.push(Say::Yield {
             token: turn.token,
             drained_ns,

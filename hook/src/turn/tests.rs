@@ -173,11 +173,24 @@ fn a_turn_withdrawn_before_it_opened_is_asked_for_again() {
 }
 
 #[test]
-fn a_revocation_or_new_deadline_during_the_drain_changes_nothing() {
+fn a_revocation_or_new_deadline_during_the_drain_only_shortens_it() {
     let mut t = holding(4, 100 * MS);
     let turn = t.begin_close().unwrap();
-    t.revoke(4, 121 * MS);
+    assert_eq!(t.closing_deadline(), Some(120 * MS));
     t.deadline(4, 500 * MS, 121 * MS);
+    assert_eq!(
+        t.closing_deadline(),
+        Some(120 * MS),
+        "extended: the drain is not"
+    );
+    t.deadline(4, 115 * MS, 121 * MS);
+    assert_eq!(
+        t.closing_deadline(),
+        Some(115 * MS),
+        "cut short: so is the drain"
+    );
+    t.revoke(4, 121 * MS);
+    assert_eq!(t.closing_deadline(), Some(1), "revoked: report at once");
     assert_eq!(t.gate_deadline(), 0);
     t.end_close(turn, 122 * MS, false);
     assert_eq!(t.token(), Token::None);
