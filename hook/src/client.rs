@@ -150,8 +150,10 @@ impl Hook {
         let gates = (0..count)
             .map(|dev| {
                 let mut uuid = [0u8; 16];
+                // `_v2` where the driver has it: v1 gives a MIG instance its parent GPU's UUID.
+                let uuid_of = real::cuDeviceGetUuid_v2().or_else(real::cuDeviceGetUuid)?;
                 // SAFETY: valid out-pointer and device ordinal.
-                unsafe { real::cuDeviceGetUuid()?(&mut uuid, dev) };
+                unsafe { uuid_of(&mut uuid, dev) };
                 Some(Gate::new(uuid))
             })
             .collect::<Option<Vec<_>>>()?;

@@ -105,6 +105,10 @@ type P = *mut c_void;
 real_fns! {
     cuDeviceGetCount: fn(*mut i32);
     cuDeviceGetUuid: fn(*mut [u8; 16], i32);
+    // The GPU's UUID as `nvidia-smi -L` and `CUDA_VISIBLE_DEVICES` name it (CUDA 11.4+): on a
+    // MIG instance, the instance's own, where `cuDeviceGetUuid` gives its parent GPU's, so two
+    // instances of one GPU would share one scheduler queue.
+    cuDeviceGetUuid_v2: fn(*mut [u8; 16], i32);
     cuCtxGetCurrent: fn(*mut P);
     cuCtxGetDevice: fn(*mut i32);
     cuCtxPushCurrent_v2: fn(P);
