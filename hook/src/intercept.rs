@@ -10,7 +10,6 @@ use crate::client::{Hook, hook};
 use crate::gate::Gate;
 use crate::memory;
 use crate::real;
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::{Mutex, OnceLock};
@@ -432,35 +431,124 @@ fn wrapper(symbol: &[u8]) -> Option<P> {
         .map(|i| table[i].1)
 }
 
-thread_local! {
-    /// Set while inside our `dlsym`, so lookups made by the C library on our behalf pass through.
-    static IN_DLSYM: Cell<bool> = const { Cell::new(false) };
-}
-
-/// `dlsym` override: managed driver symbols resolve to their wrappers, whatever the handle.
+/// `dlsym` override: managed driver symbols resolve to their wrappers, whatever the handle;
+/// every other lookup is the C library's own, as if we were not there.
+///
+/// Why a trampoline: glibc's `dlsym` takes its caller from its own return address, and resolves
+/// `RTLD_NEXT` (the next definition after the caller's object, how an interposer finds the
+/// function it wraps) and `RTLD_DEFAULT` (the caller's scope) relative to that object. Called
+/// from here, it would resolve them relative to `libgpushare.so`: an interposer preloaded after
+/// us asking `dlsym(RTLD_NEXT, "getpid")` would get its own `getpid` back and recurse forever.
+/// So this function only asks [`dlsym_route`] (a plain Rust function) what to do, then either
+/// returns that answer or *jumps* to glibc's `dlsym` with the caller's arguments and the
+/// caller's return address still in place: glibc sees the real caller, and answers exactly as
+/// without us (scopes, symbol versions, IFUNCs, `dlerror`). This relies on glibc's `dlsym`
+/// finding its caller by return address (`RETURN_ADDRESS (0)`, as every glibc release does).
+///
+/// No re-entrancy guard is needed: nothing here looks a symbol up (the C library's `dlsym`
+/// runs after this function has left, in the caller's stead).
 ///
 /// # Safety
 /// Same contract as the C library's `dlsym`.
+#[unsafe(naked)]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn dlsym(handle: P, symbol: *const c_char) -> P {
-    let Some(real_dlsym) = real::dlsym() else {
-        return std::ptr::null_mut();
+    // On entry the return address into the caller is at [rsp]; it stays there for the jump.
+    // (The CFI lines let debuggers and profilers unwind through the call.)
+    #[cfg(target_arch = "x86_64")]
+    core::arch::naked_asm!(
+        ".cfi_startproc",
+        "push rdi",
+        ".cfi_adjust_cfa_offset 8",
+        "push rsi",
+        ".cfi_adjust_cfa_offset 8",
+        "sub rsp, 8", // the stack 16-byte aligned at the call, as the ABI requires
+        ".cfi_adjust_cfa_offset 8",
+        "call {route}",
+        "add rsp, 8",
+        ".cfi_adjust_cfa_offset -8",
+        "pop rsi",
+        ".cfi_adjust_cfa_offset -8",
+        "pop rdi",
+        ".cfi_adjust_cfa_offset -8",
+        "test rdx, rdx",
+        "jnz 2f",
+        "ret", // `answer`, in rax
+        "2:",
+        "jmp rdx", // `defer`, with the caller's arguments and return address
+        ".cfi_endproc",
+        route = sym dlsym_route,
+    );
+    // On entry the return address into the caller is in x30 (lr); it is restored before the
+    // jump. x16/x17 are the intra-procedure-call scratch registers (and `br x16` may land on a
+    // `bti c`).
+    #[cfg(target_arch = "aarch64")]
+    core::arch::naked_asm!(
+        ".cfi_startproc",
+        "stp x29, x30, [sp, #-32]!",
+        ".cfi_def_cfa_offset 32",
+        ".cfi_offset x29, -32",
+        ".cfi_offset x30, -24",
+        "mov x29, sp",
+        "stp x0, x1, [sp, #16]",
+        "bl {route}",
+        "mov x16, x1",
+        "mov x17, x0",
+        "ldp x0, x1, [sp, #16]",
+        "ldp x29, x30, [sp], #32",
+        ".cfi_def_cfa_offset 0",
+        ".cfi_restore x29",
+        ".cfi_restore x30",
+        "cbnz x16, 2f",
+        "mov x0, x17", // `answer`
+        "ret",
+        "2:",
+        "br x16", // `defer`, with the caller's arguments and return address
+        ".cfi_endproc",
+        route = sym dlsym_route,
+    );
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+compile_error!("the dlsym trampoline is written for x86_64 and aarch64 only");
+
+/// What our `dlsym` does with one call: return `answer`, or, if `defer` is not null, jump to
+/// `defer` (the C library's `dlsym`) with the caller's arguments. Two pointers, returned in two
+/// registers (rax:rdx, x0:x1).
+#[repr(C)]
+struct Route {
+    answer: P,
+    defer: P,
+}
+
+/// The decision behind [`dlsym`]: a managed `cu*` symbol is answered with its wrapper (whatever
+/// the handle: `RTLD_NEXT` from an interposer, or the handle of a library that does not define
+/// it, too), anything else is the C library's to answer.
+extern "C" fn dlsym_route(_handle: P, symbol: *const c_char) -> Route {
+    let run = || {
+        let defer = real::dlsym().map_or(std::ptr::null_mut(), |f| f as P);
+        let found = if symbol.is_null() {
+            None
+        } else {
+            // SAFETY: non-null, NUL-terminated per dlsym's contract.
+            let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+            name.starts_with(b"cu").then(|| wrapper(name)).flatten()
+        };
+        match found {
+            Some(w) => Route {
+                answer: w,
+                defer: std::ptr::null_mut(),
+            },
+            None => Route {
+                answer: std::ptr::null_mut(),
+                defer,
+            },
+        }
     };
-    if symbol.is_null() || IN_DLSYM.with(|f| f.replace(true)) {
-        // SAFETY: the caller's arguments, unchanged.
-        return unsafe { real_dlsym(handle, symbol) };
-    }
-    // SAFETY: non-null, NUL-terminated per dlsym's contract.
-    let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
-    let found = if name.starts_with(b"cu") {
-        wrapper(name)
-    } else {
-        None
-    };
-    // SAFETY: the caller's arguments, unchanged.
-    let r = found.unwrap_or_else(|| unsafe { real_dlsym(handle, symbol) });
-    IN_DLSYM.with(|f| f.set(false));
-    r
+    std::panic::catch_unwind(run).unwrap_or(Route {
+        answer: std::ptr::null_mut(),
+        defer: std::ptr::null_mut(),
+    })
 }
 
 /// Each managed symbol's address in the real driver, with its wrapper's, sorted by the former;

@@ -2,8 +2,12 @@
 //! UUID keys a GPU, which pointer `cuGetProcAddress` hands back, `dlsym(RTLD_NEXT, …)` from
 //! another interposer, and a process exiting with work queued — on the simulated driver.
 
-use gpushare_testkit::harness::{describe, json_lines, output_with_timeout, target_dir};
+use gpushare_testkit::harness::{
+    Sim, c_dir, describe, json_lines, output_with_timeout, target_dir,
+};
 use gpushare_testkit::node::Node;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 /// Longest any tenant of these tests may run.
@@ -107,5 +111,83 @@ fn proc_address_wrappers_are_chosen_by_the_pointer_returned() {
                 describe(&out)
             );
         }
+    }
+}
+
+/// `c/rtld_next_interposer.c` built as `librtld_next_TAG.so` in `dir`.
+fn interposer(dir: &Path, tag: &str) -> PathBuf {
+    let out = dir.join(format!("librtld_next_{tag}.so"));
+    let gcc = Command::new("gcc")
+        .args([
+            "-std=gnu11",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-shared",
+            "-fPIC",
+        ])
+        .arg(format!("-DTAG=\"{tag}\""))
+        .arg(c_dir().join("rtld_next_interposer.c"))
+        .arg("-o")
+        .arg(&out)
+        .arg("-ldl")
+        .output()
+        .expect("run gcc");
+    assert!(gcc.status.success(), "gcc\n{}", describe(&gcc));
+    out
+}
+
+/// A library preloaded before or after `libgpushare.so` that interposes a libc function and
+/// finds the definition it wraps with `dlsym(RTLD_NEXT, …)` reaches the next definition after
+/// *itself* — not itself (an endless recursion), as it did when the hook's `dlsym` asked glibc
+/// on its own behalf, which made "next" relative to `libgpushare.so`. Chained interposers reach
+/// each other in order. `RTLD_NEXT` lookups of a wrapped `cu*` symbol still get the hook's
+/// wrapper.
+#[test]
+fn rtld_next_is_relative_to_the_interposer_that_asks() {
+    let tmp = tempfile::tempdir().expect("temporary directory");
+    let main = tmp.path().join("getpid_main");
+    Sim::locate()
+        .compile_c(&c_dir().join("getpid_main.c"), &main, false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (a, b) = (interposer(tmp.path(), "a"), interposer(tmp.path(), "b"));
+    let hook = target_dir().join("libgpushare.so");
+    let next = |tag: &str, to: &str| {
+        format!("interposer {tag}: next getpid in {to}, next cuLaunchKernel in libgpushare.so")
+    };
+    let cases: [(Vec<&Path>, Vec<String>); 4] = [
+        (vec![&hook, &a], vec![next("a", "libc.so.6")]),
+        (vec![&a, &hook], vec![next("a", "libc.so.6")]),
+        (
+            vec![&hook, &a, &b],
+            vec![next("a", "librtld_next_b.so"), next("b", "libc.so.6")],
+        ),
+        (
+            vec![&a, &hook, &b],
+            vec![next("a", "librtld_next_b.so"), next("b", "libc.so.6")],
+        ),
+    ];
+    for (preload, want) in cases {
+        let preload: Vec<String> = preload.iter().map(|p| p.display().to_string()).collect();
+        let mut cmd = Command::new(&main);
+        cmd.env("LD_PRELOAD", preload.join(" "))
+            .env_remove("GPUSHARE_LOG");
+        let out = output_with_timeout(cmd, TIMEOUT);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let said: Vec<&str> = stderr.lines().collect();
+        assert_eq!(
+            said,
+            want,
+            "LD_PRELOAD={}\n{}",
+            preload.join(" "),
+            describe(&out)
+        );
+        assert!(
+            out.status.success(),
+            "LD_PRELOAD={}: getpid() through the interposers is not the pid\n{}",
+            preload.join(" "),
+            describe(&out)
+        );
     }
 }
