@@ -5,7 +5,7 @@
 use gpushare_testkit::harness::{
     Sim, c_dir, describe, json_lines, output_with_timeout, target_dir,
 };
-use gpushare_testkit::node::Node;
+use gpushare_testkit::node::{Node, Spin};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -190,4 +190,59 @@ fn rtld_next_is_relative_to_the_interposer_that_asks() {
             describe(&out)
         );
     }
+}
+
+/// The hook's driver calls the simulated driver's call trace shows after the driver's teardown
+/// at exit (each answered `CUDA_ERROR_DEINITIALIZED`; on a real driver such a call may crash).
+fn calls_after_teardown(stderr: &str) -> Vec<&str> {
+    stderr
+        .lines()
+        .skip_while(|l| !l.contains("gpushare-sim libcuda: torn down at exit"))
+        .filter(|l| l.starts_with("gpushare-sim libcuda: cu"))
+        .collect()
+}
+
+/// A tenant that leaves (returning from `main`, or calling `exit`) while its kernels are queued
+/// under its turn exits cleanly, and the hook's own threads make no driver call once the driver
+/// has torn down at exit: the hook's exit handler, registered after the driver's, runs before
+/// it and stops them. The tenant lingers 200 ms in an exit handler of its own after the
+/// driver's teardown (see `c/exit_queued.c`), while another tenant wants the GPU, so turns end
+/// and the hook's threads would drain (they did, into the torn-down driver, before). Repeated,
+/// since which thread does what at exit is a race.
+#[test]
+fn a_tenant_exiting_with_work_queued_leaves_the_driver_alone_after_its_teardown() {
+    let node = Node::start(&[]);
+    let exe = node.compile_c("exit_queued.c", true);
+    // Wants the GPU throughout; killed when the test is done.
+    let spin = Spin::for_ms(1.0, 60_000.0).sync_every(Some(10));
+    let mut other = node.tenant_command(
+        "other",
+        0.5,
+        1.0,
+        1.0,
+        env!("CARGO_BIN_EXE_cudarc-client"),
+        &spin.args(),
+    );
+    other.env_remove("GPUSHARE_LOG");
+    let other = node.spawn(other);
+    for run in 0..6 {
+        let how = if run % 2 == 0 { "return" } else { "exit" };
+        let mut cmd = node.tenant_command("leaver", 0.5, 1.0, 1.0, &exe, &["1", "40", "200", how]);
+        cmd.env("GPUSHARE_SIM_TRACE", "1")
+            .env_remove("GPUSHARE_LOG");
+        let out = node.spawn(cmd).wait_ok(TIMEOUT);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("gpushare-sim libcuda: torn down at exit"),
+            "run {run} ({how}): no teardown in the trace\n{}",
+            describe(&out)
+        );
+        let late = calls_after_teardown(&stderr);
+        assert!(
+            late.is_empty(),
+            "run {run} ({how}): driver calls after its teardown: {late:?}\n{}",
+            describe(&out)
+        );
+    }
+    drop(other);
 }
