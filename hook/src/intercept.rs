@@ -2,18 +2,16 @@
 //! one of the wrappers here.
 //! 1. direct linking: the `cu*` launch symbols are exported, and preloading puts them first;
 //! 2. `dlsym(handle, "cuLaunchKernel")`: `dlsym` itself is exported and answers with a wrapper;
-//! 3. `cuGetProcAddress`/`_v2`: the real driver resolves the name and ABI version, the shared
-//!    version table (`gpushare-cuda-abi`) says which symbol that is, and a managed symbol is
-//!    swapped for its wrapper.
+//! 3. `cuGetProcAddress`/`_v2`: the real driver resolves the name and ABI version, and the
+//!    pointer it returns is swapped for our wrapper only if it is the driver's own address of the
+//!    exact symbol that wrapper wraps (see [`swap_in_wrapper`]).
 
 use crate::gate::Gate;
 use crate::memory;
 use crate::process::hook;
 use crate::real;
-use gpushare_cuda_abi::{Resolution, resolve};
-use std::cell::Cell;
 use std::collections::HashMap;
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::{Mutex, OnceLock};
 
 type P = *mut c_void;
@@ -433,52 +431,210 @@ fn wrapper(symbol: &[u8]) -> Option<P> {
         .map(|i| table[i].1)
 }
 
-thread_local! {
-    /// Set while inside our `dlsym`, so lookups made by the C library on our behalf pass through.
-    static IN_DLSYM: Cell<bool> = const { Cell::new(false) };
-}
-
-/// `dlsym` override: managed driver symbols resolve to their wrappers, whatever the handle.
+/// `dlsym` override: managed driver symbols resolve to their wrappers, whatever the handle;
+/// every other lookup is the C library's own, as if we were not there.
+///
+/// Why a trampoline: glibc's `dlsym` takes its caller from its own return address, and resolves
+/// `RTLD_NEXT` (the next definition after the caller's object, how an interposer finds the
+/// function it wraps) and `RTLD_DEFAULT` (the caller's scope) relative to that object. Called
+/// from here, it would resolve them relative to `libgpushare.so`: an interposer preloaded after
+/// us asking `dlsym(RTLD_NEXT, "getpid")` would get its own `getpid` back and recurse forever.
+/// So this function only asks [`dlsym_route`] (a plain Rust function) what to do, then either
+/// returns that answer or *jumps* to glibc's `dlsym` with the caller's arguments and the
+/// caller's return address still in place: glibc sees the real caller, and answers exactly as
+/// without us (scopes, symbol versions, IFUNCs, `dlerror`). This relies on glibc's `dlsym`
+/// finding its caller by return address (`RETURN_ADDRESS (0)`, as every glibc release does).
+///
+/// No re-entrancy guard is needed: nothing here looks a symbol up (the C library's `dlsym`
+/// runs after this function has left, in the caller's stead).
 ///
 /// # Safety
 /// Same contract as the C library's `dlsym`.
+#[unsafe(naked)]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn dlsym(handle: P, symbol: *const c_char) -> P {
-    let Some(real_dlsym) = real::dlsym() else {
-        return std::ptr::null_mut();
-    };
-    if symbol.is_null() || IN_DLSYM.with(|f| f.replace(true)) {
-        // SAFETY: the caller's arguments, unchanged.
-        return unsafe { real_dlsym(handle, symbol) };
-    }
-    // SAFETY: non-null, NUL-terminated per dlsym's contract.
-    let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
-    let found = if name.starts_with(b"cu") {
-        wrapper(name)
-    } else {
-        None
-    };
-    // SAFETY: the caller's arguments, unchanged.
-    let r = found.unwrap_or_else(|| unsafe { real_dlsym(handle, symbol) });
-    IN_DLSYM.with(|f| f.set(false));
-    r
+    // On entry the return address into the caller is at [rsp]; it stays there for the jump.
+    // (The CFI lines let debuggers and profilers unwind through the call.)
+    #[cfg(target_arch = "x86_64")]
+    core::arch::naked_asm!(
+        ".cfi_startproc",
+        "push rdi",
+        ".cfi_adjust_cfa_offset 8",
+        "push rsi",
+        ".cfi_adjust_cfa_offset 8",
+        "sub rsp, 8", // the stack 16-byte aligned at the call, as the ABI requires
+        ".cfi_adjust_cfa_offset 8",
+        "call {route}",
+        "add rsp, 8",
+        ".cfi_adjust_cfa_offset -8",
+        "pop rsi",
+        ".cfi_adjust_cfa_offset -8",
+        "pop rdi",
+        ".cfi_adjust_cfa_offset -8",
+        "test rdx, rdx",
+        "jnz 2f",
+        "ret", // `answer`, in rax
+        "2:",
+        "jmp rdx", // `defer`, with the caller's arguments and return address
+        ".cfi_endproc",
+        route = sym dlsym_route,
+    );
+    // On entry the return address into the caller is in x30 (lr); it is restored before the
+    // jump. x16/x17 are the intra-procedure-call scratch registers (and `br x16` may land on a
+    // `bti c`).
+    #[cfg(target_arch = "aarch64")]
+    core::arch::naked_asm!(
+        ".cfi_startproc",
+        "stp x29, x30, [sp, #-32]!",
+        ".cfi_def_cfa_offset 32",
+        ".cfi_offset x29, -32",
+        ".cfi_offset x30, -24",
+        "mov x29, sp",
+        "stp x0, x1, [sp, #16]",
+        "bl {route}",
+        "mov x16, x1",
+        "mov x17, x0",
+        "ldp x0, x1, [sp, #16]",
+        "ldp x29, x30, [sp], #32",
+        ".cfi_def_cfa_offset 0",
+        ".cfi_restore x29",
+        ".cfi_restore x30",
+        "cbnz x16, 2f",
+        "mov x0, x17", // `answer`
+        "ret",
+        "2:",
+        "br x16", // `defer`, with the caller's arguments and return address
+        ".cfi_endproc",
+        route = sym dlsym_route,
+    );
 }
 
-/// After the real driver resolved `symbol`, hand out our wrapper if the resolved ABI variant
-/// is one we manage.
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+compile_error!("the dlsym trampoline is written for x86_64 and aarch64 only");
+
+/// What our `dlsym` does with one call: return `answer`, or, if `defer` is not null, jump to
+/// `defer` (the C library's `dlsym`) with the caller's arguments. Two pointers, returned in two
+/// registers (rax:rdx, x0:x1).
+#[repr(C)]
+struct Route {
+    answer: P,
+    defer: P,
+}
+
+/// The decision behind [`dlsym`]: a managed `cu*` symbol is answered with its wrapper (whatever
+/// the handle: `RTLD_NEXT` from an interposer, or the handle of a library that does not define
+/// it, too), anything else is the C library's to answer.
+extern "C" fn dlsym_route(_handle: P, symbol: *const c_char) -> Route {
+    let run = || {
+        let defer = real::dlsym().map_or(std::ptr::null_mut(), |f| f as P);
+        let found = if symbol.is_null() {
+            None
+        } else {
+            // SAFETY: non-null, NUL-terminated per dlsym's contract.
+            let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+            name.starts_with(b"cu").then(|| wrapper(name)).flatten()
+        };
+        match found {
+            Some(w) => Route {
+                answer: w,
+                defer: std::ptr::null_mut(),
+            },
+            None => Route {
+                answer: std::ptr::null_mut(),
+                defer,
+            },
+        }
+    };
+    std::panic::catch_unwind(run).unwrap_or(Route {
+        answer: std::ptr::null_mut(),
+        defer: std::ptr::null_mut(),
+    })
+}
+
+/// Each managed symbol's address in the real driver, with its wrapper's, sorted by the former;
+/// symbols the driver lacks are left out. `real` finds a symbol's address (0: none).
+fn real_addresses(real: impl Fn(&str) -> usize) -> Vec<(usize, usize)> {
+    let mut table: Vec<(usize, usize)> = wrappers()
+        .iter()
+        .map(|&(name, w)| (real(name), w as usize))
+        .filter(|&(addr, _)| addr != 0)
+        .collect();
+    table.sort_unstable();
+    table
+}
+
+/// The wrapper to hand out for the pointer `returned` by the real driver's `cuGetProcAddress`:
+/// the one whose symbol's real address it is, else none. `table` is [`real_addresses`].
+fn wrapper_for(returned: usize, table: &[(usize, usize)]) -> Option<usize> {
+    let i = table
+        .binary_search_by_key(&returned, |&(addr, _)| addr)
+        .ok()?;
+    Some(table[i].1)
+}
+
+/// [`real_addresses`] of the real driver (the one `real` loaded), resolved once with the real
+/// `dlsym` on its handle.
+fn driver_addresses() -> &'static [(usize, usize)] {
+    static TABLE: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        real_addresses(|name| CString::new(name).map_or(0, |c| real::symbol(&c) as usize))
+    })
+}
+
+/// After the real driver resolved `symbol` into `*pfn`, hand out our wrapper instead if the
+/// pointer is the driver's own address of the exact symbol variant the wrapper wraps (e.g.
+/// `cuMemAlloc_v2`, `cuLaunchKernel_ptsz`).
+///
+/// Chosen by the pointer, not by the name and version: a driver newer than the CUDA 12.9 table
+/// may answer with an ABI variant of a managed function that we do not know (another signature
+/// or semantics), and our wrapper of the old variant would be called with the new variant's
+/// arguments. Such a pointer is left as the driver gave it (the function then runs unmanaged),
+/// and said so under `GPUSHARE_LOG`.
 fn swap_in_wrapper(symbol: *const c_char, pfn: *mut P, version: c_int, flags: u64) {
-    if symbol.is_null() || pfn.is_null() {
+    if pfn.is_null() {
         return;
     }
-    // SAFETY: non-null, NUL-terminated per cuGetProcAddress's contract.
-    let Ok(name) = unsafe { CStr::from_ptr(symbol) }.to_str() else {
+    // SAFETY: `pfn` is the caller's out-pointer, just written by the real driver.
+    let returned = unsafe { *pfn };
+    if returned.is_null() {
         return;
+    }
+    if let Some(w) = wrapper_for(returned as usize, driver_addresses()) {
+        // SAFETY: as above.
+        unsafe { *pfn = w as P };
+        return;
+    }
+    if crate::log::enabled() && !symbol.is_null() {
+        // SAFETY: non-null, NUL-terminated per cuGetProcAddress's contract.
+        let name = unsafe { CStr::from_ptr(symbol) }.to_string_lossy();
+        let managed = gpushare_cuda_abi::entry_points(&name)
+            .iter()
+            .any(|e| wrapper(e.symbol.as_bytes()).is_some());
+        if managed {
+            crate::log::debug!(
+                "cuGetProcAddress({name}, {version}, flags {flags}) gave {returned:?} ({}), no variant the hook wraps: left unmanaged",
+                symbol_at(returned)
+            );
+        }
+    }
+}
+
+/// The dynamic symbol at address `p` and its object (`dladdr`), for diagnostics.
+fn symbol_at(p: P) -> String {
+    // SAFETY: all-zero is a valid `Dl_info` (null pointers), filled in by dladdr.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the address and writes `info`.
+    if unsafe { libc::dladdr(p, &mut info) } == 0 {
+        return "in no loaded object".into();
+    }
+    let text = |s: *const c_char| {
+        // SAFETY: dladdr's strings are null or NUL-terminated and live as long as the object.
+        (!s.is_null()).then(|| unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned())
     };
-    if let Resolution::Found(sym) = resolve(name, version, flags)
-        && let Some(w) = wrapper(sym.as_bytes())
-    {
-        // SAFETY: `pfn` is the caller's out-pointer, just written by the real driver.
-        unsafe { *pfn = w };
+    let object = text(info.dli_fname).unwrap_or_default();
+    match text(info.dli_sname) {
+        Some(name) if info.dli_saddr == p => format!("{name} in {object}"),
+        _ => format!("in {object}"),
     }
 }
 
@@ -535,6 +691,55 @@ mod tests {
         for (name, _) in table {
             assert!(real.contains(&name), "{name}");
         }
+    }
+
+    /// A made-up driver: each managed symbol at its own address, and `extra` too.
+    fn made_up_driver(extra: &'static str) -> impl Fn(&str) -> usize {
+        move |name: &str| {
+            let table = wrappers();
+            let i = table.iter().position(|(n, _)| *n == name);
+            match i {
+                Some(i) => 0x1000 * (i + 1),
+                None if name == extra => 0x99_0000,
+                None => 0,
+            }
+        }
+    }
+
+    #[test]
+    fn the_wrapper_handed_out_is_the_one_of_the_exact_symbol_returned() {
+        let addr = made_up_driver("cuMemAlloc");
+        let table = real_addresses(&addr);
+        assert_eq!(table.len(), wrappers().len());
+        for (name, w) in wrappers() {
+            assert_eq!(wrapper_for(addr(name), &table), Some(w as usize), "{name}");
+        }
+        assert_eq!(
+            wrapper_for(addr("cuMemAlloc_v2"), &table),
+            Some(memory::cuMemAlloc_v2 as P as usize)
+        );
+        assert_eq!(
+            wrapper_for(addr("cuLaunchKernel_ptsz"), &table),
+            Some(cuLaunchKernel_ptsz as P as usize)
+        );
+    }
+
+    #[test]
+    fn a_variant_the_hook_does_not_wrap_is_left_alone() {
+        let addr = made_up_driver("cuMemAlloc");
+        let table = real_addresses(&addr);
+        // The 32-bit `cuMemAlloc` of CUDA 2.0, or a variant newer than the 12.9 table: any
+        // address that is not a wrapped symbol's own.
+        assert_eq!(wrapper_for(addr("cuMemAlloc"), &table), None);
+        assert_eq!(wrapper_for(addr("cuMemAlloc_v2") + 8, &table), None);
+        assert_eq!(wrapper_for(0, &table), None);
+    }
+
+    #[test]
+    fn symbols_the_driver_lacks_are_left_out() {
+        let table = real_addresses(|name| if name == "cuMemAlloc_v2" { 0x1000 } else { 0 });
+        assert_eq!(table, vec![(0x1000, memory::cuMemAlloc_v2 as P as usize)]);
+        assert_eq!(wrapper_for(0, &table), None);
     }
 
     #[test]

@@ -3,11 +3,13 @@
 //! `dlsym` is overridden by this library, so the real one is fetched with `dlvsym` by its GLIBC
 //! version (2.34 where dlsym moved into libc, else the architecture's base version). The driver
 //! is `dlopen`ed from `GPUSHARE_REAL_LIBCUDA` or as `libcuda.so.1` and never closed. Each real
-//! function pointer is resolved once and cached in an atomic.
+//! function pointer is resolved once and cached in an atomic. The hook's own calls (what the gate
+//! and its queue use) are capture-safe, and stop when the process exits, before the driver's
+//! teardown.
 
 use std::ffi::{CStr, c_char, c_void};
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Once, OnceLock};
 
 pub type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
@@ -105,11 +107,14 @@ type P = *mut c_void;
 real_fns! {
     cuDeviceGetCount: fn(*mut i32);
     cuDeviceGetUuid: fn(*mut [u8; 16], i32);
+    // The GPU's UUID as `nvidia-smi -L` and `CUDA_VISIBLE_DEVICES` name it (CUDA 11.4+): on a
+    // MIG instance, the instance's own, where `cuDeviceGetUuid` gives its parent GPU's, so two
+    // instances of one GPU would share one scheduler queue.
     cuDeviceGetUuid_v2: fn(*mut [u8; 16], i32);
-    cuCtxGetCurrent: fn(*mut P);
+    raw_cuCtxGetCurrent => cuCtxGetCurrent: fn(*mut P);
     cuCtxGetDevice: fn(*mut i32);
-    cuCtxPushCurrent_v2: fn(P);
-    cuCtxPopCurrent_v2: fn(*mut P);
+    raw_cuCtxPushCurrent_v2 => cuCtxPushCurrent_v2: fn(P);
+    raw_cuCtxPopCurrent_v2 => cuCtxPopCurrent_v2: fn(*mut P);
     raw_cuCtxSynchronize => cuCtxSynchronize: fn();
     raw_cuEventCreate => cuEventCreate: fn(*mut P, u32);
     raw_cuEventRecord => cuEventRecord: fn(P, P);
@@ -235,14 +240,63 @@ fn relaxed(call: impl FnOnce() -> u32) -> u32 {
 /// disturbing a capture.
 const CAPTURE_UNSUPPORTED: u32 = 900;
 const NOT_INITIALIZED: u32 = 3;
+/// `CUDA_ERROR_DEINITIALIZED` ("the driver is shutting down"): what the hook's own call answers
+/// itself once the process is exiting.
+const DEINITIALIZED: u32 = 4;
+
+// --- Process exit: the hook's own calls stop before the driver tears down --------------------
+//
+// At exit the driver tears itself down, from an exit handler it registers when initialised,
+// while the process's other threads — the hook's watcher and reader among them — go on running
+// until the process ends; a driver call made then fails at best (`CUDA_ERROR_DEINITIALIZED`)
+// and may crash or hang in a driver half torn down. So the hook registers an exit handler of
+// its own before its first own driver call: exit handlers run in reverse order of registration,
+// and the application has initialised the driver and made a context current before the hook
+// makes any call of its own, so ours runs before the driver's teardown (whether the driver
+// registers it at `cuInit` or at its first context). From then on the hook's own calls (below:
+// what the gate and its queue use) answer `CUDA_ERROR_DEINITIALIZED` without calling the driver.
+// The application's own calls, and the hook's wrappers of them, still go to the driver: exit
+// handlers registered later (a runtime's teardown) may still use it.
+
+/// Set by [`at_exit`]: the process is exiting.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// Whether the process is exiting: the hook makes no driver call of its own any more.
+#[inline]
+pub fn shutting_down() -> bool {
+    EXITING.load(Ordering::Acquire)
+}
+
+extern "C" fn at_exit() {
+    EXITING.store(true, Ordering::Release);
+}
+
+/// Register [`at_exit`], once per process (a forked child inherits it).
+fn watch_exit() {
+    static REGISTERED: Once = Once::new();
+    // SAFETY: registers a handler that only stores to an atomic.
+    REGISTERED.call_once(|| unsafe {
+        libc::atexit(at_exit);
+    });
+}
+
+/// Run one of the hook's own driver calls, unless the process is exiting.
+fn own(call: impl FnOnce() -> u32) -> u32 {
+    if shutting_down() {
+        return DEINITIALIZED;
+    }
+    call()
+}
 
 /// Declare the hook's own use of a driver function: `real::NAME()` hands out `own`, a function
-/// of the same signature, once the real one (`raw`) exists.
+/// of the same signature, once the real one (`raw`) exists; asking for it registers the exit
+/// handler first (see above).
 macro_rules! own_call {
     ($(#[$m:meta])* $name:ident($($arg:ident: $ty:ty),*) = $raw:ident => $own:ident) => {
         $(#[$m])*
         #[allow(non_snake_case)]
         pub fn $name() -> Option<unsafe extern "C" fn($($ty),*) -> u32> {
+            watch_exit();
             $raw().map(|_| $own as unsafe extern "C" fn($($ty),*) -> u32)
         }
     };
@@ -265,16 +319,21 @@ own_call!(cuEventCreate(event: *mut P, flags: u32) = raw_cuEventCreate => own_ev
 own_call!(
     cuEventElapsedTime(ms: *mut f32, start: P, end: P) = raw_cuEventElapsedTime => own_elapsed
 );
+own_call!(cuCtxGetCurrent(ctx: *mut P) = raw_cuCtxGetCurrent => own_ctx_get_current);
+own_call!(cuCtxPushCurrent_v2(ctx: P) = raw_cuCtxPushCurrent_v2 => own_ctx_push);
+own_call!(cuCtxPopCurrent_v2(ctx: *mut P) = raw_cuCtxPopCurrent_v2 => own_ctx_pop);
 
 fn record(raw: Option<Fn2>, event: P, stream: P, per_thread: bool) -> u32 {
     let Some(raw) = raw else {
         return NOT_INITIALIZED;
     };
-    if captures_active() && stream_capturing(stream, per_thread) {
-        return CAPTURE_UNSUPPORTED;
-    }
-    // SAFETY: the hook's own fence event, on a stream the application launched on.
-    relaxed(|| unsafe { raw(event, stream) })
+    own(|| {
+        if captures_active() && stream_capturing(stream, per_thread) {
+            return CAPTURE_UNSUPPORTED;
+        }
+        // SAFETY: the hook's own fence event, on a stream the application launched on.
+        relaxed(|| unsafe { raw(event, stream) })
+    })
 }
 
 type Fn2 = unsafe extern "C" fn(P, P) -> u32;
@@ -288,31 +347,50 @@ unsafe extern "C" fn own_event_record_ptsz(event: P, stream: P) -> u32 {
 }
 
 unsafe extern "C" fn own_ctx_synchronize() -> u32 {
-    if captures_active() {
-        return CAPTURE_UNSUPPORTED;
-    }
-    // SAFETY: real driver call without arguments.
-    raw_cuCtxSynchronize().map_or(NOT_INITIALIZED, |f| unsafe { f() })
+    own(|| {
+        if captures_active() {
+            return CAPTURE_UNSUPPORTED;
+        }
+        // SAFETY: real driver call without arguments.
+        raw_cuCtxSynchronize().map_or(NOT_INITIALIZED, |f| unsafe { f() })
+    })
 }
 
 unsafe extern "C" fn own_event_synchronize(event: P) -> u32 {
     // SAFETY: the hook's own fence event.
-    raw_cuEventSynchronize().map_or(NOT_INITIALIZED, |f| relaxed(|| unsafe { f(event) }))
+    own(|| raw_cuEventSynchronize().map_or(NOT_INITIALIZED, |f| relaxed(|| unsafe { f(event) })))
 }
 
 unsafe extern "C" fn own_event_query(event: P) -> u32 {
     // SAFETY: the hook's own fence event.
-    raw_cuEventQuery().map_or(NOT_INITIALIZED, |f| relaxed(|| unsafe { f(event) }))
+    own(|| raw_cuEventQuery().map_or(NOT_INITIALIZED, |f| relaxed(|| unsafe { f(event) })))
 }
 
 unsafe extern "C" fn own_event_create(event: *mut P, flags: u32) -> u32 {
     // SAFETY: the hook's own out-pointer.
-    raw_cuEventCreate().map_or(NOT_INITIALIZED, |f| relaxed(|| unsafe { f(event, flags) }))
+    own(|| raw_cuEventCreate().map_or(NOT_INITIALIZED, |f| relaxed(|| unsafe { f(event, flags) })))
 }
 
 unsafe extern "C" fn own_elapsed(ms: *mut f32, start: P, end: P) -> u32 {
-    // SAFETY: the hook's own out-pointer and fence events.
-    raw_cuEventElapsedTime().map_or(NOT_INITIALIZED, |f| {
-        relaxed(|| unsafe { f(ms, start, end) })
+    own(|| {
+        // SAFETY: the hook's own out-pointer and fence events.
+        raw_cuEventElapsedTime().map_or(NOT_INITIALIZED, |f| {
+            relaxed(|| unsafe { f(ms, start, end) })
+        })
     })
+}
+
+unsafe extern "C" fn own_ctx_get_current(ctx: *mut P) -> u32 {
+    // SAFETY: the hook's own out-pointer.
+    own(|| raw_cuCtxGetCurrent().map_or(NOT_INITIALIZED, |f| unsafe { f(ctx) }))
+}
+
+unsafe extern "C" fn own_ctx_push(ctx: P) -> u32 {
+    // SAFETY: a context the application launched into (the drain pops it again).
+    own(|| raw_cuCtxPushCurrent_v2().map_or(NOT_INITIALIZED, |f| unsafe { f(ctx) }))
+}
+
+unsafe extern "C" fn own_ctx_pop(ctx: *mut P) -> u32 {
+    // SAFETY: the hook's own out-pointer, after its own push.
+    own(|| raw_cuCtxPopCurrent_v2().map_or(NOT_INITIALIZED, |f| unsafe { f(ctx) }))
 }

@@ -1,5 +1,8 @@
 //! Build script of the simulated driver:
 //! - gives `libcuda.so` the SONAME `libcuda.so.1`, the name programs link against;
+//! - binds its references to its own functions inside itself (`-Bsymbolic-functions`), as the
+//!   real driver's are: `cuGetProcAddress` answers with the driver's own entry points even
+//!   where a preloaded library (`libgpushare.so`) exports the same names;
 //! - collects every entry point declared with `entry!`/`entry_pt!` in `src/api_*.rs` into
 //!   `$OUT_DIR/exports.rs`, the table `cuGetProcAddress` answers from, so that table can never
 //!   miss an exported function.
@@ -16,6 +19,7 @@ fn ident(s: &str) -> &str {
 
 fn main() {
     println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libcuda.so.1");
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic-functions");
     let mut names: Vec<(String, String)> = Vec::new();
     let mut files: Vec<_> = std::fs::read_dir("src")
         .expect("src directory")

@@ -77,6 +77,9 @@ entry!(
     }
 );
 
+// The same answer as v1, as the real driver gives for a whole GPU: the simulated GPUs are not
+// partitioned (no MIG), and only a MIG instance's UUID differs between the two (v1: its parent
+// GPU's, v2: its own).
 entry!(
     fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: CUdevice) {
         device_uuid(uuid, dev)

@@ -3,6 +3,7 @@
 //! The version table comes from the real headers (`gpushare-cuda-abi`); the functions from the
 //! build-generated list of our own exports, never from `dlsym` (a preloaded hook may override it).
 
+use crate::api_device::DRIVER_VERSION;
 use crate::ffi::*;
 use gpushare_cuda_abi::{Resolution, resolve};
 use std::ffi::{c_char, c_int, c_void};
@@ -20,6 +21,28 @@ pub fn export(symbol: &str) -> Option<*const c_void> {
         .binary_search_by(|(n, _)| (*n).cmp(symbol))
         .ok()
         .map(|i| EXPORTS[i].1.0)
+}
+
+/// The API names `GPUSHARE_SIM_NEWER_ABI` (comma-separated; a test setting) lists: asked for at
+/// a CUDA version above this driver's own, these answer [`newer_abi`], as a driver newer than
+/// 12.9 would answer with an ABI variant the 12.9 table does not have.
+fn newer_abi_names() -> &'static [String] {
+    static NAMES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    NAMES.get_or_init(|| {
+        std::env::var("GPUSHARE_SIM_NEWER_ABI")
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(String::from)
+            .collect()
+    })
+}
+
+/// Stands for an ABI variant newer than CUDA 12.9 (see [`newer_abi_names`]): whatever its
+/// arguments, it does nothing and fails.
+extern "C" fn newer_abi() -> CUresult {
+    CUDA_ERROR_NOT_SUPPORTED
 }
 
 /// `CUdriverProcAddressQueryResult`.
@@ -40,7 +63,9 @@ fn get_proc_address(
     if pfn.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    let newer = version > DRIVER_VERSION && newer_abi_names().iter().any(|n| n == name);
     let (found, st) = match resolve(name, version, flags) {
+        Resolution::Found(_) if newer => (Some(newer_abi as *const c_void), SUCCESS),
         Resolution::Found(sym) => match export(sym) {
             Some(p) => (Some(p), SUCCESS),
             None => (None, SYMBOL_NOT_FOUND),

@@ -5,6 +5,7 @@ use crate::ffi::*;
 use gpushare_sim_wire::{self as wire, DeviceInfo, EventBoard, PROTOCOL_VERSION, Reply, Request};
 use std::collections::HashMap;
 use std::io::Write;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -21,6 +22,8 @@ type Writer = Arc<Mutex<(UnixStream, Vec<u8>)>>;
 
 pub struct Client {
     writer: Writer,
+    /// The connection's socket, for [`Client::shut_down`] (which takes no lock).
+    fd: RawFd,
     pending: Arc<Mutex<HashMap<u64, Sender<Reply>>>>,
     next_req: AtomicU64,
     pub host_calls: Arc<Mutex<HashMap<(u64, u64), HostCall>>>,
@@ -83,6 +86,7 @@ impl Client {
             .try_clone()
             .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
         let client = Client {
+            fd: stream.as_raw_fd(),
             writer: Arc::new(Mutex::new((stream, Vec::new()))),
             pending: Arc::default(),
             next_req: AtomicU64::new(1),
@@ -104,6 +108,14 @@ impl Client {
             .spawn(move || host_loop(host_rx, calls, writer))
             .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
         Ok(client)
+    }
+
+    /// End the connection both ways, taking no lock (from an exit handler, while other threads
+    /// may be sending): the device forgets this process's work and memory, as when it exits,
+    /// and calls waiting for an answer fail.
+    pub fn shut_down(&self) {
+        // SAFETY: shutdown(2) of our own socket; the descriptor stays open (and ours).
+        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
     }
 
     /// The device process's index of the GPU with this process's ordinal `device`.

@@ -6,6 +6,8 @@ use crate::ffi::*;
 use gpushare_sim_wire::{Op, OpRef, Request};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 /// The initialised driver of this process.
@@ -17,14 +19,27 @@ pub struct Driver {
 
 static DRIVER: OnceLock<Result<Driver, CUresult>> = OnceLock::new();
 
-/// `cuInit`: connect once; later calls report the first outcome.
+/// Set at process exit by [`teardown`]: the driver is gone.
+static TORN_DOWN: AtomicBool = AtomicBool::new(false);
+
+/// `cuInit`: connect once; later calls report the first outcome. A successful connection
+/// registers [`teardown`] to run at exit, as the real driver registers its own at `cuInit`.
 pub fn init() -> CuResult {
+    if TORN_DOWN.load(Ordering::Acquire) {
+        return Err(CUDA_ERROR_DEINITIALIZED);
+    }
     let r = DRIVER.get_or_init(|| {
-        Client::connect().map(|client| Driver {
+        let driver = Client::connect().map(|client| Driver {
             pid: std::process::id(),
             state: Mutex::new(State::new(client.devices.len())),
             client,
-        })
+        });
+        if driver.is_ok() {
+            // SAFETY: registers a handler that sets a flag, shuts a socket down and (traced)
+            // writes to stderr, each fine at exit.
+            unsafe { libc::atexit(teardown) };
+        }
+        driver
     });
     match r {
         Ok(d) if d.pid != std::process::id() => Err(CUDA_ERROR_NOT_INITIALIZED),
@@ -33,8 +48,30 @@ pub fn init() -> CuResult {
     }
 }
 
-/// The driver, once `cuInit` succeeded in this process (a forked child must not reuse it).
+/// The driver's teardown at process exit, as the real driver's: its connection to the device
+/// ends (the device drops this process's queued work and memory, as at exit) and from then on
+/// every call that needs the driver answers `CUDA_ERROR_DEINITIALIZED` ("the driver is shutting
+/// down"). Exit handlers run in reverse order of registration: those registered after `cuInit`
+/// run before this one, those registered before it (and other threads) after it.
+extern "C" fn teardown() {
+    TORN_DOWN.store(true, Ordering::Release);
+    // A forked child inherits the handler, not the connection: it must not end the parent's.
+    if let Some(Ok(d)) = DRIVER.get()
+        && d.pid == std::process::id()
+    {
+        d.client.shut_down();
+    }
+    if tracing_calls() {
+        let _ = writeln!(std::io::stderr(), "gpushare-sim libcuda: torn down at exit");
+    }
+}
+
+/// The driver, once `cuInit` succeeded in this process (a forked child must not reuse it) and
+/// until its teardown at exit.
 pub fn driver() -> CuResult<&'static Driver> {
+    if TORN_DOWN.load(Ordering::Acquire) {
+        return Err(CUDA_ERROR_DEINITIALIZED);
+    }
     match DRIVER.get() {
         Some(Ok(d)) if d.pid == std::process::id() => Ok(d),
         Some(Ok(_)) => Err(CUDA_ERROR_NOT_INITIALIZED),
