@@ -697,6 +697,7 @@ fn latency_cmd(
         "latency_p99_ms": quantile(&sorted, 0.99),
         "latency_max_ms": sorted.last().copied().unwrap_or(0.0),
         "arrivals_ns": arrivals_ns,
+        "latencies_ms": lat_ms,
     }))
 }
 
