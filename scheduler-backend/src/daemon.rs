@@ -679,12 +679,28 @@ fn books_loop(shared: Arc<Shared>) {
     let restored = Instant::now();
     for round in 0u64.. {
         std::thread::sleep(crate::journal::FLUSH_EVERY);
+        if round % 10 == 0 {
+            // `/proc` is read without the state's lock (the event loop needs it for every
+            // message), once per process, and only for the clients holding memory: thousands
+            // of idle connections must not stall the turns.
+            let holders = lock(&shared).memory.holders();
+            let mut exited: HashMap<crate::memory::ProcessId, bool> = HashMap::new();
+            let gone: Vec<u64> = holders
+                .into_iter()
+                .filter(|(_, p)| {
+                    *exited
+                        .entry(*p)
+                        .or_insert_with(|| crate::journal::alive(p) == Some(false))
+                })
+                .map(|(c, _)| c)
+                .collect();
+            let mut st = lock(&shared);
+            for client in gone {
+                st.memory.forget_client(client);
+            }
+        }
         let mut st = lock(&shared);
         let st = &mut *st;
-        if round % 10 == 0 {
-            st.memory
-                .forget_exited(|p| crate::journal::alive(p) == Some(false));
-        }
         if st.memory.has_ghosts() {
             let grace_over = restored.elapsed() > crate::journal::UNVERIFIABLE_GHOST_GRACE;
             st.memory.retain_ghosts(|p| match crate::journal::alive(p) {

@@ -131,18 +131,21 @@ impl MemoryBooks {
         self.changed = true;
     }
 
-    /// Forget what the clients whose process has exited hold, even while their connection
-    /// lives on: a forked child may have kept a copy of it.
-    pub fn forget_exited(&mut self, mut exited: impl FnMut(&ProcessId) -> bool) {
-        let gone: Vec<u64> = self
-            .processes
+    /// The clients holding memory, with their processes: those whose process has exited are
+    /// forgotten (`forget_client`) even while their connection lives on — a forked child may
+    /// have kept a copy of it. Whether a process lives is read from `/proc` by the caller,
+    /// outside the books' lock, once per process.
+    pub fn holders(&self) -> Vec<(u64, ProcessId)> {
+        let clients: std::collections::BTreeSet<u64> = self
+            .held
             .iter()
-            .filter(|(_, p)| exited(p))
-            .map(|(c, _)| *c)
+            .filter(|(_, (_, b))| *b > 0)
+            .map(|((c, _), _)| *c)
             .collect();
-        for client in gone {
-            self.forget_client(client);
-        }
+        clients
+            .into_iter()
+            .filter_map(|c| Some((c, *self.processes.get(&c)?)))
+            .collect()
     }
 
     /// Every non-zero holding of a known process, connected or ghost: what the journal keeps.
@@ -282,7 +285,20 @@ mod tests {
         m.attach(2, ProcessId { pid: 11, start: 1 });
         assert!(m.reserve(1, "a", GPU, 3 * GIB).granted);
         assert!(m.reserve(2, "a", GPU, GIB).granted);
-        m.forget_exited(|p| p.pid == 10);
+        assert_eq!(
+            m.holders(),
+            vec![
+                (1, ProcessId { pid: 10, start: 1 }),
+                (2, ProcessId { pid: 11, start: 1 })
+            ]
+        );
+        m.attach(3, ProcessId { pid: 12, start: 1 });
+        assert_eq!(
+            m.holders().len(),
+            2,
+            "a client holding nothing is not looked at"
+        );
+        m.forget_client(1);
         assert_eq!(
             m.used("a", &GPU),
             GIB,
