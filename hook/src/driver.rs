@@ -11,6 +11,11 @@ use std::ffi::c_void;
 pub struct Handle(*mut c_void);
 
 impl Handle {
+    /// The handle an application passed (to a call that destroys it).
+    pub fn from_raw(p: *mut c_void) -> Handle {
+        Handle(p)
+    }
+
     /// No handle (tests of the bookkeeping around handles).
     #[cfg(test)]
     pub fn null() -> Handle {
@@ -74,16 +79,32 @@ pub fn event_create() -> Option<Handle> {
         .then_some(Handle(e))
 }
 
-/// Record `event` on `stream` (a `_ptsz` entry point's stream if `per_thread`); false if it was
-/// not recorded (e.g. the stream is being captured).
-pub fn event_record(event: Handle, stream: Stream, per_thread: bool) -> bool {
+/// What became of a fence's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    Yes,
+    /// Not recorded, the event is fine (e.g. the stream is being captured).
+    No,
+    /// Not recorded: the event (or its context) no longer exists.
+    Dead,
+}
+
+/// Record `event` on `stream` (a `_ptsz` entry point's stream if `per_thread`).
+pub fn event_record(event: Handle, stream: Stream, per_thread: bool) -> Recorded {
+    const INVALID_CONTEXT: u32 = 201;
+    const INVALID_HANDLE: u32 = 400;
+    const CONTEXT_IS_DESTROYED: u32 = 709;
     let record = if per_thread {
         real::cuEventRecord_ptsz()
     } else {
         real::cuEventRecord()
     };
     // SAFETY: the hook's own event, on a stream the application launched on.
-    record.is_some_and(|r| unsafe { r(event.0, stream) } == CUDA_SUCCESS)
+    match record.map(|r| unsafe { r(event.0, stream) }) {
+        Some(CUDA_SUCCESS) => Recorded::Yes,
+        Some(INVALID_CONTEXT | INVALID_HANDLE | CONTEXT_IS_DESTROYED) => Recorded::Dead,
+        _ => Recorded::No,
+    }
 }
 
 /// Whether `event`'s work has completed: `Some(true)` done, `Some(false)` not yet, `None` the

@@ -298,6 +298,16 @@ impl Gate {
         self.changed(&mut g);
     }
 
+    /// Context `ctx` (`None`: every context of this GPU) was destroyed: the fence events and
+    /// the context this gate kept of it are gone.
+    pub fn forget_context(&self, ctx: Option<Handle>) {
+        let mut g = self.lock();
+        g.ctxs.retain(|c| ctx.is_some_and(|d| d != *c));
+        let n = self.launches.load(Ordering::Relaxed);
+        g.queue.forget_context(&self.launch_streams, ctx, n);
+        self.pace_due.store(false, Ordering::Relaxed);
+    }
+
     pub fn set_refused(&self) {
         let mut g = self.lock();
         g.turns.refused();
@@ -489,9 +499,11 @@ impl Gate {
         let Some(event) = g.queue.take_event(ctx) else {
             return;
         };
-        if !driver::event_record(event, stream, per_thread) {
-            g.queue.put_event(ctx, event);
-            return;
+        match driver::event_record(event, stream, per_thread) {
+            driver::Recorded::Yes => {}
+            driver::Recorded::No => return g.queue.put_event(ctx, event),
+            // Destroyed with its context behind the hook's back: dropped, never used again.
+            driver::Recorded::Dead => return,
         }
         let now = crate::now_ns();
         let est = g

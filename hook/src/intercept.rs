@@ -282,6 +282,54 @@ capture_wrapper!(cuStreamBeginCaptureToGraph_ptsz, begin = true,
 capture_wrapper!(cuStreamEndCapture, begin = false, (s: P, graph: *mut P));
 capture_wrapper!(cuStreamEndCapture_ptsz, begin = false, (s: P, graph: *mut P));
 
+// --- context lifetimes: the hook's fence events die with their context -------------------
+
+/// Run a call that destroys context state (`ctx`: the one context it destroys, else every
+/// context of the current device's gate: a primary context's reset or last release), then
+/// have the gates forget the hook's events and contexts it destroyed: the driver may give the
+/// same handles to new objects (a primary context keeps its handle across a reset), and a fence
+/// recorded with a dead event would fail from then on.
+fn destroying(
+    ctx: Option<P>,
+    dev: Option<i32>,
+    call: impl FnOnce() -> Option<CUresult>,
+) -> CUresult {
+    let run = || {
+        let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        if r == 0
+            && let Some(h) = hook()
+        {
+            h.forget_contexts(ctx.map(crate::driver::Handle::from_raw), dev);
+        }
+        r
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+macro_rules! context_wrapper {
+    ($name:ident, ctx) => {
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $name(ctx: P) -> CUresult {
+            // SAFETY: forwards the caller's argument unchanged to the real function.
+            destroying(Some(ctx), None, || real::$name().map(|f| unsafe { f(ctx) }))
+        }
+    };
+    ($name:ident, dev) => {
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $name(dev: i32) -> CUresult {
+            // SAFETY: forwards the caller's argument unchanged to the real function.
+            destroying(None, Some(dev), || real::$name().map(|f| unsafe { f(dev) }))
+        }
+    };
+}
+
+context_wrapper!(cuCtxDestroy, ctx);
+context_wrapper!(cuCtxDestroy_v2, ctx);
+context_wrapper!(cuDevicePrimaryCtxRelease, dev);
+context_wrapper!(cuDevicePrimaryCtxRelease_v2, dev);
+context_wrapper!(cuDevicePrimaryCtxReset, dev);
+context_wrapper!(cuDevicePrimaryCtxReset_v2, dev);
+
 /// The stream of a `CUlaunchConfig` (grid, block, shared memory bytes, then the stream).
 fn config_stream(config: *const c_void) -> P {
     if config.is_null() {
@@ -328,12 +376,24 @@ pub extern "C" fn cuLaunchCooperativeKernelMultiDevice(list: P, n: u32, flags: u
 
 /// Managed symbols (launches, synchronisations, captures, allocations, frees, memory queries)
 /// and their wrappers, sorted by name.
-fn wrappers() -> [(&'static str, P); 51] {
+fn wrappers() -> [(&'static str, P); 57] {
     [
         ("cuArray3DCreate_v2", memory::cuArray3DCreate_v2 as P),
         ("cuArrayCreate_v2", memory::cuArrayCreate_v2 as P),
         ("cuArrayDestroy", memory::cuArrayDestroy as P),
+        ("cuCtxDestroy", cuCtxDestroy as P),
+        ("cuCtxDestroy_v2", cuCtxDestroy_v2 as P),
         ("cuCtxSynchronize", cuCtxSynchronize as P),
+        ("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease as P),
+        (
+            "cuDevicePrimaryCtxRelease_v2",
+            cuDevicePrimaryCtxRelease_v2 as P,
+        ),
+        ("cuDevicePrimaryCtxReset", cuDevicePrimaryCtxReset as P),
+        (
+            "cuDevicePrimaryCtxReset_v2",
+            cuDevicePrimaryCtxReset_v2 as P,
+        ),
         ("cuDeviceTotalMem_v2", memory::cuDeviceTotalMem_v2 as P),
         ("cuEventSynchronize", cuEventSynchronize as P),
         ("cuGetProcAddress", cuGetProcAddress as P),
@@ -770,6 +830,24 @@ mod tests {
         ];
         for n in names {
             assert!(wrapper(n.as_bytes()).is_some(), "{n} is not managed");
+        }
+    }
+
+    #[test]
+    fn every_context_destroying_variant_is_seen() {
+        let destroying = [
+            "cuCtxDestroy",
+            "cuDevicePrimaryCtxRelease",
+            "cuDevicePrimaryCtxReset",
+        ];
+        for entry in gpushare_cuda_abi::ENTRY_POINTS {
+            if destroying.contains(&entry.name) {
+                assert!(
+                    wrapper(entry.symbol.as_bytes()).is_some(),
+                    "{} is not seen",
+                    entry.symbol
+                );
+            }
         }
     }
 

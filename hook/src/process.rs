@@ -122,6 +122,21 @@ impl Hook {
         true
     }
 
+    /// Context state was destroyed: context `ctx`, or the primary context of device `dev`
+    /// (reset, or released by its last user). The gates forget the fence events and contexts
+    /// that died with it.
+    pub fn forget_contexts(&self, ctx: Option<driver::Handle>, dev: Option<i32>) {
+        match (ctx, dev) {
+            (Some(ctx), _) => self.gates.iter().for_each(|g| g.forget_context(Some(ctx))),
+            (None, Some(dev)) => {
+                if let Some(g) = usize::try_from(dev).ok().and_then(|d| self.gates.get(d)) {
+                    g.forget_context(None);
+                }
+            }
+            (None, None) => {}
+        }
+    }
+
     fn gate(&self, uuid: &[u8; 16]) -> Option<&Gate> {
         self.gates.iter().find(|g| &g.uuid == uuid)
     }

@@ -370,6 +370,19 @@ impl Queue {
         self.done_seen_launches = launched;
     }
 
+    /// The events of context `ctx` (`None`: of every context) were destroyed with it: forget
+    /// them (never recorded or waited for again), and every launch up to `n` with them (the
+    /// driver waits for a context's work before destroying it).
+    pub fn forget_context(&mut self, ring: &LaunchStreams, ctx: Option<Handle>, n: u64) {
+        let dead = |c: &Handle| ctx.is_none_or(|d| d == *c);
+        self.fences.retain(|f| !dead(&f.ctx));
+        self.pool.retain(|(c, _)| !dead(c));
+        if self.last_done.as_ref().is_some_and(|f| dead(&f.ctx)) {
+            self.last_done = None;
+        }
+        self.drained(ring, n);
+    }
+
     /// Every launch up to `n` has completed (a drain): recycle the fences; forget the streams
     /// not launched on since the last drain, keep what was learnt of the others.
     pub fn drained(&mut self, ring: &LaunchStreams, n: u64) {

@@ -176,6 +176,12 @@ real_fns! {
     cuStreamIsCapturing: fn(P, *mut i32);
     cuStreamIsCapturing_ptsz: fn(P, *mut i32);
     cuThreadExchangeStreamCaptureMode: fn(*mut i32);
+    cuCtxDestroy: fn(P);
+    cuCtxDestroy_v2: fn(P);
+    cuDevicePrimaryCtxRelease: fn(i32);
+    cuDevicePrimaryCtxRelease_v2: fn(i32);
+    cuDevicePrimaryCtxReset: fn(i32);
+    cuDevicePrimaryCtxReset_v2: fn(i32);
 }
 
 // --- Stream capture: the hook's own driver calls never disturb an application's capture ------

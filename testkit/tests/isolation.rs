@@ -111,6 +111,48 @@ fn lone_tenant_is_capped_at_its_limit() {
     assert_shares("limit 0.3 alone", &s, &[0.3]);
 }
 
+/// Issue 18, context lifetimes: a tenant capped at 0.3 resets its primary context halfway (as
+/// `cudaDeviceReset` does): the fence events the hook recorded in it die with it while the
+/// context keeps its handle. The hook forgets them, so its pacing works on after the reset and
+/// the cap holds. (Had it kept recording the dead events, every fence would fail: the tenant
+/// would queue whole bursts of 200 ms into its 20 ms turns.)
+#[test]
+fn a_capped_tenant_stays_capped_after_resetting_its_primary_context() {
+    let node = Node::start(&[]);
+    let exe = node.compile_c("reset_tenant.c", true);
+    let t = node.spawn(node.run_command(
+        &["--group", "reset", "--limit", "0.3"],
+        &exe,
+        &["1", "200", "650", "200"],
+    ));
+    let pid = t.pid();
+    let (out, killed) = t.finish_within(TENANT_TIMEOUT);
+    assert!(out.status.success() && !killed, "{}", describe(&out));
+    let line: serde_json::Value = serde_json::from_slice(
+        out.stdout
+            .split(|b| *b == b'\n')
+            .find(|l| l.starts_with(b"{"))
+            .expect("a JSON line"),
+    )
+    .expect("JSON");
+    assert_eq!(
+        line["same_handle"], 1,
+        "the primary context keeps its handle: {line}"
+    );
+    let reset_ns = line["reset_ns"].as_u64().expect("reset_ns");
+    let trace = node.finish();
+    let span = trace.span_of_pid(pid).expect("the tenant ran");
+    let w = Window::new(reset_ns + WARMUP_NS, span.end_ns - 50 * MS);
+    let s = shares_in(&trace, &[pid], w);
+    eprintln!(
+        "limit 0.3 after a primary context reset: window {:.2} s, share {:.4} (error {:+.4})",
+        w.len_ns() as f64 / 1e9,
+        s[0],
+        s[0] - 0.3
+    );
+    assert_shares("limit 0.3 after a primary context reset", &s, &[0.3]);
+}
+
 /// Policy point 9: a tenant alone keeps its token, a quota at a time, instead of draining its
 /// queue and asking again every quota (about 60 tokens in 1.2 s before): a few tokens, and
 /// the GPU never idles for a handover.

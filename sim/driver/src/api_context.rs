@@ -233,12 +233,14 @@ pub fn primary_context(dev: CUdevice, retain: bool) -> CuResult<u64> {
     let device = d.check_device(dev)? as usize;
     let mut st = d.lock();
     let p = st.primary[device];
-    let ctx = match p.ctx {
-        Some(c) => c,
-        None => st.create_context(&d.client, device as u32, p.flags)?,
+    let ctx = match (p.ctx, p.handle) {
+        (Some(c), _) => c,
+        (None, Some(h)) => st.create_context_as(&d.client, h, device as u32, p.flags)?,
+        (None, None) => st.create_context(&d.client, device as u32, p.flags)?,
     };
     st.primary[device] = Primary {
         ctx: Some(ctx),
+        handle: Some(ctx),
         refs: p.refs + u32::from(retain),
         flags: p.flags,
     };
@@ -262,14 +264,21 @@ fn primary_release(dev: CUdevice) -> CuResult {
         return Err(CUDA_ERROR_INVALID_CONTEXT);
     }
     if p.refs == 1 {
-        return primary_reset(dev);
+        return primary_destroy(dev, true);
     }
     d.lock().primary[device].refs -= 1;
     Ok(())
 }
 
-/// Destroy the primary context's state (after its work drains); handles to it become invalid.
+/// Destroy the primary context's state (after its work drains): its allocations, streams,
+/// events and modules are gone. Resetting does not release it (the driver documents): a
+/// module that retained it goes on with a fresh context under the same handle. Released by
+/// the last module (`release`), it is inactive until retained again, under the same handle.
 fn primary_reset(dev: CUdevice) -> CuResult {
+    primary_destroy(dev, false)
+}
+
+fn primary_destroy(dev: CUdevice, release: bool) -> CuResult {
     let d = driver()?;
     let device = d.check_device(dev)? as usize;
     let Some(ctx) = d.lock().primary[device].ctx else {
@@ -279,13 +288,19 @@ fn primary_reset(dev: CUdevice) -> CuResult {
     d.client.wait(tail)?;
     let callbacks = {
         let mut st = d.lock();
-        let flags = st.primary[device].flags;
+        let p = st.primary[device];
+        let refs = if release { 0 } else { p.refs };
         st.primary[device] = Primary {
             ctx: None,
-            refs: 0,
-            flags,
+            refs,
+            ..p
         };
-        st.destroy_context(&d.client, ctx)?
+        let callbacks = st.destroy_context(&d.client, ctx)?;
+        if refs > 0 {
+            st.create_context_as(&d.client, ctx, device as u32, p.flags)?;
+            st.primary[device].ctx = Some(ctx);
+        }
+        callbacks
     };
     state::run_storage_callbacks(callbacks);
     Ok(())

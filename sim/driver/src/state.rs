@@ -366,9 +366,15 @@ pub struct Pinned {
     pub allocated: bool,
 }
 
+/// A device's primary context. Its handle is the device's for the process's lifetime, as the
+/// driver's is: a reset destroys its state, not the context a module retained, and a retain
+/// after the last release brings it back under the same handle.
 #[derive(Default, Clone, Copy)]
 pub struct Primary {
+    /// The context while it is active.
     pub ctx: Option<u64>,
+    /// Its handle, once it has been created.
+    pub handle: Option<u64>,
     pub refs: u32,
     pub flags: u32,
 }
@@ -421,6 +427,17 @@ impl State {
     /// Create a context with its legacy default stream, on the device and here.
     pub fn create_context(&mut self, client: &Client, device: u32, flags: u32) -> CuResult<u64> {
         let ctx = self.new_id();
+        self.create_context_as(client, ctx, device, flags)
+    }
+
+    /// Create a context under the handle `ctx` (a primary context coming back).
+    pub fn create_context_as(
+        &mut self,
+        client: &Client,
+        ctx: u64,
+        device: u32,
+        flags: u32,
+    ) -> CuResult<u64> {
         client.send(&Request::CreateContext {
             ctx,
             device: client.physical(device),
