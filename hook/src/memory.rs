@@ -1,9 +1,11 @@
-//! GPU memory caps: every allocation path reserves against the group's cap at the scheduler
-//! before the real allocation (one round trip) and rolls back if the driver then fails; frees
-//! give back without waiting for an answer. `cuMemGetInfo_v2` and `cuDeviceTotalMem_v2` report
-//! the cap and what is left of it, never more than the device really has.
+//! GPU memory caps: every allocation path reserves against the group's cap before the real
+//! allocation (from the process's lease, [`crate::charges`]: a round trip only when the lease
+//! must grow) and rolls back if the driver then fails; frees give back to the lease.
+//! `cuMemGetInfo_v2` and `cuDeviceTotalMem_v2` report the cap and what is left of it, never
+//! more than the device really has.
 
 use crate::books::{Held, Physical};
+use crate::charges;
 use crate::process::{Hook, hook};
 use crate::real;
 use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
@@ -19,32 +21,6 @@ const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 const CUDA_ERROR_UNKNOWN: CUresult = 999;
 /// Pitch alignment assumed when reserving for cuMemAllocPitch (the real pitch is known after).
 const PITCH_ALIGN: usize = 512;
-
-/// Reserve `bytes` on gate `gpu`; false means over the cap. Without a scheduler, fail-open
-/// enforces nothing and fail-closed waits for it (and refuses if it does not answer).
-fn reserve(h: &Hook, gpu: usize, bytes: u64) -> bool {
-    if !h.wait_connected() {
-        return !h.port.is_refused();
-    }
-    let uuid = h.gates[gpu].uuid;
-    match h.port.call(|req| ClientMsg::MemReserve {
-        req,
-        gpu: uuid,
-        bytes,
-    }) {
-        Some(ServerMsg::Memory { granted, .. }) => granted,
-        _ => h.settings.fail == crate::settings::FailPolicy::Open,
-    }
-}
-
-fn give_back(h: &Hook, gpu: usize, bytes: u64) {
-    if bytes > 0 {
-        h.port.send(&ClientMsg::MemFree {
-            gpu: h.gates[gpu].uuid,
-            bytes,
-        });
-    }
-}
 
 /// Reserve, allocate, then record the allocation under the key `key` reads from the driver's
 /// out-pointer, or roll back.
@@ -74,14 +50,14 @@ fn allocate_into(
             return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         };
         let bytes = bytes as u64;
-        if !reserve(h, gpu, bytes) {
+        if !charges::draw(h, gpu, bytes) {
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
         let r = alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         if r == CUDA_SUCCESS {
             record(&mut h.memory.lock(), gpu, bytes);
         } else {
-            give_back(h, gpu, bytes);
+            charges::release(h, gpu, bytes);
         }
         r
     };
@@ -101,7 +77,7 @@ fn then_books(
         {
             let freed = update(&mut h.memory.lock());
             for (gpu, bytes) in freed {
-                give_back(h, gpu, bytes);
+                charges::release(h, gpu, bytes);
             }
         }
         r
@@ -393,20 +369,21 @@ pub extern "C" fn cuMipmappedArrayDestroy(arr: P) -> CUresult {
     })
 }
 
-/// The group's cap and use on gate `gpu`, if the group has a cap.
+/// The group's cap on gate `gpu`, if it has one, and what is left of it for this process: the
+/// group's use counts this process's leased spare, which is this process's to allocate.
 fn cap_of(h: &Hook, gpu: usize) -> Option<(u64, u64)> {
     if !h.port.is_connected() {
         return None;
     }
     let uuid = h.gates[gpu].uuid;
-    match h.port.call(|req| ClientMsg::MemQuery { req, gpu: uuid })? {
-        ServerMsg::Memory {
-            cap: Some(cap),
-            used,
-            ..
-        } => Some((cap, used)),
-        _ => None,
-    }
+    let ServerMsg::Memory { cap, used, .. } =
+        h.port.call(|req| ClientMsg::MemQuery { req, gpu: uuid })?
+    else {
+        return None;
+    };
+    charges::learn_cap(h, gpu, cap);
+    let others = used.saturating_sub(charges::spare(h, gpu));
+    cap.map(|cap| (cap, cap.saturating_sub(others)))
 }
 
 #[unsafe(no_mangle)]
@@ -419,14 +396,14 @@ pub extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresu
         }
         if let Some(h) = hook()
             && let Some(gpu) = h.current_index()
-            && let Some((cap, used)) = cap_of(h, gpu)
+            && let Some((cap, left)) = cap_of(h, gpu)
         {
             // SAFETY: both out-pointers are non-null and were just written by the driver.
             unsafe {
                 let real_total = *total as u64;
                 let real_free = *free as u64;
                 *total = cap.min(real_total) as usize;
-                *free = cap.saturating_sub(used).min(real_free) as usize;
+                *free = left.min(real_free) as usize;
             }
         }
         r

@@ -10,7 +10,8 @@
  *                               CUDA_ERROR_OUT_OF_MEMORY, for at most RETRY_MS; prints
  *                               {"result":…,"attempts":…,"t_start_ns":…,"t_done_ns":…}; frees
  *   mem_tool bench N BYTES      N × (cuMemAlloc_v2(BYTES); cuMemFree_v2), after a warm-up;
- *                               prints {"ns_per_alloc":…,"ns_per_free":…}
+ *                               prints {"ns_per_alloc":…,"ns_per_free":…} (means),
+ *                               "median_alloc_ns", "median_free_ns", "p99_alloc_ns"
  *   mem_tool vmm BYTES          the lifetime of physical allocations of BYTES on the device, one
  *                               stage per SIGUSR1, each printing {"stage":…,"free":…}
  *                               (cuMemGetInfo_v2) once done: "released_mapped": created, mapped,
@@ -23,6 +24,13 @@
  *                               both mapped, then cuMemAlloc_v2(DEV) while they live; prints
  *                               {"host":…,"host_numa":…,"host_numa_current":…(its result),
  *                               "free_before":…,"free_after":…,"device_alloc":…}
+ *   mem_tool many N BYTES RETRY_MS KEEP
+ *                               N × cuMemAlloc_v2(BYTES), each retried every 1 ms while it
+ *                               returns CUDA_ERROR_OUT_OF_MEMORY for at most RETRY_MS, stopping
+ *                               at the first that still fails; prints {"many":K,"wanted":N,
+ *                               "longest_wait_ns":…,"t_done_ns":…}; SIGUSR1 frees all but the
+ *                               first KEEP and prints {"kept":KEEP,"t_ns":…}; SIGUSR1 again
+ *                               frees the rest, prints {"done":K} and exits
  *   mem_tool fork-hold BYTES    cuMemAlloc_v2(BYTES), then fork a child that never uses CUDA
  *                               (stdio on /dev/null; exits on SIGUSR1, or after 120 s); prints
  *                               {"held":BYTES,"child":PID} and exits without freeing */
@@ -60,6 +68,11 @@ static void setup(void) {
     CK(cuDeviceGet(&dev, 0));
     CUcontext ctx;
     CK(cuCtxCreate_v2(&ctx, 0, dev));
+}
+
+static int cmp_ull(const void *a, const void *b) {
+    unsigned long long x = *(const unsigned long long *)a, y = *(const unsigned long long *)b;
+    return (x > y) - (x < y);
 }
 
 static void wait_usr1(void) {
@@ -112,7 +125,7 @@ int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr,
                 "usage: %s info | hold BYTES | try BYTES RETRY_MS | bench N BYTES | vmm BYTES | "
-                "vmm-host BYTES DEV | fork-hold BYTES\n",
+                "vmm-host BYTES DEV | many N BYTES RETRY_MS KEEP | fork-hold BYTES\n",
                 argv[0]);
         return 2;
     }
@@ -169,18 +182,29 @@ int main(int argc, char **argv) {
             CK(cuMemAlloc_v2(&p, bytes));
             CK(cuMemFree_v2(p));
         }
-        unsigned long long alloc_ns = 0, free_ns = 0;
+        unsigned long long *alloc_ns = calloc((size_t)n, sizeof *alloc_ns);
+        unsigned long long *free_ns = calloc((size_t)n, sizeof *free_ns);
+        EXPECT(alloc_ns && free_ns, "out of host memory for %ld samples", n);
+        unsigned long long alloc_sum = 0, free_sum = 0;
         for (long i = 0; i < n; i++) {
             unsigned long long t0 = now_ns();
             CK(cuMemAlloc_v2(&p, bytes));
             unsigned long long t1 = now_ns();
             CK(cuMemFree_v2(p));
             unsigned long long t2 = now_ns();
-            alloc_ns += t1 - t0;
-            free_ns += t2 - t1;
+            alloc_ns[i] = t1 - t0;
+            free_ns[i] = t2 - t1;
+            alloc_sum += t1 - t0;
+            free_sum += t2 - t1;
         }
-        printf("{\"n\":%ld,\"bytes\":%zu,\"ns_per_alloc\":%.0f,\"ns_per_free\":%.0f}\n", n, bytes,
-               (double)alloc_ns / n, (double)free_ns / n);
+        qsort(alloc_ns, (size_t)n, sizeof *alloc_ns, cmp_ull);
+        qsort(free_ns, (size_t)n, sizeof *free_ns, cmp_ull);
+        printf("{\"n\":%ld,\"bytes\":%zu,\"ns_per_alloc\":%.0f,\"ns_per_free\":%.0f,"
+               "\"median_alloc_ns\":%llu,\"median_free_ns\":%llu,\"p99_alloc_ns\":%llu}\n",
+               n, bytes, (double)alloc_sum / n, (double)free_sum / n, alloc_ns[n / 2],
+               free_ns[n / 2], alloc_ns[n - 1 - n / 100]);
+        free(alloc_ns);
+        free(free_ns);
     } else if (strcmp(cmd, "vmm") == 0 && argc == 3) {
         size_t bytes = strtoull(argv[2], NULL, 10);
         release_on_usr1();
@@ -241,6 +265,44 @@ int main(int argc, char **argv) {
             CK(cuMemUnmap(vn, bytes));
             CK(cuMemRelease(hn));
         }
+    } else if (strcmp(cmd, "many") == 0 && argc == 6) {
+        long n = atol(argv[2]);
+        size_t bytes = strtoull(argv[3], NULL, 10);
+        unsigned long long retry_ns = strtoull(argv[4], NULL, 10) * 1000000ull;
+        long keep = atol(argv[5]);
+        EXPECT(n > 0 && keep >= 0, "N must be positive, KEEP not negative");
+        release_on_usr1();
+        setup();
+        CUdeviceptr *p = calloc((size_t)n, sizeof *p);
+        EXPECT(p != NULL, "out of host memory for %ld pointers", n);
+        long k = 0;
+        unsigned long long longest = 0;
+        for (; k < n; k++) {
+            unsigned long long t0 = now_ns();
+            CUresult r;
+            while ((r = cuMemAlloc_v2(&p[k], bytes)) == CUDA_ERROR_OUT_OF_MEMORY &&
+                   now_ns() - t0 < retry_ns)
+                usleep(1000);
+            if (r == CUDA_ERROR_OUT_OF_MEMORY)
+                break;
+            CK(r);
+            if (now_ns() - t0 > longest)
+                longest = now_ns() - t0;
+        }
+        printf("{\"many\":%ld,\"wanted\":%ld,\"longest_wait_ns\":%llu,\"t_done_ns\":%llu}\n", k,
+               n, longest, now_ns());
+        fflush(stdout);
+        wait_usr1();
+        long kept = keep < k ? keep : k;
+        for (long i = kept; i < k; i++)
+            CK(cuMemFree_v2(p[i]));
+        printf("{\"kept\":%ld,\"t_ns\":%llu}\n", kept, now_ns());
+        fflush(stdout);
+        wait_usr1();
+        for (long i = 0; i < kept; i++)
+            CK(cuMemFree_v2(p[i]));
+        printf("{\"done\":%ld}\n", k);
+        free(p);
     } else if (strcmp(cmd, "fork-hold") == 0 && argc == 3) {
         size_t bytes = strtoull(argv[2], NULL, 10);
         release_on_usr1();
