@@ -570,6 +570,165 @@ fn physical_memory_is_charged_until_released_and_unmapped() {
     });
 }
 
+/// The simulated driver's memory pools behave as the driver documents them (`mem_tool
+/// pool-api`: 2 MiB granules, reuse of freed bytes, release at a synchronisation down to the
+/// threshold, trims, `maxSize`, current pools, destruction with live allocations, high
+/// watermarks, each allocation's pool, cuMemGetInfo_v2 after each step), alone; and under the
+/// hook with a 1 GiB cap, where cuMemGetInfo_v2 then follows the pools through the hook's
+/// charges (a destroyed pool's live allocations included).
+#[test]
+fn simulated_pools_follow_the_driver_api_and_the_hook_follows_them() {
+    let (node, exe) = node_with("mem_tool");
+    let mut bare = node.command(&exe);
+    bare.arg("pool-api");
+    for (name, cmd) in [
+        ("bare", bare),
+        (
+            "hooked",
+            in_group(&node, "pool-api", Some("1GiB"), &exe, &["pool-api"]),
+        ),
+    ] {
+        let (lines, out) = run_ok(cmd);
+        let v = line_with(&lines, "pool_api", &out);
+        assert_eq!(v["pool_api"], "PASS", "{name}: {v}");
+    }
+    let g = node
+        .status_group("pool-api")
+        .expect("the group in gpushare status");
+    assert_eq!(u(&g, "memory_used"), 0, "after it exited: {g}");
+}
+
+/// `mem_tool pool BYTES THRESHOLD` in group `group` under a 4 GiB cap, driven through its
+/// stages: `check(stage, line)` at each.
+fn pool_stages(
+    node: &Node,
+    exe: &Path,
+    group: &str,
+    bytes: u64,
+    threshold: u64,
+    mut check: impl FnMut(&str, &Value),
+) {
+    let stages = ["allocated", "freed", "synced", "trimmed"];
+    let args = ["pool", &bytes.to_string(), &threshold.to_string()].map(String::from);
+    let mut p = Proc::spawn(in_group(node, group, Some("4GiB"), exe, &args));
+    for want in stages {
+        let v = p.expect_json("stage", RUN);
+        assert_eq!(v["stage"], want, "{v}");
+        check(want, &v);
+        p.signal(libc::SIGUSR1);
+    }
+    let (status, stderr) = p.finish(RUN);
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "mem_tool pool: {stderr}"
+    );
+}
+
+/// Wait (at most 3 s) until the group's use on the GPU is `want`: how long it took, in ms.
+fn wait_used(node: &Node, group: &str, want: u64) -> Option<f64> {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(3) {
+        if node
+            .status_group(group)
+            .is_some_and(|g| u(&g, "memory_used") == want)
+        {
+            return Some(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    None
+}
+
+/// A stream-ordered pool keeps what cuMemFreeAsync frees (issue 18), and the hook charges what
+/// the pool reserves on the device, not what its allocations use. Release threshold 2 GiB under
+/// a 4 GiB cap: 3 GiB from cuMemAllocAsync; another process of the group is refused 2 GiB while
+/// they are allocated, and still after cuMemFreeAsync (the pool keeps them); at the stream's
+/// synchronisation the pool releases down to its threshold, and the hook notices by itself
+/// (the process calls nothing more): the group's use drops to 2 GiB, 3 GiB are refused and
+/// 2 GiB granted; after cuMemPoolTrimTo(pool, 0) it drops to 0 and 3 GiB are granted.
+#[test]
+fn a_pool_keeps_freed_bytes_charged_until_it_releases_them() {
+    let (node, exe) = node_with("mem_tool");
+    let group = "pool";
+    let other = |bytes: u64| i(&try_alloc(&node, &exe, group, "4GiB", bytes, 0), "result");
+    pool_stages(&node, &exe, group, 3 * GIB, 2 * GIB, |stage, v| {
+        let pool = (u(v, "reserved"), u(v, "used"));
+        match stage {
+            "allocated" | "freed" => {
+                let used = if stage == "allocated" { 3 * GIB } else { 0 };
+                assert_eq!(pool, (3 * GIB, used), "{stage}: the pool {v}");
+                assert_eq!(u(v, "free"), GIB, "{stage}: cuMemGetInfo_v2 {v}");
+                let g = node
+                    .status_group(group)
+                    .expect("the group in gpushare status");
+                assert_eq!(u(&g, "memory_used"), 3 * GIB, "{stage}: {g}");
+                assert_eq!(
+                    other(2 * GIB),
+                    OOM,
+                    "{stage}: 2 GiB beside 3 GiB in the pool"
+                );
+            }
+            "synced" => {
+                assert_eq!(pool, (2 * GIB, 0), "released down to the threshold: {v}");
+                let ms = wait_used(&node, group, 2 * GIB);
+                eprintln!("synchronised: the group's use is 2 GiB after {ms:?} ms");
+                assert!(
+                    ms.is_some(),
+                    "the pool's release was not given back within 3 s"
+                );
+                assert_eq!(other(3 * GIB), OOM, "3 GiB beside the 2 GiB the pool keeps");
+                assert_eq!(other(2 * GIB), 0, "2 GiB beside the 2 GiB the pool keeps");
+            }
+            _ => {
+                assert_eq!(pool, (0, 0), "trimmed: {v}");
+                let ms = wait_used(&node, group, 0);
+                eprintln!("trimmed: the group's use is 0 after {ms:?} ms");
+                assert!(ms.is_some(), "the trim was not given back within 3 s");
+                assert_eq!(other(3 * GIB), 0, "3 GiB after the trim");
+            }
+        }
+    });
+    let g = node
+        .status_group(group)
+        .expect("the group in gpushare status");
+    assert_eq!(u(&g, "memory_used"), 0, "after it exited: {g}");
+}
+
+/// With the default release threshold (0), what cuMemFreeAsync frees stays in the pool, and
+/// charged, until the next synchronisation, and comes back then: 3 GiB under a 4 GiB cap,
+/// another process of the group is refused 2 GiB after the free, and gets 3 GiB after the
+/// synchronisation (the hook notices by itself).
+#[test]
+fn the_default_pool_gives_freed_bytes_back_at_the_synchronisation() {
+    let (node, exe) = node_with("mem_tool");
+    let group = "pool0";
+    let other = |bytes: u64| i(&try_alloc(&node, &exe, group, "4GiB", bytes, 0), "result");
+    pool_stages(&node, &exe, group, 3 * GIB, 0, |stage, v| {
+        let pool = (u(v, "reserved"), u(v, "used"));
+        match stage {
+            "allocated" | "freed" => {
+                assert_eq!(pool.0, 3 * GIB, "{stage}: the pool {v}");
+                assert_eq!(
+                    other(2 * GIB),
+                    OOM,
+                    "{stage}: 2 GiB beside 3 GiB in the pool"
+                );
+            }
+            "synced" => {
+                assert_eq!(pool, (0, 0), "released at the synchronisation: {v}");
+                let ms = wait_used(&node, group, 0);
+                eprintln!("synchronised: the group's use is 0 after {ms:?} ms");
+                assert!(
+                    ms.is_some(),
+                    "the pool's release was not given back within 3 s"
+                );
+                assert_eq!(other(3 * GIB), 0, "3 GiB after the synchronisation");
+            }
+            _ => assert_eq!(pool, (0, 0), "trimmed: {v}"),
+        }
+    });
+}
+
 /// Host memory from cuMemCreate (location HOST, or HOST_NUMA node 0: NCCL's host buffers) is not
 /// the GPU's: the simulated device does not lose it, and under a 4 GiB cap the process holding
 /// 2 × 3 GiB of it still gets all 4 GiB of device memory. HOST_NUMA_CURRENT is refused for a
