@@ -1,5 +1,5 @@
 //! Typed, safe wrappers over the hook's own driver (and thread) calls (the gate's fences and drains, the
-//! process's device discovery): the one place outside the exported symbols where the hook calls
+//! process's device discovery, the memory pools' reservations): the one place outside the exported symbols where the hook calls
 //! the driver, so the layers above hold no `unsafe`. Capture-safety is `crate::real`'s
 //! (`own_*` calls); a missing entry point reads as a failed call.
 
@@ -14,6 +14,15 @@ impl Handle {
     /// The handle an application passed (to a call that destroys it).
     pub fn from_raw(p: *mut c_void) -> Handle {
         Handle(p)
+    }
+
+    /// The handle as a number (a key in the hook's books), and back.
+    pub fn key(self) -> u64 {
+        self.0 as u64
+    }
+
+    pub fn from_key(key: u64) -> Handle {
+        Handle(key as *mut c_void)
     }
 
     /// No handle (tests of the bookkeeping around handles).
@@ -163,4 +172,32 @@ pub fn thread_id() -> u64 {
 pub fn precise_timers() {
     // SAFETY: prctl(PR_SET_TIMERSLACK) only changes this thread's timer slack.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1_000 as libc::c_ulong) };
+}
+
+/// `CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`, `CU_MEMPOOL_ATTR_USED_MEM_CURRENT`.
+const POOL_RESERVED_MEM_CURRENT: u32 = 5;
+const POOL_USED_MEM_CURRENT: u32 = 7;
+
+/// What memory pool `pool` reserves on its device, and how much of that live allocations use;
+/// `None` if the driver cannot say (no pools, or the pool was destroyed).
+pub fn pool_memory(pool: Handle) -> Option<(u64, u64)> {
+    let get = real::cuMemPoolGetAttribute()?;
+    let read = |attr| {
+        let mut v = 0u64;
+        // SAFETY: both attributes are `cuuint64_t`, written through a valid out-pointer.
+        (unsafe { get(pool.0, attr, (&mut v as *mut u64).cast()) } == CUDA_SUCCESS).then_some(v)
+    };
+    Some((
+        read(POOL_RESERVED_MEM_CURRENT)?,
+        read(POOL_USED_MEM_CURRENT)?,
+    ))
+}
+
+/// The current memory pool of device `dev`: where its `cuMemAllocAsync` allocations come from.
+pub fn device_mem_pool(dev: usize) -> Option<Handle> {
+    let get = real::cuDeviceGetMemPool()?;
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: valid out-pointer and device ordinal.
+    (unsafe { get(&mut pool, dev as i32) } == CUDA_SUCCESS && !pool.is_null())
+        .then_some(Handle(pool))
 }

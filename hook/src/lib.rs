@@ -8,10 +8,13 @@
 //! - [`settings`] reads the environment; [`port`] is the connection to the scheduler;
 //! - [`turn`] is the pure turn state machine and pacing arithmetic (tested in virtual time);
 //!   [`queue`] estimates the GPU work this process has queued, from its fence events;
-//!   [`books`] keeps the memory this process holds;
+//!   [`books`] keeps the memory this process holds, and [`lease`] (pure) the arithmetic of
+//!   what it holds at the scheduler;
 //! - [`gate`] is one GPU's gate: the launch fast path, and a watcher and a drainer that carry
 //!   out the machine's decisions;
 //! - [`process`] is the process's hook: gates, port and books, and what happens at `fork`;
+//! - [`charges`] reserves and gives back at the scheduler through the leases, and runs the
+//!   thread that returns spare the process does not use;
 //! - [`intercept`] and [`memory`] are the FFI surface: the exported `cu*` symbols, `dlsym` and
 //!   `cuGetProcAddress`, which route every launch, synchronisation and allocation.
 //!
@@ -21,9 +24,11 @@
 //! once).
 
 mod books;
+mod charges;
 mod driver;
 mod gate;
 mod intercept;
+mod lease;
 mod log;
 mod memory;
 mod port;

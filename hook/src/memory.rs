@@ -1,9 +1,14 @@
-//! GPU memory caps: every allocation path reserves against the group's cap at the scheduler
-//! before the real allocation (one round trip) and rolls back if the driver then fails; frees
-//! give back without waiting for an answer. `cuMemGetInfo_v2` and `cuDeviceTotalMem_v2` report
-//! the cap and what is left of it, never more than the device really has.
+//! GPU memory caps: every allocation path reserves against the group's cap before the real
+//! allocation (from the process's lease, [`crate::charges`]: a round trip only when the lease
+//! must grow) and rolls back if the driver then fails; frees give back to the lease.
+//! Stream-ordered allocations are charged as their pool's reservation, which outlives their
+//! frees until the pool releases it.
+//! `cuMemGetInfo_v2` and `cuDeviceTotalMem_v2` report the cap and what is left of it, never
+//! more than the device really has.
 
-use crate::books::{Held, Physical};
+use crate::books::{Held, Physical, Pooled};
+use crate::charges;
+use crate::driver;
 use crate::process::{Hook, hook};
 use crate::real;
 use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
@@ -19,32 +24,6 @@ const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 const CUDA_ERROR_UNKNOWN: CUresult = 999;
 /// Pitch alignment assumed when reserving for cuMemAllocPitch (the real pitch is known after).
 const PITCH_ALIGN: usize = 512;
-
-/// Reserve `bytes` on gate `gpu`; false means over the cap. Without a scheduler, fail-open
-/// enforces nothing and fail-closed waits for it (and refuses if it does not answer).
-fn reserve(h: &Hook, gpu: usize, bytes: u64) -> bool {
-    if !h.wait_connected() {
-        return !h.port.is_refused();
-    }
-    let uuid = h.gates[gpu].uuid;
-    match h.port.call(|req| ClientMsg::MemReserve {
-        req,
-        gpu: uuid,
-        bytes,
-    }) {
-        Some(ServerMsg::Memory { granted, .. }) => granted,
-        _ => h.settings.fail == crate::settings::FailPolicy::Open,
-    }
-}
-
-fn give_back(h: &Hook, gpu: usize, bytes: u64) {
-    if bytes > 0 {
-        h.port.send(&ClientMsg::MemFree {
-            gpu: h.gates[gpu].uuid,
-            bytes,
-        });
-    }
-}
 
 /// Reserve, allocate, then record the allocation under the key `key` reads from the driver's
 /// out-pointer, or roll back.
@@ -74,14 +53,14 @@ fn allocate_into(
             return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         };
         let bytes = bytes as u64;
-        if !reserve(h, gpu, bytes) {
+        if !charges::draw(h, gpu, bytes) {
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
         let r = alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         if r == CUDA_SUCCESS {
             record(&mut h.memory.lock(), gpu, bytes);
         } else {
-            give_back(h, gpu, bytes);
+            charges::release(h, gpu, bytes);
         }
         r
     };
@@ -101,7 +80,7 @@ fn then_books(
         {
             let freed = update(&mut h.memory.lock());
             for (gpu, bytes) in freed {
-                give_back(h, gpu, bytes);
+                charges::release(h, gpu, bytes);
             }
         }
         r
@@ -112,6 +91,69 @@ fn then_books(
 /// Free through the driver, then give back what the allocation `key` held.
 fn release(key: u64, free: impl FnOnce() -> Option<CUresult>) -> CUresult {
     then_books(free, |held| held.allocs.remove(&key).into_iter().collect())
+}
+
+/// A stream-ordered allocation of `size` bytes from `pool` (`None`: the current device's
+/// current pool, where `cuMemAllocAsync` allocates): charged through the pool's reservation
+/// ([`charges::pool_alloc`]), or as a plain allocation where the driver cannot tell what a
+/// pool reserves.
+fn allocate_pooled(
+    pool: Option<P>,
+    size: usize,
+    alloc: impl FnOnce() -> Option<CUresult>,
+    key: impl FnOnce() -> u64,
+) -> CUresult {
+    let run = || {
+        let Some(h) = hook() else {
+            return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        };
+        let Some(gpu) = h.current_index() else {
+            return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        };
+        let pool = pool
+            .map(driver::Handle::from_raw)
+            .or_else(|| driver::device_mem_pool(gpu));
+        let Some(pool) = pool.filter(|&p| driver::pool_memory(p).is_some()) else {
+            return allocate(Some(gpu), Some(size), alloc, key);
+        };
+        let allocated = charges::pool_alloc(h, gpu, pool, size as u64, || {
+            let r = alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+            if r == CUDA_SUCCESS {
+                let p = Pooled {
+                    pool: pool.key(),
+                    bytes: size as u64,
+                };
+                h.memory.lock().pooled.insert(key(), p);
+            }
+            r
+        });
+        allocated.unwrap_or(CUDA_ERROR_OUT_OF_MEMORY)
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+}
+
+/// Free device memory through the driver: a plain allocation gives its bytes back; one from a
+/// pool leaves them in the pool, charged until the pool releases them.
+fn release_device(ptr: u64, free: impl FnOnce() -> Option<CUresult>) -> CUresult {
+    let run = || {
+        let r = free().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        if r == CUDA_SUCCESS
+            && let Some(h) = hook()
+        {
+            let (plain, pooled) = {
+                let mut held = h.memory.lock();
+                (held.allocs.remove(&ptr), held.pooled.remove(&ptr))
+            };
+            if let Some((gpu, bytes)) = plain {
+                charges::release(h, gpu, bytes);
+            }
+            if let Some(p) = pooled {
+                charges::pool_freed(h, p.pool);
+            }
+        }
+        r
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
 }
 
 /// Read a caller's struct or an out-pointer the driver has just written (`None` if null).
@@ -166,9 +208,9 @@ pub extern "C" fn cuMemAllocManaged(dptr: *mut u64, size: usize, flags: u32) -> 
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemAllocAsync(dptr: *mut u64, size: usize, s: P) -> CUresult {
-    allocate(
+    allocate_pooled(
         None,
-        Some(size),
+        size,
         || real::cuMemAllocAsync().map(|f| unsafe { f(dptr, size, s) }),
         || read(dptr).unwrap_or(0),
     )
@@ -176,9 +218,9 @@ pub extern "C" fn cuMemAllocAsync(dptr: *mut u64, size: usize, s: P) -> CUresult
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut u64, size: usize, s: P) -> CUresult {
-    allocate(
+    allocate_pooled(
         None,
-        Some(size),
+        size,
         || real::cuMemAllocAsync_ptsz().map(|f| unsafe { f(dptr, size, s) }),
         || read(dptr).unwrap_or(0),
     )
@@ -186,9 +228,9 @@ pub extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut u64, size: usize, s: P) -> CUr
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemAllocFromPoolAsync(dptr: *mut u64, size: usize, pool: P, s: P) -> CUresult {
-    allocate(
-        None,
-        Some(size),
+    allocate_pooled(
+        Some(pool).filter(|p| !p.is_null()),
+        size,
         || real::cuMemAllocFromPoolAsync().map(|f| unsafe { f(dptr, size, pool, s) }),
         || read(dptr).unwrap_or(0),
     )
@@ -201,9 +243,9 @@ pub extern "C" fn cuMemAllocFromPoolAsync_ptsz(
     pool: P,
     s: P,
 ) -> CUresult {
-    allocate(
-        None,
-        Some(size),
+    allocate_pooled(
+        Some(pool).filter(|p| !p.is_null()),
+        size,
         || real::cuMemAllocFromPoolAsync_ptsz().map(|f| unsafe { f(dptr, size, pool, s) }),
         || read(dptr).unwrap_or(0),
     )
@@ -364,17 +406,17 @@ pub extern "C" fn cuMipmappedArrayCreate(
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
-    release(ptr, || real::cuMemFree_v2().map(|f| unsafe { f(ptr) }))
+    release_device(ptr, || real::cuMemFree_v2().map(|f| unsafe { f(ptr) }))
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFreeAsync(ptr: u64, s: P) -> CUresult {
-    release(ptr, || real::cuMemFreeAsync().map(|f| unsafe { f(ptr, s) }))
+    release_device(ptr, || real::cuMemFreeAsync().map(|f| unsafe { f(ptr, s) }))
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFreeAsync_ptsz(ptr: u64, s: P) -> CUresult {
-    release(ptr, || {
+    release_device(ptr, || {
         real::cuMemFreeAsync_ptsz().map(|f| unsafe { f(ptr, s) })
     })
 }
@@ -393,20 +435,23 @@ pub extern "C" fn cuMipmappedArrayDestroy(arr: P) -> CUresult {
     })
 }
 
-/// The group's cap and use on gate `gpu`, if the group has a cap.
-fn cap_of(h: &Hook, gpu: usize) -> Option<(u64, u64)> {
+/// The group's cap on gate `gpu`, if it has one, and what is left of it for this process: the
+/// group's use counts this process's leased spare, which is this process's to allocate. The
+/// pools' charges are brought up to date first (a synchronisation may have released bytes).
+fn cap_of(h: &'static Hook, gpu: usize) -> Option<(u64, u64)> {
     if !h.port.is_connected() {
         return None;
     }
+    charges::reconcile_pools(h, gpu);
     let uuid = h.gates[gpu].uuid;
-    match h.port.call(|req| ClientMsg::MemQuery { req, gpu: uuid })? {
-        ServerMsg::Memory {
-            cap: Some(cap),
-            used,
-            ..
-        } => Some((cap, used)),
-        _ => None,
-    }
+    let ServerMsg::Memory { cap, used, .. } =
+        h.port.call(|req| ClientMsg::MemQuery { req, gpu: uuid })?
+    else {
+        return None;
+    };
+    charges::learn_cap(h, gpu, cap);
+    let others = used.saturating_sub(charges::spare(h, gpu));
+    cap.map(|cap| (cap, cap.saturating_sub(others)))
 }
 
 #[unsafe(no_mangle)]
@@ -419,14 +464,14 @@ pub extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresu
         }
         if let Some(h) = hook()
             && let Some(gpu) = h.current_index()
-            && let Some((cap, used)) = cap_of(h, gpu)
+            && let Some((cap, left)) = cap_of(h, gpu)
         {
             // SAFETY: both out-pointers are non-null and were just written by the driver.
             unsafe {
                 let real_total = *total as u64;
                 let real_free = *free as u64;
                 *total = cap.min(real_total) as usize;
-                *free = cap.saturating_sub(used).min(real_free) as usize;
+                *free = left.min(real_free) as usize;
             }
         }
         r

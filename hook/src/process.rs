@@ -18,7 +18,7 @@ pub struct Hook {
     pub settings: Settings,
     pub gates: Vec<Gate>,
     pub port: &'static Port,
-    /// Memory this process holds per GPU, by allocation (pointer or handle).
+    /// Memory this process holds per GPU, by allocation (pointer or handle), and its leases.
     pub memory: Books,
 }
 
@@ -88,11 +88,12 @@ impl Hook {
                 ))
             })
             .collect::<Option<Vec<_>>>()?;
+        let memory = Books::new(gates.len(), settings.lease_max);
         Some(Hook {
             settings,
             gates,
             port,
-            memory: Books::default(),
+            memory,
         })
     }
 
@@ -144,12 +145,13 @@ impl Hook {
 
 impl Inbox for Hook {
     /// A restarted scheduler learns what this process holds on every GPU (nothing, too: its
-    /// journal may remember more).
+    /// journal may remember more): its whole lease, spare included, since the process may
+    /// allocate the spare without asking again.
     fn greeting(&self) -> Vec<ClientMsg> {
         (self.gates.iter().enumerate())
             .map(|(i, g)| ClientMsg::MemSync {
                 gpu: g.uuid,
-                bytes: self.memory.held(i),
+                bytes: self.memory.lease(i).held(),
             })
             .collect()
     }

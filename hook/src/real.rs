@@ -155,6 +155,8 @@ real_fns! {
     cuArrayDestroy: fn(P);
     cuMipmappedArrayDestroy: fn(P);
     cuMemGetInfo_v2: fn(*mut usize, *mut usize);
+    cuMemPoolGetAttribute: fn(P, u32, *mut c_void);
+    cuDeviceGetMemPool: fn(*mut P, i32);
     cuDeviceTotalMem_v2: fn(*mut usize, i32);
     cuGetProcAddress_v2: fn(*const c_char, *mut P, i32, u64, *mut i32);
     cuGraphInstantiate: fn(*mut P, P, *mut P, *mut c_char, usize);

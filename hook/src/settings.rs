@@ -23,6 +23,10 @@ pub struct Settings {
     /// a turn up to its deadline plus its grace at most).
     pub drain_grace_ns: u64,
     pub declared: Option<GroupSpec>,
+    /// `GPUSHARE_MEM_LEASE`: the largest block of its group's memory cap a process leases at
+    /// once (the block is also at most cap / 32); 0: no lease, every allocation waits for the
+    /// scheduler.
+    pub lease_max: u64,
 }
 
 impl Settings {
@@ -55,6 +59,9 @@ impl Settings {
             },
             drain_grace_ns: duration("GPUSHARE_DRAIN_GRACE", 10_000_000),
             declared,
+            lease_max: var("GPUSHARE_MEM_LEASE")
+                .and_then(|v| gpushare_units::parse_size(&v).ok())
+                .unwrap_or(64 << 20),
         }
     }
 }

@@ -929,6 +929,7 @@ mod tests {
             active: false,
             memory_used: memory,
             memory_cap: None,
+            memory_reservations: 0,
             pod: None,
         }
     }

@@ -636,6 +636,7 @@ pub(crate) fn report(st: &State, now: u64) -> Report {
                         active: g.active,
                         memory_used: st.memory.used(&g.name, uuid),
                         memory_cap: st.memory.cap(&g.name),
+                        memory_reservations: st.memory.reservations(&g.name, uuid),
                         pod: pod_labels(st, &g.name),
                     })
                     .collect(),

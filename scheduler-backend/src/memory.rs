@@ -40,6 +40,9 @@ pub struct MemoryBooks {
     processes: HashMap<u64, ProcessId>,
     /// Holdings of processes that have not reconnected since the daemon restarted.
     ghosts: HashMap<(ProcessId, GpuUuid), (String, u64)>,
+    /// Reservations asked for per group and GPU, granted or not (each is a round trip a
+    /// process waited for; hooks lease so that small allocations rarely need one).
+    reservations: HashMap<(String, GpuUuid), u64>,
     /// The holdings changed since [`take_changed`](Self::take_changed) last said so.
     changed: bool,
 }
@@ -82,6 +85,10 @@ impl MemoryBooks {
 
     /// Reserve `bytes` for `client` of `group` on `gpu`, unless that would exceed the cap.
     pub fn reserve(&mut self, client: u64, group: &str, gpu: GpuUuid, bytes: u64) -> Usage {
+        *self
+            .reservations
+            .entry((group.to_string(), gpu))
+            .or_default() += 1;
         let cap = self.cap(group);
         let used = self.used(group, &gpu);
         let granted = cap.is_none_or(|c| used.saturating_add(bytes) <= c);
@@ -114,6 +121,14 @@ impl MemoryBooks {
             self.ghosts.remove(&(*p, gpu));
         }
         self.changed = true;
+    }
+
+    /// Reservations the group's processes asked for on `gpu` since the daemon started.
+    pub fn reservations(&self, group: &str, gpu: &GpuUuid) -> u64 {
+        self.reservations
+            .get(&(group.to_string(), *gpu))
+            .copied()
+            .unwrap_or(0)
     }
 
     pub fn query(&self, group: &str, gpu: &GpuUuid) -> Usage {
@@ -225,6 +240,11 @@ mod tests {
             }
         );
         assert!(m.reserve(2, "a", GPU, GIB).granted, "exactly the cap fits");
+        assert_eq!(
+            m.reservations("a", &GPU),
+            3,
+            "granted or not, each is counted"
+        );
         assert!(m.reserve(3, "b", GPU, 100 * GIB).granted, "uncapped group");
         assert!(
             m.reserve(1, "a", [2; 16], 4 * GIB).granted,

@@ -79,6 +79,10 @@ pub struct GroupReport {
     /// GPU memory the group's processes hold on this GPU, and its cap (`None`: uncapped).
     pub memory_used: u64,
     pub memory_cap: Option<u64>,
+    /// Memory reservations (round trips) its processes asked for on this GPU since the daemon
+    /// started, granted or not.
+    #[serde(default)]
+    pub memory_reservations: u64,
     /// Set when the group is a Kubernetes container.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<PodLabels>,
@@ -230,7 +234,7 @@ pub fn prometheus(r: &Report) -> String {
         &'static str,
         fn(&GroupReport) -> Option<f64>,
     );
-    let metrics: [Metric; 11] = [
+    let metrics: [Metric; 12] = [
         (
             "gpushare_group_request",
             "gauge",
@@ -297,6 +301,12 @@ pub fn prometheus(r: &Report) -> String {
             "GPU memory cap of the group.",
             |g| g.memory_cap.map(|c| c as f64),
         ),
+        (
+            "gpushare_group_memory_reservations_total",
+            "counter",
+            "Memory reservations the group's processes waited for (small allocations come from their leases).",
+            |g| Some(g.memory_reservations as f64),
+        ),
     ];
     let mut out = String::new();
     for (name, kind, help, value) in metrics {
@@ -360,6 +370,7 @@ mod tests {
             active: true,
             memory_used: 10,
             memory_cap: None,
+            memory_reservations: 0,
             pod: None,
         };
         let mut p = g.clone();

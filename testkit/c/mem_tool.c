@@ -10,7 +10,8 @@
  *                               CUDA_ERROR_OUT_OF_MEMORY, for at most RETRY_MS; prints
  *                               {"result":…,"attempts":…,"t_start_ns":…,"t_done_ns":…}; frees
  *   mem_tool bench N BYTES      N × (cuMemAlloc_v2(BYTES); cuMemFree_v2), after a warm-up;
- *                               prints {"ns_per_alloc":…,"ns_per_free":…}
+ *                               prints {"ns_per_alloc":…,"ns_per_free":…} (means),
+ *                               "median_alloc_ns", "median_free_ns", "p99_alloc_ns"
  *   mem_tool vmm BYTES          the lifetime of physical allocations of BYTES on the device, one
  *                               stage per SIGUSR1, each printing {"stage":…,"free":…}
  *                               (cuMemGetInfo_v2) once done: "released_mapped": created, mapped,
@@ -23,6 +24,27 @@
  *                               both mapped, then cuMemAlloc_v2(DEV) while they live; prints
  *                               {"host":…,"host_numa":…,"host_numa_current":…(its result),
  *                               "free_before":…,"free_after":…,"device_alloc":…}
+ *   mem_tool many N BYTES RETRY_MS KEEP
+ *                               N × cuMemAlloc_v2(BYTES), each retried every 1 ms while it
+ *                               returns CUDA_ERROR_OUT_OF_MEMORY for at most RETRY_MS, stopping
+ *                               at the first that still fails; prints {"many":K,"wanted":N,
+ *                               "longest_wait_ns":…,"t_done_ns":…}; SIGUSR1 frees all but the
+ *                               first KEEP and prints {"kept":KEEP,"t_ns":…}; SIGUSR1 again
+ *                               frees the rest, prints {"done":K} and exits
+ *   mem_tool pool BYTES THRESHOLD
+ *                               the default memory pool with release threshold THRESHOLD:
+ *                               cuMemAllocAsync(BYTES) on a stream, synchronised; then one stage
+ *                               per SIGUSR1: cuMemFreeAsync, cuStreamSynchronize,
+ *                               cuMemPoolTrimTo(pool, 0), exit. Each stage prints
+ *                               {"stage":…,"reserved":…,"used":…} (the pool's
+ *                               RESERVED_MEM_CURRENT and USED_MEM_CURRENT), with "free"
+ *                               (cuMemGetInfo_v2) at the first two only: later stages leave the
+ *                               hook to notice what the pool released by itself
+ *   mem_tool pool-api           the memory pool API as the driver documents it (reserving in
+ *                               2 MiB granules, reuse of freed bytes, release at a
+ *                               synchronisation down to the threshold, trims, maxSize, current
+ *                               pools, destruction with live allocations, high watermarks,
+ *                               each allocation's pool); prints {"pool_api":"PASS"}
  *   mem_tool fork-hold BYTES    cuMemAlloc_v2(BYTES), then fork a child that never uses CUDA
  *                               (stdio on /dev/null; exits on SIGUSR1, or after 120 s); prints
  *                               {"held":BYTES,"child":PID} and exits without freeing */
@@ -62,6 +84,11 @@ static void setup(void) {
     CK(cuCtxCreate_v2(&ctx, 0, dev));
 }
 
+static int cmp_ull(const void *a, const void *b) {
+    unsigned long long x = *(const unsigned long long *)a, y = *(const unsigned long long *)b;
+    return (x > y) - (x < y);
+}
+
 static void wait_usr1(void) {
     while (!release_now)
         usleep(1000);
@@ -77,6 +104,114 @@ static size_t mem_free(void) {
 static void print_stage(const char *stage) {
     printf("{\"stage\":\"%s\",\"free\":%zu}\n", stage, mem_free());
     fflush(stdout);
+}
+
+static void print_pool_stage(const char *stage, CUmemoryPool pool, int with_info) {
+    unsigned long long reserved = 0, used = 0;
+    CK(cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &reserved));
+    CK(cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &used));
+    printf("{\"stage\":\"%s\",\"reserved\":%llu,\"used\":%llu", stage, reserved, used);
+    if (with_info)
+        printf(",\"free\":%zu", mem_free());
+    printf(",\"t_ns\":%llu}\n", now_ns());
+    fflush(stdout);
+}
+
+static unsigned long long pool_attr(CUmemoryPool pool, CUmemPool_attribute attr) {
+    unsigned long long v = 0;
+    CK(cuMemPoolGetAttribute(pool, attr, &v));
+    return v;
+}
+
+#define POOL_MIB (1ull << 20)
+
+/* Expect pool `pool` to reserve `reserved` MiB, of which `used` MiB are used. */
+#define EXPECT_POOL(pool, reserved, used, when)                                               \
+    EXPECT(pool_attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) == (reserved) * POOL_MIB &&  \
+               pool_attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == (used) * POOL_MIB,        \
+           "%s: reserved %llu used %llu, expected %llu MiB, %llu MiB", when,                  \
+           pool_attr(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),                             \
+           pool_attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT), (unsigned long long)(reserved), \
+           (unsigned long long)(used))
+
+static CUmemoryPool pool_of(CUdeviceptr p) {
+    CUmemoryPool pool = NULL;
+    CK(cuPointerGetAttribute(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, p));
+    return pool;
+}
+
+static void pool_api(void) {
+    CUstream s;
+    CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CUmemoryPool def, cur, pool;
+    CK(cuDeviceGetDefaultMemPool(&def, dev));
+    CK(cuDeviceGetMemPool(&cur, dev));
+    EXPECT(cur == def, "the current pool is the default one at first");
+    EXPECT(pool_attr(def, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) == 0, "default threshold 0");
+    int reuse = 0;
+    CK(cuMemPoolGetAttribute(def, CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC, &reuse));
+    EXPECT(reuse == 1, "reuse policies enabled by default");
+    size_t free0 = mem_free();
+
+    CUmemPoolProps props;
+    memset(&props, 0, sizeof props);
+    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = 0;
+    props.maxSize = 64 * POOL_MIB;
+    CK(cuMemPoolCreate(&pool, &props));
+    CUdeviceptr a, b, c, big;
+    CK(cuMemAllocFromPoolAsync(&a, 3 * POOL_MIB, pool, s));
+    EXPECT_POOL(pool, 4, 3, "3 MiB: two granules");
+    EXPECT(pool_of(a) == pool, "the allocation's pool");
+    CK(cuMemAllocFromPoolAsync(&b, POOL_MIB, pool, s));
+    EXPECT_POOL(pool, 4, 4, "1 MiB more fits in the pool's free bytes");
+    EXPECT(mem_free() == free0 - 4 * POOL_MIB, "the device lost what the pool reserves");
+    CK(cuMemFreeAsync(a, s));
+    EXPECT_POOL(pool, 4, 1, "freed: kept in the pool");
+    EXPECT(mem_free() == free0 - 4 * POOL_MIB, "freed bytes stay reserved");
+    CK(cuStreamSynchronize(s));
+    EXPECT_POOL(pool, 2, 1, "synchronised: released down to threshold 0, but not a used granule");
+    EXPECT(mem_free() == free0 - 2 * POOL_MIB, "released to the device");
+    CK_EQ(cuMemAllocFromPoolAsync(&big, 70 * POOL_MIB, pool, s), CUDA_ERROR_OUT_OF_MEMORY);
+
+    CK(cuDeviceSetMemPool(dev, pool));
+    CK(cuDeviceGetMemPool(&cur, dev));
+    EXPECT(cur == pool, "cuDeviceSetMemPool");
+    CK(cuMemAllocAsync(&c, POOL_MIB, s));
+    EXPECT(pool_of(c) == pool, "cuMemAllocAsync allocates from the current pool");
+    EXPECT_POOL(pool, 2, 2, "the current pool");
+    CK_EQ(cuMemPoolDestroy(def), CUDA_ERROR_INVALID_VALUE);
+    CK(cuMemPoolDestroy(pool));
+    CK(cuDeviceGetMemPool(&cur, dev));
+    EXPECT(cur == def, "destroying the current pool makes the default one current");
+    EXPECT(mem_free() == free0 - 2 * POOL_MIB, "a destroyed pool keeps its live allocations");
+    CK(cuMemFreeAsync(b, s));
+    CK(cuMemFreeAsync(c, s));
+    EXPECT(mem_free() == free0, "and releases everything with the last of them");
+
+    unsigned long long zero = 0, one = 1, threshold = 100 * POOL_MIB;
+    CK(cuMemAllocAsync(&a, 6 * POOL_MIB, s));
+    CK(cuMemFreeAsync(a, s));
+    CK(cuMemPoolSetAttribute(def, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold));
+    CK(cuStreamSynchronize(s));
+    EXPECT_POOL(def, 6, 0, "under its threshold the pool keeps what it reserved");
+    CK(cuMemAllocAsync(&a, 5 * POOL_MIB, s));
+    EXPECT_POOL(def, 6, 5, "and reuses it");
+    CK(cuMemFreeAsync(a, s));
+    CK(cuMemPoolTrimTo(def, 3 * POOL_MIB));
+    EXPECT_POOL(def, 4, 0, "trimmed to at least 3 MiB, in granules");
+    CK(cuMemPoolTrimTo(def, 0));
+    EXPECT_POOL(def, 0, 0, "trimmed to nothing");
+    EXPECT(pool_attr(def, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) == 6 * POOL_MIB, "high watermark");
+    CK_EQ(cuMemPoolSetAttribute(def, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &one),
+          CUDA_ERROR_INVALID_VALUE);
+    CK(cuMemPoolSetAttribute(def, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &zero));
+    EXPECT(pool_attr(def, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) == 0, "high watermark reset");
+    CK_EQ(cuMemPoolSetAttribute(def, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &zero),
+          CUDA_ERROR_INVALID_VALUE);
+    EXPECT(mem_free() == free0, "everything back");
+    printf("{\"pool_api\":\"PASS\"}\n");
 }
 
 static CUmemAllocationProp located(int type, int id) {
@@ -112,7 +247,8 @@ int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr,
                 "usage: %s info | hold BYTES | try BYTES RETRY_MS | bench N BYTES | vmm BYTES | "
-                "vmm-host BYTES DEV | fork-hold BYTES\n",
+                "vmm-host BYTES DEV | many N BYTES RETRY_MS KEEP | pool BYTES THRESHOLD | pool-api | "
+                "fork-hold BYTES\n",
                 argv[0]);
         return 2;
     }
@@ -169,18 +305,29 @@ int main(int argc, char **argv) {
             CK(cuMemAlloc_v2(&p, bytes));
             CK(cuMemFree_v2(p));
         }
-        unsigned long long alloc_ns = 0, free_ns = 0;
+        unsigned long long *alloc_ns = calloc((size_t)n, sizeof *alloc_ns);
+        unsigned long long *free_ns = calloc((size_t)n, sizeof *free_ns);
+        EXPECT(alloc_ns && free_ns, "out of host memory for %ld samples", n);
+        unsigned long long alloc_sum = 0, free_sum = 0;
         for (long i = 0; i < n; i++) {
             unsigned long long t0 = now_ns();
             CK(cuMemAlloc_v2(&p, bytes));
             unsigned long long t1 = now_ns();
             CK(cuMemFree_v2(p));
             unsigned long long t2 = now_ns();
-            alloc_ns += t1 - t0;
-            free_ns += t2 - t1;
+            alloc_ns[i] = t1 - t0;
+            free_ns[i] = t2 - t1;
+            alloc_sum += t1 - t0;
+            free_sum += t2 - t1;
         }
-        printf("{\"n\":%ld,\"bytes\":%zu,\"ns_per_alloc\":%.0f,\"ns_per_free\":%.0f}\n", n, bytes,
-               (double)alloc_ns / n, (double)free_ns / n);
+        qsort(alloc_ns, (size_t)n, sizeof *alloc_ns, cmp_ull);
+        qsort(free_ns, (size_t)n, sizeof *free_ns, cmp_ull);
+        printf("{\"n\":%ld,\"bytes\":%zu,\"ns_per_alloc\":%.0f,\"ns_per_free\":%.0f,"
+               "\"median_alloc_ns\":%llu,\"median_free_ns\":%llu,\"p99_alloc_ns\":%llu}\n",
+               n, bytes, (double)alloc_sum / n, (double)free_sum / n, alloc_ns[n / 2],
+               free_ns[n / 2], alloc_ns[n - 1 - n / 100]);
+        free(alloc_ns);
+        free(free_ns);
     } else if (strcmp(cmd, "vmm") == 0 && argc == 3) {
         size_t bytes = strtoull(argv[2], NULL, 10);
         release_on_usr1();
@@ -241,6 +388,71 @@ int main(int argc, char **argv) {
             CK(cuMemUnmap(vn, bytes));
             CK(cuMemRelease(hn));
         }
+    } else if (strcmp(cmd, "many") == 0 && argc == 6) {
+        long n = atol(argv[2]);
+        size_t bytes = strtoull(argv[3], NULL, 10);
+        unsigned long long retry_ns = strtoull(argv[4], NULL, 10) * 1000000ull;
+        long keep = atol(argv[5]);
+        EXPECT(n > 0 && keep >= 0, "N must be positive, KEEP not negative");
+        release_on_usr1();
+        setup();
+        CUdeviceptr *p = calloc((size_t)n, sizeof *p);
+        EXPECT(p != NULL, "out of host memory for %ld pointers", n);
+        long k = 0;
+        unsigned long long longest = 0;
+        for (; k < n; k++) {
+            unsigned long long t0 = now_ns();
+            CUresult r;
+            while ((r = cuMemAlloc_v2(&p[k], bytes)) == CUDA_ERROR_OUT_OF_MEMORY &&
+                   now_ns() - t0 < retry_ns)
+                usleep(1000);
+            if (r == CUDA_ERROR_OUT_OF_MEMORY)
+                break;
+            CK(r);
+            if (now_ns() - t0 > longest)
+                longest = now_ns() - t0;
+        }
+        printf("{\"many\":%ld,\"wanted\":%ld,\"longest_wait_ns\":%llu,\"t_done_ns\":%llu}\n", k,
+               n, longest, now_ns());
+        fflush(stdout);
+        wait_usr1();
+        long kept = keep < k ? keep : k;
+        for (long i = kept; i < k; i++)
+            CK(cuMemFree_v2(p[i]));
+        printf("{\"kept\":%ld,\"t_ns\":%llu}\n", kept, now_ns());
+        fflush(stdout);
+        wait_usr1();
+        for (long i = 0; i < kept; i++)
+            CK(cuMemFree_v2(p[i]));
+        printf("{\"done\":%ld}\n", k);
+        free(p);
+    } else if (strcmp(cmd, "pool") == 0 && argc == 4) {
+        size_t bytes = strtoull(argv[2], NULL, 10);
+        unsigned long long threshold = strtoull(argv[3], NULL, 10);
+        release_on_usr1();
+        setup();
+        CUstream s;
+        CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+        CUmemoryPool pool;
+        CK(cuDeviceGetDefaultMemPool(&pool, dev));
+        CK(cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold));
+        CUdeviceptr p;
+        CK(cuMemAllocAsync(&p, bytes, s));
+        CK(cuStreamSynchronize(s));
+        print_pool_stage("allocated", pool, 1);
+        wait_usr1();
+        CK(cuMemFreeAsync(p, s));
+        print_pool_stage("freed", pool, 1);
+        wait_usr1();
+        CK(cuStreamSynchronize(s));
+        print_pool_stage("synced", pool, 0);
+        wait_usr1();
+        CK(cuMemPoolTrimTo(pool, 0));
+        print_pool_stage("trimmed", pool, 0);
+        wait_usr1();
+    } else if (strcmp(cmd, "pool-api") == 0 && argc == 2) {
+        setup();
+        pool_api();
     } else if (strcmp(cmd, "fork-hold") == 0 && argc == 3) {
         size_t bytes = strtoull(argv[2], NULL, 10);
         release_on_usr1();

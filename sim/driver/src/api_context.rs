@@ -168,7 +168,8 @@ entry!(
             st.check_ctx_not_capturing(ctx)?;
             st.ctx_tail(ctx)
         };
-        d.client.wait(tail).map(|_| ())
+        d.client.wait(tail)?;
+        crate::api_memory::release_pools_at_sync()
     }
 );
 

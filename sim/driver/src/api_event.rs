@@ -146,7 +146,8 @@ entry!(
 );
 entry!(
     fn cuEventSynchronize(h: Handle) {
-        completion(h, true).map(|_| ())
+        completion(h, true)?;
+        crate::api_memory::release_pools_at_sync()
     }
 );
 

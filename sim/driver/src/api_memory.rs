@@ -111,7 +111,8 @@ fn allocate(size: usize, kind: AllocKind) -> CuResult<u64> {
     Ok(addr)
 }
 
-/// Free an allocation made by [`allocate`], given its base address.
+/// Free an allocation made by [`allocate`] or [`pool_allocate`], given its base address: the
+/// device's memory again, or its pool's.
 fn release(ptr: u64) -> CuResult {
     let d = driver()?;
     let a = {
@@ -123,8 +124,13 @@ fn release(ptr: u64) -> CuResult {
         }
         st.allocs.remove(&ptr).expect("checked above")
     };
+    // Forgotten before the address can be mapped again for another allocation.
+    let pooled = pools().of.remove(&ptr);
     unmap(ptr, a.mapped);
-    uncharge(d, a.device, a.charged)
+    match pooled {
+        Some((pool, bytes)) => back_to_pool(d, pool, bytes),
+        None => uncharge(d, a.device, a.charged),
+    }
 }
 
 entry!(
@@ -176,9 +182,195 @@ entry!(
     }
 );
 
+// --- stream-ordered allocation and memory pools -------------------------------------------
+//
+// As the driver documents (cuMemAllocAsync, cuMemFreeAsync, cuMemPoolSetAttribute,
+// cuMemPoolTrimTo): a stream-ordered allocation comes from a pool (the device's current pool,
+// or the one named), which reserves device memory as it grows; a free gives the bytes back to
+// the pool, still reserved on the device (cuMemGetInfo_v2 does not see them free), for the
+// pool's later allocations. At the next stream, event or context synchronisation a pool that
+// holds more than its release threshold (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, default 0)
+// releases what it does not use, down to the threshold; cuMemPoolTrimTo releases down to what
+// the caller keeps; a destroyed pool releases everything once its last allocation is freed.
+// Pools reserve in 2 MiB granules. Simplifications: a pool's free bytes are interchangeable
+// (any allocation that fits in them reuses them), and a free is complete when called (the
+// simulated kernels never touch memory).
+
+/// Granule of a pool's reservations on the device.
+const POOL_GRANULE: u64 = 2 << 20;
+
+/// One memory pool.
+struct Pool {
+    device: u32,
+    /// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`.
+    threshold: u64,
+    /// Reserved on the device (`RESERVED_MEM_CURRENT`) and its high watermark.
+    reserved: u64,
+    reserved_high: u64,
+    /// Of `reserved`, what live allocations use (`USED_MEM_CURRENT`) and its high watermark.
+    used: u64,
+    used_high: u64,
+    /// The three reuse policies (`CU_MEMPOOL_ATTR_REUSE_*`): kept, not modelled.
+    reuse: [c_int; 3],
+    /// `maxSize` of a created pool (0: the device's memory).
+    max_size: u64,
+    /// Destroyed while allocations were live: gone (and released) with the last of them.
+    destroyed: bool,
+}
+
+impl Pool {
+    fn new(device: u32, max_size: u64) -> Pool {
+        Pool {
+            device,
+            threshold: 0,
+            reserved: 0,
+            reserved_high: 0,
+            used: 0,
+            used_high: 0,
+            reuse: [1; 3],
+            max_size,
+            destroyed: false,
+        }
+    }
+
+    /// Release reserved bytes no allocation uses, keeping at least `keep`; the bytes released.
+    fn shrink_to(&mut self, keep: u64) -> u64 {
+        let target = self.used.div_ceil(POOL_GRANULE) * POOL_GRANULE;
+        let target = target.max(keep);
+        let released = self.reserved.saturating_sub(target);
+        self.reserved -= released;
+        released
+    }
+}
+
+#[derive(Default)]
+struct Pools {
+    pools: std::collections::HashMap<u64, Pool>,
+    /// Each device's current pool (`cuDeviceSetMemPool`); its default pool when absent.
+    current: std::collections::HashMap<u32, u64>,
+    /// Live pool allocations: base address → (pool, bytes it uses of the pool).
+    of: std::collections::HashMap<u64, (u64, u64)>,
+}
+
+/// The pools. Lock order: the driver state's lock, if needed, before this one.
+fn pools() -> std::sync::MutexGuard<'static, Pools> {
+    static P: std::sync::OnceLock<std::sync::Mutex<Pools>> = std::sync::OnceLock::new();
+    P.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// The handle of device `device`'s default pool.
+fn default_pool(device: u32) -> u64 {
+    0x100 + device as u64
+}
+
+impl Pools {
+    /// The live pool `h` (a device's default pool is created on first use).
+    fn get(&mut self, d: &Driver, h: u64) -> CuResult<&mut Pool> {
+        let devices = d.device_count() as u64;
+        if !self.pools.contains_key(&h) && (0x100..0x100 + devices).contains(&h) {
+            self.pools.insert(h, Pool::new((h - 0x100) as u32, 0));
+        }
+        match self.pools.get_mut(&h) {
+            Some(p) if !p.destroyed => Ok(p),
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
+        }
+    }
+
+    fn current(&self, device: u32) -> u64 {
+        self.current
+            .get(&device)
+            .copied()
+            .unwrap_or(default_pool(device))
+    }
+}
+
+/// Allocate `size` bytes from pool `pool` (`None`: the current device's current pool).
+fn pool_allocate(size: usize, pool: Option<u64>) -> CuResult<u64> {
+    if size == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let d = driver()?;
+    let current = {
+        let mut st = d.lock();
+        st.check_unsafe_call()?;
+        st.current_device()?
+    };
+    let charged = (size as u64).div_ceil(CHARGE_ALIGN) * CHARGE_ALIGN;
+    let (h, device) = {
+        let mut ps = pools();
+        let h = pool.unwrap_or_else(|| ps.current(current));
+        let p = ps.get(d, h)?;
+        let need = (p.used + charged).saturating_sub(p.reserved);
+        let grow = need.div_ceil(POOL_GRANULE) * POOL_GRANULE;
+        if p.max_size > 0 && p.reserved + grow > p.max_size {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        if grow > 0 {
+            charge(d, p.device, grow)?;
+        }
+        p.reserved += grow;
+        p.reserved_high = p.reserved_high.max(p.reserved);
+        p.used += charged;
+        p.used_high = p.used_high.max(p.used);
+        (h, p.device)
+    };
+    let addr = match map(size, true) {
+        Ok(a) => a,
+        Err(e) => {
+            back_to_pool(d, h, charged)?;
+            return Err(e);
+        }
+    };
+    pools().of.insert(addr, (h, charged));
+    let alloc = Alloc {
+        size,
+        mapped: size,
+        device,
+        charged,
+        kind: AllocKind::Device,
+    };
+    d.lock().allocs.insert(addr, alloc);
+    Ok(addr)
+}
+
+/// `bytes` of pool `h` are free again; a destroyed pool goes once nothing uses it.
+fn back_to_pool(d: &Driver, h: u64, bytes: u64) -> CuResult {
+    let mut ps = pools();
+    let Some(p) = ps.pools.get_mut(&h) else {
+        return Ok(());
+    };
+    p.used = p.used.saturating_sub(bytes);
+    if p.destroyed && p.used == 0 {
+        let p = ps.pools.remove(&h).expect("present");
+        return uncharge(d, p.device, p.reserved);
+    }
+    Ok(())
+}
+
+/// A synchronisation (stream, event or context) completed: every pool holding more than its
+/// release threshold releases what it does not use, down to the threshold.
+pub fn release_pools_at_sync() -> CuResult {
+    let d = driver()?;
+    let released: Vec<(u32, u64)> = pools()
+        .pools
+        .values_mut()
+        .filter(|p| p.reserved > p.threshold)
+        .map(|p| {
+            let keep = p.threshold / POOL_GRANULE * POOL_GRANULE;
+            (p.device, p.shrink_to(keep))
+        })
+        .collect();
+    for (device, bytes) in released {
+        uncharge(d, device, bytes)?;
+    }
+    Ok(())
+}
+
 entry_pt!(cuMemAllocAsync / cuMemAllocAsync_ptsz, |pt| fn(dptr: *mut CUdeviceptr, size: usize, stream: Handle) {
     with_state(|d, st| st.resolve_stream(&d.client, stream, pt).map(|_| ()))?;
-    put(dptr, allocate(size, AllocKind::Device)?)
+    put(dptr, pool_allocate(size, None)?)
 });
 
 entry_pt!(cuMemAllocFromPoolAsync / cuMemAllocFromPoolAsync_ptsz, |pt| fn(
@@ -191,7 +383,7 @@ entry_pt!(cuMemAllocFromPoolAsync / cuMemAllocFromPoolAsync_ptsz, |pt| fn(
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     with_state(|d, st| st.resolve_stream(&d.client, stream, pt).map(|_| ()))?;
-    put(dptr, allocate(size, AllocKind::Device)?)
+    put(dptr, pool_allocate(size, Some(id(pool)))?)
 });
 
 entry_pt!(cuMemFreeAsync / cuMemFreeAsync_ptsz, |pt| fn(ptr: CUdeviceptr, stream: Handle) {
@@ -202,14 +394,157 @@ entry_pt!(cuMemFreeAsync / cuMemFreeAsync_ptsz, |pt| fn(ptr: CUdeviceptr, stream
 entry!(
     fn cuDeviceGetDefaultMemPool(pool: *mut Handle, dev: CUdevice) {
         let d = driver()?;
-        put(pool, handle(0x100 + d.check_device(dev)? as u64))
+        put(pool, handle(default_pool(d.check_device(dev)?)))
     }
 );
 
 entry!(
     fn cuDeviceGetMemPool(pool: *mut Handle, dev: CUdevice) {
         let d = driver()?;
-        put(pool, handle(0x100 + d.check_device(dev)? as u64))
+        let device = d.check_device(dev)?;
+        put(pool, handle(pools().current(device)))
+    }
+);
+
+entry!(
+    fn cuDeviceSetMemPool(dev: CUdevice, pool: Handle) {
+        let d = driver()?;
+        let device = d.check_device(dev)?;
+        let mut ps = pools();
+        if ps.get(d, id(pool))?.device != device {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        ps.current.insert(device, id(pool));
+        Ok(())
+    }
+);
+
+/// `CUmemPoolProps`, the fields we read.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct PoolProps {
+    alloc_type: c_uint,
+    handle_types: c_uint,
+    location_type: c_uint,
+    location_id: c_int,
+    win32_security_attributes: *mut c_void,
+    max_size: usize,
+}
+
+entry!(
+    fn cuMemPoolCreate(pool: *mut Handle, props: *const PoolProps) {
+        let p = get(props)?;
+        let d = driver()?;
+        // Pinned device memory only: the device reports no host pools and no shareable handles.
+        if p.alloc_type != 1 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if p.location_type != LOCATION_DEVICE || p.handle_types != 0 {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        let device = d.check_device(p.location_id)?;
+        let h = d.lock().new_id();
+        pools()
+            .pools
+            .insert(h, Pool::new(device, p.max_size as u64));
+        put(pool, handle(h)).inspect_err(|_| {
+            pools().pools.remove(&h);
+        })
+    }
+);
+
+entry!(
+    fn cuMemPoolDestroy(pool: Handle) {
+        let d = driver()?;
+        let h = id(pool);
+        let mut ps = pools();
+        let p = ps.get(d, h)?;
+        // A device's default pool is not the caller's to destroy.
+        if h == default_pool(p.device) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let device = p.device;
+        let (released, live) = (p.shrink_to(0), p.used > 0);
+        if live {
+            p.destroyed = true;
+        } else {
+            ps.pools.remove(&h);
+        }
+        // A destroyed current pool leaves the device its default one.
+        if ps.current.get(&device) == Some(&h) {
+            ps.current.remove(&device);
+        }
+        drop(ps);
+        uncharge(d, device, released)
+    }
+);
+
+/// `CUmemPool_attribute`.
+const POOL_REUSE_FOLLOW_EVENT_DEPENDENCIES: c_uint = 1;
+const POOL_REUSE_ALLOW_INTERNAL_DEPENDENCIES: c_uint = 3;
+const POOL_RELEASE_THRESHOLD: c_uint = 4;
+const POOL_RESERVED_MEM_CURRENT: c_uint = 5;
+const POOL_RESERVED_MEM_HIGH: c_uint = 6;
+const POOL_USED_MEM_CURRENT: c_uint = 7;
+const POOL_USED_MEM_HIGH: c_uint = 8;
+
+entry!(
+    fn cuMemPoolSetAttribute(pool: Handle, attr: c_uint, value: *mut c_void) {
+        let d = driver()?;
+        let mut ps = pools();
+        let p = ps.get(d, id(pool))?;
+        match attr {
+            POOL_REUSE_FOLLOW_EVENT_DEPENDENCIES..=POOL_REUSE_ALLOW_INTERNAL_DEPENDENCIES => {
+                p.reuse[attr as usize - 1] = get(value as *const c_int)?;
+            }
+            // Takes effect at the next synchronisation, as documented.
+            POOL_RELEASE_THRESHOLD => p.threshold = get(value as *const u64)?,
+            // The high watermarks can only be reset (to the current value), by setting 0.
+            POOL_RESERVED_MEM_HIGH | POOL_USED_MEM_HIGH => {
+                if get(value as *const u64)? != 0 {
+                    return Err(CUDA_ERROR_INVALID_VALUE);
+                }
+                if attr == POOL_RESERVED_MEM_HIGH {
+                    p.reserved_high = p.reserved;
+                } else {
+                    p.used_high = p.used;
+                }
+            }
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        }
+        Ok(())
+    }
+);
+
+entry!(
+    fn cuMemPoolGetAttribute(pool: Handle, attr: c_uint, value: *mut c_void) {
+        let d = driver()?;
+        let mut ps = pools();
+        let p = ps.get(d, id(pool))?;
+        let bytes = match attr {
+            POOL_REUSE_FOLLOW_EVENT_DEPENDENCIES..=POOL_REUSE_ALLOW_INTERNAL_DEPENDENCIES => {
+                return put(value as *mut c_int, p.reuse[attr as usize - 1]);
+            }
+            POOL_RELEASE_THRESHOLD => p.threshold,
+            POOL_RESERVED_MEM_CURRENT => p.reserved,
+            POOL_RESERVED_MEM_HIGH => p.reserved_high,
+            POOL_USED_MEM_CURRENT => p.used,
+            POOL_USED_MEM_HIGH => p.used_high,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        put(value as *mut u64, bytes)
+    }
+);
+
+entry!(
+    fn cuMemPoolTrimTo(pool: Handle, keep: usize) {
+        let d = driver()?;
+        let mut ps = pools();
+        let p = ps.get(d, id(pool))?;
+        let keep = (keep as u64).div_ceil(POOL_GRANULE) * POOL_GRANULE;
+        let (device, released) = (p.device, p.shrink_to(keep));
+        drop(ps);
+        uncharge(d, device, released)
     }
 );
 
@@ -407,8 +742,11 @@ fn pointer_attribute(
         15 => put(data as *mut c_uint, 0),
         // ACCESS_FLAGS: read and write
         16 => put(data as *mut c_uint, 3),
-        // MEMPOOL_HANDLE: not from a pool
-        17 => put(data as *mut Handle, std::ptr::null_mut()),
+        // MEMPOOL_HANDLE: the pool of a stream-ordered allocation (lock order: state, pools)
+        17 => {
+            let pool = pools().of.get(&base).map_or(0, |&(pool, _)| pool);
+            put(data as *mut Handle, handle(pool))
+        }
         _ => Err(CUDA_ERROR_INVALID_VALUE),
     }
 }

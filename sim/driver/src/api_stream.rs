@@ -71,7 +71,8 @@ entry_pt!(cuStreamSynchronize / cuStreamSynchronize_ptsz, |pt| fn(h: Handle) {
         let seq = st.streams[&s].seq;
         if seq == 0 { vec![] } else { vec![(s, seq)] }
     };
-    d.client.wait(tail).map(|_| ())
+    d.client.wait(tail)?;
+    crate::api_memory::release_pools_at_sync()
 });
 
 entry_pt!(cuStreamQuery / cuStreamQuery_ptsz, |pt| fn(h: Handle) {
