@@ -17,7 +17,7 @@ entry!(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         with_state(|d, st| {
-            st.current()?;
+            let ctx = st.current()?;
             let slot = st
                 .take_event_slot(d.client.events.slots())
                 .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
@@ -25,6 +25,7 @@ entry!(
             st.events.insert(
                 e,
                 Event {
+                    ctx,
                     flags,
                     slot,
                     ..Event::default()

@@ -186,6 +186,8 @@ pub fn exchange_capture_mode(mode: i32) -> i32 {
 
 #[derive(Default)]
 pub struct Event {
+    /// The context it was created in: it is destroyed with it.
+    pub ctx: u64,
     pub flags: u32,
     /// Its slot on the event board, and the generation of its latest record there.
     pub slot: u32,
@@ -498,6 +500,16 @@ impl State {
             .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
         for s in &c.streams {
             self.streams.remove(s);
+        }
+        // Its events go with it (their handles are invalid from now on).
+        let dead: Vec<u64> = (self.events.iter())
+            .filter(|(_, e)| e.ctx == ctx)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in dead {
+            if let Some(e) = self.events.remove(&id) {
+                self.free_event_slot(e.slot);
+            }
         }
         self.per_thread.retain(|k, _| k.1 != ctx);
         forget_ctx(ctx);
