@@ -416,7 +416,7 @@ impl Gate {
             let tolerance = g.turns.queue_budget().unwrap_or(0.0) as u64;
             let drained_ns = now + self.queued_now(&mut g.queue, now, tolerance).unwrap_or(0);
             debug!("yield turn {} (drains at {drained_ns})", turn.token);
-            g.turns.yield_turn(&turn, drained_ns);
+            g.turns.yield_turn(&turn, now, drained_ns);
             self.apply(&mut g);
         }
         if turn.opened_ns.is_none() {

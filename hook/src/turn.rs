@@ -586,14 +586,15 @@ impl Turns {
         Some(*t)
     }
 
-    /// The turn being closed is given back before its deadline: its work drains at
+    /// The turn being closed is given back at `at`, before its deadline: its work drains at
     /// `drained_ns`, where the next turn can start.
-    pub fn yield_turn(&mut self, turn: &Turn, drained_ns: u64) {
-        // The scheduler ends it there: so does its drain's bound.
+    pub fn yield_turn(&mut self, turn: &Turn, at: u64, drained_ns: u64) {
+        // The scheduler ends it at the drain estimate, but a minimum quota after hearing of the
+        // yield at most (a queue estimate can be long): the drain's bound runs from the yield.
         if let Token::Held(t) = &mut self.token
             && t.token == turn.token
         {
-            t.deadline_ns = t.deadline_ns.min(drained_ns);
+            t.deadline_ns = t.deadline_ns.min(at);
         }
         self.said.push(Say::Yield {
             token: turn.token,

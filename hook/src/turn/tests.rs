@@ -207,6 +207,24 @@ fn a_revocation_or_new_deadline_during_the_drain_only_shortens_it() {
     );
 }
 
+/// Found with the two-GPU ring: a turn yielded with a long queue estimate (a kernel waiting for
+/// its peer) was waited for until the estimate, while the scheduler ends a yielded turn a
+/// minimum quota after the yield at most — and revoked it. The drain is bounded from the yield.
+#[test]
+fn a_yielded_turns_drain_is_bounded_from_the_yield() {
+    let mut t = holding(4, 100 * MS);
+    let turn = t.begin_close().unwrap();
+    t.yield_turn(&turn, 110 * MS, 140 * MS);
+    assert_eq!(t.closing_deadline(), Some(110 * MS));
+    assert!(matches!(
+        t.take_said().as_slice(),
+        [Say::Yield {
+            token: 4,
+            drained_ns
+        }] if *drained_ns == 140 * MS
+    ));
+}
+
 #[test]
 fn a_grant_during_the_drain_is_the_next_turn() {
     let mut t = holding(4, 100 * MS);
@@ -274,7 +292,7 @@ fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
         }
     );
     let turn = t.begin_close().unwrap();
-    t.yield_turn(&turn, 105 * MS);
+    t.yield_turn(&turn, 105 * MS, 105 * MS);
     t.end_close(turn, 105 * MS, false);
     assert!(matches!(
         t.take_said().as_slice(),
@@ -529,7 +547,7 @@ fn random_interleavings_keep_every_invariant() {
                                 draining = t.begin_close();
                                 let turn = draining.as_ref().expect("a turn to close");
                                 if let Some(at) = yield_at {
-                                    t.yield_turn(turn, at + q);
+                                    t.yield_turn(turn, at, at + q);
                                 }
                             }
                             Watch::RollOver => {
@@ -551,7 +569,7 @@ fn random_interleavings_keep_every_invariant() {
                 11 => {
                     if t.before_sync(now, quiet(launches)) && draining.is_none() {
                         draining = t.begin_close();
-                        t.yield_turn(draining.as_ref().expect("open"), now);
+                        t.yield_turn(draining.as_ref().expect("open"), now, now);
                     }
                     t.after_sync(now + rng.below(MS), launches);
                 }
