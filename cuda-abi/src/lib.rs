@@ -9,6 +9,30 @@
 //! * [`functions`]: `PFN_<symbol>`, the function-pointer type of every exported driver
 //!   symbol, also as [`pfn`]`::<symbol>` for macros.
 //!
+//! An exported entry point (the hook's wrappers, the simulator's functions) is checked against
+//! cuda.h by coercing it to its symbol's type, which only builds if every parameter matches:
+//!
+//! ```
+//! use gpushare_cuda_abi::pfn;
+//! use gpushare_cuda_abi::types::{CUdeviceptr, CUresult};
+//!
+//! extern "C" fn cuMemAlloc_v2(_dptr: *mut CUdeviceptr, _bytesize: usize) -> CUresult {
+//!     0
+//! }
+//! const _: pfn::cuMemAlloc_v2 = cuMemAlloc_v2;
+//! ```
+//!
+//! while one typed otherwise (here `size_t` as 32 bits) does not:
+//!
+//! ```compile_fail
+//! use gpushare_cuda_abi::pfn;
+//!
+//! extern "C" fn cuMemAlloc_v2(_dptr: *mut u64, _bytesize: u32) -> u32 {
+//!     0
+//! }
+//! const _: pfn::cuMemAlloc_v2 = cuMemAlloc_v2;
+//! ```
+//!
 //! The modules here add lookups on top:
 //!
 //! * [`proc_address`]: `cuGetProcAddress` resolution ([`resolve`]).
