@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Generate cuda-abi/src/generated.rs from the CUDA 12.9 driver API headers.
+"""Generate cuda-abi/src/{generated,types,functions}.rs from the CUDA 12.9 driver API headers.
 
 Usage:
     python3 scripts/gen_cuda_abi.py                 # pip-downloads the wheel
     python3 scripts/gen_cuda_abi.py --include DIR   # DIR holds cuda.h + cudaTypedefs.h
-    python3 scripts/gen_cuda_abi.py --check         # fail if generated.rs is stale
+    python3 scripts/gen_cuda_abi.py --check         # fail if a generated file is stale
 
 The headers come from the PyPI wheel nvidia-cuda-runtime-cu12==12.9.79
 (nvidia/cuda_runtime/include/). Standard library only.
@@ -18,6 +18,29 @@ What is generated
 * SYMBOLS: the distinct symbols of ENTRY_POINTS, sorted.
 * ERRORS / ERROR_CSTRS / result::*: every CUresult enumerator.
 * DEVICE_ATTRIBUTES: every CUdevice_attribute value (first name per value).
+
+types.rs:
+* every typedef of cuda.h, as an application sees it, plus those only the driver's
+  own build sees (``CUdeviceptr_v1``, the ``_v1`` descriptors of the legacy ABIs):
+  handles (``struct X_st *``) as ``*mut c_void``; each enum as ``c_uint``, or
+  ``c_int`` if it has a negative value (gcc's choice); callbacks as
+  ``Option<unsafe extern "C" fn(..)>``; scalars as the C types of std::ffi.
+* every enumerator, and every ``#define (CU|CUDA)_*`` constant (typed by its cast,
+  e.g. ``CU_STREAM_LEGACY: CUstream``; an integer literal as ``c_uint``, or
+  ``c_int`` if negative).
+* the records in STRUCTS, plus those passed by value or embedded in one, as
+  ``#[repr(C)]`` structs with compile-time size/alignment/offset checks (LP64
+  layout computed here); every other struct or union is only ever reached through
+  a pointer, typed as a ``c_void`` pointer. LAYOUTS and CONSTANTS repeat the
+  layouts and values for a test that compiles them against cuda.h with gcc.
+
+functions.rs:
+* ``PFN_<symbol>``: the function-pointer type of every exported symbol (every
+  ``CUresult CUDAAPI cuX(..)`` of cuda.h in either configuration, and the
+  profiler API), from its declaration; ``pfn::<symbol>`` is the same type by the
+  symbol's own name, for macros. Every declaration of a symbol must agree, and
+  every cudaTypedefs.h typedef must take the parameter types of the symbol it is
+  mapped to (rule 5 below).
 
 How a typedef is mapped to a symbol
 -----------------------------------
@@ -39,24 +62,27 @@ How a typedef is mapped to a symbol
 4. Cross-check: the symbol an application compiled against these headers
    calls for ``cuX`` (the legacy-mode macro expansion of ``cuX``) must be one
    of the symbols chosen for ``cuX``.
+5. Cross-check: each ``PFN_cuX_vN`` typedef's parameter types, typedefs
+   resolved, are those of cuda.h's declaration of the symbol it maps to.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections import defaultdict
+from collections import ChainMap, defaultdict
 from pathlib import Path
 
 WHEEL = "nvidia-cuda-runtime-cu12==12.9.79"
 CUDA_VERSION = 12090
 REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "cuda-abi" / "src" / "generated.rs"
+OUT_DIR = REPO / "cuda-abi" / "src"
 
 # ---------------------------------------------------------------------------
 # Override table: exceptions found in the 12.9 headers, each justified.
@@ -201,52 +227,25 @@ DECL_RE = re.compile(r"\bCUDAAPI\s+(cu\w+)\s*\(")
 PT_MACRO_RE = re.compile(r"^__CUDA_API_(PTDS|PTSZ)\(\s*(\w+)\s*\)$")
 
 
-def declared_symbols(cuda_h: str, defined: set[str]):
-    """Symbols declared by cuda.h under one configuration.
+def walk(text: str, defined: set[str]):
+    """The active part of a header under one configuration, in order.
 
-    Returns (symbols, expand) where ``expand(name)`` applies the function-name
-    macros still in force at the end of the file (what a caller's ``name(...)``
-    compiles to).
+    Yields ``("code", line)`` for each active line outside directives,
+    ``("define", name, params, body)`` (params None for an object-like macro)
+    and ``("undef", name)`` for each active directive.
     """
     defined = set(defined)
-    pt_suffix = None  # resolved once __CUDA_API_PTDS is defined
-    macros: dict[str, str] = {}
-    symbols: set[str] = set()
     stack: list[tuple[bool, bool]] = []  # (active, any branch taken)
-    pending: list[str] = []
 
     def active() -> bool:
         return all(a for a, _ in stack)
 
-    def expand(name: str) -> str:
-        seen = set()
-        while name in macros and name not in seen:
-            seen.add(name)
-            exp = macros[name]
-            m = PT_MACRO_RE.match(exp)
-            if m:
-                if pt_suffix is None:
-                    fail("__CUDA_API_PT* used before being defined")
-                name = m.group(2) + (("_" + m.group(1).lower()) if pt_suffix else "")
-            elif re.fullmatch(r"cu\w+", exp):
-                name = exp
-            else:
-                fail(f"unexpected expansion of {name}: {exp!r}")
-        return name
-
-    def flush() -> None:
-        chunk = "\n".join(pending)
-        pending.clear()
-        for m in DECL_RE.finditer(chunk):
-            symbols.add(expand(m.group(1)))
-
-    for line in join_continuations(strip_comments(cuda_h)):
+    for line in join_continuations(strip_comments(text)):
         s = line.strip()
         if not s.startswith("#"):
             if active():
-                pending.append(line)
+                yield ("code", line)
             continue
-        flush()
         d = re.match(r"#\s*(\w+)\s*(.*)$", s)
         if not d:
             continue
@@ -272,19 +271,82 @@ def declared_symbols(cuda_h: str, defined: set[str]):
             continue
         elif kw == "define":
             m = re.match(r"(\w+)(\([^)]*\))?\s*(.*)$", rest)
-            name, params, body = m.group(1), m.group(2), m.group(3).strip()
-            defined.add(name)
+            defined.add(m.group(1))
+            yield ("define", m.group(1), m.group(2), m.group(3).strip())
+        elif kw == "undef":
+            defined.discard(rest)
+            yield ("undef", rest)
+    if stack:
+        fail("unbalanced #if")
+
+
+def balanced(text: str, start: int) -> str:
+    """The text from ``start`` (just after an opening parenthesis) to its closing one."""
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+    fail(f"unbalanced parentheses after {text[max(0, start - 40):start]!r}")
+    return ""
+
+
+def declared_symbols(cuda_h: str, defined: set[str]):
+    """Symbols declared by cuda.h under one configuration.
+
+    Returns (symbols, expand, decls) where ``expand(name)`` applies the
+    function-name macros still in force at the end of the file (what a caller's
+    ``name(...)`` compiles to) and ``decls`` maps each symbol to the parameter
+    lists it is declared with (the text between the parentheses).
+    """
+    pt_suffix = None  # resolved once __CUDA_API_PTDS is defined
+    macros: dict[str, str] = {}
+    symbols: set[str] = set()
+    decls: dict[str, list[str]] = defaultdict(list)
+    pending: list[str] = []
+
+    def expand(name: str) -> str:
+        seen = set()
+        while name in macros and name not in seen:
+            seen.add(name)
+            exp = macros[name]
+            m = PT_MACRO_RE.match(exp)
+            if m:
+                if pt_suffix is None:
+                    fail("__CUDA_API_PT* used before being defined")
+                name = m.group(2) + (("_" + m.group(1).lower()) if pt_suffix else "")
+            elif re.fullmatch(r"cu\w+", exp):
+                name = exp
+            else:
+                fail(f"unexpected expansion of {name}: {exp!r}")
+        return name
+
+    def flush() -> None:
+        chunk = "\n".join(pending)
+        pending.clear()
+        for m in DECL_RE.finditer(chunk):
+            sym = expand(m.group(1))
+            symbols.add(sym)
+            decls[sym].append(balanced(chunk, m.end()))
+
+    for event in walk(cuda_h, defined):
+        if event[0] == "code":
+            pending.append(event[1])
+            continue
+        flush()
+        if event[0] == "define":
+            _, name, params, body = event
             if name == "__CUDA_API_PTDS":
                 pt_suffix = "##" in body
             elif params is None and re.fullmatch(r"cu\w+", name):
                 macros[name] = body
-        elif kw == "undef":
-            defined.discard(rest)
-            macros.pop(rest, None)
+        else:
+            macros.pop(event[1], None)
     flush()
-    if stack:
-        fail("unbalanced #if in cuda.h")
-    return symbols, expand
+    return symbols, expand, decls
 
 
 # ---------------------------------------------------------------------------
@@ -498,6 +560,897 @@ def parse_device_attributes(cuda_h: str) -> tuple[list[tuple[int, str]], list[st
 
 
 # ---------------------------------------------------------------------------
+# C types: cuda.h's typedefs, records, enums and constants, and their Rust form
+# ---------------------------------------------------------------------------
+
+# Records laid out in Rust (`#[repr(C)]` structs, with layout checks), by typedef
+# name, each with the code that reads its fields. Records passed by value to a
+# function, or embedded in one of these, are added to them; every other record is
+# reached only through pointers, which are typed `c_void` pointers.
+STRUCTS = {
+    "CUlaunchConfig": "hook (the stream of cuLaunchKernelEx) and simulator",
+    "CUDA_LAUNCH_PARAMS": "simulator (cuLaunchCooperativeKernelMultiDevice)",
+    "CUDA_KERNEL_NODE_PARAMS_v1": "simulator (kernel graph nodes, legacy ABI)",
+    "CUDA_KERNEL_NODE_PARAMS": "simulator (kernel graph nodes)",
+    "CUDA_MEMSET_NODE_PARAMS": "simulator (memset graph nodes)",
+    "CUDA_HOST_NODE_PARAMS": "simulator (host graph nodes)",
+    "CUDA_GRAPH_INSTANTIATE_PARAMS": "simulator (cuGraphInstantiateWithParams)",
+    "CUDA_ARRAY_DESCRIPTOR": "hook and simulator (array sizes, cuda-abi arrays.rs)",
+    "CUDA_ARRAY3D_DESCRIPTOR": "hook and simulator (array sizes, cuda-abi arrays.rs)",
+    "CUmemAllocationProp": "hook and simulator (cuMemCreate: where the memory lives)",
+    "CUmemLocation": "hook and simulator",
+    "CUmemPoolProps": "simulator (cuMemPoolCreate: where the pool lives)",
+    "CUuuid": "hook and simulator (device UUIDs, export tables)",
+}
+
+# Declarations the wheel's headers use but do not contain, as C text, each
+# justified. cudaProfilerTypedefs.h includes cudaProfiler.h, which the wheel does
+# not ship; this is its declaration of the one type the typedefs need.
+EXTRA_C_DECLARATIONS = """
+typedef enum CUoutput_mode_enum {
+    CU_OUT_KEY_VALUE_PAIR = 0x00,
+    CU_OUT_CSV            = 0x01
+} CUoutput_mode;
+"""
+
+# `#define (CU|CUDA)_*` macros of cuda.h that are not constants: the calling
+# convention (empty here) and an include guard.
+NOT_CONSTANTS = {"CUDA_CB", "CU_UUID_HAS_BEEN_DEFINED"}
+
+C_KEYWORDS = {"void", "char", "short", "int", "long", "signed", "unsigned", "float", "double"}
+
+# C's and <stddef.h>/<stdint.h>'s types: Rust type, size, alignment (LP64: x86_64, aarch64).
+PRIMS = {
+    "void": ("c_void", None, None),
+    "char": ("c_char", 1, 1),
+    "signed char": ("c_schar", 1, 1),
+    "unsigned char": ("c_uchar", 1, 1),
+    "short": ("c_short", 2, 2),
+    "unsigned short": ("c_ushort", 2, 2),
+    "int": ("c_int", 4, 4),
+    "unsigned int": ("c_uint", 4, 4),
+    "long": ("c_long", 8, 8),
+    "unsigned long": ("c_ulong", 8, 8),
+    "long long": ("c_longlong", 8, 8),
+    "unsigned long long": ("c_ulonglong", 8, 8),
+    "float": ("f32", 4, 4),
+    "double": ("f64", 8, 8),
+    "size_t": ("usize", 8, 8),
+    "int8_t": ("i8", 1, 1),
+    "uint8_t": ("u8", 1, 1),
+    "int16_t": ("i16", 2, 2),
+    "uint16_t": ("u16", 2, 2),
+    "int32_t": ("i32", 4, 4),
+    "uint32_t": ("u32", 4, 4),
+    "int64_t": ("i64", 8, 8),
+    "uint64_t": ("u64", 8, 8),
+}
+
+RUST_KEYWORDS = {
+    "as", "break", "const", "continue", "crate", "else", "enum", "extern", "false", "fn", "for",
+    "if", "impl", "in", "let", "loop", "match", "mod", "move", "mut", "pub", "ref", "return",
+    "self", "Self", "static", "struct", "super", "trait", "true", "type", "unsafe", "use",
+    "where", "while", "async", "await", "dyn", "abstract", "become", "box", "do", "final",
+    "macro", "override", "priv", "typeof", "unsized", "virtual", "yield", "try", "gen",
+}
+
+TOKEN_RE = re.compile(r'"(?:\\.|[^"\\])*"|[A-Za-z_]\w*|0[xX][0-9a-fA-F]+[uUlL]*|\d+[uUlL]*|<<|>>|\.\.\.|\S')
+
+
+def rust_ident(name: str) -> str:
+    return name + "_" if name in RUST_KEYWORDS else name
+
+
+def tokenize(text: str) -> list[str]:
+    return TOKEN_RE.findall(text)
+
+
+def split_top(tokens: list[str], sep: str) -> list[list[str]]:
+    """Split at ``sep`` outside parentheses, brackets and braces."""
+    out, cur, depth = [], [], 0
+    for t in tokens:
+        if t in "([{" and len(t) == 1:
+            depth += 1
+        elif t in ")]}" and len(t) == 1:
+            depth -= 1
+        if t == sep and depth == 0:
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    if depth:
+        fail(f"unbalanced: {' '.join(tokens[:20])}")
+    out.append(cur)
+    return out
+
+
+def matching(tokens: list[str], i: int) -> int:
+    """Index of the bracket closing the one at ``tokens[i]``."""
+    pairs = {"(": ")", "[": "]", "{": "}"}
+    open_, close, depth = tokens[i], pairs[tokens[i]], 0
+    for j in range(i, len(tokens)):
+        if tokens[j] == open_:
+            depth += 1
+        elif tokens[j] == close:
+            depth -= 1
+            if depth == 0:
+                return j
+    fail(f"unbalanced {open_} in {' '.join(tokens[i:i + 20])}")
+    return -1
+
+
+def c_eval(tokens: list[str], env: dict[str, int]) -> int:
+    """Value of an integer constant expression (literals, names in ``env``, + - * << >> | & ^ ~)."""
+    expr = " ".join(re.sub(r"^(0[xX][0-9a-fA-F]+|\d+)[uUlL]+$", r"\1", t) for t in tokens)
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        fail(f"not a constant expression: {expr!r}")
+    ops = {
+        ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+        ast.LShift: lambda a, b: a << b, ast.RShift: lambda a, b: a >> b,
+        ast.BitOr: lambda a, b: a | b, ast.BitAnd: lambda a, b: a & b, ast.BitXor: lambda a, b: a ^ b,
+    }
+
+    def ev(n):
+        if isinstance(n, ast.Expression):
+            return ev(n.body)
+        if isinstance(n, ast.Constant) and type(n.value) is int:
+            return n.value
+        if isinstance(n, ast.Name):
+            if n.id not in env:
+                fail(f"unknown name {n.id} in {expr!r}")
+            return env[n.id]
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -ev(n.operand)
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.UAdd):
+            return ev(n.operand)
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Invert):
+            return ~ev(n.operand)
+        if isinstance(n, ast.BinOp) and type(n.op) in ops:
+            return ops[type(n.op)](ev(n.left), ev(n.right))
+        fail(f"not a constant expression: {expr!r}")
+
+    return ev(tree)
+
+
+def prim_key(words: list[str]) -> str:
+    unsigned, signed = "unsigned" in words, "signed" in words
+    longs = words.count("long")
+    rest = [w for w in words if w not in ("unsigned", "signed", "long", "int")]
+    if not rest:
+        base = ("int", "long", "long long")[longs]
+    elif rest == ["short"] and longs == 0:
+        base = "short"
+    elif rest == ["char"] and longs == 0 and "int" not in words:
+        base = "char"
+    elif rest in (["float"], ["double"], ["void"]) and len(words) == 1:
+        return rest[0]
+    else:
+        fail(f"unknown C type {' '.join(words)!r}")
+    if unsigned:
+        return "unsigned " + base
+    return "signed char" if signed and base == "char" else base
+
+
+class CTypes:
+    """The typedefs, records, enums and constants of a header (one configuration)."""
+
+    def __init__(self) -> None:
+        self.typedefs: dict[str, tuple] = {}  # name -> definition, in header order
+        self.records: dict[str, tuple] = {}  # tag -> (kind, body tokens or None)
+        self.enums: dict[str, list[tuple[str, int]]] = {}  # typedef name -> enumerators
+        self.enum_signed: dict[str, bool] = {}
+        self.enum_tags: dict[str, str] = {}  # enum tag -> typedef name
+        self.values: dict[str, int] = {}  # enumerators and integer macros
+        self.macros: dict[str, str] = {}  # active object-like macros (first definition)
+        self.macro_order: list[str] = []
+        self.macro_values: dict[str, int] = {}  # integer-literal macros
+        self.anon = 0
+        self.internal_enums: set[str] = set()  # enums only the driver's own build sees
+
+    # --- reading -----------------------------------------------------------
+
+    def read(self, text: str, defined: set[str]) -> None:
+        function_macros: dict[str, tuple[str, str]] = {}
+        code: list[str] = []
+
+        def flush() -> None:
+            toks = tokenize("\n".join(code))
+            code.clear()
+            self.statements(toks)
+
+        for event in walk(text, defined):
+            if event[0] == "code":
+                line = event[1]
+                if "_CONCAT_OUTER" in line:
+                    line = self.concat(line, function_macros)
+                code.append(line)
+                continue
+            if event[0] == "define":
+                _, name, params, body = event
+                if params is not None:
+                    function_macros[name] = (params, body)
+                elif name not in self.macros:
+                    self.macros[name] = body
+                    self.macro_order.append(name)
+                    if re.fullmatch(r"-?(0[xX][0-9a-fA-F]+|\d+)[uUlL]*", body):
+                        self.macro_values[name] = c_eval(tokenize(body), {})
+                elif self.macros[name] != body and re.fullmatch(r"(CU|CUDA)_\w+", name):
+                    fail(f"#define {name} redefined: {self.macros[name]!r}, {body!r}")
+            else:
+                function_macros.pop(event[1], None)
+        flush()
+
+    def concat(self, line: str, function_macros) -> str:
+        """cuda.h names CUdevResource_v<RESOURCE_ABI_VERSION> with a token-pasting macro."""
+        if function_macros.get("_CONCAT_OUTER") != ("(x, y)", "_CONCAT_INNER(x, y)") or \
+                function_macros.get("_CONCAT_INNER") != ("(x, y)", "x ## y"):
+            fail("_CONCAT_OUTER is not the token-pasting macro it was")
+
+        def paste(m):
+            arg = m.group(2)
+            return m.group(1) + self.macros.get(arg, arg)
+
+        return re.sub(r"_CONCAT_OUTER\(\s*(\w+)\s*,\s*(\w+)\s*\)", paste, line)
+
+    def drop_attributes(self, toks: list[str]) -> list[str]:
+        """Drop calling-convention and attribute macros (empty, or __attribute__((..)))."""
+        out = []
+        for t in toks:
+            body = self.macros.get(t)
+            if body is not None and (body == "" or body.startswith("__attribute__")):
+                continue
+            out.append(t)
+        return out
+
+    def statements(self, toks: list[str]) -> None:
+        for stmt in split_top(self.drop_attributes(toks), ";"):
+            if stmt:
+                self.statement(stmt)
+
+    def statement(self, s: list[str]) -> None:
+        if len(s) > 2 and s[0] == "CUresult" and re.fullmatch(r"cu\w+", s[1]) and s[2] == "(":
+            return  # a function declaration: see declared_symbols
+        if s[0] in ("struct", "union") and "{" in s[:3] and s[-1] == "}":
+            self.record(s)
+            return
+        if s[0] != "typedef":
+            fail(f"unrecognised declaration: {' '.join(s[:16])}")
+        s = s[1:]
+        if s[0] == "enum":
+            i = s.index("{")
+            j = matching(s, i)
+            if j + 2 != len(s):
+                fail(f"unrecognised enum typedef: {' '.join(s[:16])}")
+            self.enum(s[j + 1], s[i + 1:j], s[1] if i == 2 else None)
+        elif s[0] in ("struct", "union") and "{" in s[:3]:
+            i = s.index("{")
+            j = matching(s, i)
+            tag = s[1] if i == 2 else None
+            tag = self.record(s[:j + 1], tag)
+            for decl in split_top(s[j + 1:], ","):
+                ct, name = self.declarator(("rec", s[0], tag), False, decl)
+                self.define(name, ("alias", ct))
+        elif "(" in s:
+            # typedef R (*Name)(params);
+            i = s.index("(")
+            j = matching(s, i)
+            inner = s[i + 1:j]
+            if len(inner) != 2 or inner[0] != "*" or s[j + 1] != "(" or matching(s, j + 1) != len(s) - 1:
+                fail(f"unrecognised typedef: {' '.join(s[:16])}")
+            ret, _ = self.decl(s[:i], named=False)
+            self.define(inner[1], ("fn", ret, self.params(s[j + 2:-1])))
+        else:
+            ct, name = self.decl(s)
+            if name is None:
+                fail(f"typedef without a name: {' '.join(s)}")
+            self.define(name, ("alias", ct))
+
+    def define(self, name: str, definition: tuple) -> None:
+        if name in self.typedefs and self.typedefs[name] != definition:
+            fail(f"typedef {name} defined twice, differently")
+        self.typedefs[name] = definition
+
+    def record(self, s: list[str], tag: str | None = None) -> str:
+        """Record a struct/union definition ``struct [tag] { .. }``; returns its tag."""
+        i = s.index("{")
+        if tag is None:
+            if i == 2:
+                tag = s[1]
+            else:
+                self.anon += 1
+                tag = f"<anonymous {self.anon}>"
+        body = s[i + 1:matching(s, i)]
+        old = self.records.get(tag)
+        if old is not None and old[1] is not None and old != (s[0], body):
+            fail(f"{s[0]} {tag} defined twice, differently")
+        self.records[tag] = (s[0], body)
+        return tag
+
+    def enum(self, name: str, body: list[str], tag: str | None) -> None:
+        items = []
+        prev = -1
+        for item in split_top(body, ","):
+            if not item:
+                continue
+            if len(item) == 1:
+                val = prev + 1
+            elif item[1] == "=":
+                val = c_eval(item[2:], self.int_macros())
+            else:
+                fail(f"enum {name}: unrecognised enumerator {' '.join(item)}")
+            if item[0] in self.values and self.values[item[0]] != val:
+                fail(f"enumerator {item[0]} defined twice, differently")
+            self.values[item[0]] = val
+            items.append((item[0], val))
+            prev = val
+        vals = [v for _, v in items]
+        signed = bool(vals) and min(vals) < 0
+        lo, hi = (-(1 << 31), (1 << 31) - 1) if signed else (0, (1 << 32) - 1)
+        if any(not lo <= v <= hi for v in vals):
+            fail(f"enum {name} does not fit an int")
+        if name in self.enums and self.enums[name] != items:
+            fail(f"enum {name} defined twice, differently")
+        self.enums[name] = items
+        self.enum_signed[name] = signed
+        if tag is not None:
+            self.enum_tags[tag] = name
+        self.define(name, ("enum",))
+
+    # --- declarations ------------------------------------------------------
+
+    def decl(self, toks: list[str], named: bool = True) -> tuple[tuple, str | None]:
+        """Type and name of one declaration, e.g. ``const CUgraphNode *dependencies``."""
+        i, const, words = 0, False, []
+        while i < len(toks) and toks[i] not in ("*", "[", "("):
+            t = toks[i]
+            if t == "const":
+                const = True
+            elif t in ("struct", "union", "enum"):
+                words.append((t, toks[i + 1]))
+                i += 1
+            elif t == "volatile":
+                fail(f"volatile in {' '.join(toks)}")
+            else:
+                words.append(t)
+            i += 1
+        name = None
+        if named and "*" not in toks[i:] and len(words) >= 2 \
+                and isinstance(words[-1], str) and words[-1] not in C_KEYWORDS:
+            name = words.pop()
+        if not words:
+            fail(f"no type in {' '.join(toks)}")
+        if any(isinstance(w, tuple) for w in words):
+            if len(words) != 1:
+                fail(f"unrecognised type {' '.join(toks)}")
+            kind, tag = words[0]
+            base = ("enumtag", tag) if kind == "enum" else ("rec", kind, tag)
+        elif all(w in C_KEYWORDS for w in words):
+            base = ("prim", prim_key(words))
+        elif len(words) == 1:
+            base = ("prim", words[0]) if words[0] in PRIMS else ("name", words[0])
+        else:
+            fail(f"unrecognised type {' '.join(toks)}")
+        ct, rest_name = self.declarator(base, const, toks[i:], named and name is None)
+        return ct, name or rest_name
+
+    def declarator(self, base: tuple, const: bool, toks: list[str], named: bool = True):
+        """Apply ``* [const] ... [name] [N]...`` to ``base``."""
+        ct, pointee_const, i = base, const, 0
+        while i < len(toks) and toks[i] == "*":
+            ct = ("ptr", ct, pointee_const)
+            pointee_const = False
+            i += 1
+            while i < len(toks) and toks[i] == "const":
+                pointee_const = True
+                i += 1
+        name = None
+        if named and i < len(toks) and re.fullmatch(r"[A-Za-z_]\w*", toks[i]):
+            name = toks[i]
+            i += 1
+        dims = []
+        while i < len(toks) and toks[i] == "[":
+            j = matching(toks, i)
+            dims.append(c_eval(toks[i + 1:j], self.int_macros()))
+            i = j + 1
+        for n in reversed(dims):
+            ct = ("array", ct, n)
+        if i != len(toks):
+            fail(f"unrecognised declarator {' '.join(toks)}")
+        return ct, name
+
+    def params(self, toks: list[str]) -> list[tuple[tuple, str | None]]:
+        if toks == ["void"] or not toks:
+            return []
+        out = []
+        for p in split_top(toks, ","):
+            if p == ["..."]:
+                fail("variadic function")
+            ct, name = self.decl(p)
+            if ct[0] == "array":
+                fail(f"array parameter {' '.join(p)}")
+            out.append((ct, name))
+        return out
+
+    def int_macros(self) -> ChainMap:
+        """Names with integer values: enumerators, then integer-literal macros."""
+        return ChainMap(self.values, self.macro_values)
+
+    def merge(self, other: "CTypes") -> list[str]:
+        """Add ``other``'s definitions missing here (this configuration's win)."""
+        notes = []
+        for name, d in other.typedefs.items():
+            if name not in self.typedefs:
+                self.typedefs[name] = d
+                if name in other.enums:
+                    self.enums[name] = other.enums[name]
+                    self.enum_signed[name] = other.enum_signed[name]
+                    self.internal_enums.add(name)
+                notes.append(f"typedef {name} only in the driver's own configuration")
+        for tag, name in other.enum_tags.items():
+            self.enum_tags.setdefault(tag, name)
+        for tag, r in other.records.items():
+            if tag not in self.records or self.records[tag][1] is None:
+                self.records[tag] = r
+        return notes
+
+    # --- resolution --------------------------------------------------------
+
+    def resolve(self, ct: tuple) -> tuple:
+        """Follow typedef aliases: a prim, ptr, array, rec, enum or fn type."""
+        seen = set()
+        while ct[0] == "name":
+            name = ct[1]
+            if name in seen or name not in self.typedefs:
+                fail(f"unknown type {name}")
+            seen.add(name)
+            d = self.typedefs[name]
+            if d[0] == "alias":
+                ct = d[1]
+            elif d[0] == "enum":
+                return ("enum", name)
+            else:
+                return ("fn", name)
+        if ct[0] == "enumtag":
+            if ct[1] not in self.enum_tags:
+                fail(f"enum tag {ct[1]} without a typedef")
+            return ("enum", self.enum_tags[ct[1]])
+        return ct
+
+    def canon(self, ct: tuple) -> str:
+        """A type with every typedef resolved, for comparing declarations."""
+        ct = self.resolve(ct)
+        if ct[0] == "prim":
+            return PRIMS[ct[1]][0]
+        if ct[0] == "ptr":
+            return ("*const " if ct[2] else "*mut ") + self.canon(ct[1])
+        if ct[0] == "array":
+            return f"[{self.canon(ct[1])}; {ct[2]}]"
+        if ct[0] == "rec":
+            return f"{ct[1]} {ct[2]}"
+        if ct[0] == "enum":
+            return "c_int" if self.enum_signed[ct[1]] else "c_uint"
+        _, ret, params = self.typedefs[ct[1]]
+        return "fn(" + ", ".join(self.canon(p) for p, _ in params) + ") -> " + self.canon(ret)
+
+    def record_of(self, ct: tuple) -> str | None:
+        """The record tag of a by-value record type, else None."""
+        r = self.resolve(ct)
+        return r[2] if r[0] == "rec" else None
+
+
+class Layout:
+    """Which records are laid out in Rust, their Rust names, sizes and offsets."""
+
+    def __init__(self, types: CTypes, roots: set[str], readers: dict[str, str]) -> None:
+        self.t = types
+        self.readers = readers  # tag -> the code that reads its fields (STRUCTS)
+        self.names: dict[str, str] = {}  # tag -> Rust name
+        self.order: list[str] = []
+        self.parent: dict[str, tuple[str, str]] = {}  # anonymous nested tag -> (outer tag, field)
+        self.fields: dict[str, list[tuple[str, tuple]]] = {}
+        for tag in sorted(roots):
+            self.add(tag)
+
+    def add(self, tag: str, name: str | None = None) -> None:
+        if tag in self.names:
+            return
+        kind, body = self.t.records.get(tag, (None, None))
+        if body is None:
+            fail(f"record {tag} is needed by value but cuda.h does not define it")
+        if kind != "struct":
+            fail(f"{kind} {tag} is needed by value: unions are not laid out here")
+        if name is None:
+            name = self.rust_name(tag)
+        self.names[tag] = name
+        self.order.append(tag)
+        fields = []
+        for member in split_top(body, ";"):
+            if not member:
+                continue
+            if member[0] in ("struct", "union") and "{" in member[:3]:
+                i = member.index("{")
+                j = matching(member, i)
+                if len(member) != j + 2:
+                    fail(f"{tag}: unnamed or multiple nested members")
+                field = member[j + 1]
+                inner = self.t.record(member[:j + 1]) if i == 1 else member[1]
+                if i == 2:
+                    self.t.record(member[:j + 1])
+                self.parent[inner] = (tag, field)
+                self.add(inner, f"{name}_{field}")
+                fields.append((field, ("rec", member[0], inner)))
+                continue
+            if len(split_top(member, ",")) != 1:
+                fail(f"{tag}: several declarators in one member")
+            ct, field = self.t.decl(member)
+            if field is None:
+                fail(f"{tag}: unnamed member {' '.join(member)}")
+            fields.append((field, ct))
+            self.embed(ct)
+        self.fields[tag] = fields
+
+    def embed(self, ct: tuple) -> None:
+        r = self.t.resolve(ct)
+        while r[0] == "array":
+            r = self.t.resolve(r[1])
+        if r[0] == "rec":
+            self.add(r[2])
+
+    def rust_name(self, tag: str) -> str:
+        """The first typedef naming the record itself."""
+        for name, d in self.t.typedefs.items():
+            if d == ("alias", ("rec", "struct", tag)):
+                return name
+        return tag
+
+    def generated(self, tag: str) -> bool:
+        return tag in self.names
+
+    def size_align(self, ct: tuple) -> tuple[int, int]:
+        r = self.t.resolve(ct)
+        if r[0] == "prim":
+            _, size, align = PRIMS[r[1]]
+            if size is None:
+                fail("void has no size")
+            return size, align
+        if r[0] in ("ptr", "fn"):
+            return 8, 8
+        if r[0] == "enum":
+            return 4, 4
+        if r[0] == "array":
+            size, align = self.size_align(r[1])
+            return size * r[2], align
+        size, align, _ = self.record_layout(r[2])
+        return size, align
+
+    def record_layout(self, tag: str) -> tuple[int, int, list[tuple[str, int]]]:
+        off, align, offsets = 0, 1, []
+        for field, ct in self.fields[tag]:
+            s, a = self.size_align(ct)
+            off = (off + a - 1) // a * a
+            offsets.append((field, off))
+            off += s
+            align = max(align, a)
+        return (off + align - 1) // align * align, align, offsets
+
+
+# ---------------------------------------------------------------------------
+# Function signatures
+# ---------------------------------------------------------------------------
+
+
+def read_types(cuda_h: str, base_defs: set[str]) -> tuple[CTypes, list[str]]:
+    """cuda.h's types as an application sees them, plus those only the driver's
+    own build (``__CUDA_API_VERSION_INTERNAL``) declares, used by legacy ABIs."""
+    app = CTypes()
+    app.read(cuda_h, base_defs)
+    app.read(EXTRA_C_DECLARATIONS, set())
+    drv = CTypes()
+    drv.read(cuda_h, base_defs | {"__CUDA_API_VERSION_INTERNAL"})
+    return app, app.merge(drv)
+
+
+def parse_params(t: CTypes, text: str) -> list[tuple[tuple, str | None]]:
+    return t.params(t.drop_attributes(tokenize(text)))
+
+
+def signatures(t: CTypes, decls: dict[str, list[str]], extra: dict[str, str]):
+    """symbol -> (C parameter text, parsed parameters): cuda.h's declarations, every
+    declaration of a symbol the same after typedefs are resolved."""
+    out = {}
+    for sym in sorted(set(decls) | set(extra)):
+        texts = decls.get(sym) or [extra[sym]]
+        parsed = [parse_params(t, x) for x in texts]
+        canon = {tuple(t.canon(ct) for ct, _ in p) for p in parsed}
+        if len(canon) != 1:
+            fail(f"{sym} is declared with different parameter types: {texts}")
+        out[sym] = (" ".join(texts[0].split()), parsed[0])
+    return out
+
+
+def typedef_params(text: str) -> dict[str, str]:
+    """``PFN_<name>`` typedef name (without PFN_) -> its parameter text."""
+    clean = strip_comments(text)
+    return {m.group(1): balanced(clean, clean.index("(", m.end() - 1) + 1)
+            for m in TYPEDEF_RE.finditer(clean)}
+
+
+def check_typedef_signatures(t: CTypes, entries, sigs, pfn_params: dict[str, str]) -> int:
+    """Each cudaTypedefs.h typedef names the same parameter types as cuda.h's
+    declaration of the symbol it is mapped to. Returns the number checked."""
+    checked = 0
+    for name, ver, pt, sym in entries:
+        cands = [f"{name}_v{ver}_ptsz", f"{name}_v{ver}_ptds"] if pt else [f"{name}_v{ver}", name]
+        typedef = next((c for c in cands if c in pfn_params), None)
+        if typedef is None:
+            if (name, ver, pt) in EXTRA_ROWS:
+                continue
+            fail(f"no typedef for {name} v{ver}")
+        theirs = [t.canon(ct) for ct, _ in parse_params(t, pfn_params[typedef])]
+        mine = [t.canon(ct) for ct, _ in sigs[sym][1]]
+        if theirs != mine:
+            fail(f"PFN_{typedef} takes ({', '.join(theirs)}) but cuda.h declares {sym}({', '.join(mine)})")
+        checked += 1
+    return checked
+
+
+# ---------------------------------------------------------------------------
+# Rust rendering of types and functions
+# ---------------------------------------------------------------------------
+
+
+class Rust:
+    def __init__(self, t: CTypes, lay: Layout) -> None:
+        self.t, self.lay = t, lay
+
+    def emitted(self, name: str) -> bool:
+        """Whether typedef ``name`` is a Rust type (records not laid out here are not)."""
+        r = self.t.resolve(("name", name))
+        return r[0] != "rec" or self.lay.generated(r[2])
+
+    def ty(self, ct: tuple, behind_ptr: bool = False) -> str:
+        kind = ct[0]
+        if kind == "prim":
+            r = PRIMS[ct[1]][0]
+            if r == "c_void" and not behind_ptr:
+                fail("void by value")
+            return r
+        if kind == "name":
+            if self.emitted(ct[1]):
+                return ct[1]
+        elif kind == "enumtag":
+            return self.t.resolve(ct)[1]
+        elif kind == "rec":
+            if self.lay.generated(ct[2]):
+                return self.lay.names[ct[2]]
+        elif kind == "ptr":
+            return ("*const " if ct[2] else "*mut ") + self.ty(ct[1], True)
+        elif kind == "array":
+            return f"[{self.ty(ct[1])}; {ct[2]}]"
+        if behind_ptr:
+            return "c_void"  # a record not laid out here
+        fail(f"record {ct} by value is not laid out")
+        return ""
+
+    def fn(self, params, ret: tuple | None, opt: bool) -> str:
+        args = ", ".join((f"{rust_ident(n)}: " if n else "") + self.ty(ct) for ct, n in params)
+        r = "" if ret is None or ret == ("prim", "void") else f" -> {self.ty(ret)}"
+        f = f'unsafe extern "C" fn({args}){r}'
+        return f"Option<{f}>" if opt else f
+
+
+def int_type(v: int) -> str:
+    if 0 <= v < 1 << 32:
+        return "c_uint"
+    if -(1 << 31) <= v < 0:
+        return "c_int"
+    if 0 <= v < 1 << 64:
+        return "c_ulonglong"
+    fail(f"constant {v} fits no C integer type")
+    return ""
+
+
+def fits(v: int, rust: str) -> bool:
+    bits = {"c_char": 8, "c_schar": 8, "c_uchar": 8, "c_short": 16, "c_ushort": 16, "c_int": 32,
+            "c_uint": 32, "c_long": 64, "c_ulong": 64, "c_longlong": 64, "c_ulonglong": 64,
+            "usize": 64, "u32": 32, "u64": 64, "i32": 32, "i64": 64}[rust]
+    signed = not (rust.startswith("c_u") or rust.startswith("u"))
+    lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+    return lo <= v <= hi
+
+
+def constants(t: CTypes, rs: Rust) -> list[tuple[str, str, str, int, bool]]:
+    """Every enumerator and ``#define (CU|CUDA)_*`` constant of cuda.h:
+    (name, Rust type, Rust value, value, pointer?), enumerators first."""
+    out = []
+    enum_of = {}
+    for name, items in t.enums.items():
+        for item, v in items:
+            enum_of[item] = name
+            out.append((item, name, str(v), v, False))
+    types = {c[0]: c[1] for c in out}
+    values = ChainMap(t.values, t.macro_values)
+    for name in t.macro_order:
+        if not re.fullmatch(r"(CU|CUDA)_\w+", name) or name in NOT_CONSTANTS:
+            continue
+        body = t.macros[name]
+        cast = re.fullmatch(r"\(\(\s*(\w+)\s*(\*?)\s*\)\s*(.+?)\s*\)", body)
+        if cast:
+            ct, _ = t.decl(tokenize(cast.group(1) + cast.group(2)), named=False)
+            v = c_eval(tokenize(cast.group(3)), values)
+            rty = rs.ty(ct)
+            r = t.resolve(ct)
+            if r[0] == "ptr":
+                if v < 0:
+                    fail(f"{name}: negative pointer")
+                out.append((name, rty, f"std::ptr::without_provenance_mut({v:#x})", v, True))
+            elif r[0] in ("prim", "enum"):
+                if not fits(v, t.canon(ct)):
+                    fail(f"{name} = {v} does not fit {rty}")
+                out.append((name, rty, str(v), v, False))
+            else:
+                fail(f"{name}: cast to {rty}")
+        elif body in types:
+            out.append((name, types[body], body, next(c[3] for c in out if c[0] == body), False))
+        else:
+            v = c_eval(tokenize(body), values)
+            out.append((name, int_type(v), str(v), v, False))
+        types[name] = out[-1][1]
+    seen = set()
+    for c in out:
+        if c[0] in seen:
+            fail(f"constant {c[0]} twice")
+        seen.add(c[0])
+    return out
+
+
+def header(what: str) -> list[str]:
+    return [
+        "// @generated by scripts/gen_cuda_abi.py from the CUDA 12.9 driver API headers",
+        f"// (cuda.h of the PyPI wheel {WHEEL}): {what}.",
+        "// Do not edit by hand. Regenerate with:",
+        "//     python3 scripts/gen_cuda_abi.py [--include DIR_WITH_CUDA_H]",
+        "",
+    ]
+
+
+def render_types(t: CTypes, lay: Layout, rs: Rust, consts) -> str:
+    o = header("types, records and constants")
+    w = o.append
+    w("#![allow(non_camel_case_types, non_snake_case, non_upper_case_globals)]")
+    w("")
+    w("pub use std::ffi::{")
+    w("    c_char, c_int, c_long, c_longlong, c_schar, c_short, c_uchar, c_uint, c_ulong, c_ulonglong,")
+    w("    c_ushort, c_void,")
+    w("};")
+    w("")
+    w("/// The `CUresult` values (`CUDA_SUCCESS`, `CUDA_ERROR_*`).")
+    w("pub use crate::generated::result::*;")
+    w("")
+    w("// --- typedefs, in header order -----------------------------------------------------------")
+    w("//")
+    w("// Handles (`struct X_st *`) are `*mut c_void`; an enum is `c_uint` (`c_int` if it has a")
+    w("// negative value), as gcc lays it out; a function pointer is an `Option` (it may be null);")
+    w("// a struct or union not laid out below has no Rust type: pointers to it are `c_void`")
+    w("// pointers.")
+    w("")
+    consts_by_enum = defaultdict(list)
+    for c in consts:
+        consts_by_enum[c[1]].append(c)
+    for name, d in t.typedefs.items():
+        if d[0] == "enum":
+            signed = t.enum_signed[name]
+            w(f"/// enum `{name}`.")
+            w(f"pub type {name} = {'c_int' if signed else 'c_uint'};")
+            if name == "CUresult":
+                continue
+            for c, _, val, _, _ in consts_by_enum[name]:
+                if t.values.get(c) is not None or name in t.internal_enums:
+                    w(f"pub const {c}: {name} = {val};")
+            continue
+        if d[0] == "fn":
+            w(f"pub type {name} = {rs.fn(d[2], d[1], True)};")
+            continue
+        r = t.resolve(d[1])
+        if r[0] == "rec" and (not lay.generated(r[2]) or lay.names[r[2]] == name):
+            continue  # not laid out, or the record itself (below)
+        w(f"pub type {name} = {rs.ty(d[1])};")
+    w("")
+    w("// --- constants: `#define (CU|CUDA)_*` -----------------------------------------------------")
+    w("")
+    for c, ty, val, _, _ in consts:
+        if c in t.macros:
+            w(f"pub const {c}: {ty} = {val};")
+    w("")
+    w("// --- records laid out in Rust (scripts/gen_cuda_abi.py STRUCTS), with their C layout ----")
+    w("")
+    for tag in sorted(lay.order, key=lambda g: lay.names[g]):
+        name = lay.names[tag]
+        size, align, offsets = lay.record_layout(tag)
+        parent = lay.parent.get(tag)
+        if parent:
+            w(f"/// Member `{parent[1]}` of `{lay.names[parent[0]]}`.")
+        else:
+            w(f"/// `struct {tag}`; " + (f"read by the {lay.readers[tag]}." if tag in lay.readers
+                                         else "passed by value, or part of a record that is."))
+        w("#[repr(C)]")
+        w("#[derive(Debug, Clone, Copy)]")
+        w(f"pub struct {name} {{")
+        for field, ct in lay.fields[tag]:
+            w(f"    pub {rust_ident(field)}: {rs.ty(ct)},")
+        w("}")
+        w("")
+        w("const _: () = {")
+        w(f"    assert!(size_of::<{name}>() == {size});")
+        w(f"    assert!(align_of::<{name}>() == {align});")
+        for field, off in offsets:
+            w(f"    assert!(core::mem::offset_of!({name}, {rust_ident(field)}) == {off});")
+        w("};")
+        w("")
+    w("/// The layout of each record above as the generator computed it from cuda.h (C type,")
+    w("/// size, alignment, member offsets; nested members by path), for a test to check against a")
+    w("/// C compiler.")
+    w("#[cfg(test)]")
+    w("#[allow(clippy::type_complexity)]")
+    w("pub(crate) static LAYOUTS: &[(&str, usize, usize, &[(&str, usize)])] = &[")
+    for tag in sorted(lay.order, key=lambda g: lay.names[g]):
+        if tag in lay.parent:
+            continue
+        name = lay.names[tag]
+        size, align, _ = lay.record_layout(tag)
+        w(f"    ({rs_str(name)}, {size}, {align}, &[")
+        for path, off in flat_offsets(lay, tag):
+            w(f"        ({rs_str(path)}, {off}),")
+        w("    ]),")
+    w("];")
+    w("")
+    w("/// Every constant above an application compiled against cuda.h sees: name, value, whether")
+    w("/// it is a pointer; for a test to check against a C compiler.")
+    w("#[cfg(test)]")
+    w("pub(crate) static CONSTANTS: &[(&str, i128, bool)] = &[")
+    app_visible = {c for n, items in t.enums.items() if n not in t.internal_enums and n != "CUoutput_mode"
+                   for c, _ in items}
+    for c, _, _, v, ptr in consts:
+        if c in t.macros or c in app_visible:
+            w(f"    ({rs_str(c)}, {v}, {'true' if ptr else 'false'}),")
+    w("];")
+    w("")
+    return "\n".join(o)
+
+
+def flat_offsets(lay: Layout, tag: str, prefix: str = "", base: int = 0):
+    _, _, offsets = lay.record_layout(tag)
+    for (field, ct), (_, off) in zip(lay.fields[tag], offsets):
+        yield prefix + field, base + off
+        r = lay.t.resolve(ct)
+        if r[0] == "rec" and r[2] in lay.parent:
+            yield from flat_offsets(lay, r[2], prefix + field + ".", base + off)
+
+
+def render_functions(rs: Rust, sigs) -> str:
+    o = header("one function-pointer type per exported driver symbol")
+    w = o.append
+    w("#![allow(non_camel_case_types, non_snake_case)]")
+    w("")
+    w("use crate::types::*;")
+    w("")
+    for sym, (text, params) in sigs.items():
+        w(f"/// `{sym}({text})`")
+        w(f"pub type PFN_{sym} = {rs.fn(params, ('name', 'CUresult'), False)};")
+    w("")
+    w("/// The `PFN_` types by symbol name (`pfn::cuMemAlloc_v2` is `PFN_cuMemAlloc_v2`), for")
+    w("/// macros that have the symbol's name as an identifier.")
+    w("pub mod pfn {")
+    for sym in sigs:
+        w(f"    pub type {sym} = super::PFN_{sym};")
+    w("}")
+    w("")
+    return "\n".join(o)
+
+
+# ---------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------
 
@@ -580,50 +1533,87 @@ def profiler_entry_points(inc: Path) -> list[tuple[str, int, bool, str]]:
     return out
 
 
-def generate(inc: Path) -> tuple[str, dict]:
+def generate(inc: Path) -> tuple[dict[str, str], dict]:
+    """The generated files (name under cuda-abi/src -> text) and statistics."""
     cuda_h = (inc / "cuda.h").read_text(encoding="utf-8", errors="strict")
     typedefs_h = (inc / "cudaTypedefs.h").read_text(encoding="utf-8", errors="strict")
+    profiler_h = (inc / "cudaProfilerTypedefs.h").read_text(encoding="utf-8", errors="strict")
     m = re.search(r"#define\s+CUDA_VERSION\s+(\d+)", cuda_h)
     if not m or int(m.group(1)) != CUDA_VERSION:
         fail(f"expected CUDA_VERSION {CUDA_VERSION}, headers say {m and m.group(1)}")
 
     base_defs = {"__GNUC__", "__LP64__"}
-    app_syms, app_expand = declared_symbols(cuda_h, base_defs)
-    drv_syms, _ = declared_symbols(cuda_h, base_defs | {"__CUDA_API_VERSION_INTERNAL"})
+    app_syms, app_expand, app_decls = declared_symbols(cuda_h, base_defs)
+    drv_syms, _, drv_decls = declared_symbols(cuda_h, base_defs | {"__CUDA_API_VERSION_INTERNAL"})
     symbols = app_syms | drv_syms
 
     typedefs, notes = parse_typedefs(typedefs_h)
     entries = build_entry_points(typedefs, symbols, app_expand, notes)
-    entries = sorted(entries + profiler_entry_points(inc))
+    profiler = profiler_entry_points(inc)
+    entries = sorted(entries + profiler)
     errors = parse_errors(cuda_h)
     attrs, aliases = parse_device_attributes(cuda_h)
     used = {e[3] for e in entries}
+
+    # Types, and one signature per exported symbol.
+    types, type_notes = read_types(cuda_h, base_defs)
+    decls = defaultdict(list)
+    for d in (app_decls, drv_decls):
+        for sym, texts in d.items():
+            decls[sym].extend(texts)
+    pfn_params = typedef_params(typedefs_h) | typedef_params(profiler_h)
+    extra = {sym: pfn_params[f"{name}_v{ver}"] for name, ver, _, sym in profiler}
+    sigs = signatures(types, decls, extra)
+    checked = check_typedef_signatures(types, entries, sigs, pfn_params)
+    listed = {}
+    for name, readers in STRUCTS.items():
+        tag = types.record_of(("name", name))
+        if tag is None:
+            fail(f"STRUCTS entry {name} is not a struct")
+        listed[tag] = readers
+    by_value = {tag for _, params in sigs.values() for ct, _ in params
+                if (tag := types.record_of(ct)) is not None}
+    lay = Layout(types, set(listed) | by_value, listed)
+    rs = Rust(types, lay)
+    consts = constants(types, rs)
+
     stats = {
         "entry points": len(entries),
         "per-thread rows": sum(1 for e in entries if e[2]),
         "distinct symbols": len(used),
         "errors": len(errors),
         "device attributes": len(attrs),
-        "notes": notes,
+        "function types": len(sigs),
+        "typedef signatures checked": checked,
+        "records laid out": len(lay.order),
+        "constants": len(consts),
+        "notes": notes + type_notes,
         "attribute aliases skipped": aliases,
         "declared symbols without a typedef": sorted(symbols - used),
+        "records laid out as passed by value or embedded": sorted(
+            lay.names[t] for t in lay.order if t not in listed),
     }
-    return render(entries, errors, attrs), stats
+    files = {
+        "generated.rs": render(entries, errors, attrs),
+        "types.rs": render_types(types, lay, rs, consts),
+        "functions.rs": render_functions(rs, sigs),
+    }
+    return files, stats
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--include", type=Path, help="directory holding cuda.h and cudaTypedefs.h")
-    ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--check", action="store_true", help="fail if --out differs")
+    ap.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    ap.add_argument("--check", action="store_true", help="fail if a generated file differs")
     ap.add_argument("-v", "--verbose", action="store_true", help="print header oddities")
     args = ap.parse_args()
     try:
         if args.include:
-            text, stats = generate(args.include)
+            files, stats = generate(args.include)
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                text, stats = generate(fetch_headers(Path(tmp)))
+                files, stats = generate(fetch_headers(Path(tmp)))
     except GenError as exc:
         print(f"gen_cuda_abi: error: {exc}", file=sys.stderr)
         return 1
@@ -636,14 +1626,17 @@ def main() -> int:
         else:
             print(f"{k}: {v}", file=sys.stderr)
     if args.check:
-        if not args.out.exists() or args.out.read_text() != text:
-            print(f"gen_cuda_abi: {args.out} is stale", file=sys.stderr)
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_suffix(".rs.tmp")
-    tmp_out.write_text(text)
-    os.replace(tmp_out, args.out)
+        stale = [n for n, text in files.items()
+                 if not (args.out_dir / n).exists() or (args.out_dir / n).read_text() != text]
+        for n in stale:
+            print(f"gen_cuda_abi: {args.out_dir / n} is stale", file=sys.stderr)
+        return 1 if stale else 0
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for n, text in files.items():
+        out = args.out_dir / n
+        tmp_out = out.with_suffix(".rs.tmp")
+        tmp_out.write_text(text)
+        os.replace(tmp_out, out)
     return 0
 
 

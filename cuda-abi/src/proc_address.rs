@@ -7,15 +7,17 @@
 //! hand-maintained list of `_v2`/`_ptsz` suffixes.
 
 use crate::generated::{ENTRY_POINTS, SYMBOLS};
+use crate::types;
 
 /// `CU_GET_PROC_ADDRESS_DEFAULT`: the driver's default stream semantics
-/// (legacy default stream here).
-pub const CU_GET_PROC_ADDRESS_DEFAULT: u64 = 0;
+/// (legacy default stream here); as the `u64` flags `cuGetProcAddress` takes.
+pub const CU_GET_PROC_ADDRESS_DEFAULT: u64 = types::CU_GET_PROC_ADDRESS_DEFAULT as u64;
 /// `CU_GET_PROC_ADDRESS_LEGACY_STREAM`: legacy default-stream variants.
-pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: u64 = 1;
+pub const CU_GET_PROC_ADDRESS_LEGACY_STREAM: u64 = types::CU_GET_PROC_ADDRESS_LEGACY_STREAM as u64;
 /// `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`: per-thread default-stream
 /// variants (`_ptsz`/`_ptds` symbols) where the API has them.
-pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: u64 = 2;
+pub const CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: u64 =
+    types::CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM as u64;
 
 /// One ABI version of a driver API, as named by a
 /// `PFN_<name>_v<version>[_ptsz|_ptds]` typedef in `cudaTypedefs.h`.

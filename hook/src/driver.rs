@@ -4,6 +4,8 @@
 //! (`own_*` calls); a missing entry point reads as a failed call.
 
 use crate::real;
+use gpushare_cuda_abi::result::{CUDA_ERROR_NOT_READY, CUDA_SUCCESS};
+use gpushare_cuda_abi::types::{CU_EVENT_BLOCKING_SYNC, CUuuid};
 use std::ffi::c_void;
 
 /// A context or event handle the hook keeps (driver handles are valid from any thread).
@@ -40,11 +42,9 @@ unsafe impl Sync for Handle {}
 /// A stream as the application passed it (never kept past the call).
 pub type Stream = *mut c_void;
 
-/// `CU_EVENT_BLOCKING_SYNC`: a thread waiting for the event sleeps instead of spinning a core
-/// (the hook's fences are waited for by launchers and drains, never on a latency path).
-const EVENT_BLOCKING_SYNC: u32 = 1;
-const CUDA_SUCCESS: u32 = 0;
-const CUDA_ERROR_NOT_READY: u32 = 600;
+/// The hook's fences are `CU_EVENT_BLOCKING_SYNC`: a thread waiting for one sleeps instead of
+/// spinning a core (they are waited for by launchers and drains, never on a latency path).
+const EVENT_BLOCKING_SYNC: u32 = CU_EVENT_BLOCKING_SYNC;
 
 /// The number of devices the driver shows this process.
 pub fn device_count() -> Option<usize> {
@@ -58,9 +58,9 @@ pub fn device_count() -> Option<usize> {
 /// every MIG slice its GPU's UUID), else the first version.
 pub fn device_uuid(dev: usize) -> Option<[u8; 16]> {
     let get = real::cuDeviceGetUuid_v2().or_else(real::cuDeviceGetUuid)?;
-    let mut uuid = [0u8; 16];
+    let mut uuid = CUuuid { bytes: [0; 16] };
     // SAFETY: valid out-pointer and device ordinal.
-    (unsafe { get(&mut uuid, dev as i32) } == CUDA_SUCCESS).then_some(uuid)
+    (unsafe { get(&mut uuid, dev as i32) } == CUDA_SUCCESS).then(|| uuid.bytes.map(|b| b as u8))
 }
 
 /// The device of the calling thread's current context.

@@ -10,15 +10,21 @@ use crate::gate::Gate;
 use crate::memory;
 use crate::process::hook;
 use crate::real;
+use gpushare_cuda_abi::pfn;
+use gpushare_cuda_abi::result::{
+    CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+    CUDA_ERROR_STREAM_CAPTURE_UNJOINED, CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD, CUDA_ERROR_UNKNOWN,
+    CUDA_SUCCESS,
+};
+use gpushare_cuda_abi::types::{
+    CU_GRAPH_NODE_TYPE_KERNEL, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_LAUNCH_PARAMS, CUdevice,
+    CUdriverProcAddressQueryResult, CUgraphNodeType, CUlaunchConfig, CUresult, CUstreamCaptureMode,
+};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::{Mutex, OnceLock};
 
 type P = *mut c_void;
-type CUresult = u32;
-const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
-const CUDA_ERROR_NOT_PERMITTED: CUresult = 800;
-const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
 /// The gate of the current context's GPU (`None`: nothing to gate).
 #[inline]
@@ -97,7 +103,6 @@ fn graph_kernels() -> &'static Mutex<HashMap<usize, u64>> {
 
 /// The kernel nodes of `graph` (at least 1: a graph of other nodes counts as one launch).
 fn kernel_nodes(graph: P) -> u64 {
-    const KERNEL_NODE: u32 = 0; // CU_GRAPH_NODE_TYPE_KERNEL
     let (Some(get_nodes), Some(node_type)) = (real::cuGraphGetNodes(), real::cuGraphNodeGetType())
     else {
         return 1;
@@ -105,18 +110,18 @@ fn kernel_nodes(graph: P) -> u64 {
     let mut n = 0usize;
     // SAFETY: real driver calls; the node array has room for the count the driver reported.
     unsafe {
-        if get_nodes(graph, std::ptr::null_mut(), &mut n) != 0 || n == 0 {
+        if get_nodes(graph, std::ptr::null_mut(), &mut n) != CUDA_SUCCESS || n == 0 {
             return 1;
         }
         let mut nodes = vec![std::ptr::null_mut(); n];
-        if get_nodes(graph, nodes.as_mut_ptr(), &mut n) != 0 {
+        if get_nodes(graph, nodes.as_mut_ptr(), &mut n) != CUDA_SUCCESS {
             return 1;
         }
         let kernels = nodes[..n.min(nodes.len())]
             .iter()
             .filter(|&&node| {
-                let mut t = u32::MAX;
-                node_type(node, &mut t) == 0 && t == KERNEL_NODE
+                let mut t: CUgraphNodeType = CUgraphNodeType::MAX;
+                node_type(node, &mut t) == CUDA_SUCCESS && t == CU_GRAPH_NODE_TYPE_KERNEL
             })
             .count();
         kernels.max(1) as u64
@@ -127,7 +132,7 @@ fn kernel_nodes(graph: P) -> u64 {
 fn instantiated(exec: *mut P, graph: P, call: impl FnOnce() -> Option<CUresult>) -> CUresult {
     let run = || {
         let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        if r == 0 && !exec.is_null() {
+        if r == CUDA_SUCCESS && !exec.is_null() {
             // SAFETY: the driver just wrote the new executable graph through this out-pointer.
             let e = unsafe { *exec } as usize;
             let kernels = kernel_nodes(graph);
@@ -155,8 +160,10 @@ macro_rules! instantiate_wrapper {
 instantiate_wrapper!(cuGraphInstantiate, (e: *mut P, g: P, err: *mut P, log: *mut c_char, n: usize));
 instantiate_wrapper!(cuGraphInstantiate_v2, (e: *mut P, g: P, err: *mut P, log: *mut c_char, n: usize));
 instantiate_wrapper!(cuGraphInstantiateWithFlags, (e: *mut P, g: P, flags: u64));
-instantiate_wrapper!(cuGraphInstantiateWithParams, (e: *mut P, g: P, params: P));
-instantiate_wrapper!(cuGraphInstantiateWithParams_ptsz, (e: *mut P, g: P, params: P));
+instantiate_wrapper!(cuGraphInstantiateWithParams,
+    (e: *mut P, g: P, params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS));
+instantiate_wrapper!(cuGraphInstantiateWithParams_ptsz,
+    (e: *mut P, g: P, params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS));
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuGraphExecDestroy(exec: P) -> CUresult {
@@ -237,21 +244,18 @@ sync_wrapper!(cuEventSynchronize = raw_cuEventSynchronize, (e: P));
 /// Run a capture's begin (`begin`) or end, keeping count of the captures under way, so the hook
 /// knows when its own calls must not disturb one (see `real::captures_active`).
 fn capture_call(begin: bool, call: impl FnOnce() -> Option<CUresult>) -> CUresult {
-    const STREAM_CAPTURE_INVALIDATED: CUresult = 901;
-    const STREAM_CAPTURE_UNJOINED: CUresult = 904;
-    const STREAM_CAPTURE_WRONG_THREAD: CUresult = 908;
     let run = || {
         let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         crate::log::debug!("capture {} -> {r}", if begin { "begins" } else { "ends" });
         match (begin, r) {
-            (true, 0) => real::capture_begun(),
+            (true, CUDA_SUCCESS) => real::capture_begun(),
             // These errors end the capture too, as the driver documents.
             (
                 false,
-                0
-                | STREAM_CAPTURE_INVALIDATED
-                | STREAM_CAPTURE_UNJOINED
-                | STREAM_CAPTURE_WRONG_THREAD,
+                CUDA_SUCCESS
+                | CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+                | CUDA_ERROR_STREAM_CAPTURE_UNJOINED
+                | CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD,
             ) => real::capture_ended(),
             _ => {}
         }
@@ -273,12 +277,12 @@ macro_rules! capture_wrapper {
 
 capture_wrapper!(cuStreamBeginCapture, begin = true, (s: P));
 capture_wrapper!(cuStreamBeginCapture_ptsz, begin = true, (s: P));
-capture_wrapper!(cuStreamBeginCapture_v2, begin = true, (s: P, mode: i32));
-capture_wrapper!(cuStreamBeginCapture_v2_ptsz, begin = true, (s: P, mode: i32));
+capture_wrapper!(cuStreamBeginCapture_v2, begin = true, (s: P, mode: CUstreamCaptureMode));
+capture_wrapper!(cuStreamBeginCapture_v2_ptsz, begin = true, (s: P, mode: CUstreamCaptureMode));
 capture_wrapper!(cuStreamBeginCaptureToGraph, begin = true,
-    (s: P, g: P, deps: *const P, edges: *const c_void, n: usize, mode: i32));
+    (s: P, g: P, deps: *const P, edges: *const c_void, n: usize, mode: CUstreamCaptureMode));
 capture_wrapper!(cuStreamBeginCaptureToGraph_ptsz, begin = true,
-    (s: P, g: P, deps: *const P, edges: *const c_void, n: usize, mode: i32));
+    (s: P, g: P, deps: *const P, edges: *const c_void, n: usize, mode: CUstreamCaptureMode));
 capture_wrapper!(cuStreamEndCapture, begin = false, (s: P, graph: *mut P));
 capture_wrapper!(cuStreamEndCapture_ptsz, begin = false, (s: P, graph: *mut P));
 
@@ -291,7 +295,7 @@ capture_wrapper!(cuStreamEndCapture_ptsz, begin = false, (s: P, graph: *mut P));
 /// recorded with a dead event would fail from then on.
 fn destroying(
     ctx: Option<P>,
-    dev: Option<i32>,
+    dev: Option<CUdevice>,
     call: impl FnOnce() -> Option<CUresult>,
 ) -> CUresult {
     let run = || {
@@ -316,7 +320,7 @@ macro_rules! context_wrapper {
     };
     ($name:ident, dev) => {
         #[unsafe(no_mangle)]
-        pub extern "C" fn $name(dev: i32) -> CUresult {
+        pub extern "C" fn $name(dev: CUdevice) -> CUresult {
             // SAFETY: forwards the caller's argument unchanged to the real function.
             destroying(None, Some(dev), || real::$name().map(|f| unsafe { f(dev) }))
         }
@@ -330,18 +334,18 @@ context_wrapper!(cuDevicePrimaryCtxRelease_v2, dev);
 context_wrapper!(cuDevicePrimaryCtxReset, dev);
 context_wrapper!(cuDevicePrimaryCtxReset_v2, dev);
 
-/// The stream of a `CUlaunchConfig` (grid, block, shared memory bytes, then the stream).
-fn config_stream(config: *const c_void) -> P {
+/// The stream of a `CUlaunchConfig` (null if there is none).
+fn config_stream(config: *const CUlaunchConfig) -> P {
     if config.is_null() {
         return std::ptr::null_mut();
     }
-    // SAFETY: CUlaunchConfig starts with seven u32 fields, then (8-byte aligned) the stream.
-    unsafe { *(config.cast::<u8>().add(32) as *const P) }
+    // SAFETY: a non-null config is the caller's valid `CUlaunchConfig`, per the API contract.
+    unsafe { (*config).hStream }
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuLaunchKernelEx(
-    config: *const c_void,
+    config: *const CUlaunchConfig,
     f: P,
     params: *mut P,
     extra: *mut P,
@@ -354,7 +358,7 @@ pub extern "C" fn cuLaunchKernelEx(
 
 #[unsafe(no_mangle)]
 pub extern "C" fn cuLaunchKernelEx_ptsz(
-    config: *const c_void,
+    config: *const CUlaunchConfig,
     f: P,
     params: *mut P,
     extra: *mut P,
@@ -366,7 +370,11 @@ pub extern "C" fn cuLaunchKernelEx_ptsz(
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cuLaunchCooperativeKernelMultiDevice(list: P, n: u32, flags: u32) -> CUresult {
+pub extern "C" fn cuLaunchCooperativeKernelMultiDevice(
+    list: *mut CUDA_LAUNCH_PARAMS,
+    n: u32,
+    flags: u32,
+) -> CUresult {
     // One launch per device in one call: gated on the current GPU, not paced per stream.
     // SAFETY: forwards the caller's arguments unchanged.
     gated(None, || {
@@ -374,113 +382,81 @@ pub extern "C" fn cuLaunchCooperativeKernelMultiDevice(list: P, n: u32, flags: u
     })
 }
 
+/// `(symbol, wrapper)` rows, each wrapper checked at compile time against the type cuda.h gives
+/// the symbol (`gpushare_cuda_abi::pfn`): a wrapper typed otherwise does not build.
+macro_rules! checked_wrappers {
+    ($($sym:ident => $wrapper:path,)*) => {
+        [$((stringify!($sym), {
+            const WRAPPER: pfn::$sym = $wrapper;
+            WRAPPER as P
+        })),*]
+    };
+}
+
 /// Managed symbols (launches, synchronisations, captures, allocations, frees, memory queries)
-/// and their wrappers, sorted by name.
+/// and their wrappers, sorted by name: every `cu*` symbol this library exports.
 fn wrappers() -> [(&'static str, P); 57] {
-    [
-        ("cuArray3DCreate_v2", memory::cuArray3DCreate_v2 as P),
-        ("cuArrayCreate_v2", memory::cuArrayCreate_v2 as P),
-        ("cuArrayDestroy", memory::cuArrayDestroy as P),
-        ("cuCtxDestroy", cuCtxDestroy as P),
-        ("cuCtxDestroy_v2", cuCtxDestroy_v2 as P),
-        ("cuCtxSynchronize", cuCtxSynchronize as P),
-        ("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease as P),
-        (
-            "cuDevicePrimaryCtxRelease_v2",
-            cuDevicePrimaryCtxRelease_v2 as P,
-        ),
-        ("cuDevicePrimaryCtxReset", cuDevicePrimaryCtxReset as P),
-        (
-            "cuDevicePrimaryCtxReset_v2",
-            cuDevicePrimaryCtxReset_v2 as P,
-        ),
-        ("cuDeviceTotalMem_v2", memory::cuDeviceTotalMem_v2 as P),
-        ("cuEventSynchronize", cuEventSynchronize as P),
-        ("cuGetProcAddress", cuGetProcAddress as P),
-        ("cuGetProcAddress_v2", cuGetProcAddress_v2 as P),
-        ("cuGraphExecDestroy", cuGraphExecDestroy as P),
-        ("cuGraphInstantiate", cuGraphInstantiate as P),
-        (
-            "cuGraphInstantiateWithFlags",
-            cuGraphInstantiateWithFlags as P,
-        ),
-        (
-            "cuGraphInstantiateWithParams",
-            cuGraphInstantiateWithParams as P,
-        ),
-        (
-            "cuGraphInstantiateWithParams_ptsz",
-            cuGraphInstantiateWithParams_ptsz as P,
-        ),
-        ("cuGraphInstantiate_v2", cuGraphInstantiate_v2 as P),
-        ("cuGraphLaunch", cuGraphLaunch as P),
-        ("cuGraphLaunch_ptsz", cuGraphLaunch_ptsz as P),
-        ("cuLaunchCooperativeKernel", cuLaunchCooperativeKernel as P),
-        (
-            "cuLaunchCooperativeKernelMultiDevice",
-            cuLaunchCooperativeKernelMultiDevice as P,
-        ),
-        (
-            "cuLaunchCooperativeKernel_ptsz",
-            cuLaunchCooperativeKernel_ptsz as P,
-        ),
-        ("cuLaunchKernel", cuLaunchKernel as P),
-        ("cuLaunchKernelEx", cuLaunchKernelEx as P),
-        ("cuLaunchKernelEx_ptsz", cuLaunchKernelEx_ptsz as P),
-        ("cuLaunchKernel_ptsz", cuLaunchKernel_ptsz as P),
-        ("cuMemAllocAsync", memory::cuMemAllocAsync as P),
-        ("cuMemAllocAsync_ptsz", memory::cuMemAllocAsync_ptsz as P),
-        (
-            "cuMemAllocFromPoolAsync",
-            memory::cuMemAllocFromPoolAsync as P,
-        ),
-        (
-            "cuMemAllocFromPoolAsync_ptsz",
-            memory::cuMemAllocFromPoolAsync_ptsz as P,
-        ),
-        ("cuMemAllocManaged", memory::cuMemAllocManaged as P),
-        ("cuMemAllocPitch_v2", memory::cuMemAllocPitch_v2 as P),
-        ("cuMemAlloc_v2", memory::cuMemAlloc_v2 as P),
-        ("cuMemCreate", memory::cuMemCreate as P),
-        ("cuMemFreeAsync", memory::cuMemFreeAsync as P),
-        ("cuMemFreeAsync_ptsz", memory::cuMemFreeAsync_ptsz as P),
-        ("cuMemFree_v2", memory::cuMemFree_v2 as P),
-        ("cuMemGetInfo_v2", memory::cuMemGetInfo_v2 as P),
-        ("cuMemMap", memory::cuMemMap as P),
-        ("cuMemRelease", memory::cuMemRelease as P),
-        (
-            "cuMemRetainAllocationHandle",
-            memory::cuMemRetainAllocationHandle as P,
-        ),
-        ("cuMemUnmap", memory::cuMemUnmap as P),
-        (
-            "cuMipmappedArrayCreate",
-            memory::cuMipmappedArrayCreate as P,
-        ),
-        (
-            "cuMipmappedArrayDestroy",
-            memory::cuMipmappedArrayDestroy as P,
-        ),
-        ("cuStreamBeginCapture", cuStreamBeginCapture as P),
-        (
-            "cuStreamBeginCaptureToGraph",
-            cuStreamBeginCaptureToGraph as P,
-        ),
-        (
-            "cuStreamBeginCaptureToGraph_ptsz",
-            cuStreamBeginCaptureToGraph_ptsz as P,
-        ),
-        ("cuStreamBeginCapture_ptsz", cuStreamBeginCapture_ptsz as P),
-        ("cuStreamBeginCapture_v2", cuStreamBeginCapture_v2 as P),
-        (
-            "cuStreamBeginCapture_v2_ptsz",
-            cuStreamBeginCapture_v2_ptsz as P,
-        ),
-        ("cuStreamEndCapture", cuStreamEndCapture as P),
-        ("cuStreamEndCapture_ptsz", cuStreamEndCapture_ptsz as P),
-        ("cuStreamSynchronize", cuStreamSynchronize as P),
-        ("cuStreamSynchronize_ptsz", cuStreamSynchronize_ptsz as P),
-    ]
+    #[rustfmt::skip]
+    let table = checked_wrappers! {
+        cuArray3DCreate_v2 => memory::cuArray3DCreate_v2,
+        cuArrayCreate_v2 => memory::cuArrayCreate_v2,
+        cuArrayDestroy => memory::cuArrayDestroy,
+        cuCtxDestroy => cuCtxDestroy,
+        cuCtxDestroy_v2 => cuCtxDestroy_v2,
+        cuCtxSynchronize => cuCtxSynchronize,
+        cuDevicePrimaryCtxRelease => cuDevicePrimaryCtxRelease,
+        cuDevicePrimaryCtxRelease_v2 => cuDevicePrimaryCtxRelease_v2,
+        cuDevicePrimaryCtxReset => cuDevicePrimaryCtxReset,
+        cuDevicePrimaryCtxReset_v2 => cuDevicePrimaryCtxReset_v2,
+        cuDeviceTotalMem_v2 => memory::cuDeviceTotalMem_v2,
+        cuEventSynchronize => cuEventSynchronize,
+        cuGetProcAddress => cuGetProcAddress,
+        cuGetProcAddress_v2 => cuGetProcAddress_v2,
+        cuGraphExecDestroy => cuGraphExecDestroy,
+        cuGraphInstantiate => cuGraphInstantiate,
+        cuGraphInstantiateWithFlags => cuGraphInstantiateWithFlags,
+        cuGraphInstantiateWithParams => cuGraphInstantiateWithParams,
+        cuGraphInstantiateWithParams_ptsz => cuGraphInstantiateWithParams_ptsz,
+        cuGraphInstantiate_v2 => cuGraphInstantiate_v2,
+        cuGraphLaunch => cuGraphLaunch,
+        cuGraphLaunch_ptsz => cuGraphLaunch_ptsz,
+        cuLaunchCooperativeKernel => cuLaunchCooperativeKernel,
+        cuLaunchCooperativeKernelMultiDevice => cuLaunchCooperativeKernelMultiDevice,
+        cuLaunchCooperativeKernel_ptsz => cuLaunchCooperativeKernel_ptsz,
+        cuLaunchKernel => cuLaunchKernel,
+        cuLaunchKernelEx => cuLaunchKernelEx,
+        cuLaunchKernelEx_ptsz => cuLaunchKernelEx_ptsz,
+        cuLaunchKernel_ptsz => cuLaunchKernel_ptsz,
+        cuMemAllocAsync => memory::cuMemAllocAsync,
+        cuMemAllocAsync_ptsz => memory::cuMemAllocAsync_ptsz,
+        cuMemAllocFromPoolAsync => memory::cuMemAllocFromPoolAsync,
+        cuMemAllocFromPoolAsync_ptsz => memory::cuMemAllocFromPoolAsync_ptsz,
+        cuMemAllocManaged => memory::cuMemAllocManaged,
+        cuMemAllocPitch_v2 => memory::cuMemAllocPitch_v2,
+        cuMemAlloc_v2 => memory::cuMemAlloc_v2,
+        cuMemCreate => memory::cuMemCreate,
+        cuMemFreeAsync => memory::cuMemFreeAsync,
+        cuMemFreeAsync_ptsz => memory::cuMemFreeAsync_ptsz,
+        cuMemFree_v2 => memory::cuMemFree_v2,
+        cuMemGetInfo_v2 => memory::cuMemGetInfo_v2,
+        cuMemMap => memory::cuMemMap,
+        cuMemRelease => memory::cuMemRelease,
+        cuMemRetainAllocationHandle => memory::cuMemRetainAllocationHandle,
+        cuMemUnmap => memory::cuMemUnmap,
+        cuMipmappedArrayCreate => memory::cuMipmappedArrayCreate,
+        cuMipmappedArrayDestroy => memory::cuMipmappedArrayDestroy,
+        cuStreamBeginCapture => cuStreamBeginCapture,
+        cuStreamBeginCaptureToGraph => cuStreamBeginCaptureToGraph,
+        cuStreamBeginCaptureToGraph_ptsz => cuStreamBeginCaptureToGraph_ptsz,
+        cuStreamBeginCapture_ptsz => cuStreamBeginCapture_ptsz,
+        cuStreamBeginCapture_v2 => cuStreamBeginCapture_v2,
+        cuStreamBeginCapture_v2_ptsz => cuStreamBeginCapture_v2_ptsz,
+        cuStreamEndCapture => cuStreamEndCapture,
+        cuStreamEndCapture_ptsz => cuStreamEndCapture_ptsz,
+        cuStreamSynchronize => cuStreamSynchronize,
+        cuStreamSynchronize_ptsz => cuStreamSynchronize_ptsz,
+    };
+    table
 }
 
 fn wrapper(symbol: &[u8]) -> Option<P> {
@@ -710,7 +686,7 @@ pub extern "C" fn cuGetProcAddress(
         let r = real::cuGetProcAddress().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
             f(symbol, pfn, version, flags)
         });
-        if r == 0 {
+        if r == CUDA_SUCCESS {
             swap_in_wrapper(symbol, pfn, version, flags);
         }
         r
@@ -724,14 +700,14 @@ pub extern "C" fn cuGetProcAddress_v2(
     pfn: *mut P,
     version: c_int,
     flags: u64,
-    status: *mut c_int,
+    status: *mut CUdriverProcAddressQueryResult,
 ) -> CUresult {
     let run = || {
         // SAFETY: forwards the caller's arguments unchanged.
         let r = real::cuGetProcAddress_v2().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
             f(symbol, pfn, version, flags, status)
         });
-        if r == 0 {
+        if r == CUDA_SUCCESS {
             swap_in_wrapper(symbol, pfn, version, flags);
         }
         r

@@ -3,8 +3,9 @@
 //! reports how long it really held the GPU, and holds allocations to the group's memory cap.
 //!
 //! Layers, lowest first (each module imports only those below it):
-//! - [`real`] finds the real driver (and the real `dlsym`); [`driver`] wraps the hook's own
-//!   driver calls in safe, typed functions;
+//! - [`real`] finds the real driver (and the real `dlsym`), each function typed as cuda.h
+//!   declares it (`gpushare_cuda_abi::pfn`); [`driver`] wraps the hook's own driver calls in
+//!   safe, typed functions;
 //! - [`settings`] reads the environment; [`port`] is the connection to the scheduler;
 //! - [`turn`] is the pure turn state machine and pacing arithmetic (tested in virtual time);
 //!   [`queue`] estimates the GPU work this process has queued, from its fence events;
@@ -16,7 +17,8 @@
 //! - [`charges`] reserves and gives back at the scheduler through the leases, and runs the
 //!   thread that returns spare the process does not use;
 //! - [`intercept`] and [`memory`] are the FFI surface: the exported `cu*` symbols, `dlsym` and
-//!   `cuGetProcAddress`, which route every launch, synchronisation and allocation.
+//!   `cuGetProcAddress`, which route every launch, synchronisation and allocation; each exported
+//!   symbol is checked at compile time against the type cuda.h gives it (`intercept::wrappers`).
 //!
 //! Rules for a guest in someone else's process: nothing runs at load time; no panic crosses
 //! `extern "C"`; the fast path is a few atomic operations (no clock read, no lock); no output

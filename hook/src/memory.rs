@@ -11,17 +11,19 @@ use crate::charges;
 use crate::driver;
 use crate::process::{Hook, hook};
 use crate::real;
-use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
+use gpushare_cuda_abi::arrays::mipmapped_bytes;
+use gpushare_cuda_abi::result::{
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY,
+    CUDA_ERROR_UNKNOWN, CUDA_SUCCESS,
+};
+use gpushare_cuda_abi::types::{
+    CU_MEM_LOCATION_TYPE_DEVICE, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY3D_DESCRIPTOR,
+    CUmemAllocationProp, CUresult,
+};
 use gpushare_protocol::{ClientMsg, ServerMsg};
 use std::ffi::c_void;
 
 type P = *mut c_void;
-type CUresult = u32;
-const CUDA_SUCCESS: CUresult = 0;
-const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
-const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
-const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
-const CUDA_ERROR_UNKNOWN: CUresult = 999;
 /// Pitch alignment assumed when reserving for cuMemAllocPitch (the real pitch is known after).
 const PITCH_ALIGN: usize = 512;
 
@@ -251,36 +253,23 @@ pub extern "C" fn cuMemAllocFromPoolAsync_ptsz(
     )
 }
 
-/// `CUmemAllocationProp`'s leading fields: type, handle types, location type and id.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AllocationProp {
-    kind: u32,
-    handle_types: u32,
-    location_type: u32,
-    location_id: i32,
-}
-
-/// `CUmemLocationType` of memory on a GPU (the others are host memory).
-const LOCATION_DEVICE: u32 = 1;
-
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemCreate(
     handle: *mut u64,
     size: usize,
-    prop: *const c_void,
+    prop: *const CUmemAllocationProp,
     flags: u64,
 ) -> CUresult {
-    let Some(p) = read(prop.cast::<AllocationProp>()) else {
+    let Some(p) = read(prop) else {
         return CUDA_ERROR_INVALID_VALUE;
     };
     let create = || real::cuMemCreate().map(|f| unsafe { f(handle, size, prop, flags) });
     // Host memory (NCCL's host buffers) is not the GPU's: not charged.
-    if p.location_type != LOCATION_DEVICE {
+    if p.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
         return create().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
     }
     // The allocation is on the device the properties name, not the current context's.
-    let gpu = (p.location_id >= 0).then_some(p.location_id as usize);
+    let gpu = (p.location.id >= 0).then_some(p.location.id as usize);
     let gpu = gpu.filter(|&g| hook().is_some_and(|h| g < h.gates.len()));
     allocate_into(gpu, Some(size), create, |held, gpu, bytes| {
         let p = Physical {
@@ -365,9 +354,9 @@ pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CUresult {
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cuArrayCreate_v2(arr: *mut P, desc: *const c_void) -> CUresult {
-    let d = read(desc.cast::<ArrayDesc>());
-    let bytes = d.and_then(|d| array_bytes(d.width, d.height, 1, d.format, d.channels));
+pub extern "C" fn cuArrayCreate_v2(arr: *mut P, desc: *const CUDA_ARRAY_DESCRIPTOR) -> CUresult {
+    let d = read(desc);
+    let bytes = d.and_then(|d| d.bytes());
     allocate(
         None,
         bytes,
@@ -377,9 +366,12 @@ pub extern "C" fn cuArrayCreate_v2(arr: *mut P, desc: *const c_void) -> CUresult
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn cuArray3DCreate_v2(arr: *mut P, desc: *const c_void) -> CUresult {
-    let d = read(desc.cast::<Array3DDesc>());
-    let bytes = d.and_then(|d| array_bytes(d.width, d.height, d.depth, d.format, d.channels));
+pub extern "C" fn cuArray3DCreate_v2(
+    arr: *mut P,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+) -> CUresult {
+    let d = read(desc);
+    let bytes = d.and_then(|d| d.bytes());
     allocate(
         None,
         bytes,
@@ -391,10 +383,10 @@ pub extern "C" fn cuArray3DCreate_v2(arr: *mut P, desc: *const c_void) -> CUresu
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMipmappedArrayCreate(
     arr: *mut P,
-    desc: *const c_void,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
     levels: u32,
 ) -> CUresult {
-    let d = read(desc.cast::<Array3DDesc>());
+    let d = read(desc);
     let bytes = d.and_then(|d| mipmapped_bytes(&d, levels));
     allocate(
         None,

@@ -11,6 +11,7 @@
 //! a time or side by side).
 
 use crate::driver::{self, Handle, Stream as StreamHandle};
+use gpushare_cuda_abi::types::{CU_STREAM_LEGACY, CU_STREAM_PER_THREAD};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -61,11 +62,12 @@ impl LaunchStreams {
 /// stream it is.
 #[inline]
 fn stream_key(stream: StreamHandle, per_thread: bool) -> u64 {
-    match stream as u64 {
-        2 => driver::thread_id(),
-        0 if per_thread => driver::thread_id(),
-        1 => 0,
-        handle => handle,
+    if stream == CU_STREAM_PER_THREAD || (stream.is_null() && per_thread) {
+        driver::thread_id()
+    } else if stream == CU_STREAM_LEGACY {
+        0
+    } else {
+        stream as u64
     }
 }
 
@@ -452,13 +454,9 @@ mod tests {
     fn per_thread_default_streams_are_each_threads_own() {
         let null = std::ptr::null_mut();
         let here = stream_key(null, true);
-        assert_eq!(
-            stream_key(2 as StreamHandle, false),
-            here,
-            "CU_STREAM_PER_THREAD"
-        );
+        assert_eq!(stream_key(CU_STREAM_PER_THREAD, false), here);
         assert_eq!(stream_key(null, false), 0, "the legacy default stream");
-        assert_eq!(stream_key(1 as StreamHandle, true), 0, "CU_STREAM_LEGACY");
+        assert_eq!(stream_key(CU_STREAM_LEGACY, true), 0);
         assert_eq!(stream_key(A as StreamHandle, true), A, "a created stream");
         let there = std::thread::spawn(|| stream_key(std::ptr::null_mut(), true))
             .join()

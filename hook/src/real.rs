@@ -7,6 +7,14 @@
 //! and its queue use) are capture-safe, and stop when the process exits, before the driver's
 //! teardown.
 
+use gpushare_cuda_abi::pfn;
+use gpushare_cuda_abi::result::{
+    CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+    CUDA_SUCCESS,
+};
+use gpushare_cuda_abi::types::{
+    CU_STREAM_CAPTURE_MODE_RELAXED, CU_STREAM_CAPTURE_STATUS_NONE, CUresult, CUstreamCaptureStatus,
+};
 use std::ffi::{CStr, c_char, c_void};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Once, OnceLock};
@@ -80,110 +88,122 @@ impl RealFn {
     }
 }
 
-/// Declare typed accessors for real driver functions: `real::cuFoo()` returns
-/// `Option<unsafe extern "C" fn(..) -> u32>`; `raw_cuFoo => cuFoo: fn(..)` names the accessor
-/// of `cuFoo` `raw_cuFoo` (where the plain name is the hook's own, capture-safe, use of it).
+/// Declare accessors for real driver functions, typed by cuda.h: `real::cuFoo()` returns
+/// `Option<PFN_cuFoo>` (`gpushare_cuda_abi::pfn::cuFoo`); `raw_cuFoo => cuFoo` names the
+/// accessor of `cuFoo` `raw_cuFoo` (where the plain name is the hook's own, capture-safe, use of
+/// it).
 macro_rules! real_fns {
-    ($($acc:ident $(=> $sym:ident)?: fn($($arg:ty),*);)*) => {
-        $(
-            #[allow(non_snake_case)]
-            pub fn $acc() -> Option<unsafe extern "C" fn($($arg),*) -> u32> {
-                static F: RealFn = RealFn::new(
-                    // SAFETY: the literal is NUL-terminated by construction.
-                    unsafe { CStr::from_bytes_with_nul_unchecked(concat!(real_fns!(@sym $acc $($sym)?), "\0").as_bytes()) }
-                );
-                let p = F.get();
-                // SAFETY: the driver exports the symbol with exactly this C signature (cuda.h).
-                (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) -> u32>(p) })
-            }
-        )*
+    () => {};
+    ($acc:ident => $sym:ident; $($rest:tt)*) => {
+        real_fn!($acc, $sym);
+        real_fns!($($rest)*);
     };
-    (@sym $acc:ident $sym:ident) => { stringify!($sym) };
-    (@sym $acc:ident) => { stringify!($acc) };
+    ($sym:ident; $($rest:tt)*) => {
+        real_fn!($sym, $sym);
+        real_fns!($($rest)*);
+    };
+}
+
+macro_rules! real_fn {
+    ($acc:ident, $sym:ident) => {
+        #[allow(non_snake_case)]
+        pub fn $acc() -> Option<pfn::$sym> {
+            static F: RealFn = RealFn::new(
+                // SAFETY: the literal is NUL-terminated by construction.
+                unsafe {
+                    CStr::from_bytes_with_nul_unchecked(concat!(stringify!($sym), "\0").as_bytes())
+                },
+            );
+            let p = F.get();
+            // SAFETY: the driver exports the symbol with the C signature cuda.h declares, which
+            // is what `pfn::$sym` is generated from.
+            (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, pfn::$sym>(p) })
+        }
+    };
 }
 
 type P = *mut c_void;
 
 real_fns! {
-    cuDeviceGetCount: fn(*mut i32);
-    cuDeviceGetUuid: fn(*mut [u8; 16], i32);
+    cuDeviceGetCount;
+    cuDeviceGetUuid;
     // The GPU's UUID as `nvidia-smi -L` and `CUDA_VISIBLE_DEVICES` name it (CUDA 11.4+): on a
     // MIG instance, the instance's own, where `cuDeviceGetUuid` gives its parent GPU's, so two
     // instances of one GPU would share one scheduler queue.
-    cuDeviceGetUuid_v2: fn(*mut [u8; 16], i32);
-    raw_cuCtxGetCurrent => cuCtxGetCurrent: fn(*mut P);
-    cuCtxGetDevice: fn(*mut i32);
-    raw_cuCtxPushCurrent_v2 => cuCtxPushCurrent_v2: fn(P);
-    raw_cuCtxPopCurrent_v2 => cuCtxPopCurrent_v2: fn(*mut P);
-    raw_cuCtxSynchronize => cuCtxSynchronize: fn();
-    raw_cuEventCreate => cuEventCreate: fn(*mut P, u32);
-    raw_cuEventRecord => cuEventRecord: fn(P, P);
-    raw_cuEventRecord_ptsz => cuEventRecord_ptsz: fn(P, P);
-    raw_cuEventSynchronize => cuEventSynchronize: fn(P);
-    raw_cuEventQuery => cuEventQuery: fn(P);
-    cuStreamSynchronize: fn(P);
-    cuStreamSynchronize_ptsz: fn(P);
-    raw_cuEventElapsedTime => cuEventElapsedTime: fn(*mut f32, P, P);
-    cuLaunchKernel: fn(P, u32, u32, u32, u32, u32, u32, u32, P, *mut P, *mut P);
-    cuLaunchKernel_ptsz: fn(P, u32, u32, u32, u32, u32, u32, u32, P, *mut P, *mut P);
-    cuLaunchKernelEx: fn(*const c_void, P, *mut P, *mut P);
-    cuLaunchKernelEx_ptsz: fn(*const c_void, P, *mut P, *mut P);
-    cuLaunchCooperativeKernel: fn(P, u32, u32, u32, u32, u32, u32, u32, P, *mut P);
-    cuLaunchCooperativeKernel_ptsz: fn(P, u32, u32, u32, u32, u32, u32, u32, P, *mut P);
-    cuLaunchCooperativeKernelMultiDevice: fn(P, u32, u32);
-    cuGraphLaunch: fn(P, P);
-    cuGraphLaunch_ptsz: fn(P, P);
-    cuGetProcAddress: fn(*const c_char, *mut P, i32, u64);
-    cuMemAlloc_v2: fn(*mut u64, usize);
-    cuMemAllocPitch_v2: fn(*mut u64, *mut usize, usize, usize, u32);
-    cuMemAllocManaged: fn(*mut u64, usize, u32);
-    cuMemAllocAsync: fn(*mut u64, usize, P);
-    cuMemAllocAsync_ptsz: fn(*mut u64, usize, P);
-    cuMemAllocFromPoolAsync: fn(*mut u64, usize, P, P);
-    cuMemAllocFromPoolAsync_ptsz: fn(*mut u64, usize, P, P);
-    cuMemCreate: fn(*mut u64, usize, *const c_void, u64);
-    cuArrayCreate_v2: fn(*mut P, *const c_void);
-    cuArray3DCreate_v2: fn(*mut P, *const c_void);
-    cuMipmappedArrayCreate: fn(*mut P, *const c_void, u32);
-    cuMemFree_v2: fn(u64);
-    cuMemFreeAsync: fn(u64, P);
-    cuMemFreeAsync_ptsz: fn(u64, P);
-    cuMemRelease: fn(u64);
-    cuMemRetainAllocationHandle: fn(*mut u64, P);
-    cuMemMap: fn(u64, usize, usize, u64, u64);
-    cuMemUnmap: fn(u64, usize);
-    cuArrayDestroy: fn(P);
-    cuMipmappedArrayDestroy: fn(P);
-    cuMemGetInfo_v2: fn(*mut usize, *mut usize);
-    cuMemPoolGetAttribute: fn(P, u32, *mut c_void);
-    cuDeviceGetMemPool: fn(*mut P, i32);
-    cuDeviceTotalMem_v2: fn(*mut usize, i32);
-    cuGetProcAddress_v2: fn(*const c_char, *mut P, i32, u64, *mut i32);
-    cuGraphInstantiate: fn(*mut P, P, *mut P, *mut c_char, usize);
-    cuGraphInstantiate_v2: fn(*mut P, P, *mut P, *mut c_char, usize);
-    cuGraphInstantiateWithFlags: fn(*mut P, P, u64);
-    cuGraphInstantiateWithParams: fn(*mut P, P, P);
-    cuGraphInstantiateWithParams_ptsz: fn(*mut P, P, P);
-    cuGraphExecDestroy: fn(P);
-    cuGraphGetNodes: fn(P, *mut P, *mut usize);
-    cuGraphNodeGetType: fn(P, *mut u32);
-    cuStreamBeginCapture: fn(P);
-    cuStreamBeginCapture_ptsz: fn(P);
-    cuStreamBeginCapture_v2: fn(P, i32);
-    cuStreamBeginCapture_v2_ptsz: fn(P, i32);
-    cuStreamBeginCaptureToGraph: fn(P, P, *const P, *const c_void, usize, i32);
-    cuStreamBeginCaptureToGraph_ptsz: fn(P, P, *const P, *const c_void, usize, i32);
-    cuStreamEndCapture: fn(P, *mut P);
-    cuStreamEndCapture_ptsz: fn(P, *mut P);
-    cuStreamIsCapturing: fn(P, *mut i32);
-    cuStreamIsCapturing_ptsz: fn(P, *mut i32);
-    cuThreadExchangeStreamCaptureMode: fn(*mut i32);
-    cuCtxDestroy: fn(P);
-    cuCtxDestroy_v2: fn(P);
-    cuDevicePrimaryCtxRelease: fn(i32);
-    cuDevicePrimaryCtxRelease_v2: fn(i32);
-    cuDevicePrimaryCtxReset: fn(i32);
-    cuDevicePrimaryCtxReset_v2: fn(i32);
+    cuDeviceGetUuid_v2;
+    raw_cuCtxGetCurrent => cuCtxGetCurrent;
+    cuCtxGetDevice;
+    raw_cuCtxPushCurrent_v2 => cuCtxPushCurrent_v2;
+    raw_cuCtxPopCurrent_v2 => cuCtxPopCurrent_v2;
+    raw_cuCtxSynchronize => cuCtxSynchronize;
+    raw_cuEventCreate => cuEventCreate;
+    raw_cuEventRecord => cuEventRecord;
+    raw_cuEventRecord_ptsz => cuEventRecord_ptsz;
+    raw_cuEventSynchronize => cuEventSynchronize;
+    raw_cuEventQuery => cuEventQuery;
+    cuStreamSynchronize;
+    cuStreamSynchronize_ptsz;
+    raw_cuEventElapsedTime => cuEventElapsedTime;
+    cuLaunchKernel;
+    cuLaunchKernel_ptsz;
+    cuLaunchKernelEx;
+    cuLaunchKernelEx_ptsz;
+    cuLaunchCooperativeKernel;
+    cuLaunchCooperativeKernel_ptsz;
+    cuLaunchCooperativeKernelMultiDevice;
+    cuGraphLaunch;
+    cuGraphLaunch_ptsz;
+    cuGetProcAddress;
+    cuMemAlloc_v2;
+    cuMemAllocPitch_v2;
+    cuMemAllocManaged;
+    cuMemAllocAsync;
+    cuMemAllocAsync_ptsz;
+    cuMemAllocFromPoolAsync;
+    cuMemAllocFromPoolAsync_ptsz;
+    cuMemCreate;
+    cuArrayCreate_v2;
+    cuArray3DCreate_v2;
+    cuMipmappedArrayCreate;
+    cuMemFree_v2;
+    cuMemFreeAsync;
+    cuMemFreeAsync_ptsz;
+    cuMemRelease;
+    cuMemRetainAllocationHandle;
+    cuMemMap;
+    cuMemUnmap;
+    cuArrayDestroy;
+    cuMipmappedArrayDestroy;
+    cuMemGetInfo_v2;
+    cuMemPoolGetAttribute;
+    cuDeviceGetMemPool;
+    cuDeviceTotalMem_v2;
+    cuGetProcAddress_v2;
+    cuGraphInstantiate;
+    cuGraphInstantiate_v2;
+    cuGraphInstantiateWithFlags;
+    cuGraphInstantiateWithParams;
+    cuGraphInstantiateWithParams_ptsz;
+    cuGraphExecDestroy;
+    cuGraphGetNodes;
+    cuGraphNodeGetType;
+    cuStreamBeginCapture;
+    cuStreamBeginCapture_ptsz;
+    cuStreamBeginCapture_v2;
+    cuStreamBeginCapture_v2_ptsz;
+    cuStreamBeginCaptureToGraph;
+    cuStreamBeginCaptureToGraph_ptsz;
+    cuStreamEndCapture;
+    cuStreamEndCapture_ptsz;
+    cuStreamIsCapturing;
+    cuStreamIsCapturing_ptsz;
+    cuThreadExchangeStreamCaptureMode;
+    cuCtxDestroy;
+    cuCtxDestroy_v2;
+    cuDevicePrimaryCtxRelease;
+    cuDevicePrimaryCtxRelease_v2;
+    cuDevicePrimaryCtxReset;
+    cuDevicePrimaryCtxReset_v2;
 }
 
 // --- Stream capture: the hook's own driver calls never disturb an application's capture ------
@@ -221,21 +241,21 @@ pub fn stream_capturing(stream: P, per_thread: bool) -> bool {
     } else {
         cuStreamIsCapturing()
     };
-    let mut status = 0i32;
+    let mut status: CUstreamCaptureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: real driver call with a valid out-pointer; the stream is the caller's.
-    query.is_some_and(|q| unsafe { q(stream, &mut status) } == 0 && status != 0)
+    query.is_some_and(|q| unsafe { q(stream, &mut status) } == CUDA_SUCCESS)
+        && status != CU_STREAM_CAPTURE_STATUS_NONE
 }
 
 /// Run one of the hook's own driver calls in the relaxed capture mode while captures are under
 /// way, so that it is never a prohibited call that invalidates the application's capture.
-fn relaxed(call: impl FnOnce() -> u32) -> u32 {
-    const RELAXED: i32 = 2; // CU_STREAM_CAPTURE_MODE_RELAXED
+fn relaxed(call: impl FnOnce() -> CUresult) -> CUresult {
     let Some(exchange) = cuThreadExchangeStreamCaptureMode().filter(|_| captures_active()) else {
         return call();
     };
-    let mut mode = RELAXED;
+    let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
     // SAFETY: real driver call with a valid in/out pointer; the old mode is restored below.
-    if unsafe { exchange(&mut mode) } != 0 {
+    if unsafe { exchange(&mut mode) } != CUDA_SUCCESS {
         return call();
     }
     let r = call();
@@ -244,13 +264,12 @@ fn relaxed(call: impl FnOnce() -> u32) -> u32 {
     r
 }
 
-/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: what the hook's own call answers itself instead of
-/// disturbing a capture.
-const CAPTURE_UNSUPPORTED: u32 = 900;
-const NOT_INITIALIZED: u32 = 3;
-/// `CUDA_ERROR_DEINITIALIZED` ("the driver is shutting down"): what the hook's own call answers
-/// itself once the process is exiting.
-const DEINITIALIZED: u32 = 4;
+/// What the hook's own call answers itself instead of disturbing a capture.
+const CAPTURE_UNSUPPORTED: CUresult = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+const NOT_INITIALIZED: CUresult = CUDA_ERROR_NOT_INITIALIZED;
+/// What the hook's own call answers itself once the process is exiting ("the driver is
+/// shutting down").
+const DEINITIALIZED: CUresult = CUDA_ERROR_DEINITIALIZED;
 
 // --- Process exit: the hook's own calls stop before the driver tears down --------------------
 //
@@ -289,7 +308,7 @@ fn watch_exit() {
 }
 
 /// Run one of the hook's own driver calls, unless the process is exiting.
-fn own(call: impl FnOnce() -> u32) -> u32 {
+fn own(call: impl FnOnce() -> CUresult) -> CUresult {
     if shutting_down() {
         return DEINITIALIZED;
     }
@@ -297,15 +316,16 @@ fn own(call: impl FnOnce() -> u32) -> u32 {
 }
 
 /// Declare the hook's own use of a driver function: `real::NAME()` hands out `own`, a function
-/// of the same signature, once the real one (`raw`) exists; asking for it registers the exit
-/// handler first (see above).
+/// of the same signature (checked against cuda.h's at compile time), once the real one (`raw`)
+/// exists; asking for it registers the exit handler first (see above).
 macro_rules! own_call {
-    ($(#[$m:meta])* $name:ident($($arg:ident: $ty:ty),*) = $raw:ident => $own:ident) => {
+    ($(#[$m:meta])* $name:ident = $raw:ident => $own:ident) => {
         $(#[$m])*
         #[allow(non_snake_case)]
-        pub fn $name() -> Option<unsafe extern "C" fn($($ty),*) -> u32> {
+        pub fn $name() -> Option<pfn::$name> {
+            const OWN: pfn::$name = $own;
             watch_exit();
-            $raw().map(|_| $own as unsafe extern "C" fn($($ty),*) -> u32)
+            $raw().map(|_| OWN)
         }
     };
 }
@@ -313,25 +333,23 @@ macro_rules! own_call {
 own_call!(
     /// The hook's fence: never recorded in a capturing stream (it would become a graph node,
     /// and waiting for it would invalidate the capture); the gate then fences a later launch.
-    cuEventRecord(event: P, stream: P) = raw_cuEventRecord => own_event_record
+    cuEventRecord = raw_cuEventRecord => own_event_record
 );
-own_call!(cuEventRecord_ptsz(event: P, stream: P) = raw_cuEventRecord_ptsz => own_event_record_ptsz);
+own_call!(cuEventRecord_ptsz = raw_cuEventRecord_ptsz => own_event_record_ptsz);
 own_call!(
     /// A drain's wait for a whole context: while a capture is under way it would invalidate
     /// the capture, so until the capture ends the drain relies on its fences alone.
-    cuCtxSynchronize() = raw_cuCtxSynchronize => own_ctx_synchronize
+    cuCtxSynchronize = raw_cuCtxSynchronize => own_ctx_synchronize
 );
-own_call!(cuEventSynchronize(event: P) = raw_cuEventSynchronize => own_event_synchronize);
-own_call!(cuEventQuery(event: P) = raw_cuEventQuery => own_event_query);
-own_call!(cuEventCreate(event: *mut P, flags: u32) = raw_cuEventCreate => own_event_create);
-own_call!(
-    cuEventElapsedTime(ms: *mut f32, start: P, end: P) = raw_cuEventElapsedTime => own_elapsed
-);
-own_call!(cuCtxGetCurrent(ctx: *mut P) = raw_cuCtxGetCurrent => own_ctx_get_current);
-own_call!(cuCtxPushCurrent_v2(ctx: P) = raw_cuCtxPushCurrent_v2 => own_ctx_push);
-own_call!(cuCtxPopCurrent_v2(ctx: *mut P) = raw_cuCtxPopCurrent_v2 => own_ctx_pop);
+own_call!(cuEventSynchronize = raw_cuEventSynchronize => own_event_synchronize);
+own_call!(cuEventQuery = raw_cuEventQuery => own_event_query);
+own_call!(cuEventCreate = raw_cuEventCreate => own_event_create);
+own_call!(cuEventElapsedTime = raw_cuEventElapsedTime => own_elapsed);
+own_call!(cuCtxGetCurrent = raw_cuCtxGetCurrent => own_ctx_get_current);
+own_call!(cuCtxPushCurrent_v2 = raw_cuCtxPushCurrent_v2 => own_ctx_push);
+own_call!(cuCtxPopCurrent_v2 = raw_cuCtxPopCurrent_v2 => own_ctx_pop);
 
-fn record(raw: Option<Fn2>, event: P, stream: P, per_thread: bool) -> u32 {
+fn record(raw: Option<pfn::cuEventRecord>, event: P, stream: P, per_thread: bool) -> CUresult {
     let Some(raw) = raw else {
         return NOT_INITIALIZED;
     };
@@ -344,17 +362,15 @@ fn record(raw: Option<Fn2>, event: P, stream: P, per_thread: bool) -> u32 {
     })
 }
 
-type Fn2 = unsafe extern "C" fn(P, P) -> u32;
-
-unsafe extern "C" fn own_event_record(event: P, stream: P) -> u32 {
+unsafe extern "C" fn own_event_record(event: P, stream: P) -> CUresult {
     record(raw_cuEventRecord(), event, stream, false)
 }
 
-unsafe extern "C" fn own_event_record_ptsz(event: P, stream: P) -> u32 {
+unsafe extern "C" fn own_event_record_ptsz(event: P, stream: P) -> CUresult {
     record(raw_cuEventRecord_ptsz(), event, stream, true)
 }
 
-unsafe extern "C" fn own_ctx_synchronize() -> u32 {
+unsafe extern "C" fn own_ctx_synchronize() -> CUresult {
     own(|| {
         if captures_active() {
             return CAPTURE_UNSUPPORTED;
@@ -364,22 +380,22 @@ unsafe extern "C" fn own_ctx_synchronize() -> u32 {
     })
 }
 
-unsafe extern "C" fn own_event_synchronize(event: P) -> u32 {
+unsafe extern "C" fn own_event_synchronize(event: P) -> CUresult {
     // SAFETY: the hook's own fence event.
     own(|| raw_cuEventSynchronize().map_or(NOT_INITIALIZED, |f| relaxed(|| unsafe { f(event) })))
 }
 
-unsafe extern "C" fn own_event_query(event: P) -> u32 {
+unsafe extern "C" fn own_event_query(event: P) -> CUresult {
     // SAFETY: the hook's own fence event.
     own(|| raw_cuEventQuery().map_or(NOT_INITIALIZED, |f| relaxed(|| unsafe { f(event) })))
 }
 
-unsafe extern "C" fn own_event_create(event: *mut P, flags: u32) -> u32 {
+unsafe extern "C" fn own_event_create(event: *mut P, flags: u32) -> CUresult {
     // SAFETY: the hook's own out-pointer.
     own(|| raw_cuEventCreate().map_or(NOT_INITIALIZED, |f| relaxed(|| unsafe { f(event, flags) })))
 }
 
-unsafe extern "C" fn own_elapsed(ms: *mut f32, start: P, end: P) -> u32 {
+unsafe extern "C" fn own_elapsed(ms: *mut f32, start: P, end: P) -> CUresult {
     own(|| {
         // SAFETY: the hook's own out-pointer and fence events.
         raw_cuEventElapsedTime().map_or(NOT_INITIALIZED, |f| {
@@ -388,17 +404,17 @@ unsafe extern "C" fn own_elapsed(ms: *mut f32, start: P, end: P) -> u32 {
     })
 }
 
-unsafe extern "C" fn own_ctx_get_current(ctx: *mut P) -> u32 {
+unsafe extern "C" fn own_ctx_get_current(ctx: *mut P) -> CUresult {
     // SAFETY: the hook's own out-pointer.
     own(|| raw_cuCtxGetCurrent().map_or(NOT_INITIALIZED, |f| unsafe { f(ctx) }))
 }
 
-unsafe extern "C" fn own_ctx_push(ctx: P) -> u32 {
+unsafe extern "C" fn own_ctx_push(ctx: P) -> CUresult {
     // SAFETY: a context the application launched into (the drain pops it again).
     own(|| raw_cuCtxPushCurrent_v2().map_or(NOT_INITIALIZED, |f| unsafe { f(ctx) }))
 }
 
-unsafe extern "C" fn own_ctx_pop(ctx: *mut P) -> u32 {
+unsafe extern "C" fn own_ctx_pop(ctx: *mut P) -> CUresult {
     // SAFETY: the hook's own out-pointer, after its own push.
     own(|| raw_cuCtxPopCurrent_v2().map_or(NOT_INITIALIZED, |f| unsafe { f(ctx) }))
 }

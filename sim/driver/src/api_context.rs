@@ -188,16 +188,16 @@ entry!(
 
 // Limits the simulated device accepts and remembers nothing about (stack size, printf FIFO…).
 entry!(
-    fn cuCtxGetLimit(value: *mut usize, limit: c_int) {
+    fn cuCtxGetLimit(value: *mut usize, limit: CUlimit) {
         with_state(|_, st| st.current().map(|_| ()))?;
         let v = match limit {
-            0 => 1024,    // stack size
-            1 => 1 << 20, // printf FIFO
-            2 => 8 << 20, // malloc heap
-            3 => 2,       // device runtime sync depth
-            4 => 2048,    // pending launch count
-            5 => 32,      // max L2 fetch granularity
-            6 => 0,       // persisting L2 cache size
+            CU_LIMIT_STACK_SIZE => 1024,
+            CU_LIMIT_PRINTF_FIFO_SIZE => 1 << 20,
+            CU_LIMIT_MALLOC_HEAP_SIZE => 8 << 20,
+            CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH => 2,
+            CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT => 2048,
+            CU_LIMIT_MAX_L2_FETCH_GRANULARITY => 32,
+            CU_LIMIT_PERSISTING_L2_CACHE_SIZE => 0,
             _ => return Err(CUDA_ERROR_UNSUPPORTED_LIMIT),
         };
         put(value, v)
@@ -205,9 +205,9 @@ entry!(
 );
 
 entry!(
-    fn cuCtxSetLimit(limit: c_int, _value: usize) {
+    fn cuCtxSetLimit(limit: CUlimit, _value: usize) {
         with_state(|_, st| st.current().map(|_| ()))?;
-        if (0..=6).contains(&limit) {
+        if (CU_LIMIT_STACK_SIZE..=CU_LIMIT_PERSISTING_L2_CACHE_SIZE).contains(&limit) {
             Ok(())
         } else {
             Err(CUDA_ERROR_UNSUPPORTED_LIMIT)
@@ -216,14 +216,14 @@ entry!(
 );
 
 entry!(
-    fn cuCtxGetCacheConfig(config: *mut c_int) {
+    fn cuCtxGetCacheConfig(config: *mut CUfunc_cache) {
         with_state(|_, st| st.current().map(|_| ()))?;
-        put(config, 0)
+        put(config, CU_FUNC_CACHE_PREFER_NONE)
     }
 );
 
 entry!(
-    fn cuCtxSetCacheConfig(_config: c_int) {
+    fn cuCtxSetCacheConfig(_config: CUfunc_cache) {
         with_state(|_, st| st.current().map(|_| ()))
     }
 );

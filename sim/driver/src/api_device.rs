@@ -66,13 +66,19 @@ entry!(
     }
 );
 
-fn device_uuid(uuid: *mut [u8; 16], dev: CUdevice) -> CuResult {
+fn device_uuid(uuid: *mut CUuuid, dev: CUdevice) -> CuResult {
     let d = driver()?;
-    put(uuid, d.client.devices[d.check_device(dev)? as usize].uuid)
+    let bytes = d.client.devices[d.check_device(dev)? as usize].uuid;
+    put(
+        uuid,
+        CUuuid {
+            bytes: bytes.map(|b| b as c_char),
+        },
+    )
 }
 
 entry!(
-    fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: CUdevice) {
+    fn cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice) {
         device_uuid(uuid, dev)
     }
 );
@@ -81,7 +87,7 @@ entry!(
 // partitioned (no MIG), and only a MIG instance's UUID differs between the two (v1: its parent
 // GPU's, v2: its own).
 entry!(
-    fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: CUdevice) {
+    fn cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice) {
         device_uuid(uuid, dev)
     }
 );
@@ -131,10 +137,10 @@ entry!(
 );
 
 entry!(
-    fn cuDeviceGetAttribute(value: *mut c_int, attrib: c_int, dev: CUdevice) {
+    fn cuDeviceGetAttribute(value: *mut c_int, attrib: CUdevice_attribute, dev: CUdevice) {
         let d = driver()?;
         let info = &d.client.devices[d.check_device(dev)? as usize];
-        let v = match attribute(attrib as u32) {
+        let v = match attribute(attrib) {
             Some(Attr::Fixed(v)) => v,
             Some(Attr::PciBus) => info.pci_bus as c_int,
             None => return Err(CUDA_ERROR_INVALID_VALUE),

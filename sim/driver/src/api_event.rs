@@ -7,9 +7,6 @@ use crate::state::{Event, driver, with_state};
 use gpushare_sim_wire::Op;
 use std::ffi::c_uint;
 
-const CU_EVENT_BLOCKING_SYNC: u32 = 0x1;
-const CU_EVENT_INTERPROCESS: u32 = 0x4;
-
 entry!(
     fn cuEventCreate(ph: *mut Handle, flags: c_uint) {
         if flags & !(CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS) != 0

@@ -444,8 +444,8 @@ fn table(uuid: &[u8; 16]) -> Option<*const c_void> {
 }
 
 entry!(
-    fn cuGetExportTable(out: *mut *const c_void, uuid: *const [u8; 16]) {
-        let t = table(&get(uuid)?).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    fn cuGetExportTable(out: *mut *const c_void, uuid: *const CUuuid) {
+        let t = table(&get(uuid)?.bytes.map(|b| b as u8)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         put(out, t)
     }
 );

@@ -84,13 +84,16 @@ fn add_kernel_node(
     graph: Handle,
     deps: *const Handle,
     n: usize,
-    p: *const KernelNodeParams,
+    p: *const CUDA_KERNEL_NODE_PARAMS_v1,
 ) -> CuResult {
     let p = get(p)?;
-    check_dims(p.grid, p.block)?;
+    check_dims(
+        [p.gridDimX, p.gridDimY, p.gridDimZ],
+        [p.blockDimX, p.blockDimY, p.blockDimZ],
+    )?;
     with_state(|_, st| {
         // Arguments are copied when the node is created, as the driver documents.
-        let arg0 = kernel_arg0(st, id(p.func), p.kernel_params, p.extra)?;
+        let arg0 = kernel_arg0(st, id(p.func), p.kernelParams, p.extra)?;
         let node = add_node(
             st,
             graph,
@@ -111,7 +114,7 @@ entry!(
         graph: Handle,
         deps: *const Handle,
         n: usize,
-        p: *const KernelNodeParams,
+        p: *const CUDA_KERNEL_NODE_PARAMS_v1,
     ) {
         add_kernel_node(out, graph, deps, n, p)
     }
@@ -122,9 +125,10 @@ entry!(
         graph: Handle,
         deps: *const Handle,
         n: usize,
-        p: *const KernelNodeParams,
+        p: *const CUDA_KERNEL_NODE_PARAMS,
     ) {
-        add_kernel_node(out, graph, deps, n, p)
+        // v1 is a prefix of v2 (the same members at the same offsets).
+        add_kernel_node(out, graph, deps, n, p.cast())
     }
 );
 
@@ -140,17 +144,17 @@ entry!(
         graph: Handle,
         deps: *const Handle,
         n: usize,
-        p: *const MemsetNodeParams,
+        p: *const CUDA_MEMSET_NODE_PARAMS,
         _ctx: Handle,
     ) {
         let p = get(p)?;
-        if ![1, 2, 4].contains(&p.element_size) {
+        if ![1, 2, 4].contains(&p.elementSize) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let kind = NodeKind::Memset {
             dst: p.dst,
             value: p.value,
-            element_size: p.element_size,
+            element_size: p.elementSize,
             width: p.width,
             height: p.height.max(1),
             pitch: p.pitch,
@@ -165,13 +169,13 @@ entry!(
         graph: Handle,
         deps: *const Handle,
         n: usize,
-        p: *const HostNodeParams,
+        p: *const CUDA_HOST_NODE_PARAMS,
     ) {
         let p = get(p)?;
-        let func = p.func.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let func = p.fn_.ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let kind = NodeKind::Host {
             func,
-            data: p.user_data as usize,
+            data: p.userData as usize,
         };
         with_state(|_, st| put(out, add_node(st, graph, deps, n, kind)?))
     }
@@ -387,24 +391,21 @@ entry!(
     }
 );
 
-/// `CUDA_GRAPH_INSTANTIATE_PARAMS`: flags, upload stream, error node out, result out.
-#[repr(C)]
-pub struct InstantiateParams {
-    flags: u64,
-    upload_stream: Handle,
-    err_node: Handle,
-    result: c_uint,
-}
-
 entry_pt!(cuGraphInstantiateWithParams / cuGraphInstantiateWithParams_ptsz, |_pt| fn(
     out: *mut Handle,
     graph: Handle,
-    params: *mut InstantiateParams,
+    params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS,
 ) {
     let r = instantiate(out, graph);
     if !params.is_null() {
         // SAFETY: non-null pointer to the caller's params struct; we write its result field.
-        unsafe { (*params).result = if r.is_ok() { 0 } else { 1 } };
+        unsafe {
+            (*params).result_out = if r.is_ok() {
+                CUDA_GRAPH_INSTANTIATE_SUCCESS
+            } else {
+                CUDA_GRAPH_INSTANTIATE_ERROR
+            }
+        };
     }
     r
 });

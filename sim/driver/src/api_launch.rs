@@ -55,15 +55,17 @@ pub fn kernel_arg0(
     let (mut buf, mut size) = (std::ptr::null::<u8>(), 0usize);
     let mut i = 0;
     loop {
-        let key = get(extra.wrapping_add(i) as *const usize)?;
+        let key = get(extra.wrapping_add(i) as *const *mut c_void)?;
         if key == CU_LAUNCH_PARAM_END {
             break;
         }
         let value = get(extra.wrapping_add(i + 1) as *const *const c_void)?;
-        match key {
-            CU_LAUNCH_PARAM_BUFFER_POINTER => buf = value.cast(),
-            CU_LAUNCH_PARAM_BUFFER_SIZE => size = get(value as *const usize)?,
-            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        if key == CU_LAUNCH_PARAM_BUFFER_POINTER {
+            buf = value.cast();
+        } else if key == CU_LAUNCH_PARAM_BUFFER_SIZE {
+            size = get(value as *const usize)?;
+        } else {
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
         i += 2;
     }
@@ -119,7 +121,8 @@ entry_pt!(cuLaunchKernelEx / cuLaunchKernelEx_ptsz, |pt| fn(
     extra: *mut *mut c_void,
 ) {
     let c = get(config)?;
-    launch(c.stream, pt, f, c.grid, c.block, params, extra)
+    let (grid, block) = ([c.gridDimX, c.gridDimY, c.gridDimZ], [c.blockDimX, c.blockDimY, c.blockDimZ]);
+    launch(c.hStream, pt, f, grid, block, params, extra)
 });
 
 entry_pt!(cuLaunchCooperativeKernel / cuLaunchCooperativeKernel_ptsz, |pt| fn(
@@ -139,22 +142,22 @@ entry_pt!(cuLaunchCooperativeKernel / cuLaunchCooperativeKernel_ptsz, |pt| fn(
 
 entry!(
     fn cuLaunchCooperativeKernelMultiDevice(
-        list: *mut CudaLaunchParams,
+        list: *mut CUDA_LAUNCH_PARAMS,
         n: c_uint,
         _flags: c_uint,
     ) {
-        let launches = slice(list as *const CudaLaunchParams, n as usize)?;
+        let launches = slice(list as *const CUDA_LAUNCH_PARAMS, n as usize)?;
         if launches.is_empty() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         for l in launches {
             launch(
-                l.stream,
+                l.hStream,
                 false,
                 l.function,
-                l.grid,
-                l.block,
-                l.kernel_params,
+                [l.gridDimX, l.gridDimY, l.gridDimZ],
+                [l.blockDimX, l.blockDimY, l.blockDimZ],
+                l.kernelParams,
                 std::ptr::null_mut(),
             )?;
         }

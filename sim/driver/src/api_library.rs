@@ -30,10 +30,10 @@ entry!(
     fn cuLibraryLoadData(
         out: *mut Handle,
         code: *const c_void,
-        _jit_options: *mut c_int,
+        _jit_options: *mut CUjit_option,
         _jit_values: *mut *mut c_void,
         _n_jit: c_uint,
-        _lib_options: *mut c_int,
+        _lib_options: *mut CUlibraryOption,
         _lib_values: *mut *mut c_void,
         _n_lib: c_uint,
     ) {
@@ -46,10 +46,10 @@ entry!(
     fn cuLibraryLoadFromFile(
         out: *mut Handle,
         path: *const c_char,
-        _jit_options: *mut c_int,
+        _jit_options: *mut CUjit_option,
         _jit_values: *mut *mut c_void,
         _n_jit: c_uint,
-        _lib_options: *mut c_int,
+        _lib_options: *mut CUlibraryOption,
         _lib_values: *mut *mut c_void,
         _n_lib: c_uint,
     ) {
@@ -198,7 +198,12 @@ entry!(
 );
 
 entry!(
-    fn cuKernelGetAttribute(value: *mut c_int, attrib: c_int, k: Handle, dev: CUdevice) {
+    fn cuKernelGetAttribute(
+        value: *mut c_int,
+        attrib: CUfunction_attribute,
+        k: Handle,
+        dev: CUdevice,
+    ) {
         driver()?.check_device(dev)?;
         let v = with_function(k, |func| function_attribute(func, attrib))?;
         put(value, v)
@@ -206,7 +211,7 @@ entry!(
 );
 
 entry!(
-    fn cuKernelSetAttribute(attrib: c_int, value: c_int, k: Handle, dev: CUdevice) {
+    fn cuKernelSetAttribute(attrib: CUfunction_attribute, value: c_int, k: Handle, dev: CUdevice) {
         driver()?.check_device(dev)?;
         with_state(|_, st| {
             let func = st
@@ -219,7 +224,7 @@ entry!(
 );
 
 entry!(
-    fn cuKernelSetCacheConfig(k: Handle, _config: c_int, dev: CUdevice) {
+    fn cuKernelSetCacheConfig(k: Handle, _config: CUfunc_cache, dev: CUdevice) {
         driver()?.check_device(dev)?;
         kernel(k).map(|_| ())
     }

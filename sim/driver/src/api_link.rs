@@ -6,7 +6,7 @@ use crate::elf;
 use crate::ffi::*;
 use crate::image::{self, DEVICE_ARCH, ImageError, ModuleInfo};
 use crate::state::{driver, with_state};
-use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::ffi::{c_char, c_uint, c_void};
 
 /// What a link has collected, and its output once complete (valid until `cuLinkDestroy`).
 #[derive(Default)]
@@ -16,19 +16,12 @@ pub struct LinkState {
     output: Option<Vec<u8>>,
 }
 
-/// `CUjitInputType`.
-const INPUT_CUBIN: c_int = 0;
-const INPUT_PTX: c_int = 1;
-const INPUT_FATBINARY: c_int = 2;
-const INPUT_OBJECT: c_int = 3;
-const INPUT_LIBRARY: c_int = 4;
-
 /// The device code of input `b` of type `kind`.
-fn read_input(kind: c_int, b: &[u8]) -> Result<ModuleInfo, ImageError> {
+fn read_input(kind: CUjitInputType, b: &[u8]) -> Result<ModuleInfo, ImageError> {
     match kind {
-        INPUT_CUBIN | INPUT_PTX | INPUT_FATBINARY => image::parse(b),
-        INPUT_OBJECT => image::parse(elf::host_fatbin(b).ok_or(ImageError::NotCuda)?),
-        INPUT_LIBRARY => {
+        CU_JIT_INPUT_CUBIN | CU_JIT_INPUT_PTX | CU_JIT_INPUT_FATBINARY => image::parse(b),
+        CU_JIT_INPUT_OBJECT => image::parse(elf::host_fatbin(b).ok_or(ImageError::NotCuda)?),
+        CU_JIT_INPUT_LIBRARY => {
             let mut info = ModuleInfo::default();
             for member in archive_members(b).ok_or(ImageError::NotCuda)? {
                 // Members without device code are host objects the device linker skips.
@@ -65,7 +58,7 @@ fn archive_members(b: &[u8]) -> Option<Vec<&[u8]>> {
     Some(out)
 }
 
-fn add(state: Handle, kind: c_int, bytes: &[u8]) -> CuResult {
+fn add(state: Handle, kind: CUjitInputType, bytes: &[u8]) -> CuResult {
     let info = read_input(kind, bytes).map_err(|e| e.code())?;
     with_state(|_, st| {
         let link = st
@@ -97,13 +90,13 @@ fn create(out: *mut Handle) -> CuResult {
     })
 }
 
-fn add_data(state: Handle, kind: c_int, data: *mut c_void, size: usize) -> CuResult {
+fn add_data(state: Handle, kind: CUjitInputType, data: *mut c_void, size: usize) -> CuResult {
     driver()?;
     // PTX may be passed with its size but no terminating NUL; the size is what counts.
     add(state, kind, slice(data as *const u8, size)?)
 }
 
-fn add_file(state: Handle, kind: c_int, path: *const c_char) -> CuResult {
+fn add_file(state: Handle, kind: CUjitInputType, path: *const c_char) -> CuResult {
     driver()?;
     let path = c_str(path)?
         .to_str()
@@ -114,14 +107,19 @@ fn add_file(state: Handle, kind: c_int, path: *const c_char) -> CuResult {
 
 // The `_v2` entry points (ABI 6050) and the original ones (5050) take the same arguments.
 entry!(
-    fn cuLinkCreate(_n: c_uint, _options: *mut c_int, _values: *mut *mut c_void, out: *mut Handle) {
+    fn cuLinkCreate(
+        _n: c_uint,
+        _options: *mut CUjit_option,
+        _values: *mut *mut c_void,
+        out: *mut Handle,
+    ) {
         create(out)
     }
 );
 entry!(
     fn cuLinkCreate_v2(
         _n: c_uint,
-        _options: *mut c_int,
+        _options: *mut CUjit_option,
         _values: *mut *mut c_void,
         out: *mut Handle,
     ) {
@@ -131,12 +129,12 @@ entry!(
 entry!(
     fn cuLinkAddData(
         state: Handle,
-        kind: c_int,
+        kind: CUjitInputType,
         data: *mut c_void,
         size: usize,
         _name: *const c_char,
         _n: c_uint,
-        _options: *mut c_int,
+        _options: *mut CUjit_option,
         _values: *mut *mut c_void,
     ) {
         add_data(state, kind, data, size)
@@ -145,12 +143,12 @@ entry!(
 entry!(
     fn cuLinkAddData_v2(
         state: Handle,
-        kind: c_int,
+        kind: CUjitInputType,
         data: *mut c_void,
         size: usize,
         _name: *const c_char,
         _n: c_uint,
-        _options: *mut c_int,
+        _options: *mut CUjit_option,
         _values: *mut *mut c_void,
     ) {
         add_data(state, kind, data, size)
@@ -159,10 +157,10 @@ entry!(
 entry!(
     fn cuLinkAddFile(
         state: Handle,
-        kind: c_int,
+        kind: CUjitInputType,
         path: *const c_char,
         _n: c_uint,
-        _options: *mut c_int,
+        _options: *mut CUjit_option,
         _values: *mut *mut c_void,
     ) {
         add_file(state, kind, path)
@@ -171,10 +169,10 @@ entry!(
 entry!(
     fn cuLinkAddFile_v2(
         state: Handle,
-        kind: c_int,
+        kind: CUjitInputType,
         path: *const c_char,
         _n: c_uint,
-        _options: *mut c_int,
+        _options: *mut CUjit_option,
         _values: *mut *mut c_void,
     ) {
         add_file(state, kind, path)
@@ -255,18 +253,21 @@ mod tests {
         };
         let cubin = elf::write(90, std::slice::from_ref(&k), &[]);
         assert_eq!(
-            read_input(INPUT_CUBIN, &cubin).unwrap().kernels,
+            read_input(CU_JIT_INPUT_CUBIN, &cubin).unwrap().kernels,
             vec![k.clone()]
         );
         let ptx = b".version 8.0\n.target sm_90\n.entry p(.param .u32 x) { ret; }";
         assert_eq!(
-            read_input(INPUT_PTX, ptx).unwrap().kernels[0].params,
+            read_input(CU_JIT_INPUT_PTX, ptx).unwrap().kernels[0].params,
             vec![4]
         );
         assert!(matches!(
-            read_input(5, ptx),
+            read_input(CU_JIT_INPUT_NVVM, ptx),
             Err(ImageError::Unsupported(_))
         ));
-        assert_eq!(read_input(INPUT_OBJECT, &cubin), Err(ImageError::NotCuda));
+        assert_eq!(
+            read_input(CU_JIT_INPUT_OBJECT, &cubin),
+            Err(ImageError::NotCuda)
+        );
     }
 }

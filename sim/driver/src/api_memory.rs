@@ -14,9 +14,9 @@
 use crate::api_graph::capture_node;
 use crate::ffi::*;
 use crate::state::{Alloc, AllocKind, Driver, NodeKind, Pinned, State, driver, with_state};
-use gpushare_cuda_abi::arrays::{Array3DDesc, ArrayDesc, array_bytes, mipmapped_bytes};
+use gpushare_cuda_abi::arrays::mipmapped_bytes;
 use gpushare_sim_wire::{Reply, Request};
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_uint, c_void};
 
 /// Allocation granularity charged against the device's capacity.
 const CHARGE_ALIGN: u64 = 512;
@@ -419,34 +419,20 @@ entry!(
     }
 );
 
-/// `CUmemPoolProps`, the fields we read.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct PoolProps {
-    alloc_type: c_uint,
-    handle_types: c_uint,
-    location_type: c_uint,
-    location_id: c_int,
-    win32_security_attributes: *mut c_void,
-    max_size: usize,
-}
-
 entry!(
-    fn cuMemPoolCreate(pool: *mut Handle, props: *const PoolProps) {
+    fn cuMemPoolCreate(pool: *mut Handle, props: *const CUmemPoolProps) {
         let p = get(props)?;
         let d = driver()?;
         // Pinned device memory only: the device reports no host pools and no shareable handles.
-        if p.alloc_type != 1 {
+        if p.allocType != CU_MEM_ALLOCATION_TYPE_PINNED {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if p.location_type != LOCATION_DEVICE || p.handle_types != 0 {
+        if p.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE || p.handleTypes != 0 {
             return Err(CUDA_ERROR_NOT_SUPPORTED);
         }
-        let device = d.check_device(p.location_id)?;
+        let device = d.check_device(p.location.id)?;
         let h = d.lock().new_id();
-        pools()
-            .pools
-            .insert(h, Pool::new(device, p.max_size as u64));
+        pools().pools.insert(h, Pool::new(device, p.maxSize as u64));
         put(pool, handle(h)).inspect_err(|_| {
             pools().pools.remove(&h);
         })
@@ -1026,16 +1012,16 @@ fn copy_2d(p: *const Memcpy2D, sync_stream: Option<(Handle, bool)>) -> CuResult 
     Ok(())
 }
 
-entry_pt!(cuMemcpy2D_v2 / cuMemcpy2D_v2_ptds, |pt| fn(p: *const Memcpy2D) {
-    copy_2d(p, Some((std::ptr::null_mut(), pt)))
+entry_pt!(cuMemcpy2D_v2 / cuMemcpy2D_v2_ptds, |pt| fn(p: *const c_void) {
+    copy_2d(p.cast(), Some((std::ptr::null_mut(), pt)))
 });
-entry_pt!(cuMemcpy2DUnaligned_v2 / cuMemcpy2DUnaligned_v2_ptds, |pt| fn(p: *const Memcpy2D) {
-    copy_2d(p, Some((std::ptr::null_mut(), pt)))
+entry_pt!(cuMemcpy2DUnaligned_v2 / cuMemcpy2DUnaligned_v2_ptds, |pt| fn(p: *const c_void) {
+    copy_2d(p.cast(), Some((std::ptr::null_mut(), pt)))
 });
-entry_pt!(cuMemcpy2DAsync_v2 / cuMemcpy2DAsync_v2_ptsz, |pt| fn(p: *const Memcpy2D, stream: Handle) {
+entry_pt!(cuMemcpy2DAsync_v2 / cuMemcpy2DAsync_v2_ptsz, |pt| fn(p: *const c_void, stream: Handle) {
     // Pageable destinations make it synchronous, as for 1D copies.
-    let pageable_dst = get(p)?.dst_type == 1;
-    copy_2d(p, pageable_dst.then_some((stream, pt)))
+    let pageable_dst = get(p.cast::<Memcpy2D>())?.dst_type == 1;
+    copy_2d(p.cast(), pageable_dst.then_some((stream, pt)))
 });
 
 /// Fill `height` rows of `width` elements, `pitch` bytes apart, after checking the range.
@@ -1167,21 +1153,13 @@ fn check_managed_range(ptr: u64, len: usize) -> CuResult {
     with_state(|_, st| check_dev(st, ptr, len))
 }
 
-/// `CUmemLocation`: where memory should live (a device, the host, a host NUMA node).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct MemLocation {
-    kind: c_int,
-    id: c_int,
-}
-
 entry_pt!(cuMemPrefetchAsync / cuMemPrefetchAsync_ptsz, |_pt| fn(ptr: CUdeviceptr, n: usize, _dev: CUdevice, _s: Handle) {
     check_managed_range(ptr, n)
 });
 entry_pt!(cuMemPrefetchAsync_v2 / cuMemPrefetchAsync_v2_ptsz, |_pt| fn(
     ptr: CUdeviceptr,
     n: usize,
-    _location: MemLocation,
+    _location: CUmemLocation,
     flags: c_uint,
     _s: Handle,
 ) {
@@ -1196,7 +1174,7 @@ entry!(
     }
 );
 entry!(
-    fn cuMemAdvise_v2(ptr: CUdeviceptr, n: usize, _advice: c_uint, _location: MemLocation) {
+    fn cuMemAdvise_v2(ptr: CUdeviceptr, n: usize, _advice: c_uint, _location: CUmemLocation) {
         check_managed_range(ptr, n)
     }
 );
@@ -1267,25 +1245,10 @@ fn release_handle(h: u64) -> CuResult {
     free_if_unused(d, &mut v, h)
 }
 
-/// `CUmemAllocationProp`, the fields we read: type, requested handle types, location.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct AllocationProp {
-    kind: c_uint,
-    handle_types: c_uint,
-    location_type: c_uint,
-    location_id: i32,
-}
-
-/// `CUmemLocationType`.
-const LOCATION_DEVICE: c_uint = 1;
-const LOCATION_HOST: c_uint = 2;
-const LOCATION_HOST_NUMA: c_uint = 3;
-
 entry!(
     fn cuMemGetAllocationGranularity(
         gran: *mut usize,
-        prop: *const AllocationProp,
+        prop: *const CUmemAllocationProp,
         _option: c_uint,
     ) {
         get(prop)?;
@@ -1294,20 +1257,20 @@ entry!(
 );
 
 entry!(
-    fn cuMemCreate(out: *mut u64, size: usize, prop: *const AllocationProp, flags: u64) {
+    fn cuMemCreate(out: *mut u64, size: usize, prop: *const CUmemAllocationProp, flags: u64) {
         let p = get(prop)?;
-        // CU_MEM_ALLOCATION_TYPE_PINNED = 1.
-        if flags != 0 || p.kind != 1 || size == 0 || !size.is_multiple_of(VMM_GRANULARITY) {
+        let pinned = p.type_ == CU_MEM_ALLOCATION_TYPE_PINNED;
+        if flags != 0 || !pinned || size == 0 || !size.is_multiple_of(VMM_GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let d = driver()?;
         // Host memory is not the device's: HOST ignores the id and cannot be shared between
         // processes; HOST_NUMA names a NUMA node (this host has one, node 0); any other location
         // (HOST_NUMA_CURRENT included) is not accepted for a physical allocation.
-        let device = match p.location_type {
-            LOCATION_DEVICE => Some(d.check_device(p.location_id)?),
-            LOCATION_HOST if p.handle_types == 0 => None,
-            LOCATION_HOST_NUMA if p.location_id == 0 => None,
+        let device = match p.location.type_ {
+            CU_MEM_LOCATION_TYPE_DEVICE => Some(d.check_device(p.location.id)?),
+            CU_MEM_LOCATION_TYPE_HOST if p.requestedHandleTypes == 0 => None,
+            CU_MEM_LOCATION_TYPE_HOST_NUMA if p.location.id == 0 => None,
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         };
         if let Some(dev) = device {
@@ -1486,29 +1449,25 @@ fn array_create(out: *mut Handle, bytes: usize) -> CuResult {
 }
 
 entry!(
-    fn cuArrayCreate_v2(out: *mut Handle, desc: *const ArrayDesc) {
+    fn cuArrayCreate_v2(out: *mut Handle, desc: *const CUDA_ARRAY_DESCRIPTOR) {
         let d = get(desc)?;
-        array_create(
-            out,
-            array_bytes(d.width, d.height, 1, d.format, d.channels)
-                .ok_or(CUDA_ERROR_INVALID_VALUE)?,
-        )
+        array_create(out, d.bytes().ok_or(CUDA_ERROR_INVALID_VALUE)?)
     }
 );
 
 entry!(
-    fn cuArray3DCreate_v2(out: *mut Handle, desc: *const Array3DDesc) {
+    fn cuArray3DCreate_v2(out: *mut Handle, desc: *const CUDA_ARRAY3D_DESCRIPTOR) {
         let d = get(desc)?;
-        array_create(
-            out,
-            array_bytes(d.width, d.height, d.depth, d.format, d.channels)
-                .ok_or(CUDA_ERROR_INVALID_VALUE)?,
-        )
+        array_create(out, d.bytes().ok_or(CUDA_ERROR_INVALID_VALUE)?)
     }
 );
 
 entry!(
-    fn cuMipmappedArrayCreate(out: *mut Handle, desc: *const Array3DDesc, levels: c_uint) {
+    fn cuMipmappedArrayCreate(
+        out: *mut Handle,
+        desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+        levels: c_uint,
+    ) {
         let d = get(desc)?;
         let total = mipmapped_bytes(&d, levels).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         array_create(out, total)

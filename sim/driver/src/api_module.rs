@@ -92,7 +92,7 @@ entry!(
         out: *mut Handle,
         image: *const c_void,
         _n: c_uint,
-        _options: *mut c_int,
+        _options: *mut CUjit_option,
         _values: *mut *mut c_void,
     ) {
         load(out, image)
@@ -195,36 +195,46 @@ pub fn with_function<T>(f: Handle, body: impl FnOnce(&Function) -> CuResult<T>) 
 }
 
 /// `CUfunction_attribute` values a kernel reports: an H100's limits, or what was set.
-pub fn function_attribute(func: &Function, attrib: c_int) -> CuResult<c_int> {
+pub fn function_attribute(func: &Function, attrib: CUfunction_attribute) -> CuResult<c_int> {
     if let Some(&(_, v)) = func.attrs.iter().find(|(a, _)| *a == attrib) {
         return Ok(v);
     }
     Ok(match attrib {
-        0 => 1024,                             // MAX_THREADS_PER_BLOCK
-        1 => func.resources.shared as c_int,   // SHARED_SIZE_BYTES (static)
-        2 => func.resources.constant as c_int, // CONST_SIZE_BYTES
-        3 => func.resources.local as c_int,    // LOCAL_SIZE_BYTES
-        4 => 32,                               // NUM_REGS
-        5 | 6 => func.ptx_version.max(90),     // PTX_VERSION, BINARY_VERSION
-        7 => 0,                                // CACHE_MODE_CA
-        8 => 49152,                            // MAX_DYNAMIC_SHARED_SIZE_BYTES
-        9 => -1,                               // PREFERRED_SHARED_MEMORY_CARVEOUT
-        10 => 0,                               // CLUSTER_SIZE_MUST_BE_SET
-        11..=13 => 0,                          // REQUIRED_CLUSTER_WIDTH/HEIGHT/DEPTH
-        14 => 0,                               // NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-        15 => 0,                               // CLUSTER_SCHEDULING_POLICY_PREFERENCE
+        CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK => 1024,
+        CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES => func.resources.shared as c_int, // static
+        CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES => func.resources.constant as c_int,
+        CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES => func.resources.local as c_int,
+        CU_FUNC_ATTRIBUTE_NUM_REGS => 32,
+        CU_FUNC_ATTRIBUTE_PTX_VERSION | CU_FUNC_ATTRIBUTE_BINARY_VERSION => {
+            func.ptx_version.max(90)
+        }
+        CU_FUNC_ATTRIBUTE_CACHE_MODE_CA => 0,
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES => 49152,
+        CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT => -1,
+        CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET => 0,
+        CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH..=CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH => 0,
+        CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED => 0,
+        CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE => 0,
         _ => return Err(CUDA_ERROR_INVALID_VALUE),
     })
 }
 
 /// Set a settable `CUfunction_attribute` (the documented ones: dynamic shared memory size,
 /// carveout, cluster shape and policy), checking the value against the H100's limits.
-pub fn set_function_attribute(func: &mut Function, attrib: c_int, value: c_int) -> CuResult {
+pub fn set_function_attribute(
+    func: &mut Function,
+    attrib: CUfunction_attribute,
+    value: c_int,
+) -> CuResult {
     let ok = match attrib {
-        8 => (0..=232_448).contains(&value), // MAX_DYNAMIC_SHARED_SIZE_BYTES, the opt-in maximum
-        9 => (-1..=100).contains(&value),    // PREFERRED_SHARED_MEMORY_CARVEOUT
-        11..=13 => (0..=16).contains(&value),
-        14 | 15 => value >= 0,
+        // The opt-in maximum.
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES => (0..=232_448).contains(&value),
+        CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT => (-1..=100).contains(&value),
+        CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH..=CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH => {
+            (0..=16).contains(&value)
+        }
+        CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        | CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE => value >= 0,
         _ => false,
     };
     if !ok {
@@ -236,14 +246,14 @@ pub fn set_function_attribute(func: &mut Function, attrib: c_int, value: c_int) 
 }
 
 entry!(
-    fn cuFuncGetAttribute(value: *mut c_int, attrib: c_int, f: Handle) {
+    fn cuFuncGetAttribute(value: *mut c_int, attrib: CUfunction_attribute, f: Handle) {
         let v = with_function(f, |func| function_attribute(func, attrib))?;
         put(value, v)
     }
 );
 
 entry!(
-    fn cuFuncSetAttribute(f: Handle, attrib: c_int, value: c_int) {
+    fn cuFuncSetAttribute(f: Handle, attrib: CUfunction_attribute, value: c_int) {
         with_state(|_, st| {
             let func = st
                 .functions
@@ -275,9 +285,9 @@ entry!(
 );
 
 entry!(
-    fn cuFuncIsLoaded(state: *mut c_int, f: Handle) {
+    fn cuFuncIsLoaded(state: *mut CUfunctionLoadingState, f: Handle) {
         with_function(f, |_| Ok(()))?;
-        put(state, 1) // CU_FUNCTION_LOADING_STATE_LOADED: images load eagerly here
+        put(state, CU_FUNCTION_LOADING_STATE_LOADED) // images load eagerly here
     }
 );
 
@@ -303,13 +313,13 @@ entry!(
 );
 
 entry!(
-    fn cuFuncSetCacheConfig(f: Handle, _config: c_int) {
+    fn cuFuncSetCacheConfig(f: Handle, _config: CUfunc_cache) {
         with_function(f, |_| Ok(()))
     }
 );
 
 entry!(
-    fn cuFuncSetSharedMemConfig(f: Handle, _config: c_int) {
+    fn cuFuncSetSharedMemConfig(f: Handle, _config: CUsharedconfig) {
         with_function(f, |_| Ok(()))
     }
 );
@@ -365,7 +375,7 @@ entry!(
         min_grid: *mut c_int,
         block: *mut c_int,
         f: Handle,
-        _smem_fn: *const c_void,
+        _smem_fn: CUoccupancyB2DSize,
         _smem: usize,
         limit: c_int,
     ) {

@@ -45,17 +45,12 @@ extern "C" fn newer_abi() -> CUresult {
     CUDA_ERROR_NOT_SUPPORTED
 }
 
-/// `CUdriverProcAddressQueryResult`.
-const SUCCESS: c_int = 0;
-const SYMBOL_NOT_FOUND: c_int = 1;
-const VERSION_NOT_SUFFICIENT: c_int = 2;
-
 fn get_proc_address(
     symbol: *const c_char,
-    pfn: *mut *const c_void,
+    pfn: *mut *mut c_void,
     version: c_int,
     flags: u64,
-    status: *mut c_int,
+    status: *mut CUdriverProcAddressQueryResult,
 ) -> CuResult {
     let name = c_str(symbol)?
         .to_str()
@@ -65,20 +60,23 @@ fn get_proc_address(
     }
     let newer = version > DRIVER_VERSION && newer_abi_names().iter().any(|n| n == name);
     let (found, st) = match resolve(name, version, flags) {
-        Resolution::Found(_) if newer => (Some(newer_abi as *const c_void), SUCCESS),
+        Resolution::Found(_) if newer => (
+            Some(newer_abi as *const c_void),
+            CU_GET_PROC_ADDRESS_SUCCESS,
+        ),
         Resolution::Found(sym) => match export(sym) {
-            Some(p) => (Some(p), SUCCESS),
-            None => (None, SYMBOL_NOT_FOUND),
+            Some(p) => (Some(p), CU_GET_PROC_ADDRESS_SUCCESS),
+            None => (None, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND),
         },
-        Resolution::VersionNotSufficient => (None, VERSION_NOT_SUFFICIENT),
-        Resolution::NotFound => (None, SYMBOL_NOT_FOUND),
+        Resolution::VersionNotSufficient => (None, CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT),
+        Resolution::NotFound => (None, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND),
     };
     if found.is_none() && tracing_calls() {
         eprintln!(
             "gpushare-sim libcuda: cuGetProcAddress: no {name} for version {version}, flags {flags}"
         );
     }
-    put(pfn, found.unwrap_or(std::ptr::null()))?;
+    put(pfn, found.unwrap_or(std::ptr::null()).cast_mut())?;
     if !status.is_null() {
         put(status, st)?;
     }
@@ -86,12 +84,7 @@ fn get_proc_address(
 }
 
 entry!(
-    fn cuGetProcAddress(
-        symbol: *const c_char,
-        pfn: *mut *const c_void,
-        version: c_int,
-        flags: u64,
-    ) {
+    fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) {
         get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut())
     }
 );
@@ -99,10 +92,10 @@ entry!(
 entry!(
     fn cuGetProcAddress_v2(
         symbol: *const c_char,
-        pfn: *mut *const c_void,
+        pfn: *mut *mut c_void,
         version: c_int,
         flags: u64,
-        status: *mut c_int,
+        status: *mut CUdriverProcAddressQueryResult,
     ) {
         get_proc_address(symbol, pfn, version, flags, status)
     }

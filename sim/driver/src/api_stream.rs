@@ -4,8 +4,7 @@ use crate::api_graph::capture_node;
 use crate::client::HostCall;
 use crate::ffi::*;
 use crate::state::{
-    CAPTURE_MODE_GLOBAL, CAPTURE_MODE_RELAXED, Capture, Graph, NodeKind, driver,
-    exchange_capture_mode, thread_key, with_state,
+    Capture, Graph, NodeKind, driver, exchange_capture_mode, thread_key, with_state,
 };
 use gpushare_sim_wire::Op;
 use std::ffi::{c_int, c_uint, c_void};
@@ -204,13 +203,13 @@ fn host_call(
     })
 }
 
-entry_pt!(cuLaunchHostFunc / cuLaunchHostFunc_ptsz, |pt| fn(h: Handle, func: Option<HostFn>, data: *mut c_void) {
+entry_pt!(cuLaunchHostFunc / cuLaunchHostFunc_ptsz, |pt| fn(h: Handle, func: CUhostFn, data: *mut c_void) {
     host_call(h, pt, func, |_| HostCall::Func(func.expect("checked"), data as usize))
 });
 
 entry_pt!(cuStreamAddCallback / cuStreamAddCallback_ptsz, |pt| fn(
     h: Handle,
-    cb: Option<StreamCallback>,
+    cb: CUstreamCallback,
     data: *mut c_void,
     flags: c_uint,
 ) {
@@ -227,8 +226,8 @@ unsafe extern "C" fn noop_host_fn(_: *mut c_void) {}
 
 static CAPTURE_IDS: AtomicU64 = AtomicU64::new(1);
 
-fn begin_capture(h: Handle, pt: bool, mode: c_int) -> CuResult {
-    if !(CAPTURE_MODE_GLOBAL..=CAPTURE_MODE_RELAXED).contains(&mode) {
+fn begin_capture(h: Handle, pt: bool, mode: CUstreamCaptureMode) -> CuResult {
+    if !(CU_STREAM_CAPTURE_MODE_GLOBAL..=CU_STREAM_CAPTURE_MODE_RELAXED).contains(&mode) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     with_state(|d, st| {
@@ -256,9 +255,9 @@ fn begin_capture(h: Handle, pt: bool, mode: c_int) -> CuResult {
 
 // The original entry point (ABI 10000) captures in global mode.
 entry_pt!(cuStreamBeginCapture / cuStreamBeginCapture_ptsz, |pt| fn(h: Handle) {
-    begin_capture(h, pt, CAPTURE_MODE_GLOBAL)
+    begin_capture(h, pt, CU_STREAM_CAPTURE_MODE_GLOBAL)
 });
-entry_pt!(cuStreamBeginCapture_v2 / cuStreamBeginCapture_v2_ptsz, |pt| fn(h: Handle, mode: c_int) {
+entry_pt!(cuStreamBeginCapture_v2 / cuStreamBeginCapture_v2_ptsz, |pt| fn(h: Handle, mode: CUstreamCaptureMode) {
     begin_capture(h, pt, mode)
 });
 
@@ -281,25 +280,25 @@ entry_pt!(cuStreamEndCapture / cuStreamEndCapture_ptsz, |pt| fn(h: Handle, graph
     })
 });
 
-/// `CUstreamCaptureStatus` of a stream: 0 none, 1 active, 2 invalidated.
-fn capture_status(h: Handle, pt: bool) -> CuResult<(c_int, u64, u64)> {
+/// The `CUstreamCaptureStatus` of a stream, and its capture's id and graph.
+fn capture_status(h: Handle, pt: bool) -> CuResult<(CUstreamCaptureStatus, u64, u64)> {
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, h, pt)?;
         Ok(match &st.streams[&s].capture {
-            None => (0, 0, 0),
-            Some(c) if c.invalidated => (2, c.id, c.graph),
-            Some(c) => (1, c.id, c.graph),
+            None => (CU_STREAM_CAPTURE_STATUS_NONE, 0, 0),
+            Some(c) if c.invalidated => (CU_STREAM_CAPTURE_STATUS_INVALIDATED, c.id, c.graph),
+            Some(c) => (CU_STREAM_CAPTURE_STATUS_ACTIVE, c.id, c.graph),
         })
     })
 }
 
-entry_pt!(cuStreamIsCapturing / cuStreamIsCapturing_ptsz, |pt| fn(h: Handle, status: *mut c_int) {
+entry_pt!(cuStreamIsCapturing / cuStreamIsCapturing_ptsz, |pt| fn(h: Handle, status: *mut CUstreamCaptureStatus) {
     put(status, capture_status(h, pt)?.0)
 });
 
 entry_pt!(cuStreamGetCaptureInfo_v2 / cuStreamGetCaptureInfo_v2_ptsz, |pt| fn(
     h: Handle,
-    status: *mut c_int,
+    status: *mut CUstreamCaptureStatus,
     cap_id: *mut u64,
     graph: *mut Handle,
     deps: *mut *const Handle,
@@ -312,7 +311,7 @@ entry_pt!(cuStreamGetCaptureInfo_v2 / cuStreamGetCaptureInfo_v2_ptsz, |pt| fn(
 fn capture_info(
     h: Handle,
     pt: bool,
-    status: *mut c_int,
+    status: *mut CUstreamCaptureStatus,
     cap_id: *mut u64,
     graph: *mut Handle,
     deps: *mut *const Handle,
@@ -339,7 +338,7 @@ fn capture_info(
 
 entry_pt!(cuStreamGetCaptureInfo_v3 / cuStreamGetCaptureInfo_v3_ptsz, |pt| fn(
     h: Handle,
-    status: *mut c_int,
+    status: *mut CUstreamCaptureStatus,
     cap_id: *mut u64,
     graph: *mut Handle,
     deps: *mut *const Handle,
@@ -355,10 +354,10 @@ entry_pt!(cuStreamGetCaptureInfo_v3 / cuStreamGetCaptureInfo_v3_ptsz, |pt| fn(
 });
 
 entry!(
-    fn cuThreadExchangeStreamCaptureMode(mode: *mut c_int) {
+    fn cuThreadExchangeStreamCaptureMode(mode: *mut CUstreamCaptureMode) {
         driver()?;
         let new = get(mode)?;
-        if !(CAPTURE_MODE_GLOBAL..=CAPTURE_MODE_RELAXED).contains(&new) {
+        if !(CU_STREAM_CAPTURE_MODE_GLOBAL..=CU_STREAM_CAPTURE_MODE_RELAXED).contains(&new) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         put(mode, exchange_capture_mode(new))

@@ -1,81 +1,23 @@
 //! C types of the driver API and the helpers every entry point uses to cross the FFI boundary
 //! safely: no panic escapes, null pointers become `CUDA_ERROR_INVALID_VALUE`.
+//!
+//! The types, constants and records are cuda.h's, generated into `gpushare_cuda_abi::types`;
+//! every entry point is checked at compile time against the type cuda.h gives its symbol.
 
 use std::ffi::{CStr, c_char, c_void};
 
-pub use gpushare_cuda_abi::result::*;
+pub use gpushare_cuda_abi::types::*;
 
-pub type CUresult = u32;
-pub type CUdevice = i32;
-pub type CUdeviceptr = u64;
 /// Opaque handles: our object ids, cast to pointers.
 pub type Handle = *mut c_void;
 
 /// A driver call's outcome before it becomes a `CUresult`.
 pub type CuResult<T = ()> = Result<T, CUresult>;
 
-pub const CU_STREAM_LEGACY: usize = 0x1;
-pub const CU_STREAM_PER_THREAD: usize = 0x2;
-pub const CU_STREAM_NON_BLOCKING: u32 = 0x1;
-pub const CU_EVENT_DISABLE_TIMING: u32 = 0x2;
-pub const CU_LAUNCH_PARAM_END: usize = 0x00;
-pub const CU_LAUNCH_PARAM_BUFFER_POINTER: usize = 0x01;
-pub const CU_LAUNCH_PARAM_BUFFER_SIZE: usize = 0x02;
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct CUlaunchConfig {
-    pub grid: [u32; 3],
-    pub block: [u32; 3],
-    pub shared_mem_bytes: u32,
-    pub stream: Handle,
-    pub attrs: *mut c_void,
-    pub num_attrs: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct CudaLaunchParams {
-    pub function: Handle,
-    pub grid: [u32; 3],
-    pub block: [u32; 3],
-    pub shared_mem_bytes: u32,
-    pub stream: Handle,
-    pub kernel_params: *mut *mut c_void,
-}
-
-/// `CUDA_KERNEL_NODE_PARAMS` (v1 is a prefix of v2).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct KernelNodeParams {
-    pub func: Handle,
-    pub grid: [u32; 3],
-    pub block: [u32; 3],
-    pub shared_mem_bytes: u32,
-    pub kernel_params: *mut *mut c_void,
-    pub extra: *mut *mut c_void,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct MemsetNodeParams {
-    pub dst: CUdeviceptr,
-    pub pitch: usize,
-    pub value: u32,
-    pub element_size: u32,
-    pub width: usize,
-    pub height: usize,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct HostNodeParams {
-    pub func: Option<HostFn>,
-    pub user_data: *mut c_void,
-}
-
+/// A host function (`CUhostFn`, once known not to be null).
 pub type HostFn = unsafe extern "C" fn(*mut c_void);
-pub type StreamCallback = unsafe extern "C" fn(Handle, CUresult, *mut c_void);
+/// A stream callback (`CUstreamCallback`, once known not to be null).
+pub type StreamCallback = unsafe extern "C" fn(CUstream, CUresult, *mut c_void);
 
 /// Run an entry point's body, turning its error or a panic into a `CUresult`.
 pub fn guard(f: impl FnOnce() -> CuResult) -> CUresult {
@@ -102,7 +44,8 @@ pub fn entry_point(name: &str, f: impl FnOnce() -> CuResult) -> CUresult {
 }
 
 /// Export a driver entry point. The body returns [`CuResult`]; pointer arguments are only
-/// touched through the helpers below.
+/// touched through the helpers below. The function must have the type cuda.h gives the symbol
+/// (`gpushare_cuda_abi::pfn::NAME`): one typed otherwise does not build.
 macro_rules! entry {
     ($(#[$m:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $body:block) => {
         $(#[$m])*
@@ -110,6 +53,8 @@ macro_rules! entry {
         pub extern "C" fn $name($($arg: $ty),*) -> $crate::ffi::CUresult {
             $crate::ffi::entry_point(stringify!($name), || -> $crate::ffi::CuResult { $body })
         }
+        // The entry point has the type cuda.h gives the symbol, or the driver does not build.
+        const _: gpushare_cuda_abi::pfn::$name = $name;
     };
 }
 

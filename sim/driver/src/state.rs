@@ -164,24 +164,21 @@ pub struct Capture {
     pub deps: Vec<usize>,
     pub invalidated: bool,
     /// `CUstreamCaptureMode` it was begun with, and the thread that began it.
-    pub mode: i32,
+    pub mode: CUstreamCaptureMode,
     pub thread: u64,
 }
 
-/// `CUstreamCaptureMode` (thread-local is 1, between these two).
-pub const CAPTURE_MODE_GLOBAL: i32 = 0;
-pub const CAPTURE_MODE_RELAXED: i32 = 2;
-
 thread_local! {
     /// This thread's capture interaction mode (`cuThreadExchangeStreamCaptureMode`).
-    static CAPTURE_MODE: std::cell::Cell<i32> = const { std::cell::Cell::new(CAPTURE_MODE_GLOBAL) };
+    static CAPTURE_MODE: std::cell::Cell<CUstreamCaptureMode> =
+        const { std::cell::Cell::new(CU_STREAM_CAPTURE_MODE_GLOBAL) };
 }
 
 /// Set this thread's capture interaction mode; returns the previous one.
-pub fn exchange_capture_mode(mode: i32) -> i32 {
+pub fn exchange_capture_mode(mode: CUstreamCaptureMode) -> CUstreamCaptureMode {
     CAPTURE_MODE
         .try_with(|m| m.replace(mode))
-        .unwrap_or(CAPTURE_MODE_GLOBAL)
+        .unwrap_or(CU_STREAM_CAPTURE_MODE_GLOBAL)
 }
 
 #[derive(Default)]
@@ -226,7 +223,7 @@ pub struct Function {
     pub ptx_version: i32,
     pub module: u64,
     /// Attributes set with cuFuncSetAttribute / cuKernelSetAttribute: (attribute, value).
-    pub attrs: Vec<(i32, i32)>,
+    pub attrs: Vec<(CUfunction_attribute, i32)>,
 }
 
 impl Function {
@@ -549,11 +546,14 @@ impl State {
         per_thread: bool,
     ) -> CuResult<u64> {
         let raw = h as usize;
-        let special = match raw {
-            0 if per_thread => Some(true),
-            0 | CU_STREAM_LEGACY => Some(false),
-            CU_STREAM_PER_THREAD => Some(true),
-            _ => None,
+        let special = if h.is_null() {
+            Some(per_thread)
+        } else if h == CU_STREAM_LEGACY {
+            Some(false)
+        } else if h == CU_STREAM_PER_THREAD {
+            Some(true)
+        } else {
+            None
         };
         let Some(pt) = special else {
             let id = raw as u64;
@@ -700,8 +700,8 @@ impl State {
     pub fn check_unsafe_call(&mut self) -> CuResult {
         let mode = CAPTURE_MODE
             .try_with(|m| m.get())
-            .unwrap_or(CAPTURE_MODE_GLOBAL);
-        if mode == CAPTURE_MODE_RELAXED {
+            .unwrap_or(CU_STREAM_CAPTURE_MODE_GLOBAL);
+        if mode == CU_STREAM_CAPTURE_MODE_RELAXED {
             return Ok(());
         }
         let me = thread_key();
@@ -710,10 +710,10 @@ impl State {
             .values()
             .filter_map(|s| s.capture.as_ref())
             .filter(|c| {
-                (c.thread == me && c.mode != CAPTURE_MODE_RELAXED)
-                    || (mode == CAPTURE_MODE_GLOBAL
+                (c.thread == me && c.mode != CU_STREAM_CAPTURE_MODE_RELAXED)
+                    || (mode == CU_STREAM_CAPTURE_MODE_GLOBAL
                         && c.thread != me
-                        && c.mode == CAPTURE_MODE_GLOBAL)
+                        && c.mode == CU_STREAM_CAPTURE_MODE_GLOBAL)
             })
             .map(|c| c.graph)
             .collect();
