@@ -16,7 +16,7 @@ use gpushare_cuda_abi::types::{
     CU_STREAM_CAPTURE_MODE_RELAXED, CU_STREAM_CAPTURE_STATUS_NONE, CUresult, CUstreamCaptureStatus,
 };
 use std::ffi::{CStr, c_char, c_void};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Once, OnceLock};
 
 pub type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
@@ -287,21 +287,27 @@ const DEINITIALIZED: CUresult = CUDA_ERROR_DEINITIALIZED;
 
 /// Set by [`at_exit`]: the process is exiting.
 static EXITING: AtomicBool = AtomicBool::new(false);
+/// The hook's own driver calls under way (a call begun before the exit is let finish).
+static IN_FLIGHT: AtomicU32 = AtomicU32::new(0);
+/// The longest [`at_exit`] waits for calls under way (a drain's wait for a kernel that waits
+/// on a peer may not end soon): the driver's teardown is not held up longer.
+const EXIT_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// Whether the process is exiting: the hook makes no driver call of its own any more.
-#[inline]
-pub fn shutting_down() -> bool {
-    EXITING.load(Ordering::Acquire)
-}
-
+/// No new call of the hook's own from now on, and the ones under way finish (within
+/// [`EXIT_WAIT`]) before the driver's own exit handler, which runs after this one, tears down.
 extern "C" fn at_exit() {
-    EXITING.store(true, Ordering::Release);
+    // SeqCst with `own`: either a call sees the exit, or this sees the call under way.
+    EXITING.store(true, Ordering::SeqCst);
+    let start = std::time::Instant::now();
+    while IN_FLIGHT.load(Ordering::SeqCst) != 0 && start.elapsed() < EXIT_WAIT {
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
 }
 
 /// Register [`at_exit`], once per process (a forked child inherits it).
 fn watch_exit() {
     static REGISTERED: Once = Once::new();
-    // SAFETY: registers a handler that only stores to an atomic.
+    // SAFETY: registers a handler that only uses atomics and sleeps.
     REGISTERED.call_once(|| unsafe {
         libc::atexit(at_exit);
     });
@@ -309,10 +315,14 @@ fn watch_exit() {
 
 /// Run one of the hook's own driver calls, unless the process is exiting.
 fn own(call: impl FnOnce() -> CUresult) -> CUresult {
-    if shutting_down() {
-        return DEINITIALIZED;
-    }
-    call()
+    IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+    let r = if EXITING.load(Ordering::SeqCst) {
+        DEINITIALIZED
+    } else {
+        call()
+    };
+    IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+    r
 }
 
 /// Declare the hook's own use of a driver function: `real::NAME()` hands out `own`, a function
