@@ -16,18 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
+
 typedef CUresult (*PFN_getProcAddress_v2)(const char *symbol, void **pfn, int cudaVersion,
                                           unsigned long long flags, int *symbolStatus);
-
-static void fail(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "FAIL: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-    exit(1);
-}
 
 static const char *where(void *p) {
     static char buf[512];

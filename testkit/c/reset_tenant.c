@@ -20,17 +20,14 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "gpushare_spin_ptx.h"
+#include "spin.h"
 
 /* Load the spin kernel and launch `kernels` of `ns` each on a new stream of the current
  * context, synchronising every `sync_every`. */
 static void spin_run(unsigned long long ns, long kernels, long sync_every) {
-    CUmodule mod;
     CUfunction spin;
-    CK(cuModuleLoadData(&mod, GPUSHARE_SPIN_PTX));
-    CK(cuModuleGetFunction(&spin, mod, "gpushare_spin"));
     CUstream s;
-    CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    spin_load(&spin, &s);
     void *args[] = {&ns};
     for (long i = 1; i <= kernels; i++) {
         CK(cuLaunchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s, args, NULL));

@@ -18,7 +18,7 @@
 #include <unistd.h>
 
 #include "check.h"
-#include "gpushare_spin_ptx.h"
+#include "spin.h"
 
 
 int main(int argc, char **argv) {
@@ -47,12 +47,9 @@ int main(int argc, char **argv) {
     CK(cuDeviceGet(&dev, 0));
     CUcontext ctx;
     CK(cuCtxCreate_v2(&ctx, 0, dev));
-    CUmodule mod;
     CUfunction spin;
-    CK(cuModuleLoadData(&mod, GPUSHARE_SPIN_PTX));
-    CK(cuModuleGetFunction(&spin, mod, "gpushare_spin"));
     CUstream s;
-    CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    spin_load(&spin, &s);
 
     unsigned long long ns = (unsigned long long)(ms * 1e6 + 0.5);
     void *args[] = {&ns};

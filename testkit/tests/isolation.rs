@@ -99,16 +99,23 @@ fn lone_tenant_is_capped_at_its_limit() {
     let pid = t.pid();
     wait_all(vec![t]);
     let trace = node.finish();
+    let start = trace.span_of_pid(pid).expect("the tenant ran").start_ns;
+    assert_capped("limit 0.3 alone", &trace, pid, start);
+}
+
+/// A lone tenant `pid` capped at 0.3 got 0.3 of the GPU from `from_ns` on (after a warm-up,
+/// to its last 50 ms).
+fn assert_capped(what: &str, trace: &Trace, pid: u32, from_ns: u64) {
     let span = trace.span_of_pid(pid).expect("the tenant ran");
-    let w = Window::new(span.start_ns + WARMUP_NS, span.end_ns - 50 * MS);
-    let s = shares_in(&trace, &[pid], w);
+    let w = Window::new(from_ns + WARMUP_NS, span.end_ns - 50 * MS);
+    let s = shares_in(trace, &[pid], w);
     eprintln!(
-        "limit 0.3 alone: window {:.2} s, share {:.4} (error {:+.4})",
+        "{what}: window {:.2} s, share {:.4} (error {:+.4})",
         w.len_ns() as f64 / 1e9,
         s[0],
         s[0] - 0.3
     );
-    assert_shares("limit 0.3 alone", &s, &[0.3]);
+    assert_shares(what, &s, &[0.3]);
 }
 
 /// Issue 18, context lifetimes: a tenant capped at 0.3 resets its primary context halfway (as
@@ -141,16 +148,12 @@ fn a_capped_tenant_stays_capped_after_resetting_its_primary_context() {
     );
     let reset_ns = line["reset_ns"].as_u64().expect("reset_ns");
     let trace = node.finish();
-    let span = trace.span_of_pid(pid).expect("the tenant ran");
-    let w = Window::new(reset_ns + WARMUP_NS, span.end_ns - 50 * MS);
-    let s = shares_in(&trace, &[pid], w);
-    eprintln!(
-        "limit 0.3 after a primary context reset: window {:.2} s, share {:.4} (error {:+.4})",
-        w.len_ns() as f64 / 1e9,
-        s[0],
-        s[0] - 0.3
+    assert_capped(
+        "limit 0.3 after a primary context reset",
+        &trace,
+        pid,
+        reset_ns,
     );
-    assert_shares("limit 0.3 after a primary context reset", &s, &[0.3]);
 }
 
 /// Policy point 9: a tenant alone keeps its token, a quota at a time, instead of draining its
