@@ -7,10 +7,11 @@
 #include <stdlib.h>
 #include <time.h>
 
-/* Set by each program: cuGetErrorName, however it was obtained (may stay NULL). */
+/* Set by each program: cuGetErrorName, however it was obtained (may stay NULL). (Helpers are
+ * `static inline`: a client that needs only some of them compiles without warnings.) */
 static CUresult (*check_error_name)(CUresult, const char **);
 
-static const char *err_name(CUresult r) {
+static inline const char *err_name(CUresult r) {
     const char *s = NULL;
     if (check_error_name && check_error_name(r, &s) == CUDA_SUCCESS && s)
         return s;
@@ -62,7 +63,7 @@ static void fail(const char *fmt, ...) {
            "%s: %.4f, expected %.4f +- %.0f%%", what, (double)(got), (double)(want),          \
            (tol) * 100.0)
 
-static unsigned long long now_ns(void) {
+static inline unsigned long long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
