@@ -55,7 +55,15 @@ pub(crate) struct State {
     pub(crate) pods: PodTable,
     /// GPU processes of the node with no connection here, at the last census.
     unhooked: Vec<crate::census::Unhooked>,
+    /// The last status report sent, and when it was built: requests within
+    /// [`STATUS_REUSE_NS`] of it get it again.
+    status: Option<(u64, String)>,
 }
+
+/// How long a status report is sent again rather than rebuilt: it is built under the state's
+/// lock, which the event loop needs for every message, so a client asking in a tight loop (or
+/// thousands of them) costs at most one report per this long.
+const STATUS_REUSE_NS: u64 = 5_000_000;
 
 pub(crate) struct Shared {
     pub(crate) state: Mutex<State>,
@@ -120,6 +128,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             next_client: 1,
             pods: PodTable::default(),
             unhooked: Vec::new(),
+            status: None,
         }),
         waker,
     });
@@ -473,7 +482,14 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
             }
         }
         ClientMsg::Status => {
-            let json = serde_json::to_string(&report(st, now)).unwrap_or_default();
+            let json = match &st.status {
+                Some((at, json)) if now.saturating_sub(*at) < STATUS_REUSE_NS => json.clone(),
+                _ => {
+                    let json = serde_json::to_string(&report(st, now)).unwrap_or_default();
+                    st.status = Some((now, json.clone()));
+                    json
+                }
+            };
             out.push((id, ServerMsg::Status { json }));
         }
     }
@@ -808,6 +824,7 @@ mod tests {
             next_client: 1,
             pods: PodTable::default(),
             unhooked: Vec::new(),
+            status: None,
         };
         apply(&mut st, config, 0);
         st
@@ -825,6 +842,28 @@ mod tests {
         };
         let conn = st.next_client as ConnId;
         hello(st, &peer, PROTOCOL_VERSION, declared, conn).map(|(id, _)| id)
+    }
+
+    /// A status report is rebuilt at most every 5 ms, however often it is asked for.
+    #[test]
+    fn status_reports_are_reused_for_a_moment() {
+        let mut st = state(true);
+        let id = connect(&mut st, None).unwrap();
+        let status = |st: &mut State, now| match on_message(st, id, ClientMsg::Status, now)
+            .pop()
+            .map(|(_, m)| m)
+        {
+            Some(ServerMsg::Status { json }) => json,
+            other => panic!("{other:?}"),
+        };
+        let first = status(&mut st, 1_000);
+        st.dev = !st.dev;
+        assert_eq!(
+            status(&mut st, 1_000 + STATUS_REUSE_NS - 1),
+            first,
+            "reused"
+        );
+        assert_ne!(status(&mut st, 1_000 + STATUS_REUSE_NS), first, "rebuilt");
     }
 
     /// Tokens the policy hands out are small numbers: samples use them so that mutated
