@@ -580,6 +580,7 @@ STRUCTS = {
     "CUmemAllocationProp": "hook and simulator (cuMemCreate: where the memory lives)",
     "CUmemLocation": "hook and simulator",
     "CUmemPoolProps": "simulator (cuMemPoolCreate: where the pool lives)",
+    "CUDA_MEMCPY2D": "simulator (cuMemcpy2D*: both sides of a 2D copy)",
     "CUuuid": "hook and simulator (device UUIDs, export tables)",
 }
 

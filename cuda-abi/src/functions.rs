@@ -716,19 +716,19 @@ pub type PFN_cuMemcpy2D = unsafe extern "C" fn(pCopy: *const c_void) -> CUresult
 /// `cuMemcpy2DAsync(const CUDA_MEMCPY2D_v1 *pCopy, CUstream hStream)`
 pub type PFN_cuMemcpy2DAsync = unsafe extern "C" fn(pCopy: *const c_void, hStream: CUstream) -> CUresult;
 /// `cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *pCopy, CUstream hStream)`
-pub type PFN_cuMemcpy2DAsync_v2 = unsafe extern "C" fn(pCopy: *const c_void, hStream: CUstream) -> CUresult;
+pub type PFN_cuMemcpy2DAsync_v2 = unsafe extern "C" fn(pCopy: *const CUDA_MEMCPY2D, hStream: CUstream) -> CUresult;
 /// `cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D *pCopy, CUstream hStream)`
-pub type PFN_cuMemcpy2DAsync_v2_ptsz = unsafe extern "C" fn(pCopy: *const c_void, hStream: CUstream) -> CUresult;
+pub type PFN_cuMemcpy2DAsync_v2_ptsz = unsafe extern "C" fn(pCopy: *const CUDA_MEMCPY2D, hStream: CUstream) -> CUresult;
 /// `cuMemcpy2DUnaligned(const CUDA_MEMCPY2D_v1 *pCopy)`
 pub type PFN_cuMemcpy2DUnaligned = unsafe extern "C" fn(pCopy: *const c_void) -> CUresult;
 /// `cuMemcpy2DUnaligned_v2(const CUDA_MEMCPY2D *pCopy)`
-pub type PFN_cuMemcpy2DUnaligned_v2 = unsafe extern "C" fn(pCopy: *const c_void) -> CUresult;
+pub type PFN_cuMemcpy2DUnaligned_v2 = unsafe extern "C" fn(pCopy: *const CUDA_MEMCPY2D) -> CUresult;
 /// `cuMemcpy2DUnaligned_v2_ptds(const CUDA_MEMCPY2D *pCopy)`
-pub type PFN_cuMemcpy2DUnaligned_v2_ptds = unsafe extern "C" fn(pCopy: *const c_void) -> CUresult;
+pub type PFN_cuMemcpy2DUnaligned_v2_ptds = unsafe extern "C" fn(pCopy: *const CUDA_MEMCPY2D) -> CUresult;
 /// `cuMemcpy2D_v2(const CUDA_MEMCPY2D *pCopy)`
-pub type PFN_cuMemcpy2D_v2 = unsafe extern "C" fn(pCopy: *const c_void) -> CUresult;
+pub type PFN_cuMemcpy2D_v2 = unsafe extern "C" fn(pCopy: *const CUDA_MEMCPY2D) -> CUresult;
 /// `cuMemcpy2D_v2_ptds(const CUDA_MEMCPY2D *pCopy)`
-pub type PFN_cuMemcpy2D_v2_ptds = unsafe extern "C" fn(pCopy: *const c_void) -> CUresult;
+pub type PFN_cuMemcpy2D_v2_ptds = unsafe extern "C" fn(pCopy: *const CUDA_MEMCPY2D) -> CUresult;
 /// `cuMemcpy3D(const CUDA_MEMCPY3D_v1 *pCopy)`
 pub type PFN_cuMemcpy3D = unsafe extern "C" fn(pCopy: *const c_void) -> CUresult;
 /// `cuMemcpy3DAsync(const CUDA_MEMCPY3D_v1 *pCopy, CUstream hStream)`

@@ -702,6 +702,7 @@ pub const CU_DEVICE_P2P_ATTRIBUTE_ACCESS_ACCESS_SUPPORTED: CUdevice_P2PAttribute
 pub const CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED: CUdevice_P2PAttribute = 4;
 pub type CUstreamCallback = Option<unsafe extern "C" fn(hStream: CUstream, status: CUresult, userData: *mut c_void)>;
 pub type CUoccupancyB2DSize = Option<unsafe extern "C" fn(blockSize: c_int) -> usize>;
+pub type CUDA_MEMCPY2D = CUDA_MEMCPY2D_v2;
 pub type CUDA_ARRAY_DESCRIPTOR = CUDA_ARRAY_DESCRIPTOR_v2;
 pub type CUDA_ARRAY3D_DESCRIPTOR = CUDA_ARRAY3D_DESCRIPTOR_v2;
 /// enum `CUresourceViewFormat`.
@@ -1288,6 +1289,49 @@ const _: () = {
     assert!(core::mem::offset_of!(CUDA_LAUNCH_PARAMS_v1, kernelParams) == 48);
 };
 
+/// `struct CUDA_MEMCPY2D_st`; read by the simulator (cuMemcpy2D*: both sides of a 2D copy).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUDA_MEMCPY2D_v2 {
+    pub srcXInBytes: usize,
+    pub srcY: usize,
+    pub srcMemoryType: CUmemorytype,
+    pub srcHost: *const c_void,
+    pub srcDevice: CUdeviceptr,
+    pub srcArray: CUarray,
+    pub srcPitch: usize,
+    pub dstXInBytes: usize,
+    pub dstY: usize,
+    pub dstMemoryType: CUmemorytype,
+    pub dstHost: *mut c_void,
+    pub dstDevice: CUdeviceptr,
+    pub dstArray: CUarray,
+    pub dstPitch: usize,
+    pub WidthInBytes: usize,
+    pub Height: usize,
+}
+
+const _: () = {
+    assert!(size_of::<CUDA_MEMCPY2D_v2>() == 128);
+    assert!(align_of::<CUDA_MEMCPY2D_v2>() == 8);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, srcXInBytes) == 0);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, srcY) == 8);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, srcMemoryType) == 16);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, srcHost) == 24);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, srcDevice) == 32);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, srcArray) == 40);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, srcPitch) == 48);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, dstXInBytes) == 56);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, dstY) == 64);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, dstMemoryType) == 72);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, dstHost) == 80);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, dstDevice) == 88);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, dstArray) == 96);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, dstPitch) == 104);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, WidthInBytes) == 112);
+    assert!(core::mem::offset_of!(CUDA_MEMCPY2D_v2, Height) == 120);
+};
+
 /// `struct CUDA_MEMSET_NODE_PARAMS_st`; read by the simulator (memset graph nodes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -1528,6 +1572,24 @@ pub(crate) static LAYOUTS: &[(&str, usize, usize, &[(&str, usize)])] = &[
         ("sharedMemBytes", 32),
         ("hStream", 40),
         ("kernelParams", 48),
+    ]),
+    ("CUDA_MEMCPY2D_v2", 128, 8, &[
+        ("srcXInBytes", 0),
+        ("srcY", 8),
+        ("srcMemoryType", 16),
+        ("srcHost", 24),
+        ("srcDevice", 32),
+        ("srcArray", 40),
+        ("srcPitch", 48),
+        ("dstXInBytes", 56),
+        ("dstY", 64),
+        ("dstMemoryType", 72),
+        ("dstHost", 80),
+        ("dstDevice", 88),
+        ("dstArray", 96),
+        ("dstPitch", 104),
+        ("WidthInBytes", 112),
+        ("Height", 120),
     ]),
     ("CUDA_MEMSET_NODE_PARAMS_v1", 40, 8, &[
         ("dst", 0),

@@ -920,28 +920,6 @@ entry_pt!(cuMemcpyPeerAsync / cuMemcpyPeerAsync_ptsz, |pt| fn(
     copy_async(stream, pt, Dir::DtoD, dst, src, n)
 });
 
-/// `CUDA_MEMCPY2D`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct Memcpy2D {
-    src_x: usize,
-    src_y: usize,
-    src_type: c_uint,
-    src_host: *const c_void,
-    src_device: CUdeviceptr,
-    src_array: Handle,
-    src_pitch: usize,
-    dst_x: usize,
-    dst_y: usize,
-    dst_type: c_uint,
-    dst_host: *mut c_void,
-    dst_device: CUdeviceptr,
-    dst_array: Handle,
-    dst_pitch: usize,
-    width: usize,
-    height: usize,
-}
-
 /// Resolve one side of a 2D copy to its start address (`CUmemorytype`: 1 host, 2 device,
 /// 3 array, 4 unified).
 fn side(kind: c_uint, host: u64, device: u64, x: usize, y: usize, pitch: usize) -> CuResult<u64> {
@@ -954,40 +932,37 @@ fn side(kind: c_uint, host: u64, device: u64, x: usize, y: usize, pitch: usize) 
     Ok(base + (y * pitch + x) as u64)
 }
 
-fn copy_2d(p: *const Memcpy2D, sync_stream: Option<(Handle, bool)>) -> CuResult {
+fn copy_2d(p: *const CUDA_MEMCPY2D, sync_stream: Option<(Handle, bool)>) -> CuResult {
     let p = get(p)?;
-    if p.height > 0 && (p.src_pitch < p.width || p.dst_pitch < p.width) && p.height > 1 {
+    if p.Height > 1 && (p.srcPitch < p.WidthInBytes || p.dstPitch < p.WidthInBytes) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let src = side(
-        p.src_type,
-        p.src_host as u64,
-        p.src_device,
-        p.src_x,
-        p.src_y,
-        p.src_pitch,
+        p.srcMemoryType,
+        p.srcHost as u64,
+        p.srcDevice,
+        p.srcXInBytes,
+        p.srcY,
+        p.srcPitch,
     )?;
     let dst = side(
-        p.dst_type,
-        p.dst_host as u64,
-        p.dst_device,
-        p.dst_x,
-        p.dst_y,
-        p.dst_pitch,
+        p.dstMemoryType,
+        p.dstHost as u64,
+        p.dstDevice,
+        p.dstXInBytes,
+        p.dstY,
+        p.dstPitch,
     )?;
     let d = driver()?;
     let fence = {
         let mut st = d.lock();
-        for row in 0..p.height as u64 {
-            let (s, t) = (
-                src + row * p.src_pitch as u64,
-                dst + row * p.dst_pitch as u64,
-            );
-            if p.src_type == 2 {
-                check_dev(&st, s, p.width)?;
+        for row in 0..p.Height as u64 {
+            let (s, t) = (src + row * p.srcPitch as u64, dst + row * p.dstPitch as u64);
+            if p.srcMemoryType == CU_MEMORYTYPE_DEVICE {
+                check_dev(&st, s, p.WidthInBytes)?;
             }
-            if p.dst_type == 2 {
-                check_dev(&st, t, p.width)?;
+            if p.dstMemoryType == CU_MEMORYTYPE_DEVICE {
+                check_dev(&st, t, p.WidthInBytes)?;
             }
         }
         match sync_stream {
@@ -1002,26 +977,26 @@ fn copy_2d(p: *const Memcpy2D, sync_stream: Option<(Handle, bool)>) -> CuResult 
     if let Some(f) = fence {
         d.client.wait(vec![f])?;
     }
-    for row in 0..p.height as u64 {
+    for row in 0..p.Height as u64 {
         copy_bytes(
-            dst + row * p.dst_pitch as u64,
-            src + row * p.src_pitch as u64,
-            p.width,
+            dst + row * p.dstPitch as u64,
+            src + row * p.srcPitch as u64,
+            p.WidthInBytes,
         );
     }
     Ok(())
 }
 
-entry_pt!(cuMemcpy2D_v2 / cuMemcpy2D_v2_ptds, |pt| fn(p: *const c_void) {
-    copy_2d(p.cast(), Some((std::ptr::null_mut(), pt)))
+entry_pt!(cuMemcpy2D_v2 / cuMemcpy2D_v2_ptds, |pt| fn(p: *const CUDA_MEMCPY2D) {
+    copy_2d(p, Some((std::ptr::null_mut(), pt)))
 });
-entry_pt!(cuMemcpy2DUnaligned_v2 / cuMemcpy2DUnaligned_v2_ptds, |pt| fn(p: *const c_void) {
-    copy_2d(p.cast(), Some((std::ptr::null_mut(), pt)))
+entry_pt!(cuMemcpy2DUnaligned_v2 / cuMemcpy2DUnaligned_v2_ptds, |pt| fn(p: *const CUDA_MEMCPY2D) {
+    copy_2d(p, Some((std::ptr::null_mut(), pt)))
 });
-entry_pt!(cuMemcpy2DAsync_v2 / cuMemcpy2DAsync_v2_ptsz, |pt| fn(p: *const c_void, stream: Handle) {
+entry_pt!(cuMemcpy2DAsync_v2 / cuMemcpy2DAsync_v2_ptsz, |pt| fn(p: *const CUDA_MEMCPY2D, stream: Handle) {
     // Pageable destinations make it synchronous, as for 1D copies.
-    let pageable_dst = get(p.cast::<Memcpy2D>())?.dst_type == 1;
-    copy_2d(p.cast(), pageable_dst.then_some((stream, pt)))
+    let pageable_dst = get(p)?.dstMemoryType == CU_MEMORYTYPE_HOST;
+    copy_2d(p, pageable_dst.then_some((stream, pt)))
 });
 
 /// Fill `height` rows of `width` elements, `pitch` bytes apart, after checking the range.
