@@ -68,6 +68,14 @@ pub fn peer_of(cred: libc::ucred) -> Peer {
     }
 }
 
+/// The pid namespace of process `pid` (the inode `/proc/<pid>/ns/pid` names), if readable:
+/// every container has its own, so it tells apart peers of one uid (root) in two containers.
+pub fn pid_namespace(pid: u32) -> Option<u64> {
+    let link = std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok()?;
+    let text = link.to_str()?;
+    text.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
+}
+
 /// When process `pid` started, in clock ticks since boot (`/proc/<pid>/stat` field 22), or
 /// `None` if there is no such process (or `pid` is 0: a peer in another pid namespace).
 pub fn start_time(pid: u32) -> Option<u64> {
@@ -232,6 +240,15 @@ mod tests {
         assert_eq!(p.uid, unsafe { libc::getuid() });
         assert!(p.start > 0, "start time read from /proc");
         assert_eq!(start_time(p.pid), Some(p.start), "stable for a process");
+        let ns = pid_namespace(p.pid).expect("this process's pid namespace");
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        assert_eq!(pid_namespace(child.id()), Some(ns), "a child shares it");
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(pid_namespace(0), None);
         let child = std::process::Command::new("sleep")
             .arg("5")
             .spawn()

@@ -41,11 +41,16 @@ const ACCEPT_BUDGET: usize = 32;
 /// the waiting connections stay in the listen backlog meanwhile.
 const ACCEPT_RETRY_NS: u64 = 50_000_000;
 
+/// A peer for the per-user bound: its uid and its pid namespace (0 if unreadable).
+type PeerKey = (u32, u64);
+
 struct Conn {
     stream: UnixStream,
     /// The peer's pid, uid and gid; the rest of who it is ([`Peer`]) is read at its Hello, as
     /// junk never gets that far.
     cred: libc::ucred,
+    /// What its connections are counted under for `max_per_uid`.
+    peer_key: PeerKey,
     input: FrameBuf,
     output: Vec<u8>,
     /// Bytes at the front of `output` already written.
@@ -84,7 +89,8 @@ pub(crate) struct Server {
     timer: Timer,
     conns: HashMap<ConnId, Conn>,
     next_conn: ConnId,
-    per_uid: HashMap<u32, usize>,
+    /// Open connections per user and pid namespace (`max_per_uid`).
+    per_peer: HashMap<PeerKey, usize>,
     limits: ConnectionLimits,
     /// Connection deadlines (Hello, pod wait) and accept retries ([`LISTENER`]), earliest
     /// first; a connection's entry goes when it moves on or closes, so that the timer never
@@ -121,7 +127,7 @@ impl Server {
             timer,
             conns: HashMap::new(),
             next_conn: FIRST_CONN,
-            per_uid: HashMap::new(),
+            per_peer: HashMap::new(),
             limits: ConnectionLimits::default(),
             deadlines: BTreeSet::new(),
             again: Vec::new(),
@@ -202,23 +208,29 @@ impl Server {
             let Ok(cred) = identity::credentials(&stream) else {
                 continue;
             };
-            let of_uid = self.per_uid.get(&cred.uid).copied().unwrap_or(0);
+            // A user's connections are counted per pid namespace: root in every container of a
+            // node is one uid, and each container is its own peer.
+            let key = (
+                cred.uid,
+                identity::pid_namespace(cred.pid as u32).unwrap_or(0),
+            );
+            let of_uid = self.per_peer.get(&key).copied().unwrap_or(0);
             let (max, per_uid) = (self.limits.max, self.limits.max_per_uid);
             if self.conns.len() >= max || of_uid >= per_uid {
                 self.warnings.warn(format_args!(
-                    "closing a new connection of pid {} uid {}: {} connections are open, {of_uid} of them this user's (limits: [connections] max = {max}, max_per_uid = {per_uid})",
+                    "closing a new connection of pid {} uid {}: {} connections are open, {of_uid} of them this user's in its pid namespace (limits: [connections] max = {max}, max_per_uid = {per_uid})",
                     cred.pid,
                     cred.uid,
                     self.conns.len()
                 ));
                 continue;
             }
-            self.admit(stream, cred);
+            self.admit(stream, cred, key);
         }
         self.again.push(LISTENER.0);
     }
 
-    fn admit(&mut self, mut stream: UnixStream, cred: libc::ucred) {
+    fn admit(&mut self, mut stream: UnixStream, cred: libc::ucred, peer_key: PeerKey) {
         let c = self.next_conn;
         let interest = Interest::READABLE | Interest::WRITABLE;
         if let Err(e) = self
@@ -230,12 +242,13 @@ impl Server {
             return;
         }
         self.next_conn += 1;
-        *self.per_uid.entry(cred.uid).or_default() += 1;
+        *self.per_peer.entry(peer_key).or_default() += 1;
         let deadline = now_ns() + self.limits.hello_timeout_ns;
         self.deadlines.insert((deadline, c));
         let conn = Conn {
             stream,
             cred,
+            peer_key,
             input: FrameBuf::new(MAX_CLIENT_FRAME),
             output: Vec::new(),
             sent: 0,
@@ -523,10 +536,10 @@ impl Server {
             self.deadlines.remove(&(d, c));
         }
         // Closing the socket (dropping `conn`) takes it out of the poll.
-        if let Some(n) = self.per_uid.get_mut(&conn.cred.uid) {
+        if let Some(n) = self.per_peer.get_mut(&conn.peer_key) {
             *n -= 1;
             if *n == 0 {
-                self.per_uid.remove(&conn.cred.uid);
+                self.per_peer.remove(&conn.peer_key);
             }
         }
         if let Phase::Client(id) = conn.phase {

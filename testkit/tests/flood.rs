@@ -200,3 +200,83 @@ fn a_connection_flood_costs_neither_threads_nor_shares() {
         f.mid_hello_age_s
     );
 }
+
+/// Opens `n` connections to `socket`, each saying Hello (`hello`, hex), and prints how many
+/// were welcomed (answered) rather than closed at once; then holds them until stdin closes.
+const CONNECTOR: &str = r#"
+import socket, sys
+path, n, hello = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+held, welcomed = [], 0
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(2.0)
+    s.connect(path)
+    try:
+        s.sendall(hello)
+        if s.recv(64):
+            welcomed += 1
+    except OSError:
+        pass
+    held.append(s)
+print(welcomed, flush=True)
+sys.stdin.read()
+"#;
+
+/// `max_per_uid` bounds one user's connections in one pid namespace: root in two containers
+/// (each its own pid namespace) is two peers, not one. A Kubernetes node runs most containers
+/// as root; counted as one user, they shared one allowance (256 connections, i.e. processes, by
+/// default) for the whole node.
+#[test]
+fn the_per_user_bound_counts_each_containers_root_apart() {
+    let mut node = Node::device_only();
+    let config = node.tmp.path().join("config.toml");
+    std::fs::write(&config, "[connections]\nmax_per_uid = 4\n").unwrap();
+    node.start_scheduler_with(true, &["--config", config.to_str().unwrap()]);
+    let hello: String = gpushare_testkit::flood::hello()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let socket = node.sched_socket.to_str().unwrap().to_string();
+    let connector = |in_new_namespace: bool| {
+        let mut cmd = if in_new_namespace {
+            let mut c = std::process::Command::new("unshare");
+            c.args(["--pid", "--fork", "python3"]);
+            c
+        } else {
+            std::process::Command::new("python3")
+        };
+        cmd.args(["-c", CONNECTOR, &socket, "6", &hello])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("run python3 (and unshare, util-linux)")
+    };
+    let welcomed = |child: &mut std::process::Child| -> u32 {
+        let mut line = String::new();
+        let mut out = child.stdout.take().unwrap();
+        let mut byte = [0u8; 1];
+        while out.read(&mut byte).unwrap_or(0) == 1 && byte[0] != b'\n' {
+            line.push(byte[0] as char);
+        }
+        line.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("connector said {line:?}"))
+    };
+    let mut here = connector(false);
+    let in_this_namespace = welcomed(&mut here);
+    let mut there = connector(true);
+    let in_another_namespace = welcomed(&mut there);
+    for mut c in [here, there] {
+        drop(c.stdin.take());
+        let _ = c.wait();
+    }
+    eprintln!(
+        "max_per_uid 4, same uid: {in_this_namespace} of 6 welcomed in this pid namespace, \
+         {in_another_namespace} of 6 in another, while the first held theirs"
+    );
+    assert_eq!(in_this_namespace, 4, "the bound holds within a namespace");
+    assert_eq!(
+        in_another_namespace, 4,
+        "another pid namespace (container) of the same uid has its own allowance"
+    );
+}
