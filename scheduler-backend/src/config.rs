@@ -11,7 +11,7 @@
 //!
 //! [connections]       # the tenant socket's bounds (a flood costs memory, never fairness)
 //! max = 4096          # connections in total; more are closed at once
-//! max_per_uid = 256   # connections of one user (SO_PEERCRED uid)
+//! max_per_uid = 256   # connections of one user (SO_PEERCRED uid) in one pid namespace
 //! hello_timeout = "2s" # a connection that has not said Hello by then is closed
 //!
 //! [[group]]
@@ -120,7 +120,7 @@ impl GroupConfig {
 pub struct ConnectionLimits {
     /// Connections in total.
     pub max: usize,
-    /// Connections of one user (`SO_PEERCRED` uid).
+    /// Connections of one user (`SO_PEERCRED` uid) in one pid namespace (a container).
     pub max_per_uid: usize,
     /// How long a new connection may take to say Hello.
     pub hello_timeout_ns: u64,
