@@ -667,12 +667,15 @@ pub(crate) fn report(st: &State, now: u64) -> Report {
     }
 }
 
-/// A minimal HTTP endpoint: every request gets the metrics page.
+/// A minimal HTTP endpoint: every request gets the metrics page. One scraper at a time, each
+/// given at most half a second to send its request and two to take the page: a scraper that
+/// stalls (or never reads a large page) cannot hold the endpoint longer.
 fn metrics_loop(shared: Arc<Shared>, http: std::net::TcpListener) {
     use std::io::Read;
     for conn in http.incoming() {
         let Ok(mut conn) = conn else { continue };
-        let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+        let _ = conn.set_read_timeout(Some(Duration::from_millis(500)));
+        let _ = conn.set_write_timeout(Some(Duration::from_secs(2)));
         let mut req = [0u8; 1024];
         let _ = conn.read(&mut req);
         let body = {
