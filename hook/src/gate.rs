@@ -442,7 +442,7 @@ impl Gate {
             // spans another holder's turn.
             let n = self.launches.load(Ordering::Relaxed);
             g.queue.drained(&self.launch_streams, n);
-        } else {
+        } else if turn.opened_ns.is_some() {
             debug!("turn {}: work still running at its drain limit", turn.token);
         }
         self.pace_due.store(false, Ordering::Relaxed);
