@@ -13,8 +13,7 @@ use crate::real;
 use gpushare_cuda_abi::pfn;
 use gpushare_cuda_abi::result::{
     CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
-    CUDA_ERROR_STREAM_CAPTURE_UNJOINED, CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD, CUDA_ERROR_UNKNOWN,
-    CUDA_SUCCESS,
+    CUDA_ERROR_STREAM_CAPTURE_UNJOINED, CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD, CUDA_SUCCESS,
 };
 use gpushare_cuda_abi::types::{
     CU_GRAPH_NODE_TYPE_KERNEL, CUDA_GRAPH_INSTANTIATE_PARAMS, CUDA_LAUNCH_PARAMS, CUdevice,
@@ -71,7 +70,7 @@ fn gated_launches(
         }
         .unwrap_or(CUDA_ERROR_NOT_INITIALIZED)
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 macro_rules! launch_wrapper {
@@ -143,7 +142,7 @@ fn instantiated(exec: *mut P, graph: P, call: impl FnOnce() -> Option<CUresult>)
         }
         r
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 macro_rules! instantiate_wrapper {
@@ -175,7 +174,7 @@ pub extern "C" fn cuGraphExecDestroy(exec: P) -> CUresult {
         // SAFETY: forwards the caller's argument unchanged.
         real::cuGraphExecDestroy().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(exec) })
     };
-    std::panic::catch_unwind(run).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 fn graph_launch(exec: P, stream: P, per_thread: bool) -> CUresult {
@@ -220,7 +219,7 @@ fn synced(sync: impl FnOnce() -> Option<CUresult>) -> CUresult {
         }
         r
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 macro_rules! sync_wrapper {
@@ -261,7 +260,7 @@ fn capture_call(begin: bool, call: impl FnOnce() -> Option<CUresult>) -> CUresul
         }
         r
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 macro_rules! capture_wrapper {
@@ -307,7 +306,7 @@ fn destroying(
         }
         r
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 macro_rules! context_wrapper {
@@ -691,7 +690,7 @@ pub extern "C" fn cuGetProcAddress(
         }
         r
     };
-    std::panic::catch_unwind(run).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 #[unsafe(no_mangle)]
@@ -712,7 +711,7 @@ pub extern "C" fn cuGetProcAddress_v2(
         }
         r
     };
-    std::panic::catch_unwind(run).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 #[cfg(test)]

@@ -40,5 +40,14 @@ mod real;
 mod settings;
 mod turn;
 
+/// Run the body of an exported entry point: a panic never crosses into the caller, which gets
+/// `CUDA_ERROR_UNKNOWN` instead.
+fn guarded(
+    run: impl FnOnce() -> gpushare_cuda_abi::types::CUresult,
+) -> gpushare_cuda_abi::types::CUresult {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
+        .unwrap_or(gpushare_cuda_abi::result::CUDA_ERROR_UNKNOWN)
+}
+
 /// CLOCK_MONOTONIC in nanoseconds: the time base of token deadlines.
 pub use gpushare_units::monotonic_ns as now_ns;

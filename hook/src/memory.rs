@@ -13,8 +13,7 @@ use crate::process::{Hook, hook};
 use crate::real;
 use gpushare_cuda_abi::arrays::mipmapped_bytes;
 use gpushare_cuda_abi::result::{
-    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY,
-    CUDA_ERROR_UNKNOWN, CUDA_SUCCESS,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
 };
 use gpushare_cuda_abi::types::{
     CU_MEM_LOCATION_TYPE_DEVICE, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY3D_DESCRIPTOR,
@@ -66,7 +65,7 @@ fn allocate_into(
         }
         r
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 /// Call the driver; if it succeeded, update the books and give back what `update` says the
@@ -87,7 +86,7 @@ fn then_books(
         }
         r
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 /// Free through the driver, then give back what the allocation `key` held.
@@ -131,7 +130,7 @@ fn allocate_pooled(
         });
         allocated.unwrap_or(CUDA_ERROR_OUT_OF_MEMORY)
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 /// Free device memory through the driver: a plain allocation gives its bytes back; one from a
@@ -155,7 +154,7 @@ fn release_device(ptr: u64, free: impl FnOnce() -> Option<CUresult>) -> CUresult
         }
         r
     };
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 /// Read a caller's struct or an out-pointer the driver has just written (`None` if null).
@@ -468,7 +467,7 @@ pub extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresu
         }
         r
     };
-    std::panic::catch_unwind(run).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }
 
 #[unsafe(no_mangle)]
@@ -488,5 +487,5 @@ pub extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) -> CUresult {
         }
         r
     };
-    std::panic::catch_unwind(run).unwrap_or(CUDA_ERROR_UNKNOWN)
+    crate::guarded(run)
 }

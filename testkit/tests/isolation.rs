@@ -13,7 +13,7 @@
 //! 0.6 / 0.4 split: a client escaping the gate would get at least 0.5, the device's own
 //! time-slicing.
 
-use gpushare_testkit::harness::{describe, target_dir};
+use gpushare_testkit::harness::{describe, json_lines, target_dir};
 use gpushare_testkit::margins;
 use gpushare_testkit::node::{
     Node, Spin, Tenant, common_active_window, gaps_in, group_in, monotonic_ns, shares_in,
@@ -135,13 +135,7 @@ fn a_capped_tenant_stays_capped_after_resetting_its_primary_context() {
     let pid = t.pid();
     let (out, killed) = t.finish_within(TENANT_TIMEOUT);
     assert!(out.status.success() && !killed, "{}", describe(&out));
-    let line: serde_json::Value = serde_json::from_slice(
-        out.stdout
-            .split(|b| *b == b'\n')
-            .find(|l| l.starts_with(b"{"))
-            .expect("a JSON line"),
-    )
-    .expect("JSON");
+    let line = json_lines(&out.stdout).pop().expect("a JSON line");
     assert_eq!(
         line["same_handle"], 1,
         "the primary context keeps its handle: {line}"
