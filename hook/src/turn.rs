@@ -199,6 +199,9 @@ struct SyncHistory {
     launches_at_begin: u64,
     returned_at: u64,
     launches_at_return: u64,
+    /// When the watcher first saw the work drained while that synchronisation was under way
+    /// (0: not yet): the application is waiting for its work, not idle, until then.
+    drained_at: u64,
     /// It went idle after that synchronisation (no launch for the idle release time).
     idled_after: bool,
     /// Whether the application went idle after a recent synchronisation rather than launching
@@ -492,9 +495,9 @@ impl Turns {
             return Watch::Nothing;
         };
         let deadline = if turn.stopped { 1 } else { turn.deadline_ns };
-        let (last, synced_last) = self.last_active(now, a.launches);
-        let idle_since = last.max(opened).saturating_add(idle_ns);
         let queued = queued();
+        let (last, synced_last) = self.last_active(now, a.launches, queued == Some(0));
+        let idle_since = last.max(opened).saturating_add(idle_ns);
         // Idle: nothing launched for the idle release, and nothing of this process's left on
         // the GPU (a synchronisation waiting for queued work is not idleness).
         if a.quiet && !self.alone && now >= idle_since && now < deadline && queued == Some(0) {
@@ -548,19 +551,29 @@ impl Turns {
         })
     }
 
-    /// When the application last launched or began to synchronise (the fast path takes no
-    /// timestamp), and whether that was a synchronisation: exactly, when it began one with
-    /// nothing launched since (later than any launch: a paced one may be a whole queue budget
-    /// earlier), or when the last launch was paced; else when the watcher, looking at `now`, saw
-    /// the launch count move (a look late at most).
-    fn last_active(&mut self, now: u64, launches: u64) -> (u64, bool) {
+    /// When the application was last active (the fast path takes no timestamp), and whether it
+    /// has been idle since a synchronisation returned. Exactly, when its last act was a
+    /// synchronisation: when that returned, or, while it is under way, when its work was first
+    /// seen drained (`drained`: nothing of this process is queued at `now`) — until it returns
+    /// the application waits for the GPU, and a thread the host is slow to wake is not idle (a
+    /// launch before it, even a paced one, may be a whole queue budget earlier); else when the
+    /// last launch was paced; else when the watcher, looking at `now`, saw the launch count
+    /// move (a look late at most).
+    fn last_active(&mut self, now: u64, launches: u64, drained: bool) -> (u64, bool) {
         if launches != self.seen_launches {
             self.seen_launches = launches;
             self.seen_at = now;
         }
-        let s = &self.sync;
+        let s = &mut self.sync;
         if s.began_at != 0 && launches == s.launches_at_begin {
-            (s.began_at, true)
+            if s.returned_at >= s.began_at {
+                (s.returned_at, true)
+            } else {
+                if drained && s.drained_at == 0 {
+                    s.drained_at = now;
+                }
+                (if s.drained_at == 0 { now } else { s.drained_at }, false)
+            }
         } else if self.paced_launch == launches {
             (self.paced_at, false)
         } else {
@@ -680,6 +693,7 @@ impl Turns {
             None // synchronised twice in a row
         };
         s.idled_after = false;
+        s.drained_at = 0;
         s.launches_at_begin = launches;
         s.began_at = now;
         match outcome {

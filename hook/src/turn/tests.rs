@@ -281,19 +281,19 @@ fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
     t.after_sync(104 * MS, 10);
     assert_eq!(
         t.watch(104 * MS, quiet(10), &mut || Some(0)),
-        Watch::At(105 * MS),
-        "idle release runs from the synchronisation"
+        Watch::At(106 * MS),
+        "idle release runs from the synchronisation's return"
     );
     assert_eq!(
-        t.watch(105 * MS, quiet(10), &mut || Some(0)),
+        t.watch(106 * MS, quiet(10), &mut || Some(0)),
         Watch::Close {
-            yield_at: Some(105 * MS),
+            yield_at: Some(106 * MS),
             busy: false
         }
     );
     let turn = t.begin_close().unwrap();
-    t.yield_turn(&turn, 105 * MS, 105 * MS);
-    t.end_close(turn, 105 * MS, false);
+    t.yield_turn(&turn, 106 * MS, 106 * MS);
+    t.end_close(turn, 106 * MS, false);
     assert!(matches!(
         t.take_said().as_slice(),
         [
@@ -340,21 +340,68 @@ fn going_idle_after_synchronising_is_learnt() {
     assert_eq!(t.learn_after_sync(20, 9), IDLE, "one idle is enough again");
 }
 
-/// Idleness counts from the start of a synchronisation with nothing launched since, not from
-/// the last paced launch before it (up to a queue budget earlier): a training loop is not idle
-/// the moment the work it synchronises on drains.
+/// Idleness counts from a synchronisation's return, not from the launches before it (a paced
+/// one may be a whole queue budget earlier) nor from its start: a training loop is not idle
+/// the moment the work it synchronises on drains, nor while the host is slow to wake it.
 #[test]
 fn idleness_counts_from_a_synchronisation_not_the_launches_before_it() {
     let mut t = Turns::new(CFG);
     t.paced(20, 1_000);
-    assert_eq!(t.last_active(9_000, 20), (1_000, false));
+    assert_eq!(t.last_active(9_000, 20, true), (1_000, false));
     t.sync.began_at = 3_000;
     t.sync.launches_at_begin = 20;
-    assert_eq!(t.last_active(9_000, 20), (3_000, true));
     assert_eq!(
-        t.last_active(9_000, 21),
+        t.last_active(9_000, 20, false),
         (9_000, false),
+        "under way, its work not drained: waiting for the GPU"
+    );
+    assert_eq!(t.last_active(10_000, 20, true), (10_000, false));
+    assert_eq!(
+        t.last_active(12_000, 20, true),
+        (10_000, false),
+        "under way: from when its work was first seen drained"
+    );
+    t.sync.returned_at = 11_000;
+    assert_eq!(t.last_active(12_000, 20, true), (11_000, true));
+    assert_eq!(
+        t.last_active(13_000, 21, true),
+        (13_000, false),
         "an unpaced launch since: when the watcher saw it"
+    );
+}
+
+/// A training loop whose thread the host wakes late from a synchronisation (its work long
+/// drained) gives its turn back — the GPU idles — but is not taken for a request server that
+/// went idle: its next synchronisations keep the turn.
+#[test]
+fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
+    let mut t = holding(1, 100 * MS);
+    assert!(!t.before_sync(103 * MS, quiet(10)));
+    // Its work drains at 104 ms; the thread is not run again until 109 ms.
+    assert_eq!(
+        t.watch(104 * MS, quiet(10), &mut || Some(0)),
+        Watch::At(106 * MS)
+    );
+    assert_eq!(
+        t.watch(106 * MS, quiet(10), &mut || Some(0)),
+        Watch::Close {
+            yield_at: Some(106 * MS),
+            busy: false
+        }
+    );
+    let turn = t.begin_close().unwrap();
+    t.yield_turn(&turn, 106 * MS, 106 * MS);
+    t.end_close(turn, 106 * MS, false);
+    t.after_sync(109 * MS, 10);
+    let mut w = Waiter::default();
+    t.launcher_arrives(109 * MS, 10);
+    assert_eq!(t.admit(109 * MS, &mut w), Step::Ask);
+    t.asked(true);
+    t.grant(2, 110 * MS, 130 * MS, 20 * MS, 109 * MS);
+    assert_eq!(t.admit(110 * MS, &mut w), Step::Opened);
+    assert!(
+        !t.before_sync(112 * MS, quiet(20)),
+        "not idle after the last synchronisation: keeps its turn"
     );
 }
 
