@@ -47,6 +47,21 @@ fn close(t: &mut Turns, at: u64, again: bool) -> Turn {
     turn
 }
 
+/// The watcher finds the holder, quiet after `launches`, idle at `at`: it yields the turn,
+/// drained, and reports it without asking again.
+fn given_back_idle(t: &mut Turns, at: u64, launches: u64) {
+    assert_eq!(
+        t.watch(at, quiet(launches), &mut || Some(0)),
+        Watch::Close {
+            yield_at: Some(at),
+            busy: false
+        }
+    );
+    let turn = t.begin_close().unwrap();
+    t.yield_turn(&turn, at, at);
+    t.end_close(turn, at, false);
+}
+
 #[test]
 fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
     let mut t = Turns::new(CFG);
@@ -284,16 +299,7 @@ fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
         Watch::At(106 * MS),
         "idle release runs from the synchronisation's return"
     );
-    assert_eq!(
-        t.watch(106 * MS, quiet(10), &mut || Some(0)),
-        Watch::Close {
-            yield_at: Some(106 * MS),
-            busy: false
-        }
-    );
-    let turn = t.begin_close().unwrap();
-    t.yield_turn(&turn, 106 * MS, 106 * MS);
-    t.end_close(turn, 106 * MS, false);
+    given_back_idle(&mut t, 106 * MS, 10);
     assert!(matches!(
         t.take_said().as_slice(),
         [
@@ -382,16 +388,7 @@ fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
         t.watch(104 * MS, quiet(10), &mut || Some(0)),
         Watch::At(106 * MS)
     );
-    assert_eq!(
-        t.watch(106 * MS, quiet(10), &mut || Some(0)),
-        Watch::Close {
-            yield_at: Some(106 * MS),
-            busy: false
-        }
-    );
-    let turn = t.begin_close().unwrap();
-    t.yield_turn(&turn, 106 * MS, 106 * MS);
-    t.end_close(turn, 106 * MS, false);
+    given_back_idle(&mut t, 106 * MS, 10);
     t.after_sync(109 * MS, 10);
     let mut w = Waiter::default();
     t.launcher_arrives(109 * MS, 10);
