@@ -199,9 +199,9 @@ struct SyncHistory {
     launches_at_begin: u64,
     returned_at: u64,
     launches_at_return: u64,
-    /// When the watcher first saw the work drained while that synchronisation was under way
-    /// (0: not yet): the application is waiting for its work, not idle, until then.
-    drained_at: u64,
+    /// When the watcher first saw the work drained while that synchronisation was under way:
+    /// the application is waiting for its work, not idle, until then.
+    drained_at: Option<u64>,
     /// It went idle after that synchronisation (no launch for the idle release time).
     idled_after: bool,
     /// Whether the application went idle after a recent synchronisation rather than launching
@@ -552,13 +552,12 @@ impl Turns {
     }
 
     /// When the application was last active (the fast path takes no timestamp), and whether it
-    /// has been idle since a synchronisation returned. Exactly, when its last act was a
-    /// synchronisation: when that returned, or, while it is under way, when its work was first
-    /// seen drained (`drained`: nothing of this process is queued at `now`) — until it returns
-    /// the application waits for the GPU, and a thread the host is slow to wake is not idle (a
-    /// launch before it, even a paced one, may be a whole queue budget earlier); else when the
-    /// last launch was paced; else when the watcher, looking at `now`, saw the launch count
-    /// move (a look late at most).
+    /// has been idle since a synchronisation returned. If its last act was a synchronisation:
+    /// when that returned, or, while it is under way, when its work was first seen drained
+    /// (`drained`: nothing of this process is queued at `now`) — a thread the host is slow to
+    /// wake is waiting, not idle, and a launch before it may be a whole queue budget earlier.
+    /// Else when the last launch was paced, else when the watcher, looking at `now`, saw the
+    /// launch count move (a look late at most).
     fn last_active(&mut self, now: u64, launches: u64, drained: bool) -> (u64, bool) {
         if launches != self.seen_launches {
             self.seen_launches = launches;
@@ -569,10 +568,10 @@ impl Turns {
             if s.returned_at >= s.began_at {
                 (s.returned_at, true)
             } else {
-                if drained && s.drained_at == 0 {
-                    s.drained_at = now;
+                if drained {
+                    s.drained_at.get_or_insert(now);
                 }
-                (if s.drained_at == 0 { now } else { s.drained_at }, false)
+                (s.drained_at.unwrap_or(now), false)
             }
         } else if self.paced_launch == launches {
             (self.paced_at, false)
@@ -693,7 +692,7 @@ impl Turns {
             None // synchronised twice in a row
         };
         s.idled_after = false;
-        s.drained_at = 0;
+        s.drained_at = None;
         s.launches_at_begin = launches;
         s.began_at = now;
         match outcome {
