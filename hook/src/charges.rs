@@ -26,6 +26,7 @@ use crate::process::Hook;
 use crate::settings::FailPolicy;
 use gpushare_protocol::{ClientMsg, ServerMsg};
 use std::collections::HashMap;
+use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
 /// Spare that no allocation needed for this long goes back to the scheduler: another process
@@ -126,20 +127,19 @@ pub fn pool_alloc<R>(
         charge.charged += need;
     }
     let r = alloc();
-    reconcile(h, key, charge);
-    activity(charge);
-    let watched = charge.watched;
-    drop(pools);
-    if watched {
-        keep(h);
-    }
+    used(h, key, pools);
     Some(r)
 }
 
 /// An allocation from `pool` was freed: its bytes stay in the pool, which is watched for the
 /// release.
 pub fn pool_freed(h: &'static Hook, pool: u64) {
-    let mut pools = h.memory.pools();
+    used(h, pool, h.memory.pools());
+}
+
+/// `pool` was just used: charge it as it is now and read it again soon; if it holds spare,
+/// make sure the keeper will look (after letting go of the pools).
+fn used(h: &'static Hook, pool: u64, mut pools: MutexGuard<'_, HashMap<u64, PoolCharge>>) {
     let Some(charge) = pools.get_mut(&pool) else {
         return;
     };
