@@ -8,7 +8,8 @@
 //! it.
 
 use crate::daemon::{
-    Shared, State, apply_group_changes, connected_groups, lock, now_ns, report, with_state,
+    Shared, State, apply_group_changes, has_processes, lock, now_ns, pod_changes, report,
+    with_state,
 };
 use crate::identity::Peer;
 use crate::pods::Lookup;
@@ -119,8 +120,7 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
             continue;
         }
         let result = with_state(&shared, |st, now| {
-            let connected = connected_groups(st);
-            let changes = st.pods.apply(req, |name| connected.contains(name))?;
+            let changes = pod_changes(st, req)?;
             apply_group_changes(st, changes, now);
             Ok(())
         });
@@ -187,7 +187,7 @@ pub(crate) fn pod_admission(st: &State, peer: &Peer, waited: bool) -> Result<boo
 /// A process of group `name` disconnected (hook of the daemon's disconnect path): a removed
 /// container's group goes with its last process.
 pub(crate) fn client_left(st: &mut State, name: &str, now: u64) {
-    let connected = connected_groups(st).contains(name);
+    let connected = has_processes(st, name);
     if let Some(change) = st.pods.client_left(name, connected) {
         apply_group_changes(st, vec![change], now);
     }

@@ -11,6 +11,7 @@ use crate::pods::{GroupChange, PodTable};
 use crate::policy::{ClientId, Decision, GroupParams, Policy, TurnUse};
 use crate::server::{ConnId, Server};
 use crate::status::{ClientReport, GpuReport, GroupReport, PodLabels, Report, uuid_string};
+use gpushare_protocol::admin::AdminRequest;
 use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
@@ -41,6 +42,56 @@ struct Client {
     peer: Peer,
 }
 
+/// The connected clients, and how many of them each group has: a disconnect asks whether its
+/// group has processes left, and under a flood of connections that say Hello and go, counting
+/// them anew each time took half of the event loop's time.
+#[derive(Default)]
+struct Clients {
+    by_id: HashMap<ClientId, Client>,
+    per_group: HashMap<String, usize>,
+}
+
+impl Clients {
+    fn insert(&mut self, id: ClientId, client: Client) {
+        if let Some(g) = &client.group {
+            *self.per_group.entry(g.clone()).or_default() += 1;
+        }
+        if let Some(old) = self.by_id.insert(id, client) {
+            self.forget_group(old.group.as_deref());
+        }
+    }
+
+    fn remove(&mut self, id: &ClientId) -> Option<Client> {
+        let gone = self.by_id.remove(id)?;
+        self.forget_group(gone.group.as_deref());
+        Some(gone)
+    }
+
+    fn forget_group(&mut self, group: Option<&str>) {
+        let Some(g) = group else { return };
+        match self.per_group.get_mut(g) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.per_group.remove(g);
+            }
+            None => {}
+        }
+    }
+
+    /// Whether group `name` has a connected process.
+    fn has_group(&self, name: &str) -> bool {
+        self.per_group.contains_key(name)
+    }
+
+    fn get(&self, id: &ClientId) -> Option<&Client> {
+        self.by_id.get(id)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Client> {
+        self.by_id.values()
+    }
+}
+
 pub(crate) struct State {
     pub(crate) config: Config,
     dev: bool,
@@ -49,7 +100,7 @@ pub(crate) struct State {
     policies: BTreeMap<GpuUuid, Policy>,
     memory: MemoryBooks,
     journal: Journal,
-    clients: HashMap<ClientId, Client>,
+    clients: Clients,
     next_client: ClientId,
     /// Kubernetes containers registered over the admin socket.
     pub(crate) pods: PodTable,
@@ -124,7 +175,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             policies: BTreeMap::new(),
             memory,
             journal,
-            clients: HashMap::new(),
+            clients: Clients::default(),
             next_client: 1,
             pods: PodTable::default(),
             unhooked: Vec::new(),
@@ -341,12 +392,16 @@ pub(crate) fn apply_group_changes(st: &mut State, changes: Vec<GroupChange>, now
     }
 }
 
-/// Groups with at least one connected process.
-pub(crate) fn connected_groups(st: &State) -> HashSet<String> {
-    st.clients
-        .values()
-        .filter_map(|c| c.group.clone())
-        .collect()
+/// Whether group `name` has at least one connected process.
+pub(crate) fn has_processes(st: &State, name: &str) -> bool {
+    st.clients.has_group(name)
+}
+
+/// Admin hook: the pod table's changes for one admin request (a group still in use by a
+/// process outlives its pod's removal until that process leaves).
+pub(crate) fn pod_changes(st: &mut State, req: AdminRequest) -> Result<Vec<GroupChange>, String> {
+    let clients = &st.clients;
+    st.pods.apply(req, |name| clients.has_group(name))
 }
 
 /// Admin hook: change the state with `f` (given the time), then wake the event loop, which
@@ -805,7 +860,7 @@ fn apply(st: &mut State, cfg: Config, now: u64) {
 mod tests {
     use super::*;
     use gpushare_frame::fuzz;
-    use gpushare_protocol::admin::{AdminRequest, ContainerKey, PodGroup};
+    use gpushare_protocol::admin::{ContainerKey, PodGroup};
 
     const GPU: GpuUuid = *b"gpushare-sim-gpu";
     const GPU_TEXT: &str = "GPU-67707573-6861-7265-2d73-696d2d677075";
@@ -823,7 +878,7 @@ mod tests {
             memory: MemoryBooks::default(),
             // Unwritable: the fuzz loop does not write a file per reservation.
             journal: Journal::new(PathBuf::from("/nonexistent/gpushare-books")),
-            clients: HashMap::new(),
+            clients: Clients::default(),
             next_client: 1,
             pods: PodTable::default(),
             unhooked: Vec::new(),
@@ -972,6 +1027,63 @@ mod tests {
         }
     }
 
+    /// A removed container's group stays while any of its processes is connected and goes
+    /// with the last one (the daemon counts each group's processes as they come and go).
+    #[test]
+    fn a_removed_pods_group_goes_with_its_last_process() {
+        let spec = pod_group("0b1c8e3a-6f0e");
+        let mut st = state(false);
+        let changes = pod_changes(
+            &mut st,
+            AdminRequest::Sync {
+                groups: vec![spec.clone()],
+            },
+        );
+        apply_group_changes(&mut st, changes.unwrap(), 1);
+        let peer = |pid| Peer {
+            pid,
+            start: 0,
+            uid: 1000,
+            gid: 1000,
+            cgroup: "/kubepods/x".into(),
+            pod: Some(crate::identity::PodIdentity {
+                pod_uid: spec.pod_uid.clone(),
+                container_id: spec.container_id.clone().unwrap(),
+            }),
+        };
+        let hello = ClientMsg::Hello {
+            version: PROTOCOL_VERSION,
+            declared: None,
+        };
+        let mut ids = Vec::new();
+        for (pid, conn) in [(10, 100), (11, 101)] {
+            match greet(&mut st, &peer(pid), conn, &hello, false) {
+                Greeting::Admitted(id, _) => ids.push(id),
+                _ => panic!("a process of a registered container is admitted"),
+            }
+        }
+        let name = st
+            .clients
+            .get(&ids[0])
+            .and_then(|c| c.group.clone())
+            .unwrap();
+        assert!(st.groups.contains_key(&name));
+        let changes = pod_changes(&mut st, AdminRequest::Remove { key: spec.key() });
+        apply_group_changes(&mut st, changes.unwrap(), 2);
+        assert!(
+            st.groups.contains_key(&name),
+            "kept while its processes run"
+        );
+        on_disconnect(&mut st, ids[0], 3);
+        assert!(
+            st.groups.contains_key(&name),
+            "kept while one process is left"
+        );
+        on_disconnect(&mut st, ids[1], 4);
+        assert!(!st.groups.contains_key(&name), "gone with its last process");
+        assert!(!has_processes(&st, &name));
+    }
+
     /// Hostile admin requests go to the pod table and the policies as `admin::serve` applies
     /// them; a tenant of those pods keeps using the GPU meanwhile.
     #[test]
@@ -1000,8 +1112,7 @@ mod tests {
         let n = 100_000;
         fuzz::frames(52, &samples, n, |req| {
             now += 500_000;
-            let connected = connected_groups(&st);
-            if let Ok(changes) = st.pods.apply(req, |name| connected.contains(name)) {
+            if let Ok(changes) = pod_changes(&mut st, req) {
                 apply_group_changes(&mut st, changes, now);
                 applied += 1;
             }
