@@ -4,7 +4,8 @@
 //! ```toml
 //! [scheduler]
 //! quota = "20ms"      # token length
-//! min_quota = "2ms"   # shortest turn, and how long a turn cut short still lasts
+//! min_quota = "2ms"   # shortest turn, and how long a turn cut short still lasts (an eighth
+//!                     # of it when the group that yielded the turn takes it back)
 //! grace = "20ms"      # a turn unreported by its end + grace is revoked
 //! window = "5s"       # window of the achieved shares in `gpushare status`
 //! grant_ahead = "5ms" # the next turn is granted this long before the current one ends

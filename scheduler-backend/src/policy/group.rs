@@ -50,6 +50,9 @@ pub(super) struct Group {
     /// usually asks again as its synchronisation returns; counted idle for that instant, its
     /// share would go to the others every turn).
     pub draining_until: u64,
+    /// Where its last turn given back early ended: the turn that started there is the one it
+    /// gave the GPU to, which it may take back at once if it returns (point 6).
+    pub gave_back_at: u64,
     pub busy_ns: u64,
     pub tokens: u64,
     pub waits: u64,
@@ -76,6 +79,7 @@ impl Group {
             usage: VecDeque::new(),
             last_active: 0,
             draining_until: 0,
+            gave_back_at: 0,
             busy_ns: 0,
             tokens: 0,
             waits: 0,

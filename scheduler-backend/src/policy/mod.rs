@@ -54,7 +54,8 @@
 //! 6. **Preemption.** A group that comes back with work (a client asks while the group has no
 //!    turn), or a capped waiting group whose bucket has refilled, is served sooner if it is owed
 //!    more than the holder by a minimum quota: the turn that would run next (the planned one,
-//!    else the current one) ends at once, but never below `min_quota_ns` after its start.
+//!    else the current one) ends at once, but never below `min_quota_ns` after its start (an
+//!    eighth of it for the turn the returning group itself gave the GPU to by yielding).
 //!    An idle group with a request banks its guarantee (point 2), so a bursty or
 //!    latency-sensitive group gets what it needs however long it idled, instead of waiting out
 //!    whole turns.
@@ -760,6 +761,7 @@ impl Policy {
         t.yielded = true;
         if let Some(g) = self.groups.get_mut(&t.group) {
             g.draining_until = at + self.cfg.min_quota_ns / 4;
+            g.gave_back_at = at;
         }
         if let Some(n) = self.next.as_mut() {
             n.deadline_ns = at + n.quota_ns;
@@ -1183,7 +1185,7 @@ impl Policy {
         if !g.eligible(now, depth, thr) {
             return;
         }
-        let credit = g.credit;
+        let (credit, gave_back_at) = (g.credit, g.gave_back_at);
         let turn = match self.next.as_mut() {
             Some(n) => n,
             None => match self.current.as_mut() {
@@ -1204,7 +1206,15 @@ impl Policy {
         if credit - settled <= min_quota as f64 {
             return;
         }
-        let deadline_ns = turn.start_ns.saturating_add(min_quota).max(now);
+        // A turn the group gave its own turn back to is taken back sooner: a request server
+        // with requests queued returns as soon as its synchronisation does, and waiting out
+        // the minimum quota there would delay each queued request by it.
+        let floor = if gave_back_at == turn.start_ns {
+            self.cfg.take_back_ns()
+        } else {
+            min_quota
+        };
+        let deadline_ns = turn.start_ns.saturating_add(floor).max(now);
         if deadline_ns >= turn.deadline_ns {
             return;
         }

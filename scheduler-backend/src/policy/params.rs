@@ -98,6 +98,12 @@ impl PolicyConfig {
         self
     }
 
+    /// The shortest a turn may be cut to by the group whose yield started it, returning at
+    /// once (point 6): an eighth of the minimum quota.
+    pub(super) fn take_back_ns(&self) -> u64 {
+        self.min_quota_ns / 8
+    }
+
     /// Bucket depth of a capped group: two quotas.
     pub(super) fn bucket_depth(&self) -> f64 {
         2.0 * self.quota_ns as f64

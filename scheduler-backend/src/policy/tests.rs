@@ -172,6 +172,66 @@ fn a_yielded_turn_hands_over_where_its_work_drains() {
     assert_eq!(p.take_decisions(), vec![grant(2, 4, 32 * MS)]);
 }
 
+/// A group that yielded and returns with work at once (a request server whose next request
+/// was already queued) takes back the turn it gave away an eighth of a minimum quota after
+/// that turn's start (a whole minimum quota before: each queued request waited for it).
+#[test]
+fn a_group_returning_at_once_takes_back_the_turn_it_gave_away() {
+    let mut p = policy(&[("a", gp(0.5, 1.0, 1.0)), ("b", gp(0.5, 1.0, 1.0))]);
+    p.connect(1, "a").unwrap();
+    p.connect(2, "b").unwrap();
+    // b is alone until 100 ms; a, back with banked credit, cuts b's long turn at once.
+    p.acquire(2, 0).unwrap();
+    run_to(&mut p, 0, 100 * MS);
+    p.acquire(1, 100 * MS).unwrap();
+    let decisions = p.take_decisions();
+    let cut = 100 * MS;
+    assert!(
+        decisions.iter().any(
+            |d| matches!(d, Decision::Shorten { client: 2, deadline_ns, .. } if *deadline_ns == cut)
+        ),
+        "{decisions:?}"
+    );
+    let Some(Decision::Grant { token: a1, .. }) = decisions.last().cloned() else {
+        panic!("a is granted the next turn: {decisions:?}");
+    };
+    p.tick(cut);
+    p.take_decisions();
+    // a gives its turn back 1 ms in, its work drained 0.5 ms later: b's turn starts there.
+    p.yield_turn(1, a1, cut + 1_500_000, cut + MS).unwrap();
+    let Some(Decision::Grant {
+        token: b2,
+        start_ns,
+        ..
+    }) = p.take_decisions().pop()
+    else {
+        panic!("b is granted the turn a gave back");
+    };
+    assert_eq!(start_ns, cut + 1_500_000);
+    p.report(1, a1, used(cut, start_ns), false, start_ns)
+        .unwrap();
+    p.tick(start_ns);
+    p.take_decisions();
+    // a asks again 0.1 ms into b's turn: that turn ends an eighth of a minimum quota after its
+    // start, not a whole one.
+    p.acquire(1, start_ns + 100_000).unwrap();
+    let back = start_ns + p.config().take_back_ns();
+    let decisions = p.take_decisions();
+    assert_eq!(
+        decisions[0],
+        Decision::Shorten {
+            client: 2,
+            token: b2,
+            deadline_ns: back,
+        },
+        "{decisions:?}"
+    );
+    assert!(
+        matches!(decisions[1], Decision::Grant { client: 1, start_ns, .. } if start_ns == back),
+        "{decisions:?}"
+    );
+}
+
 #[test]
 fn a_client_with_no_more_work_leaves_the_queue_and_gives_back_a_planned_turn() {
     let mut p = a_and_b();

@@ -719,10 +719,12 @@ impl Sim {
                     deadline_ns,
                 } => {
                     let i = (client - 1) as usize;
-                    let min_quota = self.policy.config().min_quota_ns;
+                    // Never below a minimum quota, but for the take-back of a turn that
+                    // started at a yield (point 6).
+                    let floor = self.policy.config().take_back_ns();
                     self.stats.shortened += 1;
                     self.set_deadline(i, token, deadline_ns, |start| {
-                        assert!(deadline_ns >= start + min_quota, "shortened below min");
+                        assert!(deadline_ns >= start + floor, "shortened below min");
                     });
                 }
                 Decision::Extend {
