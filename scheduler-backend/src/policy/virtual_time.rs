@@ -200,6 +200,9 @@ pub struct Sim {
     /// Per group, `X = max over s of [granted(s, t) − limit · (t − s)]` as of the time given,
     /// kept by the recursion `X ← max(0, X − limit · Δt) + granted`.
     excess: Vec<(f64, u64)>,
+    /// Per group, when a tenant of it last gave a turn back early: the turn that starts then
+    /// (within a minimum quota) may be taken back sooner than a minimum quota (point 6).
+    yielded_at: Vec<Option<u64>>,
     pub stats: Stats,
 }
 
@@ -258,6 +261,7 @@ impl Sim {
             held: vec![Vec::new(); groups.len()],
             work: vec![Vec::new(); groups.len()],
             excess: vec![(0.0, 0); groups.len()],
+            yielded_at: vec![None; groups.len()],
             stats: Stats {
                 max_wait_ns: vec![0; n],
                 total_wait_ns: vec![0; n],
@@ -447,6 +451,7 @@ impl Sim {
                         self.policy
                             .yield_turn(client_of(i), token, self.now, self.now)
                             .expect("connected");
+                        self.yielded_at[self.tenants[i].group] = Some(self.now);
                         self.push(
                             self.now,
                             i,
@@ -627,6 +632,7 @@ impl Sim {
             self.policy
                 .yield_turn(client_of(i), r.token, last, now)
                 .expect("connected");
+            self.yielded_at[self.tenants[i].group] = Some(now);
             if let Demand::Fraction { .. } = self.tenants[i].demand {
                 // More work at once: it asks again.
                 self.push(now, i, Ev::Acquire);
@@ -719,11 +725,23 @@ impl Sim {
                     deadline_ns,
                 } => {
                     let i = (client - 1) as usize;
-                    // Never below a minimum quota, but for the take-back of a turn that
-                    // started at a yield (point 6).
-                    let floor = self.policy.config().take_back_ns();
+                    // Never below a minimum quota after its start, but for a turn that
+                    // another group's yield started (point 6).
+                    let cfg = self.policy.config().clone();
+                    let g = self.tenants[i].group;
+                    let yields: Vec<u64> = (self.yielded_at.iter().enumerate())
+                        .filter(|&(o, _)| o != g)
+                        .filter_map(|(_, y)| *y)
+                        .collect();
                     self.stats.shortened += 1;
                     self.set_deadline(i, token, deadline_ns, |start| {
+                        let at_a_yield =
+                            (yields.iter()).any(|&y| y <= start && start <= y + cfg.min_quota_ns);
+                        let floor = if at_a_yield {
+                            cfg.take_back_ns()
+                        } else {
+                            cfg.min_quota_ns
+                        };
                         assert!(deadline_ns >= start + floor, "shortened below min");
                     });
                 }
