@@ -71,6 +71,10 @@ struct Common {
     /// Skip running each tenant alone (throughput and latency vs alone).
     #[arg(long)]
     no_alone: bool,
+    /// Keep the scheduler's log of its decisions and of every turn's report (with its clock,
+    /// CLOCK_MONOTONIC ns, as the trace's) next to each run's trace: NAME-runK.scheduler.log.
+    #[arg(long)]
+    scheduler_log: bool,
     #[command(flatten)]
     gpu: GpuOpts,
     #[command(flatten)]
@@ -168,6 +172,7 @@ impl Common {
             source,
             system_gpus,
             noise: self.noise.resolve()?,
+            scheduler_log: self.scheduler_log,
         })
     }
 }

@@ -76,6 +76,9 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         ..
     } = *spec;
     let mut node = s.node(sc.gpus)?;
+    if s.scheduler_log {
+        node.scheduler_log_filter = crate::settings::SCHEDULER_LOG_FILTER.into();
+    }
     let flood_spec = spec.flood.filter(|_| mode == Mode::Gpushare);
     if mode == Mode::Gpushare {
         match flood_spec {
@@ -211,6 +214,11 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         if let Some(t) = &timeline {
             write(t, &timeline_path(dest))?;
         }
+        if s.scheduler_log && mode == Mode::Gpushare {
+            let path = beside_trace(dest, "scheduler.log");
+            std::fs::write(&path, &log)
+                .with_context(|| format!("cannot write {}", path.display()))?;
+        }
     }
     if !failures.is_empty() {
         bail!("{}\n{}", failures.join("\n"), log.trim());
@@ -294,7 +302,12 @@ fn flood_run(w: Watched, flood: Flood) -> FloodRun {
 
 /// Where the timeline a kept trace `NAME.trace.jsonl` comes with goes: `NAME.timeline.jsonl`.
 pub fn timeline_path(trace: &Path) -> PathBuf {
+    beside_trace(trace, "timeline.jsonl")
+}
+
+/// A file that goes with a kept trace `NAME.trace.jsonl`: `NAME.SUFFIX`.
+fn beside_trace(trace: &Path, suffix: &str) -> PathBuf {
     let name = trace.file_name().unwrap_or_default().to_string_lossy();
     let stem = name.strip_suffix(".trace.jsonl").unwrap_or(&name);
-    trace.with_file_name(format!("{stem}.timeline.jsonl"))
+    trace.with_file_name(format!("{stem}.{suffix}"))
 }

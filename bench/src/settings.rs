@@ -44,7 +44,14 @@ pub struct Settings {
     pub system_gpus: Option<u32>,
     /// Noisy-host mode.
     pub noise: Option<NoiseParams>,
+    /// Keep the scheduler's log of its decisions and of the turns' reports next to each kept
+    /// trace (`NAME-runK.scheduler.log`).
+    pub scheduler_log: bool,
 }
+
+/// The scheduler's log filter under `--scheduler-log`: every decision (grants, shortened,
+/// extended and revoked turns) and every turn's report, with the scheduler's clock.
+pub const SCHEDULER_LOG_FILTER: &str = "warn,gpushare_scheduler::daemon=debug";
 
 impl Settings {
     /// A node for `gpus` GPUs: simulated, or this machine's.

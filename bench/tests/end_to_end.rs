@@ -323,3 +323,43 @@ fn on_a_machine_with_a_gpu_the_bench_runs_on_it() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--scheduler-log` keeps, next to each run's trace, the scheduler's decisions and the turns'
+/// reports with its clock: every turn reported was granted, and the file is plain text.
+#[test]
+fn the_scheduler_log_keeps_its_decisions_and_the_turns_reports() {
+    let dir = std::env::temp_dir().join(format!("gpushare-bench-slog-{}", std::process::id()));
+    let args = [
+        "--repeat",
+        "1",
+        "--no-baseline",
+        "--no-alone",
+        "--scheduler-log",
+    ];
+    bench(&small(), &dir, &args, &[]);
+    let log = std::fs::read_to_string(dir.join("out/e2e-small-run1.scheduler.log"))
+        .expect("the run's scheduler log next to its trace");
+    assert!(!log.contains('\u{1b}'), "no terminal colours in a file");
+    let token = |line: &str, key: &str| -> Option<u64> {
+        let rest = &line[line.find(key)? + key.len()..];
+        let end = rest.find(|c: char| !c.is_ascii_digit())?;
+        rest[..end].parse().ok()
+    };
+    let granted: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains(" decision ") && l.contains("Grant {"))
+        .filter_map(|l| token(l, "token: "))
+        .collect();
+    let reported: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains(" report at="))
+        .filter_map(|l| token(l, " token="))
+        .collect();
+    // ~2 s of two training loops in 20 ms turns.
+    assert!(granted.len() > 50 && reported.len() > 50, "{log}");
+    assert!(
+        reported.iter().all(|t| granted.contains(t)),
+        "a report of a turn never granted:\n{log}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

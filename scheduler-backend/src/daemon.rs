@@ -478,6 +478,7 @@ fn handle(st: &mut State, id: ClientId, msg: ClientMsg, now: u64) -> Outbox {
                 first_ns: u.first_ns,
                 last_ns: u.last_ns,
             });
+            tracing::debug!(at = now, gpu = %uuid_string(&gpu), client = id, token, ?used, again, "report");
             if let Some(p) = st.policies.get_mut(&gpu)
                 && let Err(e) = p.report(id, token, used, again, now)
             {
@@ -601,7 +602,7 @@ fn policy_for(st: &mut State, gpu: GpuUuid) -> &mut Policy {
 fn collect(st: &mut State, out: &mut Outbox) {
     for (gpu, p) in st.policies.iter_mut() {
         for d in p.take_decisions() {
-            tracing::debug!(?d, "decision");
+            tracing::debug!(at = now_ns(), gpu = %uuid_string(gpu), ?d, "decision");
             match d {
                 Decision::Grant {
                     client,

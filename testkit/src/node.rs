@@ -21,6 +21,9 @@ pub struct Node {
     /// The scheduler's socket (`GPUSHARE_SOCKET`).
     pub sched_socket: PathBuf,
     trace: PathBuf,
+    /// The scheduler's `GPUSHARE_LOG` filter (default `warn`; the benchmark's
+    /// `--scheduler-log` asks for its decisions and reports too).
+    pub scheduler_log_filter: String,
     /// Scratch directory, removed with the node.
     pub tmp: tempfile::TempDir,
 }
@@ -83,6 +86,7 @@ impl Node {
             sim_env,
             sched_socket,
             trace,
+            scheduler_log_filter: "warn".into(),
             tmp,
         }
     }
@@ -97,6 +101,7 @@ impl Node {
             sim_env: Vec::new(),
             sched_socket: tmp.path().join("gpushare.sock"),
             trace: tmp.path().join("trace.jsonl"),
+            scheduler_log_filter: "warn".into(),
             tmp,
         }
     }
@@ -107,7 +112,8 @@ impl Node {
     }
 
     /// Start `gpushare-scheduler [--dev] ARGS… --socket <node socket>` and wait for its socket.
-    /// Its stderr (log filter `warn`) is appended to [`scheduler_log`](Node::scheduler_log).
+    /// Its stderr (log filter [`scheduler_log_filter`](Node::scheduler_log_filter)) is appended
+    /// to [`scheduler_log`](Node::scheduler_log).
     pub fn start_scheduler_with(&mut self, dev: bool, args: &[&str]) {
         assert!(self.scheduler.is_none(), "a scheduler is already running");
         let _ = std::fs::remove_file(&self.sched_socket);
@@ -124,7 +130,7 @@ impl Node {
             .args(args)
             .arg("--socket")
             .arg(&self.sched_socket)
-            .env("GPUSHARE_LOG", "warn")
+            .env("GPUSHARE_LOG", &self.scheduler_log_filter)
             .stderr(log)
             .spawn()
             .expect("start gpushare-scheduler");
