@@ -56,26 +56,21 @@ impl Clients {
         if let Some(g) = &client.group {
             *self.per_group.entry(g.clone()).or_default() += 1;
         }
-        if let Some(old) = self.by_id.insert(id, client) {
-            self.forget_group(old.group.as_deref());
-        }
+        let old = self.by_id.insert(id, client);
+        debug_assert!(old.is_none(), "client ids are never reused");
     }
 
     fn remove(&mut self, id: &ClientId) -> Option<Client> {
         let gone = self.by_id.remove(id)?;
-        self.forget_group(gone.group.as_deref());
-        Some(gone)
-    }
-
-    fn forget_group(&mut self, group: Option<&str>) {
-        let Some(g) = group else { return };
-        match self.per_group.get_mut(g) {
-            Some(n) if *n > 1 => *n -= 1,
-            Some(_) => {
+        if let Some(g) = gone.group.as_deref()
+            && let Some(n) = self.per_group.get_mut(g)
+        {
+            *n -= 1;
+            if *n == 0 {
                 self.per_group.remove(g);
             }
-            None => {}
         }
+        Some(gone)
     }
 
     /// Whether group `name` has a connected process.
