@@ -38,7 +38,8 @@ enum Cmd {
         #[command(flatten)]
         device: DeviceArgs,
     },
-    /// Summarise a trace: per device, each process's busy time and share, and utilisation.
+    /// Summarise a trace: per device, each process's busy time and share, utilisation, and
+    /// where the device idled (at a change of process, or between one process's own kernels).
     Report {
         /// Trace written by --trace.
         trace: PathBuf,
@@ -243,6 +244,12 @@ fn report(path: &Path) -> anyhow::Result<ExitCode> {
                 ns as f64 / 1e9,
                 shares[&pid]
             );
+        }
+        let gaps = trace.idle_gaps(device, w);
+        let ms = |(ns, n): (u64, u32)| format!("{:.1} ms in {n} gaps", ns as f64 / 1e6);
+        println!("  idle at a change of process: {}", ms(gaps.between));
+        for (pid, g) in gaps.within {
+            println!("  idle between kernels of {pid}: {}", ms(g));
         }
     }
     Ok(ExitCode::SUCCESS)

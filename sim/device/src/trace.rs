@@ -335,6 +335,47 @@ impl Trace {
         let busy = self.filter(|r| r.device == device).busy_ns(window);
         busy as f64 / window.len_ns().max(1) as f64
     }
+
+    /// Where `device` idled inside `window`, between its first and last records there: each
+    /// gap goes to the process whose kernel ran last before it if that process's kernel also
+    /// ends it (its host was late to launch more, e.g. waking from a synchronisation), else to
+    /// a change of process (a handoff).
+    pub fn idle_gaps(&self, device: u32, window: Window) -> IdleGaps {
+        let mut on: Vec<(Window, u32)> = (self.records.iter())
+            .filter(|r| r.device == device)
+            .filter_map(|r| Some((r.window().intersect(&window)?, r.pid)))
+            .collect();
+        on.sort();
+        let mut gaps = IdleGaps::default();
+        // The end of the work so far, and whose kernel reached it.
+        let mut reached: Option<(u64, u32)> = None;
+        for (w, pid) in on {
+            if let Some((end, last)) = reached
+                && w.start_ns > end
+            {
+                let gap = (w.start_ns - end, 1);
+                let slot = if last == pid {
+                    gaps.within.entry(pid).or_default()
+                } else {
+                    &mut gaps.between
+                };
+                *slot = (slot.0 + gap.0, slot.1 + gap.1);
+            }
+            if reached.is_none_or(|(end, _)| w.end_ns >= end) {
+                reached = Some((w.end_ns, pid));
+            }
+        }
+        gaps
+    }
+}
+
+/// A device's idle time between its kernels ([`Trace::idle_gaps`]), as `(ns, gaps)`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IdleGaps {
+    /// Per process: gaps between two of its own kernels.
+    pub within: BTreeMap<u32, (u64, u32)>,
+    /// Gaps between kernels of two processes.
+    pub between: (u64, u32),
 }
 
 /// The interval common to all `windows` (e.g. the spans of several processes: where they were
@@ -360,6 +401,31 @@ mod tests {
             end_ns,
             preempted: false,
         }
+    }
+
+    /// Idle time is told apart by who ran around it: one process's own gaps, or a change of
+    /// process; overlapping kernels (time-slicing) leave no gap, and other devices do not count.
+    #[test]
+    fn idle_gaps_are_split_between_processes_own_and_handoffs() {
+        let t = Trace::from_records(vec![
+            rec(0, 1, 0, 10),
+            rec(0, 1, 12, 20), // 2 ns: pid 1's own
+            rec(0, 2, 25, 40), // 5 ns: a handoff
+            rec(0, 1, 30, 35), // inside pid 2's kernel: no gap
+            rec(0, 2, 41, 50), // 1 ns: pid 2's own (its kernel reached 40)
+            rec(1, 3, 60, 70), // another device
+            rec(0, 1, 80, 90), // 30 ns: a handoff
+        ]);
+        let gaps = t.idle_gaps(0, Window::new(0, 100));
+        assert_eq!(gaps.within, BTreeMap::from([(1, (2, 1)), (2, (1, 1))]));
+        assert_eq!(gaps.between, (35, 2));
+        // The gaps and the busy time fill the span between the first and last kernel.
+        let busy = t.filter(|r| r.device == 0).busy_ns(Window::new(0, 100));
+        assert_eq!(busy + 2 + 1 + 35, 90);
+        // Clipped to a window: only what lies inside it.
+        let gaps = t.idle_gaps(0, Window::new(15, 45));
+        assert_eq!(gaps.within, BTreeMap::from([(2, (1, 1))]));
+        assert_eq!(gaps.between, (5, 1));
     }
 
     #[test]
