@@ -170,9 +170,10 @@ impl Inbox for Hook {
                 start_ns,
                 deadline_ns,
                 quota_ns,
+                queue_budget_ns,
             } => {
                 if let Some(g) = self.gate(&gpu) {
-                    g.on_grant(token, start_ns, deadline_ns, quota_ns);
+                    g.on_grant(token, start_ns, deadline_ns, quota_ns, queue_budget_ns);
                 }
             }
             ServerMsg::Revoke { gpu, token } => {

@@ -40,6 +40,9 @@ pub struct Turn {
     pub start_ns: u64,
     pub deadline_ns: u64,
     pub quota_ns: u64,
+    /// GPU work to keep queued at most during it, as the scheduler said (launches are paced
+    /// to it, and the gate closes that much before the deadline).
+    pub queue_budget_ns: u64,
     /// When the gate opened for it (its first launch), if it has.
     pub opened_ns: Option<u64>,
     /// Its deadline arrived already past (revoked, or cut short to now): no launch is admitted
@@ -50,22 +53,24 @@ pub struct Turn {
 }
 
 impl Turn {
-    fn new(token: u64, start_ns: u64, deadline_ns: u64, quota_ns: u64) -> Turn {
+    fn new(token: u64, start_ns: u64, deadline_ns: u64, quota_ns: u64, budget_ns: u64) -> Turn {
         Turn {
             token,
             start_ns,
             deadline_ns,
             quota_ns,
+            queue_budget_ns: queue_budget_within(budget_ns),
             opened_ns: None,
             stopped: false,
             closed: false,
         }
     }
 
-    fn retime(&mut self, start_ns: u64, deadline_ns: u64, quota_ns: u64) {
-        self.start_ns = start_ns;
-        self.deadline_ns = deadline_ns;
-        self.quota_ns = quota_ns;
+    fn retime(&mut self, moved: Turn) {
+        self.start_ns = moved.start_ns;
+        self.deadline_ns = moved.deadline_ns;
+        self.quota_ns = moved.quota_ns;
+        self.queue_budget_ns = moved.queue_budget_ns;
         self.stopped = false;
     }
 
@@ -254,7 +259,7 @@ impl Turns {
     /// The queue budget of the turn held, if one is.
     pub fn queue_budget(&self) -> Option<f64> {
         match self.token {
-            Token::Held(t) => Some(queue_budget_of(t.quota_ns)),
+            Token::Held(t) => Some(t.queue_budget_ns as f64),
             _ => None,
         }
     }
@@ -346,18 +351,27 @@ impl Turns {
 
     // --- the scheduler -------------------------------------------------------------------
 
-    /// A turn from `start_ns` to `deadline_ns`, usually ahead of its start; or a planned one
-    /// moved (same token). One nobody here wants is given straight back.
-    pub fn grant(&mut self, token: u64, start_ns: u64, deadline_ns: u64, quota_ns: u64, now: u64) {
+    /// A turn from `start_ns` to `deadline_ns`, usually ahead of its start, during which at
+    /// most `queue_budget_ns` of GPU work is kept queued; or a planned one moved (same token).
+    /// One nobody here wants is given straight back.
+    pub fn grant(
+        &mut self,
+        token: u64,
+        start_ns: u64,
+        deadline_ns: u64,
+        quota_ns: u64,
+        queue_budget_ns: u64,
+        now: u64,
+    ) {
         let current = matches!(self.token, Token::Held(t) if t.token == token)
             || self.next.is_some_and(|n| n.token == token);
         if token <= self.retired && !current {
             return;
         }
-        let turn = Turn::new(token, start_ns, deadline_ns, quota_ns);
+        let turn = Turn::new(token, start_ns, deadline_ns, quota_ns, queue_budget_ns);
         match (&mut self.token, &mut self.next) {
-            (Token::Held(t), _) if t.token == token => t.retime(start_ns, deadline_ns, quota_ns),
-            (_, Some(n)) if n.token == token => n.retime(start_ns, deadline_ns, quota_ns),
+            (Token::Held(t), _) if t.token == token => t.retime(turn),
+            (_, Some(n)) if n.token == token => n.retime(turn),
             (Token::Requested, _) => {
                 self.requests_unanswered = 0;
                 self.token = Token::Held(turn);
@@ -521,7 +535,7 @@ impl Turns {
             };
         }
         // Close when the work queued would run to the deadline.
-        let budget = queue_budget_of(turn.quota_ns) as u64;
+        let budget = turn.queue_budget_ns;
         // (Pacing keeps the queue within the budget: an estimate far beyond is stale.)
         let close_at = deadline.saturating_sub(queued.unwrap_or(budget / 2).min(2 * budget));
         if now >= close_at {
@@ -704,10 +718,10 @@ impl Turns {
     }
 }
 
-/// The queue budget of a turn of `quota_ns`: an eighth of it, 0.1 ms to 2.5 ms (what a
-/// handoff may wait behind, however long the turns).
-pub fn queue_budget_of(quota_ns: u64) -> f64 {
-    (quota_ns / 8).clamp(100_000, 2_500_000) as f64
+/// A turn's queue budget as the scheduler gave it, within 0.1 ms (below, every launch would
+/// wait for the one before) and 10 ms (beyond, a turn cut short would wait that long).
+pub fn queue_budget_within(budget_ns: u64) -> u64 {
+    budget_ns.clamp(100_000, 10_000_000)
 }
 
 /// For a queue budget and the GPU time per launch: launches between fences (K, half the budget

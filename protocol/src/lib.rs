@@ -11,7 +11,7 @@ pub use gpushare_frame::{FrameBuf, MAX_FRAME, WireError, encode, recv, send};
 pub mod admin;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Environment variable naming the scheduler socket.
 pub const SOCKET_ENV: &str = "GPUSHARE_SOCKET";
@@ -91,13 +91,15 @@ pub enum ServerMsg {
     /// usually granted ahead of its start: the turn before it ends then. The process may
     /// launch a little before `start_ns` so that its first kernels queue behind that turn's
     /// last ones, and stops launching at `deadline_ns` on its own. Sent again with the same
-    /// token when the start moves earlier (the turn before was given back).
+    /// token when the start moves earlier (the turn before was given back). `queue_budget_ns`:
+    /// how much GPU work the process may keep queued during it (its launches are paced to it).
     Grant {
         gpu: GpuUuid,
         token: u64,
         start_ns: u64,
         deadline_ns: u64,
         quota_ns: u64,
+        queue_budget_ns: u64,
     },
     /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
     /// or forget it if it has not started (withdrawn).
@@ -206,6 +208,7 @@ mod tests {
                 start_ns: 1,
                 deadline_ns: 20_000_001,
                 quota_ns: 20_000_000,
+                queue_budget_ns: 2_500_000,
             },
             ServerMsg::Revoke { gpu: GPU, token: 9 },
             ServerMsg::Status { json: "{}".into() },

@@ -605,6 +605,7 @@ fn collect(st: &mut State, out: &mut Outbox) {
                     start_ns,
                     deadline_ns,
                     quota_ns,
+                    queue_budget_ns,
                 } => out.push((
                     client,
                     ServerMsg::Grant {
@@ -613,6 +614,7 @@ fn collect(st: &mut State, out: &mut Outbox) {
                         start_ns,
                         deadline_ns,
                         quota_ns,
+                        queue_budget_ns,
                     },
                 )),
                 Decision::Revoke { client, token } => {

@@ -6,6 +6,8 @@ use super::*;
 use std::collections::HashMap;
 
 const MS: u64 = 1_000_000;
+/// The queue budget the scheduler gives a 20 ms turn that another group may cut short.
+const BUDGET: u64 = 2_500_000;
 const CFG: TurnConfig = TurnConfig {
     idle_release_ns: 2 * MS,
     handoff_lead_ns: MS,
@@ -32,7 +34,14 @@ fn holding(token: u64, start: u64) -> Turns {
     let mut t = Turns::new(CFG);
     assert_eq!(t.admit(start - 10 * MS, &mut Waiter::default()), Step::Ask);
     t.asked(true);
-    t.grant(token, start, start + 20 * MS, 20 * MS, start - 5 * MS);
+    t.grant(
+        token,
+        start,
+        start + 20 * MS,
+        20 * MS,
+        BUDGET,
+        start - 5 * MS,
+    );
     assert_eq!(t.admit(start, &mut Waiter::default()), Step::Opened);
     assert_eq!(t.gate_deadline(), start + 20 * MS);
     assert!(t.take_said().is_empty());
@@ -74,7 +83,7 @@ fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
             until_ns: GRANT_WAIT_NS
         }
     );
-    t.grant(1, 10 * MS, 30 * MS, 20 * MS, MS);
+    t.grant(1, 10 * MS, 30 * MS, 20 * MS, BUDGET, MS);
     assert_eq!(t.admit(MS, &mut w), Step::Wait { until_ns: 9 * MS });
     assert_eq!(t.gate_deadline(), 0);
     // Woke 0.5 ms late: opens, and the lead learns it.
@@ -119,7 +128,7 @@ fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
 fn late_wake_ups_raise_the_lead_up_to_its_bound() {
     let mut t = holding(1, 100 * MS);
     close(&mut t, 121 * MS, true);
-    t.grant(2, 200 * MS, 220 * MS, 20 * MS, 150 * MS);
+    t.grant(2, 200 * MS, 220 * MS, 20 * MS, BUDGET, 150 * MS);
     let mut w = Waiter::default();
     assert_eq!(t.admit(150 * MS, &mut w), Step::Wait { until_ns: 199 * MS });
     assert_eq!(
@@ -129,7 +138,7 @@ fn late_wake_ups_raise_the_lead_up_to_its_bound() {
     );
     assert_eq!(t.lead_ns(), 1_700_000);
     close(&mut t, 221 * MS, true);
-    t.grant(3, 300 * MS, 320 * MS, 20 * MS, 250 * MS);
+    t.grant(3, 300 * MS, 320 * MS, 20 * MS, BUDGET, 250 * MS);
     let mut w = Waiter::default();
     let Step::Wait { until_ns } = t.admit(250 * MS, &mut w) else {
         panic!("waits for the opening")
@@ -175,7 +184,7 @@ fn a_turn_withdrawn_before_it_opened_is_asked_for_again() {
     let mut w = Waiter::default();
     assert_eq!(t.admit(0, &mut w), Step::Ask);
     t.asked(true);
-    t.grant(3, 10 * MS, 30 * MS, 20 * MS, 0);
+    t.grant(3, 10 * MS, 30 * MS, 20 * MS, BUDGET, 0);
     t.revoke(3, MS);
     assert_eq!(t.token(), Token::None);
     assert_eq!(t.admit(MS, &mut w), Step::Ask);
@@ -244,7 +253,7 @@ fn a_yielded_turns_drain_is_bounded_from_the_yield() {
 fn a_grant_during_the_drain_is_the_next_turn() {
     let mut t = holding(4, 100 * MS);
     let turn = t.begin_close().unwrap();
-    t.grant(5, 125 * MS, 145 * MS, 20 * MS, 120 * MS);
+    t.grant(5, 125 * MS, 145 * MS, 20 * MS, BUDGET, 120 * MS);
     t.end_close(turn, 121 * MS, true);
     assert!(matches!(t.token(), Token::Held(n) if n.token == 5 && n.opened_ns.is_none()));
     assert_eq!(t.admit(124 * MS, &mut Waiter::default()), Step::Opened);
@@ -262,7 +271,7 @@ fn disconnection_during_the_drain_stands() {
         "no grant will come on this connection"
     );
     t.unthrottled();
-    let turn = Turn::new(9, 0, 0, 0);
+    let turn = Turn::new(9, 0, 0, 0, BUDGET);
     t.end_close(turn, 0, false);
     assert_eq!(t.token(), Token::Unthrottled);
     assert_eq!(t.gate_deadline(), UNLIMITED);
@@ -271,7 +280,7 @@ fn disconnection_during_the_drain_stands() {
 #[test]
 fn a_turn_nobody_wants_is_given_straight_back() {
     let mut t = Turns::new(CFG);
-    t.grant(8, 10 * MS, 30 * MS, 20 * MS, 5 * MS);
+    t.grant(8, 10 * MS, 30 * MS, 20 * MS, BUDGET, 5 * MS);
     assert_eq!(
         t.take_said(),
         vec![
@@ -317,7 +326,7 @@ fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
     t.launcher_arrives(110 * MS, 10);
     assert_eq!(t.admit(110 * MS, &mut w), Step::Ask);
     t.asked(true);
-    t.grant(2, 111 * MS, 131 * MS, 20 * MS, 110 * MS);
+    t.grant(2, 111 * MS, 131 * MS, 20 * MS, BUDGET, 110 * MS);
     assert_eq!(t.admit(111 * MS, &mut w), Step::Opened);
     assert!(t.before_sync(112 * MS, quiet(20)));
     assert!(
@@ -394,7 +403,7 @@ fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
     t.launcher_arrives(109 * MS, 10);
     assert_eq!(t.admit(109 * MS, &mut w), Step::Ask);
     t.asked(true);
-    t.grant(2, 110 * MS, 130 * MS, 20 * MS, 109 * MS);
+    t.grant(2, 110 * MS, 130 * MS, 20 * MS, BUDGET, 109 * MS);
     assert_eq!(t.admit(110 * MS, &mut w), Step::Opened);
     assert!(
         !t.before_sync(112 * MS, quiet(20)),
@@ -405,7 +414,7 @@ fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
 #[test]
 fn back_to_back_turns_roll_over_without_closing() {
     let mut t = holding(1, 100 * MS);
-    t.grant(2, 120 * MS, 140 * MS, 20 * MS, 115 * MS);
+    t.grant(2, 120 * MS, 140 * MS, 20 * MS, BUDGET, 115 * MS);
     assert_eq!(
         t.watch(119 * MS, busy(), &mut || Some(MS)),
         Watch::At(120 * MS)
@@ -433,7 +442,7 @@ fn an_extended_turn_is_not_given_back_for_idleness() {
     assert_eq!(t.gate_deadline(), 200 * MS);
     assert_eq!(
         t.watch(150 * MS, quiet(0), &mut || Some(0)),
-        Watch::At(200 * MS - queue_budget_of(20 * MS) as u64)
+        Watch::At(200 * MS - BUDGET)
     );
     // Someone asked: the scheduler cuts the turn short to now.
     t.deadline(1, 150 * MS, 150 * MS);
@@ -483,8 +492,9 @@ fn pacing_keeps_the_queue_within_the_budget() {
             "K {k} too small"
         );
     }
-    assert_eq!(queue_budget_of(20 * MS), 2_500_000.0);
-    assert_eq!(queue_budget_of(MS / 2), 100_000.0);
+    assert_eq!(queue_budget_within(2_500_000), 2_500_000);
+    assert_eq!(queue_budget_within(0), 100_000);
+    assert_eq!(queue_budget_within(u64::MAX), 10_000_000);
 }
 
 /// A small seeded generator (xorshift), so the random runs repeat exactly.
@@ -533,6 +543,7 @@ fn random_interleavings_keep_every_invariant() {
                         start,
                         start + 1 + rng.below(20 * MS),
                         20 * MS,
+                        BUDGET,
                         now,
                     );
                     granted.insert(next_token, start);
@@ -545,7 +556,14 @@ fn random_interleavings_keep_every_invariant() {
                         && let Some(&s) = granted.get(&token)
                     {
                         let start = s.min(now + rng.below(4 * MS));
-                        t.grant(token, start, start + 1 + rng.below(20 * MS), 20 * MS, now);
+                        t.grant(
+                            token,
+                            start,
+                            start + 1 + rng.below(20 * MS),
+                            20 * MS,
+                            BUDGET,
+                            now,
+                        );
                     }
                 }
                 3 => t.revoke(next_token.saturating_sub(1 + rng.below(3)), now),

@@ -115,13 +115,15 @@ struct Handoff {
 pub enum Decision {
     /// Give `client` the turn `token` from `start_ns` (now, or ahead: when the turn before it
     /// ends) until `deadline_ns` (absolute, CLOCK_MONOTONIC). Sent again, same token, when a
-    /// planned turn moves earlier (the one before it was yielded).
+    /// planned turn moves earlier (the one before it was yielded). Its client keeps at most
+    /// `queue_budget_ns` of GPU work queued ([`PolicyConfig::queue_budget_ns`]).
     Grant {
         client: ClientId,
         token: u64,
         start_ns: u64,
         deadline_ns: u64,
         quota_ns: u64,
+        queue_budget_ns: u64,
     },
     /// Stop at once: the turn ended without a report by its end + grace, or a planned turn was
     /// withdrawn (its client has no more work).
@@ -775,6 +777,7 @@ impl Policy {
                 start_ns: n.start_ns,
                 deadline_ns: n.deadline_ns,
                 quota_ns: n.quota_ns,
+                queue_budget_ns: n.queue_budget_ns,
             });
             self.end_turn(t, at);
             self.promote(now);
@@ -1075,6 +1078,10 @@ impl Policy {
         let token = self.next_token;
         self.next_token += 1;
         let start_ns = at.max(now);
+        // Another group that may come back (connected, not waiting) or refill its bucket cuts
+        // this turn short, and then waits behind what its holder has queued.
+        let may_be_cut = (self.groups.iter())
+            .any(|(n, g)| *n != name && !g.clients.is_empty() && (!g.wants() || g.held_back));
         let turn = Turn {
             client,
             group: name,
@@ -1092,6 +1099,7 @@ impl Policy {
             silenced: false,
             applied: quota_ns,
             recorded: 0,
+            queue_budget_ns: self.cfg.queue_budget_ns(quota_ns, may_be_cut),
         };
         self.decisions.push(Decision::Grant {
             client,
@@ -1099,6 +1107,7 @@ impl Policy {
             start_ns: turn.start_ns,
             deadline_ns: turn.deadline_ns,
             quota_ns,
+            queue_budget_ns: turn.queue_budget_ns,
         });
         if turn.after_turn {
             let before = match self.current.as_ref().filter(|c| c.deadline_ns == start_ns) {

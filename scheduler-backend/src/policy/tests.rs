@@ -13,14 +13,25 @@ fn gp(request: f64, limit: f64, weight: f64) -> GroupParams {
     }
 }
 
-/// A default-quota turn of `client` from `at`.
+/// A default-quota turn of `client` from `at`, while another group may come back and cut it
+/// short (so its queue budget is the shorter one).
 fn grant(client: ClientId, token: u64, at: u64) -> Decision {
+    grant_queueing(client, token, at, 2_500_000)
+}
+
+/// [`grant`], while every other group waits its turn (the longer queue budget).
+fn grant_deep(client: ClientId, token: u64, at: u64) -> Decision {
+    grant_queueing(client, token, at, 5_000_000)
+}
+
+fn grant_queueing(client: ClientId, token: u64, at: u64, queue_budget_ns: u64) -> Decision {
     Decision::Grant {
         client,
         token,
         start_ns: at,
         deadline_ns: at + 20 * MS,
         quota_ns: 20 * MS,
+        queue_budget_ns,
     }
 }
 
@@ -76,7 +87,7 @@ fn grants_at_once_when_free_and_the_next_turn_ahead_of_time() {
     p.connect(1, "a").unwrap();
     p.connect(2, "a").unwrap();
     p.acquire(1, 0).unwrap();
-    assert_eq!(p.take_decisions(), vec![grant(1, 1, 0)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 1, 0)]);
     p.acquire(2, MS).unwrap();
     assert_eq!(p.take_decisions(), vec![]);
     let st = p.status(MS);
@@ -85,7 +96,7 @@ fn grants_at_once_when_free_and_the_next_turn_ahead_of_time() {
     // A grant-ahead (5 ms) before the turn ends, the next is granted to start when it ends.
     assert_eq!(p.next_wakeup(MS), Some(15 * MS));
     p.tick(15 * MS);
-    assert_eq!(p.take_decisions(), vec![grant(2, 2, 20 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(2, 2, 20 * MS)]);
     let st = p.status(15 * MS);
     assert_eq!((st.holder, st.planned), (Some(1), Some(2)));
     // The holder asked for nothing but is still busy as far as the policy knows: it waits.
@@ -125,7 +136,7 @@ fn a_lone_holder_keeps_its_turn_a_quota_at_a_time() {
                 token: 1,
                 deadline_ns: 27 * MS
             },
-            grant(2, 2, 27 * MS)
+            grant_deep(2, 2, 27 * MS)
         ]
     );
     // Reserved like a grant, charged what it used.
@@ -162,9 +173,9 @@ fn a_yielded_turn_hands_over_where_its_work_drains() {
     // A planned turn moves earlier when the running one is yielded.
     p.acquire(1, 10 * MS).unwrap();
     p.tick(24 * MS);
-    assert_eq!(p.take_decisions(), vec![grant(1, 3, 29 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 3, 29 * MS)]);
     p.yield_turn(2, 2, 25 * MS, 25 * MS).unwrap();
-    assert_eq!(p.take_decisions(), vec![grant(1, 3, 25 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 3, 25 * MS)]);
     assert_eq!(p.holder(), Some((1, 3)));
     // A drain estimate more than a minimum quota away is not believed.
     p.acquire(2, 26 * MS).unwrap();
@@ -239,11 +250,11 @@ fn a_client_with_no_more_work_leaves_the_queue_and_gives_back_a_planned_turn() {
     p.acquire(2, 0).unwrap();
     p.take_decisions();
     p.tick(15 * MS);
-    assert_eq!(p.take_decisions(), vec![grant(2, 2, 20 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(2, 2, 20 * MS)]);
     p.report(1, 1, used(0, 20 * MS), true, 21 * MS).unwrap();
     p.tick(35 * MS);
     // Client 1, presumed busy, was planned again...
-    assert_eq!(p.take_decisions(), vec![grant(1, 3, 40 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 3, 40 * MS)]);
     // ...but has nothing to do when its turn comes (here just before it starts): it gives the
     // turn back, and b, alone, is extended instead.
     p.yield_turn(1, 3, 37 * MS, 37 * MS).unwrap();
@@ -266,7 +277,7 @@ fn a_report_without_more_work_takes_the_client_out_of_the_queue() {
     p.tick(15 * MS);
     assert_eq!(
         p.take_decisions(),
-        vec![grant(1, 1, 0), grant(2, 2, 20 * MS)]
+        vec![grant(1, 1, 0), grant_deep(2, 2, 20 * MS)]
     );
     // Still launching as far as the policy knows, a waits for its next turn...
     assert_eq!(p.status(15 * MS).waiting, vec![1]);
@@ -286,7 +297,10 @@ fn a_silent_client_is_not_given_turns() {
     p.take_decisions();
     // a's turn 1 ends at 20 ms, unreported; presumed busy, it gets turn 3 after b's turn 2...
     let ds = run_to(&mut p, 0, 40 * MS);
-    assert_eq!(ds[..2], [grant(2, 2, 20 * MS), grant(1, 3, 40 * MS)]);
+    assert_eq!(
+        ds[..2],
+        [grant_deep(2, 2, 20 * MS), grant_deep(1, 3, 40 * MS)]
+    );
     // ...which ends at once at 40 ms (a grace after turn 1 ended): b goes on.
     assert!(ds.contains(&Decision::Revoke {
         client: 1,
@@ -438,7 +452,7 @@ fn a_turn_without_a_report_is_revoked_and_charged_as_held_until_one_comes() {
     assert_eq!(p.take_decisions(), vec![grant(1, 1, 0)]);
     // b's turn starts on time at 20 ms whatever a does: nobody waits for a's report.
     let ds = run_to(&mut p, 0, 40 * MS - 1);
-    assert!(ds.contains(&grant(2, 2, 20 * MS)), "{ds:?}");
+    assert!(ds.contains(&grant_deep(2, 2, 20 * MS)), "{ds:?}");
     assert!(!ds.iter().any(|d| matches!(d, Decision::Revoke { .. })));
     // No report by its end (20 ms) + grace (20 ms): revoked.
     p.tick(40 * MS);
@@ -463,7 +477,7 @@ fn disconnecting_the_holder_starts_the_next_turn_at_once() {
     p.acquire(2, MS).unwrap();
     p.take_decisions();
     p.disconnect(1, 7 * MS);
-    assert_eq!(p.take_decisions(), vec![grant(2, 2, 7 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(2, 2, 7 * MS)]);
     let st = p.status(7 * MS);
     // Charged what elapsed since its start, nothing more.
     assert_eq!(group(&st, "a").busy_ns, 7 * MS);
@@ -473,15 +487,15 @@ fn disconnecting_the_holder_starts_the_next_turn_at_once() {
     p.connect(1, "a").unwrap();
     p.acquire(1, 8 * MS).unwrap();
     p.tick(22 * MS);
-    assert_eq!(p.take_decisions(), vec![grant(1, 3, 27 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 3, 27 * MS)]);
     p.disconnect(2, 23 * MS);
-    assert_eq!(p.take_decisions(), vec![grant(1, 3, 23 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 3, 23 * MS)]);
     assert_eq!(p.holder(), Some((1, 3)));
     // The client of a planned turn disconnects: the turn is dropped.
     p.connect(4, "b").unwrap();
     p.acquire(4, 24 * MS).unwrap();
     p.tick(38 * MS);
-    assert_eq!(p.take_decisions(), vec![grant(4, 4, 43 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(4, 4, 43 * MS)]);
     p.disconnect(4, 39 * MS);
     assert_eq!(p.status(39 * MS).planned, None);
     // A waiter that disconnects just leaves the queue.
@@ -496,7 +510,7 @@ fn alone_a_turn_is_charged_the_time_its_kernels_occupied_the_gpu() {
     let mut p = policy(&[("a", gp(0.0, 0.3, 1.0)), ("b", GroupParams::default())]);
     p.connect(1, "a").unwrap();
     p.acquire(1, 0).unwrap();
-    assert_eq!(p.take_decisions(), vec![grant(1, 1, 0)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 1, 0)]);
     // Its first kernel was launched at 0.2 ms, its last ended at 19.5 ms, nobody else wanted
     // the GPU: it is charged 19.3 ms, and its cap's bucket too.
     let before = group(&p.status(0), "a").allowance_ns.unwrap();
@@ -521,7 +535,7 @@ fn removing_a_group_disconnects_its_clients() {
     p.take_decisions();
     p.remove_group("a", 5 * MS);
     // The GPU goes to b, never to a client of the removed group.
-    assert_eq!(p.take_decisions(), vec![grant(3, 2, 5 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(3, 2, 5 * MS)]);
     assert_eq!(p.acquire(2, 6 * MS), Err(PolicyError::UnknownClient(2)));
     let st = p.status(6 * MS);
     assert_eq!(st.groups.len(), 1);
@@ -555,7 +569,7 @@ fn a_capped_group_is_granted_ahead_of_its_bucket_refilling() {
     assert_eq!(
         ds,
         vec![
-            grant(1, 1, 0),
+            grant_deep(1, 1, 0),
             Decision::Extend {
                 client: 1,
                 token: 1,
@@ -575,7 +589,7 @@ fn a_capped_group_is_granted_ahead_of_its_bucket_refilling() {
     p.tick(w - 1000);
     assert!(p.take_decisions().is_empty());
     p.tick(w);
-    assert_eq!(p.take_decisions(), vec![grant(1, 2, refill)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 2, refill)]);
 }
 
 #[test]
@@ -637,7 +651,8 @@ fn hot_reload_of_the_config_is_used_for_the_next_turn() {
             token: 2,
             start_ns: 20 * MS,
             deadline_ns: 30 * MS,
-            quota_ns: 10 * MS
+            quota_ns: 10 * MS,
+            queue_budget_ns: 2_500_000,
         })
     );
     // Nonsense is made usable rather than wedging the GPU.
@@ -662,7 +677,7 @@ fn time_going_backwards_is_treated_as_now() {
     p.report(1, 1, used(100 * MS, 105 * MS), false, 0).unwrap();
     assert_eq!(group(&p.status(0), "a").busy_ns, 5 * MS, "what it used");
     p.acquire(1, 10 * MS).unwrap();
-    assert_eq!(p.take_decisions().last(), Some(&grant(1, 2, 102 * MS)));
+    assert_eq!(p.take_decisions().last(), Some(&grant_deep(1, 2, 102 * MS)));
 }
 
 #[test]

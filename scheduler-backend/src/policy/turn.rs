@@ -44,6 +44,8 @@ pub(super) struct Turn {
     pub applied: u64,
     /// Added to the usage statistics so far.
     pub recorded: u64,
+    /// GPU work its client may keep queued.
+    pub queue_budget_ns: u64,
 }
 
 impl Turn {
@@ -106,6 +108,7 @@ mod tests {
             silenced: false,
             applied: 0,
             recorded: 0,
+            queue_budget_ns: 2_500_000,
         }
     }
 

@@ -690,9 +690,11 @@ impl Sim {
                     start_ns,
                     deadline_ns,
                     quota_ns,
+                    queue_budget_ns,
                 } => {
                     let i = (client - 1) as usize;
                     assert!(!self.gone[i], "granted a client that is gone");
+                    assert!((100_000..=5_000_000).contains(&queue_budget_ns));
                     assert!(quota_ns >= self.policy.config().min_quota_ns);
                     assert_eq!(deadline_ns, start_ns + quota_ns);
                     assert!(start_ns >= self.now, "a turn granted in the past");
