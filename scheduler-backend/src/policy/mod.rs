@@ -97,6 +97,9 @@ pub type ClientId = u64;
 const MAX_ENDED: usize = 1024;
 /// Handoffs remembered until both their turns have reported, at most.
 const MAX_HANDOFFS: usize = 256;
+/// A group that gave a turn back early this recently is taken to come back and cut turns short
+/// (the others' turns get the shorter queue budget).
+const RETURNS_NS: u64 = 1_000_000_000;
 
 /// A handoff between two turns back to back, and what their clients measured around it: where
 /// the one's kernels ended and the other's began.
@@ -448,9 +451,13 @@ impl Policy {
             .is_some_and(|t| t.token == token && t.client == client)
         {
             // Never past its deadline: a yield does not lengthen a turn.
-            let deadline = self.current.as_ref().map_or(now, |t| t.deadline_ns);
+            let (deadline, group) = (self.current.as_ref())
+                .map_or((now, String::new()), |t| (t.deadline_ns, t.group.clone()));
             let at = drained_ns.clamp(now, (now + self.cfg.min_quota_ns).min(deadline).max(now));
             self.yield_current(at, now);
+            if let Some(g) = self.groups.get_mut(&group) {
+                g.gave_back_at = at;
+            }
         }
         self.mark_held_back(now);
         Ok(())
@@ -763,7 +770,6 @@ impl Policy {
         t.yielded = true;
         if let Some(g) = self.groups.get_mut(&t.group) {
             g.draining_until = at + self.cfg.min_quota_ns / 4;
-            g.gave_back_at = at;
         }
         if let Some(n) = self.next.as_mut() {
             n.deadline_ns = at + n.quota_ns;
@@ -1078,10 +1084,14 @@ impl Policy {
         let token = self.next_token;
         self.next_token += 1;
         let start_ns = at.max(now);
-        // Another group that may come back (connected, not waiting) or refill its bucket cuts
-        // this turn short, and then waits behind what its holder has queued.
-        let may_be_cut = (self.groups.iter())
-            .any(|(n, g)| *n != name && !g.clients.is_empty() && (!g.wants() || g.held_back));
+        // Another group that may come back and cut this turn short then waits behind what its
+        // holder has queued: one connected but not waiting, one whose bucket holds it back, or
+        // one that gave a turn back early within the last second (a request server or bursty
+        // client, even while it holds or awaits a turn now).
+        let may_be_cut = self.groups.iter().any(|(n, g)| {
+            let returns = g.gave_back_at > 0 && now < g.gave_back_at.saturating_add(RETURNS_NS);
+            *n != name && !g.clients.is_empty() && (!g.wants() || g.held_back || returns)
+        });
         let turn = Turn {
             client,
             group: name,

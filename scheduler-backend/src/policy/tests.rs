@@ -243,6 +243,53 @@ fn a_group_returning_at_once_takes_back_the_turn_it_gave_away() {
     );
 }
 
+/// The queue budget of a turn is the shorter one while another group may come back and cut it
+/// short — one connected but not waiting, or one that gave a turn back early within the last
+/// second, even while it waits or holds a turn — and the longer one while every other group
+/// just waits its turn.
+#[test]
+fn turns_queue_shallow_while_another_group_may_come_back() {
+    let budgets_of = |ds: Vec<Decision>, client: ClientId| -> Vec<u64> {
+        (ds.into_iter())
+            .filter_map(|d| match d {
+                Decision::Grant {
+                    client: c,
+                    queue_budget_ns,
+                    ..
+                } if c == client => Some(queue_budget_ns),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut p = a_and_b();
+    // b connected but idle: a's turn may be cut short.
+    p.acquire(1, 0).unwrap();
+    assert_eq!(budgets_of(p.take_decisions(), 1), [2_500_000]);
+    // b waits its turn and has never given one back: its turn queues deeper.
+    p.acquire(2, MS).unwrap();
+    assert_eq!(budgets_of(run_to(&mut p, MS, 20 * MS), 2), [5_000_000]);
+    p.report(1, 1, used(0, 20 * MS), true, 20 * MS).unwrap();
+    p.take_decisions();
+    // b gives its turn back early at 22 ms: a's turn from there is the shorter kind.
+    p.yield_turn(2, 2, 22 * MS, 22 * MS).unwrap();
+    assert_eq!(budgets_of(p.take_decisions(), 1), [2_500_000]);
+    // b asks again at once and takes the GPU back; a's next turn, planned while b holds one,
+    // is the shorter kind too: b gave a turn back less than a second ago.
+    p.acquire(2, 22 * MS + 100_000).unwrap();
+    let mut ds = run_to(&mut p, 22 * MS + 100_000, 22 * MS + 300_000);
+    p.report(
+        1,
+        3,
+        used(22 * MS, 22 * MS + 250_000),
+        true,
+        22 * MS + 300_000,
+    )
+    .unwrap();
+    ds.extend(p.take_decisions());
+    ds.extend(run_to(&mut p, 22 * MS + 300_000, 40 * MS));
+    assert_eq!(budgets_of(ds, 1), [2_500_000]);
+}
+
 #[test]
 fn a_client_with_no_more_work_leaves_the_queue_and_gives_back_a_planned_turn() {
     let mut p = a_and_b();
