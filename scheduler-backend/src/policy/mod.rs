@@ -1087,10 +1087,14 @@ impl Policy {
         // Another group that may come back and cut this turn short then waits behind what its
         // holder has queued: one connected but not waiting, one whose bucket holds it back, or
         // one that gave a turn back early within the last second (a request server or bursty
-        // client, even while it holds or awaits a turn now).
+        // client, even while it holds or awaits a turn now). A group that gives its own turns
+        // back early keeps them short too: its hook tells when its work drains from fences
+        // the shorter budget places closer together.
+        let returns =
+            |g: &Group| g.gave_back_at > 0 && now < g.gave_back_at.saturating_add(RETURNS_NS);
         let may_be_cut = self.groups.iter().any(|(n, g)| {
-            let returns = g.gave_back_at > 0 && now < g.gave_back_at.saturating_add(RETURNS_NS);
-            *n != name && !g.clients.is_empty() && (!g.wants() || g.held_back || returns)
+            *n == name && returns(g)
+                || *n != name && !g.clients.is_empty() && (!g.wants() || g.held_back || returns(g))
         });
         let turn = Turn {
             client,

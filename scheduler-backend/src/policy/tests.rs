@@ -173,9 +173,9 @@ fn a_yielded_turn_hands_over_where_its_work_drains() {
     // A planned turn moves earlier when the running one is yielded.
     p.acquire(1, 10 * MS).unwrap();
     p.tick(24 * MS);
-    assert_eq!(p.take_decisions(), vec![grant_deep(1, 3, 29 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant(1, 3, 29 * MS)]);
     p.yield_turn(2, 2, 25 * MS, 25 * MS).unwrap();
-    assert_eq!(p.take_decisions(), vec![grant_deep(1, 3, 25 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant(1, 3, 25 * MS)]);
     assert_eq!(p.holder(), Some((1, 3)));
     // A drain estimate more than a minimum quota away is not believed.
     p.acquire(2, 26 * MS).unwrap();
@@ -724,7 +724,7 @@ fn time_going_backwards_is_treated_as_now() {
     p.report(1, 1, used(100 * MS, 105 * MS), false, 0).unwrap();
     assert_eq!(group(&p.status(0), "a").busy_ns, 5 * MS, "what it used");
     p.acquire(1, 10 * MS).unwrap();
-    assert_eq!(p.take_decisions().last(), Some(&grant_deep(1, 2, 102 * MS)));
+    assert_eq!(p.take_decisions().last(), Some(&grant(1, 2, 102 * MS)));
 }
 
 #[test]
