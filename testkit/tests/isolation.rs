@@ -837,6 +837,9 @@ fn scheduler_restart_with_memory_held() {
     scheduler_restart(Some(64));
 }
 
+/// The protocol version as its one-byte postcard varint.
+const VERSION: u8 = gpushare_protocol::PROTOCOL_VERSION as u8;
+
 /// Malformed input for the scheduler's socket, each on a connection of its own.
 const MALFORMED: [(&str, &[u8]); 4] = [
     // A 16-byte frame of 0xff: an enum variant index far out of range.
@@ -851,12 +854,12 @@ const MALFORMED: [(&str, &[u8]); 4] = [
     ("huge length", &[0xf0, 0xff, 0xff, 0xff, 1, 2, 3, 4]),
     // A zero-length frame.
     ("empty frame", &[0, 0, 0, 0]),
-    // A valid Hello (postcard: variant 0, version 3 = PROTOCOL_VERSION as a varint, declared =
+    // A valid Hello (postcard: variant 0, PROTOCOL_VERSION as a one-byte varint, declared =
     // None), then an undecodable frame.
     (
         "hello, then garbage",
         &[
-            3, 0, 0, 0, 0, 3, 0, 5, 0, 0, 0, 0xfe, 0xfe, 0xfe, 0xfe, 0xfe,
+            3, 0, 0, 0, 0, VERSION, 0, 5, 0, 0, 0, 0xfe, 0xfe, 0xfe, 0xfe, 0xfe,
         ],
     ),
 ];
