@@ -248,20 +248,12 @@ impl Gate {
 
     // --- the scheduler -------------------------------------------------------------------
 
-    pub fn on_grant(
-        &self,
-        token: u64,
-        start_ns: u64,
-        deadline_ns: u64,
-        quota_ns: u64,
-        queue_budget_ns: u64,
-    ) {
+    pub fn on_grant(&self, token: u64, start_ns: u64, deadline_ns: u64, queue_budget_ns: u64) {
         let mut g = self.lock();
         g.turns.grant(
             token,
             start_ns,
             deadline_ns,
-            quota_ns,
             queue_budget_ns,
             crate::now_ns(),
         );
@@ -663,14 +655,8 @@ mod tests {
             let mut w = Waiter::default();
             assert_eq!(g.turns.admit(now, &mut w), Step::Ask);
             g.turns.asked(true);
-            g.turns.grant(
-                token,
-                now,
-                now + 3_600_000_000_000,
-                20_000_000,
-                2_500_000,
-                now,
-            );
+            g.turns
+                .grant(token, now, now + 3_600_000_000_000, 2_500_000, now);
             assert_eq!(g.turns.admit(now, &mut w), Step::Opened);
             gate.apply(&mut g);
         }

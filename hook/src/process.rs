@@ -169,11 +169,11 @@ impl Inbox for Hook {
                 token,
                 start_ns,
                 deadline_ns,
-                quota_ns,
+                quota_ns: _,
                 queue_budget_ns,
             } => {
                 if let Some(g) = self.gate(&gpu) {
-                    g.on_grant(token, start_ns, deadline_ns, quota_ns, queue_budget_ns);
+                    g.on_grant(token, start_ns, deadline_ns, queue_budget_ns);
                 }
             }
             ServerMsg::Revoke { gpu, token } => {

@@ -39,7 +39,6 @@ pub struct Turn {
     pub token: u64,
     pub start_ns: u64,
     pub deadline_ns: u64,
-    pub quota_ns: u64,
     /// GPU work to keep queued at most during it, as the scheduler said (launches are paced
     /// to it, and the gate closes that much before the deadline).
     pub queue_budget_ns: u64,
@@ -53,12 +52,11 @@ pub struct Turn {
 }
 
 impl Turn {
-    fn new(token: u64, start_ns: u64, deadline_ns: u64, quota_ns: u64, budget_ns: u64) -> Turn {
+    fn new(token: u64, start_ns: u64, deadline_ns: u64, budget_ns: u64) -> Turn {
         Turn {
             token,
             start_ns,
             deadline_ns,
-            quota_ns,
             queue_budget_ns: queue_budget_within(budget_ns),
             opened_ns: None,
             stopped: false,
@@ -69,7 +67,6 @@ impl Turn {
     fn retime(&mut self, moved: Turn) {
         self.start_ns = moved.start_ns;
         self.deadline_ns = moved.deadline_ns;
-        self.quota_ns = moved.quota_ns;
         self.queue_budget_ns = moved.queue_budget_ns;
         self.stopped = false;
     }
@@ -359,7 +356,6 @@ impl Turns {
         token: u64,
         start_ns: u64,
         deadline_ns: u64,
-        quota_ns: u64,
         queue_budget_ns: u64,
         now: u64,
     ) {
@@ -368,7 +364,7 @@ impl Turns {
         if token <= self.retired && !current {
             return;
         }
-        let turn = Turn::new(token, start_ns, deadline_ns, quota_ns, queue_budget_ns);
+        let turn = Turn::new(token, start_ns, deadline_ns, queue_budget_ns);
         match (&mut self.token, &mut self.next) {
             (Token::Held(t), _) if t.token == token => t.retime(turn),
             (_, Some(n)) if n.token == token => n.retime(turn),

@@ -34,14 +34,7 @@ fn holding(token: u64, start: u64) -> Turns {
     let mut t = Turns::new(CFG);
     assert_eq!(t.admit(start - 10 * MS, &mut Waiter::default()), Step::Ask);
     t.asked(true);
-    t.grant(
-        token,
-        start,
-        start + 20 * MS,
-        20 * MS,
-        BUDGET,
-        start - 5 * MS,
-    );
+    t.grant(token, start, start + 20 * MS, BUDGET, start - 5 * MS);
     assert_eq!(t.admit(start, &mut Waiter::default()), Step::Opened);
     assert_eq!(t.gate_deadline(), start + 20 * MS);
     assert!(t.take_said().is_empty());
@@ -83,7 +76,7 @@ fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
             until_ns: GRANT_WAIT_NS
         }
     );
-    t.grant(1, 10 * MS, 30 * MS, 20 * MS, BUDGET, MS);
+    t.grant(1, 10 * MS, 30 * MS, BUDGET, MS);
     assert_eq!(t.admit(MS, &mut w), Step::Wait { until_ns: 9 * MS });
     assert_eq!(t.gate_deadline(), 0);
     // Woke 0.5 ms late: opens, and the lead learns it.
@@ -128,7 +121,7 @@ fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
 fn late_wake_ups_raise_the_lead_up_to_its_bound() {
     let mut t = holding(1, 100 * MS);
     close(&mut t, 121 * MS, true);
-    t.grant(2, 200 * MS, 220 * MS, 20 * MS, BUDGET, 150 * MS);
+    t.grant(2, 200 * MS, 220 * MS, BUDGET, 150 * MS);
     let mut w = Waiter::default();
     assert_eq!(t.admit(150 * MS, &mut w), Step::Wait { until_ns: 199 * MS });
     assert_eq!(
@@ -138,7 +131,7 @@ fn late_wake_ups_raise_the_lead_up_to_its_bound() {
     );
     assert_eq!(t.lead_ns(), 1_700_000);
     close(&mut t, 221 * MS, true);
-    t.grant(3, 300 * MS, 320 * MS, 20 * MS, BUDGET, 250 * MS);
+    t.grant(3, 300 * MS, 320 * MS, BUDGET, 250 * MS);
     let mut w = Waiter::default();
     let Step::Wait { until_ns } = t.admit(250 * MS, &mut w) else {
         panic!("waits for the opening")
@@ -184,7 +177,7 @@ fn a_turn_withdrawn_before_it_opened_is_asked_for_again() {
     let mut w = Waiter::default();
     assert_eq!(t.admit(0, &mut w), Step::Ask);
     t.asked(true);
-    t.grant(3, 10 * MS, 30 * MS, 20 * MS, BUDGET, 0);
+    t.grant(3, 10 * MS, 30 * MS, BUDGET, 0);
     t.revoke(3, MS);
     assert_eq!(t.token(), Token::None);
     assert_eq!(t.admit(MS, &mut w), Step::Ask);
@@ -253,7 +246,7 @@ fn a_yielded_turns_drain_is_bounded_from_the_yield() {
 fn a_grant_during_the_drain_is_the_next_turn() {
     let mut t = holding(4, 100 * MS);
     let turn = t.begin_close().unwrap();
-    t.grant(5, 125 * MS, 145 * MS, 20 * MS, BUDGET, 120 * MS);
+    t.grant(5, 125 * MS, 145 * MS, BUDGET, 120 * MS);
     t.end_close(turn, 121 * MS, true);
     assert!(matches!(t.token(), Token::Held(n) if n.token == 5 && n.opened_ns.is_none()));
     assert_eq!(t.admit(124 * MS, &mut Waiter::default()), Step::Opened);
@@ -271,7 +264,7 @@ fn disconnection_during_the_drain_stands() {
         "no grant will come on this connection"
     );
     t.unthrottled();
-    let turn = Turn::new(9, 0, 0, 0, BUDGET);
+    let turn = Turn::new(9, 0, 0, BUDGET);
     t.end_close(turn, 0, false);
     assert_eq!(t.token(), Token::Unthrottled);
     assert_eq!(t.gate_deadline(), UNLIMITED);
@@ -280,7 +273,7 @@ fn disconnection_during_the_drain_stands() {
 #[test]
 fn a_turn_nobody_wants_is_given_straight_back() {
     let mut t = Turns::new(CFG);
-    t.grant(8, 10 * MS, 30 * MS, 20 * MS, BUDGET, 5 * MS);
+    t.grant(8, 10 * MS, 30 * MS, BUDGET, 5 * MS);
     assert_eq!(
         t.take_said(),
         vec![
@@ -326,7 +319,7 @@ fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
     t.launcher_arrives(110 * MS, 10);
     assert_eq!(t.admit(110 * MS, &mut w), Step::Ask);
     t.asked(true);
-    t.grant(2, 111 * MS, 131 * MS, 20 * MS, BUDGET, 110 * MS);
+    t.grant(2, 111 * MS, 131 * MS, BUDGET, 110 * MS);
     assert_eq!(t.admit(111 * MS, &mut w), Step::Opened);
     assert!(t.before_sync(112 * MS, quiet(20)));
     assert!(
@@ -403,7 +396,7 @@ fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
     t.launcher_arrives(109 * MS, 10);
     assert_eq!(t.admit(109 * MS, &mut w), Step::Ask);
     t.asked(true);
-    t.grant(2, 110 * MS, 130 * MS, 20 * MS, BUDGET, 109 * MS);
+    t.grant(2, 110 * MS, 130 * MS, BUDGET, 109 * MS);
     assert_eq!(t.admit(110 * MS, &mut w), Step::Opened);
     assert!(
         !t.before_sync(112 * MS, quiet(20)),
@@ -414,7 +407,7 @@ fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
 #[test]
 fn back_to_back_turns_roll_over_without_closing() {
     let mut t = holding(1, 100 * MS);
-    t.grant(2, 120 * MS, 140 * MS, 20 * MS, BUDGET, 115 * MS);
+    t.grant(2, 120 * MS, 140 * MS, BUDGET, 115 * MS);
     assert_eq!(
         t.watch(119 * MS, busy(), &mut || Some(MS)),
         Watch::At(120 * MS)
@@ -542,7 +535,6 @@ fn random_interleavings_keep_every_invariant() {
                         next_token,
                         start,
                         start + 1 + rng.below(20 * MS),
-                        20 * MS,
                         BUDGET,
                         now,
                     );
@@ -556,14 +548,7 @@ fn random_interleavings_keep_every_invariant() {
                         && let Some(&s) = granted.get(&token)
                     {
                         let start = s.min(now + rng.below(4 * MS));
-                        t.grant(
-                            token,
-                            start,
-                            start + 1 + rng.below(20 * MS),
-                            20 * MS,
-                            BUDGET,
-                            now,
-                        );
+                        t.grant(token, start, start + 1 + rng.below(20 * MS), BUDGET, now);
                     }
                 }
                 3 => t.revoke(next_token.saturating_sub(1 + rng.below(3)), now),
