@@ -119,7 +119,7 @@ pub enum Decision {
     /// Give `client` the turn `token` from `start_ns` (now, or ahead: when the turn before it
     /// ends) until `deadline_ns` (absolute, CLOCK_MONOTONIC). Sent again, same token, when a
     /// planned turn moves earlier (the one before it was yielded). Its client keeps at most
-    /// `queue_budget_ns` of GPU work queued ([`PolicyConfig::queue_budget_ns`]).
+    /// `queue_budget_ns` of GPU work queued (see `PolicyConfig::queue_budget_ns`).
     Grant {
         client: ClientId,
         token: u64,

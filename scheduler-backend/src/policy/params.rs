@@ -108,7 +108,7 @@ impl PolicyConfig {
     /// launches to it): an eighth of the quota, 0.1 to 2.5 ms, when another group may come back
     /// and cut the turn short (it then waits behind that work); else a quarter, 0.1 to 5 ms,
     /// so that a launcher its host wakes late finds work still queued.
-    pub fn queue_budget_ns(&self, quota_ns: u64, may_be_cut: bool) -> u64 {
+    pub(super) fn queue_budget_ns(&self, quota_ns: u64, may_be_cut: bool) -> u64 {
         if may_be_cut {
             (quota_ns / 8).clamp(100_000, 2_500_000)
         } else {
