@@ -53,6 +53,9 @@ pub(super) struct Group {
     /// Where its last turn given back early ended: the turn that started there is the one it
     /// gave the GPU to, which it may take back at once if it returns (point 6).
     pub gave_back_at: u64,
+    /// When it last asked for a turn after an absence (no turn, none asked for) of at least
+    /// [`away_ns`](super::PolicyConfig::away_ns): it comes and goes, like a request server.
+    pub returned_at: u64,
     pub busy_ns: u64,
     pub tokens: u64,
     pub waits: u64,
@@ -80,6 +83,7 @@ impl Group {
             last_active: 0,
             draining_until: 0,
             gave_back_at: 0,
+            returned_at: 0,
             busy_ns: 0,
             tokens: 0,
             waits: 0,

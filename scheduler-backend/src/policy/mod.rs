@@ -97,8 +97,8 @@ pub type ClientId = u64;
 const MAX_ENDED: usize = 1024;
 /// Handoffs remembered until both their turns have reported, at most.
 const MAX_HANDOFFS: usize = 256;
-/// A group that gave a turn back early this recently is taken to come back and cut turns short
-/// (the others' turns get the shorter queue budget).
+/// A group that came back from an absence, or went idle, this recently is taken to come back
+/// and cut turns short (the others' turns get the shorter queue budget).
 const RETURNS_NS: u64 = 1_000_000_000;
 
 /// A handoff between two turns back to back, and what their clients measured around it: where
@@ -899,12 +899,16 @@ impl Policy {
         let seq = self.seq;
         self.seq += 1;
         c.waiting = Some(seq);
+        let away_ns = self.cfg.away_ns();
         let g = self
             .groups
             .get_mut(&c.group)
             .expect("clients belong to groups");
         if !g.active_at(now) {
             self.targets_dirty = true;
+        }
+        if !g.wants() && g.last_active > 0 && now >= g.last_active.saturating_add(away_ns) {
+            g.returned_at = now;
         }
         g.queue.push_back((client, seq));
         true
@@ -1085,16 +1089,18 @@ impl Policy {
         self.next_token += 1;
         let start_ns = at.max(now);
         // Another group that may come back and cut this turn short then waits behind what its
-        // holder has queued: one connected but not waiting, one whose bucket holds it back, or
-        // one that gave a turn back early within the last second (a request server or bursty
-        // client, even while it holds or awaits a turn now). A group that gives its own turns
-        // back early keeps them short too: its hook tells when its work drains from fences
+        // holder has queued: one whose bucket holds it back, one connected and idle since less
+        // than a second, or one that came back from an absence within the last second (a
+        // request server or bursty client, even while it holds or awaits a turn now; a trainer
+        // that synchronises asks again at once and is no such group). A group that comes and
+        // goes keeps its own turns short too: its hook tells when its work drains from fences
         // the shorter budget places closer together.
-        let returns =
-            |g: &Group| g.gave_back_at > 0 && now < g.gave_back_at.saturating_add(RETURNS_NS);
+        let recent = |at: u64| at > 0 && now < at.saturating_add(RETURNS_NS);
         let may_be_cut = self.groups.iter().any(|(n, g)| {
-            *n == name && returns(g)
-                || *n != name && !g.clients.is_empty() && (!g.wants() || g.held_back || returns(g))
+            *n == name && recent(g.returned_at)
+                || *n != name
+                    && !g.clients.is_empty()
+                    && (g.held_back || recent(g.returned_at) || !g.wants() && recent(g.last_active))
         });
         let turn = Turn {
             client,

@@ -104,6 +104,13 @@ impl PolicyConfig {
         self.min_quota_ns / 8
     }
 
+    /// The shortest absence after which a group asking again is taken to come and go (a
+    /// request server between requests): a quarter quota. A trainer that synchronises asks
+    /// again as soon as its work drains and its host thread wakes.
+    pub(super) fn away_ns(&self) -> u64 {
+        self.quota_ns / 4
+    }
+
     /// How much GPU work the holder of a turn of `quota_ns` may keep queued (its hook paces its
     /// launches to it): an eighth of the quota, 0.1 to 2.5 ms, when another group may come back
     /// and cut the turn short (it then waits behind that work); else a quarter, 0.1 to 5 ms,

@@ -114,7 +114,7 @@ fn grants_at_once_when_free_and_the_next_turn_ahead_of_time() {
 fn a_lone_holder_keeps_its_turn_a_quota_at_a_time() {
     let mut p = a_and_b();
     p.acquire(1, 0).unwrap();
-    assert_eq!(p.take_decisions(), vec![grant(1, 1, 0)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 1, 0)]);
     p.tick(14 * MS);
     assert!(p.take_decisions().is_empty(), "not yet");
     p.tick(15 * MS);
@@ -173,9 +173,9 @@ fn a_yielded_turn_hands_over_where_its_work_drains() {
     // A planned turn moves earlier when the running one is yielded.
     p.acquire(1, 10 * MS).unwrap();
     p.tick(24 * MS);
-    assert_eq!(p.take_decisions(), vec![grant(1, 3, 29 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 3, 29 * MS)]);
     p.yield_turn(2, 2, 25 * MS, 25 * MS).unwrap();
-    assert_eq!(p.take_decisions(), vec![grant(1, 3, 25 * MS)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 3, 25 * MS)]);
     assert_eq!(p.holder(), Some((1, 3)));
     // A drain estimate more than a minimum quota away is not believed.
     p.acquire(2, 26 * MS).unwrap();
@@ -262,32 +262,91 @@ fn turns_queue_shallow_while_another_group_may_come_back() {
             .collect()
     };
     let mut p = a_and_b();
-    // b connected but idle: a's turn may be cut short.
+    // b connected but never active yet: a's turn queues deep.
     p.acquire(1, 0).unwrap();
-    assert_eq!(budgets_of(p.take_decisions(), 1), [2_500_000]);
-    // b waits its turn and has never given one back: its turn queues deeper.
+    assert_eq!(budgets_of(p.take_decisions(), 1), [5_000_000]);
+    // b waits its turn: its turn queues deep too.
     p.acquire(2, MS).unwrap();
     assert_eq!(budgets_of(run_to(&mut p, MS, 20 * MS), 2), [5_000_000]);
     p.report(1, 1, used(0, 20 * MS), true, 20 * MS).unwrap();
     p.take_decisions();
-    // b gives its turn back early at 22 ms: a's turn from there is the shorter kind.
+    // b gives its turn back early at 22 ms: while it is idle, a's turn is the shorter kind.
     p.yield_turn(2, 2, 22 * MS, 22 * MS).unwrap();
     assert_eq!(budgets_of(p.take_decisions(), 1), [2_500_000]);
-    // b asks again at once and takes the GPU back; a's next turn, planned while b holds one,
-    // is the shorter kind too: b gave a turn back less than a second ago.
-    p.acquire(2, 22 * MS + 100_000).unwrap();
-    let mut ds = run_to(&mut p, 22 * MS + 100_000, 22 * MS + 300_000);
-    p.report(
-        1,
-        3,
-        used(22 * MS, 22 * MS + 250_000),
-        true,
-        22 * MS + 300_000,
-    )
-    .unwrap();
+    p.report(2, 2, used(20 * MS, 22 * MS), false, 22 * MS)
+        .unwrap();
+    // b asks again at once, as a trainer does after synchronising, and takes the GPU back:
+    // a's next turn, planned while b holds one, queues deep again.
+    let back = 22 * MS + 100_000;
+    p.acquire(2, back).unwrap();
+    let mut ds = run_to(&mut p, back, back + 200_000);
+    p.report(1, 3, used(22 * MS, back + 150_000), true, back + 200_000)
+        .unwrap();
     ds.extend(p.take_decisions());
-    ds.extend(run_to(&mut p, 22 * MS + 300_000, 40 * MS));
-    assert_eq!(budgets_of(ds, 1), [2_500_000]);
+    ds.extend(run_to(&mut p, back + 200_000, 38 * MS));
+    assert_eq!(budgets_of(ds, 1), [5_000_000]);
+    // b gives its turn back at 39 ms and comes back 10 ms later, as a request server does
+    // between requests: from then on, a's turns and b's own queue shallow.
+    p.yield_turn(2, 4, 39 * MS, 39 * MS).unwrap();
+    p.report(2, 4, used(back + 150_000, 39 * MS), false, 39 * MS)
+        .unwrap();
+    p.take_decisions();
+    p.acquire(2, 49 * MS).unwrap();
+    let mut ds = p.take_decisions();
+    p.report(1, 5, used(39 * MS, 49 * MS), true, 49 * MS)
+        .unwrap();
+    ds.extend(run_to(&mut p, 49 * MS, 70 * MS));
+    let (a, b) = (budgets_of(ds.clone(), 1), budgets_of(ds, 2));
+    assert!(!a.is_empty() && a.iter().all(|&q| q == 2_500_000), "{a:?}");
+    assert!(!b.is_empty() && b.iter().all(|&q| q == 2_500_000), "{b:?}");
+}
+
+#[test]
+fn an_idle_group_stops_keeping_turns_shallow_after_a_second() {
+    let mut p = a_and_b();
+    p.acquire(1, 0).unwrap();
+    p.acquire(2, MS).unwrap();
+    run_to(&mut p, 0, 20 * MS);
+    p.report(1, 1, used(0, 20 * MS), true, 20 * MS).unwrap();
+    // b's turn starts at 20 ms and it has nothing to do: it gives it back and stays idle.
+    p.yield_turn(2, 2, 20 * MS, 20 * MS).unwrap();
+    p.report(2, 2, None, false, 20 * MS).unwrap();
+    // a alone, busy, reports each turn at its deadline.
+    let mut budgets = Vec::new();
+    let mut running: Vec<(u64, u64, u64)> = Vec::new();
+    let mut t = 20 * MS;
+    while t < 1_200 * MS {
+        for d in run_to(&mut p, t, t + MS) {
+            if let Decision::Grant {
+                client: 1,
+                token,
+                start_ns,
+                deadline_ns,
+                queue_budget_ns,
+                ..
+            } = d
+            {
+                budgets.push((t, queue_budget_ns));
+                running.push((token, start_ns, deadline_ns));
+            }
+        }
+        t += MS;
+        running.retain(|&(token, start, deadline)| {
+            deadline > t || {
+                p.report(1, token, used(start, deadline), true, t).unwrap();
+                false
+            }
+        });
+    }
+    let shallow = |lo: u64, hi: u64| {
+        (budgets.iter())
+            .filter(|&&(at, _)| (lo..hi).contains(&at))
+            .map(|&(_, q)| q == 2_500_000)
+            .collect::<Vec<_>>()
+    };
+    let (early, late) = (shallow(0, 1_000 * MS), shallow(1_030 * MS, u64::MAX));
+    assert!(early.len() > 10 && early.iter().all(|&s| s), "{budgets:?}");
+    assert!(late.len() > 3 && late.iter().all(|&s| !s), "{budgets:?}");
 }
 
 #[test]
@@ -324,7 +383,7 @@ fn a_report_without_more_work_takes_the_client_out_of_the_queue() {
     p.tick(15 * MS);
     assert_eq!(
         p.take_decisions(),
-        vec![grant(1, 1, 0), grant_deep(2, 2, 20 * MS)]
+        vec![grant_deep(1, 1, 0), grant_deep(2, 2, 20 * MS)]
     );
     // Still launching as far as the policy knows, a waits for its next turn...
     assert_eq!(p.status(15 * MS).waiting, vec![1]);
@@ -496,7 +555,7 @@ fn a_turn_without_a_report_is_revoked_and_charged_as_held_until_one_comes() {
     p.connect(2, "b").unwrap();
     p.acquire(1, 0).unwrap();
     p.acquire(2, 0).unwrap();
-    assert_eq!(p.take_decisions(), vec![grant(1, 1, 0)]);
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 1, 0)]);
     // b's turn starts on time at 20 ms whatever a does: nobody waits for a's report.
     let ds = run_to(&mut p, 0, 40 * MS - 1);
     assert!(ds.contains(&grant_deep(2, 2, 20 * MS)), "{ds:?}");
@@ -724,7 +783,7 @@ fn time_going_backwards_is_treated_as_now() {
     p.report(1, 1, used(100 * MS, 105 * MS), false, 0).unwrap();
     assert_eq!(group(&p.status(0), "a").busy_ns, 5 * MS, "what it used");
     p.acquire(1, 10 * MS).unwrap();
-    assert_eq!(p.take_decisions().last(), Some(&grant(1, 2, 102 * MS)));
+    assert_eq!(p.take_decisions().last(), Some(&grant_deep(1, 2, 102 * MS)));
 }
 
 #[test]
