@@ -244,9 +244,9 @@ fn a_group_returning_at_once_takes_back_the_turn_it_gave_away() {
 }
 
 /// The queue budget of a turn is the shorter one while another group may come back and cut it
-/// short — one connected but not waiting, or one that gave a turn back early within the last
-/// second, even while it waits or holds a turn — and the longer one while every other group
-/// just waits its turn.
+/// short — one idle since less than a second, or one that came back from an absence within the
+/// last second, even while it waits or holds a turn — and the longer one while every other
+/// group just waits its turn or, like a trainer that synchronised, asks again at once.
 #[test]
 fn turns_queue_shallow_while_another_group_may_come_back() {
     let budgets_of = |ds: Vec<Decision>, client: ClientId| -> Vec<u64> {
@@ -1528,5 +1528,93 @@ proptest! {
                     "group {g} {:?}: {s} vs {want}", mix.params[g]);
             }
         }
+    }
+}
+
+/// One call into the policy, with what a client sends taken at random: any token, drain
+/// estimate or report, sensible or not.
+#[derive(Debug, Clone)]
+enum Call {
+    Connect(ClientId, usize),
+    Disconnect(ClientId),
+    Acquire(ClientId),
+    Yield(ClientId, u64, u64),
+    Report(ClientId, u64, Option<(u64, u64)>, bool),
+    Tick,
+}
+
+/// A client's instant: near the policy's clock (before or after it), or any value at all.
+fn arb_instant() -> impl Strategy<Value = i64> {
+    prop_oneof![
+        4 => -100_000_000i64..100_000_000,
+        1 => any::<i64>(),
+    ]
+}
+
+fn arb_call() -> impl Strategy<Value = Call> {
+    let client = 1u64..5;
+    let token = prop_oneof![3 => 0u64..40, 1 => any::<u64>()];
+    prop_oneof![
+        1 => (client.clone(), 0usize..3).prop_map(|(c, g)| Call::Connect(c, g)),
+        1 => client.clone().prop_map(Call::Disconnect),
+        4 => client.clone().prop_map(Call::Acquire),
+        3 => (client.clone(), token.clone(), arb_instant())
+            .prop_map(|(c, t, d)| Call::Yield(c, t, d as u64)),
+        4 => (
+            client,
+            token,
+            proptest::option::of((arb_instant(), arb_instant())),
+            any::<bool>()
+        )
+            .prop_map(|(c, t, u, again)| Call::Report(c, t, u.map(|(f, l)| (f as u64, l as u64)), again)),
+        3 => Just(Call::Tick),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16 * cases()))]
+
+    /// Nothing a client sends — stale or made-up tokens, drain estimates and reports from
+    /// before its turn, after it or anywhere — panics the policy (the scheduler serves every
+    /// client from one thread), and it keeps answering.
+    #[test]
+    fn no_message_of_a_client_panics_the_policy(
+        calls in prop::collection::vec((arb_call(), 0u64..30 * MS), 1..200)
+    ) {
+        let mut p = policy(&[
+            ("a", GroupParams::default()),
+            ("b", gp(0.3, 1.0, 2.0)),
+            ("c", gp(0.1, 0.2, 1.0)),
+        ]);
+        let groups = ["a", "b", "c"];
+        let mut now = S;
+        // A client's instant relative to the policy's clock, kept in range.
+        let at = |now: u64, d: u64| now.saturating_add_signed(d as i64);
+        for (call, step) in calls {
+            now += step;
+            let _ = match call {
+                Call::Connect(c, g) => p.connect(c, groups[g]),
+                Call::Disconnect(c) => {
+                    p.disconnect(c, now);
+                    Ok(())
+                }
+                Call::Acquire(c) => p.acquire(c, now),
+                Call::Yield(c, token, d) => p.yield_turn(c, token, at(now, d), now),
+                Call::Report(c, token, used, again) => {
+                    let used = used.map(|(f, l)| TurnUse { first_ns: at(now, f), last_ns: at(now, l) });
+                    p.report(c, token, used, again, now)
+                }
+                Call::Tick => {
+                    p.tick(now);
+                    Ok(())
+                }
+            };
+            p.take_decisions();
+            if let Some(w) = p.next_wakeup(now) {
+                prop_assert!(w < u64::MAX / 2, "wake-up at {w}");
+            }
+        }
+        let st = p.status(now);
+        prop_assert_eq!(st.groups.len(), 3);
     }
 }

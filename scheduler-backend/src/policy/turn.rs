@@ -77,10 +77,13 @@ impl Turn {
         } else {
             u.first_ns
         };
+        // A report is the client's word: kernels that all ran after the turn's end and grace
+        // (a turn ended while its client's host stalled, then launched in anyway) are not this
+        // turn's, and nothing in it may panic the scheduler.
         let to = if self.followed {
             end
         } else {
-            u.last_ns.clamp(from, end.saturating_add(grace_ns))
+            u.last_ns.min(end.saturating_add(grace_ns))
         };
         to.saturating_sub(from)
     }
@@ -140,6 +143,19 @@ mod tests {
             19_750,
             "late first launch, nobody else waiting: not held from anyone"
         );
+        // Seen under a connection flood: a turn ended at once while its client's host
+        // stalled, and the client's first kernel came after its end and grace.
+        assert_eq!(alone.charge(used(40_000, 41_000), 100), 0, "all after");
+        assert_eq!(
+            alone.charge(used(900, 800), 100),
+            0,
+            "ended before it began"
+        );
+        let followed = Turn {
+            followed: true,
+            ..alone
+        };
+        assert_eq!(followed.charge(used(30_000, 31_000), 100), 0);
     }
 
     #[test]
