@@ -14,7 +14,6 @@ use crate::status::{ClientReport, GpuReport, GroupReport, PodLabels, Report, uui
 use gpushare_protocol::admin::AdminRequest;
 use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
@@ -184,9 +183,14 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             anyhow::anyhow!("cannot serve metrics on {addr}: {e}; pick another --metrics address")
         })?;
         let s = shared.clone();
+        let page = move || crate::status::prometheus(&report(&lock(&s), now_ns()));
         std::thread::Builder::new()
             .name("metrics".into())
-            .spawn(move || metrics_loop(s, http))?;
+            .spawn(move || {
+                if let Err(e) = crate::metrics::serve(http, page) {
+                    tracing::error!("the metrics endpoint stopped: {e}");
+                }
+            })?;
     }
     if let Some(path) = &opts.admin_socket {
         let admin = crate::admin::bind(path)?;
@@ -717,31 +721,6 @@ pub(crate) fn report(st: &State, now: u64) -> Report {
         gpus,
         pods: st.pods.report(),
         unhooked: st.unhooked.clone(),
-    }
-}
-
-/// A minimal HTTP endpoint: every request gets the metrics page. One scraper at a time, each
-/// given at most half a second to send its request and two to take the page: a scraper that
-/// stalls (or never reads a large page) cannot hold the endpoint longer.
-fn metrics_loop(shared: Arc<Shared>, http: std::net::TcpListener) {
-    use std::io::Read;
-    for conn in http.incoming() {
-        let Ok(mut conn) = conn else { continue };
-        let _ = conn.set_read_timeout(Some(Duration::from_millis(500)));
-        let _ = conn.set_write_timeout(Some(Duration::from_secs(2)));
-        let mut req = [0u8; 1024];
-        let _ = conn.read(&mut req);
-        let body = {
-            let st = lock(&shared);
-            crate::status::prometheus(&report(&st, now_ns()))
-        };
-        let head = format!(
-            "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        );
-        let _ = conn
-            .write_all(head.as_bytes())
-            .and_then(|_| conn.write_all(body.as_bytes()));
     }
 }
 
