@@ -281,26 +281,28 @@ fn the_per_user_bound_counts_each_containers_root_apart() {
     );
 }
 
-/// One scraper at a time is served on `/metrics`: one that connects and sends nothing holds the
-/// page up for half a second at most (it was 2 s), and the next gets it right after.
+/// Scrapers are served side by side on `/metrics`: a hundred connections that send nothing
+/// (more than it serves at once) do not hold the page up.
 #[test]
-fn a_stalled_scraper_holds_the_metrics_page_up_briefly() {
+fn stalled_scrapers_do_not_hold_the_metrics_page_up() {
     let mut node = Node::device_only();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .unwrap()
         .port();
     node.start_scheduler_with(true, &["--metrics", &format!("127.0.0.1:{port}")]);
-    let stalled = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    let stalled: Vec<_> = (0..100)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect"))
+        .collect();
     std::thread::sleep(Duration::from_millis(50));
     let t0 = Instant::now();
     let page = get_metrics(port);
     let waited = t0.elapsed();
     drop(stalled);
-    eprintln!("/metrics behind a stalled scraper: {waited:?}");
+    eprintln!("/metrics behind 100 stalled scrapers: {waited:?}");
     assert!(page.contains("gpushare_unhooked_processes"), "{page}");
     assert!(
-        waited < Duration::from_millis(1500),
-        "the page came {waited:?} after a stalled scraper connected"
+        waited < ANSWER_WITHIN,
+        "the page came {waited:?} after 100 stalled scrapers connected"
     );
 }
