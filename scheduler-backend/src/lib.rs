@@ -2,9 +2,9 @@
 //! the daemon around it: configuration ([`config`]), client identity from the socket
 //! ([`identity`]), the daemon's state and message handling ([`daemon`]) around the tenant
 //! socket's event loop ([`server`]) and the status report ([`status`]), which [`client`] fetches
-//! from a running daemon and the Prometheus endpoint ([`metrics`]) serves; the memory books ([`memory`]) and their journal
-//! ([`journal`]), which survives a restart; for Kubernetes, the admin socket ([`admin`])
-//! through which the node agent registers containers ([`pods`]).
+//! from a running daemon and the Prometheus endpoint ([`metrics`]) serves; the memory books
+//! ([`memory`]) and their journal ([`journal`]), which survives a restart; for Kubernetes, the
+//! admin socket ([`admin`]) through which the node agent registers containers ([`pods`]).
 
 pub mod admin;
 pub mod census;
