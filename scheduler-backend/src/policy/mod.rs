@@ -42,7 +42,11 @@
 //!    its bucket refills, granted ahead like any other.
 //! 4. **Selection.** The next turn goes to the waiting group with the largest credit among
 //!    those that may start then (ties: the one waiting longest); within a group clients are
-//!    served in the order they asked, i.e. round-robin. The holder of the current turn counts
+//!    served in the order they asked, i.e. round-robin. A turn lasts a quota, but while other
+//!    groups are active one of a group whose target share `s` is under one half lasts
+//!    `quota / (2·(1 − s))`: no turn moves its group's credit by more than half a quota, so
+//!    every group's share over a window is off by the same small amount however small the
+//!    share (`PolicyConfig::contested_turn_ns`). The holder of the current turn counts
 //!    as waiting for another (it is still launching, as far as the policy knows) unless it
 //!    yielded; if it is chosen again while no other group wants the GPU its turn is *extended*
 //!    ([`Decision::Extend`]), else it gets a new turn back to back (its hook reports the one
@@ -571,6 +575,11 @@ impl Policy {
         for name in refilled {
             self.preempt_for(&name, now);
         }
+        if self.current.is_none() {
+            // The GPU fell free before a capped group's planned turn (its bucket refills a
+            // moment later), while another group that may start waits: served in between.
+            self.reclaim_gap(now);
+        }
         self.plan(now);
         self.mark_held_back(now);
     }
@@ -960,6 +969,8 @@ impl Policy {
         if let Some(c) = self.clients.get_mut(&client) {
             c.waiting = Some(seq);
             if let Some(g) = self.groups.get_mut(&c.group) {
+                // Once in the queue at most: it may have asked for a further turn already.
+                g.queue.retain(|&(id, _)| id != client);
                 g.queue.push_front((client, seq));
             }
         }
@@ -1047,6 +1058,8 @@ impl Policy {
         if at > start && at.saturating_sub(self.cfg.grant_ahead_ns) > now {
             return; // planned later (next_wakeup says when)
         }
+        // The turn's length depends on its group's target among the groups active now.
+        self.refresh_targets();
         let (lo, _) = self.cfg.credit_bounds();
         let (depth, window) = (self.cfg.bucket_depth(), self.cfg.window_ns);
         let (quota, min_quota) = (self.cfg.quota_ns, self.cfg.min_quota_ns);
@@ -1056,7 +1069,11 @@ impl Policy {
             .any(|(n, g)| *n != name && g.active_at(now));
         let g = self.groups.get_mut(&name).expect("chosen from the groups");
         let (client, _) = g.queue.pop_front().expect("a waiting client");
-        let mut quota_ns = quota;
+        let mut quota_ns = if others_active {
+            self.cfg.contested_turn_ns(g.target)
+        } else {
+            quota
+        };
         if g.capped() {
             g.refill(now, depth);
             quota_ns = quota_ns.min(g.allowance(at, depth).floor().max(0.0) as u64);
