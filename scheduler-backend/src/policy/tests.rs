@@ -867,6 +867,16 @@ fn busy(groups: usize) -> Vec<Tenant> {
     (0..groups).map(|g| Tenant::new(g, Demand::Busy)).collect()
 }
 
+/// `n` always busy groups with requests of 1/n each, default timing.
+fn equal_busy_groups(n: usize, seed: u64) -> Sim {
+    let names: Vec<String> = (0..n).map(|i| format!("g{i}")).collect();
+    let groups: Vec<(&str, GroupParams)> = names
+        .iter()
+        .map(|g| (g.as_str(), gp(1.0 / n as f64, 1.0, 1.0)))
+        .collect();
+    Sim::new(PolicyConfig::default(), &groups, busy(n), seed)
+}
+
 /// Worst deviation of group `g`'s device share from `want` over every 5 s window (1 s steps)
 /// after the warm-up.
 fn worst_window_error(sim: &Sim, g: usize, want: f64, end: u64) -> (f64, f64, f64) {
@@ -1234,12 +1244,7 @@ fn a_hot_reload_of_requests_moves_the_shares() {
 #[test]
 fn sixty_four_equal_tenants_share_evenly() {
     let end = 120 * S;
-    let names: Vec<String> = (0..64).map(|i| format!("g{i}")).collect();
-    let groups: Vec<(&str, GroupParams)> = names
-        .iter()
-        .map(|n| (n.as_str(), gp(1.0 / 64.0, 1.0, 1.0)))
-        .collect();
-    let mut sim = Sim::new(PolicyConfig::default(), &groups, busy(64), 12);
+    let mut sim = equal_busy_groups(64, 12);
     sim.run_until(end);
     let worst = (0..64)
         .map(|g| (sim.held_share(g, WARMUP, end) - 1.0 / 64.0).abs())
@@ -1686,12 +1691,7 @@ fn small_shares_take_short_turns_and_hold_within_a_point_per_second() {
     assert_eq!(cfg.contested_turn_ns(0.3), 14_285_714);
     assert_eq!(cfg.contested_turn_ns(1.0 / 16.0), 10_666_666);
     let end = 65 * S;
-    let names: Vec<String> = (0..16).map(|i| format!("g{i}")).collect();
-    let groups: Vec<(&str, GroupParams)> = names
-        .iter()
-        .map(|n| (n.as_str(), gp(1.0 / 16.0, 1.0, 1.0)))
-        .collect();
-    let mut sim = Sim::new(cfg, &groups, busy(16), 3);
+    let mut sim = equal_busy_groups(16, 3);
     sim.run_until(end);
     let worst = worst_second(&sim, &[1.0 / 16.0; 16], end);
     eprintln!("16 x 1/16: worst 1 s window {worst:.4}");
