@@ -880,7 +880,13 @@ fn equal_busy_groups(n: usize, seed: u64) -> Sim {
 /// Worst deviation of group `g`'s device share from `want` over every 5 s window (1 s steps)
 /// after the warm-up.
 fn worst_window_error(sim: &Sim, g: usize, want: f64, end: u64) -> (f64, f64, f64) {
-    let w = sim.window_shares(g, 5 * S, S, WARMUP, end);
+    window_error(sim, g, want, 5 * S, end)
+}
+
+/// Worst deviation of group `g`'s device share from `want` over every window of `win` (1 s
+/// steps) after the warm-up, with the lowest and highest share seen.
+fn window_error(sim: &Sim, g: usize, want: f64, win: u64, end: u64) -> (f64, f64, f64) {
+    let w = sim.window_shares(g, win, S, WARMUP, end);
     let lo = w.iter().cloned().fold(f64::INFINITY, f64::min);
     let hi = w.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     ((want - lo).max(hi - want), lo, hi)
@@ -1671,13 +1677,9 @@ fn a_withdrawn_turn_does_not_queue_its_client_twice() {
 
 /// Worst share error of any group over 1 s windows after the warm-up (`shares`: the targets).
 fn worst_second(sim: &Sim, shares: &[f64], end: u64) -> f64 {
-    let mut worst: f64 = 0.0;
-    for (g, want) in shares.iter().enumerate() {
-        for w in sim.window_shares(g, S, S, WARMUP, end) {
-            worst = worst.max((w - want).abs());
-        }
-    }
-    worst
+    (shares.iter().enumerate())
+        .map(|(g, &want)| window_error(sim, g, want, S, end).0)
+        .fold(0.0, f64::max)
 }
 
 /// A group with a small share takes shorter turns while others use the GPU, so that no turn
