@@ -151,6 +151,8 @@ pub struct Node {
     warnings: Throttle,
     /// When the next census is taken (`None` while one is under way).
     census_at: Option<u64>,
+    /// The time of the latest input.
+    now: u64,
     effects: Vec<Effect>,
 }
 
@@ -179,6 +181,7 @@ impl Node {
             latency: Histogram::default(),
             warnings: Throttle::default(),
             census_at: Some(now),
+            now,
             effects: Vec::new(),
         };
         node.publish(now);
@@ -186,9 +189,11 @@ impl Node {
         node
     }
 
-    /// Handle `input`, which happens at `now` (`CLOCK_MONOTONIC` ns; never earlier than the
-    /// previous input's). Its effects are in [`Node::take_effects`].
+    /// Handle `input`, which happens at `now` (`CLOCK_MONOTONIC` ns; an earlier time than the
+    /// previous input's is taken as that). Its effects are in [`Node::take_effects`].
     pub fn handle(&mut self, input: Input, now: u64) {
+        let now = now.max(self.now);
+        self.now = now;
         match input {
             Input::Tick => {}
             Input::Accepted { conn, cred } => self.accepted(conn, cred, now),
@@ -212,7 +217,10 @@ impl Node {
     /// When the node next needs [`Input::Tick`]: a turn ending or starting, a connection's
     /// deadline, the books' flush, a census, a report. May be in the past (tick at once).
     pub fn next_timeout(&self) -> Option<u64> {
-        let policies = self.policies.values().filter_map(|p| p.next_wakeup(0));
+        let policies = self
+            .policies
+            .values()
+            .filter_map(|p| p.next_wakeup(self.now));
         policies
             .chain(self.conns.next_deadline())
             .chain(self.books.next_timeout())
