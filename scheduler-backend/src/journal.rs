@@ -5,9 +5,9 @@
 //! One JSON file (`--books`, default the socket path plus `.books`) rewritten whole, through a
 //! temporary file and a rename, so a crash mid-write leaves the previous version. A reservation
 //! is written before it is granted; frees and disconnections are written within
-//! [`FLUSH_EVERY`] (until then the file overstates, which is the safe side). The node core
-//! decides what to write and when ([`crate::node`]); a thread of its own writes it, so the
-//! event loop never waits for a file. The file lives beside the socket, normally on tmpfs
+//! [`FLUSH_EVERY`](crate::node::FLUSH_EVERY) (until then the file overstates, which is the
+//! safe side). The node core decides what to write and when ([`crate::node`]); a thread of its
+//! own writes it, so the event loop never waits for a file. The file lives beside the socket, normally on tmpfs
 //! (`/run`): it must survive the daemon, not a reboot, after which every process that held
 //! memory is gone anyway.
 
@@ -17,14 +17,6 @@ use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-/// How soon frees and departures reach the file.
-pub const FLUSH_EVERY: Duration = Duration::from_millis(100);
-/// How long the holdings of a process whose liveness cannot be checked (its pid is not visible
-/// from the daemon's pid namespace) count after a restart: every live hook reconnects within
-/// a second or two, and states its holdings itself.
-pub const UNVERIFIABLE_GHOST_GRACE: Duration = Duration::from_secs(10);
 
 const VERSION: u32 = 1;
 
