@@ -545,7 +545,7 @@ fn hostile_client_streams_are_handled_without_panicking() {
     let n = 30_000;
     fuzz::frames(51, &client_msgs(), n, |msg| {
         // A fresh node now and then, so that random GPUs and groups do not pile up.
-        if handled % 1_000 == 0 {
+        if handled.is_multiple_of(1_000) {
             (node, conn, now) = dev_node();
         }
         handled += 1;
