@@ -114,7 +114,14 @@ fn config_groups_and_hot_reload() {
         &["--metrics".into(), format!("127.0.0.1:{port}")],
     );
     let mut s = connect(&sock);
-    assert_eq!(next(&mut s), ServerMsg::Welcome { group: "me".into() });
+    assert_eq!(
+        next(&mut s),
+        ServerMsg::Welcome {
+            group: "me".into(),
+            liveness_ns: 40_000_000
+        },
+        "the default quota plus the default grace"
+    );
     let gpu = [9u8; 16];
     gpushare_protocol::send(&mut s, &ClientMsg::Acquire { gpu }).unwrap();
     let ServerMsg::Grant { token, .. } = next(&mut s) else {
@@ -173,7 +180,8 @@ fn unknown_clients_get_a_clear_error_and_garbage_drops_only_its_sender() {
     assert_eq!(
         next(&mut s),
         ServerMsg::Welcome {
-            group: String::new()
+            group: String::new(),
+            liveness_ns: 40_000_000
         }
     );
     gpushare_protocol::send(&mut s, &ClientMsg::Acquire { gpu: [1; 16] }).unwrap();
