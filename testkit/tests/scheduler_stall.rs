@@ -235,7 +235,10 @@ fn a_stopped_scheduler_holds_fail_closed_tenants_until_it_resumes() {
         "scheduler stopped 1 s, fail-closed: {ran} kernels started while it was stopped; back {:.1?} ms after SIGCONT",
         back.iter().map(|b| *b as f64 / 1e6).collect::<Vec<_>>()
     );
-    assert_eq!(ran, 0, "fail-closed tenants ran while the scheduler was stopped");
+    assert_eq!(
+        ran, 0,
+        "fail-closed tenants ran while the scheduler was stopped"
+    );
     for b in &back {
         assert!(
             *b <= 500 * MS,

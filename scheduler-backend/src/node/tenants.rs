@@ -236,6 +236,9 @@ impl Node {
             ClientMsg::MemFree { gpu, bytes } => self.memory.free(id, gpu, bytes),
             ClientMsg::MemSync { gpu, bytes } => {
                 if let Some(group) = self.group_of(id, now) {
+                    if bytes > 0 {
+                        self.policy_for(gpu); // so `gpushare status` shows the GPU
+                    }
                     self.memory.sync(id, &group, gpu, bytes);
                 }
             }

@@ -168,6 +168,31 @@ fn a_full_journal_answers_grants_as_not_journaled_and_is_tried_again() {
     w.check_settled();
 }
 
+/// A holding stated by a process that neither reserved nor asked for a turn on this connection
+/// (it reconnected, or allocated alone while the node did not answer) is in the report.
+#[test]
+fn a_stated_holding_is_reported() {
+    let mut w = World::new(CONFIG, false);
+    let c = client_a(&mut w);
+    w.send(
+        c,
+        ClientMsg::MemSync {
+            gpu: GPU,
+            bytes: 100 * MIB,
+        },
+    );
+    w.send(c, ClientMsg::Status);
+    let Some(ServerMsg::Status { report }) = last(&w, c) else {
+        panic!("no report: {:?}", last(&w, c))
+    };
+    let used: u64 = (report.gpus.iter())
+        .flat_map(|g| &g.groups)
+        .filter(|g| g.name == "a")
+        .map(|g| g.memory_used)
+        .sum();
+    assert_eq!(used, 100 * MIB, "{report:?}");
+}
+
 /// A probe is answered at once, in order behind what its connection waits for.
 #[test]
 fn a_probe_is_answered_at_once_in_order() {
