@@ -132,7 +132,7 @@ pub struct Cluster {
 
 pub const NODE: &str = "node-1";
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -220,10 +220,7 @@ impl Cluster {
             .env("GPUSHARE_LOG", "info")
             .stdout(Stdio::null())
             .stderr(log);
-        self.manager = Some(Manager {
-            child: cmd.spawn().expect("start gpushare-device-manager"),
-            log: self.manager_log_path(),
-        });
+        self.manager = Some(Manager::spawn(cmd, self.manager_log_path()));
     }
 
     pub fn stop_manager(&mut self) {
@@ -375,10 +372,20 @@ impl Cluster {
     }
 }
 
-/// The running manager, killed on drop (its log printed if the test is failing).
-struct Manager {
+/// A running node agent, killed on drop (its log printed if the test is failing).
+pub struct Manager {
     child: Child,
     log: PathBuf,
+}
+
+impl Manager {
+    /// Start `cmd` (its stderr already going to `log`).
+    pub fn spawn(mut cmd: Command, log: PathBuf) -> Manager {
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {:?}: {e}", cmd.get_program()));
+        Manager { child, log }
+    }
 }
 
 impl Drop for Manager {
@@ -412,7 +419,7 @@ fn host_path(alloc: &ContainerAllocateResponse, v: &str) -> String {
 }
 
 /// A stable hash of a name (for test UIDs and container IDs).
-fn fxhash(s: &str) -> u64 {
+pub fn fxhash(s: &str) -> u64 {
     s.bytes().fold(0xcbf29ce484222325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
     })

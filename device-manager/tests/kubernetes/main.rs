@@ -1,9 +1,12 @@
-//! gpushare-device-manager on a node of stand-ins (see `cluster.rs`): the real manager, the
-//! real scheduler and hook on the simulated GPU, a fake kubelet, PodResources and API server,
-//! the real `kubectl`, tenants in kubelet-style cgroups.
+//! The node agents on nodes of stand-ins: gpushare-device-manager (see `cluster.rs`; here) and
+//! gpushare-dra (`dra.rs`), each the real agent with the real scheduler and hook on the
+//! simulated GPU, fake kubelets and API server, the real `kubectl`, tenants in kubelet-style
+//! cgroups.
 
 mod apiserver;
 mod cluster;
+mod dra;
+mod drakubelet;
 mod kubelet;
 mod tools;
 
