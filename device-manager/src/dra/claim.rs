@@ -586,7 +586,7 @@ mod tests {
             vec![],
         );
         assert!(
-            prepare(&on_b, node(&g), &[seventy.clone()]).is_ok(),
+            prepare(&on_b, node(&g), std::slice::from_ref(&seventy)).is_ok(),
             "other GPU"
         );
         // The same claim prepared again does not count against itself.
@@ -595,6 +595,9 @@ mod tests {
             vec![result("gpu", A, json!({"share": "70", "memory": "4Gi"}))],
             vec![],
         );
-        assert_eq!(prepare(&again, node(&g), &[seventy.clone()]), Ok(seventy));
+        assert_eq!(
+            prepare(&again, node(&g), std::slice::from_ref(&seventy)),
+            Ok(seventy)
+        );
     }
 }

@@ -5,15 +5,15 @@
 //! in kubelet-style cgroups.
 
 use crate::apiserver::{FakeApiServer, Kind};
-use crate::cluster::{Cgroup, Driver, Manager, NODE, cgroups_usable, fxhash};
+use crate::cluster::{Cgroup, Driver, Manager, NODE, agent_command, cgroups_usable, fxhash};
 use crate::drakubelet::FakeDraKubelet;
 use gpushare_device_manager::proto::dra::{Claim, NodePrepareResourceResponse};
-use gpushare_testkit::harness::{describe, json_lines, target_dir};
+use gpushare_testkit::harness::{json_lines, target_dir};
 use gpushare_testkit::node::{Node, Spin, common_active_window};
 use gpushare_testkit::trace::Window;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const GIB: u64 = 1 << 30;
@@ -85,35 +85,21 @@ impl DraNode {
 
     pub fn start_driver(&mut self) {
         assert!(self.driver.is_none());
-        let tmp = self.node.tmp.path();
-        let log_path = tmp.join("dra.log");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .unwrap();
-        let mut cmd = self.node.command(target_dir().join("gpushare-dra"));
-        cmd.args(["--node-name", NODE])
-            .arg("--registry-dir")
+        let log = self.node.tmp.path().join("dra.log");
+        let mut cmd = agent_command(
+            &self.node,
+            "gpushare-dra",
+            &self.admin_socket,
+            &self.kubeconfig,
+            &log,
+        );
+        cmd.arg("--registry-dir")
             .arg(&self.kubelet.registry)
             .arg("--plugin-dir")
             .arg(&self.plugin_dir)
             .arg("--cdi-dir")
-            .arg(&self.cdi_dir)
-            .arg("--scheduler-socket")
-            .arg(&self.admin_socket)
-            .arg("--tenant-socket")
-            .arg(&self.node.sched_socket)
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--hook-library")
-            .arg(target_dir().join("libgpushare.so"))
-            .arg("--hook-dir")
-            .arg(tmp.join("var-lib-gpushare/lib"))
-            .env("GPUSHARE_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log);
-        self.driver = Some(Manager::spawn(cmd, log_path));
+            .arg(&self.cdi_dir);
+        self.driver = Some(Manager::spawn(cmd, log));
     }
 
     pub fn stop_driver(&mut self) {
@@ -324,21 +310,7 @@ impl DraNode {
 
     /// Poll `gpushare status --json` until `f` holds (at most `timeout`); the status then.
     pub fn wait_status(&self, timeout: Duration, f: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(s) = self.node.status_json()
-                && f(&s)
-            {
-                return s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the scheduler's status did not get there within {timeout:?}: {:#}\n--- driver log ---\n{}",
-                self.node.status_json().unwrap_or_default(),
-                self.driver_log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        crate::cluster::wait_status(&self.node, timeout, f, || self.driver_log())
     }
 
     /// Stop everything; the device trace.
@@ -578,25 +550,13 @@ async fn dra_claims_get_their_share_and_memory_on_their_gpu() {
     );
 }
 
-/// `kubernetes-validate --strict -k 1.34.0` on `objects` (written to files).
+/// `objects` pass the schema of Kubernetes 1.34.
 fn validate_134(objects: &[Value]) {
-    let tmp = tempfile::tempdir().unwrap();
-    let mut files = Vec::new();
-    for (i, o) in objects.iter().enumerate() {
-        let f = tmp.path().join(format!("{i}.json"));
-        std::fs::write(&f, serde_json::to_vec_pretty(o).unwrap()).unwrap();
-        files.push(f);
-    }
-    let out = Command::new(crate::tools::kubernetes_validate())
-        .args(["--strict", "-k", "1.34.0"])
-        .args(&files)
-        .output()
-        .expect("run kubernetes-validate");
-    assert!(
-        out.status.success(),
-        "schema validation failed\n{}\n{objects:#?}",
-        describe(&out)
-    );
+    let text: Vec<String> = objects
+        .iter()
+        .map(|o| serde_json::to_string_pretty(o).unwrap())
+        .collect();
+    crate::tools::validate("1.34.0", &text.join("\n---\n"), &[]);
 }
 
 /// Bad input: a malformed configuration, a claim over what its GPU has left, a share over a
@@ -790,17 +750,7 @@ async fn dra_bad_claims_are_refused_with_an_event_and_nothing_prepared() {
 #[test]
 fn the_dra_manifests_render_and_validate() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes");
-    let out = Command::new(crate::tools::kubectl())
-        .arg("kustomize")
-        .arg(root.join("../kubernetes-dra"))
-        .output()
-        .expect("run kubectl kustomize");
-    assert!(
-        out.status.success(),
-        "kubectl kustomize failed\n{}",
-        describe(&out)
-    );
-    let rendered = String::from_utf8(out.stdout).unwrap();
+    let rendered = crate::tools::kustomize(&root.join("../kubernetes-dra"));
     for want in [
         "- gpushare-dra\n",
         "kind: DeviceClass",
@@ -820,20 +770,7 @@ fn the_dra_manifests_render_and_validate() {
         !rendered.contains("- gpushare-device-manager\n") && !rendered.contains("device-plugins"),
         "the device plugin is still in the DRA variant\n{rendered}"
     );
-    let tmp = tempfile::tempdir().unwrap();
-    let file = tmp.path().join("rendered.yaml");
-    std::fs::write(&file, &rendered).unwrap();
-    let out = Command::new(crate::tools::kubernetes_validate())
-        .args(["--strict", "-k", "1.34.0"])
-        .arg(&file)
-        .arg(root.join("examples/dra-pod.yaml"))
-        .output()
-        .expect("run kubernetes-validate");
-    assert!(
-        out.status.success(),
-        "schema validation failed\n{}",
-        describe(&out)
-    );
+    crate::tools::validate("1.34.0", &rendered, &[root.join("examples/dra-pod.yaml")]);
     let class = rendered
         .split("\n---\n")
         .find(|d| d.contains("kind: DeviceClass"))

@@ -64,18 +64,10 @@ impl FakeDraKubelet {
 
     /// Wait (at most `timeout`) until there are `n` registrations; the time of the `n`th.
     pub async fn wait_registrations(&self, n: usize, timeout: Duration) -> Instant {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some((t, _)) = self.registrations().get(n - 1) {
-                return *t;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "only {} DRA registration(s) within {timeout:?}, expected {n}",
-                self.registrations().len()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        crate::kubelet::wait_nth(n, timeout, || {
+            self.registrations().iter().map(|(t, _)| *t).collect()
+        })
+        .await
     }
 
     /// A client of the plugin that registered last.
