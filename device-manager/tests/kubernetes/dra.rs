@@ -485,6 +485,7 @@ async fn dra_claims_get_their_share_and_memory_on_their_gpu() {
     // The kubelet restarts (deleting the node's slices, as it does): the driver registers
     // again and publishes its slice again; a repeated prepare gives the same devices.
     n.api.delete(Kind::ResourceSlice, "", SLICE);
+    let deleted = Instant::now();
     let restarted = n.kubelet.restart();
     let again = n
         .kubelet
@@ -496,6 +497,10 @@ async fn dra_claims_get_their_share_and_memory_on_their_gpu() {
     );
     assert!(again.duration_since(restarted) < Duration::from_secs(2));
     n.wait_slice(Duration::from_secs(10)).await;
+    eprintln!(
+        "ResourceSlice published again {} ms after it was deleted",
+        deleted.elapsed().as_millis()
+    );
     assert_eq!(n.kubelet.prepare(&b).await, rb, "idempotent");
 
     // The driver restarts: claim-b is still prepared, its group kept.
