@@ -404,16 +404,15 @@ impl Gate {
         let Inner { turns, queue, .. } = &mut *g;
         let tolerance = turns.queue_budget().unwrap_or(0.0) as u64;
         let mut queued = || self.queued_now(queue, now, tolerance);
-        let watch = turns.watch(now, a, &mut queued);
-        match watch {
-            Watch::Nothing | Watch::At(_) => {
-                // (A probe, when ungated.)
+        match turns.watch(now, a, &mut queued) {
+            // (Applied: a probe, when ungated.)
+            Watch::Nothing => {
                 self.apply(&mut g);
-                if let Watch::At(t) = watch {
-                    Some(t)
-                } else {
-                    None
-                }
+                None
+            }
+            Watch::At(t) => {
+                self.apply(&mut g);
+                Some(t)
             }
             Watch::RollOver => {
                 g.turns.roll_over();

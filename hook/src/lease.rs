@@ -479,13 +479,11 @@ mod tests {
                             if read && booked + a.ask <= cap {
                                 booked += a.ask;
                             }
-                            match l.grant_alone(&a) {
-                                Ok(()) => {
-                                    alone += a.bytes - a.claimed;
-                                    live.push(a.bytes);
-                                }
-                                // (Given back to a scheduler that is not there to hear it.)
-                                Err(_) => {}
+                            // (Refused alone: what it gives back goes to a scheduler that is
+                            // not there to hear it.)
+                            if l.grant_alone(&a).is_ok() {
+                                alone += a.bytes - a.claimed;
+                                live.push(a.bytes);
                             }
                         }
                     }
