@@ -245,3 +245,29 @@ fn declared_groups_need_dev_mode() {
         matches!(next(&mut s), ServerMsg::Error { fatal: true, message } if message.contains("--dev"))
     );
 }
+
+/// The tenant socket's path removed (its directory replaced, say): the daemon binds it again
+/// within a couple of seconds, new processes connect there, and the connections it had live on
+/// (a probe is answered).
+#[test]
+fn a_removed_socket_is_bound_again_and_connections_live_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!("[[group]]\nname = \"me\"\nuids = [{}]\n", uid());
+    let (_d, sock) = start(dir.path(), &config, false);
+    let mut before = connect(&sock);
+    assert!(matches!(next(&mut before), ServerMsg::Welcome { .. }));
+    std::fs::remove_file(&sock).unwrap();
+    let t = Instant::now();
+    while !sock.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the socket was not bound again"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut after = connect(&sock);
+    assert!(matches!(next(&mut after), ServerMsg::Welcome { .. }));
+    let gpu = [7u8; 16];
+    gpushare_protocol::send(&mut before, &ClientMsg::Probe { gpu }).unwrap();
+    assert_eq!(next(&mut before), ServerMsg::Alive { gpu });
+}
