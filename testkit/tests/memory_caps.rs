@@ -1182,3 +1182,52 @@ fn an_allocation_while_the_scheduler_is_stopped_is_charged_once_it_answers() {
     let (status, stderr) = p.finish(RUN);
     assert!(status.is_some_and(|s| s.success()), "{stderr}");
 }
+
+/// Fail-open decides alone against what the scheduler last said: here another process of the
+/// group took 900 MiB of the 1 GiB cap since, so the 256 MiB allocated while the scheduler is
+/// stopped overrun the cap, and the scheduler, running again, refuses the reservation it reads
+/// late. The process's statement of what it holds puts the overrun on the books all the same
+/// (1,156 MiB used of 1,024): never a silent one.
+#[test]
+fn an_overrun_decided_alone_is_on_the_books() {
+    let (node, exe) = node_with("mem_tool");
+    let mut late = in_group(
+        &node,
+        "overrun",
+        Some("1GiB"),
+        &exe,
+        &["hold-later", &(256 * MIB).to_string()],
+    );
+    late.env("GPUSHARE_FAIL", "open");
+    let mut late = Proc::spawn(late);
+    late.expect_json("ready", RUN);
+    let mut other = Proc::spawn(in_group(
+        &node,
+        "overrun",
+        Some("1GiB"),
+        &exe,
+        &["hold", &(900 * MIB).to_string()],
+    ));
+    other.expect_json("held", RUN);
+    let sched = node.scheduler_pid().expect("a scheduler runs") as libc::pid_t;
+    // SAFETY: plain syscalls on the scheduler, our own child.
+    unsafe { libc::kill(sched, libc::SIGSTOP) };
+    late.signal(libc::SIGUSR1);
+    late.expect_json("held", Duration::from_secs(10));
+    unsafe { libc::kill(sched, libc::SIGCONT) };
+    let used = || {
+        node.status_group("overrun")
+            .map_or(0, |g| u(&g, "memory_used"))
+    };
+    let want = 1156 * MIB;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while used() != want && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let got = used();
+    eprintln!(
+        "an overrun decided alone: the books hold {} MiB of a 1024 MiB cap",
+        got / MIB
+    );
+    assert_eq!(got, want, "the books hold both processes' allocations");
+}
