@@ -182,13 +182,17 @@ pub fn learn_cap(h: &Hook, gpu: usize, cap: Option<u64>, used: u64) {
 }
 
 /// The group's cap on gate `gpu` and its use (this process's spare included): the
-/// scheduler's answer, or, while it owes answers (fail-open) or cannot be reached, what it
-/// last said. `None` if it said nothing yet, or when fail-closed gets no answer.
+/// scheduler's answer, or, while it owes answers or cannot be reached (fail-open), what it
+/// last said. `None` if it said nothing yet, or when fail-closed gets no answer (it asks even
+/// while the scheduler owes one, and waits).
 pub fn query(h: &'static Hook, gpu: usize) -> Option<(Option<u64>, u64)> {
     let known = || h.memory.lease(gpu).known();
     let open = h.settings.fail == FailPolicy::Open;
-    if !h.port.is_connected() || h.port.owes() {
-        return if open { known() } else { None };
+    if open && (!h.port.is_connected() || h.port.owes()) {
+        return known();
+    }
+    if !h.port.is_connected() {
+        return None;
     }
     let uuid = h.gates[gpu].uuid;
     let Some(pending) = h.port.request(|req| ClientMsg::MemQuery { req, gpu: uuid }) else {
