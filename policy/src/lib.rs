@@ -75,6 +75,12 @@
 //!    client is told to stop at once; its queued work is bounded by its hook, and the next turn
 //!    started on time anyway) and charged as held until a late report settles it. A client
 //!    that disconnects ends its turn at once.
+//! 10. **Latency class.** While a group of [`GroupClass::Latency`] is connected, every other
+//!    group's turns keep at most [`PolicyConfig::latency_queue_budget_ns`] of work queued (the
+//!    server waits behind that when it asks). When it comes back with work it is served
+//!    (point 6) unless it is ahead of the holder by a minimum quota, and the holder's turn ends
+//!    an eighth of a minimum quota after its start at the earliest: its client stops at its
+//!    next kernel. What it uses is charged and capped like any other group's time.
 
 mod credit;
 mod group;
@@ -89,7 +95,7 @@ mod tests;
 #[cfg(test)]
 mod virtual_time;
 
-pub use params::{GroupParams, PolicyConfig};
+pub use params::{GroupClass, GroupParams, PolicyConfig};
 pub use status::{GpuStatus, GroupStatus};
 pub use turn::TurnUse;
 pub use water_fill::{effective_requests, water_fill};
