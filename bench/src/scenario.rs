@@ -225,6 +225,7 @@ fn check_params(t: &TenantSpec) -> Result<(), String> {
         request: t.request,
         limit: t.limit,
         weight: t.weight,
+        ..Default::default()
     };
     params.validate()?;
     if let Some(e) = t.expect

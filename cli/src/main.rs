@@ -44,6 +44,10 @@ enum Cmd {
         /// GPU memory cap, e.g. 4GiB (with --group).
         #[arg(long, value_parser = gpushare_units::parse_size)]
         memory: Option<u64>,
+        /// The latency class: a request server whose tail latency matters; the others keep
+        /// little work queued and hand it the GPU at their next kernel (with --group).
+        #[arg(long, requires = "group")]
+        latency: bool,
         #[arg(last = true, required = true, value_name = "CMD")]
         cmd: Vec<String>,
     },
@@ -220,6 +224,7 @@ fn main() -> ExitCode {
             limit,
             weight,
             memory,
+            latency,
             cmd,
         } => (|| -> anyhow::Result<ExitCode> {
             let hook = hook_path()?;
@@ -243,6 +248,9 @@ fn main() -> ExitCode {
                     .env("GPUSHARE_WEIGHT", weight.to_string());
                 if let Some(m) = memory {
                     c.env("GPUSHARE_MEMORY", m.to_string());
+                }
+                if latency {
+                    c.env("GPUSHARE_CLASS", "latency");
                 }
             }
             let err = c.exec();

@@ -670,6 +670,7 @@ pub fn pod_group(i: u8) -> PodGroup {
         limit: 1.0,
         weight: 1.0,
         memory: Some(256 * MIB),
+        latency: false,
     }
 }
 
@@ -820,6 +821,7 @@ impl World {
                     limit: 1.0,
                     weight: 1.0,
                     memory: Some(300 * MIB),
+                    latency: false,
                 });
                 self.hello(c, spec);
             }
