@@ -198,7 +198,7 @@ impl Scenario {
     }
 
     /// The hand-written `expect` of each tenant against the bench's water-filling
-    /// ([`expected::targets`]) at nominal demand: two independent readings of DESIGN §2.
+    /// ([`expected::targets`]) at nominal demand: two independent readings of the share rules.
     fn check_expectations(&self) -> anyhow::Result<()> {
         let targets = expected::targets(self, |i| self.tenants[i].demand());
         for (t, target) in self.tenants.iter().zip(targets) {
@@ -206,7 +206,7 @@ impl Scenario {
                 && (e - target).abs() > EXPECT_TOLERANCE
             {
                 bail!(
-                    "tenant {}: expect = {e} but DESIGN §2 water-filling gives {target:.4}; \
+                    "tenant {}: expect = {e} but the bench's water-filling gives {target:.4}; \
                      correct the expectation (or the tenant's request/limit/weight)",
                     t.name
                 );
@@ -219,7 +219,7 @@ impl Scenario {
 /// How far a hand-written `expect` may differ from the computed target (rounding).
 const EXPECT_TOLERANCE: f64 = 5e-4;
 
-/// `0 ≤ request ≤ limit ≤ 1`, `weight > 0`, all finite (DESIGN §2's ranges).
+/// `0 ≤ request ≤ limit ≤ 1`, `weight > 0`, all finite (the ranges the scheduler accepts).
 fn check_params(t: &TenantSpec) -> Result<(), String> {
     for (name, v) in [
         ("request", t.request),

@@ -1,4 +1,4 @@
-//! `gpushare-device-manager`: the Kubernetes node agent of gpushare (DESIGN §6).
+//! `gpushare-device-manager`: the Kubernetes node agent of gpushare (docs/kubernetes.md).
 //!
 //! - [`plugin`] + [`kubelet`]: the device plugin for `gpushare.io/gpu-share` (100 units per
 //!   GPU, [`inventory`]), which units to prefer and what `Allocate` injects ([`allocation`],

@@ -236,11 +236,11 @@ fn handle(sh: &Arc<Shared>, mut req: Request) {
         },
         (_, [] | ["events"] | ["api", "jobs" | "gpus"] | ["api", "jobs", _]) => error(
             405,
-            &format!("{method} is not served at {url}; see the API table in the README"),
+            &format!("{method} is not served at {url}; see the API table in docs/queue.md"),
         ),
         (_, ["api", "jobs", _, "logs" | "cancel"]) => error(
             405,
-            &format!("{method} is not served at {url}; see the API table in the README"),
+            &format!("{method} is not served at {url}; see the API table in docs/queue.md"),
         ),
         _ => error(404, &format!("nothing at {url}")),
     };

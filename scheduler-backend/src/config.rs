@@ -1,4 +1,4 @@
-//! The daemon's TOML configuration (see README "Configuration reference"): token timing and
+//! The daemon's TOML configuration (docs/configuration.md#configuration-file): turn timing and
 //! the groups with their shares and the processes that belong to them.
 //!
 //! ```toml
@@ -116,7 +116,7 @@ impl GroupConfig {
 }
 
 /// Bounds on the tenant socket, so that no number of idle, slow or hostile connections can
-/// exhaust the daemon (see `[connections]` in README "Configuration reference").
+/// exhaust the daemon (docs/robustness.md#a-flood-of-connections).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ConnectionLimits {
     /// Connections in total.

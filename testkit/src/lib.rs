@@ -5,7 +5,7 @@
 //! - [`harness`]: find the built simulator (`gpushare-sim`, `libcuda.so`) next to a test or
 //!   benchmark executable and run commands under it.
 //! - [`node`]: a simulated node (device + scheduler) and tenants under `gpushare run`.
-//! - [`flood`]: a connection flood against a scheduler's socket (issue 19), and what a flooded
+//! - [`flood`]: a connection flood against a scheduler's socket, and what a flooded
 //!   run watches (the scheduler's threads, `gpushare status` latency).
 //! - [`margins`]: how far the end-to-end tests let a figure stray (behaviour, not precision).
 //! - [`ptx`]: the hand-written PTX module (`gpushare_spin`, `touch`) every client loads.
