@@ -22,7 +22,7 @@ fn jobs_of_two_users_run_as_them_with_their_shares() {
     let q = QueueNode::start(&[], &["--policy", "fifo"]);
     // Each job says who it runs as, then keeps the GPU busy for 3.5 s.
     let job = |share: &str| -> Vec<String> {
-        let spin = cudarc(&[
+        let spin = q.cudarc(&[
             "spin",
             "--ms-per-kernel",
             "1",
@@ -139,7 +139,7 @@ fn queue_and_schedule_wait_modes_and_the_memory_threshold() {
             (used >= 950 << 20).then_some(())
         },
     );
-    let spin = cudarc(&["spin", "--ms-per-kernel", "1", "--kernels", "200"]);
+    let spin = q.cudarc(&["spin", "--ms-per-kernel", "1", "--kernels", "200"]);
     let with = |mode: &str| -> Vec<String> {
         let mut v: Vec<String> = ["--prefer", "0", "--wait-mode", mode, "--"]
             .iter()
@@ -181,7 +181,7 @@ fn queue_and_schedule_wait_modes_and_the_memory_threshold() {
 #[test]
 fn a_timeout_kills_the_job() {
     let q = QueueNode::start(&[], &[]);
-    let spin = cudarc(&[
+    let spin = q.cudarc(&[
         "spin",
         "--ms-per-kernel",
         "1",
@@ -238,7 +238,7 @@ fn kill_9_of_the_daemon_loses_nothing() {
     q.wait_state(done, "succeeded", SPIN);
     // GPU 0: a job that outlives the daemon; GPU 1: one that ends while it is down; a third
     // waits for a whole GPU.
-    let spin = cudarc(&[
+    let spin = q.cudarc(&[
         "spin",
         "--ms-per-kernel",
         "1",

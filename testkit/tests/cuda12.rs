@@ -524,17 +524,18 @@ fn user(name: &str) -> Option<u32> {
 #[test]
 fn tenants_of_different_users_share_one_gpu() {
     let _serial = common::timing_lock();
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: creating users and running tenants as them needs root");
-        return;
-    }
+    assert_eq!(
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() },
+        0,
+        "this test creates users and runs tenants as them, which needs root (run it as root, as CI does)"
+    );
     let (Some(a), Some(b)) = (user("gpushare-tenant1"), user("gpushare-tenant2")) else {
         panic!("cannot create the users gpushare-tenant1 and gpushare-tenant2 (useradd)");
     };
-    let node = Node::start(&[]);
-    // The node's sockets live in its scratch directory: let the tenants' users reach them.
-    std::fs::set_permissions(node.tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The tenants' users run copies of the programs, and reach the node's sockets.
+    let mut node = Node::for_every_user(&[]);
+    node.start_scheduler(&[]);
     // The static runtime: the users cannot read root's Python installation.
     let (trace, s) = two_tenants(node, &clients().runtime_static, Some([a, b]), [0.5, 0.5]);
     assert_split(&s, [0.5, 0.5]);
