@@ -5,7 +5,7 @@ use crate::analysis::{RunFigures, analyse};
 use crate::client::ClientResult;
 use crate::cpu;
 use crate::expected;
-use crate::noise::{self, NoiseRecord, Disturbance};
+use crate::noise::{self, Disturbance, NoiseRecord};
 use crate::report::{FLOOD_SAMPLE_MS, FloodRun, round};
 use crate::scenario::Scenario;
 use crate::settings::{Settings, Source};
