@@ -74,10 +74,10 @@
 //!    was free before or after it, it is charged from its first launch or until its last kernel
 //!    ended, as its client measured: a tenant alone is charged for the time its kernels occupied
 //!    the GPU, not for the time its turn lasted. (See [`turn::Turn::charge`].)
-//! 8. **Timeouts.** (`docs/scheduling.md#timeouts`) A turn whose client has not reported by its end
-//!    + grace is revoked (the client is told to stop at once; its queued work is bounded by its
-//!    hook, and the next turn started on time anyway) and charged as held until a late report
-//!    settles it. A client that disconnects ends its turn at once.
+//! 8. **Timeouts.** (`docs/scheduling.md#timeouts`) A turn whose client has not reported by its
+//!    end plus the grace is revoked (the client is told to stop at once; its queued work is
+//!    bounded by its hook, and the next turn started on time anyway) and charged as held until a
+//!    late report settles it. A client that disconnects ends its turn at once.
 //! 9. **Extension while alone.** (`docs/scheduling.md#extension`) A holder alone on the GPU keeps
 //!    its turn a quota at a time. When another group asks, the turn ends a `min_quota_ns` later (or
 //!    at its deadline before the extension, if later; less by `docs/scheduling.md#preemption`),
