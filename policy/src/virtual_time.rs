@@ -201,7 +201,8 @@ pub struct Sim {
     /// kept by the recursion `X ← max(0, X − limit · Δt) + granted`.
     excess: Vec<(f64, u64)>,
     /// Per group, when a tenant of it last gave a turn back early: the turn that starts then
-    /// (within a minimum quota) may be taken back sooner than a minimum quota (docs/scheduling.md#preemption).
+    /// (within a minimum quota) may be taken back sooner than a minimum quota
+    /// (`docs/scheduling.md#preemption`).
     yielded_at: Vec<Option<u64>>,
     pub stats: Stats,
 }

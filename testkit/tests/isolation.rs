@@ -91,7 +91,8 @@ fn measure(what: &str, trace: &Trace, pids: &[u32], want: &[f64]) -> (Window, Ve
     (w, s)
 }
 
-/// A lone tenant with limit 0.3 (docs/scheduling.md#caps) gets 0.3 of the GPU, although it is otherwise idle.
+/// A lone tenant with limit 0.3 (`docs/scheduling.md#caps`) gets 0.3 of the GPU, although it is
+/// otherwise idle.
 #[test]
 fn lone_tenant_is_capped_at_its_limit() {
     let node = Node::start(&[]);
@@ -196,7 +197,8 @@ fn spare_time_is_split_by_weight() {
 /// A mostly idle tenant's unused share goes to the busy one, and the GPU does not
 /// idle while the busy tenant has work waiting, beyond the cost of the handoffs. The bursty
 /// tenant, under its guarantee, gets what it needs when its work arrives: the busy tenant's
-/// token is cut short for it (docs/scheduling.md#preemption) rather than it waiting out a whole quota.
+/// token is cut short for it (`docs/scheduling.md#preemption`) rather than it waiting out a
+/// whole quota.
 ///
 /// The busy tenant never synchronises, so it always has work waiting.
 #[test]
@@ -602,8 +604,8 @@ fn wait_for_status(node: &Node, what: &str, ready: impl Fn(&serde_json::Value) -
 
 /// On a [`long_turn_node`]: start `victim` (group `victim`, request `request`) alone and wait
 /// until it holds the token (alone, it keeps it), then start `other` (group `other`, no
-/// request: the victim's token is not cut short for it, docs/scheduling.md#preemption) and wait until it waits for
-/// the token. The victim then holds it for about 300 ms more.
+/// request: the victim's token is not cut short for it, `docs/scheduling.md#preemption`) and
+/// wait until it waits for the token. The victim then holds it for about 300 ms more.
 fn holder_and_waiter(node: &Node, request: f64, victim: &Spin, other: &Spin) -> (Tenant, Tenant) {
     let victim = spin_tenant(node, "victim", request, 1.0, 1.0, victim);
     let vpid = u64::from(victim.pid());
