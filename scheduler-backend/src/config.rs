@@ -325,7 +325,9 @@ weight = 2
             assert!(!keys.is_empty(), "no keys in {err:?}");
             for key in keys {
                 assert!(
-                    block.lines().any(|l| l.trim_start().starts_with(&format!("{key} ="))),
+                    block
+                        .lines()
+                        .any(|l| l.trim_start().starts_with(&format!("{key} ="))),
                     "{table} accepts `{key}`, which docs/configuration.md's example does not show"
                 );
             }
