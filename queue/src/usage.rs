@@ -60,7 +60,11 @@ impl UsageHistory {
     /// Take a sample of each GPU from the scheduler's report at `now_ns` (unless the last one is
     /// younger than [`RESOLUTION_NS`]), and forget samples older than [`SPAN_NS`].
     pub fn record(&mut self, now_ns: u64, gpus: &[GpuInfo], report: &Report) {
+        let from = now_ns.saturating_sub(SPAN_NS);
         for (series, gpu) in self.series.iter_mut().zip(gpus) {
+            while series.samples.front().is_some_and(|s| s.t_ns < from) {
+                series.samples.pop_front();
+            }
             let last = series.samples.back().map(|s| s.t_ns);
             if last.is_some_and(|t| now_ns < t.saturating_add(RESOLUTION_NS)) {
                 continue;
@@ -71,10 +75,6 @@ impl UsageHistory {
                 t_ns: now_ns,
                 points,
             });
-            let from = now_ns.saturating_sub(SPAN_NS);
-            while series.samples.front().is_some_and(|s| s.t_ns < from) {
-                series.samples.pop_front();
-            }
         }
     }
 
@@ -343,7 +343,7 @@ mod tests {
                 h.record(now, &gpus, &report("GPU-a", groups));
                 let s = &h.series[0];
                 prop_assert!(s.samples.len() as u64 <= SPAN_NS / RESOLUTION_NS + 1);
-                prop_assert!(s.samples.front().unwrap().t_ns >= now.saturating_sub(SPAN_NS));
+                prop_assert!(s.samples.iter().all(|x| x.t_ns >= now.saturating_sub(SPAN_NS)));
                 for sample in &s.samples {
                     prop_assert!(sample.points.len() <= MAX_GROUPS);
                     prop_assert!(sample.points.iter().all(|p| (0.0..=1.0).contains(&p.share)));

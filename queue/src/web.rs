@@ -260,7 +260,11 @@ function el(ns, name, attrs, text) {
   if (text !== undefined) e.textContent = text;
   return e;
 }
-function gib(b) { return (b / 2 ** 30).toFixed(1) + " GiB"; }
+function bytes(b) { return b >= 2 ** 30 ? (b / 2 ** 30).toFixed(1) + " GiB" : Math.round(b / 2 ** 20) + " MiB"; }
+// The least of 1, 2 or 5 times a power of two MiB at or above `b`.
+function ceiling(b) {
+  for (let m = 2 ** 20; ; m *= 2) for (const k of [1, 2, 5]) if (k * m >= b) return k * m;
+}
 function ago(s) { return s >= 120 ? "−" + Math.round(s / 60) + " min" : "−" + Math.round(s) + " s"; }
 function chart(id, title, times, groups, key, max, fmt) {
   const svg = el(NS, "svg", { id, width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: "img" });
@@ -296,8 +300,10 @@ function gpuUsage(g) {
     return box;
   }
   const share = chart("share-gpu-" + g.index, "share of GPU time", g.times, g.groups, "share", 1, (v) => v.toFixed(1));
-  const memMax = g.memory_total || Math.max(1, ...g.times.map((_, i) => g.groups.reduce((s, x) => s + x.memory[i], 0)));
-  const memory = chart("memory-gpu-" + g.index, "memory in use", g.times, g.groups, "memory", memMax, gib);
+  // Scaled to what was in use, so that a few MiB show on a GPU of many GiB.
+  const used = Math.max(0, ...g.times.map((_, i) => g.groups.reduce((s, x) => s + x.memory[i], 0)));
+  const memMax = Math.min(ceiling(used * 1.1), g.memory_total || Infinity);
+  const memory = chart("memory-gpu-" + g.index, "memory in use (of " + bytes(g.memory_total) + ")", g.times, g.groups, "memory", memMax, bytes);
   box.append(share, memory);
   const legend = el(null, "ul", { class: "legend" });
   g.groups.forEach((x, k) => {
@@ -393,7 +399,10 @@ mod tests {
             jobs: vec![],
             books_error: Some("<script>alert('x')</script> & \"more\"".into()),
         });
-        assert!(!row.contains("<script>") && !row.contains('\''), "{row}");
+        assert!(
+            !row.contains("<script>") && !row.contains("alert('x')"),
+            "{row}"
+        );
         assert!(
             row.contains("&lt;script&gt;") && row.contains("&amp;"),
             "{row}"

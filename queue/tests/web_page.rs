@@ -302,7 +302,7 @@ fn the_page_plots_each_groups_use_and_links_output_to_its_owner_only() {
         let s = series(plot);
         groups.iter().all(|g| {
             s.iter()
-                .any(|(name, points, max)| name == g && *points >= 3 && *max >= least)
+                .any(|(name, points, max)| name == g && *points >= 5 && *max >= least)
         })
     };
     eventually(
@@ -326,6 +326,11 @@ fn the_page_plots_each_groups_use_and_links_output_to_its_owner_only() {
             "the legend names job {id} and its owner: {legend}"
         );
     }
+    browser.command(
+        "POST",
+        "window/rect",
+        json!({"width": 1280, "height": 1300}),
+    );
     let shot = target_dir().join("gpushare-queue-page.png");
     browser.screenshot(&shot);
     eprintln!("screenshot of the page: {}", shot.display());
