@@ -794,7 +794,7 @@ enum Dir {
 
 /// Error unless `[ptr, ptr + len)` is memory the device addresses: an allocation of this
 /// process or (mapped) page-locked host memory.
-fn check_dev(st: &State, ptr: u64, len: usize) -> CuResult {
+pub fn check_dev(st: &State, ptr: u64, len: usize) -> CuResult {
     st.device_range(ptr, len)
         .map(|_| ())
         .ok_or(CUDA_ERROR_INVALID_VALUE)

@@ -144,6 +144,10 @@ pub struct Context {
     pub legacy: u64,
     /// Every stream of the context, the legacy one included.
     pub streams: Vec<u64>,
+    /// Limits set with cuCtxSetLimit: (limit, value).
+    pub limits: Vec<(CUlimit, usize)>,
+    /// Contexts whose memory this one may access (cuCtxEnablePeerAccess).
+    pub peers: Vec<u64>,
 }
 
 pub struct Stream {
@@ -279,6 +283,7 @@ pub enum NodeKind {
     Kernel {
         function: u64,
         arg0: Option<u64>,
+        launch: Box<KernelLaunch>,
     },
     Memset {
         dst: u64,
@@ -300,6 +305,38 @@ pub enum NodeKind {
     EventWait {
         event: u64,
     },
+}
+
+/// A kernel node's launch, kept as `cuGraphKernelNodeGetParams` returns it: its shape and a
+/// copy of its arguments ("kernel parameters are copied when the node is created").
+#[derive(Debug)]
+pub struct KernelLaunch {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared: u32,
+    /// Each argument's bytes (heap blocks that do not move with the node).
+    pub args: Vec<Box<[u8]>>,
+    /// The addresses of `args`, the `kernelParams` array handed out.
+    pub arg_ptrs: Box<[usize]>,
+}
+
+impl KernelLaunch {
+    pub fn new(grid: [u32; 3], block: [u32; 3], shared: u32, args: Vec<Box<[u8]>>) -> Self {
+        let arg_ptrs = args.iter().map(|a| a.as_ptr() as usize).collect();
+        KernelLaunch {
+            grid,
+            block,
+            shared,
+            args,
+            arg_ptrs,
+        }
+    }
+}
+
+impl Clone for KernelLaunch {
+    fn clone(&self) -> Self {
+        KernelLaunch::new(self.grid, self.block, self.shared, self.args.clone())
+    }
 }
 
 #[derive(Default)]
@@ -337,8 +374,9 @@ pub struct State {
     next_event_slot: u32,
     pub modules: HashMap<u64, Module>,
     pub functions: HashMap<u64, Function>,
-    /// Loaded libraries: library → its module.
-    pub libraries: HashMap<u64, u64>,
+    /// Loaded libraries: library → its module, or, for a library whose image has nothing the
+    /// device runs, the error its loading gives once something of it is needed (lazy loading).
+    pub libraries: HashMap<u64, CuResult<u64>>,
     /// Link states of cuLinkCreate: their images so far, and the last completed output.
     pub links: HashMap<u64, crate::api_link::LinkState>,
     /// Context-local storage: (context, key) → value.
@@ -448,6 +486,8 @@ impl State {
                 flags,
                 legacy: 0,
                 streams: Vec::new(),
+                limits: Vec::new(),
+                peers: Vec::new(),
             },
         );
         let legacy = self.create_stream(client, ctx, 0, 0, true)?;
