@@ -286,6 +286,18 @@ extern "C" fn not_supported_4(_: usize, _: usize, _: usize, _: usize) -> CUresul
     CUDA_ERROR_NOT_SUPPORTED
 }
 
+// --- a table cuBLASLt's reduced-precision heuristics ask for ---
+//
+// cuBLASLt calls slot 4 with two out-pointers it zeroed, and takes its own path when the call
+// fails; it does not check that the table was found, so a driver that does not serve it makes
+// the first bfloat16 matmul crash. Every slot answers "not supported".
+const LT_HEURISTICS_ID: [u8; 16] = uuid(0x1734dc26_800d_4745_8726_c0f1e7dd8bca);
+static LT_HEURISTICS: Table<8> = {
+    let mut t = [not_supported_2 as *const c_void; 8];
+    t[0] = size_of_table(8);
+    Table(t)
+};
+
 // --- context checks ---
 
 const CONTEXT_CHECKS_ID: [u8; 16] = uuid(0x263e8860_7cd2_6143_92f6_bbd5006dfa7e);
@@ -473,6 +485,7 @@ fn table(uuid: &[u8; 16]) -> Option<*const c_void> {
         CONTEXT_CHECKS_ID => CONTEXT_CHECKS.start(),
         INTEGRITY_CHECK_ID => INTEGRITY_CHECK.start(),
         CONTEXT_IDENTITY_ID => CONTEXT_IDENTITY.start(),
+        LT_HEURISTICS_ID => LT_HEURISTICS.start(),
         _ => return None,
     })
 }

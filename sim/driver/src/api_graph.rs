@@ -6,8 +6,7 @@ use crate::api_memory::{copy_checked, memset_checked};
 use crate::client::HostCall;
 use crate::ffi::*;
 use crate::state::{
-    Exec, Graph, KernelLaunch, NodeKind, State, UserObject, run_user_object_destructors,
-    with_state,
+    Exec, Graph, KernelLaunch, NodeKind, State, UserObject, run_user_object_destructors, with_state,
 };
 use gpushare_sim_wire::Op;
 use std::ffi::{c_char, c_uint, c_void};
@@ -527,7 +526,10 @@ entry!(
     fn cuGraphKernelNodeGetParams(node: Handle, out: *mut CUDA_KERNEL_NODE_PARAMS_v1) {
         with_state(|_, st| {
             let (g, i) = node_at(st, node)?;
-            kernel_node_params(&st.graphs.get(&g).ok_or(CUDA_ERROR_INVALID_VALUE)?.nodes[i], out)
+            kernel_node_params(
+                &st.graphs.get(&g).ok_or(CUDA_ERROR_INVALID_VALUE)?.nodes[i],
+                out,
+            )
         })
     }
 );
@@ -553,7 +555,10 @@ fn exec_set_kernel(exec: Handle, node: Handle, p: *const CUDA_KERNEL_NODE_PARAMS
     with_state(|_, st| {
         let (_, i) = node_at(st, node)?;
         let kind = kernel_node(st, &p)?;
-        let e = st.execs.get_mut(&id(exec)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let e = st
+            .execs
+            .get_mut(&id(exec))
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
         match e.nodes.get_mut(i) {
             Some(slot @ NodeKind::Kernel { .. }) => {
                 *slot = kind;

@@ -141,7 +141,11 @@ pub fn launch(
         if st.streams.get(&s).is_some_and(|x| x.capture.is_some()) {
             let args = copy_args(st, function, params, extra)?;
             let launch = Box::new(KernelLaunch::new(grid, block, shared, args));
-            let node = NodeKind::Kernel { function, arg0, launch };
+            let node = NodeKind::Kernel {
+                function,
+                arg0,
+                launch,
+            };
             if capture_node(st, s, node)? {
                 return Ok(());
             }

@@ -33,7 +33,11 @@ const _: () = assert!(std::mem::size_of::<BatchMemOp>() == 48);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MemOp {
     Wait,
-    Write { address: u64, value: u64, wide: bool },
+    Write {
+        address: u64,
+        value: u64,
+        wide: bool,
+    },
     Barrier,
 }
 
@@ -101,11 +105,7 @@ fn submit(st: &mut State, stream: u64, ops: &[MemOp]) -> CuResult {
 }
 
 /// One operation on `stream`, checked by `check` with the state in hand.
-fn single(
-    stream: Handle,
-    pt: bool,
-    check: impl FnOnce(&State) -> CuResult<MemOp>,
-) -> CuResult {
+fn single(stream: Handle, pt: bool, check: impl FnOnce(&State) -> CuResult<MemOp>) -> CuResult {
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, stream, pt)?;
         let op = check(st)?;
@@ -113,39 +113,77 @@ fn single(
     })
 }
 
-macro_rules! value_ops {
-    ($($legacy:ident / $per_thread:ident: $ty:ty, $wide:expr, $kind:ident;)*) => {$(
-        entry_pt!($legacy / $per_thread, |pt| fn(
-            stream: Handle,
-            address: CUdeviceptr,
-            value: $ty,
-            flags: c_uint,
-        ) {
-            single(stream, pt, |st| value_op!($kind, st, address, value as u64, $wide, flags))
-        });
-    )*};
-}
+entry_pt!(cuStreamWaitValue32 / cuStreamWaitValue32_ptsz, |pt| fn(
+    stream: Handle,
+    address: CUdeviceptr,
+    _value: cuuint32_t,
+    flags: c_uint,
+) {
+    single(stream, pt, |st| wait(st, address, false, flags))
+});
 
-macro_rules! value_op {
-    (wait, $st:expr, $a:expr, $v:expr, $wide:expr, $f:expr) => {{
-        let _ = $v;
-        wait($st, $a, $wide, $f)
-    }};
-    (write, $st:expr, $a:expr, $v:expr, $wide:expr, $f:expr) => {
-        write($st, $a, $v, $wide, $f)
-    };
-}
+entry_pt!(cuStreamWaitValue32_v2 / cuStreamWaitValue32_v2_ptsz, |pt| fn(
+    stream: Handle,
+    address: CUdeviceptr,
+    _value: cuuint32_t,
+    flags: c_uint,
+) {
+    single(stream, pt, |st| wait(st, address, false, flags))
+});
 
-value_ops! {
-    cuStreamWaitValue32 / cuStreamWaitValue32_ptsz: cuuint32_t, false, wait;
-    cuStreamWaitValue32_v2 / cuStreamWaitValue32_v2_ptsz: cuuint32_t, false, wait;
-    cuStreamWaitValue64 / cuStreamWaitValue64_ptsz: cuuint64_t, true, wait;
-    cuStreamWaitValue64_v2 / cuStreamWaitValue64_v2_ptsz: cuuint64_t, true, wait;
-    cuStreamWriteValue32 / cuStreamWriteValue32_ptsz: cuuint32_t, false, write;
-    cuStreamWriteValue32_v2 / cuStreamWriteValue32_v2_ptsz: cuuint32_t, false, write;
-    cuStreamWriteValue64 / cuStreamWriteValue64_ptsz: cuuint64_t, true, write;
-    cuStreamWriteValue64_v2 / cuStreamWriteValue64_v2_ptsz: cuuint64_t, true, write;
-}
+entry_pt!(cuStreamWaitValue64 / cuStreamWaitValue64_ptsz, |pt| fn(
+    stream: Handle,
+    address: CUdeviceptr,
+    _value: cuuint64_t,
+    flags: c_uint,
+) {
+    single(stream, pt, |st| wait(st, address, true, flags))
+});
+
+entry_pt!(cuStreamWaitValue64_v2 / cuStreamWaitValue64_v2_ptsz, |pt| fn(
+    stream: Handle,
+    address: CUdeviceptr,
+    _value: cuuint64_t,
+    flags: c_uint,
+) {
+    single(stream, pt, |st| wait(st, address, true, flags))
+});
+
+entry_pt!(cuStreamWriteValue32 / cuStreamWriteValue32_ptsz, |pt| fn(
+    stream: Handle,
+    address: CUdeviceptr,
+    value: cuuint32_t,
+    flags: c_uint,
+) {
+    single(stream, pt, |st| write(st, address, value as u64, false, flags))
+});
+
+entry_pt!(cuStreamWriteValue32_v2 / cuStreamWriteValue32_v2_ptsz, |pt| fn(
+    stream: Handle,
+    address: CUdeviceptr,
+    value: cuuint32_t,
+    flags: c_uint,
+) {
+    single(stream, pt, |st| write(st, address, value as u64, false, flags))
+});
+
+entry_pt!(cuStreamWriteValue64 / cuStreamWriteValue64_ptsz, |pt| fn(
+    stream: Handle,
+    address: CUdeviceptr,
+    value: cuuint64_t,
+    flags: c_uint,
+) {
+    single(stream, pt, |st| write(st, address, value as u64, true, flags))
+});
+
+entry_pt!(cuStreamWriteValue64_v2 / cuStreamWriteValue64_v2_ptsz, |pt| fn(
+    stream: Handle,
+    address: CUdeviceptr,
+    value: cuuint64_t,
+    flags: c_uint,
+) {
+    single(stream, pt, |st| write(st, address, value as u64, true, flags))
+});
 
 /// `cuStreamBatchMemOp`: every operation is checked before any is queued ("count" at most 256,
 /// flags 0, as documented).

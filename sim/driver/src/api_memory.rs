@@ -1168,6 +1168,10 @@ struct Physical {
     bytes: u64,
     refs: u32,
     mappings: u32,
+    /// Handle types it may be exported as (`requestedHandleTypes`).
+    shareable: CUmemAllocationHandleType,
+    /// Imported from another process's export: its memory is charged to the exporter.
+    imported: bool,
 }
 
 #[derive(Default)]
@@ -1192,6 +1196,8 @@ fn new_physical(d: &Driver, device: Option<u32>, bytes: u64) -> u64 {
         bytes,
         refs: 1,
         mappings: 0,
+        shareable: CU_MEM_HANDLE_TYPE_NONE,
+        imported: false,
     };
     vmm().physical.insert(h, p);
     h
@@ -1202,7 +1208,10 @@ fn free_if_unused(d: &Driver, v: &mut Vmm, h: u64) -> CuResult {
     match v.physical.get(&h) {
         Some(p) if p.refs == 0 && p.mappings == 0 => {
             let p = v.physical.remove(&h).expect("present");
-            p.device.map_or(Ok(()), |dev| uncharge(d, dev, p.bytes))
+            match p.device {
+                Some(dev) if !p.imported => uncharge(d, dev, p.bytes),
+                _ => Ok(()),
+            }
         }
         _ => Ok(()),
     }
@@ -1252,9 +1261,89 @@ entry!(
             charge(d, dev, size as u64)?;
         }
         let h = new_physical(d, device, size as u64);
+        if let Some(physical) = vmm().physical.get_mut(&h) {
+            physical.shareable = p.requestedHandleTypes;
+        }
         put(out, h).inspect_err(|_| {
             let _ = release_handle(h);
         })
+    }
+);
+
+// Exported handles. A POSIX file descriptor names the allocation (a small record in a memfd:
+// its device and size) so that another process can import it, as the driver documents; the
+// imported handle maps memory of the exporter's size, charged once, to the exporter. Its bytes
+// are not the exporter's: simulated device memory is each process's own host memory.
+
+/// The record an exported descriptor holds.
+const EXPORT_MAGIC: &[u8; 8] = b"GSVMMEXP";
+
+entry!(
+    fn cuMemExportToShareableHandle(
+        out: *mut c_void,
+        h: u64,
+        handle_type: CUmemAllocationHandleType,
+        flags: u64,
+    ) {
+        let (device, bytes) = {
+            let v = vmm();
+            let p = v.physical.get(&h).filter(|p| p.refs > 0);
+            let p = p.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            // Only a type requested at cuMemCreate can be exported.
+            if flags != 0 || p.shareable & handle_type == 0 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+                return Err(CUDA_ERROR_NOT_SUPPORTED);
+            }
+            (p.device.ok_or(CUDA_ERROR_INVALID_VALUE)?, p.bytes)
+        };
+        let mut record = EXPORT_MAGIC.to_vec();
+        record.extend_from_slice(&device.to_le_bytes());
+        record.extend_from_slice(&bytes.to_le_bytes());
+        // SAFETY: memfd_create with a valid name; the descriptor is handed to the caller.
+        let fd = unsafe { libc::memfd_create(c"gpushare-sim-vmm".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // SAFETY: writes the record from a live buffer to the descriptor just created.
+        let written = unsafe { libc::write(fd, record.as_ptr().cast(), record.len()) };
+        if written != record.len() as isize {
+            // SAFETY: the descriptor is ours and not handed out.
+            unsafe { libc::close(fd) };
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        put(out.cast::<libc::c_int>(), fd)
+    }
+);
+
+entry!(
+    fn cuMemImportFromShareableHandle(
+        out: *mut u64,
+        os_handle: *mut c_void,
+        handle_type: CUmemAllocationHandleType,
+    ) {
+        if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        // "the file descriptor ... cast to void *".
+        let fd = os_handle as usize as libc::c_int;
+        let mut record = [0u8; 20];
+        // SAFETY: reads into a live buffer of its length from the caller's descriptor.
+        let n = unsafe { libc::pread(fd, record.as_mut_ptr().cast(), record.len(), 0) };
+        if n != record.len() as isize || &record[..8] != EXPORT_MAGIC {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let device = u32::from_le_bytes(record[8..12].try_into().expect("4 bytes"));
+        let bytes = u64::from_le_bytes(record[12..20].try_into().expect("8 bytes"));
+        let d = driver()?;
+        let device = d.check_device(device as CUdevice)?;
+        let h = new_physical(d, Some(device), bytes);
+        if let Some(p) = vmm().physical.get_mut(&h) {
+            p.imported = true;
+            p.shareable = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
+        put(out, h)
     }
 );
 

@@ -29,7 +29,11 @@ fn check_tiled(
     let rank_ok = (1..=5).contains(&rank) && (interleave == 0 || rank >= 3);
     // "globalAddress ... must be 16 byte aligned ... 32 byte aligned when interleave is
     // CU_TENSOR_MAP_INTERLEAVE_32B."
-    let align = if interleave == CU_TENSOR_MAP_INTERLEAVE_32B { 32 } else { 16 };
+    let align = if interleave == CU_TENSOR_MAP_INTERLEAVE_32B {
+        32
+    } else {
+        16
+    };
     // "globalDim ... must be non-zero and less than or equal to 2^32"; "globalStrides ... must
     // be a multiple of 16 and less than 2^40"; "boxDim ... must be non-zero and less than or
     // equal to 256"; "elementStrides ... must be non-zero and less than or equal to 8".
@@ -149,14 +153,34 @@ mod tests {
             let strides = vec![2048u64; rank - 1];
             let es = vec![1u32; rank];
             check_tiled(
-                Some(2), rank, address, &dims, &strides, boxes, &es, 0, swizzle,
+                Some(2),
+                rank,
+                address,
+                &dims,
+                &strides,
+                boxes,
+                &es,
+                0,
+                swizzle,
             )
         };
         assert!(ok(2, 0x1000, &[64, 64], CU_TENSOR_MAP_SWIZZLE_128B));
-        assert!(!ok(2, 0x1008, &[64, 64], CU_TENSOR_MAP_SWIZZLE_128B), "16-byte alignment");
-        assert!(!ok(2, 0x1000, &[257, 64], CU_TENSOR_MAP_SWIZZLE_NONE), "box at most 256");
-        assert!(!ok(2, 0x1000, &[4, 64], CU_TENSOR_MAP_SWIZZLE_NONE), "inner box of 8 bytes");
-        assert!(!ok(2, 0x1000, &[64, 64], CU_TENSOR_MAP_SWIZZLE_64B), "128 bytes > 64B swizzle");
+        assert!(
+            !ok(2, 0x1008, &[64, 64], CU_TENSOR_MAP_SWIZZLE_128B),
+            "16-byte alignment"
+        );
+        assert!(
+            !ok(2, 0x1000, &[257, 64], CU_TENSOR_MAP_SWIZZLE_NONE),
+            "box at most 256"
+        );
+        assert!(
+            !ok(2, 0x1000, &[4, 64], CU_TENSOR_MAP_SWIZZLE_NONE),
+            "inner box of 8 bytes"
+        );
+        assert!(
+            !ok(2, 0x1000, &[64, 64], CU_TENSOR_MAP_SWIZZLE_64B),
+            "128 bytes > 64B swizzle"
+        );
         let strides = [24u64];
         assert!(!check_tiled(
             Some(2),

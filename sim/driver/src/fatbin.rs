@@ -58,8 +58,9 @@ impl Stored<'_> {
         let bad = |what: &str| ImageError::Malformed(format!("fatbin: {what}"));
         let content = match self.compression {
             Compression::None => self.data.to_vec(),
-            Compression::Lz4 => lz4_block(self.data, self.uncompressed)
-                .ok_or_else(|| bad("corrupt LZ4 entry"))?,
+            Compression::Lz4 => {
+                lz4_block(self.data, self.uncompressed).ok_or_else(|| bad("corrupt LZ4 entry"))?
+            }
             Compression::Zstd => zstd_frame(self.data, self.uncompressed)
                 .ok_or_else(|| bad("corrupt Zstandard entry"))?,
         };

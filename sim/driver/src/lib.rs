@@ -21,6 +21,7 @@ mod api_link;
 mod api_memop;
 mod api_memory;
 mod api_module;
+mod api_multicast;
 mod api_proc_address;
 mod api_stream;
 mod api_tensor_map;

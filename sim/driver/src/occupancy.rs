@@ -113,7 +113,11 @@ mod tests {
         assert_eq!(blocks_per_sm(&heavy, 256, 0), 2, "64 Ki registers");
         // 48 KiB + 1 KiB reserved: four blocks in 228 KiB.
         assert_eq!(blocks_per_sm(&PLAIN, 128, 49152), 4);
-        assert_eq!(blocks_per_sm(&PLAIN, 128, 49153), 0, "over the kernel's maximum");
+        assert_eq!(
+            blocks_per_sm(&PLAIN, 128, 49153),
+            0,
+            "over the kernel's maximum"
+        );
         let opted = KernelLimits {
             max_dynamic_shared: SHARED_PER_BLOCK_OPTIN,
             ..PLAIN
@@ -135,7 +139,10 @@ mod tests {
                     assert_eq!(s, 0);
                     continue;
                 }
-                assert!(blocks_per_sm(&opted, block, s) >= blocks, "{blocks} x {block}: {s}");
+                assert!(
+                    blocks_per_sm(&opted, block, s) >= blocks,
+                    "{blocks} x {block}: {s}"
+                );
                 assert!(
                     blocks_per_sm(&opted, block, s + SHARED_UNIT) < blocks
                         || s + SHARED_UNIT > SHARED_PER_BLOCK_OPTIN - 4096,
@@ -143,7 +150,11 @@ mod tests {
                 );
             }
         }
-        assert_eq!(available_dynamic_shared(&PLAIN, 1, 128), 49152, "the kernel's maximum");
+        assert_eq!(
+            available_dynamic_shared(&PLAIN, 1, 128),
+            49152,
+            "the kernel's maximum"
+        );
     }
 
     #[test]
