@@ -123,6 +123,7 @@ fn extra_buffer(extra: *mut *mut c_void) -> CuResult<(*const u8, usize)> {
 }
 
 /// Queue one kernel on a stream (or into the graph the stream is capturing).
+#[allow(clippy::too_many_arguments)] // the launch as the driver API takes it
 pub fn launch(
     stream: Handle,
     per_thread: bool,
