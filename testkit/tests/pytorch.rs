@@ -1,11 +1,9 @@
 //! PyTorch, unmodified, on the simulated GPU and under gpushare; and cuBLAS alone through
 //! ctypes, the cheaper check of the same driver surface.
 //!
-//! PyPI wheels are installed into virtual environments under the user's cache directory
-//! (`$GPUSHARE_CACHE`, else `$XDG_CACHE_HOME/gpushare`, else `~/.cache/gpushare`), one per
-//! requirement set, named by its hash: the first run on a machine installs (torch 2.10.0, the
-//! newest on CUDA 12, with its CUDA wheels: ~3.8 GB), later runs reuse it. A lock serialises
-//! the install between test processes. `testkit/python/torch_capabilities.py` holds the
+//! PyPI wheels are installed by `scripts/python-env` into virtual environments under the user's
+//! cache directory, one per requirement set: the first run on a machine installs (torch 2.10.0,
+//! the newest on CUDA 12, with its CUDA wheels: ~3.8 GB), later runs reuse it. `testkit/python/torch_capabilities.py` holds the
 //! programs; the simulated GPU does not execute kernels, so nothing checks a computed value.
 
 use gpushare_testkit::harness::{Sim, describe, json_lines, output_with_timeout, target_dir};
@@ -22,61 +20,21 @@ const CUBLAS: &[&str] = &[
 ];
 const TIMEOUT: Duration = Duration::from_secs(300);
 
-fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("GPUSHARE_CACHE") {
-        return PathBuf::from(d);
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache"));
-    base.join("gpushare")
-}
-
-/// FNV-1a of the requirement set: the environment's name.
-fn key(reqs: &[&str]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in reqs.join("\n").bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-    }
-    format!("{h:016x}")
-}
-
-/// The Python of a virtual environment holding `reqs` (checked by importing `module`),
-/// created and installed if it is not there yet.
-fn venv(name: &str, reqs: &[&str], module: &str) -> PathBuf {
-    let dir = cache_dir().join(format!("{name}-{}", key(reqs)));
-    let python = dir.join("bin/python");
-    let ready = |p: &Path| {
-        Command::new(p)
-            .args(["-c", &format!("import {module}")])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    if ready(&python) {
-        return python;
-    }
-    std::fs::create_dir_all(cache_dir()).expect("create the cache directory");
-    let lock = std::fs::File::create(cache_dir().join(format!("{name}.lock"))).expect("lock file");
-    // SAFETY: flock on a descriptor this function owns; released when `lock` is dropped.
-    unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
-    if !ready(&python) {
-        let _ = std::fs::remove_dir_all(&dir);
-        let run = |cmd: &mut Command, what: &str| {
-            let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert!(out.status.success(), "{what}: {}", describe(&out));
-        };
-        run(
-            Command::new("python3").args(["-m", "venv"]).arg(&dir),
-            "python3 -m venv",
-        );
-        run(
-            Command::new(&python)
-                .args(["-m", "pip", "install", "--quiet"])
-                .args(reqs),
-            &format!("pip install {reqs:?}"),
-        );
-    }
-    python
+/// The Python of the virtual environment holding `reqs` (`scripts/python-env`, which
+/// `scripts/test` runs first so that the install is not timed as a test).
+fn venv(name: &str, reqs: &[&str]) -> PathBuf {
+    let tool = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/python-env");
+    let out = Command::new(tool)
+        .arg(name)
+        .args(reqs)
+        .output()
+        .expect("run scripts/python-env");
+    assert!(
+        out.status.success(),
+        "python-env {name}: {}",
+        describe(&out)
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 fn script(name: &str) -> PathBuf {
@@ -109,14 +67,14 @@ fn case<'a>(lines: &'a [serde_json::Value], name: &str) -> &'a serde_json::Value
 
 #[test]
 fn cublas_through_ctypes_runs_on_the_simulator() {
-    let python = venv("cublas", CUBLAS, "nvidia.cublas");
+    let python = venv("cublas", CUBLAS);
     let lines = on_sim(&[], &python, &script("cublas_ctypes.py"), &[], &[]);
     assert_eq!(lines[0]["gemms"], 2);
     assert_eq!(lines[0]["round_trip"], true, "{lines:?}");
 }
 
 fn torch() -> PathBuf {
-    venv("torch", TORCH, "torch")
+    venv("torch", TORCH)
 }
 
 #[test]
