@@ -352,7 +352,7 @@ entry!(
     }
 );
 
-fn primary_release(dev: CUdevice) -> CuResult {
+pub fn primary_release(dev: CUdevice) -> CuResult {
     let d = driver()?;
     let device = d.check_device(dev)? as usize;
     let p = d.lock().primary[device];

@@ -3,8 +3,8 @@
 //! event board as soon as it is decided: queries read memory, as on a real GPU.
 
 use crate::ffi::*;
-use crate::state::{Event, driver, with_state};
-use gpushare_sim_wire::Op;
+use crate::state::{Driver, Event, State, driver, with_state};
+use gpushare_sim_wire::{Op, OpRef};
 use std::ffi::c_uint;
 
 entry!(
@@ -55,29 +55,41 @@ entry!(
 fn record(h: Handle, stream: Handle, pt: bool) -> CuResult {
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, stream, pt)?;
-        if !st.events.contains_key(&id(h)) {
-            return Err(CUDA_ERROR_INVALID_HANDLE);
-        }
-        if let Some(cap) = st.streams[&s].capture.clone() {
-            if cap.invalidated {
-                return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
-            }
-            let ev = st.events.get_mut(&id(h)).expect("checked above");
-            ev.captured = Some(cap);
-            return Ok(());
-        }
-        // A generation never used before on any slot: a slot's next owner cannot read this
-        // record's time as its own.
-        let generation = st.new_id();
-        let slot = st.events[&id(h)].slot;
-        let r = st.submit(&d.client, s, Op::Event { slot, generation }, &[])?;
-        let ev = st.events.get_mut(&id(h)).expect("checked above");
-        ev.record = Some(r);
-        ev.generation = generation;
-        ev.done_ns = None;
-        ev.captured = None;
-        Ok(())
+        record_on(d, st, id(h), s, &[])
     })
+}
+
+/// Record `event` on `stream` after the stream's work and `after` (a green context's record
+/// waits for all of its streams); into the graph instead while the stream is captured.
+pub fn record_on(
+    d: &Driver,
+    st: &mut State,
+    event: u64,
+    stream: u64,
+    after: &[OpRef],
+) -> CuResult {
+    if !st.events.contains_key(&event) {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    if let Some(cap) = st.streams[&stream].capture.clone() {
+        if cap.invalidated {
+            return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        }
+        let ev = st.events.get_mut(&event).expect("checked above");
+        ev.captured = Some(cap);
+        return Ok(());
+    }
+    // A generation never used before on any slot: a slot's next owner cannot read this
+    // record's time as its own.
+    let generation = st.new_id();
+    let slot = st.events[&event].slot;
+    let r = st.submit(&d.client, stream, Op::Event { slot, generation }, after)?;
+    let ev = st.events.get_mut(&event).expect("checked above");
+    ev.record = Some(r);
+    ev.generation = generation;
+    ev.done_ns = None;
+    ev.captured = None;
+    Ok(())
 }
 
 entry_pt!(cuEventRecord / cuEventRecord_ptsz, |pt| fn(h: Handle, stream: Handle) { record(h, stream, pt) });

@@ -1491,10 +1491,29 @@ entry!(
 
 entry!(
     fn cuMemSetAccess(ptr: CUdeviceptr, size: usize, _desc: *const c_void, count: usize) {
-        if count == 0 {
+        if count == 0 || size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        with_state(|_, st| check_dev(st, ptr, size))
+        // The range must be mapped throughout; it may span several mappings back to back (the
+        // caching allocator of PyTorch grants access to a whole segment at once).
+        let end = ptr
+            .checked_add(size as u64)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let v = vmm();
+        let mut at = match v.mappings.range(..=ptr).next_back() {
+            Some((&b, &(s, _))) if b + s as u64 > ptr => b + s as u64,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        for (&b, &(s, _)) in v.mappings.range(ptr + 1..end) {
+            if b != at {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            at = b + s as u64;
+        }
+        if at < end {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(())
     }
 );
 

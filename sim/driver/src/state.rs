@@ -148,6 +148,17 @@ pub struct Context {
     pub limits: Vec<(CUlimit, usize)>,
     /// Contexts whose memory this one may access (cuCtxEnablePeerAccess).
     pub peers: Vec<u64>,
+    /// Work every later op of the context waits for (cuGreenCtxWaitEvent): per stream, the
+    /// latest record waited for.
+    pub waits: Vec<OpRef>,
+}
+
+/// A green context (`cuGreenCtxCreate`): its own context (what `cuCtxFromGreenCtx` returns)
+/// on `device`, provisioned with `sms` of the device's SMs.
+pub struct Green {
+    pub ctx: u64,
+    pub device: u32,
+    pub sms: u32,
 }
 
 pub struct Stream {
@@ -384,6 +395,10 @@ pub struct State {
     pub graphs: HashMap<u64, Graph>,
     pub execs: HashMap<u64, Exec>,
     pub user_objects: HashMap<u64, UserObject>,
+    /// Green contexts by handle, and the resource descriptors made for them: descriptor →
+    /// (device, SMs).
+    pub greens: HashMap<u64, Green>,
+    pub resource_descs: HashMap<u64, (u32, u32)>,
     /// Graph node handles: id → (graph, index).
     pub graph_nodes: HashMap<u64, (u64, usize)>,
     pub allocs: BTreeMap<u64, Alloc>,
@@ -436,6 +451,8 @@ impl State {
             graphs: HashMap::new(),
             execs: HashMap::new(),
             user_objects: HashMap::new(),
+            greens: HashMap::new(),
+            resource_descs: HashMap::new(),
             graph_nodes: HashMap::new(),
             allocs: BTreeMap::new(),
             pinned: BTreeMap::new(),
@@ -488,6 +505,7 @@ impl State {
                 streams: Vec::new(),
                 limits: Vec::new(),
                 peers: Vec::new(),
+                waits: Vec::new(),
             },
         );
         let legacy = self.create_stream(client, ctx, 0, 0, true)?;
@@ -616,10 +634,12 @@ impl State {
         Ok(s)
     }
 
-    /// The implicit dependencies of new work on `stream`: the legacy default stream waits for
-    /// every blocking stream of its context, and blocking streams wait for the legacy stream.
+    /// The implicit dependencies of new work on `stream`: what its context was made to wait for,
+    /// and the legacy default stream waits for every blocking stream of its context, and
+    /// blocking streams wait for the legacy stream.
     fn implicit_deps(&self, stream: u64, out: &mut Vec<OpRef>) {
         let s = &self.streams[&stream];
+        out.extend_from_slice(&self.contexts[&s.ctx].waits);
         if s.flags & CU_STREAM_NON_BLOCKING != 0 {
             return;
         }
