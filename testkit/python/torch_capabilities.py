@@ -130,11 +130,14 @@ def expandable():
 
 
 class CudaTensors(torch.utils.data.Dataset):
+    """Each item a CUDA tensor a worker process fills by a copy from the host (copies move data
+    on the simulated GPU; kernels do not)."""
+
     def __len__(self):
         return 4
 
     def __getitem__(self, i):
-        return torch.full((1024,), float(i), device="cuda")
+        return torch.full((1024,), float(i + 1)).to("cuda")
 
 
 def ipc():
@@ -143,7 +146,7 @@ def ipc():
     loader = torch.utils.data.DataLoader(
         CudaTensors(), batch_size=None, num_workers=2, multiprocessing_context=mp.get_context("spawn")
     )
-    values = [float(t[0].item()) if t.is_cuda else None for t in loader]
+    values = [float(t[-1].item()) if t.is_cuda else None for t in loader]
     emit("ipc", values=sorted(values))
 
 

@@ -454,8 +454,8 @@ entry_pt!(cuGraphLaunch / cuGraphLaunch_ptsz, |pt| fn(exec: Handle, stream: Hand
                     st.submit(&d.client, s, Op::HostFunc, &[])?;
                 }
                 NodeKind::EventWait { event } => {
-                    if let Some(r) = st.events.get(&event).and_then(|e| e.record) {
-                        st.submit(&d.client, s, Op::Marker, &[r])?;
+                    if let Some((op, deps)) = st.events.get(&event).and_then(crate::api_event::wait_op) {
+                        st.submit(&d.client, s, op, &deps)?;
                     }
                 }
             }

@@ -93,7 +93,13 @@ fn allocate(size: usize, kind: AllocKind) -> CuResult<u64> {
     };
     let charged = (size as u64).div_ceil(CHARGE_ALIGN) * CHARGE_ALIGN;
     charge(d, device, charged)?;
-    let addr = match map(size, true) {
+    // Device memory another process may map (cuIpcGetMemHandle); managed memory is the
+    // process's own.
+    let shared = match kind {
+        AllocKind::Device => crate::api_ipc::map_shared(size),
+        _ => None,
+    };
+    let addr = match shared.map_or_else(|| map(size, true), Ok) {
         Ok(a) => a,
         Err(e) => {
             uncharge(d, device, charged)?;
@@ -106,6 +112,7 @@ fn allocate(size: usize, kind: AllocKind) -> CuResult<u64> {
         device,
         charged,
         kind,
+        arena: shared.is_some(),
     };
     d.lock().allocs.insert(addr, alloc);
     Ok(addr)
@@ -126,7 +133,12 @@ fn release(ptr: u64) -> CuResult {
     };
     // Forgotten before the address can be mapped again for another allocation.
     let pooled = pools().of.remove(&ptr);
-    unmap(ptr, a.mapped);
+    if a.arena {
+        crate::api_ipc::forget_export(ptr);
+        crate::api_ipc::unmap_shared(ptr, a.mapped);
+    } else {
+        unmap(ptr, a.mapped);
+    }
     match pooled {
         Some((pool, bytes)) => back_to_pool(d, pool, bytes),
         None => uncharge(d, a.device, a.charged),
@@ -330,6 +342,7 @@ fn pool_allocate(size: usize, pool: Option<u64>) -> CuResult<u64> {
         device,
         charged,
         kind: AllocKind::Device,
+        arena: false,
     };
     d.lock().allocs.insert(addr, alloc);
     Ok(addr)
@@ -715,8 +728,14 @@ fn pointer_attribute(
         8 => put(data as *mut c_uint, (kind == AllocKind::Managed) as c_uint),
         // DEVICE_ORDINAL
         9 => put(data as *mut i32, device as i32),
-        // IS_LEGACY_CUDA_IPC_CAPABLE
-        10 => put(data as *mut c_uint, 0),
+        // IS_LEGACY_CUDA_IPC_CAPABLE: cuMemAlloc memory (cuIpcGetMemHandle takes it)
+        10 => {
+            let capable = st
+                .allocs
+                .get(&base)
+                .is_some_and(|a| crate::api_ipc::in_arena(base, a));
+            put(data as *mut c_uint, capable as c_uint)
+        }
         // RANGE_START_ADDR, RANGE_SIZE
         11 => put(data as *mut u64, base),
         12 => put(data as *mut usize, size),
@@ -1391,7 +1410,7 @@ entry!(
         with_state(|_, st| {
             if st
                 .find_alloc(ptr, size)
-                .is_some_and(|(_, a)| a.kind == AllocKind::Device)
+                .is_some_and(|(_, a)| a.kind == AllocKind::Mapped)
             {
                 return Err(CUDA_ERROR_INVALID_VALUE); // still mapped
             }
@@ -1437,7 +1456,8 @@ entry!(
                     mapped: 0,
                     device,
                     charged: 0,
-                    kind: AllocKind::Device,
+                    kind: AllocKind::Mapped,
+                    arena: false,
                 },
             );
             Ok(())

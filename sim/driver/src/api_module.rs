@@ -51,6 +51,7 @@ pub fn create_module(info: ModuleInfo, library: Option<u64>) -> CuResult<u64> {
                     device,
                     charged: 0,
                     kind: AllocKind::Global,
+                    arena: false,
                 },
             );
             globals.insert(name, (addr, size));

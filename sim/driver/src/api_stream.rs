@@ -114,12 +114,12 @@ entry_pt!(cuStreamWaitEvent / cuStreamWaitEvent_ptsz, |pt| fn(h: Handle, event: 
             }
             return Ok(());
         }
-        let record = ev.record;
+        let wait = crate::api_event::wait_op(ev);
         if capture_node(st, s, NodeKind::EventWait { event: id(event) })? {
             return Ok(());
         }
-        if let Some(r) = record {
-            st.submit(&d.client, s, Op::Marker, &[r])?;
+        if let Some((op, deps)) = wait {
+            st.submit(&d.client, s, op, &deps)?;
         }
         Ok(())
     })

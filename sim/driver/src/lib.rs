@@ -16,6 +16,7 @@ mod api_event;
 mod api_export_table;
 mod api_graph;
 mod api_green;
+mod api_ipc;
 mod api_launch;
 mod api_library;
 mod api_link;

@@ -209,6 +209,10 @@ pub struct Event {
     pub done_ns: Option<u64>,
     /// Recorded while capturing: the capture, with the nodes a waiter must follow as its deps.
     pub captured: Option<Capture>,
+    /// Shared with other processes (an IPC event): its id on the device, whose latest record,
+    /// by whichever process, is what waits and queries see. `exported`: this process shared it.
+    pub shared: Option<u64>,
+    pub exported: bool,
 }
 
 pub struct Module {
@@ -272,10 +276,15 @@ pub type ContextStorageDtor =
 /// What a device pointer range is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum AllocKind {
+    /// `cuMemAlloc` / `cuMemAllocPitch` and stream-ordered allocations.
     Device,
     Managed,
     /// Backing of a module `.global`; not counted against capacity.
     Global,
+    /// A range of a physical allocation mapped with `cuMemMap`.
+    Mapped,
+    /// Another process's allocation, opened with `cuIpcOpenMemHandle`.
+    Imported,
 }
 
 pub struct Alloc {
@@ -284,6 +293,8 @@ pub struct Alloc {
     pub device: u32,
     pub charged: u64,
     pub kind: AllocKind,
+    /// Lives in the process's shared arena (`api_ipc`): another process may map it.
+    pub arena: bool,
 }
 
 /// One node of a graph. Graphs run their nodes one after another on the launch stream (a
