@@ -6,10 +6,15 @@ this process (or, for `ipc`, in worker processes too) and prints one JSON line p
     train       an MLP trained with AdamW (many cuBLASLt shapes), then SGD
     graph       a CUDA graph capturing a training step with cuBLAS inside, replayed
     compile     torch.compile of a small function (Triton compiles PTX the driver loads)
+    green       a green context of 16 SMs (cuGreenCtxCreate) made current, a matmul in it
     expandable  the caching allocator's expandable segments (VMM), then empty_cache
     ipc         DataLoader workers handing CUDA tensors to the main process (IPC handles)
     peer        two GPUs with peer access: copies between them
     oom         allocate past the process's memory, get PyTorch's out-of-memory error, recover
+    books       under gpushare: the scheduler's books of this process's group equal what the
+                caching allocator holds (memory_reserved) with cached blocks, after empty_cache,
+                with a CUDA graph's private pool (run with expandable_segments:True too);
+                reads `$GPUSHARE_BIN status --json` (GPUSHARE_BIN: the gpushare command)
 
 The simulated GPU times kernels without executing them: nothing here checks a value a kernel
 computed, only shapes, what the driver answers, and data that copies move.
@@ -17,7 +22,9 @@ computed, only shapes, what the driver answers, and data that copies move.
 
 import json
 import os
+import subprocess
 import sys
+import time
 
 import torch
 
@@ -115,6 +122,19 @@ def compile_case():
     emit("compile", out=list(out.shape), again=list(out2.shape))
 
 
+def green():
+    from torch.cuda.green_contexts import SUPPORTED, GreenContext
+
+    assert SUPPORTED, "this PyTorch has no green contexts"
+    g = GreenContext.create(16, 0)
+    g.set_context()
+    a, b = torch.randn(128, 64, device="cuda"), torch.randn(64, 32, device="cuda")
+    c = a @ b
+    torch.cuda.synchronize()
+    g.pop_context()
+    emit("green", sms=16, shape=list(c.shape))
+
+
 def expandable():
     assert "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), \
         "run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
@@ -176,8 +196,63 @@ def oom():
     emit("oom", total=total, error=error, recovered=again.numel() == total // 2)
 
 
+def books():
+    group = os.environ["GPUSHARE_GROUP"]
+
+    def booked():
+        out = subprocess.run([os.environ["GPUSHARE_BIN"], "status", "--json"],
+                             capture_output=True, check=True, text=True).stdout
+        for gpu in json.loads(out)["gpus"]:
+            for g in gpu["groups"]:
+                if g["name"] == group:
+                    return g["memory_used"]
+        return None
+
+    points = []
+
+    def checkpoint(at):
+        # The hook gives back its lease's spare within 40 ms of the last allocation: poll until
+        # the books settle on what the allocator holds (or 2 s went by).
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        deadline = time.monotonic() + 2
+        while (got := booked()) != reserved and time.monotonic() < deadline:
+            time.sleep(0.02)
+        points.append({"at": at, "reserved": reserved, "booked": got})
+
+    small = torch.empty(1 << 10, device="cuda")
+    checkpoint("small block")
+    blocks = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (3, 10, 25, 100)]
+    checkpoint("blocks")
+    del blocks[1:]
+    checkpoint("cached blocks")
+    torch.cuda.empty_cache()
+    checkpoint("empty_cache")
+    a, b = torch.randn(512, 512, device="cuda"), torch.randn(512, 512, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        a @ b  # warm-up outside the capture, as PyTorch documents
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = (a @ b).relu()
+        scratch = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+    g.replay()
+    checkpoint("graph private pool")
+    del g, out, scratch
+    torch.cuda.empty_cache()
+    checkpoint("graph freed")
+    del small, blocks, a, b
+    torch.cuda.empty_cache()
+    checkpoint("all freed")
+    emit("books", expandable="expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+         points=points)
+
+
 CASES = {"matmul": matmul, "conv": conv, "train": train, "graph": graph, "compile": compile_case,
-         "expandable": expandable, "ipc": ipc, "peer": peer, "oom": oom}
+         "green": green, "expandable": expandable, "ipc": ipc, "peer": peer, "oom": oom,
+         "books": books}
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:
