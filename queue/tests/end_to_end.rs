@@ -418,7 +418,11 @@ fn a_pytorch_job_runs_with_its_share_and_memory_cap() {
     };
     assert_eq!(case("train")["steps"], 10);
     let oom = case("oom");
-    assert_eq!(oom["total"], 2u64 << 30, "the job's cap is its GPU's memory: {oom}");
+    assert_eq!(
+        oom["total"],
+        2u64 << 30,
+        "the job's cap is its GPU's memory: {oom}"
+    );
     assert_eq!(oom["error"], "OutOfMemoryError");
     assert_eq!(oom["recovered"], true);
     let pid = pid_of(&job);

@@ -11,8 +11,11 @@ import platform
 import sys
 import time
 
-# Largest |share - target| a check accepts on a real GPU (the end-to-end tests' margin).
+# Largest |share - target| a check accepts (the end-to-end tests' margin). PyTorch's two trainers
+# are judged by their split of the GPU's busy time (each one's share over the sum of both), which
+# a loaded host (CI's) does not move; and, except with --short, by the GPU's utilisation.
 SHARE = 0.05
+UTILISATION = 0.90
 # Least rate of a lone PyTorch trainer under gpushare, as a fraction of its rate natively.
 RATE = 0.90
 # The PyTorch case's memory cap.
@@ -120,7 +123,7 @@ def rate(t):
     return steps_s, steps_s * t["flops_per_step"] / 1e12
 
 
-def pytorch(rep, python):
+def pytorch(rep, python, short):
     if rep.status("native") is None:
         try:
             with open(os.path.join(rep.out, "torch-import.log")) as f:
@@ -138,9 +141,9 @@ def pytorch(rep, python):
         rep.row(
             "PyTorch training rate, alone",
             ">= %.2f of native" % RATE,
-            "natively %.1f TFLOP/s (%.1f steps/s), under gpushare %.1f TFLOP/s: %.3f of native"
-            % (nf, ns, gf, gf / nf),
-            gf / nf >= RATE,
+            "natively %.1f steps/s (%.3g TFLOP/s), under gpushare %.1f steps/s: %.3f of native"
+            % (ns, nf, gs, gs / ns),
+            gs / ns >= RATE,
         )
     shares = None
     a, b = load(os.path.join(out, "a.json")), load(os.path.join(out, "b.json"))
@@ -151,12 +154,14 @@ def pytorch(rep, python):
     if shares is None:
         rep.row("PyTorch shares, two trainers", "requests 0.7 / 0.3", "failed: see %s/a.log, b.log" % out, False)
     else:
-        text = "%s (CUDA events" % shares_text(shares)
+        used = sum(shares)
+        split = [x / used for x in shares]
+        text = "%s of the GPU (CUDA events): split %s of its busy time, utilisation %.3f" % (
+            shares_text(shares), shares_text(split), used)
         na, nb = load(os.path.join(out, "na.json")), load(os.path.join(out, "nb.json"))
         if na and nb and rep.status("native_pair") == 0:
             text += "; natively %s" % shares_text(tenant_shares([na, nb], native["median_gap_ns"]))
-        text += ")"
-        ok = abs(shares[0] - 0.7) <= SHARE and abs(shares[1] - 0.3) <= SHARE
+        ok = abs(split[0] - 0.7) <= SHARE and abs(split[1] - 0.3) <= SHARE and (short or used >= UTILISATION)
         rep.row("PyTorch shares, two trainers", "requests 0.7 / 0.3", text, ok)
     oom = load(os.path.join(out, "oom.json"))
     ok = (rep.status("oom") == 0 and oom is not None and oom.get("total") == CAP
@@ -194,7 +199,7 @@ def main():
     rep = Report(args.out)
     bench(rep)
     mem_paths(rep)
-    pytorch(rep, args.python)
+    pytorch(rep, args.python, args.short)
     try:
         with open(os.path.join(args.out, "torch-version")) as f:
             torch_version = f.read().strip() or "none"
@@ -203,7 +208,8 @@ def main():
     print("gpushare gpu-check%s on %s at %s, %d s" % (" --short" * args.short, platform.node(),
                                                     time.strftime("%Y-%m-%d %H:%M:%S"), args.seconds))
     print("GPU %s; driver %s; set %s; PyTorch %s" % (args.gpu, args.driver, args.set, torch_version))
-    print("shares: each tenant's part of the GPU's time while all ran (within %.2f of the target to pass)" % SHARE)
+    print("shares: each tenant's part of the GPU's time while all ran, within %.2f of the target to pass;"
+          " PyTorch's split of the busy time%s" % (SHARE, "" if args.short else ", utilisation >= %.2f" % UTILISATION))
     print()
     rep.render()
     print()

@@ -11,10 +11,12 @@ this process (or, for `ipc`, in worker processes too) and prints one JSON line p
     ipc         DataLoader workers handing CUDA tensors to the main process (IPC handles)
     peer        two GPUs with peer access: copies between them
     oom         allocate past the process's memory, get PyTorch's out-of-memory error, recover
-    books       under gpushare: the scheduler's books of this process's group equal what the
-                caching allocator holds (memory_reserved) with cached blocks, after empty_cache,
-                with a CUDA graph's private pool (run with expandable_segments:True too);
-                reads `$GPUSHARE_BIN status --json` (GPUSHARE_BIN: the gpushare command)
+    books       under gpushare: the scheduler's books of this process's group move exactly as
+                what the caching allocator holds (memory_reserved) with cached blocks, after
+                empty_cache, with a CUDA graph's private pool (run with expandable_segments:True
+                too); both from what they were when the case began (the memory cuBLAS and the
+                CUDA runtime hold outside the allocator is booked too, and stays put); reads
+                `$GPUSHARE_BIN status --json` (GPUSHARE_BIN: the gpushare command)
 
 The simulated GPU times kernels without executing them: nothing here checks a value a kernel
 computed, only shapes, what the driver answers, and data that copies move.
@@ -209,14 +211,19 @@ def books():
         return None
 
     points = []
+    # Where both stand when the case begins, once the hook gave back its lease's spare (within
+    # 40 ms of the last allocation).
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    time.sleep(0.2)
+    reserved0, booked0 = torch.cuda.memory_reserved(), booked()
 
     def checkpoint(at):
-        # The hook gives back its lease's spare within 40 ms of the last allocation: poll until
-        # the books settle on what the allocator holds (or 2 s went by).
+        # Poll until the books settle on what the allocator holds (or 2 s went by).
         torch.cuda.synchronize()
-        reserved = torch.cuda.memory_reserved()
+        reserved = torch.cuda.memory_reserved() - reserved0
         deadline = time.monotonic() + 2
-        while (got := booked()) != reserved and time.monotonic() < deadline:
+        while (got := booked() - booked0) != reserved and time.monotonic() < deadline:
             time.sleep(0.02)
         points.append({"at": at, "reserved": reserved, "booked": got})
 
@@ -245,9 +252,9 @@ def books():
     checkpoint("graph freed")
     del small, blocks, a, b
     torch.cuda.empty_cache()
-    checkpoint("all freed")
+    checkpoint("tensors freed")  # the allocator keeps what PyTorch still holds (cuBLAS's workspaces)
     emit("books", expandable="expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-         points=points)
+         reserved_at_start=reserved0, booked_at_start=booked0, points=points)
 
 
 CASES = {"matmul": matmul, "conv": conv, "train": train, "graph": graph, "compile": compile_case,

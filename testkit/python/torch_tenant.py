@@ -1,11 +1,10 @@
 """A PyTorch tenant for sharing measurements.
 
     torch_tenant.py train [options]   train an MLP with AdamW (each step dozens of kernels)
-    torch_tenant.py infer [options]   serve inference requests arriving every --interval-ms
 
 Each tenant warms up (its first steps initialise cuBLAS and the caching allocator), then, with
 --ready FILE --go FILE, creates FILE and waits for GO to exist, so that tenants started together
-measure together; it then runs for --seconds and prints one JSON line: the steps (or requests)
+measure together; it then runs for --seconds and prints one JSON line: the steps
 done and when each ended on the GPU, read from CUDA timing events placed on CLOCK_MONOTONIC
 (the measurement on a GPU that writes no trace), and the median time between the ends of
 steps queued back to back (a step's GPU time when the tenant is alone on the GPU), and the
@@ -62,8 +61,6 @@ def matmul_flops(args):
     training, as much again for its weights' gradient and for its input's (but the first's)."""
     dims = [INPUTS] + [args.width] * args.depth + [10]
     forward = sum(2 * args.batch * a * b for a, b in zip(dims, dims[1:]))
-    if args.mode == "infer":
-        return forward
     return 3 * forward - 2 * args.batch * INPUTS * args.width
 
 
@@ -89,43 +86,25 @@ def run(args):
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
 
-    def infer_step():
-        with torch.no_grad():
-            net(x)
-
-    step = train_step if args.mode == "train" else infer_step
     for _ in range(3):
-        step()
+        train_step()
     torch.cuda.synchronize()
     barrier(args)
     start_event, start_ns = anchor(torch)
-    ends, latencies = [], []
+    ends = []
     t_end = time.monotonic() + args.seconds
-    next_arrival = time.monotonic()
     while time.monotonic() < t_end:
-        if args.mode == "infer":
-            # A request arrives every interval; one that arrives while the previous is served
-            # waits for it.
-            now = time.monotonic()
-            if now < next_arrival:
-                time.sleep(next_arrival - now)
-            arrival = next_arrival
-            next_arrival += args.interval_ms / 1e3
-        step()
+        train_step()
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         ends.append(e)
-        if args.mode == "infer":
-            e.synchronize()
-            latencies.append(time.monotonic() - arrival)
-        elif len(ends) > args.in_flight:
+        if len(ends) > args.in_flight:
             # At most --in-flight steps queued, as a loop reading its loss each step keeps.
             ends[-1 - args.in_flight].synchronize()
     torch.cuda.synchronize()
     ends_ns = [start_ns + int(start_event.elapsed_time(e) * 1e6) for e in ends]
     gaps = [b - a for a, b in zip(ends_ns, ends_ns[1:])]
     out = {
-        "mode": args.mode,
         "pid": os.getpid(),
         "steps": len(ends_ns),
         "start_ns": start_ns,
@@ -133,26 +112,20 @@ def run(args):
         "median_gap_ns": int(statistics.median(gaps)) if gaps else None,
         "flops_per_step": matmul_flops(args),
     }
-    if latencies:
-        latencies.sort()
-        out["latency_p50_ms"] = latencies[len(latencies) // 2] * 1e3
-        out["latency_p99_ms"] = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3
     print(json.dumps(out), flush=True)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True)
-    for mode in ("train", "infer"):
-        m = sub.add_parser(mode)
-        m.add_argument("--seconds", type=float, default=5.0)
-        m.add_argument("--width", type=int, default=256)
-        m.add_argument("--depth", type=int, default=4)
-        m.add_argument("--batch", type=int, default=128)
-        m.add_argument("--in-flight", type=int, default=2)
-        m.add_argument("--interval-ms", type=float, default=50.0)
-        m.add_argument("--ready")
-        m.add_argument("--go")
+    m = sub.add_parser("train")
+    m.add_argument("--seconds", type=float, default=5.0)
+    m.add_argument("--width", type=int, default=256)
+    m.add_argument("--depth", type=int, default=4)
+    m.add_argument("--batch", type=int, default=128)
+    m.add_argument("--in-flight", type=int, default=2)
+    m.add_argument("--ready")
+    m.add_argument("--go")
     run(p.parse_args())
 
 

@@ -1,8 +1,8 @@
 //! `scripts/gpu-check`, the one-command validation of a machine with an NVIDIA GPU, run against
 //! the simulated driver standing in for the machine's (`GPUSHARE_REAL_LIBCUDA` and
 //! `LD_LIBRARY_PATH` name the simulator's `libcuda.so.1`, a `gpushare-sim serve` device behind
-//! it) in its short mode: the set `--stage` builds, then `DIR/gpu-check --run` as on the GPU
-//! machine, where there is no cargo.
+//! it) in its short mode: the set `--stage` copies from this build, then `DIR/gpu-check --run` as
+//! on the GPU machine, where there is no cargo.
 
 use gpushare_testkit::harness::{describe, output_with_timeout, target_dir};
 use gpushare_testkit::node::Node;
@@ -13,8 +13,7 @@ use std::process::Command;
 use std::time::Duration;
 
 fn last_json(path: &Path) -> Value {
-    let text =
-        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(text.lines().last().expect("a line")).expect("a JSON line")
 }
 
@@ -22,18 +21,14 @@ fn last_json(path: &Path) -> Value {
 fn gpu_check_validates_a_machine_with_the_set_it_stages() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let set = tempfile::tempdir().unwrap();
-    // The set from this build's profile (built already: cargo has nothing to do).
-    let profile = match target_dir().file_name().and_then(|n| n.to_str()) {
-        Some("debug") => "dev".to_string(),
-        Some(p) => p.to_string(),
-        None => panic!("no profile in {}", target_dir().display()),
-    };
+    // The set from this build's binaries (built already: nothing for cargo to do here).
     let mut stage = Command::new(repo.join("scripts/gpu-check"));
     stage
         .arg("--stage")
         .arg(set.path())
-        .args(["--profile", &profile]);
-    let out = output_with_timeout(stage, Duration::from_secs(600));
+        .arg("--prebuilt")
+        .arg(target_dir());
+    let out = output_with_timeout(stage, Duration::from_secs(120));
     assert!(out.status.success(), "--stage\n{}", describe(&out));
 
     // A device whose kernels take 500 µs each unless told otherwise (the bench's spin kernels
@@ -62,7 +57,14 @@ fn gpu_check_validates_a_machine_with_the_set_it_stages() {
     let out = output_with_timeout(check, Duration::from_secs(600));
     let text = String::from_utf8_lossy(&out.stdout);
     eprintln!("{text}");
-    assert!(out.status.success(), "gpu-check failed\n{}", describe(&out));
+    if !out.status.success() {
+        let kept = results.keep();
+        panic!(
+            "gpu-check failed (its outputs are kept in {})\n{}",
+            kept.display(),
+            describe(&out)
+        );
+    }
     for check in [
         "GPU shares, two tenants",
         "GPU cap, one tenant alone",
@@ -102,7 +104,11 @@ fn gpu_check_validates_a_machine_with_the_set_it_stages() {
             .collect()
     };
     let lo = tenants.iter().map(|t| ends(t)[0]).max().unwrap();
-    let hi = tenants.iter().map(|t| *ends(t).last().unwrap()).min().unwrap();
+    let hi = tenants
+        .iter()
+        .map(|t| *ends(t).last().unwrap())
+        .min()
+        .unwrap();
     let by = trace.busy_by_pid(0, Window::new(lo, hi));
     for (i, t) in tenants.iter().enumerate() {
         let pid = t["pid"].as_u64().unwrap() as u32;
