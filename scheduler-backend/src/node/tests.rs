@@ -383,7 +383,11 @@ fn a_report_reflects_everything_handled_before_the_question() {
     };
     assert_eq!(gpus(&mut w), 0);
     w.send(c, ClientMsg::Acquire { gpu: GPU });
-    assert_eq!(gpus(&mut w), 1, "the GPU acquired a moment ago is in the report");
+    assert_eq!(
+        gpus(&mut w),
+        1,
+        "the GPU acquired a moment ago is in the report"
+    );
 }
 
 #[test]

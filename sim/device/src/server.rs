@@ -379,7 +379,13 @@ fn handle(st: &mut State, shared: &Shared, conn: ConnId, req: Request, now: u64,
                     .iter()
                     .try_fold(0, |acc, &(s, q)| Some(acc.max(m.completion(s, q)?)))
                     .filter(|&e| e <= now);
-                out.push((conn, Reply::Status { req, ends: vec![end] }));
+                out.push((
+                    conn,
+                    Reply::Status {
+                        req,
+                        ends: vec![end],
+                    },
+                ));
             }
         }
     }

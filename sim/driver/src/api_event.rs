@@ -67,13 +67,7 @@ fn record(h: Handle, stream: Handle, pt: bool) -> CuResult {
 
 /// Record `event` on `stream` after the stream's work and `after` (a green context's record
 /// waits for all of its streams); into the graph instead while the stream is captured.
-pub fn record_on(
-    d: &Driver,
-    st: &mut State,
-    event: u64,
-    stream: u64,
-    after: &[OpRef],
-) -> CuResult {
+pub fn record_on(d: &Driver, st: &mut State, event: u64, stream: u64, after: &[OpRef]) -> CuResult {
     if !st.events.contains_key(&event) {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }

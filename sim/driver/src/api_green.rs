@@ -88,7 +88,10 @@ entry!(
 entry!(
     fn cuCtxGetDevResource(ctx: Handle, resource: *mut c_void, kind: CUdevResourceType) {
         let r = with_state(|_, st| {
-            let c = st.contexts.get(&id(ctx)).ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+            let c = st
+                .contexts
+                .get(&id(ctx))
+                .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
             let sms = (st.greens.values())
                 .find(|g| g.ctx == id(ctx))
                 .map_or(DEVICE_SMS, |g| g.sms);
@@ -153,7 +156,10 @@ entry!(
         let out = result.cast::<DevResource>();
         for i in 0..n as usize {
             // SAFETY: the caller passed `result` with room for `*nbGroups` resources.
-            put(unsafe { out.add(i) }, sm_resource(input.device, size, split))?;
+            put(
+                unsafe { out.add(i) },
+                sm_resource(input.device, size, split),
+            )?;
         }
         if !remaining.is_null() {
             let rest = input.sm_count - n * size;
@@ -182,8 +188,7 @@ entry!(
             let r = read_resource((r as *const DevResource).cast())?;
             // "the device they came from must be the same"; SM resources "must be outputs
             // (whether result or remaining) from the same split API instance".
-            if r.device != first.device || (count > 1 && (r.split == 0 || r.split != first.split))
-            {
+            if r.device != first.device || (count > 1 && (r.split == 0 || r.split != first.split)) {
                 return Err(CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION);
             }
             sms += r.sm_count;
@@ -197,7 +202,12 @@ entry!(
 );
 
 entry!(
-    fn cuGreenCtxCreate(out: *mut CUgreenCtx, desc: CUdevResourceDesc, dev: CUdevice, flags: c_uint) {
+    fn cuGreenCtxCreate(
+        out: *mut CUgreenCtx,
+        desc: CUdevResourceDesc,
+        dev: CUdevice,
+        flags: c_uint,
+    ) {
         let d = driver()?;
         let device = d.check_device(dev)?;
         // "CU_GREEN_CTX_DEFAULT_STREAM is required."

@@ -308,7 +308,8 @@ fn open_mem(out: *mut CUdeviceptr, ipc_handle: CUipcMemHandle, flags: c_uint) ->
             arena: false,
         },
     );
-    i.opened.insert((h.pid, h.serial), (addr, h.size as usize, 1));
+    i.opened
+        .insert((h.pid, h.serial), (addr, h.size as usize, 1));
     put(out, addr)
 }
 
@@ -376,7 +377,10 @@ entry!(
                     _ => return Err(CUDA_ERROR_UNKNOWN),
                 };
                 let mut st = d.lock();
-                let ev = st.events.get_mut(&id(event)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+                let ev = st
+                    .events
+                    .get_mut(&id(event))
+                    .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
                 ev.shared = Some(s);
                 ev.exported = true;
                 s
@@ -407,10 +411,10 @@ entry!(
         }
         let shared = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
         let ctx = with_state(|_, st| st.current())?;
-        match d.client.call(|req| Request::OpenSharedEvent {
-            req,
-            event: shared,
-        }) {
+        match d
+            .client
+            .call(|req| Request::OpenSharedEvent { req, event: shared })
+        {
             Ok(Reply::SharedEvent { .. }) => {}
             _ => return Err(CUDA_ERROR_INVALID_HANDLE),
         }

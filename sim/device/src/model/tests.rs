@@ -743,9 +743,17 @@ fn a_shared_event_orders_work_across_processes() {
     m.submit(0, (1, 1), 3, &[], &Op::WaitShared { event })
         .unwrap();
     m.advance(100 * MS);
-    assert_eq!(m.completion((2, 1), 2), Some(10 * MS), "waits for process 1");
+    assert_eq!(
+        m.completion((2, 1), 2),
+        Some(10 * MS),
+        "waits for process 1"
+    );
     assert_eq!(m.completion((2, 1), 4), Some(13 * MS));
-    assert_eq!(m.completion((1, 1), 3), Some(13 * MS), "waits for process 2");
+    assert_eq!(
+        m.completion((1, 1), 3),
+        Some(13 * MS),
+        "waits for process 2"
+    );
     assert_eq!(m.shared_record(event), Some(((2, 1), 4)));
     // Only the sharer unshares it; its exit does too.
     m.unshare_event(2, event);
