@@ -42,7 +42,10 @@ fn case<'a>(lines: &'a [Value], name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {name} line in {lines:?}"))
 }
 
-const EXPANDABLE: (&str, &str) = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
+/// An environment variable for a PyTorch process.
+type EnvVar = (&'static str, &'static str);
+
+const EXPANDABLE: EnvVar = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True");
 
 #[test]
 fn cublas_through_ctypes_runs_on_the_simulator() {
@@ -126,15 +129,15 @@ fn assert_books_exact(lines: &[Value]) {
 }
 
 /// Under gpushare with a 1 GiB cap, as the default allocator and as expandable segments: the
-/// launches are gated; the scheduler's books equal what the caching allocator holds (cached
-/// blocks, after `empty_cache`, a CUDA graph's private pool, VMM segments); PyTorch sees the
+/// launches are gated; the scheduler's books move exactly as what the caching allocator holds
+/// (cached blocks, after `empty_cache`, a CUDA graph's private pool, VMM segments); PyTorch sees the
 /// cap as the GPU's memory, gets its own out-of-memory error past it and recovers after
 /// `empty_cache()`.
 #[test]
 fn pytorch_under_gpushare_is_gated_capped_and_booked_exactly() {
     let python = torch();
     let node = Node::start(&[]);
-    let runs: [(&str, &[&str], Option<(&str, &str)>); 2] = [
+    let runs: [(&str, &[&str], Option<EnvVar>); 2] = [
         ("torch", &["matmul", "train", "books", "oom"], None),
         ("torch-vmm", &["books", "oom"], Some(EXPANDABLE)),
     ];
