@@ -288,27 +288,6 @@ fn assert_shares(t: &Together, targets: &[f64]) {
     assert!(t.trace.overlaps().is_empty());
 }
 
-/// Two PyTorch trainers (AdamW, 53 kernels a step) at requests 0.7 / 0.3 each get their
-/// request of the GPU's time.
-#[test]
-fn two_pytorch_trainers_get_their_requests() {
-    let train: &[&str] = &["train"];
-    let tenants = [
-        TorchTenant {
-            group: "a",
-            request: 0.7,
-            args: train,
-        },
-        TorchTenant {
-            group: "b",
-            request: 0.3,
-            args: train,
-        },
-    ];
-    let t = together(&tenants, 6.0);
-    assert_shares(&t, &[0.7, 0.3]);
-}
-
 /// Four PyTorch trainers at requests 0.4 / 0.3 / 0.2 / 0.1 each get theirs.
 #[test]
 fn four_pytorch_trainers_get_their_requests() {
