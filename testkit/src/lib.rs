@@ -13,6 +13,8 @@
 //!   measurement).
 //! - [`timeline`]: kernel timelines a program records with CUDA timing events, for a GPU that
 //!   writes no trace.
+//! - [`python`]: the Python programs of `python/` and the cached virtual environments (PyTorch)
+//!   they run in.
 //!
 //! The `cudarc-client` binary of this package is a real cudarc 0.19 program; the C programs in
 //! `c/` use the driver API directly (linked, or through `cuGetProcAddress`).
@@ -23,6 +25,7 @@ pub mod harness;
 pub mod margins;
 pub mod node;
 pub mod ptx;
+pub mod python;
 pub mod timeline;
 /// The device trace and its figures live with the device that writes it.
 pub use gpushare_sim_device::trace;
