@@ -50,6 +50,10 @@ pub struct Shared {
     /// Something changed that the reconcile loop should look at.
     poke: Notify,
     metrics: Arc<Mutex<Metrics>>,
+    /// The node's pods (the pod watch's store).
+    pods: Arc<Mutex<PodStore>>,
+    /// The last assignments read from PodResources.
+    assigned: Mutex<Vec<Assignment>>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -67,6 +71,23 @@ impl Shared {
                 me.poke.notify_one();
             }
         });
+    }
+
+    /// The GPU(s) the scheduler extender recorded for the container a preferred allocation of
+    /// `size` units is for (see [`crate::allocation::recorded_choice`]). PodResources is read
+    /// afresh, as the previous pod's units were assigned just before this request.
+    pub async fn recorded_choice(&self, size: usize) -> Option<Vec<String>> {
+        let fresh = tokio::time::timeout(
+            Duration::from_secs(1),
+            crate::podresources::list(&self.opts.pod_resources_socket),
+        )
+        .await;
+        let assigned = match fresh {
+            Ok(Ok(a)) => a,
+            _ => locked(&self.assigned).clone(),
+        };
+        let pods: Vec<_> = locked(&self.pods).pods.values().cloned().collect();
+        crate::allocation::recorded_choice(&pods, &assigned, size)
     }
 
     pub fn registered(&self, took: Duration) {
@@ -127,6 +148,7 @@ impl Shared {
             .collect();
         {
             let mut m = locked(&self.metrics);
+            m.memory = gpus.iter().map(|(g, _)| (g.uuid.clone(), g.memory)).collect();
             m.allocatable = gpus
                 .iter()
                 .enumerate()
@@ -166,6 +188,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         tokio::time::sleep(opts.health_interval).await;
     };
     let metrics = Arc::new(Mutex::new(Metrics::default()));
+    let store = Arc::new(Mutex::new(PodStore::default()));
     let shared = Arc::new(Shared {
         admin: Arc::new(Mutex::new(AdminLink::new(opts.scheduler_socket.clone()))),
         opts,
@@ -174,6 +197,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         gpus: Mutex::new(Vec::new()),
         poke: Notify::new(),
         metrics: metrics.clone(),
+        pods: store.clone(),
+        assigned: Mutex::new(Vec::new()),
     });
     shared.set_found(Ok(first));
     if let Some(addr) = shared.opts.metrics {
@@ -184,7 +209,6 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     }
     tokio::spawn(health_loop(shared.clone(), exe));
     tokio::spawn(crate::kubelet::run(shared.clone()));
-    let store = Arc::new(Mutex::new(PodStore::default()));
     let client = match crate::podwatch::client(shared.opts.kubeconfig.as_deref()).await {
         Ok(c) => {
             let changed = Arc::new(Notify::new());
@@ -241,6 +265,7 @@ async fn reconcile_loop(
                     pr_failing = false;
                 }
                 locked(&shared.metrics).allocated = reconcile::allocated_units(&a);
+                *locked(&shared.assigned) = a.clone();
                 assignments = Some(a);
             }
             Err(e) => {

@@ -18,6 +18,11 @@ pub struct PodView {
     pub annotations: BTreeMap<String, String>,
     /// Container name → ID (without the `containerd://` prefix), once running.
     pub container_ids: BTreeMap<String, String>,
+    /// Container name → units of our resource it asks for (containers asking for some).
+    pub units: BTreeMap<String, u32>,
+    /// `metadata.creationTimestamp`, seconds since the epoch: the kubelet admits pods in this
+    /// order.
+    pub created: i64,
 }
 
 /// Units of our resource the kubelet assigned to one container (PodResources).
@@ -211,6 +216,8 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             container_ids: BTreeMap::new(),
+            units: BTreeMap::new(),
+            created: 0,
         }
     }
 

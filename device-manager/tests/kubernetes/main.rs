@@ -486,7 +486,8 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
 }
 
 /// `deploy/kubernetes` renders with `kubectl kustomize` and its objects (and the example pod)
-/// pass strict schema validation for Kubernetes 1.30, the first with admission policies v1.
+/// pass strict schema validation for Kubernetes 1.30, the first with admission policies v1;
+/// so does `deploy/with-extender`, the base with the scheduler extender's component.
 #[test]
 fn the_manifests_render_and_validate() {
     let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes");
@@ -530,6 +531,45 @@ fn the_manifests_render_and_validate() {
     assert!(
         out.status.success(),
         "schema validation failed\n{}",
+        describe(&out)
+    );
+    // With the scheduler extender's component: its scheduler, configuration and RBAC.
+    let overlay = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/with-extender");
+    let out = Command::new(tools::kubectl())
+        .arg("kustomize")
+        .arg(&overlay)
+        .output()
+        .expect("run kubectl kustomize");
+    assert!(out.status.success(), "kubectl kustomize failed\n{}", describe(&out));
+    let rendered = String::from_utf8(out.stdout).unwrap();
+    for want in [
+        "kind: DaemonSet",
+        "kind: KubeSchedulerConfiguration",
+        "schedulerName: gpushare",
+        "filterVerb: filter",
+        "prioritizeVerb: prioritize",
+        "bindVerb: bind",
+        "nodeCacheCapable: true",
+        "name: gpushare.io/gpu-share",
+        "- gpushare-extender",
+        "resources:\n  - pods/binding",
+        "name: system:kube-scheduler",
+    ] {
+        assert!(
+            rendered.contains(want),
+            "the rendered overlay lacks {want:?}\n{rendered}"
+        );
+    }
+    let file = tmp.path().join("with-extender.yaml");
+    std::fs::write(&file, &rendered).unwrap();
+    let out = Command::new(tools::kubernetes_validate())
+        .args(["--strict", "-k", "1.30.0"])
+        .arg(&file)
+        .output()
+        .expect("run kubernetes-validate");
+    assert!(
+        out.status.success(),
+        "schema validation of the extender's objects failed\n{}",
         describe(&out)
     );
 }
