@@ -13,8 +13,8 @@
 //! is the fallback when there is no such annotation or it cannot be followed.
 
 use crate::inventory::parse_device_id;
-use crate::reconcile::{Assignment, PodView};
 use crate::proto::deviceplugin::{CdiDevice, ContainerAllocateResponse, Mount};
+use crate::reconcile::{Assignment, PodView};
 use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -469,7 +469,10 @@ mod tests {
             container: "main".into(),
             device_ids: ids(A, 0..30),
         };
-        assert_eq!(recorded_choice(&pods, &[done], 30), Some(vec![B.to_string()]));
+        assert_eq!(
+            recorded_choice(&pods, &[done], 30),
+            Some(vec![B.to_string()])
+        );
         assert_eq!(recorded_choice(&pods, &[], 70), None);
     }
 
@@ -483,13 +486,19 @@ mod tests {
         // Chosen A for 50 units: A lacks them, so the manager falls back to its own choice.
         assert_eq!(preferred_on(&[A.to_string()], &avail, &[], 50, 100), None);
         // A unit the kubelet must include on another GPU contradicts the choice.
-        assert_eq!(preferred_on(&[B.to_string()], &avail, &[device_id(A, 99)], 30, 100), None);
+        assert_eq!(
+            preferred_on(&[B.to_string()], &avail, &[device_id(A, 99)], 30, 100),
+            None
+        );
         // Whole GPUs: exactly the chosen ones, free.
         let two: Vec<String> = ids(A, 0..100).into_iter().chain(ids(B, 0..100)).collect();
         let got = preferred_on(&[A.to_string(), B.to_string()], &two, &[], 200, 100).unwrap();
         assert_eq!(got.len(), 200);
         assert_eq!(preferred_on(&[A.to_string()], &two, &[], 200, 100), None);
-        assert_eq!(preferred_on(&["GPU-unknown".to_string()], &two, &[], 30, 100), None);
+        assert_eq!(
+            preferred_on(&["GPU-unknown".to_string()], &two, &[], 30, 100),
+            None
+        );
     }
 
     proptest! {

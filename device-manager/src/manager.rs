@@ -148,7 +148,10 @@ impl Shared {
             .collect();
         {
             let mut m = locked(&self.metrics);
-            m.memory = gpus.iter().map(|(g, _)| (g.uuid.clone(), g.memory)).collect();
+            m.memory = gpus
+                .iter()
+                .map(|(g, _)| (g.uuid.clone(), g.memory))
+                .collect();
             m.allocatable = gpus
                 .iter()
                 .enumerate()

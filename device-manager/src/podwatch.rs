@@ -78,7 +78,12 @@ pub fn view(p: &Pod) -> Option<PodView> {
         .iter()
         .flat_map(|s| &s.containers)
         .filter_map(|c| {
-            let q = c.resources.as_ref()?.limits.as_ref()?.get(crate::inventory::RESOURCE)?;
+            let q = c
+                .resources
+                .as_ref()?
+                .limits
+                .as_ref()?
+                .get(crate::inventory::RESOURCE)?;
             Some((c.name.clone(), q.0.trim().parse().ok()?))
         })
         .collect();
@@ -89,10 +94,7 @@ pub fn view(p: &Pod) -> Option<PodView> {
         annotations: m.annotations.clone().unwrap_or_default(),
         container_ids,
         units,
-        created: m
-            .creation_timestamp
-            .as_ref()
-            .map_or(0, |t| t.0.as_second()),
+        created: m.creation_timestamp.as_ref().map_or(0, |t| t.0.as_second()),
     })
 }
 

@@ -43,7 +43,11 @@ pub struct FilterResult {
     pub nodes: Option<NodeList>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nodenames: Option<Vec<String>>,
-    #[serde(rename = "failedNodes", default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(
+        rename = "failedNodes",
+        default,
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
     pub failed_nodes: BTreeMap<String, String>,
     #[serde(
         rename = "failedAndUnresolvableNodes",

@@ -206,8 +206,10 @@ impl Books {
     /// Bindings now visible in the API server need no assuming.
     fn forget_seen(&mut self) {
         let pods = &self.pods;
-        self.assumed
-            .retain(|uid, a| pods.get(uid).is_none_or(|p| p.node.as_ref() != Some(&a.node)));
+        self.assumed.retain(|uid, a| {
+            pods.get(uid)
+                .is_none_or(|p| p.node.as_ref() != Some(&a.node))
+        });
         self.observed.retain(|uid, _| pods.contains_key(uid));
     }
 
@@ -351,10 +353,7 @@ impl Books {
                 }
             }
         }
-        Ok(books
-            .into_iter()
-            .map(|(u, b)| (u.to_string(), b))
-            .collect())
+        Ok(books.into_iter().map(|(u, b)| (u.to_string(), b)).collect())
     }
 
     fn seed_samples(&self, gpu: &str, now: f64) -> Vec<f64> {
@@ -362,7 +361,12 @@ impl Books {
         let start = if now - last >= 20.0 { last } else { now - 20.0 };
         self.series
             .get(gpu)
-            .map(|s| s.iter().filter(|(t, _)| *t >= start).map(|(_, v)| *v).collect())
+            .map(|s| {
+                s.iter()
+                    .filter(|(t, _)| *t >= start)
+                    .map(|(_, v)| *v)
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -419,7 +423,14 @@ impl Books {
             } else {
                 None
             };
-            match policy::admit(self.policy, book, &demand, now, &self.learner, window.as_ref()) {
+            match policy::admit(
+                self.policy,
+                book,
+                &demand,
+                now,
+                &self.learner,
+                window.as_ref(),
+            ) {
                 Ok(fit) => {
                     let better = best.as_ref().is_none_or(|(b, _)| match self.policy {
                         Policy::Requests => fit.free_memory < b.free_memory,
@@ -437,7 +448,10 @@ impl Books {
                 gpus: vec![uuid.to_string()],
                 score: fit.score(),
             }),
-            None => Err(format!("no GPU of node {node} can take the pod ({})", why.join("; "))),
+            None => Err(format!(
+                "no GPU of node {node} can take the pod ({})",
+                why.join("; ")
+            )),
         }
     }
 
@@ -472,9 +486,12 @@ impl Books {
                 let score = match self.choose(pod, n, now) {
                     Ok(c) if self.policy.ranks_nodes() => (c.score * 10.0).round() as i64,
                     Ok(_) if self.policy == Policy::Seed => {
-                        let h = n.bytes().chain(pod.uid.bytes()).fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-                        });
+                        let h = n
+                            .bytes()
+                            .chain(pod.uid.bytes())
+                            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+                            });
                         (h % 11) as i64
                     }
                     _ => 0,
@@ -489,8 +506,7 @@ impl Books {
         let mut p = pod.clone();
         p.node = Some(node.to_string());
         p.gpus = gpus.clone();
-        self.observed
-            .insert(p.uid.clone(), Observed::new(now));
+        self.observed.insert(p.uid.clone(), Observed::new(now));
         self.assumed.insert(
             p.uid.clone(),
             Assumed {
@@ -594,7 +610,11 @@ mod tests {
         let mut b = Books::new(Policy::Requests, 10.0);
         let mut big = pod("big", 90, Some("n1"), &["GPU-a"]);
         b.set_pods(vec![big.clone()]);
-        b.node_report("n1", Ok(report(&[("GPU-a", 90)], &[("GPU-a", "big", GIB)])), 0.0);
+        b.node_report(
+            "n1",
+            Ok(report(&[("GPU-a", 90)], &[("GPU-a", "big", GIB)])),
+            0.0,
+        );
         let p = pod("next", 50, None, &[]);
         assert!(b.choose(&p, "n1", 1.0).is_err());
         // Deleted in the API server; the node still reports its units and memory for a while.
@@ -604,7 +624,10 @@ mod tests {
         // Once gone from the API server too.
         b.remove_pod("uid-big");
         b.node_report("n1", Ok(report(&[("GPU-a", 90)], &[])), 2.0);
-        assert!(b.choose(&p, "n1", 2.0).is_err(), "units the kubelet still holds, unexplained");
+        assert!(
+            b.choose(&p, "n1", 2.0).is_err(),
+            "units the kubelet still holds, unexplained"
+        );
         b.node_report("n1", Ok(report(&[("GPU-a", 0)], &[])), 3.0);
         assert_eq!(b.choose(&p, "n1", 3.0).unwrap().gpus, vec!["GPU-a"]);
     }
@@ -629,7 +652,11 @@ mod tests {
         let mut r = report(&[("GPU-a", 0)], &[]);
         r.gpus.get_mut("GPU-a").unwrap().memory = 0;
         b.node_report("n1", Ok(r), 8.0);
-        assert!(b.choose(&p, "n1", 8.0).unwrap_err().contains("no memory size"));
+        assert!(
+            b.choose(&p, "n1", 8.0)
+                .unwrap_err()
+                .contains("no memory size")
+        );
     }
 
     #[test]
@@ -641,12 +668,20 @@ mod tests {
         let mut next = pod("next", 30, None, &[]);
         next.memory = Some(3 * GIB);
         for s in 0..=30 {
-            b.node_report("n1", Ok(report(&[("GPU-a", 30)], &[("GPU-a", "a", GIB)])), s as f64);
+            b.node_report(
+                "n1",
+                Ok(report(&[("GPU-a", 30)], &[("GPU-a", "a", GIB)])),
+                s as f64,
+            );
         }
         // Settled at 1 GiB: 3 GiB more fits on the 8 GiB GPU although caps sum to 9.
         assert!(b.choose(&next, "n1", 30.0).is_ok());
         // Its use grows to 6 GiB: a misprediction, and the node is full again.
-        b.node_report("n1", Ok(report(&[("GPU-a", 30)], &[("GPU-a", "a", 6 * GIB)])), 31.0);
+        b.node_report(
+            "n1",
+            Ok(report(&[("GPU-a", 30)], &[("GPU-a", "a", 6 * GIB)])),
+            31.0,
+        );
         assert!(b.choose(&next, "n1", 31.0).is_err());
         assert_eq!(b.learner().mispredictions, 1);
     }
@@ -675,16 +710,29 @@ mod tests {
             }))
             .unwrap()
         };
-        let p = pod_info(&mk("30", serde_json::json!({MEMORY_ANNOTATION: "2Gi", GPU_ANNOTATION: "GPU-a, "})))
+        let p = pod_info(&mk(
+            "30",
+            serde_json::json!({MEMORY_ANNOTATION: "2Gi", GPU_ANNOTATION: "GPU-a, "}),
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (p.units, p.memory, p.gpus.clone()),
+            (30, Some(2 * GIB), vec!["GPU-a".to_string()])
+        );
+        let p = pod_info(&mk("30", serde_json::json!({MEMORY_ANNOTATION: "lots"})))
             .unwrap()
             .unwrap();
-        assert_eq!((p.units, p.memory, p.gpus.clone()), (30, Some(2 * GIB), vec!["GPU-a".to_string()]));
-        let p = pod_info(&mk("30", serde_json::json!({MEMORY_ANNOTATION: "lots"}))).unwrap().unwrap();
-        assert_eq!(p.memory, None, "an invalid cap falls back to the units' share");
+        assert_eq!(
+            p.memory, None,
+            "an invalid cap falls back to the units' share"
+        );
         assert_eq!(p.cap_on(8 * GIB, false), 8 * GIB / 100 * 30);
         assert!(pod_info(&mk("thirty", serde_json::json!({}))).is_err());
         assert_eq!(pod_info(&mk("0", serde_json::json!({}))).unwrap(), None);
-        let p = pod_info(&mk("150", serde_json::json!({}))).unwrap().unwrap();
+        let p = pod_info(&mk("150", serde_json::json!({})))
+            .unwrap()
+            .unwrap();
         assert!(p.whole_gpus().unwrap_err().contains("whole GPUs"));
     }
 }

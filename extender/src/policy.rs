@@ -201,8 +201,17 @@ pub struct SeedWindow<'a> {
 pub enum Refusal {
     /// `whole-gpu`: another pod has it.
     InUse,
-    Units { free: u32, total: u32, asked: u32 },
-    Memory { asked: u64, free: u64, total: u64, policy: Policy },
+    Units {
+        free: u32,
+        total: u32,
+        asked: u32,
+    },
+    Memory {
+        asked: u64,
+        free: u64,
+        total: u64,
+        policy: Policy,
+    },
     /// `seed`: no samples of the GPU's use.
     NoMeasurements,
 }
@@ -214,7 +223,12 @@ impl std::fmt::Display for Refusal {
             Refusal::Units { free, total, asked } => {
                 write!(f, "{free} of {total} units free, {asked} asked")
             }
-            Refusal::Memory { asked, free, total, policy } => write!(
+            Refusal::Memory {
+                asked,
+                free,
+                total,
+                policy,
+            } => write!(
                 f,
                 "{asked} of memory asked, {free} free of {total} by the {} policy",
                 policy.name()

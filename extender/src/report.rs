@@ -236,11 +236,7 @@ gpushare_group_memory_cap_bytes{gpu=\"0\",UUID=\"GPU-a\",group=\"default/p/main\
         assert_eq!(r["n2"].pods.len(), 1);
         assert!(!r.contains_key("n3"), "a NaN sample is no sample");
         assert_eq!(r.len(), 2);
-        let e = parse_prometheus(
-            r#"{"status":"error","error":"bad query"}"#,
-            "node",
-        )
-        .unwrap_err();
+        let e = parse_prometheus(r#"{"status":"error","error":"bad query"}"#, "node").unwrap_err();
         assert!(e.contains("bad query"), "{e}");
         assert!(parse_prometheus("<html>", "node").is_err());
         assert!(selector().contains(POD_CAP));

@@ -140,7 +140,10 @@ async fn filter(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
         Ok(v) => v,
         Err(e) if e.contains("units") => {
             // A pod that can never be placed: every node fails, with the reason.
-            let failed = names_of(&body).into_iter().map(|n| (n, e.clone())).collect();
+            let failed = names_of(&body)
+                .into_iter()
+                .map(|n| (n, e.clone()))
+                .collect();
             return json(&FilterResult {
                 failed_nodes: failed,
                 ..Default::default()
@@ -268,7 +271,8 @@ async fn do_bind(shared: &Shared, a: &BindingArgs) -> Result<(), String> {
         }
     };
     if !gpus.is_empty() {
-        let patch = serde_json::json!({"metadata": {"annotations": {GPU_ANNOTATION: gpus.join(",")}}});
+        let patch =
+            serde_json::json!({"metadata": {"annotations": {GPU_ANNOTATION: gpus.join(",")}}});
         pods.patch(&a.pod_name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map_err(|e| format!("cannot record the chosen GPU on {ns}/{}: {e}", a.pod_name))?;
@@ -284,8 +288,8 @@ async fn do_bind(shared: &Shared, a: &BindingArgs) -> Result<(), String> {
         &PostParams::default(),
         &binding,
     )
-        .await
-        .map_err(|e| format!("cannot bind {ns}/{} to {}: {e}", a.pod_name, a.node))?;
+    .await
+    .map_err(|e| format!("cannot bind {ns}/{} to {}: {e}", a.pod_name, a.node))?;
     if !gpus.is_empty()
         && let Some(info) = books::pod_info(&pod)?
     {
@@ -308,7 +312,12 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     };
     let per_node = |m: &BTreeMap<String, u64>| {
         m.iter()
-            .map(|(n, v)| (format!("{{node=\"{}\"}}", n.replace(['"', '\\'], "'")), *v as f64))
+            .map(|(n, v)| {
+                (
+                    format!("{{node=\"{}\"}}", n.replace(['"', '\\'], "'")),
+                    *v as f64,
+                )
+            })
             .collect()
     };
     family(
@@ -351,18 +360,14 @@ type Http = hyper_util::client::legacy::Client<
 >;
 
 fn http() -> Http {
-    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http()
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http()
 }
 
 /// `GET url` within `timeout`: the body, or why not.
 async fn get_text(client: &Http, url: &str, timeout: Duration) -> Result<String, String> {
     let uri: hyper::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
     let fetch = async {
-        let resp = client
-            .get(uri)
-            .await
-            .map_err(|e| format!("{url}: {e}"))?;
+        let resp = client.get(uri).await.map_err(|e| format!("{url}: {e}"))?;
         let status = resp.status();
         let body = resp
             .into_body()
@@ -410,7 +415,9 @@ fn matches_selector(p: &Pod, selector: &str) -> bool {
 /// Follow the API server's pods into the books (relisting when the watch breaks).
 async fn watch_pods(shared: Arc<Shared>, client: kube::Client, args: ServeArgs) {
     let api: Api<Pod> = Api::all(client);
-    let mut pending: Option<(Vec<PodInfo>, BTreeMap<String, Vec<String>>)> = None;
+    // A relist in progress: the pods asking for units, and the nodes' metrics endpoints.
+    type Relist = (Vec<PodInfo>, BTreeMap<String, Vec<String>>);
+    let mut pending: Option<Relist> = None;
     let mut stream = watcher(api, watcher::Config::default())
         .default_backoff()
         .boxed();
@@ -493,7 +500,9 @@ async fn scrape_loop(shared: Arc<Shared>, args: ServeArgs) {
     loop {
         tick.tick().await;
         let reports: Vec<(String, Result<NodeReport, String>)> = match &args.prometheus {
-            Some(url) => from_prometheus(&client, url, &args.prometheus_node_label, &shared, timeout).await,
+            Some(url) => {
+                from_prometheus(&client, url, &args.prometheus_node_label, &shared, timeout).await
+            }
             None => {
                 let eps = shared
                     .endpoints
@@ -505,7 +514,10 @@ async fn scrape_loop(shared: Arc<Shared>, args: ServeArgs) {
                     async move {
                         let mut r = NodeReport::default();
                         for u in &urls {
-                            match get_text(&client, u, timeout).await.and_then(|t| report::parse_text(&t)) {
+                            match get_text(&client, u, timeout)
+                                .await
+                                .and_then(|t| report::parse_text(&t))
+                            {
                                 Ok(x) => r.merge(x),
                                 Err(e) => return (node, Err(e)),
                             }
@@ -553,10 +565,19 @@ async fn from_prometheus(
             let mut out: Vec<(String, Result<NodeReport, String>)> = Vec::new();
             for n in known {
                 if !by_node.contains_key(&n) {
-                    out.push((n.clone(), Err(format!("no gpushare series for node {n} in Prometheus (label {node_label})"))));
+                    out.push((
+                        n.clone(),
+                        Err(format!(
+                            "no gpushare series for node {n} in Prometheus (label {node_label})"
+                        )),
+                    ));
                 }
             }
-            out.extend(std::mem::take(&mut by_node).into_iter().map(|(n, r)| (n, Ok(r))));
+            out.extend(
+                std::mem::take(&mut by_node)
+                    .into_iter()
+                    .map(|(n, r)| (n, Ok(r))),
+            );
             out
         }
         Err(e) => known.into_iter().map(|n| (n, Err(e.clone()))).collect(),
@@ -580,10 +601,124 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let shared = Arc::new(Shared::new(books, Some(client.clone())));
     tokio::spawn(watch_pods(shared.clone(), client, args.clone()));
     tokio::spawn(scrape_loop(shared.clone(), args.clone()));
-    let listener = tokio::net::TcpListener::bind(args.listen).await.map_err(|e| {
-        anyhow::anyhow!("cannot listen on {}: {e}; pick another --listen address", args.listen)
-    })?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot listen on {}: {e}; pick another --listen address",
+                args.listen
+            )
+        })?;
     tracing::info!(addr = %args.listen, policy = args.policy.name(), source = args.prometheus.as_deref().unwrap_or("the nodes"), "serving");
     axum::serve(listener, router(shared)).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{GpuReport, NodeReport};
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    fn shared() -> Arc<Shared> {
+        let mut books = Books::new(Policy::Predicted, 10.0);
+        let mut r = NodeReport::default();
+        r.gpus.insert(
+            "GPU-a".into(),
+            GpuReport {
+                memory: 8 << 30,
+                units: 100,
+                allocated: 0,
+            },
+        );
+        books.node_report("n1", Ok(r), 0.0);
+        books.node_report("n2", Err("connection refused".into()), 0.0);
+        Arc::new(Shared::new(books, None))
+    }
+
+    async fn call(s: &Arc<Shared>, path: &str, body: &str) -> (StatusCode, String) {
+        let resp = router(s.clone())
+            .oneshot(
+                Request::post(path)
+                    .header("content-type", "application/json")
+                    .body(Body::from(body.to_string()))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn args(units: &str, nodes: &[&str]) -> String {
+        serde_json::json!({
+            "pod": {"metadata": {"name": "p", "namespace": "default", "uid": "u1"},
+                "spec": {"containers": [{"name": "main",
+                    "resources": {"limits": {"gpushare.io/gpu-share": units}}}]}},
+            "nodenames": nodes
+        })
+        .to_string()
+    }
+
+    #[tokio::test]
+    async fn filter_keeps_fitting_nodes_and_says_why_of_the_others() {
+        let s = shared();
+        let (st, body) = call(&s, "/filter", &args("30", &["n1", "n2", "n3"])).await;
+        assert_eq!(st, StatusCode::OK);
+        let r: FilterResult = serde_json::from_str(&body).unwrap();
+        assert_eq!(r.nodenames, Some(vec!["n1".to_string()]));
+        assert!(
+            r.failed_nodes["n2"].contains("connection refused"),
+            "{body}"
+        );
+        assert!(
+            r.failed_nodes["n3"].contains("no gpushare metrics"),
+            "{body}"
+        );
+        assert_eq!(s.books().counters.unreadable["n2"], 1);
+        let (_, body) = call(&s, "/prioritize", &args("30", &["n1", "n2"])).await;
+        let p: Vec<HostPriority> = serde_json::from_str(&body).unwrap();
+        assert!(p[0].score > 0 && p[1].score == 0, "{body}");
+    }
+
+    #[tokio::test]
+    async fn bad_requests_are_refused_clearly_and_counted() {
+        let s = shared();
+        for (path, body) in [
+            ("/filter", "{"),
+            ("/filter", r#"{"nodenames": ["n1"]}"#),
+            ("/prioritize", "[]"),
+            ("/bind", r#"{"podName": 3}"#),
+        ] {
+            let (st, text) = call(&s, path, body).await;
+            assert_eq!(st, StatusCode::BAD_REQUEST, "{path} {body}: {text}");
+            assert!(text.contains("malformed"), "{text}");
+        }
+        assert_eq!(s.books().counters.bad_requests, 4);
+        // Units that can never be placed: every node fails, with the reason.
+        let (st, body) = call(&s, "/filter", &args("150", &["n1"])).await;
+        assert_eq!(st, StatusCode::OK);
+        assert!(body.contains("whole GPUs"), "{body}");
+        let (_, body) = call(&s, "/filter", &args("many", &["n1"])).await;
+        assert!(body.contains("whole number of units"), "{body}");
+        // A pod that asks for no units passes everywhere.
+        let (_, body) = call(&s, "/filter", &args("0", &["n1", "n9"])).await;
+        let r: FilterResult = serde_json::from_str(&body).unwrap();
+        assert_eq!(r.nodenames.unwrap().len(), 2);
+        // A binding without an API server, or without a node, is an error, not a panic.
+        let (st, body) = call(
+            &s,
+            "/bind",
+            r#"{"podName": "p", "podNamespace": "default", "podUID": "u1", "node": "n1"}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK);
+        assert!(body.contains("no API server"), "{body}");
+        let (_, body) = call(&s, "/bind", r#"{"podName": "p", "node": ""}"#).await;
+        assert!(body.contains("needs podName and node"), "{body}");
+        assert_eq!(s.books().counters.binding_errors, 2);
+    }
 }

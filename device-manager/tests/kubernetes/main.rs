@@ -540,7 +540,11 @@ fn the_manifests_render_and_validate() {
         .arg(&overlay)
         .output()
         .expect("run kubectl kustomize");
-    assert!(out.status.success(), "kubectl kustomize failed\n{}", describe(&out));
+    assert!(
+        out.status.success(),
+        "kubectl kustomize failed\n{}",
+        describe(&out)
+    );
     let rendered = String::from_utf8(out.stdout).unwrap();
     for want in [
         "kind: DaemonSet",

@@ -139,6 +139,9 @@ struct JobState {
 struct Node {
     cpu_used: u64,
     mem_used: u64,
+    /// The most free units on one of its GPUs, and its GPUs with no pod (skips full nodes).
+    most_free: u32,
+    empty: usize,
 }
 
 fn cap_on(cap: Cap, gpu_memory: u64) -> u64 {
@@ -223,9 +226,11 @@ impl<'a> Sim<'a> {
             nodes: spec
                 .nodes
                 .iter()
-                .map(|_| Node {
+                .map(|n| Node {
                     cpu_used: 0,
                     mem_used: 0,
+                    most_free: if n.gpus > 0 { 100 } else { 0 },
+                    empty: n.gpus,
                 })
                 .collect(),
             gpus,
@@ -338,7 +343,8 @@ impl<'a> Sim<'a> {
                 s.ended = Some(t + 1);
                 s.using = 0;
                 let gpus = std::mem::take(&mut s.gpus);
-                let n = &mut self.nodes[self.gpus[gpus[0]].node];
+                let ni = self.gpus[gpus[0]].node;
+                let n = &mut self.nodes[ni];
                 for g in gpus {
                     let gpu = &mut self.gpus[g];
                     let i = gpu.jobs.iter().position(|&x| x == j).expect("on its GPU");
@@ -347,6 +353,7 @@ impl<'a> Sim<'a> {
                 }
                 n.cpu_used -= job.cpu;
                 n.mem_used -= job.mem;
+                self.refresh_node(ni);
                 changed = true;
             } else {
                 still.push(j);
@@ -400,7 +407,9 @@ impl<'a> Sim<'a> {
             for (k, &j) in g.jobs.iter().enumerate() {
                 let u = self.jobs[j].using;
                 total += u;
-                g.book.tenants[k].observed.observe(u, t as f64, &mut self.learner);
+                g.book.tenants[k]
+                    .observed
+                    .observe(u, t as f64, &mut self.learner);
             }
             if self.policy == Policy::Seed {
                 g.series.record(t, total);
@@ -468,6 +477,18 @@ impl<'a> Sim<'a> {
         }
     }
 
+    fn refresh_node(&mut self, n: usize) {
+        let range = self.node_gpus[n].clone();
+        let node = &mut self.nodes[n];
+        node.most_free = 0;
+        node.empty = 0;
+        for g in range {
+            let b = &self.gpus[g].book;
+            node.most_free = node.most_free.max(b.units - b.units_used().min(b.units));
+            node.empty += usize::from(b.tenants.is_empty());
+        }
+    }
+
     fn node_fits(&self, n: usize, job: &JobSpec) -> bool {
         let (spec, used) = (&self.spec.nodes[n], &self.nodes[n]);
         (spec.cpu == 0 || used.cpu_used + job.cpu <= spec.cpu)
@@ -478,11 +499,9 @@ impl<'a> Sim<'a> {
     fn least_allocated(&self, n: usize, job: &JobSpec) -> u64 {
         let (spec, used) = (&self.spec.nodes[n], &self.nodes[n]);
         let part = |cap: u64, used: u64| {
-            if cap == 0 {
-                100
-            } else {
-                (cap.saturating_sub(used)) * 100 / cap
-            }
+            (cap.saturating_sub(used) * 100)
+                .checked_div(cap)
+                .unwrap_or(100)
         };
         (part(spec.cpu, used.cpu_used + job.cpu) + part(spec.mem, used.mem_used + job.mem)) / 2
     }
@@ -533,7 +552,12 @@ impl<'a> Sim<'a> {
         let mut best: Option<(u64, u64, u64, Vec<usize>)> = None;
         let seed_order = self.policy == Policy::Seed;
         for n in 0..self.nodes.len() {
-            if !self.node_fits(n, job) {
+            let room = if whole > 0 {
+                self.nodes[n].empty >= whole
+            } else {
+                self.nodes[n].most_free >= job.units
+            };
+            if !room || !self.node_fits(n, job) {
                 continue;
             }
             let range = self.node_gpus[n].clone();
@@ -604,6 +628,7 @@ impl<'a> Sim<'a> {
                 observed: Observed::new(t as f64),
             });
         }
+        self.refresh_node(n);
         let s = &mut self.jobs[j];
         s.placed = Some(t);
         s.gpus = gpus;

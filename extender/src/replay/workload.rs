@@ -34,7 +34,8 @@ pub enum Workload {
 impl Workload {
     /// The name `--workload` takes.
     pub fn to_possible_value_name(self) -> String {
-        clap::ValueEnum::to_possible_value(&self).map_or(String::new(), |v| v.get_name().to_string())
+        clap::ValueEnum::to_possible_value(&self)
+            .map_or(String::new(), |v| v.get_name().to_string())
     }
 }
 
@@ -174,7 +175,11 @@ pub fn build(w: Workload, seed: u64, overprov_pct: u32, cluster: (usize, usize))
                 let e = &engines[rng.random_range(0..engines.len())];
                 let peak = 0.2 + 0.8 * rng.random::<f64>();
                 let shared = gpus == 1 && milli < 1000;
-                let units = if shared { milli.div_ceil(10).max(1) } else { 100 };
+                let units = if shared {
+                    milli.div_ceil(10).max(1)
+                } else {
+                    100
+                };
                 jobs.push(JobSpec {
                     arrival: i as u64,
                     cpu,
@@ -207,7 +212,10 @@ mod tests {
     fn the_data_files_hold_what_the_replay_assumes() {
         let e = engines();
         assert_eq!(e.len(), 179);
-        assert!(e.iter().all(|e| e.mib.iter().max() == Some(&(ENGINE_MIB as u32))));
+        assert!(
+            e.iter()
+                .all(|e| e.mib.iter().max() == Some(&(ENGINE_MIB as u32)))
+        );
         assert!(e.iter().all(|e| (100..=170).contains(&e.mib.len())));
         let nodes = openb_nodes();
         assert_eq!(nodes.len(), 1213);
