@@ -2,7 +2,6 @@
 //!
 //! - [`core`]: the scheduling core (pure, virtual time): policies, placement, timeouts.
 //! - [`replay`]: the aging paper's experiment through the core, in virtual time.
-//! - [`proto`]: the Unix-socket protocol and the client `gpushare submit/jobs/cancel/logs` use.
 //! - [`daemon`]: `gpushare-queue serve`, the I/O shell: socket, jobs' processes, clock;
 //!   [`db`] its SQLite state, [`http`] its HTTP API and [`web`] page, [`shim`] the supervisor
 //!   of each run, [`gpus`] the node's GPUs, [`sys`] the few system calls std lacks.
@@ -12,7 +11,6 @@ pub mod daemon;
 pub mod db;
 pub mod gpus;
 pub mod http;
-pub mod proto;
 pub mod replay;
 pub mod shim;
 pub mod sys;
