@@ -69,7 +69,7 @@ impl DevicePlugin for PluginService {
                     &c.available_device_i_ds,
                     &c.must_include_device_i_ds,
                     size,
-                    opts.units_per_gpu,
+                    opts.agent.units_per_gpu,
                 );
                 if ids.is_none() {
                     tracing::warn!(
@@ -85,7 +85,7 @@ impl DevicePlugin for PluginService {
                     &c.available_device_i_ds,
                     &c.must_include_device_i_ds,
                     size,
-                    opts.units_per_gpu,
+                    opts.agent.units_per_gpu,
                     opts.placement,
                     &load,
                 )
@@ -104,7 +104,7 @@ impl DevicePlugin for PluginService {
     ) -> Result<Response<AllocateResponse>, Status> {
         let mut container_responses = Vec::new();
         for c in req.into_inner().container_requests {
-            let gpus = allocation::gpus_of(&c.devices_ids, self.shared.opts.units_per_gpu)
+            let gpus = allocation::gpus_of(&c.devices_ids, self.shared.opts.agent.units_per_gpu)
                 .map_err(|e| {
                     tracing::warn!("Allocate refused: {e}");
                     Status::invalid_argument(format!("gpushare: {e}"))
