@@ -57,22 +57,31 @@ fn main() -> ExitCode {
             }
         }
         Command::Replay(a) => {
-            let o = replay::run(&a);
+            let summary = replay::run(&a);
             if a.json {
-                println!("{}", serde_json::to_string(&o).unwrap_or_default());
+                println!("{}", serde_json::to_string(&summary).unwrap_or_default());
             } else {
+                let (o, lo, hi) = (&summary.median, &summary.min, &summary.max);
                 println!(
-                    "{} {} overprov {}%: pending mean {:.1} s, p99 {:.1} s; completion p99 {:.1} s; memory used {:.3}; GPU busy {:.3}; out-of-memory {}; unallocated GPU fragments at peak {:.2} (medians of {} seeds)",
+                    "{} {} overprov {}%: pending mean {:.1} s ({:.1}–{:.1}), p99 {:.1} s; completion p99 {:.1} s ({:.1}–{:.1}); memory used {:.3}; GPU busy {:.3}; out-of-memory {} ({}–{}); unallocated GPU fragments at peak {:.2} ({:.2}–{:.2}) (medians of {} seeds, smallest–largest in brackets)",
                     a.policy.name(),
                     a.workload.to_possible_value_name(),
                     a.overprov,
                     o.pending_mean_s,
+                    lo.pending_mean_s,
+                    hi.pending_mean_s,
                     o.pending_p99_s,
                     o.jct_p99_s,
+                    lo.jct_p99_s,
+                    hi.jct_p99_s,
                     o.memory_used_frac,
                     o.gpu_busy_frac,
                     o.oom,
+                    lo.oom,
+                    hi.oom,
                     o.unallocated_gpus_peak,
+                    lo.unallocated_gpus_peak,
+                    hi.unallocated_gpus_peak,
                     a.seeds
                 );
             }

@@ -1,12 +1,13 @@
 //! The node agents on nodes of stand-ins: gpushare-device-manager (see `cluster.rs`; here) and
 //! gpushare-dra (`dra.rs`), each the real agent with the real scheduler and hook on the
 //! simulated GPU, fake kubelets and API server, the real `kubectl`, tenants in kubelet-style
-//! cgroups.
+//! cgroups; and the scheduler extender placing pods on three such nodes (`extender.rs`).
 
 mod apiserver;
 mod cluster;
 mod dra;
 mod drakubelet;
+mod extender;
 mod kubelet;
 mod tools;
 

@@ -58,18 +58,34 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Each figure's median over seeds 0..`a.seeds`.
-pub fn run(a: &ReplayArgs) -> Outcome {
+/// Each figure's median over seeds 0..N, and its smallest and largest value over them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Summary {
+    #[serde(flatten)]
+    pub median: Outcome,
+    pub min: Outcome,
+    pub max: Outcome,
+}
+
+/// Seeds 0..`a.seeds` of `a`, summarised.
+pub fn run(a: &ReplayArgs) -> Summary {
     let runs: Vec<Outcome> = (0..a.seeds).map(|s| run_seed(a, s)).collect();
-    let m = |f: fn(&Outcome) -> f64| median(runs.iter().map(f).collect());
-    Outcome {
-        pending_mean_s: m(|o| o.pending_mean_s),
-        pending_p99_s: m(|o| o.pending_p99_s),
-        jct_p99_s: m(|o| o.jct_p99_s),
-        memory_used_frac: m(|o| o.memory_used_frac),
-        gpu_busy_frac: m(|o| o.gpu_busy_frac),
-        oom: m(|o| o.oom),
-        unallocated_gpus_peak: m(|o| o.unallocated_gpus_peak),
+    let each = |pick: fn(Vec<f64>) -> f64| {
+        let m = |f: fn(&Outcome) -> f64| pick(runs.iter().map(f).collect());
+        Outcome {
+            pending_mean_s: m(|o| o.pending_mean_s),
+            pending_p99_s: m(|o| o.pending_p99_s),
+            jct_p99_s: m(|o| o.jct_p99_s),
+            memory_used_frac: m(|o| o.memory_used_frac),
+            gpu_busy_frac: m(|o| o.gpu_busy_frac),
+            oom: m(|o| o.oom),
+            unallocated_gpus_peak: m(|o| o.unallocated_gpus_peak),
+        }
+    };
+    Summary {
+        median: each(median),
+        min: each(|v| v.into_iter().fold(f64::INFINITY, f64::min)),
+        max: each(|v| v.into_iter().fold(f64::NEG_INFINITY, f64::max)),
     }
 }
 
