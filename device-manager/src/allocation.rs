@@ -396,6 +396,7 @@ mod tests {
             container_ids: BTreeMap::new(),
             units: BTreeMap::from([("main".to_string(), units)]),
             created,
+            claims: BTreeMap::new(),
         }
     }
 
