@@ -3,8 +3,9 @@
 //! - [`core`]: the scheduling core (pure, virtual time): policies, placement, timeouts.
 //! - [`replay`]: the aging paper's experiment through the core, in virtual time.
 //! - [`daemon`]: `gpushare-queue serve`, the I/O shell: socket, jobs' processes, clock;
-//!   [`db`] its SQLite state, [`http`] its HTTP API and [`web`] page, [`shim`] the supervisor
-//!   of each run, [`gpus`] the node's GPUs, [`sys`] the few system calls std lacks.
+//!   [`db`] its SQLite state, [`http`] its HTTP API and [`web`] page, [`usage`] the last
+//!   minutes of the GPUs' use that the page plots, [`shim`] the supervisor of each run, [`gpus`]
+//!   the node's GPUs, [`sys`] the few system calls std lacks.
 
 pub mod core;
 pub mod daemon;
@@ -14,4 +15,5 @@ pub mod http;
 pub mod replay;
 pub mod shim;
 pub mod sys;
+pub mod usage;
 pub mod web;

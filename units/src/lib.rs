@@ -1,6 +1,6 @@
 //! Units shared by every gpushare part: human-friendly sizes (`80GiB`, `512MiB`, `4096`),
-//! Kubernetes quantities of bytes (`4Gi`, `2G`) and
-//! durations (`1ms`, `25us`, `5s`) for flags, environment and config (DESIGN §7), and the
+//! Kubernetes quantities of bytes (`4Gi`, `2G`) and durations (`1ms`, `25us`, `5s`) for flags,
+//! environment and config (docs/configuration.md), and the
 //! `CLOCK_MONOTONIC` nanosecond time base of token deadlines and device traces.
 
 /// CLOCK_MONOTONIC in nanoseconds (vDSO, no syscall). Token deadlines, the device trace and

@@ -24,17 +24,23 @@ pub fn cgroups_usable() -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     // /proc/self belongs to the process's effective user.
     if std::fs::metadata("/proc/self").map_or(true, |m| m.uid() != 0) {
-        return Err("not root: tenants cannot be placed in kubelet-style cgroups".into());
+        return Err(
+            "not root: tenants cannot be placed in kubelet-style cgroups (run it as root, as CI does)"
+                .into(),
+        );
     }
     for d in [V2_ROOT, V1_ROOT] {
         if !Path::new(d).join("cgroup.procs").exists() {
-            return Err(format!("{d} is not a mounted cgroup hierarchy"));
+            return Err(format!(
+                "{d} is not a mounted cgroup hierarchy (these tests need the hybrid layout: \
+                 cgroup v2 at {V2_ROOT} and the v1 pids hierarchy at {V1_ROOT})"
+            ));
         }
     }
     Ok(())
 }
 
-/// cgroup v2 (unified) and a v1 hierarchy, as mounted on this machine (hybrid layout).
+/// cgroup v2 (unified) and a v1 hierarchy, as a host with the hybrid layout mounts them.
 const V2_ROOT: &str = "/sys/fs/cgroup/unified";
 const V1_ROOT: &str = "/sys/fs/cgroup/pids";
 

@@ -268,10 +268,7 @@ async fn the_device_plugin_serves_the_kubelet_without_an_api_server() {
 /// after 2 s; metrics and status name the pods.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_get_the_shares_their_units_and_annotations_say() {
-    if let Err(why) = cgroups_usable() {
-        eprintln!("SKIPPED: {why}");
-        return;
-    }
+    cgroups_usable().unwrap_or_else(|why| panic!("cannot run: {why}"));
     let mut c = Cluster::start(&["--memory", "8GiB"], &[]).await;
     let a = c
         .admit(
@@ -542,10 +539,7 @@ fn the_manifests_render_and_validate() {
 /// restart in that state; the watch recovers from a compaction (410 Gone) by relisting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_policy_survives_api_outages_manager_restarts_and_compaction() {
-    if let Err(why) = cgroups_usable() {
-        eprintln!("SKIPPED: {why}");
-        return;
-    }
+    cgroups_usable().unwrap_or_else(|why| panic!("cannot run: {why}"));
     let mut c = Cluster::start(&[], &[]).await;
     let p = c
         .admit("serve", 40, json!({"gpushare.io/gpu-limit": "0.5"}))
