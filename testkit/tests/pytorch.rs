@@ -281,10 +281,10 @@ fn assert_shares(t: &Together, targets: &[f64]) {
             t.shares
         );
     }
-    assert!(
-        utilisation >= margins::UTILISATION,
-        "utilisation {utilisation:.3}"
-    );
+    // The GPU's utilisation is printed, not asserted: here it measures how much host CPU the
+    // tenants' Python got (each step is launched by an interpreter, and the suite shares two
+    // cores with other tests), not the scheduler; work conservation is asserted with C tenants
+    // in `fair_share` and `isolation`.
     assert!(t.trace.overlaps().is_empty());
 }
 
