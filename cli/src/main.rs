@@ -76,6 +76,10 @@ enum Cmd {
         /// GPU memory cap on each GPU, e.g. 4GiB.
         #[arg(long, value_parser = gpushare_units::parse_size)]
         memory: Option<u64>,
+        /// The latency class: a request server whose tail latency matters (`gpushare run
+        /// --latency`).
+        #[arg(long)]
+        latency: bool,
         /// Preferred GPUs, most preferred first, e.g. 0,2.
         #[arg(long, value_delimiter = ',')]
         prefer: Vec<u32>,
@@ -270,6 +274,7 @@ fn main() -> ExitCode {
             share,
             limit,
             memory,
+            latency,
             prefer,
             wait_mode,
             priority,
@@ -287,6 +292,7 @@ fn main() -> ExitCode {
                     share: share.unwrap_or(d.share),
                     limit: limit.unwrap_or(d.limit),
                     memory,
+                    latency,
                     prefer,
                     wait_mode: wait_mode.unwrap_or(d.wait_mode),
                     priority: priority.unwrap_or(d.priority),

@@ -1,6 +1,6 @@
 //! A group's share parameters and the policy's timing parameters, validated in one place.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A group's share parameters on one GPU (docs/scheduling.md#targets).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -17,7 +17,7 @@ pub struct GroupParams {
 
 /// A group's scheduling class. Either way its GPU time is charged and capped alike: the class
 /// changes when a group gets the GPU, never how much.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum GroupClass {
     /// Turns of a quota, handed over at their deadlines (training, batch work).

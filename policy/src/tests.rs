@@ -1847,3 +1847,51 @@ proptest! {
         prop_assert_eq!(sim.stats.revocations, 0);
     }
 }
+
+/// Group `g`'s held share over every window of `win` from `from`, a second apart, ending by
+/// `to`.
+fn held_windows(sim: &Sim, g: usize, win: u64, from: u64, to: u64) -> Vec<f64> {
+    (0..)
+        .map(|k| from + k * S)
+        .take_while(|a| a + win <= to)
+        .map(|a| sim.held_share(g, a, a + win))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases()))]
+
+    /// Declaring the latency class buys no GPU time: in random mixes where one group (of any
+    /// demand, request and cap) declares it, every group stays within its limit and every busy
+    /// group keeps its guarantee over every 4 s window, as they do when the same mix runs all
+    /// standard. The margin is what the fair-share bounds allow in a window: a group's credit
+    /// and bucket swing by at most `2·quota + grace` (three quotas here) plus a turn.
+    #[test]
+    fn a_latency_group_gains_no_share_over_any_window(
+        mut mix in arb_mix(0..4),
+        pick in any::<prop::sample::Index>(),
+    ) {
+        let (end, warm, win) = (40 * S, 4 * S, 4 * S);
+        let l = pick.index(mix.params.len());
+        let standard = run_mix(&mix, end);
+        mix.params[l].class = GroupClass::Latency;
+        let latency = run_mix(&mix, end);
+        let margin = (4 * mix.quota_ms * MS) as f64 / win as f64 + 0.01;
+        let eff = effective_requests(&mix.params);
+        for (run, sim) in [("standard", &standard), ("latency", &latency)] {
+            for (g, p) in mix.params.iter().enumerate() {
+                let w = held_windows(sim, g, win, warm, end);
+                let hi = w.iter().copied().fold(0.0, f64::max);
+                prop_assert!(hi <= p.limit + margin,
+                    "{run} run, group {g} {p:?} (latency group {l}): {hi} in a window, above \
+                     its limit by more than {margin}");
+                if mix.kinds[g] == 0 {
+                    let lo = w.iter().copied().fold(1.0, f64::min);
+                    prop_assert!(lo >= eff[g] - margin,
+                        "{run} run, busy group {g} {p:?} (latency group {l}): {lo} in a window, \
+                         below its guarantee {} by more than {margin}", eff[g]);
+                }
+            }
+        }
+    }
+}

@@ -228,6 +228,7 @@ mod tests {
             request: 0.3,
             limit: 0.6,
             weight: 2.0,
+            latency: false,
             effective_request: 0.3,
             target_share: 0.6,
             achieved_share: 0.59,
