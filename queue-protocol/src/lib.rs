@@ -319,6 +319,17 @@ mod tests {
     use super::*;
     use gpushare_frame::fuzz;
 
+    /// Job records kept from before the latency class read as standard.
+    #[test]
+    fn a_demand_without_the_class_is_standard() {
+        let d: Demand = serde_json::from_str(
+            r#"{"gpus": 1, "share": 0.5, "limit": 1.0, "memory": null, "prefer": [],
+                "wait_mode": "schedule", "priority": 0, "timeout_ns": null, "retries": 0}"#,
+        )
+        .unwrap();
+        assert_eq!(d, Demand { share: 0.5, ..Demand::default() });
+    }
+
     #[test]
     fn responses_round_trip_and_hostile_ones_are_rejected() {
         let job = JobView {

@@ -365,6 +365,9 @@ mod tests {
         assert_eq!(s.demand.memory, Some(4 << 30));
         assert_eq!(s.demand.timeout_ns, Some(90_000_000_000));
         assert_eq!(s.demand.wait_mode, WaitMode::Queue);
+        assert!(!s.demand.latency);
+        let s = parse(r#"{"cmd": ["serve"], "latency": true}"#).unwrap();
+        assert!(s.demand.latency);
     }
 
     #[test]
