@@ -32,8 +32,8 @@
 
 use crate::expected;
 use anyhow::{Context, bail};
-use gpushare_testkit::flood::FloodSpec;
 use gpushare_policy::GroupClass;
+use gpushare_testkit::flood::FloodSpec;
 use gpushare_testkit::trace::Window;
 use serde::Deserialize;
 use std::path::Path;

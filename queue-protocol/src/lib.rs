@@ -327,7 +327,13 @@ mod tests {
                 "wait_mode": "schedule", "priority": 0, "timeout_ns": null, "retries": 0}"#,
         )
         .unwrap();
-        assert_eq!(d, Demand { share: 0.5, ..Demand::default() });
+        assert_eq!(
+            d,
+            Demand {
+                share: 0.5,
+                ..Demand::default()
+            }
+        );
     }
 
     #[test]
