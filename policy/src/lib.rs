@@ -83,11 +83,11 @@
 //!    at its deadline before the extension, if later; less by `docs/scheduling.md#preemption`),
 //!    announced as a cut-short turn.
 //! 10. **Latency class.** (`docs/latency.md`) While a group of [`GroupClass::Latency`] is
-//!    connected, every other group's turns keep at most
-//!    [`PolicyConfig::latency_queue_budget_ns`] of work queued. When it comes back with work it is
-//!    served unless it is ahead of the holder by a minimum quota, and the holder's turn ends an
-//!    eighth of a minimum quota after its start at the earliest: its client stops at its next
-//!    kernel. What it uses is charged and capped like any other group's time.
+//!     connected, every other group's turns keep at most
+//!     [`PolicyConfig::latency_queue_budget_ns`] of work queued. When it comes back with work it is
+//!     served unless it is ahead of the holder by a minimum quota, and the holder's turn ends an
+//!     eighth of a minimum quota after its start at the earliest: its client stops at its next
+//!     kernel. What it uses is charged and capped like any other group's time.
 
 mod credit;
 mod group;
