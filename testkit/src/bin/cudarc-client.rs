@@ -84,7 +84,7 @@ enum Cmd {
     },
     /// Requests arriving at random (Poisson, RATE_HZ per second) for DURATION_MS; each request
     /// is KERNELS spin kernels of MS each and a synchronisation. Prints the latency (arrival to
-    /// completion, queueing included) p50/p99 in ms.
+    /// completion, queueing included) p50/p90/p99/p99.9 in ms.
     Latency {
         /// Mean request arrival rate, per second.
         #[arg(long)]
@@ -693,7 +693,9 @@ fn latency_cmd(
         "end_ns": monotonic_ns(),
         "latency_mean_ms": mean,
         "latency_p50_ms": quantile(&sorted, 0.50),
+        "latency_p90_ms": quantile(&sorted, 0.90),
         "latency_p99_ms": quantile(&sorted, 0.99),
+        "latency_p999_ms": quantile(&sorted, 0.999),
         "latency_max_ms": sorted.last().copied().unwrap_or(0.0),
         "arrivals_ns": arrivals_ns,
         "latencies_ms": lat_ms,
