@@ -695,10 +695,10 @@ pub(crate) fn snapshot(st: &State) -> Snapshot {
     }
 }
 
-/// Each GPU's use by group over the last minutes, a job's group labelled with the job and its
-/// owner.
-pub(crate) fn usage(st: &State) -> Vec<GpuUsage> {
-    st.usage.view(&st.gpus, |group| {
+/// Each GPU's use by group over the last minutes (the samples after `since` only, if given), a
+/// job's group labelled with the job and its owner.
+pub(crate) fn usage(st: &State, since: Option<f64>) -> Vec<GpuUsage> {
+    st.usage.view(&st.gpus, since, |group| {
         let job = group
             .strip_prefix(JOB_GROUP_PREFIX)
             .and_then(|id| id.parse::<JobId>().ok());

@@ -7,7 +7,7 @@
 //! | `GET /events` | the page's live part, re-rendered at every change (SSE, event `live`) | off loopback |
 //! | `GET /api/jobs`, `GET /api/jobs/ID` | jobs as JSON | off loopback |
 //! | `GET /api/gpus` | GPUs as JSON | off loopback |
-//! | `GET /api/usage` | each GPU's use by group over the last minutes (the page's plots) | off loopback |
+//! | `GET /api/usage[?since=T]` | each GPU's use by group over the last minutes (the page's plots); with `since`, only the samples after T | off loopback |
 //! | `GET /api/me` | who the token belongs to | yes |
 //! | `GET /api/jobs/ID/logs` | the job's output | the owner's (or root's) |
 //! | `POST /api/jobs` | submit (JSON body, below); `201 {"id": N}` | yes: the job runs as the token's user |
@@ -123,6 +123,28 @@ fn error(status: u16, message: &str) -> Response<std::io::Cursor<Vec<u8>>> {
     json(status, &ErrorBody { error: message })
 }
 
+/// The query of `GET /api/usage`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UsageQuery {
+    /// Seconds since the epoch, as in the answer's `times`: only the samples after it.
+    since: Option<f64>,
+}
+
+/// The `since` of a `GET /api/usage` URL; the error says what is wrong with it.
+fn usage_since(url: &str) -> Result<Option<f64>, String> {
+    let query = url.split_once('?').map_or("", |(_, q)| q);
+    let q: UsageQuery = serde_urlencoded::from_str(query).map_err(|e| {
+        format!("bad query `{query}` ({e}): /api/usage takes only since=SECONDS, the last of the `times` you have")
+    })?;
+    match q.since {
+        Some(t) if !t.is_finite() => Err(format!(
+            "since={t}: give a number of seconds since the epoch, the last of the `times` you have"
+        )),
+        since => Ok(since),
+    }
+}
+
 pub(crate) fn serve_http(sh: Arc<Shared>, server: Server) {
     for req in server.incoming_requests() {
         let s = sh.clone();
@@ -219,7 +241,10 @@ fn handle(sh: &Arc<Shared>, mut req: Request) {
         }
         (Method::Get, ["api", "jobs"]) => json(200, &daemon::views(&sh.lock())),
         (Method::Get, ["api", "gpus"]) => json(200, &daemon::snapshot(&sh.lock()).gpus),
-        (Method::Get, ["api", "usage"]) => json(200, &daemon::usage(&sh.lock())),
+        (Method::Get, ["api", "usage"]) => match usage_since(&url) {
+            Ok(since) => json(200, &daemon::usage(&sh.lock(), since)),
+            Err(e) => error(400, &e),
+        },
         (Method::Get, ["api", "me"]) => match user {
             None => error(401, need_token),
             Some(uid) => json(
@@ -385,6 +410,25 @@ mod tests {
         ] {
             let e = parse(body).unwrap_err();
             assert!(e.contains(says), "{body}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_usage_query_takes_since_or_nothing() {
+        assert_eq!(usage_since("/api/usage"), Ok(None));
+        assert_eq!(usage_since("/api/usage?"), Ok(None));
+        assert_eq!(
+            usage_since("/api/usage?since=1795000001.25"),
+            Ok(Some(1_795_000_001.25))
+        );
+        for (url, says) in [
+            ("/api/usage?since=yesterday", "since=SECONDS"),
+            ("/api/usage?since=NaN", "seconds since the epoch"),
+            ("/api/usage?since=inf", "seconds since the epoch"),
+            ("/api/usage?from=3", "since=SECONDS"),
+        ] {
+            let e = usage_since(url).unwrap_err();
+            assert!(e.contains(says), "{url}: {e}");
         }
     }
 

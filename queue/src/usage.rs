@@ -78,17 +78,29 @@ impl UsageHistory {
         }
     }
 
-    /// The history in columns, for plotting; `label` names a group for people.
-    pub fn view(&self, gpus: &[GpuInfo], label: impl Fn(&str) -> String) -> Vec<GpuUsage> {
+    /// The history in columns, for plotting: the samples taken after `since` (seconds since
+    /// the epoch, as in [`GpuUsage::times`]), all of them without it; `label` names a group for
+    /// people.
+    pub fn view(
+        &self,
+        gpus: &[GpuInfo],
+        since: Option<f64>,
+        label: impl Fn(&str) -> String,
+    ) -> Vec<GpuUsage> {
         self.series
             .iter()
             .zip(gpus)
             .map(|(series, gpu)| {
-                let n = series.samples.len();
+                let samples: Vec<&Sample> = series
+                    .samples
+                    .iter()
+                    .filter(|s| since.is_none_or(|t| seconds(s.t_ns) > t))
+                    .collect();
+                let n = samples.len();
                 // Groups in the order they first appear: a group keeps its place (and colour).
                 let mut groups: Vec<GroupUsage> = Vec::new();
                 let mut at: BTreeMap<&str, usize> = BTreeMap::new();
-                for (i, s) in series.samples.iter().enumerate() {
+                for (i, s) in samples.iter().enumerate() {
                     for p in &s.points {
                         let k = *at.entry(&p.group).or_insert_with(|| {
                             groups.push(GroupUsage {
@@ -108,12 +120,18 @@ impl UsageHistory {
                     uuid: gpu.uuid.clone(),
                     name: gpu.name.clone(),
                     memory_total: gpu.memory,
-                    times: series.samples.iter().map(|s| s.t_ns as f64 / 1e9).collect(),
+                    span_seconds: seconds(SPAN_NS),
+                    times: samples.iter().map(|s| seconds(s.t_ns)).collect(),
                     groups,
                 }
             })
             .collect()
     }
+}
+
+/// Nanoseconds as the seconds of [`GpuUsage::times`].
+fn seconds(ns: u64) -> f64 {
+    ns as f64 / 1e9
 }
 
 impl Series {
@@ -175,6 +193,9 @@ pub struct GpuUsage {
     pub name: String,
     /// Bytes.
     pub memory_total: u64,
+    /// How far back the history goes: a client that keeps the samples it was sent forgets
+    /// those older than this before its newest.
+    pub span_seconds: f64,
     /// Seconds since the epoch, oldest first.
     pub times: Vec<f64>,
     pub groups: Vec<GroupUsage>,
@@ -263,7 +284,7 @@ mod tests {
             &gpus,
             &report("GPU-a", vec![group("a", 2.5, 200), group("b", 4.0, 0)]),
         );
-        let v = h.view(&gpus, |g| format!("<{g}>"));
+        let v = h.view(&gpus, None, |g| format!("<{g}>"));
         assert_eq!(v[0].times, vec![10.0, 12.0]);
         assert_eq!(v[0].groups.len(), 2);
         let (a, b) = (&v[0].groups[0], &v[0].groups[1]);
@@ -280,11 +301,37 @@ mod tests {
     }
 
     #[test]
+    fn since_a_sample_only_the_later_ones_are_sent() {
+        let gpus = [gpu("GPU-a")];
+        let mut h = UsageHistory::new(1);
+        h.record(S, &gpus, &report("GPU-a", vec![group("a", 1.0, 100)]));
+        h.record(2 * S, &gpus, &report("GPU-a", vec![group("a", 1.5, 100)]));
+        h.record(
+            3 * S,
+            &gpus,
+            &report("GPU-a", vec![group("a", 2.5, 300), group("b", 1.0, 0)]),
+        );
+        let all = h.view(&gpus, None, str::to_string);
+        let later = h.view(&gpus, Some(all[0].times[0]), str::to_string);
+        assert_eq!(later[0].times, vec![2.0, 3.0]);
+        assert_eq!(later[0].groups[0].share, vec![0.5, 1.0]);
+        assert_eq!(later[0].groups[0].memory, vec![100, 300]);
+        assert_eq!(later[0].groups[1].name, "b");
+        assert_eq!(later[0].groups[1].share, vec![0.0, 0.25]);
+        // The last sample's time: nothing new, and no group without a sample.
+        let none = h.view(&gpus, Some(3.0), str::to_string);
+        assert!(none[0].times.is_empty() && none[0].groups.is_empty());
+        // A time before the history: all of it.
+        assert_eq!(h.view(&gpus, Some(0.5), str::to_string), all);
+        assert_eq!(all[0].span_seconds, 600.0);
+    }
+
+    #[test]
     fn a_gpu_missing_from_the_books_has_an_empty_sample() {
         let gpus = [gpu("GPU-a"), gpu("GPU-b")];
         let mut h = UsageHistory::new(2);
         h.record(S, &gpus, &report("GPU-a", vec![group("a", 1.0, 1)]));
-        let v = h.view(&gpus, str::to_string);
+        let v = h.view(&gpus, None, str::to_string);
         assert_eq!(v[1].times, vec![1.0]);
         assert!(v[1].groups.is_empty());
         assert_eq!(v[0].groups[0].memory, vec![1]);
@@ -297,7 +344,10 @@ mod tests {
         let mut h = UsageHistory::new(1);
         h.record(S, &gpus, &report("GPU-a", vec![group("a", 100.0, 1)]));
         h.record(2 * S, &gpus, &report("GPU-a", vec![group("a", 0.5, 1)]));
-        assert_eq!(h.view(&gpus, str::to_string)[0].groups[0].share[1], 0.0);
+        assert_eq!(
+            h.view(&gpus, None, str::to_string)[0].groups[0].share[1],
+            0.0
+        );
     }
 
     #[test]
@@ -308,7 +358,7 @@ mod tests {
             .map(|i| group(&format!("g{i:02}"), 0.0, 100 + i))
             .collect();
         h.record(S, &gpus, &report("GPU-a", groups));
-        let v = h.view(&gpus, str::to_string);
+        let v = h.view(&gpus, None, str::to_string);
         let names: Vec<&str> = v[0].groups.iter().map(|g| g.name.as_str()).collect();
         assert_eq!(names.len(), MAX_GROUPS);
         assert_eq!(names[0], "g19", "the biggest first");

@@ -249,7 +249,8 @@ document.getElementById("forget").addEventListener("click", () => saveToken(""))
 whoami();
 "##;
 
-/// Draws each GPU's use by group over the last minutes as stacked areas, from `/api/usage`.
+/// Draws each GPU's use by group over the last minutes as stacked areas, from `/api/usage`: the
+/// whole history once, then the samples after the last it has.
 const PLOT_SCRIPT: &str = r##"
 const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
 const NS = "http://www.w3.org/2000/svg";
@@ -315,11 +316,51 @@ function gpuUsage(g) {
   box.appendChild(legend);
   return box;
 }
+// Each GPU's samples so far (by index): the first answer of /api/usage, then what each later
+// one adds (it asks only for the samples after the last it has).
+const usageSeen = new Map();
+function zeros(n) { return new Array(n).fill(0); }
+function merge(have, got) {
+  if (!have || !have.times.length) return got;
+  // Only the samples after those the page has.
+  let s = 0;
+  while (s < got.times.length && got.times[s] <= have.times[have.times.length - 1]) s++;
+  const n = have.times.length, m = got.times.length - s;
+  const groups = have.groups.map((g) => ({ ...g, share: g.share.concat(zeros(m)), memory: g.memory.concat(zeros(m)) }));
+  for (const g of got.groups) {
+    const [share, memory] = [g.share.slice(s), g.memory.slice(s)];
+    const mine = groups.find((x) => x.name === g.name);
+    if (!mine) {
+      groups.push({ ...g, share: zeros(n).concat(share), memory: zeros(n).concat(memory) });
+      continue;
+    }
+    mine.label = g.label;
+    mine.share.splice(n, m, ...share);
+    mine.memory.splice(n, m, ...memory);
+  }
+  // As the daemon keeps them: the samples of the last span, the groups present in one of them
+  // in the order they first appear.
+  const times = have.times.concat(got.times.slice(s));
+  const from = times[times.length - 1] - got.span_seconds;
+  let cut = 0;
+  while (times[cut] < from) cut++;
+  const first = (g) => g.share.findIndex((v, i) => v > 0 || g.memory[i] > 0);
+  const kept = groups
+    .map((g) => ({ ...g, share: g.share.slice(cut), memory: g.memory.slice(cut) }))
+    .filter((g) => first(g) >= 0)
+    .map((g, k) => [first(g), k, g])
+    .sort((a, b) => a[0] - b[0] || a[1] - b[1])
+    .map((x) => x[2]);
+  return { ...got, times: times.slice(cut), groups: kept };
+}
 async function plots() {
-  const r = await fetch("api/usage").catch(() => null);
+  // The samples after the oldest of the GPUs' last ones (all of them while a GPU has none).
+  const lasts = Array.from(usageSeen.values(), (g) => g.times[g.times.length - 1]);
+  const since = lasts.length && lasts.every((t) => t !== undefined) ? Math.min(...lasts) : null;
+  const r = await fetch(since === null ? "api/usage" : "api/usage?since=" + since).catch(() => null);
   if (!r || !r.ok) return;
-  const gpus = await r.json();
-  document.getElementById("plots").replaceChildren(...gpus.map(gpuUsage));
+  for (const g of await r.json()) usageSeen.set(g.index, merge(usageSeen.get(g.index), g));
+  document.getElementById("plots").replaceChildren(...Array.from(usageSeen.values(), gpuUsage));
 }
 plots();
 setInterval(plots, 2000);

@@ -280,6 +280,10 @@ fn the_page_plots_each_groups_use_and_links_output_to_its_owner_only() {
 
     let browser = Browser::start();
     browser.open(&format!("http://{addr}/"));
+    // The URLs the page fetches from now on.
+    browser.eval(
+        "window.fetched = []; const f = window.fetch; window.fetch = (u, o) => { window.fetched.push(String(u)); return f(u, o); }; return null;",
+    );
     // Both groups in both plots of GPU 0, each with GPU time and memory over several samples.
     let groups = [format!("gpushare-job-{a}"), format!("gpushare-job-{b}")];
     let series = |plot: &str| -> Vec<(String, u64, f64)> {
@@ -313,6 +317,7 @@ fn the_page_plots_each_groups_use_and_links_output_to_its_owner_only() {
                 .then_some(())
         },
     );
+    page_history_is_the_daemons(&browser, &addr);
     let legend = browser.eval(
         "return Array.from(document.querySelectorAll('#usage-gpu-0 .legend li')).map(l => l.textContent);",
     );
@@ -422,4 +427,86 @@ fn the_page_plots_each_groups_use_and_links_output_to_its_owner_only() {
         let out = q.cli(&["cancel", &id.to_string()]);
         assert!(out.status.success(), "{}", describe(&out));
     }
+}
+
+/// The page asks `/api/usage` only for the samples after its last one, and what it has put
+/// together from those answers is the daemon's whole history, sample for sample.
+fn page_history_is_the_daemons(browser: &Browser, addr: &str) {
+    eventually(
+        Duration::from_secs(30),
+        "the page to ask for the samples after its last",
+        || {
+            let fetched = browser.eval("return window.fetched;");
+            fetched
+                .as_array()?
+                .iter()
+                .any(|u| u.as_str().is_some_and(|u| u.contains("api/usage?since=")))
+                .then_some(())
+        },
+    );
+    let both = browser.eval(
+        "return fetch('api/usage').then(r => r.json()).then(full => ({ page: usageSeen.get(0), full: full[0] }));",
+    );
+    let (page, full) = (&both["page"], &both["full"]);
+    let times = |v: &Value| -> Vec<f64> {
+        v["times"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_f64().unwrap())
+            .collect()
+    };
+    let (page_times, full_times) = (times(page), times(full));
+    // The value of `key` of group `name` at time `t` (0 where the group has no sample).
+    let at = |v: &Value, times: &[f64], name: &str, key: &str, t: f64| -> f64 {
+        let i = times.iter().position(|&x| x == t).unwrap();
+        v["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["name"] == name)
+            .map_or(0.0, |g| g[key][i].as_f64().unwrap())
+    };
+    let names = |v: &Value| -> Vec<String> {
+        v["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let common: Vec<f64> = page_times
+        .iter()
+        .copied()
+        .filter(|t| full_times.contains(t))
+        .collect();
+    assert!(
+        common.len() >= 5,
+        "the page's samples {page_times:?}, the daemon's {full_times:?}"
+    );
+    let mut all = names(page);
+    all.extend(names(full));
+    for name in &all {
+        for key in ["share", "memory"] {
+            for &t in &common {
+                assert_eq!(
+                    at(page, &page_times, name, key, t),
+                    at(full, &full_times, name, key, t),
+                    "{name}'s {key} at {t}: the page has {page}, the daemon {full}"
+                );
+            }
+        }
+    }
+    // Over plain HTTP: only what is after `since`, and a `since` that is no time is refused.
+    let since = common[common.len() - 2];
+    let (s, body) = http(addr, "GET", &format!("/api/usage?since={since}"), &[], "");
+    assert_eq!(s, 200, "{body}");
+    let later: Value = serde_json::from_str(&body).unwrap();
+    let later = times(&later[0]);
+    assert!(
+        !later.is_empty() && later.iter().all(|&t| t > since),
+        "after {since}: {later:?}"
+    );
+    let (s, body) = http(addr, "GET", "/api/usage?since=soon", &[], "");
+    assert!(s == 400 && body.contains("since=SECONDS"), "{s} {body}");
 }

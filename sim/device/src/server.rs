@@ -162,28 +162,6 @@ fn device_infos(memory: &[u64]) -> Vec<DeviceInfo> {
         .collect()
 }
 
-/// The user of the process at the other end of `stream` (`SO_PEERCRED`).
-fn peer_uid(stream: &UnixStream) -> Option<u32> {
-    use std::os::fd::AsRawFd;
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `cred`, a valid ucred.
-    let r = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    (r == 0).then_some(cred.uid)
-}
-
 fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
@@ -198,8 +176,8 @@ fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
             let conn = st.next_conn;
             st.next_conn += 1;
             st.writers.insert(conn, Arc::new(Mutex::new(writer)));
-            if let Some(uid) = peer_uid(&stream) {
-                st.uids.insert(conn, uid);
+            if let Ok(peer) = gpushare_frame::peer_credentials(&stream) {
+                st.uids.insert(conn, peer.uid);
             }
             conn
         };
