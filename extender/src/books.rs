@@ -85,16 +85,17 @@ pub fn pod_info(p: &Pod) -> Result<Option<PodInfo>, String> {
     let ann = m.annotations.clone().unwrap_or_default();
     let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
     let namespace = m.namespace.clone().unwrap_or_else(|| "default".into());
-    let images = spec.containers.iter().map(|c| c.image.as_deref().unwrap_or(""));
-    let kind = fnv(
-        std::iter::once(namespace.as_str())
-            .chain(images)
-            .chain([
-                units.to_string().as_str(),
-                ann.get(MEMORY_ANNOTATION).map_or("", String::as_str),
-            ])
-            .flat_map(|s| s.bytes().chain([0])),
-    );
+    let images = spec
+        .containers
+        .iter()
+        .map(|c| c.image.as_deref().unwrap_or(""));
+    let kind = fnv(std::iter::once(namespace.as_str())
+        .chain(images)
+        .chain([
+            units.to_string().as_str(),
+            ann.get(MEMORY_ANNOTATION).map_or("", String::as_str),
+        ])
+        .flat_map(|s| s.bytes().chain([0])));
     Ok(Some(PodInfo {
         uid: m.uid.clone().unwrap_or_default(),
         namespace,

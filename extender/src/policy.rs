@@ -510,7 +510,11 @@ mod tests {
             tenants[3].observed.observe(8_400, s as f64, &mut l);
         }
         assert_eq!(tenants[3].estimate(Policy::Predicted, 60.0, &l), 10_080);
-        assert_eq!(l.of_kind(kind), Some(10_080), "the kind's peak rose with it");
+        assert_eq!(
+            l.of_kind(kind),
+            Some(10_080),
+            "the kind's peak rose with it"
+        );
     }
 
     proptest! {

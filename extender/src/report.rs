@@ -299,6 +299,9 @@ gpushare_group_memory_cap_bytes{gpu=\"0\",UUID=\"GPU-a\",group=\"default/p/main\
         );
         let e = r["n2"].as_ref().unwrap_err();
         assert!(e.contains("b:2") && e.contains("up is 0"), "{e}");
-        assert!(!r.contains_key("n3"), "another job's targets are not gpushare's");
+        assert!(
+            !r.contains_key("n3"),
+            "another job's targets are not gpushare's"
+        );
     }
 }

@@ -576,7 +576,10 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
         "the restarted extender reads node-a and node-b",
         || async {
             let (kept, failed) = ext.filter(&s_pod, &nodes).await;
-            assert!(kept.is_empty(), "{kept:?} kept for 80 units after a restart");
+            assert!(
+                kept.is_empty(),
+                "{kept:?} kept for 80 units after a restart"
+            );
             (failed["node-a"].contains("units free") && failed["node-b"].contains("units free"))
                 .then_some(failed.clone())
                 .ok_or(format!("{failed:?}"))

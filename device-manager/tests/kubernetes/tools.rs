@@ -131,7 +131,13 @@ pub fn prometheus() -> PathBuf {
             run("apt-get", &["update", "-qq"])
                 && run(
                     "apt-get",
-                    &["install", "-y", "-qq", "--no-install-recommends", "prometheus"]
+                    &[
+                        "install",
+                        "-y",
+                        "-qq",
+                        "--no-install-recommends",
+                        "prometheus"
+                    ]
                 ),
             "cannot install Debian's prometheus; install it by hand (apt-get install prometheus)"
         );
