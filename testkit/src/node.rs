@@ -564,6 +564,23 @@ impl Spin {
     }
 }
 
+/// The longest time `pid` started no kernel within `w` (from `w`'s start to its first kernel
+/// there, between its kernels, from its last to `w`'s end).
+pub fn longest_without_kernel(trace: &Trace, pid: u32, w: Window) -> u64 {
+    let mut starts: Vec<u64> = (trace.records().iter())
+        .filter(|r| r.pid == pid && r.start_ns >= w.start_ns && r.start_ns < w.end_ns)
+        .map(|r| r.start_ns)
+        .collect();
+    starts.sort_unstable();
+    let mut last = w.start_ns;
+    let mut longest = 0;
+    for s in starts.into_iter().chain([w.end_ns]) {
+        longest = longest.max(s - last);
+        last = s;
+    }
+    longest
+}
+
 /// Busy share of each of `pids` on device 0 over `window`.
 pub fn shares_in(trace: &Trace, pids: &[u32], window: Window) -> Vec<f64> {
     let by = trace.busy_by_pid(0, window);
