@@ -178,6 +178,11 @@ impl Node {
         std::fs::read_to_string(self.scheduler_log_path()).unwrap_or_default()
     }
 
+    /// Pid of the simulated device (`None` on the system's driver).
+    pub fn device_pid(&self) -> Option<u32> {
+        self.device.as_ref().map(Child::id)
+    }
+
     /// Pid of the running scheduler.
     pub fn scheduler_pid(&self) -> Option<u32> {
         self.scheduler.as_ref().map(Child::id)

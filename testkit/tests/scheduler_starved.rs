@@ -15,7 +15,6 @@
 use gpushare_protocol::status::LoopLatency;
 use gpushare_testkit::cgroup::CpuCgroup;
 use gpushare_testkit::cpu;
-use gpushare_testkit::margins;
 use gpushare_testkit::node::{Node, Spin, Tenant, shares_in};
 use gpushare_testkit::trace::Window;
 use std::path::PathBuf;
@@ -28,6 +27,19 @@ const REQUESTS: [f64; 2] = [0.7, 0.3];
 /// How long the tenants run, and the start left out of the measure.
 const RUN_MS: f64 = 5_000.0;
 const WARMUP_NS: u64 = 1_000 * MS;
+/// How far each share may stray from its request, and the least busy fraction of the GPU.
+/// Narrower than the end-to-end tests' usual margins (`gpushare_testkit::margins`): the device and the tenants
+/// are sheltered from this machine's load by their cgroup's weight, so these measure the
+/// scheduler alone — whose worker bursting past its quota (the event loop throttled for the
+/// rest of a period) cost 0.04 of a share and 4 % of the GPU — yet wide enough for a loaded
+/// 2-core machine (errors up to 0.025 and 97 % busy seen there). The figures of a quiet machine
+/// are the benchmark's (`fault-starve`, `fault-quota`).
+const SHARE: f64 = 0.03;
+const UTILISATION: f64 = 0.95;
+/// The CPU requests of the pods' cgroup (above this machine's other processes) and of the
+/// GPU's (the device and the tenants: above the loaders).
+const POD_MILLICORES: u64 = 20_000;
+const GPU_MILLICORES: u64 = 8_000;
 
 /// How the scheduler's cgroup is held back.
 #[derive(Clone, Copy, Debug)]
@@ -75,30 +87,32 @@ fn set(r: Result<(), String>) {
 }
 
 /// Two busy tenants sharing the GPU beside two CPU hogs, the scheduler starved as `how` says:
-/// each tenant's share within [`margins::SHARE`] of its request and the GPU at least
-/// [`margins::UTILISATION`] busy after the warm-up.
+/// each tenant's share within [`SHARE`] of its request and the GPU at least [`UTILISATION`]
+/// busy after the warm-up.
 fn starved(how: Starve) {
     // The node's cgroups, as a kubelet lays out its pods: the scheduler's, the loaders' (two
-    // cores' worth of requests: the loops get both cores whenever the others do not ask), and
-    // one per tenant.
+    // cores' worth of requests: the loops take both cores whenever the others do not ask),
+    // and the GPU's — the simulated device (it stands for the GPU, which needs no CPU) and the
+    // tenants, with a weight that keeps this machine's other work and the loaders from
+    // starving them, so that what is measured is the scheduler's starvation alone. Above them,
+    // as `kubepods`, a weight that keeps this machine's other processes from taking the
+    // loaders' cores.
     let pods = cgroup(CpuCgroup::create("gpushare-starved"));
+    set(pods.request_millicores(POD_MILLICORES));
     let sched = cgroup(pods.child("scheduler"));
     let loaders = cgroup(pods.child("loaders"));
-    let tenant_cgs = [
-        cgroup(pods.child("tenant-a")),
-        cgroup(pods.child("tenant-b")),
-    ];
+    let gpu = cgroup(pods.child("gpu"));
     set(sched.request_millicores(50));
     if let Starve::Quota = how {
         set(sched.limit_millicores(50));
     }
     set(loaders.request_millicores(2_000));
-    for cg in &tenant_cgs {
-        set(cg.request_millicores(1_000));
-    }
-
+    set(gpu.request_millicores(GPU_MILLICORES));
     let mut node = Node::device_only();
+    set(gpu.add(node.device_pid().expect("a simulated device")));
     let config = node.tmp.path().join("config.toml");
+    // Production mode: the tenants told apart by their cgroups (one each inside the GPU's).
+    let tenant_cgs = [cgroup(gpu.child("tenant-a")), cgroup(gpu.child("tenant-b"))];
     let groups: String = (["a", "b"].iter().zip(REQUESTS).zip(&tenant_cgs))
         .map(|((name, request), cg)| {
             format!(
@@ -143,6 +157,11 @@ fn starved(how: Starve) {
         .map(|p| trace.span_of_pid(*p).unwrap().end_ns)
         .min()
         .unwrap();
+    assert!(
+        end >= start + WARMUP_NS + 2_000 * MS,
+        "{how:?}: the tenants ran side by side for only {:.2} s",
+        end.saturating_sub(start) as f64 / 1e9
+    );
     let w = Window::new(start + WARMUP_NS, end - 50 * MS);
     let shares = shares_in(&trace, &pids, w);
     let busy = trace.utilization(0, w);
@@ -160,14 +179,13 @@ fn starved(how: Starve) {
         lateness.count,
     );
     assert!(
-        busy >= margins::UTILISATION,
+        busy >= UTILISATION,
         "{how:?}: the GPU was busy only {busy:.4} with a starved scheduler"
     );
     for (got, want) in shares.iter().zip(REQUESTS) {
         assert!(
-            (got - want).abs() <= margins::SHARE,
-            "{how:?}: share {got:.4} vs request {want} ± {} (all {shares:.4?})",
-            margins::SHARE
+            (got - want).abs() <= SHARE,
+            "{how:?}: share {got:.4} vs request {want} ± {SHARE} (all {shares:.4?})"
         );
     }
 }
