@@ -247,10 +247,18 @@ fn scenario(o: &mut String, sc: &ScenarioReport) {
             spread(&f.longest_blocked_ms, 1),
         );
         if let Some(d) = &f.drift_after {
-            let _ = write!(o, "; largest share error from 1 s after it {}", spread(d, 4));
+            let _ = write!(
+                o,
+                "; largest share error from 1 s after it {}",
+                spread(d, 4)
+            );
         }
         if let Some(b) = &f.back_ms {
-            let _ = write!(o, "; every tenant on the new scheduler {} ms after its start", spread(b, 1));
+            let _ = write!(
+                o,
+                "; every tenant on the new scheduler {} ms after its start",
+                spread(b, 1)
+            );
         }
         if let Some(t) = &f.throttled {
             let _ = write!(o, "; throttled in {} of its periods", spread(t, 3));

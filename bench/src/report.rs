@@ -3,9 +3,9 @@
 //! [`Spread`] (min / median / max); each run's own figures are kept in `runs`.
 
 use crate::analysis::RunSummary;
+use crate::fault::FaultSpec;
 use crate::noise::{NoiseParams, NoiseRecord};
 use crate::scenario::Workload;
-use crate::fault::FaultSpec;
 use gpushare_protocol::status::LoopLatency;
 use gpushare_testkit::flood::{FloodOutcome, FloodSpec};
 use serde::{Deserialize, Serialize};

@@ -3,14 +3,14 @@
 
 use crate::analysis::{RunFigures, analyse};
 use crate::client::ClientResult;
-use gpushare_testkit::cpu;
 use crate::expected;
-use crate::noise::{self, Disturbance, NoiseRecord};
 use crate::fault::{self, FaultSpec, Starved};
+use crate::noise::{self, Disturbance, NoiseRecord};
 use crate::report::{EventLoopRun, FLOOD_SAMPLE_MS, FaultRun, FloodRun, round};
 use crate::scenario::Scenario;
 use crate::settings::{Settings, Source};
 use anyhow::{Context, bail};
+use gpushare_testkit::cpu;
 use gpushare_testkit::flood::{self, Flood, FloodSpec, Watch, Watched};
 use gpushare_testkit::harness::target_dir;
 use gpushare_testkit::node::{Node, Tenant};
@@ -294,7 +294,10 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
     let fault = fault.map(|f| {
         let (window, back) = match struck {
             Some((w, back)) => (w, back),
-            None => (Window::new(figures.measure_ns.0, figures.measure_ns.1), None),
+            None => (
+                Window::new(figures.measure_ns.0, figures.measure_ns.1),
+                None,
+            ),
         };
         let mut run = fault::figures(&trace, &pids, &figures.target, window, !f.starves());
         run.back_ms = back.map(|ns| round(ns as f64 / 1e6, 1));

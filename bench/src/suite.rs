@@ -9,8 +9,9 @@ use crate::markdown;
 use crate::overhead;
 use crate::progress;
 use crate::report::{
-    Baseline, DeviceCheck, EventLoopReport, Failure, FaultReport, FloodReport, Headline, LatencySpread, Report, RunReport,
-    ScenarioReport, Spread, TenantReport, TenantRun, round, rounded,
+    Baseline, DeviceCheck, EventLoopReport, Failure, FaultReport, FloodReport, Headline,
+    LatencySpread, Report, RunReport, ScenarioReport, Spread, TenantReport, TenantRun, round,
+    rounded,
 };
 use crate::run::{self, Mode, RunOutcome, RunSpec};
 use crate::scenario::{Scenario, TenantSpec};

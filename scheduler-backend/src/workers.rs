@@ -96,8 +96,9 @@ fn take_census(rx: Receiver<Vec<u32>>, inbox: Inbox) {
     let mut pacer = Pacer::new(CENSUS_SLICE_NS, CENSUS_REST);
     for connected in rx {
         let connected = connected.into_iter().collect();
-        let found =
-            crate::census::take(std::path::Path::new("/proc"), &connected, own, || pacer.pace());
+        let found = crate::census::take(std::path::Path::new("/proc"), &connected, own, || {
+            pacer.pace()
+        });
         if !inbox.input(Input::Census(found)) {
             return;
         }

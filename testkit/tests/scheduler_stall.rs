@@ -14,9 +14,7 @@
 
 use gpushare_testkit::harness::describe;
 use gpushare_testkit::margins;
-use gpushare_testkit::node::{
-    Node, Spin, Tenant, longest_without_kernel, monotonic_ns, shares_in,
-};
+use gpushare_testkit::node::{Node, Spin, Tenant, longest_without_kernel, monotonic_ns, shares_in};
 use gpushare_testkit::trace::{Trace, Window};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -323,9 +321,9 @@ fn a_killed_and_restarted_scheduler_costs_fail_open_tenants_a_moment_and_keeps_t
     unsafe { libc::kill(late.id() as libc::pid_t, libc::SIGUSR1) };
     let alloc = json_line(&mut late_out, "held");
     let alloc_ns = alloc["t_ns"].as_u64().unwrap() - alloc["t_start_ns"].as_u64().unwrap();
-    std::thread::sleep(Duration::from_millis(1_000).saturating_sub(Duration::from_nanos(
-        monotonic_ns() - killed,
-    )));
+    std::thread::sleep(
+        Duration::from_millis(1_000).saturating_sub(Duration::from_nanos(monotonic_ns() - killed)),
+    );
     let restarted = monotonic_ns();
     node.start_scheduler(&[]);
     let gone = Window::new(killed, restarted);
@@ -397,10 +395,5 @@ fn a_killed_and_restarted_scheduler_costs_fail_open_tenants_a_moment_and_keeps_t
         );
     }
     let rejoined = restarted + back.iter().max().unwrap();
-    assert_requests_met(
-        "after a restart",
-        &trace,
-        &pids,
-        rejoined + 1_000 * MS,
-    );
+    assert_requests_met("after a restart", &trace, &pids, rejoined + 1_000 * MS);
 }

@@ -143,7 +143,10 @@ fn starved(how: Starve) {
         t.wait_ok(Duration::from_secs(40));
     }
     let status = node.status_json().expect("gpushare status --json");
-    let cpu = cpu::delta(cpu_before, cpu::read(pid).expect("the scheduler's CPU time"));
+    let cpu = cpu::delta(
+        cpu_before,
+        cpu::read(pid).expect("the scheduler's CPU time"),
+    );
     let (throttled, periods) = sched.throttled_periods();
     drop(hogs);
     let trace = node.finish();
