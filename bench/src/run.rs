@@ -4,7 +4,7 @@
 use crate::analysis::{RunFigures, analyse};
 use crate::client::ClientResult;
 use crate::expected;
-use crate::fault::{self, FaultSpec, Starved};
+use crate::fault::{self, FaultKind, FaultSpec, Starved};
 use crate::noise::{self, Disturbance, NoiseRecord};
 use crate::report::{EventLoopRun, FLOOD_SAMPLE_MS, FaultRun, FloodRun, round};
 use crate::scenario::Scenario;
@@ -104,6 +104,14 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         _ => None,
     };
     let fault = spec.fault.filter(|_| mode == Mode::Gpushare);
+    if let Some(f) = fault
+        && !f.starves()
+        && (f.at_ms + f.for_ms) * 1_000_000 >= duration_ns
+    {
+        bail!(
+            "its [fault] ends after the run ({duration_ns} ns; --quick shortens runs to 3 s): run it at its full duration"
+        );
+    }
     // Starved for the whole run: the scheduler in its cgroup and the hogs from before the
     // tenants start until the run ends.
     let starved = match fault {
@@ -213,7 +221,9 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
             f.status_failures[0]
         ));
     }
-    let scheduler_cpu = sched_cpu0.and_then(|(c0, t)| {
+    // A scheduler killed and started again: not one process's CPU.
+    let restarted = fault.is_some_and(|f| f.kind == FaultKind::Kill);
+    let scheduler_cpu = sched_cpu0.filter(|_| !restarted).and_then(|(c0, t)| {
         let c1 = cpu::read(node.scheduler_pid()?)?;
         Some((cpu::delta(c0, c1), t.elapsed().as_secs_f64()))
     });
