@@ -49,6 +49,11 @@ impl FaultSpec {
 
 /// CPU a starved scheduler gets: a 50m request's weight (and, with a quota, a 50m limit).
 const STARVED_MILLICORES: u64 = 50;
+/// The requests of the pods' cgroup (as `kubepods`, above this machine's other processes) and
+/// of the GPU's (the simulated device, which stands for the GPU and needs no CPU, and the
+/// tenants: above the hogs), so that what is measured is the scheduler's starvation alone.
+const POD_MILLICORES: u64 = 20_000;
+const GPU_MILLICORES: u64 = 8_000;
 
 /// A starved scheduler's cgroups and the hogs beside it, for a whole run: the hogs are killed
 /// and the cgroups removed when it is dropped (the children before their parent: field order).
@@ -63,7 +68,7 @@ pub struct Starved {
 impl Starved {
     /// Starve `node`'s scheduler as `kind` says, beside one hog (from `hog`) per core, in
     /// cgroups laid out as a kubelet's pods: the scheduler's, the hogs' (a core's request
-    /// each), the tenants' (a core's request each, [`enter`](Starved::tenant)).
+    /// each), the GPU's (the simulated device and the tenants, [`tenant`](Starved::tenant)).
     pub fn start(
         node: &Node,
         kind: FaultKind,
@@ -77,13 +82,17 @@ impl Starved {
             .context("a starved scheduler runs in a cpu cgroup")?;
         let scheduler = cg(pods.child("scheduler"))?;
         let loaders = cg(pods.child("loaders"))?;
-        let tenant_cg = cg(pods.child("tenants"))?;
+        let tenant_cg = cg(pods.child("gpu"))?;
         set(scheduler.request_millicores(STARVED_MILLICORES))?;
         if kind == FaultKind::StarveQuota {
             set(scheduler.limit_millicores(STARVED_MILLICORES))?;
         }
+        set(pods.request_millicores(POD_MILLICORES))?;
         set(loaders.request_millicores(cores as u64 * 1000))?;
-        set(tenant_cg.request_millicores(tenants as u64 * 1000))?;
+        set(tenant_cg.request_millicores(GPU_MILLICORES.max(tenants as u64 * 1000)))?;
+        if let Some(device) = node.device_pid() {
+            set(tenant_cg.add(device))?;
+        }
         let pid = node.scheduler_pid().context("no scheduler to starve")?;
         set(scheduler.add(pid))?;
         let mut starved = Starved {
