@@ -10,6 +10,7 @@ use crate::report::{EventLoopRun, FLOOD_SAMPLE_MS, FaultRun, FloodRun, round};
 use crate::scenario::Scenario;
 use crate::settings::{Settings, Source};
 use anyhow::{Context, bail};
+use gpushare_policy::GroupClass;
 use gpushare_testkit::cpu;
 use gpushare_testkit::flood::{self, Flood, FloodSpec, Watch, Watched};
 use gpushare_testkit::harness::target_dir;
@@ -145,6 +146,10 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
             Mode::Gpushare => {
                 let mut c =
                     node.tenant_command(&t.name, t.request, t.limit, t.weight, &client, &args);
+                if t.class == GroupClass::Latency {
+                    // What `gpushare run --latency` sets for the hook.
+                    c.env("GPUSHARE_CLASS", "latency");
+                }
                 if let Some(s) = &starved {
                     s.tenant(&mut c);
                 }
