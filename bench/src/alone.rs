@@ -62,6 +62,7 @@ impl AloneCache {
             keep_trace: None,
             label: &label,
             flood: None,
+            fault: None,
         };
         let v = run::run(&spec, s)?.outputs.swap_remove(0);
         self.0.insert(key, v.clone());

@@ -10,9 +10,9 @@
 //! - [`scenario`]: scenario files; [`expected`]: target shares (the benchmark's own
 //!   water-filling of the shares, independent of the scheduler's code);
 //! - [`run`]: one run of a scenario's tenants on a node; [`alone`]: tenants alone;
-//!   [`overhead`]: launch overhead; [`noise`]: the noisy-host mode;
+//!   [`overhead`]: launch overhead; [`noise`]: the noisy-host mode; [`fault`]: a scenario's
+//!   fault of the scheduler (stopped, killed, starved of CPU);
 //! - [`analysis`]: figures from kernel records; [`client`]: what the tenants report;
-//!   [`cpu`]: the scheduler's CPU time;
 //! - [`report`]: the typed report; [`markdown`], [`svg`]: its renderings;
 //! - [`suite`]: a whole invocation (repeats, report files); [`settings`]: its options;
 //!   [`real_gpu`]: is there a GPU on this machine.
@@ -20,8 +20,8 @@
 pub mod alone;
 pub mod analysis;
 pub mod client;
-pub mod cpu;
 pub mod expected;
+pub mod fault;
 pub mod markdown;
 pub mod noise;
 pub mod overhead;

@@ -1,6 +1,7 @@
 //! `summary.md`: the [`Report`] as tables — each figure the median over the runs with
 //! [min–max].
 
+use crate::fault::FaultKind;
 use crate::report::{LatencySpread, Report, ScenarioReport, Spread};
 use std::fmt::Write as _;
 
@@ -242,6 +243,53 @@ fn scenario(o: &mut String, sc: &ScenarioReport) {
             spread(&f.status_max_ms, 1),
             spread(&f.status_median_ms, 1),
             f.status_failures
+        );
+    }
+    if let Some(f) = &sc.fault {
+        let what = match f.fault.kind {
+            FaultKind::Stop => format!(
+                "The scheduler stopped (`SIGSTOP`) for {} ms, {} ms into every run with gpushare",
+                f.fault.for_ms, f.fault.at_ms
+            ),
+            FaultKind::Kill => format!(
+                "The scheduler killed (`kill -9`) {} ms into every run with gpushare and started again {} ms later",
+                f.fault.at_ms, f.fault.for_ms
+            ),
+            FaultKind::StarveRequest => "The scheduler starved of CPU for every run with gpushare: a cpu cgroup with a 50m request's weight beside a CPU hog per core".to_string(),
+            FaultKind::StarveQuota => "The scheduler under a hard 50m CPU quota (5 ms per 100 ms) for every run with gpushare, beside a CPU hog per core".to_string(),
+        };
+        let _ = write!(
+            o,
+            "\n{what}: GPU busy {} of the fault's window; no tenant without a kernel for longer than {} ms",
+            spread(&f.gpu_busy, 4),
+            spread(&f.longest_blocked_ms, 1),
+        );
+        if let Some(d) = &f.drift_after {
+            let _ = write!(
+                o,
+                "; largest share error from 1 s after it {}",
+                spread(d, 4)
+            );
+        }
+        if let Some(b) = &f.back_ms {
+            let _ = write!(
+                o,
+                "; every tenant on the new scheduler {} ms after its start",
+                spread(b, 1)
+            );
+        }
+        if let Some(t) = &f.throttled {
+            let _ = write!(o, "; throttled in {} of its periods", spread(t, 3));
+        }
+        let _ = writeln!(o, ".");
+    }
+    if let Some(l) = &sc.event_loop {
+        let _ = writeln!(
+            o,
+            "\nThe scheduler's event loop (`gpushare_event_loop_lateness_seconds`, per run, bucket bounds): late by {} ms (median), {} ms (99 %), {} ms (worst).",
+            spread(&l.p50_ms, 3),
+            spread(&l.p99_ms, 3),
+            spread(&l.max_ms, 3),
         );
     }
     let _ = writeln!(o, "\n![{}]({})", sc.name, sc.plot);

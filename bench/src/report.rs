@@ -3,8 +3,10 @@
 //! [`Spread`] (min / median / max); each run's own figures are kept in `runs`.
 
 use crate::analysis::RunSummary;
+use crate::fault::FaultSpec;
 use crate::noise::{NoiseParams, NoiseRecord};
 use crate::scenario::Workload;
+use gpushare_protocol::status::LoopLatency;
 use gpushare_testkit::flood::{FloodOutcome, FloodSpec};
 use serde::{Deserialize, Serialize};
 
@@ -139,6 +141,12 @@ pub struct ScenarioReport {
     /// Scenarios with a `[flood]`: the flood and what the scheduler did under it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flood: Option<FloodReport>,
+    /// Scenarios with a `[fault]`: the fault and what it cost the tenants.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault: Option<FaultReport>,
+    /// How late the scheduler's event loop ran, each run's (ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_loop: Option<EventLoopReport>,
     /// Each run with gpushare.
     pub runs: Vec<RunReport>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -257,6 +265,13 @@ pub struct RunReport {
     /// Under a `[flood]`: the scheduler's threads, `gpushare status` latency, the connections.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub flood: Option<FloodRun>,
+    /// Under a `[fault]`: what it cost the tenants.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault: Option<FaultRun>,
+    /// With gpushare: how late the scheduler's event loop ran (`gpushare status` at the end of
+    /// the run: since the scheduler started).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_loop: Option<EventLoopRun>,
     /// The kernel records the figures come from (file in the output directory).
     pub records: String,
 }
@@ -303,6 +318,112 @@ impl FloodReport {
             status_max_ms: Spread::of(all.iter().map(|f| f.status_max_ms), 1)?,
             status_median_ms: Spread::of(all.iter().map(|f| f.status_median_ms), 1)?,
             status_failures: all.iter().map(|f| f.status_failures.len()).sum(),
+        })
+    }
+}
+
+/// A scenario's fault over its runs with gpushare.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FaultReport {
+    pub fault: FaultSpec,
+    /// Each run's figures ([`FaultRun`]).
+    pub gpu_busy: Spread,
+    pub longest_blocked_ms: Spread,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drift_after: Option<Spread>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub back_ms: Option<Spread>,
+    /// Starved under a quota: the share of its 100 ms periods the scheduler was throttled in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throttled: Option<Spread>,
+}
+
+impl FaultReport {
+    /// `None` unless every run had the fault.
+    pub fn of(fault: FaultSpec, runs: &[RunReport]) -> Option<FaultReport> {
+        let all: Vec<&FaultRun> = runs
+            .iter()
+            .map(|r| r.fault.as_ref())
+            .collect::<Option<_>>()?;
+        Some(FaultReport {
+            fault,
+            gpu_busy: Spread::of(all.iter().map(|f| f.gpu_busy), 4)?,
+            longest_blocked_ms: Spread::of(all.iter().map(|f| f.longest_blocked_ms), 1)?,
+            drift_after: Spread::of(all.iter().filter_map(|f| f.drift_after), 4),
+            back_ms: Spread::of(all.iter().filter_map(|f| f.back_ms), 1),
+            throttled: Spread::of(
+                (all.iter().filter_map(|f| f.throttled_periods))
+                    .map(|(t, n)| t as f64 / n.max(1) as f64),
+                3,
+            ),
+        })
+    }
+}
+
+/// One run's fault.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FaultRun {
+    /// The fault's window: from the stop or kill to the continue or restart; a starved run's
+    /// measured span.
+    pub window_ms: f64,
+    /// The GPU's busy fraction of the window.
+    pub gpu_busy: f64,
+    /// The longest any tenant started no kernel in the window.
+    pub longest_blocked_ms: f64,
+    /// Stop, kill: the largest |share − target| from a second after the window to the end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drift_after: Option<f64>,
+    /// Kill: when every tenant was connected to the new scheduler, after it started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub back_ms: Option<f64>,
+    /// Starved: the 100 ms periods the scheduler was throttled in, of those it ran in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throttled_periods: Option<(u64, u64)>,
+}
+
+/// The scheduler's event-loop lateness over a scenario's runs (ms).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventLoopReport {
+    pub p50_ms: Spread,
+    pub p99_ms: Spread,
+    pub max_ms: Spread,
+}
+
+impl EventLoopReport {
+    /// `None` unless every run has it.
+    pub fn of(runs: &[RunReport]) -> Option<EventLoopReport> {
+        let all: Vec<&EventLoopRun> = runs
+            .iter()
+            .map(|r| r.event_loop.as_ref())
+            .collect::<Option<_>>()?;
+        Some(EventLoopReport {
+            p50_ms: Spread::of(all.iter().map(|l| l.p50_ms), 3)?,
+            p99_ms: Spread::of(all.iter().map(|l| l.p99_ms), 3)?,
+            max_ms: Spread::of(all.iter().map(|l| l.max_ms), 3)?,
+        })
+    }
+}
+
+/// How late the scheduler's event loop handled what was due in one run: quantiles are the
+/// upper bounds of the histogram's buckets (`gpushare_event_loop_lateness_seconds`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventLoopRun {
+    pub events: u64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+}
+
+impl EventLoopRun {
+    /// From `gpushare status --json`'s `event_loop`.
+    pub fn of(status: &serde_json::Value) -> Option<EventLoopRun> {
+        let l: LoopLatency = serde_json::from_value(status.get("event_loop")?.clone()).ok()?;
+        let q = |x| round(l.quantile(x).unwrap_or(0.0) * 1e3, 3);
+        Some(EventLoopRun {
+            events: l.count,
+            p50_ms: q(0.5),
+            p99_ms: q(0.99),
+            max_ms: round(l.max_s * 1e3, 3),
         })
     }
 }

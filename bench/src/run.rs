@@ -3,14 +3,15 @@
 
 use crate::analysis::{RunFigures, analyse};
 use crate::client::ClientResult;
-use crate::cpu;
 use crate::expected;
+use crate::fault::{self, FaultKind, FaultSpec, Starved};
 use crate::noise::{self, Disturbance, NoiseRecord};
-use crate::report::{FLOOD_SAMPLE_MS, FloodRun, round};
+use crate::report::{EventLoopRun, FLOOD_SAMPLE_MS, FaultRun, FloodRun, round};
 use crate::scenario::Scenario;
 use crate::settings::{Settings, Source};
 use anyhow::{Context, bail};
 use gpushare_policy::GroupClass;
+use gpushare_testkit::cpu;
 use gpushare_testkit::flood::{self, Flood, FloodSpec, Watch, Watched};
 use gpushare_testkit::harness::target_dir;
 use gpushare_testkit::node::{Node, Tenant};
@@ -50,6 +51,8 @@ pub struct RunSpec<'a> {
     pub label: &'a str,
     /// A connection flood against the scheduler's socket while the tenants run (with gpushare).
     pub flood: Option<&'a FloodSpec>,
+    /// A fault of the scheduler while the tenants run (with gpushare).
+    pub fault: Option<&'a FaultSpec>,
 }
 
 /// One run's results.
@@ -65,6 +68,10 @@ pub struct RunOutcome {
     pub noise: Option<NoiseRecord>,
     /// Under a flood: the scheduler's threads, `gpushare status` latency, the connections.
     pub flood: Option<FloodRun>,
+    /// Under a fault: what it cost the tenants.
+    pub fault: Option<FaultRun>,
+    /// With gpushare: how late the scheduler's event loop ran.
+    pub event_loop: Option<EventLoopRun>,
 }
 
 /// Run `spec` on a fresh node.
@@ -97,6 +104,26 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         }
         _ => None,
     };
+    let fault = spec.fault.filter(|_| mode == Mode::Gpushare);
+    if let Some(f) = fault
+        && !f.starves()
+        && (f.at_ms + f.for_ms) * 1_000_000 >= duration_ns
+    {
+        bail!(
+            "its [fault] ends after the run ({duration_ns} ns; --quick shortens runs to 3 s): run it at its full duration"
+        );
+    }
+    // Starved for the whole run: the scheduler in its cgroup and the hogs from before the
+    // tenants start until the run ends.
+    let starved = match fault {
+        Some(f) if f.starves() => Some(Starved::start(
+            &node,
+            f.kind,
+            which.len(),
+            noise::hog_command,
+        )?),
+        _ => None,
+    };
     let client = target_dir().join("cudarc-client");
     let duration_ms = duration_ns as f64 / 1e6;
     let sched_cpu0 = node
@@ -123,6 +150,14 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
                     // What `gpushare run --latency` sets for the hook.
                     c.env("GPUSHARE_CLASS", "latency");
                 }
+                if let Some(s) = &starved {
+                    s.tenant(&mut c);
+                }
+                // Under a fault, as users run by default: the schedule is lost a moment, not
+                // the GPU.
+                if fault.is_some() {
+                    c.env("GPUSHARE_FAIL", "open");
+                }
                 c
             }
             Mode::Native => {
@@ -134,6 +169,7 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         running.push(node.spawn(cmd));
     }
     let pids: Vec<u32> = running.iter().map(Tenant::pid).collect();
+    let started_ns = gpushare_testkit::node::monotonic_ns();
     // Dropped (continuing any stopped process, killing the hogs) before the node on every path.
     let noise = match s.noise {
         Some(params) => {
@@ -142,7 +178,10 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
                 .zip(&pids)
                 .map(|(&i, &pid)| (sc.tenants[i].name.clone(), pid))
                 .collect();
-            victims.extend(node.scheduler_pid().map(|p| ("scheduler".to_string(), p)));
+            // A scheduler that a fault kills is no victim (its pid may be another's then).
+            if fault.is_none() {
+                victims.extend(node.scheduler_pid().map(|p| ("scheduler".to_string(), p)));
+            }
             let seed = noise::run_seed(params.seed, spec.label);
             Some(
                 Disturbance::start(&params, seed, &victims, noise::hog_command)
@@ -150,6 +189,10 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
             )
         }
         None => None,
+    };
+    let struck = match fault {
+        Some(f) if !f.starves() => Some(fault::strike(&mut node, f, started_ns, &pids)?),
+        _ => None,
     };
     let deadline = Duration::from_nanos(duration_ns) + Duration::from_secs(30);
     let t0 = Instant::now();
@@ -183,10 +226,18 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
             f.status_failures[0]
         ));
     }
-    let scheduler_cpu = sched_cpu0.and_then(|(c0, t)| {
+    // A scheduler killed and started again: not one process's CPU.
+    let restarted = fault.is_some_and(|f| f.kind == FaultKind::Kill);
+    let scheduler_cpu = sched_cpu0.filter(|_| !restarted).and_then(|(c0, t)| {
         let c1 = cpu::read(node.scheduler_pid()?)?;
         Some((cpu::delta(c0, c1), t.elapsed().as_secs_f64()))
     });
+    let event_loop = match mode {
+        Mode::Gpushare => node.status_json().ok().and_then(|v| EventLoopRun::of(&v)),
+        Mode::Native => None,
+    };
+    let throttled = starved.as_ref().map(Starved::throttled_periods);
+    drop(starved);
     let log = match mode {
         Mode::Gpushare => node.scheduler_log(),
         Mode::Native => String::new(),
@@ -255,6 +306,19 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
     };
     let gpus: Vec<u32> = which.iter().map(|&i| sc.tenants[i].gpu).collect();
     let figures = analyse(&trace, &pids, &gpus, &targets);
+    let fault = fault.map(|f| {
+        let (window, back) = match struck {
+            Some((w, back)) => (w, back),
+            None => (
+                Window::new(figures.measure_ns.0, figures.measure_ns.1),
+                None,
+            ),
+        };
+        let mut run = fault::figures(&trace, &pids, &figures.target, window, !f.starves());
+        run.back_ms = back.map(|ns| round(ns as f64 / 1e6, 1));
+        run.throttled_periods = throttled;
+        run
+    });
     Ok(RunOutcome {
         figures,
         device_check: check.map(|t| analyse(&t, &pids, &gpus, &targets)),
@@ -262,6 +326,8 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         scheduler_cpu,
         noise,
         flood,
+        fault,
+        event_loop,
     })
 }
 

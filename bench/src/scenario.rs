@@ -28,9 +28,18 @@
 //! junk_renew_ms = 100         # …each opened again this often
 //! stalled_after_hello = 100   # connections with half a frame after their Hello
 //! mid_hello = 100             # connections with half a Hello
+//!
+//! [fault]             # optional: a fault of the scheduler in each run with gpushare
+//! kind = "stop"       # stop (SIGSTOP … SIGCONT) | kill (kill -9, then a new scheduler) |
+//!                     # starve-request (the whole run in a cpu cgroup with a 50m request's
+//!                     # weight beside a CPU hog per core) | starve-quota (the same, under a
+//!                     # hard 50m quota)
+//! at_ms = 1500        # stop, kill: when, after the tenants start
+//! for_ms = 3000       # stop, kill: for how long
 //! ```
 
 use crate::expected;
+use crate::fault::FaultSpec;
 use anyhow::{Context, bail};
 use gpushare_policy::GroupClass;
 use gpushare_testkit::flood::FloodSpec;
@@ -136,6 +145,8 @@ struct ScenarioFile {
     description: String,
     #[serde(default)]
     flood: Option<FloodSpec>,
+    #[serde(default)]
+    fault: Option<FaultSpec>,
     tenant: Vec<TenantSpec>,
 }
 
@@ -149,6 +160,8 @@ pub struct Scenario {
     pub full_only: bool,
     /// A connection flood during the runs with gpushare.
     pub flood: Option<FloodSpec>,
+    /// A fault of the scheduler in the runs with gpushare.
+    pub fault: Option<FaultSpec>,
     pub tenants: Vec<TenantSpec>,
 }
 
@@ -165,6 +178,12 @@ impl Scenario {
             .map_err(|e| anyhow::anyhow!("duration {:?}: {e}", f.duration))?;
         if f.tenant.is_empty() {
             bail!("no [[tenant]]");
+        }
+        if let Some(fault) = &f.fault
+            && !fault.starves()
+            && (fault.for_ms == 0 || (fault.at_ms + fault.for_ms) * 1_000_000 >= duration_ns)
+        {
+            bail!("[fault]: {fault:?} must last (for_ms > 0) and end within the duration");
         }
         let mut tenants = Vec::new();
         for t in f.tenant {
@@ -196,6 +215,7 @@ impl Scenario {
             gpus: f.gpus,
             full_only: f.full_only,
             flood: f.flood,
+            fault: f.fault,
             tenants,
         };
         sc.check_expectations()?;

@@ -9,8 +9,9 @@ use crate::markdown;
 use crate::overhead;
 use crate::progress;
 use crate::report::{
-    Baseline, DeviceCheck, Failure, FloodReport, Headline, LatencySpread, Report, RunReport,
-    ScenarioReport, Spread, TenantReport, TenantRun, round, rounded,
+    Baseline, DeviceCheck, EventLoopReport, Failure, FaultReport, FloodReport, Headline,
+    LatencySpread, Report, RunReport, ScenarioReport, Spread, TenantReport, TenantRun, round,
+    rounded,
 };
 use crate::run::{self, Mode, RunOutcome, RunSpec};
 use crate::scenario::{Scenario, TenantSpec};
@@ -131,6 +132,7 @@ fn repeated(
                     keep_trace: Some(&trace),
                     label: &label,
                     flood: sc.flood.as_ref(),
+                    fault: sc.fault.as_ref(),
                 },
                 s,
             )
@@ -203,6 +205,8 @@ fn run_report(run: u32, o: &RunOutcome, records: String) -> RunReport {
         }),
         noise: o.noise.clone(),
         flood: o.flood.clone(),
+        fault: o.fault.clone(),
+        event_loop: o.event_loop.clone(),
         records,
     }
 }
@@ -365,6 +369,8 @@ fn run_scenario(
         headline: Headline::of(&runs),
         scheduler_cpu_percent: Spread::of(runs.iter().filter_map(|r| r.scheduler_cpu_percent), 2),
         flood: sc.flood.and_then(|f| FloodReport::of(f, &runs)),
+        fault: sc.fault.and_then(|f| FaultReport::of(f, &runs)),
+        event_loop: EventLoopReport::of(&runs),
         runs,
         baseline,
         plot: plot_file,

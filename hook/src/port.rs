@@ -22,8 +22,12 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-/// How long a lost or unreachable scheduler is left before the next attempt.
+/// How long a lost or unreachable scheduler is left before the next attempt…
 const RECONNECT: Duration = Duration::from_millis(500);
+/// …and how long while nobody listens at its socket (a daemon killed or restarting): such an
+/// attempt costs no daemon anything, so a restarted one has its processes back within a turn
+/// of binding its socket.
+const RECONNECT_ABSENT: Duration = Duration::from_millis(20);
 /// How long the handshake waits for the scheduler's `Welcome` on the reader thread (it follows
 /// the scheduler's read of this process's `/proc` entries).
 const WELCOME_TIMEOUT: Duration = Duration::from_secs(5);
@@ -232,21 +236,25 @@ impl Port {
     /// Connect, read while connected, reconnect when lost, until refused.
     fn run(&'static self) {
         loop {
-            if let Some(r) = self.connect() {
+            let mut absent = false;
+            if let Some(r) = self.connect(&mut absent) {
                 self.read_loop(r);
             }
             if self.is_refused() {
                 return;
             }
-            std::thread::sleep(RECONNECT);
+            std::thread::sleep(if absent { RECONNECT_ABSENT } else { RECONNECT });
         }
     }
 
-    /// Connect and say hello; the reader half of the connection on success.
-    fn connect(&self) -> Option<UnixStream> {
+    /// Connect and say hello; the reader half of the connection on success. `absent` is set
+    /// when nobody listens at the socket (no such file, or refused).
+    fn connect(&self, absent: &mut bool) -> Option<UnixStream> {
         // Err((message, refused)): unreachable, or reachable but refusing this process.
-        let attempt = || -> Result<(UnixStream, u64), (String, bool)> {
+        let mut attempt = || -> Result<(UnixStream, u64), (String, bool)> {
             let mut s = UnixStream::connect(&self.socket).map_err(|e| {
+                use std::io::ErrorKind::{ConnectionRefused, NotFound};
+                *absent = matches!(e.kind(), NotFound | ConnectionRefused);
                 let msg = format!(
                     "cannot reach gpushare-scheduler at {}: {e}",
                     self.socket.display()

@@ -7,7 +7,9 @@
 //!
 //! Seen only where the daemon sees processes: every process of the node from the host's pid
 //! namespace (the DaemonSet runs with `hostPID`), and only maps it may read (as root: all).
-//! Reading `/proc` takes time on a busy node: the daemon takes the census on a thread of its own.
+//! Reading `/proc` takes time on a busy node: the daemon takes the census on a thread of its own,
+//! pausing between processes ([`take`]'s `pause`) so that its CPU never crowds out the event
+//! loop's in the daemon's cgroup.
 
 use gpushare_protocol::status::Unhooked;
 use std::collections::HashSet;
@@ -32,8 +34,13 @@ fn libraries(maps: &str) -> (bool, bool) {
 }
 
 /// The processes under `proc_root` (normally `/proc`) that map the driver, except those in
-/// `connected` and `own` (this daemon), by pid.
-pub fn take(proc_root: &Path, connected: &HashSet<u32>, own: u32) -> Vec<Unhooked> {
+/// `connected` and `own` (this daemon), by pid. `pause` is called after each process read.
+pub fn take(
+    proc_root: &Path,
+    connected: &HashSet<u32>,
+    own: u32,
+    mut pause: impl FnMut(),
+) -> Vec<Unhooked> {
     let Ok(dir) = std::fs::read_dir(proc_root) else {
         return Vec::new();
     };
@@ -41,6 +48,7 @@ pub fn take(proc_root: &Path, connected: &HashSet<u32>, own: u32) -> Vec<Unhooke
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| *pid != own && !connected.contains(pid))
         .filter_map(|pid| {
+            pause();
             let maps = std::fs::read_to_string(proc_root.join(format!("{pid}/maps"))).ok()?;
             let (driver, hook_loaded) = libraries(&maps);
             driver.then(|| Unhooked {
@@ -100,7 +108,9 @@ mod tests {
         process(r, 13, "bash", &["/usr/lib/x86_64-linux-gnu/libc.so.6"]);
         process(r, 14, "gpushare-sched", &["/usr/lib/libcuda.so.1"]);
         std::fs::create_dir_all(r.join("self")).unwrap();
-        let found = take(r, &HashSet::from([12]), 14);
+        let mut paused = 0;
+        let found = take(r, &HashSet::from([12]), 14, || paused += 1);
+        assert_eq!(paused, 3, "a pause before reading each of 10, 11, 13");
         assert_eq!(
             found,
             vec![

@@ -4,11 +4,14 @@
 //!   tests and benchmarks assert on: overlaps, busy shares, utilisation.
 //! - [`harness`]: find the built simulator (`gpushare-sim`, `libcuda.so`) next to a test or
 //!   benchmark executable and run commands under it.
+//! - [`cgroup`]: CPU cgroups that starve a process the way a kubelet's CPU request or limit
+//!   would.
 //! - [`node`]: a simulated node (device + scheduler) and tenants under `gpushare run`.
 //! - [`flood`]: a connection flood against a scheduler's socket, and what a flooded
 //!   run watches (the scheduler's threads, `gpushare status` latency).
 //! - [`margins`]: how far the end-to-end tests let a figure stray (behaviour, not precision).
 //! - [`ptx`]: the hand-written PTX module (`gpushare_spin`, `touch`) every client loads.
+//! - [`cpu`]: a process's CPU time (the scheduler's, while tenants run), from `/proc`.
 //! - [`direct`]: the driver's own entry points, past any interposition (launch-overhead
 //!   measurement).
 //! - [`timeline`]: kernel timelines a program records with CUDA timing events, for a GPU that
@@ -19,6 +22,8 @@
 //! The `cudarc-client` binary of this package is a real cudarc 0.19 program; the C programs in
 //! `c/` use the driver API directly (linked, or through `cuGetProcAddress`).
 
+pub mod cgroup;
+pub mod cpu;
 pub mod direct;
 pub mod flood;
 pub mod harness;

@@ -178,6 +178,11 @@ impl Node {
         std::fs::read_to_string(self.scheduler_log_path()).unwrap_or_default()
     }
 
+    /// Pid of the simulated device (`None` on the system's driver).
+    pub fn device_pid(&self) -> Option<u32> {
+        self.device.as_ref().map(Child::id)
+    }
+
     /// Pid of the running scheduler.
     pub fn scheduler_pid(&self) -> Option<u32> {
         self.scheduler.as_ref().map(Child::id)
@@ -562,6 +567,23 @@ impl Spin {
         }
         a
     }
+}
+
+/// The longest time `pid` started no kernel within `w` (from `w`'s start to its first kernel
+/// there, between its kernels, from its last to `w`'s end).
+pub fn longest_without_kernel(trace: &Trace, pid: u32, w: Window) -> u64 {
+    let mut starts: Vec<u64> = (trace.records().iter())
+        .filter(|r| r.pid == pid && r.start_ns >= w.start_ns && r.start_ns < w.end_ns)
+        .map(|r| r.start_ns)
+        .collect();
+    starts.sort_unstable();
+    let mut last = w.start_ns;
+    let mut longest = 0;
+    for s in starts.into_iter().chain([w.end_ns]) {
+        longest = longest.max(s - last);
+        last = s;
+    }
+    longest
 }
 
 /// Busy share of each of `pids` on device 0 over `window`.

@@ -14,7 +14,7 @@
 
 use gpushare_testkit::harness::describe;
 use gpushare_testkit::margins;
-use gpushare_testkit::node::{Node, Spin, Tenant, monotonic_ns, shares_in};
+use gpushare_testkit::node::{Node, Spin, Tenant, longest_without_kernel, monotonic_ns, shares_in};
 use gpushare_testkit::trace::{Trace, Window};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -63,23 +63,6 @@ fn stall(node: &Node, ms: u64) -> Window {
     let cont = monotonic_ns();
     unsafe { libc::kill(pid, libc::SIGCONT) };
     Window::new(stop, cont)
-}
-
-/// The longest time `pid` started no kernel within `w` (from `w`'s start to its first kernel
-/// there, between its kernels, from its last to `w`'s end).
-fn longest_blocked(trace: &Trace, pid: u32, w: Window) -> u64 {
-    let mut starts: Vec<u64> = (trace.records().iter())
-        .filter(|r| r.pid == pid && r.start_ns >= w.start_ns && r.start_ns < w.end_ns)
-        .map(|r| r.start_ns)
-        .collect();
-    starts.sort_unstable();
-    let mut last = w.start_ns;
-    let mut longest = 0;
-    for s in starts.into_iter().chain([w.end_ns]) {
-        longest = longest.max(s - last);
-        last = s;
-    }
-    longest
 }
 
 fn wait_all(tenants: Vec<Tenant>) -> Vec<std::process::Output> {
@@ -132,7 +115,7 @@ fn a_stopped_scheduler_leaves_fail_open_tenants_running_and_shares_return() {
     let busy = trace.utilization(0, stopped);
     let during = shares_in(&trace, &pids, stopped);
     let blocked: Vec<u64> = (pids.iter())
-        .map(|p| longest_blocked(&trace, *p, stopped))
+        .map(|p| longest_without_kernel(&trace, *p, stopped))
         .collect();
     eprintln!(
         "scheduler stopped {:.0} ms: GPU busy {busy:.4}, shares meanwhile {during:.4?}, longest without a kernel {:.1?} ms",
@@ -183,7 +166,7 @@ fn short_scheduler_stalls_block_no_fail_open_tenant_past_the_bound() {
     assert!(trace.overlaps().is_empty(), "overlapping kernels");
     for (what, w) in [("0.1 s", short), ("1 s", long)] {
         let blocked: Vec<u64> = (pids.iter())
-            .map(|p| longest_blocked(&trace, *p, w))
+            .map(|p| longest_without_kernel(&trace, *p, w))
             .collect();
         eprintln!(
             "scheduler stopped {what}: GPU busy {:.4}, longest without a kernel {:.1?} ms",
@@ -252,4 +235,165 @@ fn a_stopped_scheduler_holds_fail_closed_tenants_until_it_resumes() {
         &pids,
         stopped.end_ns + 500 * MS,
     );
+}
+
+/// The scheduler's entry of `group` on GPU 0: its connected pids and the memory its books hold
+/// (nothing if the status does not list it).
+fn group_state(node: &Node, group: &str) -> (Vec<u64>, u64) {
+    node.status_group(group).map_or((Vec::new(), 0), |g| {
+        let pids = (g["pids"].as_array().into_iter().flatten())
+            .filter_map(serde_json::Value::as_u64)
+            .collect();
+        (pids, g["memory_used"].as_u64().unwrap_or(0))
+    })
+}
+
+/// Poll `ready` every 10 ms for at most 5 s; when it first held (`None`: never).
+fn poll_until(mut ready: impl FnMut() -> bool) -> Option<u64> {
+    let deadline = monotonic_ns() + 5_000 * MS;
+    while monotonic_ns() < deadline {
+        if ready() {
+            return Some(monotonic_ns());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+/// The next line of `out` (a `mem_tool` client's stdout) as JSON with `key`.
+fn json_line(out: &mut impl std::io::BufRead, key: &str) -> serde_json::Value {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).expect("read mem_tool's output") > 0,
+            "mem_tool ended before printing {key}"
+        );
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+            && v.get(key).is_some()
+        {
+            return v;
+        }
+    }
+}
+
+/// `kill -9` of the scheduler beside two busy fail-open tenants that hold device memory, and a
+/// third process that allocates 256 MiB while it is gone; a second later a new scheduler starts
+/// on the same socket and journal. While it is gone the GPU stays busy and no tenant goes
+/// without a kernel past the bound; the tenants are back on the new scheduler within a turn of
+/// its start (plus the recovery margin), and get their requests again; and its books hold exactly
+/// what each process holds: nothing counted twice (the journal's holdings and the processes'
+/// own statements), the allocation made while it was gone charged.
+#[test]
+fn a_killed_and_restarted_scheduler_costs_fail_open_tenants_a_moment_and_keeps_the_books() {
+    const LATE_BYTES: u64 = 256 << 20;
+    let mut node = Node::start(&[]);
+    let mem_tool = node.compile_c("mem_tool.c", true);
+    let ts: Vec<Tenant> = (["a", "b"].iter().zip(REQUESTS))
+        .map(|(group, request)| {
+            let spin = Spin::for_ms(1.0, 6_500.0).alloc_mib(64);
+            let mut cmd = node.tenant_command(group, request, 1.0, 1.0, cudarc(), &spin.args());
+            cmd.env("GPUSHARE_FAIL", "open");
+            node.spawn(cmd)
+        })
+        .collect();
+    let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
+    let mut late = node.run_command(
+        &["--group", "late", "--memory", "1GiB"],
+        &mem_tool,
+        &["hold-later", &LATE_BYTES.to_string()],
+    );
+    late.env("GPUSHARE_FAIL", "open")
+        .stdout(std::process::Stdio::piped());
+    let mut late = late.spawn().expect("start mem_tool");
+    let mut late_out = std::io::BufReader::new(late.stdout.take().unwrap());
+    json_line(&mut late_out, "ready");
+    std::thread::sleep(Duration::from_millis(1_500));
+    let held_before: Vec<u64> = ["a", "b"].map(|g| group_state(&node, g).1).to_vec();
+    assert!(
+        held_before.iter().all(|&m| m >= 64 << 20),
+        "the tenants' memory is on the books before the kill: {held_before:?}"
+    );
+
+    let killed = monotonic_ns();
+    node.kill_scheduler();
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(late.id() as libc::pid_t, libc::SIGUSR1) };
+    let alloc = json_line(&mut late_out, "held");
+    let alloc_ns = alloc["t_ns"].as_u64().unwrap() - alloc["t_start_ns"].as_u64().unwrap();
+    std::thread::sleep(
+        Duration::from_millis(1_000).saturating_sub(Duration::from_nanos(monotonic_ns() - killed)),
+    );
+    let restarted = monotonic_ns();
+    node.start_scheduler(&[]);
+    let gone = Window::new(killed, restarted);
+    let back: Vec<u64> = (["a", "b"].iter().zip(&pids))
+        .map(|(g, p)| {
+            poll_until(|| group_state(&node, g).0.contains(&u64::from(*p)))
+                .unwrap_or_else(|| panic!("tenant {p} never reconnected"))
+                - restarted
+        })
+        .collect();
+    let want = [held_before[0], held_before[1], LATE_BYTES];
+    let books = || ["a", "b", "late"].map(|g| group_state(&node, g).1);
+    let settled = poll_until(|| books() == want);
+    std::thread::sleep(Duration::from_millis(300));
+    let books_after = books();
+    unsafe { libc::kill(late.id() as libc::pid_t, libc::SIGUSR1) };
+    json_line(&mut late_out, "freed");
+    assert!(late.wait().expect("mem_tool exits").success());
+    let outs = wait_all(ts);
+    let trace = node.finish();
+
+    assert!(trace.overlaps().is_empty(), "overlapping kernels");
+    let busy = trace.utilization(0, gone);
+    let blocked: Vec<u64> = (pids.iter())
+        .map(|p| longest_without_kernel(&trace, *p, gone))
+        .collect();
+    eprintln!(
+        "scheduler killed for {:.0} ms: GPU busy {busy:.4}, longest without a kernel {:.1?} ms; an allocation meanwhile took {:.1} ms; tenants back {:.1?} ms after the restart; books {books_after:?} (want {want:?}), settled {:.0?} ms after the restart",
+        gone.len_ns() as f64 / 1e6,
+        blocked.iter().map(|b| *b as f64 / 1e6).collect::<Vec<_>>(),
+        alloc_ns as f64 / 1e6,
+        back.iter().map(|b| *b as f64 / 1e6).collect::<Vec<_>>(),
+        settled.map(|t| (t - restarted) as f64 / 1e6),
+    );
+    assert!(
+        busy >= margins::UTILISATION,
+        "the GPU was busy only {busy:.4} while the scheduler was gone"
+    );
+    for (pid, b) in pids.iter().zip(&blocked) {
+        assert!(
+            *b <= BLOCKED_NS,
+            "tenant {pid} started no kernel for {:.1} ms while the scheduler was gone (bound {:.0} ms)",
+            *b as f64 / 1e6,
+            BLOCKED_NS as f64 / 1e6
+        );
+    }
+    assert!(
+        alloc_ns <= margins::RECOVERY_NS,
+        "an allocation waited {:.1} ms for a scheduler that was gone",
+        alloc_ns as f64 / 1e6
+    );
+    for (pid, b) in pids.iter().zip(&back) {
+        assert!(
+            *b <= QUOTA_NS + margins::RECOVERY_NS,
+            "tenant {pid} was back {:.0} ms after the restart",
+            *b as f64 / 1e6
+        );
+    }
+    assert_eq!(
+        books_after, want,
+        "the restarted scheduler's books (groups a, b, late) hold each process's memory once"
+    );
+    for out in &outs {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            (stderr.lines()).any(|l| l.contains("WITHOUT GPU sharing limits")),
+            "a fail-open tenant says that it runs without limits\n{}",
+            describe(out)
+        );
+    }
+    let rejoined = restarted + back.iter().max().unwrap();
+    assert_requests_met("after a restart", &trace, &pids, rejoined + 1_000 * MS);
 }

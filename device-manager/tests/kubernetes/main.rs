@@ -510,6 +510,18 @@ fn the_manifests_render_and_validate() {
             "the rendered base lacks {want:?}\n{rendered}"
         );
     }
+    // The daemons' CPU: a request (their weight on a node whose cores are saturated), never a
+    // limit (a CFS quota stops a cgroup for the rest of its period, longer than the tenants'
+    // liveness bound); docs/kubernetes.md#resources.
+    assert_eq!(
+        rendered.matches("requests:\n            cpu: 50m").count(),
+        2,
+        "both containers request 50m of CPU\n{rendered}"
+    );
+    assert!(
+        !rendered.contains("limits:\n            cpu:"),
+        "no container has a CPU limit\n{rendered}"
+    );
     tools::validate("1.30.0", &rendered, &[base.join("examples/pod.yaml")]);
     // With the scheduler extender's component: its scheduler, configuration and RBAC.
     let overlay = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/with-extender");
