@@ -11,7 +11,11 @@
 //! # Rules
 //!
 //! 1. **Grant** an allocation that fits in the GPU's free memory, at once.
-//! 2. **Wait** otherwise, for memory others free, up to [`Params::alloc_wait_ns`]. Waiting
+//! 2. **Wait** otherwise, for memory others free, up to [`Params::alloc_wait_ns`] or, when
+//!    longer, as long as swapping its bytes out of the way would take (a swap costs seconds: an
+//!    allocation waits for memory about as long as making room would take, then has room
+//!    made — never more than twice the better of the two, whenever memory would have come
+//!    free). Waiting
 //!    demands (allocations, and swapped-out groups that want to run) are served in the order
 //!    they arose, each as soon as it fits; a later, smaller one that fits goes first rather
 //!    than leave the memory idle.
@@ -19,8 +23,10 @@
 //!    memory on that GPU makes room (counting what swaps under way will free). A *victim* is
 //!    never the asker's group, never a group with memory the driver cannot checkpoint (managed
 //!    or IPC memory, or a checkpoint it refused), never one mid-swap, nor one inside its
-//!    *memory turn* ([`Params::memory_turn_ns`]: after it came back, or after a swap made room
-//!    for it) or cooling down after a checkpoint that timed out. Preferred: groups not holding
+//!    *memory turn* (after it came back, or after a swap made room for it: at least
+//!    [`Params::memory_turn_ns`], and [`TURN_PER_SWAP`] times what swapping its memory out and
+//!    back costs, so that swaps take at most a fifth of a group's time in memory) or cooling
+//!    down after a checkpoint that timed out. Preferred: groups not holding
 //!    a turn on that GPU, then of lower priority, lower weight, holding more memory there, and
 //!    run least recently. All of a victim's processes holding memory on that GPU are
 //!    checkpointed together ([`Effect::SwapOut`]); their memory on every GPU is free once the
@@ -84,7 +90,56 @@ pub struct Params {
     pub memory_turn_ns: Nanos,
     /// A group whose checkpoint timed out is not chosen again for this long.
     pub retry_after_ns: Nanos,
+    /// What a swap costs before any is seen (each one seen updates it).
+    pub swap_cost: SwapCost,
 }
+
+/// What moving memory to host memory and back costs: `latency_ns`, then the bytes at the rate
+/// of the direction.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SwapCost {
+    pub latency_ns: Nanos,
+    pub checkpoint_bytes_per_s: f64,
+    pub restore_bytes_per_s: f64,
+}
+
+impl SwapCost {
+    /// As measured on an H200 (driver 580): 0.1 s, then 1.5 GB/s to host memory and 4.4 GB/s
+    /// back.
+    pub const MEASURED: SwapCost = SwapCost {
+        latency_ns: 100_000_000,
+        checkpoint_bytes_per_s: 1.5e9,
+        restore_bytes_per_s: 4.4e9,
+    };
+
+    /// Nanoseconds to move `bytes` out (`out`) or back in.
+    pub fn ns(&self, bytes: Bytes, out: bool) -> Nanos {
+        let rate = if out {
+            self.checkpoint_bytes_per_s
+        } else {
+            self.restore_bytes_per_s
+        };
+        self.latency_ns + (bytes as f64 / rate.max(1.0) * 1e9) as Nanos
+    }
+
+    /// Take in a swap of `bytes` that took `took` ns.
+    fn learn(&mut self, bytes: Bytes, took: Nanos, out: bool) {
+        let moving = took.saturating_sub(self.latency_ns);
+        if bytes < (1 << 20) || moving == 0 {
+            return;
+        }
+        let seen = bytes as f64 / (moving as f64 / 1e9);
+        let rate = if out {
+            &mut self.checkpoint_bytes_per_s
+        } else {
+            &mut self.restore_bytes_per_s
+        };
+        *rate = (*rate + seen) / 2.0;
+    }
+}
+
+/// A memory turn lasts at least this many times what swapping the group out and back costs.
+pub const TURN_PER_SWAP: u64 = 4;
 
 impl Default for Params {
     fn default() -> Params {
@@ -93,6 +148,7 @@ impl Default for Params {
             window_ns: 60_000_000_000,
             memory_turn_ns: 10_000_000_000,
             retry_after_ns: 10_000_000_000,
+            swap_cost: SwapCost::MEASURED,
         }
     }
 }
@@ -291,6 +347,8 @@ struct Swap {
     wanted_since: Option<Nanos>,
     /// When it went out (restores of groups that do not want to run go in this order).
     out_since: Nanos,
+    /// When its checkpoint or restore started.
+    started: Nanos,
 }
 
 #[derive(Debug, Clone)]
@@ -334,6 +392,8 @@ pub struct Overcommit {
     waits: Vec<Wait>,
     next_swap: u64,
     counters: Counters,
+    /// What swaps cost, as last seen.
+    cost: SwapCost,
 }
 
 impl Overcommit {
@@ -348,6 +408,7 @@ impl Overcommit {
             waits: Vec::new(),
             next_swap: 1,
             counters: Counters::default(),
+            cost: params.swap_cost,
         }
     }
 
@@ -494,8 +555,11 @@ impl Overcommit {
             Ok(()) => {
                 s.state = SwapState::Out;
                 s.out_since = now;
-                let group = s.group;
-                for p in s.processes.clone() {
+                let (group, took, processes) =
+                    (s.group, now.saturating_sub(s.started), s.processes.clone());
+                let bytes: Bytes = self.swap_bytes(&self.swaps[&swap]).values().sum();
+                self.cost.learn(bytes, took, true);
+                for p in processes {
                     if let Some(p) = self.processes.get_mut(&p) {
                         p.residence = Residence::Out(swap);
                     }
@@ -533,16 +597,19 @@ impl Overcommit {
         if s.state != SwapState::SwappingIn {
             return self.step(now);
         }
+        let bytes: Bytes = self.swap_bytes(s).values().sum();
         let s = self.swaps.remove(&swap).expect("present");
         let mut effects = Vec::new();
         if ok {
+            self.cost.learn(bytes, now.saturating_sub(s.started), false);
             for p in &s.processes {
                 if let Some(p) = self.processes.get_mut(p) {
                     p.residence = Residence::Resident;
                 }
             }
+            let turn = self.memory_turn(bytes);
             let g = self.groups.entry(s.group).or_default();
-            g.protected_until = g.protected_until.max(now + self.params.memory_turn_ns);
+            g.protected_until = g.protected_until.max(now + turn);
         } else {
             self.counters.lost += 1;
             for p in &s.processes {
@@ -580,7 +647,7 @@ impl Overcommit {
     pub fn next_wakeup(&self, now: Nanos) -> Option<Nanos> {
         let mut times: Vec<Nanos> = Vec::new();
         for w in &self.waits {
-            times.push(w.since + self.params.alloc_wait_ns);
+            times.push(w.since + self.wait_for(w.bytes));
         }
         for s in self.swaps.values() {
             if let (SwapState::Out, Some(t)) = (s.state, s.wanted_since) {
@@ -597,6 +664,22 @@ impl Overcommit {
 
     pub fn counters(&self) -> Counters {
         self.counters
+    }
+
+    /// What swaps cost, as last seen.
+    pub fn swap_cost(&self) -> SwapCost {
+        self.cost
+    }
+
+    /// How long an allocation of `bytes` waits for memory before room is made for it.
+    fn wait_for(&self, bytes: Bytes) -> Nanos {
+        self.params.alloc_wait_ns.max(self.cost.ns(bytes, true))
+    }
+
+    /// How long a group of `bytes` keeps the memory it was brought back to or had made room in.
+    fn memory_turn(&self, bytes: Bytes) -> Nanos {
+        let swap = self.cost.ns(bytes, true) + self.cost.ns(bytes, false);
+        self.params.memory_turn_ns.max(TURN_PER_SWAP * swap)
     }
 
     pub fn books(&self, gpu: Gpu) -> GpuBooks {
@@ -716,17 +799,17 @@ impl Overcommit {
                 _ => {}
             }
         }
-        self.serve(&mut effects);
+        self.serve(now, &mut effects);
         self.swap_out_for_overdue(now, &mut effects);
         // A refusal may leave a GPU where nothing waits: groups that do not want to run may
         // come back there.
-        self.serve(&mut effects);
+        self.serve(now, &mut effects);
         effects
     }
 
     /// Rule 2 and 5: serve the demands that fit, oldest first; then restore groups that do not
     /// want to run, on GPUs where nothing waits.
-    fn serve(&mut self, effects: &mut Vec<Effect>) {
+    fn serve(&mut self, now: Nanos, effects: &mut Vec<Effect>) {
         enum Demand {
             Alloc(usize),
             Restore(SwapId),
@@ -760,7 +843,7 @@ impl Overcommit {
                         effects.push(Effect::Grant(req));
                     }
                 }
-                Demand::Restore(id) => self.restore_if_it_fits(id, effects),
+                Demand::Restore(id) => self.restore_if_it_fits(now, id, effects),
             }
         }
         let mut i = 0;
@@ -779,12 +862,12 @@ impl Overcommit {
             let bytes = self.swap_bytes(&self.swaps[&id]);
             let contested = self.waits.iter().any(|w| bytes.contains_key(&w.gpu));
             if !contested {
-                self.restore_if_it_fits(id, effects);
+                self.restore_if_it_fits(now, id, effects);
             }
         }
     }
 
-    fn restore_if_it_fits(&mut self, id: SwapId, effects: &mut Vec<Effect>) {
+    fn restore_if_it_fits(&mut self, now: Nanos, id: SwapId, effects: &mut Vec<Effect>) {
         let s = &self.swaps[&id];
         let fits = self
             .swap_bytes(s)
@@ -795,6 +878,7 @@ impl Overcommit {
         }
         let s = self.swaps.get_mut(&id).expect("present");
         s.state = SwapState::SwappingIn;
+        s.started = now;
         let (group, processes) = (s.group, s.processes.clone());
         for p in &processes {
             if let Some(p) = self.processes.get_mut(p) {
@@ -819,7 +903,7 @@ impl Overcommit {
                 .processes
                 .get(&w.process)
                 .is_some_and(|p| p.residence == Residence::Resident);
-            if resident && now >= w.since + self.params.alloc_wait_ns {
+            if resident && now >= w.since + self.wait_for(w.bytes) {
                 overdue.push((w.since, Ok(w.req)));
             }
         }
@@ -928,8 +1012,9 @@ impl Overcommit {
                 self.swap_out(now, group, gpu, effects);
             }
             // The room made is the asker's to use for a memory turn.
+            let turn = self.memory_turn(need.values().sum());
             let g = self.groups.entry(asker).or_default();
-            g.protected_until = g.protected_until.max(now + self.params.memory_turn_ns);
+            g.protected_until = g.protected_until.max(now + turn);
         }
         if later { Room::Later } else { Room::Made }
     }
@@ -1036,6 +1121,7 @@ impl Overcommit {
                 state: SwapState::SwappingOut,
                 wanted_since: None,
                 out_since: now,
+                started: now,
             },
         );
         self.counters.swap_outs += 1;

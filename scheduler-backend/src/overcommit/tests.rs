@@ -10,12 +10,19 @@ const GIB: Bytes = 1 << 30;
 const MS: Nanos = 1_000_000;
 const S: Nanos = 1_000_000_000;
 
+/// Swaps that cost nothing beyond the waits and turns the rules set (the random mixes give
+/// their own costs).
 fn params() -> Params {
     Params {
         alloc_wait_ns: 100 * MS,
         window_ns: 5 * S,
         memory_turn_ns: S,
         retry_after_ns: S,
+        swap_cost: SwapCost {
+            latency_ns: 0,
+            checkpoint_bytes_per_s: 1e15,
+            restore_bytes_per_s: 1e15,
+        },
     }
 }
 
@@ -781,4 +788,40 @@ fn always_busy_groups_each_get_the_memory_once_per_window() {
     );
     assert!(seen.swap_outs >= 4, "{seen:?}");
     assert_eq!(seen.refused, 0);
+}
+
+/// An allocation waits for memory as long as making room would take, and a group keeps memory
+/// it got by a swap for four times what swapping costs; the costs follow the swaps seen.
+#[test]
+fn waits_and_memory_turns_follow_what_swaps_cost() {
+    let rates = SwapCost {
+        latency_ns: 0,
+        checkpoint_bytes_per_s: GIB as f64,
+        restore_bytes_per_s: 2.0 * GIB as f64,
+    };
+    let mut o = Overcommit::new(
+        Params {
+            swap_cost: rates,
+            ..params()
+        },
+        vec![10 * GIB],
+    );
+    for i in 0..3 {
+        o.attach(ProcessId(i), GroupId(i));
+    }
+    grant(&mut o, 0, 0, 8 * GIB);
+    o.request(0, RequestId(1), ProcessId(1), 0, 4 * GIB);
+    assert_eq!(o.next_wakeup(0), Some(4 * S), "4 GiB out at 1 GiB/s");
+    assert!(swap_outs(&o.tick(4 * S - 1)).is_empty());
+    assert_eq!(swap_outs(&o.tick(4 * S)), vec![(SwapId(1), GroupId(0))]);
+    // The 8 GiB went out in 4 s: 2 GiB/s from now on.
+    o.swapped_out(8 * S, SwapId(1), Ok(()));
+    assert_eq!(o.swap_cost().checkpoint_bytes_per_s, 1.5 * GIB as f64);
+    // Group 1's memory turn, from 4 s: 4 × (its 4 GiB out at 1 GiB/s + back at 2 GiB/s), the
+    // costs then: until 28 s. Group 2's 7 GiB (6 are free) wait 7 / 1.5 s, then for the
+    // turn's end.
+    o.request(9 * S, RequestId(2), ProcessId(2), 0, 7 * GIB);
+    assert!(swap_outs(&o.tick(14 * S)).is_empty());
+    assert_eq!(o.next_wakeup(14 * S), Some(28 * S));
+    assert_eq!(swap_outs(&o.tick(28 * S)), vec![(SwapId(2), GroupId(1))]);
 }
