@@ -219,26 +219,14 @@ impl Scenario {
 /// How far a hand-written `expect` may differ from the computed target (rounding).
 const EXPECT_TOLERANCE: f64 = 5e-4;
 
-/// `0 ≤ request ≤ limit ≤ 1`, `weight > 0`, all finite (DESIGN §2's ranges).
+/// The tenant's shares as the scheduler validates a group's, and its `expect` a share.
 fn check_params(t: &TenantSpec) -> Result<(), String> {
-    for (name, v) in [
-        ("request", t.request),
-        ("limit", t.limit),
-        ("weight", t.weight),
-    ] {
-        if !v.is_finite() {
-            return Err(format!("{name} = {v} is not a number"));
-        }
-    }
-    if !(0.0 <= t.request && t.request <= t.limit && t.limit <= 1.0) {
-        return Err(format!(
-            "needs 0 <= request <= limit <= 1, got request {} and limit {}",
-            t.request, t.limit
-        ));
-    }
-    if t.weight <= 0.0 {
-        return Err(format!("weight {} must be above 0", t.weight));
-    }
+    let params = gpushare_policy::GroupParams {
+        request: t.request,
+        limit: t.limit,
+        weight: t.weight,
+    };
+    params.validate()?;
     if let Some(e) = t.expect
         && !(0.0..=1.0).contains(&e)
     {

@@ -51,7 +51,7 @@ pub struct Settings {
 
 /// The scheduler's log filter under `--scheduler-log`: every decision (grants, shortened,
 /// extended and revoked turns) and every turn's report, with the scheduler's clock.
-pub const SCHEDULER_LOG_FILTER: &str = "warn,gpushare_scheduler::daemon=debug";
+pub const SCHEDULER_LOG_FILTER: &str = "warn,gpushare_scheduler::node=debug";
 
 impl Settings {
     /// A node for `gpus` GPUs: simulated, or this machine's.

@@ -3,14 +3,16 @@
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use gpushare_queue::core::{Demand, WaitMode};
-use gpushare_queue::proto::{JobView, QueueClient, Submission, queue_socket};
-use gpushare_scheduler::status::{Report, render};
+use gpushare_protocol::status::Report;
+use gpushare_queue_protocol::{Demand, JobView, QueueClient, Submission, WaitMode, queue_socket};
+use status::render;
 use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 use std::time::Duration;
+
+mod status;
 
 #[derive(Parser)]
 #[command(
@@ -149,7 +151,7 @@ fn hook_path() -> anyhow::Result<PathBuf> {
 }
 
 fn fetch_status() -> anyhow::Result<Report> {
-    Ok(gpushare_scheduler::client::fetch_status(&socket())?)
+    Ok(gpushare_protocol::status::fetch(&socket())?)
 }
 
 fn queue() -> anyhow::Result<QueueClient> {

@@ -1,13 +1,13 @@
 //! Framing shared by gpushare's socket protocols (hook ↔ scheduler, simulated driver ↔ device):
 //! a little-endian `u32` length, then a `postcard` body. Decoders reject oversized or
 //! undecodable frames with an error, never a panic. [`listen_at`] publishes the sockets these
-//! protocols are served on.
+//! protocols are served on; [`peer_credentials`] says who connected to one.
 
 #[cfg(any(test, feature = "fuzz"))]
 pub mod fuzz;
 mod listen;
 
-pub use listen::listen_at;
+pub use listen::{listen_at, peer_credentials};
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 

@@ -6,6 +6,7 @@
 //! connect, and never sees it with a looser mode than asked.
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::Path;
@@ -34,6 +35,33 @@ pub fn listen_at(path: &Path, mode: u32) -> io::Result<UnixListener> {
         let _ = std::fs::remove_file(&staging);
         context("listen on", path, e)
     })
+}
+
+/// The kernel's credentials of a connected Unix socket's peer (`SO_PEERCRED`): who is asking,
+/// as the daemons take it (never from a message). One system call, so that a daemon can check
+/// its connection limits before any other work.
+pub fn peer_credentials(socket: &impl AsRawFd) -> io::Result<libc::ucred> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt(SO_PEERCRED) on a connected Unix socket, writing into a ucred of the
+    // size given.
+    let r = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred)
 }
 
 #[cfg(test)]

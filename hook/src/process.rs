@@ -169,7 +169,6 @@ impl Inbox for Hook {
                 token,
                 start_ns,
                 deadline_ns,
-                quota_ns: _,
                 queue_budget_ns,
             } => {
                 if let Some(g) = self.gate(&gpu) {

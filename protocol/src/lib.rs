@@ -9,9 +9,10 @@
 pub use gpushare_frame::{FrameBuf, MAX_FRAME, WireError, encode, recv, send};
 
 pub mod admin;
+pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Environment variable naming the scheduler socket.
 pub const SOCKET_ENV: &str = "GPUSHARE_SOCKET";
@@ -68,7 +69,7 @@ pub enum ClientMsg {
         used: Option<TurnUse>,
         again: bool,
     },
-    /// Admin: the scheduler's view as JSON ([`ServerMsg::Status`]).
+    /// The scheduler's report ([`ServerMsg::Status`]), for `gpushare status`.
     Status,
     /// Reserve `bytes` of the group's memory cap on `gpu` before allocating; answered by
     /// [`ServerMsg::Memory`]. Rolled back with [`ClientMsg::MemFree`] if the allocation fails.
@@ -98,7 +99,6 @@ pub enum ServerMsg {
         token: u64,
         start_ns: u64,
         deadline_ns: u64,
-        quota_ns: u64,
         queue_budget_ns: u64,
     },
     /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
@@ -108,7 +108,7 @@ pub enum ServerMsg {
         token: u64,
     },
     Status {
-        json: String,
+        report: status::Report,
     },
     /// Answer to a reservation (`granted`) or query: the group's cap (`None`: uncapped) and
     /// what the group uses on that GPU, this reservation included.
@@ -196,6 +196,74 @@ mod tests {
         fuzz::frames(11, &client_msgs(), 150_000, |_| {}).assert_exercised(150_000);
     }
 
+    /// A report with one of everything.
+    fn report() -> status::Report {
+        use status::*;
+        let group = GroupReport {
+            name: "ns/train/main".into(),
+            request: 0.3,
+            limit: 0.6,
+            weight: 2.0,
+            effective_request: 0.3,
+            target_share: 0.6,
+            achieved_share: 0.59,
+            busy_seconds: 12.5,
+            tokens: 7,
+            waits: 3,
+            overruns: 1,
+            revocations: 0,
+            preempted: 2,
+            pids: vec![42, 43],
+            active: true,
+            memory_used: 1 << 30,
+            memory_cap: Some(4 << 30),
+            memory_reservations: 5,
+            pod: Some(PodLabels {
+                namespace: "ns".into(),
+                pod: "train".into(),
+                container: "main".into(),
+            }),
+        };
+        Report {
+            dev_mode: false,
+            gpus: vec![GpuReport {
+                uuid: admin::gpu_uuid_string(&GPU),
+                holder: Some(ClientReport {
+                    pid: 42,
+                    group: group.name.clone(),
+                }),
+                waiting: vec![],
+                groups: vec![group],
+            }],
+            pods: vec![PodReport {
+                namespace: "ns".into(),
+                pod: "train".into(),
+                container: "main".into(),
+                pod_uid: "0b1c8e3a-6f0e-4a57-9a39-8f2d3c1b7e11".into(),
+                container_id: None,
+                group: "ns/train/main".into(),
+                gpus: vec![admin::gpu_uuid_string(&GPU)],
+                request: 0.3,
+                limit: 0.6,
+                weight: 2.0,
+                memory: Some(4 << 30),
+                removed: false,
+            }],
+            unhooked: vec![Unhooked {
+                pid: 7,
+                command: "python3".into(),
+                hook_loaded: false,
+            }],
+            event_loop: LoopLatency {
+                bounds_s: vec![0.001, 0.01],
+                counts: vec![5, 1, 0],
+                count: 6,
+                sum_s: 0.004,
+                max_s: 0.002,
+            },
+        }
+    }
+
     #[test]
     fn server_messages_round_trip_and_hostile_ones_are_rejected() {
         let samples = [
@@ -207,11 +275,10 @@ mod tests {
                 token: 9,
                 start_ns: 1,
                 deadline_ns: 20_000_001,
-                quota_ns: 20_000_000,
                 queue_budget_ns: 2_500_000,
             },
             ServerMsg::Revoke { gpu: GPU, token: 9 },
-            ServerMsg::Status { json: "{}".into() },
+            ServerMsg::Status { report: report() },
             ServerMsg::Memory {
                 req: 1,
                 granted: true,

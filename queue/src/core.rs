@@ -32,6 +32,7 @@
 //! all the share it asked for, and in proportion while requests on its GPU sum to more than 1 —
 //! a job is not charged for time the queue itself gave to a job started beside it.
 
+pub use gpushare_queue_protocol::{Demand, WaitMode};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -82,82 +83,6 @@ impl FromStr for Policy {
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| format!("unknown policy {s:?}; use fifo, sjf, aging or shares"))
-    }
-}
-
-/// What a job with preferred GPUs does while they cannot take it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum WaitMode {
-    /// Wait for the preferred GPUs.
-    Queue,
-    /// Take any GPU that can take the job.
-    #[default]
-    Schedule,
-}
-
-impl WaitMode {
-    pub fn name(self) -> &'static str {
-        match self {
-            WaitMode::Queue => "queue",
-            WaitMode::Schedule => "schedule",
-        }
-    }
-}
-
-impl fmt::Display for WaitMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for WaitMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<WaitMode, String> {
-        match s {
-            "queue" => Ok(WaitMode::Queue),
-            "schedule" => Ok(WaitMode::Schedule),
-            _ => Err(format!("unknown wait mode {s:?}; use queue or schedule")),
-        }
-    }
-}
-
-/// What a job asks for.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Demand {
-    /// Number of GPUs, all started at once.
-    pub gpus: u32,
-    /// Guaranteed share of each GPU (0..=1; 1 is a whole GPU).
-    pub share: f64,
-    /// Cap on the share of each GPU (share..=1).
-    pub limit: f64,
-    /// GPU memory cap on each GPU, bytes.
-    pub memory: Option<u64>,
-    /// Preferred GPUs (indices), most preferred first.
-    pub prefer: Vec<u32>,
-    pub wait_mode: WaitMode,
-    /// The submitter's priority p (higher first under `aging` and `shares`).
-    pub priority: i32,
-    /// Killed after this much entitled running time.
-    pub timeout_ns: Option<u64>,
-    /// Runs again after a failure (or a lost process) up to this many times.
-    pub retries: u32,
-}
-
-impl Default for Demand {
-    /// One whole GPU, anywhere, no memory cap, priority 0, no timeout, no retry.
-    fn default() -> Self {
-        Demand {
-            gpus: 1,
-            share: 1.0,
-            limit: 1.0,
-            memory: None,
-            prefer: Vec::new(),
-            wait_mode: WaitMode::Schedule,
-            priority: 0,
-            timeout_ns: None,
-            retries: 0,
-        }
     }
 }
 
@@ -446,7 +371,7 @@ impl Core {
                 d.gpus
             ));
         }
-        gpushare_scheduler::policy::GroupParams {
+        gpushare_policy::GroupParams {
             request: d.share,
             limit: d.limit,
             weight: 1.0,
@@ -856,4 +781,4 @@ impl Core {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -10,9 +10,9 @@
 use crate::core::{Action, Core, Exit, GpuLoad, JobId, JobState, QueueConfig};
 use crate::db::{Db, JobMeta, StoredJob};
 use crate::gpus::GpuInfo;
-use crate::proto::{JobView, QUEUE_PROTOCOL_VERSION, Request, Response, Submission};
 use crate::sys;
-use gpushare_scheduler::status::Report;
+use gpushare_protocol::status::{self, Report, StatusError};
+use gpushare_queue_protocol::{JobView, QUEUE_PROTOCOL_VERSION, Request, Response, Submission};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
@@ -520,7 +520,7 @@ fn finish_run(st: &mut State, jobs_dir: &Path, id: JobId, run: u32, now: u64) {
 
 /// Read the scheduler's books and hand the core what is in use on each GPU.
 fn read_books(sh: &Arc<Shared>) {
-    let report = gpushare_scheduler::client::fetch_status(&sh.opts.scheduler_socket);
+    let report = status::fetch(&sh.opts.scheduler_socket);
     let mut st = sh.lock();
     let now = now_ns();
     let before = st.version;
@@ -533,11 +533,7 @@ fn read_books(sh: &Arc<Shared>) {
     }
 }
 
-fn apply_books(
-    st: &mut State,
-    report: Result<Report, gpushare_scheduler::client::StatusError>,
-    now: u64,
-) {
+fn apply_books(st: &mut State, report: Result<Report, StatusError>, now: u64) {
     match report {
         Ok(r) => {
             let loads = loads_from(&st.gpus, &r);
@@ -693,7 +689,7 @@ pub(crate) fn submit(sh: &Arc<Shared>, uid: u32, s: Submission) -> Result<JobId,
             .map_or(s.cmd[0].clone(), |n| n.to_string_lossy().into_owned())
     });
     // Place it by what is in use now, not at the last periodic look.
-    let books = gpushare_scheduler::client::fetch_status(&sh.opts.scheduler_socket);
+    let books = status::fetch(&sh.opts.scheduler_socket);
     let mut st = sh.lock();
     let now = now_ns();
     st.core.check(&s.demand).map_err(|e| e.to_string())?;
@@ -792,7 +788,7 @@ pub(crate) fn read_log(sh: &Shared, id: JobId, offset: u64, max: usize) -> Vec<u
 
 /// One connection on the Unix socket.
 fn client(sh: Arc<Shared>, mut stream: UnixStream) {
-    let Ok(peer) = gpushare_scheduler::identity::peer(&stream) else {
+    let Ok(peer) = gpushare_frame::peer_credentials(&stream) else {
         return;
     };
     let mut buf = Vec::new();
@@ -908,7 +904,7 @@ fn stream_logs(sh: &Arc<Shared>, stream: &mut UnixStream, id: JobId, follow: boo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpushare_scheduler::status::{GpuReport, GroupReport};
+    use gpushare_protocol::status::{GpuReport, GroupReport, LoopLatency};
 
     fn group(name: &str, request: f64, memory: u64, pids: Vec<u32>) -> GroupReport {
         GroupReport {
@@ -954,6 +950,7 @@ mod tests {
             dev_mode: true,
             pods: vec![],
             unhooked: vec![],
+            event_loop: LoopLatency::default(),
             gpus: vec![GpuReport {
                 uuid: "GPU-b".into(),
                 holder: None,

@@ -41,7 +41,7 @@ fn query() -> Result<Vec<GpuInfo>, String> {
                 unsafe { device::total_mem(dev) }.map_err(|e| fail("cuDeviceTotalMem", e))?;
             Ok(GpuInfo {
                 index: i as u32,
-                uuid: gpushare_scheduler::status::uuid_string(&bytes),
+                uuid: gpushare_protocol::status::uuid_string(&bytes),
                 name: device::get_name(dev).map_err(|e| fail("cuDeviceGetName", e))?,
                 memory: memory as u64,
             })

@@ -14,10 +14,9 @@
 //! A token (`gpushare token` prints the caller's) goes in `Authorization: Bearer TOKEN`.
 //! Errors are `{"error": "..."}` with a 4xx status; a refused request changes nothing.
 
-use crate::core::{Demand, WaitMode};
 use crate::daemon::{self, Shared};
-use crate::proto::Submission;
 use crate::web;
+use gpushare_queue_protocol::{Demand, Submission, WaitMode};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -344,7 +343,7 @@ mod tests {
             r#"{"cmd": ["x", "--y"], "name": "n", "gpus": 1, "share": 0.5, "limit": 0.75, "memory": "4GiB", "prefer": [1, 0], "wait_mode": "queue", "priority": -3, "timeout": "90s", "retries": 2, "env": {"A": "1"}, "cwd": "/tmp"}"#,
             r#"{"cmd": ["x"], "wait_mode": "schedule", "memory": "512MiB", "timeout": "1e3s"}"#,
         ];
-        let mut admit = crate::proto::tests::Admit::new();
+        let mut admit = crate::core::tests::Admit::new();
         let n = 100_000;
         gpushare_frame::fuzz::texts(73, &samples, n, |body| match parse(body) {
             Ok(s) => {

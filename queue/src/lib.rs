@@ -3,8 +3,7 @@
 //! - [`core`]: the scheduling core (pure, virtual time): policies, placement, timeouts.
 //! - [`replay`]: the aging paper's experiment through the core, in virtual time;
 //!   [`memory_replay`]: jobs whose memory grows and shrinks, with caps held to the GPU or
-//!   overcommitted (waits and swaps by the scheduler's overcommit core).
-//! - [`proto`]: the Unix-socket protocol and the client `gpushare submit/jobs/cancel/logs` use.
+//!   overcommitted (waits and swaps by the overcommit core of `gpushare-policy`).
 //! - [`daemon`]: `gpushare-queue serve`, the I/O shell: socket, jobs' processes, clock;
 //!   [`db`] its SQLite state, [`http`] its HTTP API and [`web`] page, [`shim`] the supervisor
 //!   of each run, [`gpus`] the node's GPUs, [`sys`] the few system calls std lacks.
@@ -15,7 +14,6 @@ pub mod db;
 pub mod gpus;
 pub mod http;
 pub mod memory_replay;
-pub mod proto;
 pub mod replay;
 pub mod shim;
 pub mod sys;

@@ -293,7 +293,7 @@ fn main() -> ExitCode {
             let gpus = gpushare_queue::gpus::discover().map_err(anyhow::Error::msg)?;
             let opts = ServeOptions {
                 db,
-                socket: socket.unwrap_or_else(gpushare_queue::proto::queue_socket),
+                socket: socket.unwrap_or_else(gpushare_queue_protocol::queue_socket),
                 listen,
                 scheduler_socket: scheduler_socket.unwrap_or_else(|| {
                     std::env::var_os(gpushare_protocol::SOCKET_ENV)

@@ -21,10 +21,10 @@
 //! for GPU time; swaps, bytes and seconds moved; allocations refused (out of memory).
 
 use crate::core::{Action, Core, Demand, Exit, Gpu, GpuLoad, JobId, Policy, QueueConfig};
-use gpushare_scheduler::overcommit::{
+use gpushare_policy::overcommit::{
     Effect, GroupId, Overcommit, Params, ProcessId, RequestId, SwapId,
 };
-use gpushare_scheduler::policy::{GroupParams, water_fill};
+use gpushare_policy::{GroupParams, water_fill};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use serde::Serialize;
 use std::collections::BTreeMap;

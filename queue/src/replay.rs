@@ -10,7 +10,7 @@
 //! draws: response = start − submission, finish = end − submission.
 
 use crate::core::{Action, Core, Demand, Exit, Gpu, JobId, Policy, QueueConfig};
-use gpushare_scheduler::policy::{GroupParams, water_fill};
+use gpushare_policy::{GroupParams, water_fill};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 use serde::Serialize;
 use std::collections::BTreeMap;

@@ -3,7 +3,7 @@
 //! part with each server-sent event from `/events`; no build step, no framework.
 
 use crate::daemon::{JOB_GROUP_PREFIX, State, views};
-use crate::proto::JobView;
+use gpushare_queue_protocol::JobView;
 use serde::Serialize;
 use std::fmt::Write;
 

@@ -1,29 +1,20 @@
 //! The admin socket (`gpushare-scheduler --admin-socket PATH`): a node agent
 //! (`gpushare-device-manager`) registers Kubernetes containers and their shares
-//! ([`gpushare_protocol::admin`]); the [`PodTable`](crate::pods::PodTable) keeps them, and a
-//! tenant process is matched to its container from its cgroup ([`crate::identity`]).
+//! ([`gpushare_protocol::admin`]). This module is the socket: each agent connection has a thread
+//! that hands its requests to the event loop and waits for each answer; what they do is the
+//! node core's business ([`crate::node`]).
 //!
 //! The socket is created mode 0600 in a directory of its own: only root on the host, and
 //! whoever shares that directory (the agent's container), can change policy. Tenants never see
 //! it.
 
-use crate::daemon::{
-    Shared, State, apply_group_changes, has_processes, lock, now_ns, pod_changes, report,
-    with_state,
-};
-use crate::identity::Peer;
-use crate::pods::Lookup;
-use crate::status::Report;
-use gpushare_protocol::admin::{ADMIN_PROTOCOL_VERSION, AdminReply, AdminRequest, GpuUsage};
+use crate::inbox::{Inbox, Post, Published};
+use gpushare_protocol::admin::{ADMIN_PROTOCOL_VERSION, AdminReply, AdminRequest};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
-
-/// How long a process of a pod waits for the agent to register its container before it is
-/// refused.
-pub const POD_WAIT: Duration = Duration::from_secs(2);
 
 /// Admin clients served at once (a thread each; there is one agent per node): more are closed,
 /// so that the daemon's threads stay few whatever connects.
@@ -37,7 +28,7 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
 
 /// Serve admin clients, one thread each (at most [`MAX_ADMIN_CLIENTS`]), until the process
 /// exits.
-pub(crate) fn listen(shared: Arc<Shared>, listener: UnixListener) {
+pub fn listen(inbox: Inbox, published: Published, listener: UnixListener) {
     let active = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
@@ -46,11 +37,11 @@ pub(crate) fn listen(shared: Arc<Shared>, listener: UnixListener) {
             tracing::warn!("closing an admin connection: {MAX_ADMIN_CLIENTS} are open already");
             continue;
         }
-        let (s, a) = (shared.clone(), active.clone());
+        let (i, p, a) = (inbox.clone(), published.clone(), active.clone());
         let spawned = std::thread::Builder::new()
             .name("admin".into())
             .spawn(move || {
-                serve(s, stream);
+                serve(&i, &p, stream);
                 a.fetch_sub(1, Ordering::AcqRel);
             });
         if spawned.is_err() {
@@ -59,7 +50,9 @@ pub(crate) fn listen(shared: Arc<Shared>, listener: UnixListener) {
     }
 }
 
-fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
+/// One agent's connection: its requests go to the event loop, one at a time; `Usage` is
+/// answered from the published report.
+fn serve(inbox: &Inbox, published: &Published, mut stream: UnixStream) {
     let mut buf = Vec::new();
     let reply = |stream: &mut UnixStream, r: &AdminReply| {
         let _ = gpushare_protocol::send(stream, r);
@@ -106,89 +99,19 @@ fn serve(shared: Arc<Shared>, mut stream: UnixStream) {
                 return;
             }
         };
-        if req == AdminRequest::Usage {
-            let report = {
-                let st = lock(&shared);
-                report(&st, now_ns())
-            };
-            reply(
-                &mut stream,
-                &AdminReply::Usage {
-                    gpus: usage(&report),
-                },
-            );
-            continue;
-        }
-        let result = with_state(&shared, |st, now| {
-            let changes = pod_changes(st, req)?;
-            apply_group_changes(st, changes, now);
-            Ok(())
-        });
-        match result {
-            Ok(()) => reply(&mut stream, &AdminReply::Done),
-            Err(message) => {
-                tracing::warn!("admin request refused: {message}");
-                reply(&mut stream, &AdminReply::Error { message });
+        let answer = if req == AdminRequest::Usage {
+            let gpus = crate::node::usage(&published.load());
+            AdminReply::Usage { gpus }
+        } else {
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            if !inbox.post(Post::Admin { req, reply: tx }) {
+                return;
             }
-        }
-    }
-}
-
-/// Per GPU: the groups' achieved shares and memory, summed.
-fn usage(r: &Report) -> Vec<GpuUsage> {
-    r.gpus
-        .iter()
-        .map(|g| GpuUsage {
-            gpu: g.uuid.clone(),
-            busy: g
-                .groups
-                .iter()
-                .map(|x| x.achieved_share)
-                .sum::<f64>()
-                .min(1.0),
-            memory_used: g.groups.iter().map(|x| x.memory_used).sum(),
-        })
-        .collect()
-}
-
-/// The group of a process whose container the agent registered, if any.
-pub(crate) fn pod_group(st: &State, peer: &Peer) -> Option<String> {
-    match st.pods.lookup(peer.pod.as_ref()?) {
-        Lookup::Group(name) => Some(name),
-        _ => None,
-    }
-}
-
-/// Whether a process may be admitted as far as its pod goes: `Ok(true)` yes, `Ok(false)` not
-/// yet (the agent has not registered its container; ask again when the state changes), `Err`
-/// the message that refuses it. `waited` says it has waited [`POD_WAIT`] already. Processes
-/// outside pods, processes a config group matches, and every process while no agent manages
-/// this node pass at once.
-pub(crate) fn pod_admission(st: &State, peer: &Peer, waited: bool) -> Result<bool, String> {
-    let Some(who) = &peer.pod else {
-        return Ok(true);
-    };
-    if !st.pods.active() || st.config.group_for(peer).is_some() {
-        return Ok(true);
-    }
-    match st.pods.lookup(who) {
-        Lookup::Group(_) => Ok(true),
-        Lookup::Removed(name) => Err(format!(
-            "container {name} was removed from this node; its processes may not start new GPU work"
-        )),
-        Lookup::Unknown if waited => Err(format!(
-            "pod {} container {} has no gpushare policy after {POD_WAIT:?}: only containers that request gpushare.io/gpu-share may use the GPU; if this one does, check that gpushare-device-manager runs on this node (its log says why it did not register the container)",
-            who.pod_uid, who.container_id
-        )),
-        Lookup::Unknown => Ok(false),
-    }
-}
-
-/// A process of group `name` disconnected (hook of the daemon's disconnect path): a removed
-/// container's group goes with its last process.
-pub(crate) fn client_left(st: &mut State, name: &str, now: u64) {
-    let connected = has_processes(st, name);
-    if let Some(change) = st.pods.client_left(name, connected) {
-        apply_group_changes(st, vec![change], now);
+            match rx.recv() {
+                Ok(answer) => answer,
+                Err(_) => return,
+            }
+        };
+        reply(&mut stream, &answer);
     }
 }

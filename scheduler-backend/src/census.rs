@@ -7,23 +7,14 @@
 //!
 //! Seen only where the daemon sees processes: every process of the node from the host's pid
 //! namespace (the DaemonSet runs with `hostPID`), and only maps it may read (as root: all).
+//! Reading `/proc` takes time on a busy node: the daemon takes the census on a thread of its own.
 
-use serde::{Deserialize, Serialize};
+use gpushare_protocol::status::Unhooked;
 use std::collections::HashSet;
 use std::path::Path;
 
 /// How often the daemon takes the census.
 pub const EVERY: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// A process using the GPU driver without a connection to this scheduler.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Unhooked {
-    pub pid: u32,
-    /// Its command name (`/proc/<pid>/comm`).
-    pub command: String,
-    /// The hook is loaded in it (not connected yet); false: it runs without the hook.
-    pub hook_loaded: bool,
-}
 
 /// What the maps of one process say: (maps the driver, maps the hook).
 fn libraries(maps: &str) -> (bool, bool) {

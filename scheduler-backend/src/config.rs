@@ -27,7 +27,7 @@
 //! ```
 
 use crate::identity::Peer;
-use crate::policy::{GroupParams, PolicyConfig};
+use gpushare_policy::{GroupParams, PolicyConfig};
 use serde::Deserialize;
 use std::path::Path;
 
@@ -206,9 +206,9 @@ impl Config {
                 limit: g.limit,
                 weight: g.weight,
             };
-            crate::policy::Policy::new(policy.clone())
-                .set_group(&g.name, params)
-                .map_err(|e| e.to_string())?;
+            params
+                .validate()
+                .map_err(|reason| format!("invalid parameters for group {:?}: {reason}", g.name))?;
             let memory = match &g.memory {
                 Some(m) => Some(
                     gpushare_units::parse_size(m)

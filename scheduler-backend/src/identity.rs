@@ -1,9 +1,6 @@
 //! Who is on the other end of a socket, from the kernel rather than from the client:
-//! `SO_PEERCRED` for pid/uid/gid, `/proc/<pid>/cgroup` for the container, and from its cgroup
-//! path the Kubernetes pod and container ([`pod_identity`]).
-
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
+//! `SO_PEERCRED` for pid/uid/gid ([`Credentials`]), `/proc/<pid>/cgroup` for the container,
+//! and from its cgroup path the Kubernetes pod and container ([`pod_identity`]).
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Peer {
@@ -19,52 +16,48 @@ pub struct Peer {
     pub pod: Option<PodIdentity>,
 }
 
-pub fn peer(stream: &UnixStream) -> std::io::Result<Peer> {
-    credentials(stream).map(peer_of)
+/// A connected peer's credentials as the kernel gave them (`SO_PEERCRED`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Credentials {
+    pub pid: u32,
+    pub uid: u32,
+    pub gid: u32,
 }
 
-/// The kernel's credentials of a connected Unix socket's peer (`SO_PEERCRED`): one system
-/// call, so that a daemon can check its connection limits before doing any other work.
-pub fn credentials(socket: &impl AsRawFd) -> std::io::Result<libc::ucred> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt(SO_PEERCRED) on a connected Unix socket, writing into a ucred of the
-    // size given.
-    let r = unsafe {
-        libc::getsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
+impl From<libc::ucred> for Credentials {
+    fn from(c: libc::ucred) -> Credentials {
+        Credentials {
+            pid: c.pid as u32,
+            uid: c.uid,
+            gid: c.gid,
+        }
     }
-    Ok(cred)
 }
 
-/// The peer with these credentials, its cgroup read from `/proc/<pid>/cgroup`.
-pub fn peer_of(cred: libc::ucred) -> Peer {
+/// Who the peer with these credentials is, read from `/proc` (its cgroup and start time),
+/// and its pid namespace (`None` if unreadable). Reads files: the daemon calls it off its event
+/// loop.
+pub fn resolve(cred: Credentials) -> (Peer, Option<u64>) {
     let text = std::fs::read_to_string(format!("/proc/{}/cgroup", cred.pid)).unwrap_or_default();
-    let mut paths: Vec<String> = text
+    let peer = peer_from(cred, &text, start_time(cred.pid).unwrap_or(0));
+    (peer, pid_namespace(cred.pid))
+}
+
+/// The peer with these credentials, whose `/proc/<pid>/cgroup` reads `proc_cgroup` and which
+/// started at `start`.
+fn peer_from(cred: Credentials, proc_cgroup: &str, start: u64) -> Peer {
+    let mut paths: Vec<String> = proc_cgroup
         .lines()
         .filter_map(|l| l.splitn(3, ':').nth(2).map(str::to_string))
         .collect();
     paths.dedup();
-    let cgroup = paths.join(",");
     Peer {
-        pid: cred.pid as u32,
-        start: start_time(cred.pid as u32).unwrap_or(0),
+        pid: cred.pid,
+        start,
         uid: cred.uid,
         gid: cred.gid,
-        cgroup,
-        pod: pod_identity(&text),
+        cgroup: paths.join(","),
+        pod: pod_identity(proc_cgroup),
     }
 }
 
@@ -233,14 +226,16 @@ mod tests {
 
     #[test]
     fn identifies_this_process() {
-        let (a, _b) = UnixStream::pair().unwrap();
-        let p = peer(&a).unwrap();
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let cred = gpushare_frame::peer_credentials(&a).unwrap();
+        let (p, ns) = resolve(cred.into());
         assert_eq!(p.pid, std::process::id());
         // SAFETY: getuid has no preconditions.
         assert_eq!(p.uid, unsafe { libc::getuid() });
         assert!(p.start > 0, "start time read from /proc");
         assert_eq!(start_time(p.pid), Some(p.start), "stable for a process");
-        let ns = pid_namespace(p.pid).expect("this process's pid namespace");
+        let ns = ns.expect("this process's pid namespace");
+        assert_eq!(pid_namespace(p.pid), Some(ns));
         let mut child = std::process::Command::new("sleep")
             .arg("5")
             .spawn()

@@ -5,24 +5,18 @@
 //! One JSON file (`--books`, default the socket path plus `.books`) rewritten whole, through a
 //! temporary file and a rename, so a crash mid-write leaves the previous version. A reservation
 //! is written before it is granted; frees and disconnections are written within
-//! [`FLUSH_EVERY`] (until then the file overstates, which is the safe side). The file lives
-//! beside the socket, normally on tmpfs (`/run`): it must survive the daemon, not a reboot,
-//! after which every process that held memory is gone anyway.
+//! [`FLUSH_EVERY`](crate::node::FLUSH_EVERY) (until then the file overstates, which is the
+//! safe side). The node core decides what to write and when ([`crate::node`]); a thread of its
+//! own writes it, so the event loop never waits for a file. The file lives beside the socket, normally on tmpfs
+//! (`/run`): it must survive the daemon, not a reboot, after which every process that held
+//! memory is gone anyway.
 
 use crate::identity::start_time;
-use crate::memory::{Holding, MemoryBooks, ProcessId};
+use crate::memory::{Holding, ProcessId};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-/// How often frees and departures reach the file, and the ghosts' processes are checked.
-pub const FLUSH_EVERY: Duration = Duration::from_millis(100);
-/// How long the holdings of a process whose liveness cannot be checked (its pid is not visible
-/// from the daemon's pid namespace) count after a restart: every live hook reconnects within
-/// a second or two, and states its holdings itself.
-pub const UNVERIFIABLE_GHOST_GRACE: Duration = Duration::from_secs(10);
 
 const VERSION: u32 = 1;
 
@@ -80,17 +74,21 @@ impl Journal {
         }
     }
 
-    /// Write the books if they changed since the last write.
-    pub fn save(&mut self, books: &mut MemoryBooks) {
-        if !books.take_changed() {
-            return;
-        }
+    /// Write `holdings` as the books' current state. A failure is logged (once until a write
+    /// succeeds again): the books in memory stay right, only a restart of the daemon would
+    /// forget what they hold beyond the last good write.
+    pub fn save(&mut self, holdings: Vec<Holding>) {
         let file = File {
             version: VERSION,
-            holdings: books.holdings(),
+            holdings,
         };
         match self.write(&file) {
-            Ok(()) => self.failing = false,
+            Ok(()) => {
+                if self.failing {
+                    tracing::info!(path = %self.path.display(), "the memory journal is written again");
+                }
+                self.failing = false;
+            }
             Err(e) => {
                 if !self.failing {
                     tracing::error!(path = %self.path.display(), "cannot write the memory journal: {e}; a restart of the daemon would forget what processes hold");
@@ -127,6 +125,7 @@ pub fn alive(p: &ProcessId) -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::MemoryBooks;
 
     fn me() -> ProcessId {
         let pid = std::process::id();
@@ -153,7 +152,7 @@ mod tests {
         );
         assert!(books.reserve(1, "g", [1; 16], 3 << 30).granted);
         assert!(books.reserve(2, "g", [1; 16], 1 << 30).granted);
-        j.save(&mut books);
+        j.save(books.holdings());
         let back = j.load();
         assert_eq!(
             back,
@@ -182,18 +181,24 @@ mod tests {
     }
 
     #[test]
-    fn unchanged_books_are_not_rewritten() {
+    fn a_failed_write_leaves_the_last_good_one() {
         let dir = tempfile::tempdir().unwrap();
         let mut j = Journal::new(dir.path().join("b"));
-        let mut books = MemoryBooks::default();
-        books.attach(1, me());
-        books.reserve(1, "g", [1; 16], 5);
-        j.save(&mut books);
-        std::fs::remove_file(j.path()).unwrap();
-        j.save(&mut books);
-        assert!(!j.path().exists(), "nothing changed, nothing written");
-        books.free(1, [1; 16], 5);
-        j.save(&mut books);
-        assert!(j.load().is_empty(), "freed: no holding left");
+        let held = Holding {
+            process: me(),
+            group: "g".into(),
+            gpu: [1; 16],
+            bytes: 5,
+        };
+        j.save(vec![held.clone()]);
+        // The staging file cannot be created: a directory stands in its way.
+        std::fs::create_dir(dir.path().join("b.new")).unwrap();
+        j.save(Vec::new());
+        assert!(j.failing);
+        assert_eq!(j.load(), vec![held]);
+        std::fs::remove_dir(dir.path().join("b.new")).unwrap();
+        j.save(Vec::new());
+        assert!(!j.failing);
+        assert!(j.load().is_empty());
     }
 }

@@ -1,23 +1,25 @@
-//! gpushare's scheduler: the pure fair-share policy core ([`policy`], one instance per GPU) and
-//! the daemon around it: configuration ([`config`]), client identity from the socket
-//! ([`identity`]), the daemon's state and message handling ([`daemon`]) around the tenant
-//! socket's event loop ([`server`]) and the status report ([`status`]), which [`client`] fetches
-//! from a running daemon and the Prometheus endpoint ([`metrics`]) serves; the memory books
-//! ([`memory`]) and their journal ([`journal`]), which survives a restart; the pure core of
-//! memory overcommitment ([`overcommit`]: physical books, waits, swaps); for Kubernetes, the
-//! admin socket ([`admin`]) through which the node agent registers containers ([`pods`]).
+//! gpushare's scheduler daemon. Its decisions are made by the node core ([`node`]): pure, no
+//! I/O, tested in virtual time, around the fair-share policy of each GPU
+//! ([`gpushare_policy`]), the memory books ([`memory`]) and the Kubernetes containers
+//! ([`pods`]). Around it, the shell: the event loop that owns the core and serves the tenant
+//! socket ([`server`]), the threads that do what may block ([`workers`]: the books' journal
+//! [`journal`], peer identity from `/proc` [`identity`], the [`census`] of GPU processes, the
+//! [`config`] file), the admin socket ([`admin`]) and the Prometheus endpoint ([`metrics`],
+//! [`prometheus`]), wired by [`daemon`]. Other threads reach the loop through its [`inbox`].
 
 pub mod admin;
 pub mod census;
-pub mod client;
 pub mod config;
 pub mod daemon;
 pub mod identity;
+pub mod inbox;
 pub mod journal;
+pub mod latency;
 pub mod memory;
 pub mod metrics;
-pub mod overcommit;
+pub mod node;
 pub mod pods;
-pub mod policy;
+pub mod prometheus;
 pub mod server;
-pub mod status;
+pub mod throttle;
+pub mod workers;

@@ -1,5 +1,5 @@
 //! GPU memory books: per group and GPU, what its processes hold against the group's cap.
-//! Pure bookkeeping, no I/O; the daemon calls it from its message handlers.
+//! Pure bookkeeping, no I/O; the node core ([`crate::node`]) keeps it.
 //!
 //! A process reserves before it allocates and gives back on free or failure, so two processes
 //! of a group can never overshoot the cap together. A process's holdings vanish with it.
@@ -15,7 +15,7 @@ pub type GpuUuid = [u8; 16];
 
 /// A process, told apart from a later one that reuses its pid by its start time (clock ticks
 /// since boot, `/proc/<pid>/stat` field 22; 0 when unknown).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct ProcessId {
     pub pid: u32,
     pub start: u64,
@@ -148,8 +148,8 @@ impl MemoryBooks {
 
     /// The clients holding memory, with their processes: those whose process has exited are
     /// forgotten (`forget_client`) even while their connection lives on — a forked child may
-    /// have kept a copy of it. Whether a process lives is read from `/proc` by the caller,
-    /// outside the books' lock, once per process.
+    /// have kept a copy of it. Whether a process lives is read from `/proc` off the event loop,
+    /// once per process.
     pub fn holders(&self) -> Vec<(u64, ProcessId)> {
         let clients: std::collections::BTreeSet<u64> = self
             .held
@@ -204,6 +204,14 @@ impl MemoryBooks {
         let before = self.ghosts.len();
         self.ghosts.retain(|(p, _), _| keep(p));
         self.changed |= self.ghosts.len() != before;
+    }
+
+    /// The processes of the ghost holdings.
+    pub fn ghost_processes(&self) -> Vec<ProcessId> {
+        let mut p: Vec<ProcessId> = self.ghosts.keys().map(|(p, _)| *p).collect();
+        p.sort_unstable();
+        p.dedup();
+        p
     }
 
     /// Whether any ghost holding is left.

@@ -7,10 +7,10 @@
 //! them disconnects ([`PodTable::client_left`]); new processes of it are refused.
 
 use crate::identity::PodIdentity;
-use crate::policy::GroupParams;
-use crate::status::{PodReport, uuid_string};
+use gpushare_policy::GroupParams;
 use gpushare_protocol::GpuUuid;
 use gpushare_protocol::admin::{AdminRequest, ContainerKey, PodGroup, parse_gpu_uuid};
+use gpushare_protocol::status::{PodReport, uuid_string};
 use std::collections::{BTreeMap, HashMap};
 
 /// What the daemon must do to its policies and memory books.

@@ -1,32 +1,36 @@
-//! The tenant socket's event loop: one thread serves every client connection (non-blocking
-//! accept, reads and writes over epoll, through `mio`) and the policies' timers (a timerfd in
-//! the same poll: nanosecond deadlines, where epoll's own timeout has milliseconds).
+//! The event loop: the one thread that owns the node core ([`crate::node`]) and does its I/O.
+//! It serves every tenant connection (non-blocking accept, reads and writes over epoll,
+//! through `mio`), the node's timers (a timerfd in the same poll: nanosecond deadlines, where
+//! epoll's own timeout has milliseconds) and the inbox the other threads post to
+//! ([`crate::inbox`]); it hands the node what happened and carries out the effects it returns.
+//! Whatever may block — files, `/proc` — goes to the worker threads ([`crate::workers`]).
 //!
-//! A flood of idle, slow or hostile connections therefore costs bounded memory, never threads,
-//! and no peer can block the others: connections are bounded in number (in total and per uid,
-//! `[connections]` in the config), in the time they take to say Hello, in the size of a frame
-//! (a partial one waits in its connection's buffer) and in the replies they leave unread. What
-//! the messages mean is [`crate::daemon`]'s business.
+//! The loop bounds what a peer costs it: a frame's size (a partial one waits in its
+//! connection's buffer), the bytes read from one connection before the others' turn, the
+//! replies a peer leaves unread. It measures how late it handles what is due — a timer
+//! against its deadline, a ready socket against the poll that reported it, a post against when
+//! it was posted — and tells the node, which reports it.
 
-use crate::config::ConnectionLimits;
-use crate::daemon::{self, Delivery, Greeting, Shared, lock, now_ns};
-use crate::identity::{self, Peer};
-use crate::policy::ClientId;
-use gpushare_protocol::{ClientMsg, FrameBuf, ServerMsg};
+use crate::identity::Credentials;
+use crate::inbox::{Letter, Post, Published};
+use crate::node::{ConnId, Effect, Input, Node};
+use crate::throttle::Throttle;
+use crate::workers::{Lookup, Workers};
+use gpushare_protocol::admin::AdminReply;
+use gpushare_protocol::{ClientMsg, FrameBuf};
+use gpushare_units::monotonic_ns as now_ns;
 use mio::net::{UnixListener, UnixStream};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::io::{self, ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-
-/// A connection's key in the poll (its mio token); never reused.
-pub(crate) type ConnId = usize;
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError};
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 const TIMER: Token = Token(2);
-const FIRST_CONN: ConnId = 3;
+const FIRST_CONN: usize = 3;
 
 /// Largest client message accepted: the tenant protocol's are a few dozen bytes.
 pub const MAX_CLIENT_FRAME: usize = 64 << 10;
@@ -41,64 +45,33 @@ const ACCEPT_BUDGET: usize = 32;
 /// the waiting connections stay in the listen backlog meanwhile.
 const ACCEPT_RETRY_NS: u64 = 50_000_000;
 
-/// A peer for the per-user bound: its uid and its pid namespace (0 if unreadable).
-type PeerKey = (u32, u64);
-
+/// A connection's socket and buffers.
 struct Conn {
     stream: UnixStream,
-    /// The peer's pid, uid and gid; the rest of who it is ([`Peer`]) is read at its Hello, as
-    /// junk never gets that far.
-    cred: libc::ucred,
-    /// What its connections are counted under for `max_per_uid`.
-    peer_key: PeerKey,
     input: FrameBuf,
     output: Vec<u8>,
     /// Bytes at the front of `output` already written.
     sent: usize,
-    phase: Phase,
 }
 
-enum Phase {
-    /// Connected; closed unless it says Hello by `deadline`.
-    Greeting {
-        deadline: u64,
-    },
-    /// Said Hello as a process of a Kubernetes container the agent has not registered yet;
-    /// its further input waits meanwhile.
-    AwaitingPod {
-        hello: ClientMsg,
-        peer: Peer,
-        deadline: u64,
-    },
-    Client(ClientId),
-}
-
-impl Phase {
-    /// When the connection must have moved on from this phase.
-    fn deadline(&self) -> Option<u64> {
-        match self {
-            Phase::Greeting { deadline } | Phase::AwaitingPod { deadline, .. } => Some(*deadline),
-            Phase::Client(_) => None,
-        }
-    }
-}
-
-pub(crate) struct Server {
+pub struct Server {
     poll: Poll,
     listener: UnixListener,
     timer: Timer,
+    node: Node,
+    inbox: Receiver<Letter>,
+    workers: Workers,
+    published: Published,
     conns: HashMap<ConnId, Conn>,
-    next_conn: ConnId,
-    /// Open connections per user and pid namespace (`max_per_uid`).
-    per_peer: HashMap<PeerKey, usize>,
-    limits: ConnectionLimits,
-    /// Connection deadlines (Hello, pod wait) and accept retries ([`LISTENER`]), earliest
-    /// first; a connection's entry goes when it moves on or closes, so that the timer never
-    /// wakes the loop for a connection long gone.
-    deadlines: BTreeSet<(u64, ConnId)>,
-    /// Connections that used up their read budget with input left, and [`LISTENER`] if it did:
-    /// served again before the loop sleeps.
-    again: Vec<ConnId>,
+    next_conn: usize,
+    /// Admin requests in the node, by the token it answers with.
+    admin_replies: HashMap<u64, SyncSender<AdminReply>>,
+    next_admin: u64,
+    /// When to try `accept` again after it failed.
+    accept_retry: Option<u64>,
+    /// Connections that used up their read budget with input left, that the node lets be read
+    /// again, and [`LISTENER`] if it used up its budget: served again before the loop sleeps.
+    again: Vec<usize>,
     /// Connections with output to write.
     dirty: Vec<ConnId>,
     scratch: Vec<u8>,
@@ -106,42 +79,51 @@ pub(crate) struct Server {
 }
 
 impl Server {
-    /// The loop serving `listener`, and the waker through which other threads tell it that the
-    /// state changed.
-    pub(crate) fn new(listener: std::os::unix::net::UnixListener) -> io::Result<(Server, Waker)> {
+    /// The loop serving `listener` for `node`. `poll` is where the inbox's waker was made
+    /// (with [`WAKER_TOKEN`]).
+    pub fn new(
+        poll: Poll,
+        listener: std::os::unix::net::UnixListener,
+        node: Node,
+        inbox: Receiver<Letter>,
+        workers: Workers,
+        published: Published,
+    ) -> io::Result<Server> {
         listener.set_nonblocking(true)?;
         let mut listener = UnixListener::from_std(listener);
-        let poll = Poll::new()?;
         poll.registry()
             .register(&mut listener, LISTENER, Interest::READABLE)?;
-        let waker = Waker::new(poll.registry(), WAKER)?;
         let timer = Timer::new()?;
         poll.registry().register(
             &mut SourceFd(&timer.fd.as_raw_fd()),
             TIMER,
             Interest::READABLE,
         )?;
-        let server = Server {
+        raise_open_files_limit(node.limits().max);
+        let mut server = Server {
             poll,
             listener,
             timer,
+            node,
+            inbox,
+            workers,
+            published,
             conns: HashMap::new(),
             next_conn: FIRST_CONN,
-            per_peer: HashMap::new(),
-            limits: ConnectionLimits::default(),
-            deadlines: BTreeSet::new(),
+            admin_replies: HashMap::new(),
+            next_admin: 0,
+            accept_retry: None,
             again: Vec::new(),
             dirty: Vec::new(),
             scratch: vec![0; 16 << 10],
             warnings: Throttle::default(),
         };
-        Ok((server, waker))
+        server.apply();
+        Ok(server)
     }
 
     /// Serve until polling itself fails.
-    pub(crate) fn run(mut self, shared: &Shared) -> io::Result<()> {
-        self.limits = lock(shared).config.connections;
-        raise_open_files_limit(self.limits.max);
+    pub fn run(mut self) -> io::Result<()> {
         let mut events = Events::with_capacity(1024);
         loop {
             let timeout = (!self.again.is_empty()).then_some(std::time::Duration::ZERO);
@@ -150,119 +132,188 @@ impl Server {
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
             }
-            let mut changed = false;
+            let polled = now_ns();
             for ev in events.iter() {
                 match ev.token() {
-                    LISTENER => self.accept(),
-                    WAKER => changed = true,
+                    LISTENER => {
+                        self.node.note_lateness(now_ns().saturating_sub(polled));
+                        self.accept();
+                    }
+                    WAKER => self.read_inbox(),
                     TIMER => self.timer.clear(),
                     Token(c) => {
+                        self.node.note_lateness(now_ns().saturating_sub(polled));
+                        let c = c as ConnId;
                         if ev.is_writable() {
                             self.dirty.push(c);
                         }
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                            self.read(shared, c);
+                            self.read(c);
                         }
                     }
                 }
-                self.on_time(shared);
+                // A burst of events must not delay a turn.
+                self.on_time();
             }
             for c in std::mem::take(&mut self.again) {
                 if c == LISTENER.0 {
                     self.accept();
                 } else {
-                    self.read(shared, c);
+                    self.read(c as ConnId);
                 }
-                self.on_time(shared);
+                self.on_time();
             }
-            self.settle(shared, changed);
-            self.flush(shared);
+            self.on_time();
+            self.flush();
+            self.set_timer();
         }
     }
 
-    /// Serve the timer if its deadline has passed: a burst of events must not delay a turn.
-    fn on_time(&mut self, shared: &Shared) {
-        if self.timer.armed.is_some_and(|at| at <= now_ns()) {
-            self.settle(shared, false);
-            self.flush(shared);
+    /// Hand the node `input`, now, and carry out its effects.
+    fn handle(&mut self, input: Input) {
+        self.node.handle(input, now_ns());
+        self.apply();
+    }
+
+    /// Tick the node if its timer (or the accept retry) is due.
+    fn on_time(&mut self) {
+        let now = now_ns();
+        if self.accept_retry.is_some_and(|at| at <= now) {
+            self.accept_retry = None;
+            self.accept();
+        }
+        if let Some(due) = self.timer.armed.filter(|&at| at <= now) {
+            self.timer.armed = None;
+            self.node.note_lateness(now.saturating_sub(due));
+            self.handle(Input::Tick);
         }
     }
 
-    /// Accept the pending connections within the limits (up to [`ACCEPT_BUDGET`]); close the
-    /// others at once.
+    /// Arm the timer for the node's next deadline or the accept retry.
+    fn set_timer(&mut self) {
+        let at = self
+            .node
+            .next_timeout()
+            .into_iter()
+            .chain(self.accept_retry);
+        self.timer.set(at.min());
+    }
+
+    /// Carry out what the node decided.
+    fn apply(&mut self) {
+        let mut unwritten = None;
+        for effect in self.node.take_effects() {
+            match effect {
+                Effect::Send { conn, msg } => self.send(conn, &msg),
+                Effect::Close { conn } => {
+                    self.write(conn);
+                    // Closing the socket (dropping it) takes it out of the poll.
+                    self.conns.remove(&conn);
+                }
+                Effect::Resume { conn } => self.again.push(conn as usize),
+                Effect::Resolve { conn, cred } => {
+                    let _ = self.workers.lookups.send(Lookup::Peer { conn, cred });
+                }
+                Effect::Persist { seq, holdings } => {
+                    if self.workers.journal.send((seq, holdings)).is_err() {
+                        tracing::error!(
+                            "the memory journal's writer is gone: what waited for it goes on unwritten"
+                        );
+                        unwritten = Some(seq);
+                    }
+                }
+                Effect::CheckProcesses(processes) => {
+                    let _ = self.workers.lookups.send(Lookup::Liveness(processes));
+                }
+                Effect::TakeCensus { connected } => {
+                    let _ = self.workers.census.send(connected);
+                }
+                Effect::AdminReply { token, reply } => {
+                    if let Some(tx) = self.admin_replies.remove(&token) {
+                        let _ = tx.send(reply);
+                    }
+                }
+                Effect::Publish(report) => self.published.store(report),
+            }
+        }
+        if let Some(seq) = unwritten {
+            self.handle(Input::Persisted { seq });
+        }
+    }
+
+    /// What the other threads posted.
+    fn read_inbox(&mut self) {
+        loop {
+            let (at, post) = match self.inbox.try_recv() {
+                Ok(letter) => letter,
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return,
+            };
+            self.node.note_lateness(now_ns().saturating_sub(at));
+            match post {
+                Post::Input(input) => self.handle(input),
+                Post::Admin { req, reply } => {
+                    let token = self.next_admin;
+                    self.next_admin += 1;
+                    self.admin_replies.insert(token, reply);
+                    self.handle(Input::Admin { token, req });
+                }
+            }
+        }
+    }
+
+    /// Accept the pending connections (up to [`ACCEPT_BUDGET`]); the node says which stay.
     fn accept(&mut self) {
         for _ in 0..ACCEPT_BUDGET {
-            let stream = match self.listener.accept() {
+            let mut stream = match self.listener.accept() {
                 Ok((s, _)) => s,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    self.warnings.warn(format_args!(
+                    let now = now_ns();
+                    self.warnings.warn(now, format_args!(
                         "cannot accept connections: {e}; retrying (raise the open files limit, or lower [connections] max)"
                     ));
-                    let retry = now_ns() + ACCEPT_RETRY_NS;
-                    self.deadlines.insert((retry, LISTENER.0));
+                    self.accept_retry = Some(now + ACCEPT_RETRY_NS);
                     return;
                 }
             };
-            let Ok(cred) = identity::credentials(&stream) else {
+            let Ok(cred) = gpushare_frame::peer_credentials(&stream) else {
                 continue;
             };
-            // A user's connections are counted per pid namespace: root in every container of a
-            // node is one uid, and each container is its own peer.
-            let key = (
-                cred.uid,
-                identity::pid_namespace(cred.pid as u32).unwrap_or(0),
-            );
-            let of_uid = self.per_peer.get(&key).copied().unwrap_or(0);
-            let (max, per_uid) = (self.limits.max, self.limits.max_per_uid);
-            if self.conns.len() >= max || of_uid >= per_uid {
-                self.warnings.warn(format_args!(
-                    "closing a new connection of pid {} uid {}: {} connections are open, {of_uid} of them this user's in its pid namespace (limits: [connections] max = {max}, max_per_uid = {per_uid})",
-                    cred.pid,
-                    cred.uid,
-                    self.conns.len()
-                ));
+            let c = self.next_conn;
+            let interest = Interest::READABLE | Interest::WRITABLE;
+            if let Err(e) = self
+                .poll
+                .registry()
+                .register(&mut stream, Token(c), interest)
+            {
+                tracing::error!("cannot poll a new connection: {e}");
                 continue;
             }
-            self.admit(stream, cred, key);
+            self.next_conn += 1;
+            let conn = Conn {
+                stream,
+                input: FrameBuf::new(MAX_CLIENT_FRAME),
+                output: Vec::new(),
+                sent: 0,
+            };
+            let c = c as ConnId;
+            self.conns.insert(c, conn);
+            self.handle(Input::Accepted {
+                conn: c,
+                cred: Credentials::from(cred),
+            });
         }
         self.again.push(LISTENER.0);
     }
 
-    fn admit(&mut self, mut stream: UnixStream, cred: libc::ucred, peer_key: PeerKey) {
-        let c = self.next_conn;
-        let interest = Interest::READABLE | Interest::WRITABLE;
-        if let Err(e) = self
-            .poll
-            .registry()
-            .register(&mut stream, Token(c), interest)
-        {
-            tracing::error!("cannot poll a new connection: {e}");
-            return;
-        }
-        self.next_conn += 1;
-        *self.per_peer.entry(peer_key).or_default() += 1;
-        let deadline = now_ns() + self.limits.hello_timeout_ns;
-        self.deadlines.insert((deadline, c));
-        let conn = Conn {
-            stream,
-            cred,
-            peer_key,
-            input: FrameBuf::new(MAX_CLIENT_FRAME),
-            output: Vec::new(),
-            sent: 0,
-            phase: Phase::Greeting { deadline },
-        };
-        self.conns.insert(c, conn);
-    }
-
-    /// Read what `c` has (up to [`READ_BUDGET`]) and act on each whole frame.
-    fn read(&mut self, shared: &Shared, c: ConnId) {
+    /// Read what `c` has (up to [`READ_BUDGET`]) and hand the node each whole frame, as long
+    /// as it reads `c`.
+    fn read(&mut self, c: ConnId) {
         let mut budget = READ_BUDGET;
         loop {
             // The frames in hand first: the buffer has room again only once they are out.
-            if !self.dispatch(shared, c) {
+            if !self.dispatch(c) {
                 return;
             }
             let Some(conn) = self.conns.get_mut(&c) else {
@@ -270,11 +321,11 @@ impl Server {
             };
             let room = conn.input.room().min(self.scratch.len()).min(budget);
             if room == 0 {
-                self.again.push(c);
+                self.again.push(c as usize);
                 return;
             }
             match conn.stream.read(&mut self.scratch[..room]) {
-                Ok(0) => return self.close(shared, c),
+                Ok(0) => return self.drop_conn(c, None),
                 Ok(n) => {
                     conn.input.push(&self.scratch[..n]);
                     budget -= n;
@@ -282,182 +333,40 @@ impl Server {
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
-                    tracing::debug!(pid = conn.cred.pid, "closing a connection: {e}");
-                    return self.close(shared, c);
+                    tracing::debug!(conn = c, "closing a connection: {e}");
+                    return self.drop_conn(c, None);
                 }
             }
         }
     }
 
-    /// Act on the whole frames `c` has sent; `false` once it is closed or waits for its pod.
-    fn dispatch(&mut self, shared: &Shared, c: ConnId) -> bool {
+    /// Hand the node the whole frames `c` has sent; `false` once it is closed or the node does
+    /// not read it (its input waits).
+    fn dispatch(&mut self, c: ConnId) -> bool {
         loop {
             // Replies pile up here if the peer asks without reading: it must not get more.
-            if !self.drain(shared, c) {
+            if !self.drain(c) {
+                return false;
+            }
+            if !self.node.reads(c) {
                 return false;
             }
             let Some(conn) = self.conns.get_mut(&c) else {
                 return false;
             };
-            if let Phase::AwaitingPod { .. } = conn.phase {
-                return false;
-            }
-            let msg = match conn.input.take::<ClientMsg>() {
-                Ok(Some(msg)) => msg,
+            match conn.input.take::<ClientMsg>() {
+                Ok(Some(msg)) => self.handle(Input::Message { conn: c, msg }),
                 Ok(None) => return true,
                 Err(e) => {
-                    let what = match conn.phase {
-                        Phase::Client(_) => "a malformed message",
-                        _ => "a malformed first message",
-                    };
-                    let pid = conn.cred.pid;
-                    self.warnings.warn(format_args!(
-                        "dropping pid {pid}'s client after {what}: {e}"
-                    ));
-                    self.close(shared, c);
+                    self.drop_conn(c, Some(format!("it sent a malformed message: {e}")));
                     return false;
                 }
-            };
-            match conn.phase {
-                Phase::Client(id) => {
-                    let out = daemon::on_message(&mut lock(shared), id, msg, now_ns());
-                    self.deliver(out);
-                }
-                _ => {
-                    let peer = identity::peer_of(conn.cred);
-                    if !self.greet(shared, c, msg, peer, false) {
-                        return false;
-                    }
-                }
             }
-        }
-    }
-
-    /// Greet `c`, the process `peer`, with its first message; `true` if it is a client now.
-    fn greet(
-        &mut self,
-        shared: &Shared,
-        c: ConnId,
-        first: ClientMsg,
-        peer: Peer,
-        waited: bool,
-    ) -> bool {
-        let Some(conn) = self.conns.get_mut(&c) else {
-            return false;
-        };
-        let greeting = daemon::greet(&mut lock(shared), &peer, c, &first, waited);
-        if let Some(d) = conn.phase.deadline() {
-            self.deadlines.remove(&(d, c));
-        }
-        match greeting {
-            Greeting::Admitted(id, welcome) => {
-                conn.phase = Phase::Client(id);
-                self.send(c, &welcome);
-                true
-            }
-            Greeting::Refused(message) => {
-                let pid = peer.pid;
-                self.warnings
-                    .warn(format_args!("refused pid {pid}: {message}"));
-                self.send(
-                    c,
-                    &ServerMsg::Error {
-                        message,
-                        fatal: true,
-                    },
-                );
-                self.write(c);
-                self.close(shared, c);
-                false
-            }
-            Greeting::AwaitPod => {
-                let deadline = now_ns() + crate::admin::POD_WAIT.as_nanos() as u64;
-                conn.phase = Phase::AwaitingPod {
-                    hello: first,
-                    peer,
-                    deadline,
-                };
-                self.deadlines.insert((deadline, c));
-                false
-            }
-        }
-    }
-
-    /// After the events: greet again the clients that wait for their pod if the state changed,
-    /// act on the deadlines that passed, deliver what the policies decided, and set the timer.
-    fn settle(&mut self, shared: &Shared, changed: bool) {
-        if changed {
-            let waiting: Vec<ConnId> = self
-                .conns
-                .iter()
-                .filter(|(_, conn)| matches!(conn.phase, Phase::AwaitingPod { .. }))
-                .map(|(c, _)| *c)
-                .collect();
-            for c in waiting {
-                self.greet_again(shared, c, false);
-            }
-        }
-        let now = now_ns();
-        while let Some(&(at, c)) = self.deadlines.first() {
-            if at > now {
-                break;
-            }
-            self.deadlines.pop_first();
-            self.expire(shared, c);
-        }
-        let (out, wake) = {
-            let mut st = lock(shared);
-            self.limits = st.config.connections;
-            daemon::on_tick(&mut st, now)
-        };
-        self.deliver(out);
-        let next = self.deadlines.first().map(|(at, _)| *at);
-        self.timer.set(wake.into_iter().chain(next).min());
-    }
-
-    /// The deadline of `c` passed.
-    fn expire(&mut self, shared: &Shared, c: ConnId) {
-        if c == LISTENER.0 {
-            return self.accept();
-        }
-        let Some(conn) = self.conns.get(&c) else {
-            return;
-        };
-        match conn.phase {
-            Phase::Greeting { .. } => {
-                let (pid, secs) = (conn.cred.pid, self.limits.hello_timeout_ns as f64 / 1e9);
-                self.warnings.warn(format_args!(
-                    "dropping pid {pid}'s connection: no Hello within {secs} s"
-                ));
-                self.close(shared, c);
-            }
-            Phase::AwaitingPod { .. } => self.greet_again(shared, c, true),
-            Phase::Client(_) => {}
-        }
-    }
-
-    /// Greet a client that waits for its pod again; once admitted, its input is served.
-    fn greet_again(&mut self, shared: &Shared, c: ConnId, waited: bool) {
-        let Some(conn) = self.conns.get_mut(&c) else {
-            return;
-        };
-        let Phase::AwaitingPod { hello, peer, .. } = &conn.phase else {
-            return;
-        };
-        let (hello, peer) = (hello.clone(), peer.clone());
-        if self.greet(shared, c, hello, peer, waited) {
-            self.again.push(c);
-        }
-    }
-
-    fn deliver(&mut self, out: Delivery) {
-        for (c, msg) in out {
-            self.send(c, &msg);
         }
     }
 
     /// Queue `msg` for `c`; it is written when the loop has acted on its events.
-    fn send(&mut self, c: ConnId, msg: &ServerMsg) {
+    fn send(&mut self, c: ConnId, msg: &gpushare_protocol::ServerMsg) {
         let Some(conn) = self.conns.get_mut(&c) else {
             return;
         };
@@ -471,17 +380,17 @@ impl Server {
     }
 
     /// Write the queued output.
-    fn flush(&mut self, shared: &Shared) {
+    fn flush(&mut self) {
         while let Some(c) = self.dirty.pop() {
-            self.drain(shared, c);
+            self.drain(c);
         }
     }
 
     /// Write what `c`'s socket takes; close it if that fails or if it leaves more than
     /// [`MAX_OUTPUT`] unread. `false` if it is closed.
-    fn drain(&mut self, shared: &Shared, c: ConnId) -> bool {
+    fn drain(&mut self, c: ConnId) -> bool {
         if !self.write(c) {
-            self.close(shared, c);
+            self.drop_conn(c, None);
             return false;
         }
         let Some(conn) = self.conns.get(&c) else {
@@ -489,11 +398,8 @@ impl Server {
         };
         let unsent = conn.output.len() - conn.sent;
         if unsent > MAX_OUTPUT {
-            let pid = conn.cred.pid;
-            self.warnings.warn(format_args!(
-                "dropping pid {pid}'s connection: it leaves its replies unread ({unsent} bytes)"
-            ));
-            self.close(shared, c);
+            let why = format!("it leaves its replies unread ({unsent} bytes)");
+            self.drop_conn(c, Some(why));
             return false;
         }
         true
@@ -511,7 +417,7 @@ impl Server {
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
-                    tracing::debug!(pid = conn.cred.pid, "closing a connection: {e}");
+                    tracing::debug!(conn = c, "closing a connection: {e}");
                     return false;
                 }
             }
@@ -527,57 +433,11 @@ impl Server {
         true
     }
 
-    /// Close `c`; a client's turns, tokens and memory are released at once.
-    fn close(&mut self, shared: &Shared, c: ConnId) {
-        let Some(conn) = self.conns.remove(&c) else {
-            return;
-        };
-        if let Some(d) = conn.phase.deadline() {
-            self.deadlines.remove(&(d, c));
-        }
-        // Closing the socket (dropping `conn`) takes it out of the poll.
-        if let Some(n) = self.per_peer.get_mut(&conn.peer_key) {
-            *n -= 1;
-            if *n == 0 {
-                self.per_peer.remove(&conn.peer_key);
-            }
-        }
-        if let Phase::Client(id) = conn.phase {
-            let out = daemon::on_disconnect(&mut lock(shared), id, now_ns());
-            self.deliver(out);
-        }
-    }
-}
-
-/// Warnings about misbehaving connections: at most [`Throttle::BURST`] per
-/// [`Throttle::PERIOD_NS`], so that a flood of connections does not become a flood of log
-/// lines; the others are logged at debug level and counted in the next warning.
-#[derive(Default)]
-struct Throttle {
-    period_start: u64,
-    warned: u32,
-    suppressed: u64,
-}
-
-impl Throttle {
-    const BURST: u32 = 20;
-    const PERIOD_NS: u64 = 10_000_000_000;
-
-    fn warn(&mut self, what: std::fmt::Arguments) {
-        let now = now_ns();
-        if now.saturating_sub(self.period_start) >= Self::PERIOD_NS {
-            self.period_start = now;
-            self.warned = 0;
-        }
-        if self.warned < Self::BURST {
-            self.warned += 1;
-            match std::mem::take(&mut self.suppressed) {
-                0 => tracing::warn!("{what}"),
-                n => tracing::warn!("{what} ({n} similar warnings suppressed before this one)"),
-            }
-        } else {
-            self.suppressed += 1;
-            tracing::debug!("{what}");
+    /// Close `c` from this side (the peer hung up, failed, or misbehaved: `why`) and tell the
+    /// node, which releases what its client held.
+    fn drop_conn(&mut self, c: ConnId, why: Option<String>) {
+        if self.conns.remove(&c).is_some() {
+            self.handle(Input::Closed { conn: c, why });
         }
     }
 }
@@ -637,13 +497,23 @@ impl Timer {
         }
     }
 
-    /// Acknowledge an expiry (the timer is set again after every turn of the loop).
+    /// Acknowledge an expiry (whether the node's deadline passed is checked against the
+    /// clock: [`Server::on_time`]).
     fn clear(&mut self) {
         let mut count = [0u8; 8];
         // SAFETY: reading at most 8 bytes into an 8-byte buffer from our own timerfd.
         let _ = unsafe { libc::read(self.fd.as_raw_fd(), count.as_mut_ptr().cast(), 8) };
-        self.armed = None;
     }
+}
+
+/// The token of the inbox's waker in the loop's poll.
+pub const WAKER_TOKEN: Token = WAKER;
+
+/// A poll for the event loop and the waker other threads wake it with.
+pub fn poll() -> io::Result<(Poll, Waker)> {
+    let poll = Poll::new()?;
+    let waker = Waker::new(poll.registry(), WAKER_TOKEN)?;
+    Ok((poll, waker))
 }
 
 /// Raise the soft limit on open files to the hard one: every connection holds a descriptor.

@@ -1,6 +1,7 @@
 //! The daemon over its socket: config groups, hot reload, refusal of unknown clients, and
 //! surviving malformed input.
 
+use gpushare_protocol::status::Report;
 use gpushare_protocol::{ClientMsg, PROTOCOL_VERSION, ServerMsg};
 use std::io::Write;
 use std::os::unix::net::UnixStream;
@@ -81,12 +82,12 @@ fn next(s: &mut UnixStream) -> ServerMsg {
         .expect("a message")
 }
 
-fn status(sock: &Path) -> serde_json::Value {
+fn status(sock: &Path) -> Report {
     let mut s = connect(sock);
     assert!(matches!(next(&mut s), ServerMsg::Welcome { .. }));
     gpushare_protocol::send(&mut s, &ClientMsg::Status).unwrap();
     match next(&mut s) {
-        ServerMsg::Status { json } => serde_json::from_str(&json).unwrap(),
+        ServerMsg::Status { report } => report,
         other => panic!("unexpected {other:?}"),
     }
 }
@@ -131,7 +132,7 @@ fn config_groups_and_hot_reload() {
     assert!(
         matches!(next(&mut s), ServerMsg::Memory { granted: false, cap: Some(c), .. } if c == 1 << 30)
     );
-    let request = |v: &serde_json::Value| v["gpus"][0]["groups"][0]["request"].as_f64().unwrap();
+    let request = |r: &Report| r.gpus[0].groups[0].request;
     assert_eq!(request(&status(&sock)), 0.25);
     let mut http = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
@@ -205,7 +206,10 @@ fn unknown_clients_get_a_clear_error_and_garbage_drops_only_its_sender() {
             "{r:?}"
         );
     }
-    assert!(status(&sock)["gpus"].is_array());
+    assert!(
+        status(&sock).gpus.is_empty(),
+        "the refused client created nothing"
+    );
 }
 
 #[test]

@@ -701,3 +701,92 @@ proptest! {
         prop_assert!(c.jobs().all(|j| matches!(j.state, JobState::Finished { .. })), "queue drained");
     }
 }
+
+// ---- the daemon's admission of submissions, fed hostile requests ----
+
+use gpushare_frame::fuzz;
+use gpushare_queue_protocol::{QUEUE_PROTOCOL_VERSION, Request, Submission};
+
+/// The queue's scheduling core as the daemon feeds it submissions: each is checked, queued
+/// and placed; a fresh core every few hundred so that the queue stays short.
+pub(crate) struct Admit {
+    core: Core,
+    now: u64,
+    pub(crate) queued: usize,
+}
+
+impl Admit {
+    pub(crate) fn new() -> Admit {
+        Admit {
+            core: Core::new(QueueConfig::default(), vec![Gpu { memory: 80 << 30 }; 2]),
+            now: 0,
+            queued: 0,
+        }
+    }
+
+    pub(crate) fn submit(&mut self, d: Demand) {
+        if self.core.jobs().count() >= 64 {
+            *self = Admit {
+                queued: self.queued,
+                ..Admit::new()
+            };
+        }
+        self.now += 1_000_000;
+        if self.core.submit(d, self.now).is_ok() {
+            self.queued += 1;
+            self.core.tick(self.now);
+            self.core.take_actions();
+        }
+    }
+}
+
+fn submission() -> Submission {
+    Submission {
+        name: Some("train".into()),
+        demand: Demand {
+            gpus: 1,
+            share: 0.5,
+            limit: 0.8,
+            memory: Some(4 << 30),
+            prefer: vec![1, 0],
+            wait_mode: WaitMode::Queue,
+            priority: -2,
+            timeout_ns: Some(600_000_000_000),
+            retries: 1,
+        },
+        cmd: vec!["python".into(), "train.py".into()],
+        env: vec![("SEED".into(), "1".into())],
+        cwd: Some("/home/u".into()),
+    }
+}
+
+/// Requests as a CLI peer sends them; each submission goes on to the core.
+#[test]
+fn requests_round_trip_and_hostile_ones_are_rejected() {
+    let samples = [
+        Request::Hello {
+            version: QUEUE_PROTOCOL_VERSION,
+        },
+        Request::Submit(submission()),
+        Request::Submit(Submission {
+            demand: Demand::default(),
+            ..submission()
+        }),
+        Request::Jobs,
+        Request::Cancel { id: 1 },
+        Request::Logs {
+            id: 1,
+            follow: true,
+        },
+        Request::Token { renew: false },
+    ];
+    let mut admit = Admit::new();
+    let n = 100_000;
+    fuzz::frames(71, &samples, n, |r| {
+        if let Request::Submit(s) = r {
+            admit.submit(s.demand);
+        }
+    })
+    .assert_exercised(n);
+    assert!(admit.queued > 0);
+}

@@ -37,12 +37,16 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
+    // The event loop must never wait for its log (a stalled pipe to a log collector): lines go
+    // out through a thread of their own, and are dropped rather than block when stderr does
+    // not keep up.
+    let (log, _flushed_at_exit) = tracing_appender::non_blocking(std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("GPUSHARE_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(log)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();

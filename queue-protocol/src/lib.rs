@@ -1,13 +1,15 @@
-//! The queue's Unix-socket protocol (`gpushare submit / jobs / cancel / logs / token` ↔
-//! `gpushare-queue serve`) and the client the CLI uses. Frames from [`gpushare_frame`]; the
-//! first request is [`Request::Hello`]. Who is asking is taken from the socket (`SO_PEERCRED`),
-//! never from a message.
+//! The job queue's Unix-socket protocol (`gpushare submit / jobs / cancel / logs / token` ↔
+//! `gpushare-queue serve`) and the client the CLI uses, apart from the queue daemon so that the
+//! CLI builds without it. Frames from [`gpushare_frame`]; the first request is
+//! [`Request::Hello`]. Who is asking is taken from the socket (`SO_PEERCRED`), never from a
+//! message.
 
-use crate::core::Demand;
 use gpushare_frame::WireError;
 use serde::{Deserialize, Serialize};
+use std::fmt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::time::Duration;
 
 pub const QUEUE_PROTOCOL_VERSION: u32 = 1;
@@ -21,6 +23,82 @@ pub fn queue_socket() -> PathBuf {
     std::env::var_os(QUEUE_SOCKET_ENV)
         .map(PathBuf::from)
         .unwrap_or_else(|| DEFAULT_QUEUE_SOCKET.into())
+}
+
+/// What a job with preferred GPUs does while they cannot take it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum WaitMode {
+    /// Wait for the preferred GPUs.
+    Queue,
+    /// Take any GPU that can take the job.
+    #[default]
+    Schedule,
+}
+
+impl WaitMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            WaitMode::Queue => "queue",
+            WaitMode::Schedule => "schedule",
+        }
+    }
+}
+
+impl fmt::Display for WaitMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for WaitMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<WaitMode, String> {
+        match s {
+            "queue" => Ok(WaitMode::Queue),
+            "schedule" => Ok(WaitMode::Schedule),
+            _ => Err(format!("unknown wait mode {s:?}; use queue or schedule")),
+        }
+    }
+}
+
+/// What a job asks for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Demand {
+    /// Number of GPUs, all started at once.
+    pub gpus: u32,
+    /// Guaranteed share of each GPU (0..=1; 1 is a whole GPU).
+    pub share: f64,
+    /// Cap on the share of each GPU (share..=1).
+    pub limit: f64,
+    /// GPU memory cap on each GPU, bytes.
+    pub memory: Option<u64>,
+    /// Preferred GPUs (indices), most preferred first.
+    pub prefer: Vec<u32>,
+    pub wait_mode: WaitMode,
+    /// The submitter's priority p (higher first under `aging` and `shares`).
+    pub priority: i32,
+    /// Killed after this much entitled running time.
+    pub timeout_ns: Option<u64>,
+    /// Runs again after a failure (or a lost process) up to this many times.
+    pub retries: u32,
+}
+
+impl Default for Demand {
+    /// One whole GPU, anywhere, no memory cap, priority 0, no timeout, no retry.
+    fn default() -> Self {
+        Demand {
+            gpus: 1,
+            share: 1.0,
+            limit: 1.0,
+            memory: None,
+            prefer: Vec::new(),
+            wait_mode: WaitMode::Schedule,
+            priority: 0,
+            timeout_ns: None,
+            retries: 0,
+        }
+    }
 }
 
 /// A job as submitted: what it asks for and what to run.
@@ -231,47 +309,19 @@ impl QueueClient {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-    use crate::core::{Core, Gpu, QueueConfig, WaitMode};
     use gpushare_frame::fuzz;
 
-    /// The queue's scheduling core as the daemon feeds it submissions: each is checked, queued
-    /// and placed; a fresh core every few hundred so that the queue stays short.
-    pub(crate) struct Admit {
-        core: Core,
-        now: u64,
-        pub(crate) queued: usize,
-    }
-
-    impl Admit {
-        pub(crate) fn new() -> Admit {
-            Admit {
-                core: Core::new(QueueConfig::default(), vec![Gpu { memory: 80 << 30 }; 2]),
-                now: 0,
-                queued: 0,
-            }
-        }
-
-        pub(crate) fn submit(&mut self, d: Demand) {
-            if self.core.jobs().count() >= 64 {
-                *self = Admit {
-                    queued: self.queued,
-                    ..Admit::new()
-                };
-            }
-            self.now += 1_000_000;
-            if self.core.submit(d, self.now).is_ok() {
-                self.queued += 1;
-                self.core.tick(self.now);
-                self.core.take_actions();
-            }
-        }
-    }
-
-    fn submission() -> Submission {
-        Submission {
-            name: Some("train".into()),
+    #[test]
+    fn responses_round_trip_and_hostile_ones_are_rejected() {
+        let job = JobView {
+            id: 1,
+            name: "train".into(),
+            user: "u".into(),
+            uid: 1000,
+            state: "running".into(),
+            queue_position: Some(1),
             demand: Demand {
                 gpus: 1,
                 share: 0.5,
@@ -283,53 +333,6 @@ pub(crate) mod tests {
                 timeout_ns: Some(600_000_000_000),
                 retries: 1,
             },
-            cmd: vec!["python".into(), "train.py".into()],
-            env: vec![("SEED".into(), "1".into())],
-            cwd: Some("/home/u".into()),
-        }
-    }
-
-    /// Requests as a CLI peer sends them; each submission goes on to the core.
-    #[test]
-    fn requests_round_trip_and_hostile_ones_are_rejected() {
-        let samples = [
-            Request::Hello {
-                version: QUEUE_PROTOCOL_VERSION,
-            },
-            Request::Submit(submission()),
-            Request::Submit(Submission {
-                demand: Demand::default(),
-                ..submission()
-            }),
-            Request::Jobs,
-            Request::Cancel { id: 1 },
-            Request::Logs {
-                id: 1,
-                follow: true,
-            },
-            Request::Token { renew: false },
-        ];
-        let mut admit = Admit::new();
-        let n = 100_000;
-        fuzz::frames(71, &samples, n, |r| {
-            if let Request::Submit(s) = r {
-                admit.submit(s.demand);
-            }
-        })
-        .assert_exercised(n);
-        assert!(admit.queued > 0);
-    }
-
-    #[test]
-    fn responses_round_trip_and_hostile_ones_are_rejected() {
-        let job = JobView {
-            id: 1,
-            name: "train".into(),
-            user: "u".into(),
-            uid: 1000,
-            state: "running".into(),
-            queue_position: Some(1),
-            demand: submission().demand,
             gpus: vec![0],
             pid: Some(42),
             runs: 1,

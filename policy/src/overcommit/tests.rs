@@ -197,7 +197,7 @@ fn victims_are_chosen_by_turn_priority_weight_memory_and_last_run() {
             for g in 0..5 {
                 o.set_group(
                     GroupId(g),
-                    GroupParams {
+                    GroupRank {
                         priority: 1,
                         weight: 1.0,
                     },
@@ -205,7 +205,7 @@ fn victims_are_chosen_by_turn_priority_weight_memory_and_last_run() {
             }
             o.set_group(
                 GroupId(4),
-                GroupParams {
+                GroupRank {
                     priority: 0,
                     weight: 9.0,
                 },
@@ -216,7 +216,7 @@ fn victims_are_chosen_by_turn_priority_weight_memory_and_last_run() {
     assert_eq!(
         victim(&|o| o.set_group(
             GroupId(2),
-            GroupParams {
+            GroupRank {
                 priority: 0,
                 weight: 0.5
             }
@@ -591,7 +591,7 @@ fn replay(mix: &Mix, p: Params) -> Result<Seen, TestCaseError> {
         o.attach(ProcessId(i as u64), GroupId(i as u64));
         o.set_group(
             GroupId(i as u64),
-            GroupParams {
+            GroupRank {
                 priority: (i % 3) as i64,
                 weight: 1.0 + (i % 2) as f64,
             },

@@ -155,16 +155,16 @@ impl Default for Params {
 
 /// What orders groups as victims (besides memory held and time since they ran).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct GroupParams {
+pub struct GroupRank {
     /// Higher is kept longer.
     pub priority: i64,
     /// The time policy's weight: heavier is kept longer.
     pub weight: f64,
 }
 
-impl Default for GroupParams {
-    fn default() -> GroupParams {
-        GroupParams {
+impl Default for GroupRank {
+    fn default() -> GroupRank {
+        GroupRank {
             priority: 0,
             weight: 1.0,
         }
@@ -318,7 +318,7 @@ impl Process {
 
 #[derive(Debug, Default)]
 struct Group {
-    params: GroupParams,
+    rank: GroupRank,
     /// GPUs on which the group holds (or has been granted) a turn.
     turns: BTreeSet<Gpu>,
     last_ran: Nanos,
@@ -431,8 +431,8 @@ impl Overcommit {
         self.step(now)
     }
 
-    pub fn set_group(&mut self, group: GroupId, params: GroupParams) {
-        self.groups.entry(group).or_default().params = params;
+    pub fn set_group(&mut self, group: GroupId, rank: GroupRank) {
+        self.groups.entry(group).or_default().rank = rank;
     }
 
     /// Process `process` belongs to `group` (before its first request).
@@ -1091,8 +1091,8 @@ impl Overcommit {
         c.sort_by(|a, b| {
             let (ga, gb) = (&self.groups[&a.0], &self.groups[&b.0]);
             (ga.turns.contains(&gpu).cmp(&gb.turns.contains(&gpu)))
-                .then(ga.params.priority.cmp(&gb.params.priority))
-                .then(ga.params.weight.total_cmp(&gb.params.weight))
+                .then(ga.rank.priority.cmp(&gb.rank.priority))
+                .then(ga.rank.weight.total_cmp(&gb.rank.weight))
                 .then(b.1.cmp(&a.1))
                 .then(ga.last_ran.cmp(&gb.last_ran))
                 .then(a.0.cmp(&b.0))

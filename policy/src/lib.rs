@@ -75,9 +75,19 @@
 //!    client is told to stop at once; its queued work is bounded by its hook, and the next turn
 //!    started on time anyway) and charged as held until a late report settles it. A client
 //!    that disconnects ends its turn at once.
+//!
+//! # Memory
+//!
+//! [`overcommit`] is the node's memory counterpart, as pure: which allocation is granted, which
+//! waits, which group is swapped to host memory and when it comes back, when the groups' memory
+//! caps on a GPU promise more than it holds.
 
+mod credit;
 mod group;
+pub mod overcommit;
 mod params;
+mod planning;
+mod status;
 mod turn;
 mod water_fill;
 
@@ -87,9 +97,11 @@ mod tests;
 mod virtual_time;
 
 pub use params::{GroupParams, PolicyConfig};
+pub use status::{GpuStatus, GroupStatus};
 pub use turn::TurnUse;
 pub use water_fill::{effective_requests, water_fill};
 
+use credit::Handoff;
 use group::Group;
 use std::collections::BTreeMap;
 use turn::Turn;
@@ -99,23 +111,6 @@ pub type ClientId = u64;
 
 /// Ended turns awaiting their client's report, at most (the oldest is settled as held beyond).
 const MAX_ENDED: usize = 1024;
-/// Handoffs remembered until both their turns have reported, at most.
-const MAX_HANDOFFS: usize = 256;
-/// A group that came back from an absence, or went idle, this recently is taken to come back
-/// and cut turns short (the others' turns get the shorter queue budget).
-const RETURNS_NS: u64 = 1_000_000_000;
-
-/// A handoff between two turns back to back, and what their clients measured around it: where
-/// the one's kernels ended and the other's began.
-#[derive(Debug, Clone)]
-struct Handoff {
-    before: (u64, String),
-    after: (u64, String),
-    /// The instant the charges divide at until both are known.
-    at: u64,
-    last_ns: Option<u64>,
-    first_ns: Option<u64>,
-}
 
 /// What the shell must do, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,62 +153,6 @@ pub enum PolicyError {
     InvalidParams { group: String, reason: String },
     #[error("unknown client {0}")]
     UnknownClient(ClientId),
-}
-
-/// What the policy sees on one GPU ([`Policy::status`]).
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct GpuStatus {
-    /// The client whose turn runs now.
-    pub holder: Option<ClientId>,
-    /// The client whose turn is planned next.
-    pub planned: Option<ClientId>,
-    /// Clients waiting for a turn, longest waiting first.
-    pub waiting: Vec<ClientId>,
-    /// Every configured group, by name.
-    pub groups: Vec<GroupStatus>,
-    /// The holder's token.
-    pub holder_token: Option<u64>,
-    /// The holder's group.
-    pub holder_group: Option<String>,
-    /// The holder's deadline.
-    pub holder_deadline_ns: Option<u64>,
-    /// Sum of the groups' achieved shares: how busy the GPU was over the window.
-    pub busy_share: f64,
-}
-
-/// One group's configuration, targets and accounting.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct GroupStatus {
-    pub name: String,
-    pub params: GroupParams,
-    /// The request, scaled down if the requests of all configured groups sum to more than 1.
-    pub effective_request: f64,
-    /// Water-filled share among the currently active groups (0 when not active).
-    pub target_share: f64,
-    /// Usage within the last window / window (includes the current holder's time so far).
-    pub achieved_share: f64,
-    /// Total usage charged, ns.
-    pub busy_ns: u64,
-    /// Turns granted.
-    pub tokens: u64,
-    /// Requests that could not be granted at once.
-    pub waits: u64,
-    /// Turns charged beyond their quota (including revoked ones).
-    pub overruns: u64,
-    /// Turns revoked at end + grace.
-    pub revocations: u64,
-    /// Turns cut short for a group owed more that came back (preemption).
-    pub preempted: u64,
-    /// Connected clients.
-    pub clients: Vec<ClientId>,
-    /// It has a turn, waits for one, or yielded one a moment ago.
-    pub active: bool,
-    /// Scheduling credit, ns (relative; positive = behind its target).
-    pub credit_ns: f64,
-    /// Token-bucket allowance, ns (`None` when `limit` is 1: never capped).
-    pub allowance_ns: Option<f64>,
-    /// Waiting but held back by its limit until the bucket refills.
-    pub capped: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -645,69 +584,6 @@ impl Policy {
         at.into_iter().min()
     }
 
-    /// What the policy sees at `now`.
-    pub fn status(&self, now: u64) -> GpuStatus {
-        let now = now.max(self.now);
-        let all: Vec<GroupParams> = self.groups.values().map(|g| g.params).collect();
-        let eff = effective_requests(&all);
-        let active: Vec<GroupParams> = self
-            .groups
-            .values()
-            .filter(|g| g.active_at(now))
-            .map(|g| g.params)
-            .collect();
-        let mut targets = water_fill(&active).into_iter();
-        let since_start = now.saturating_sub(self.first_acquire.unwrap_or(now)).max(1);
-        let window = self.cfg.window_ns.min(since_start);
-        let from = now.saturating_sub(window);
-        let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
-        let mut groups = Vec::with_capacity(self.groups.len());
-        for (i, (name, g)) in self.groups.iter().enumerate() {
-            let mut used = g.usage_within(from, now);
-            if let Some(t) = self.current.as_ref().filter(|t| &t.group == name) {
-                used += now.saturating_sub(t.start_ns.max(from)) as f64;
-            }
-            groups.push(GroupStatus {
-                name: name.clone(),
-                params: g.params,
-                effective_request: eff[i],
-                target_share: if g.active_at(now) {
-                    targets.next().unwrap_or(0.0)
-                } else {
-                    0.0
-                },
-                achieved_share: used / window as f64,
-                busy_ns: g.busy_ns,
-                tokens: g.tokens,
-                waits: g.waits,
-                overruns: g.overruns,
-                revocations: g.revocations,
-                preempted: g.preempted,
-                clients: g.clients.clone(),
-                active: g.active_at(now),
-                credit_ns: g.credit,
-                allowance_ns: g.capped().then(|| g.allowance(now, depth)),
-                capped: !g.queue.is_empty() && !g.eligible(now, depth, thr),
-            });
-        }
-        let mut waiting: Vec<(u64, ClientId)> = self
-            .clients
-            .iter()
-            .filter_map(|(&id, c)| c.waiting.map(|s| (s, id)))
-            .collect();
-        waiting.sort_unstable();
-        GpuStatus {
-            holder: self.current.as_ref().map(|t| t.client),
-            planned: self.next.as_ref().map(|t| t.client),
-            waiting: waiting.into_iter().map(|(_, id)| id).collect(),
-            busy_share: groups.iter().map(|g| g.achieved_share).sum(),
-            groups,
-            holder_token: self.current.as_ref().map(|t| t.token),
-            holder_group: self.current.as_ref().map(|t| t.group.clone()),
-            holder_deadline_ns: self.current.as_ref().map(|t| t.deadline_ns),
-        }
-    }
-
     /// The running turn's client and token.
     pub fn holder(&self) -> Option<(ClientId, u64)> {
         self.current.as_ref().map(|t| (t.client, t.token))
@@ -722,8 +598,6 @@ impl Policy {
     pub fn group_params(&self, name: &str) -> Option<GroupParams> {
         self.groups.get(name).map(|g| g.params)
     }
-
-    // ---- internals ----
 
     /// How long after a turn's end without its report its client is taken to be stopped: the
     /// grace (its hook reports as the turn's work drains, a few ms at most).
@@ -769,48 +643,6 @@ impl Policy {
         }
     }
 
-    /// The running turn ends at `at` (≥ now) before its deadline (yielded, or its client lost):
-    /// the planned turn, if any, is moved to start there; else the next one is chosen now to
-    /// start there.
-    fn yield_current(&mut self, at: u64, now: u64) {
-        let Some(mut t) = self.current.take() else {
-            return;
-        };
-        t.yielded = true;
-        if let Some(g) = self.groups.get_mut(&t.group) {
-            g.draining_until = at + self.cfg.min_quota_ns / 4;
-        }
-        if let Some(n) = self.next.as_mut() {
-            n.deadline_ns = at + n.quota_ns;
-            n.start_ns = at;
-            if let Some(h) = self.handoffs.iter_mut().find(|h| h.after.0 == n.token) {
-                h.at = at;
-            }
-            self.decisions.push(Decision::Grant {
-                client: n.client,
-                token: n.token,
-                start_ns: n.start_ns,
-                deadline_ns: n.deadline_ns,
-                quota_ns: n.quota_ns,
-                queue_budget_ns: n.queue_budget_ns,
-            });
-            self.end_turn(t, at);
-            self.promote(now);
-        } else {
-            self.end_turn(t, at);
-            self.plan_at(now, at, true);
-        }
-    }
-
-    /// The planned turn becomes the running one once it starts.
-    fn promote(&mut self, now: u64) {
-        if self.current.is_none()
-            && let Some(n) = self.next.take_if(|n| n.start_ns <= now)
-        {
-            self.current = Some(n);
-        }
-    }
-
     /// Ends turn `t` at `at` (its deadline, a yield, a disconnect): it awaits its client's
     /// report, charged as reserved until then.
     fn end_turn(&mut self, mut t: Turn, at: u64) {
@@ -833,68 +665,6 @@ impl Policy {
             self.settle(oldest, None, at);
         }
         self.ended.insert(t.token, t);
-    }
-
-    /// Turn `token`'s client measured `used`: where a handoff it took part in is now known on
-    /// both sides, the charges divide there instead of at the planned instant — midway between
-    /// the one's last kernel and the other's first launch, as the GPU time-slices the two in
-    /// between (at most a queue budget either way). A holder whose kernels ran on past its turn
-    /// pays for them; one whose kernels ended early does not pay for the GPU idling before the
-    /// next holder's first (nor does that one).
-    fn note_handoffs(&mut self, token: u64, used: Option<TurnUse>, now: u64) {
-        for h in self.handoffs.iter_mut() {
-            if h.before.0 == token {
-                h.last_ns = used.map(|u| u.last_ns);
-            }
-            if h.after.0 == token {
-                h.first_ns = used.map(|u| u.first_ns);
-            }
-        }
-        let (lo, _) = self.cfg.credit_bounds();
-        let (depth, window) = (self.cfg.bucket_depth(), self.cfg.window_ns);
-        let cap = 2_500_000i64;
-        let mut i = 0;
-        while i < self.handoffs.len() {
-            let h = &self.handoffs[i];
-            let (Some(last), Some(first)) = (h.last_ns, h.first_ns) else {
-                i += 1;
-                continue;
-            };
-            let middle = (first as i128 + last as i128) / 2;
-            let shift = (middle - h.at as i128).clamp(-(cap as i128), cap as i128) as f64;
-            let h = self.handoffs.remove(i).expect("in range");
-            if let Some(g) = self.groups.get_mut(&h.before.1) {
-                g.settle(shift, now, lo, depth, window);
-            }
-            if let Some(g) = self.groups.get_mut(&h.after.1) {
-                g.settle(-shift, now, lo, depth, window);
-            }
-        }
-    }
-
-    /// Charges turn `t` what its client's report says (`None`: as held), settling what was
-    /// debited and recorded for it so far (it may be charged again: a revoked turn's late
-    /// report).
-    fn charge_turn(&mut self, t: &mut Turn, used: Option<TurnUse>, now: u64) {
-        let total = t.charge(used, self.cfg.grace_ns);
-        let (lo, _) = self.cfg.credit_bounds();
-        let (depth, window) = (self.cfg.bucket_depth(), self.cfg.window_ns);
-        let Some(g) = self.groups.get_mut(&t.group) else {
-            return;
-        };
-        g.settle(total as f64 - t.applied as f64, now, lo, depth, window);
-        g.record_usage(t.token, t.start_ns, total.saturating_sub(t.recorded));
-        if total > t.quota_ns + self.cfg.min_quota_ns / 4 && !t.revoked {
-            g.overruns += 1;
-        }
-        g.prune_usage(now.saturating_sub(window));
-        t.applied = total;
-        t.recorded = t.recorded.max(total);
-    }
-
-    /// Charges turn `t` what its client's report says and forgets it.
-    fn settle(&mut self, mut t: Turn, used: Option<TurnUse>, now: u64) {
-        self.charge_turn(&mut t, used, now);
     }
 
     /// Queues `client` for a turn (no-op if it waits already). Returns whether it waits now.
@@ -942,58 +712,6 @@ impl Policy {
         }
     }
 
-    /// The GPU is free now and the planned turn starts later (a capped group's, when its bucket
-    /// refills): withdraw it (its client waits again, first in its group) if a group that may
-    /// start now waits, so the GPU is not left idle meanwhile.
-    fn reclaim_gap(&mut self, now: u64) {
-        let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
-        let Some(n) = self
-            .next
-            .as_ref()
-            .filter(|n| n.start_ns > now && !n.after_turn)
-        else {
-            return;
-        };
-        let (client, token, group) = (n.client, n.token, n.group.clone());
-        if !self
-            .groups
-            .iter()
-            .any(|(name, g)| *name != group && !g.queue.is_empty() && g.eligible(now, depth, thr))
-        {
-            return;
-        }
-        self.withdraw_next(now);
-        self.decisions.push(Decision::Revoke { client, token });
-        let seq = self.seq;
-        self.seq += 1;
-        if let Some(c) = self.clients.get_mut(&client) {
-            c.waiting = Some(seq);
-            if let Some(g) = self.groups.get_mut(&c.group) {
-                // Once in the queue at most: it may have asked for a further turn already.
-                g.queue.retain(|&(id, _)| id != client);
-                g.queue.push_front((client, seq));
-            }
-        }
-    }
-
-    /// Drops the planned turn (its client no longer wants it, or is gone): its reservation is
-    /// returned.
-    fn withdraw_next(&mut self, now: u64) {
-        let Some(t) = self.next.take() else {
-            return;
-        };
-        let (lo, _) = self.cfg.credit_bounds();
-        let (depth, window) = (self.cfg.bucket_depth(), self.cfg.window_ns);
-        if let Some(g) = self.groups.get_mut(&t.group) {
-            g.turns = g.turns.saturating_sub(1);
-            g.tokens = g.tokens.saturating_sub(1);
-            g.settle(-(t.applied as f64), now, lo, depth, window);
-            if !g.wants() {
-                self.targets_dirty = true;
-            }
-        }
-    }
-
     /// Removes `client` from its group, the queue and the turns (a running one ends now,
     /// charged as held; a planned one is dropped), without planning anyone.
     fn detach(&mut self, client: ClientId, now: u64) {
@@ -1021,381 +739,5 @@ impl Policy {
             self.settle(t, None, now);
         }
         self.targets_dirty = true;
-    }
-
-    /// Plans the next turn if it is time: with a turn running, a grant-ahead before its end
-    /// (the holder counts as waiting for another unless it yielded); with none, at once or, for
-    /// a capped group, a grant-ahead before its bucket refills.
-    fn plan(&mut self, now: u64) {
-        if self.next.is_some() {
-            return;
-        }
-        match &self.current {
-            Some(c) => {
-                if now < c.deadline_ns.saturating_sub(self.cfg.grant_ahead_ns) {
-                    return;
-                }
-                let (client, deadline, yielded) = (c.client, c.deadline_ns, c.yielded);
-                if !yielded {
-                    self.enqueue(client, now);
-                }
-                self.plan_at(now, deadline, true);
-            }
-            None => {
-                let start = self.busy_until.max(now);
-                self.plan_at(now, start, self.busy_until > 0 && start == self.busy_until);
-            }
-        }
-    }
-
-    /// Chooses the turn that starts at `start` (or when the chosen group's bucket allows, if
-    /// later: then the GPU is free in between and the grant waits until a grant-ahead before
-    /// that) and grants it, or extends the running turn if its client is the one chosen.
-    fn plan_at(&mut self, now: u64, start: u64, after_turn: bool) {
-        let Some((name, at)) = self.best_candidate(start) else {
-            return;
-        };
-        if at > start && at.saturating_sub(self.cfg.grant_ahead_ns) > now {
-            return; // planned later (next_wakeup says when)
-        }
-        // The turn's length depends on its group's target among the groups active now.
-        self.refresh_targets();
-        let (lo, _) = self.cfg.credit_bounds();
-        let (depth, window) = (self.cfg.bucket_depth(), self.cfg.window_ns);
-        let (quota, min_quota) = (self.cfg.quota_ns, self.cfg.min_quota_ns);
-        let others_active = self
-            .groups
-            .iter()
-            .any(|(n, g)| *n != name && g.active_at(now));
-        let g = self.groups.get_mut(&name).expect("chosen from the groups");
-        let (client, _) = g.queue.pop_front().expect("a waiting client");
-        let mut quota_ns = if others_active {
-            self.cfg.contested_turn_ns(g.target)
-        } else {
-            quota
-        };
-        if g.capped() {
-            g.refill(now, depth);
-            quota_ns = quota_ns.min(g.allowance(at, depth).floor().max(0.0) as u64);
-        }
-        let quota_ns = quota_ns.max(min_quota);
-        g.reserve(quota_ns, now, lo, depth, window);
-        if let Some(c) = self.clients.get_mut(&client) {
-            c.waiting = None;
-        }
-        // Its own client again, alone on the GPU: the turn goes on (extended). With others
-        // waiting it gets a new turn back to back, which its hook reports the one before for:
-        // a holder that has stopped is noticed at the handoff (see `tick`).
-        if let Some(cur) = self.current.as_mut().filter(|c| {
-            c.client == client && c.deadline_ns == start && at == start && !others_active
-        }) {
-            cur.unextended.get_or_insert(cur.deadline_ns);
-            cur.deadline_ns += quota_ns;
-            cur.quota_ns += quota_ns;
-            cur.applied += quota_ns;
-            self.decisions.push(Decision::Extend {
-                client,
-                token: cur.token,
-                deadline_ns: cur.deadline_ns,
-            });
-            return;
-        }
-        g.turns += 1;
-        g.tokens += 1;
-        let token = self.next_token;
-        self.next_token += 1;
-        let start_ns = at.max(now);
-        // Another group that may come back and cut this turn short then waits behind what its
-        // holder has queued: one whose bucket holds it back, one connected and idle since less
-        // than a second, or one that came back from an absence within the last second (a
-        // request server or bursty client, even while it holds or awaits a turn now; a trainer
-        // that synchronises asks again at once and is no such group). A group that comes and
-        // goes keeps its own turns short too: its hook tells when its work drains from fences
-        // the shorter budget places closer together.
-        let recent = |at: u64| at > 0 && now < at.saturating_add(RETURNS_NS);
-        let may_be_cut = self.groups.iter().any(|(n, g)| {
-            *n == name && recent(g.returned_at)
-                || *n != name
-                    && !g.clients.is_empty()
-                    && (g.held_back || recent(g.returned_at) || !g.wants() && recent(g.last_active))
-        });
-        let turn = Turn {
-            client,
-            group: name,
-            token,
-            start_ns,
-            deadline_ns: start_ns + quota_ns,
-            unextended: None,
-            quota_ns,
-            after_turn: after_turn && start_ns == start,
-            contested: others_active,
-            end_ns: None,
-            followed: false,
-            yielded: false,
-            revoked: false,
-            silenced: false,
-            applied: quota_ns,
-            recorded: 0,
-            queue_budget_ns: self.cfg.queue_budget_ns(quota_ns, may_be_cut),
-        };
-        self.decisions.push(Decision::Grant {
-            client,
-            token,
-            start_ns: turn.start_ns,
-            deadline_ns: turn.deadline_ns,
-            quota_ns,
-            queue_budget_ns: turn.queue_budget_ns,
-        });
-        if turn.after_turn {
-            let before = match self.current.as_ref().filter(|c| c.deadline_ns == start_ns) {
-                Some(c) => Some((c.token, c.group.clone())),
-                None => self
-                    .ended
-                    .values_mut()
-                    .rev()
-                    .find(|t| t.end() == start_ns)
-                    .map(|prev| {
-                        prev.followed = true;
-                        (prev.token, prev.group.clone())
-                    }),
-            };
-            if let Some(before) = before {
-                if self.handoffs.len() >= MAX_HANDOFFS {
-                    self.handoffs.pop_front();
-                }
-                self.handoffs.push_back(Handoff {
-                    before,
-                    after: (token, turn.group.clone()),
-                    at: start_ns,
-                    last_ns: None,
-                    first_ns: None,
-                });
-            }
-        }
-        self.next = Some(turn);
-        self.promote(now);
-    }
-
-    /// The waiting group to serve at `start`, and when it may start (≥ `start`): the one with
-    /// the most credit among those that may start then; if none may, the one that may soonest.
-    fn best_candidate(&self, start: u64) -> Option<(String, u64)> {
-        let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
-        let waiting = || self.groups.iter().filter(|(_, g)| !g.queue.is_empty());
-        let eligible = waiting()
-            .filter(|(_, g)| g.eligible(start, depth, thr))
-            .max_by(|(_, a), (_, b)| {
-                a.credit
-                    .total_cmp(&b.credit)
-                    .then_with(|| b.queue[0].1.cmp(&a.queue[0].1))
-            });
-        if let Some((name, _)) = eligible {
-            return Some((name.clone(), start));
-        }
-        waiting()
-            .filter_map(|(n, g)| Some((n.clone(), g.eligible_at(start, depth, thr)?)))
-            .min_by_key(|(_, at)| *at)
-    }
-
-    /// `group` asks while the running turn is extended because its holder was alone (point
-    /// 7): the turn ends a minimum quota from now, or at its deadline before the extension if
-    /// that is later.
-    fn end_extension(&mut self, group: &str, now: u64) {
-        let min_quota = self.cfg.min_quota_ns;
-        let Some(t) = self.current.as_mut().filter(|t| t.group != group) else {
-            return;
-        };
-        let Some(unextended) = t.unextended.take() else {
-            return;
-        };
-        let deadline_ns = now.saturating_add(min_quota).max(unextended);
-        if deadline_ns < t.deadline_ns {
-            t.deadline_ns = deadline_ns;
-            self.decisions.push(Decision::Shorten {
-                client: t.client,
-                token: t.token,
-                deadline_ns,
-            });
-        }
-    }
-
-    /// `group` just returned with work (point 6): if it is owed more than the holder will be
-    /// once its turn is settled, by a minimum quota at least, the turn that would run before
-    /// it — the planned one, else the running one — ends now, but never below a minimum quota
-    /// after its start.
-    fn preempt_for(&mut self, group: &str, now: u64) {
-        let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
-        let min_quota = self.cfg.min_quota_ns;
-        let Some(g) = self.groups.get(group) else {
-            return;
-        };
-        if !g.eligible(now, depth, thr) {
-            return;
-        }
-        let (credit, gave_back_at) = (g.credit, g.gave_back_at);
-        let turn = match self.next.as_mut() {
-            Some(n) => n,
-            None => match self.current.as_mut() {
-                Some(c) => c,
-                None => return,
-            },
-        };
-        if turn.group == group {
-            return;
-        }
-        let Some(hg) = self.groups.get(&turn.group) else {
-            return;
-        };
-        let held = now.saturating_sub(turn.start_ns);
-        let settled = hg.credit + turn.applied as f64 - held as f64;
-        // Owed more than the holder by a minimum quota at least (not for a tie: a handoff
-        // costs both a little).
-        if credit - settled <= min_quota as f64 {
-            return;
-        }
-        // A turn the group gave its own turn back to is taken back sooner: a request server
-        // with requests queued returns as soon as its synchronisation does, and waiting out
-        // the minimum quota there would delay each queued request by it.
-        let floor = if gave_back_at == turn.start_ns {
-            self.cfg.take_back_ns()
-        } else {
-            min_quota
-        };
-        let deadline_ns = turn.start_ns.saturating_add(floor).max(now);
-        if deadline_ns >= turn.deadline_ns {
-            return;
-        }
-        turn.deadline_ns = deadline_ns;
-        turn.unextended = None;
-        let (client, token, tg) = (turn.client, turn.token, turn.group.clone());
-        if let Some(hg) = self.groups.get_mut(&tg) {
-            hg.preempted += 1;
-        }
-        self.decisions.push(Decision::Shorten {
-            client,
-            token,
-            deadline_ns,
-        });
-    }
-
-    /// Notes which waiting groups their bucket holds back (see [`Policy::tick`]).
-    fn mark_held_back(&mut self, now: u64) {
-        let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
-        for g in self.groups.values_mut() {
-            g.held_back = !g.queue.is_empty() && !g.eligible(now, depth, thr);
-        }
-    }
-
-    fn refresh_targets(&mut self) {
-        if !self.targets_dirty {
-            return;
-        }
-        self.targets_dirty = false;
-        let now = self.now;
-        // Guarantees of the groups with processes on this GPU (requests scaled down if they
-        // sum to more than 1); a configured group with none here has nothing to bank.
-        let present: Vec<GroupParams> = self
-            .groups
-            .values()
-            .filter(|g| !g.clients.is_empty())
-            .map(|g| g.params)
-            .collect();
-        let mut eff = effective_requests(&present).into_iter();
-        for g in self.groups.values_mut() {
-            g.guarantee = if g.clients.is_empty() {
-                0.0
-            } else {
-                eff.next().unwrap_or(0.0)
-            };
-        }
-        // A group that goes idle having had less than its guarantee over the window (it needs
-        // less, or was kept waiting) banks it (see `accrue`); it counts here as taking exactly
-        // its guarantee, so the bank comes out of the spare time, never out of another group's
-        // guarantee.
-        let since = now.saturating_sub(self.first_acquire.unwrap_or(now)).max(1);
-        let window = self.cfg.window_ns.min(since);
-        for g in self.groups.values_mut() {
-            g.banks = match (g.active_at(now), g.banks) {
-                (true, _) => None,
-                (false, Some(b)) => Some(b),
-                (false, None) => {
-                    let used = g.usage_within(now.saturating_sub(window), now);
-                    Some(used < g.guarantee * window as f64)
-                }
-            };
-        }
-        let counted: Vec<GroupParams> = self
-            .groups
-            .values()
-            .filter(|g| g.active_at(now) || g.banking(now))
-            .map(|g| {
-                if g.active_at(now) {
-                    g.params
-                } else {
-                    GroupParams {
-                        request: g.guarantee,
-                        limit: g.guarantee,
-                        weight: g.params.weight,
-                    }
-                }
-            })
-            .collect();
-        let mut targets = water_fill(&counted).into_iter();
-        for g in self.groups.values_mut() {
-            g.target = if g.active_at(now) || g.banking(now) {
-                targets.next().unwrap_or(0.0)
-            } else {
-                0.0
-            };
-        }
-    }
-
-    /// Credit accrual over `dt` ns of a running turn: each active group at its target share,
-    /// each idle group with a request at its guarantee, normalised (so exactly `dt` is handed
-    /// out); credit a group cannot absorb above the upper bound is redistributed by weight to
-    /// the active groups below their limit; finally all groups are shifted by their common
-    /// mean — which leaves every difference, and so every decision, unchanged, but keeps the
-    /// values centred on the bounds.
-    fn accrue(&mut self, dt: f64) {
-        let (lo, hi) = self.cfg.credit_bounds();
-        let now = self.now;
-        let total: f64 = self.groups.values().map(|g| g.target).sum();
-        if total <= 0.0 {
-            return;
-        }
-        let mut overflow = 0.0;
-        for g in self.groups.values_mut() {
-            g.credit += g.target / total * dt;
-            if g.credit > hi {
-                overflow += g.credit - hi;
-                g.credit = hi;
-            }
-        }
-        let recipient = |g: &Group| g.active_at(now) && g.credit < hi && g.target < g.params.limit;
-        for _ in 0..=self.groups.len() {
-            if overflow <= 1e-6 {
-                break;
-            }
-            let weights: f64 = self
-                .groups
-                .values()
-                .filter(|g| recipient(g))
-                .map(|g| g.params.weight)
-                .sum();
-            if weights <= 0.0 {
-                break;
-            }
-            let pool = std::mem::take(&mut overflow);
-            for g in self.groups.values_mut().filter(|g| recipient(g)) {
-                g.credit += pool * g.params.weight / weights;
-                if g.credit > hi {
-                    overflow += g.credit - hi;
-                    g.credit = hi;
-                }
-            }
-        }
-        let mean = self.groups.values().map(|g| g.credit).sum::<f64>() / self.groups.len() as f64;
-        for g in self.groups.values_mut() {
-            g.credit = (g.credit - mean).max(lo);
-        }
     }
 }

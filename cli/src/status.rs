@@ -1,0 +1,201 @@
+//! The table `gpushare status` prints (and `gpushare top` refreshes) from the scheduler's
+//! report.
+
+use gpushare_protocol::status::{LoopLatency, PodReport, Report, Unhooked};
+use std::fmt::Write;
+
+/// The human-readable table of `gpushare status`.
+pub fn render(r: &Report) -> String {
+    let mut out = String::new();
+    if r.gpus.is_empty() {
+        out.push_str("no GPU has been used through gpushare yet\n");
+    }
+    for g in &r.gpus {
+        let holder = g
+            .holder
+            .as_ref()
+            .map_or("-".to_string(), |c| format!("pid {} ({})", c.pid, c.group));
+        let waiting: Vec<String> = g
+            .waiting
+            .iter()
+            .map(|c| format!("{} ({})", c.pid, c.group))
+            .collect();
+        let _ = writeln!(
+            out,
+            "{}  holder: {holder}  waiting: {}",
+            g.uuid,
+            if waiting.is_empty() {
+                "-".into()
+            } else {
+                waiting.join(", ")
+            }
+        );
+        let _ = writeln!(
+            out,
+            "  {:<16} {:>7} {:>6} {:>6} {:>7} {:>8} {:>9} {:>7} {:>6} {:>8} {:>9} {:>17}  pids",
+            "GROUP",
+            "REQUEST",
+            "LIMIT",
+            "WEIGHT",
+            "TARGET",
+            "ACHIEVED",
+            "BUSY(s)",
+            "TOKENS",
+            "WAITS",
+            "OVERRUNS",
+            "PREEMPTED",
+            "MEMORY(MiB)"
+        );
+        for x in &g.groups {
+            let pids: Vec<String> = x.pids.iter().map(u32::to_string).collect();
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            let memory = match x.memory_cap {
+                Some(cap) => format!("{:.0}/{:.0}", mib(x.memory_used), mib(cap)),
+                None => format!("{:.0}", mib(x.memory_used)),
+            };
+            let _ = writeln!(
+                out,
+                "  {:<16} {:>7.2} {:>6.2} {:>6.2} {:>7.3} {:>8.3} {:>9.3} {:>7} {:>6} {:>8} {:>9} {:>17}  {}",
+                x.name,
+                x.effective_request,
+                x.limit,
+                x.weight,
+                x.target_share,
+                x.achieved_share,
+                x.busy_seconds,
+                x.tokens,
+                x.waits,
+                x.overruns,
+                x.preempted,
+                memory,
+                pids.join(",")
+            );
+        }
+    }
+    if !r.pods.is_empty() {
+        render_pods(&mut out, &r.pods);
+    }
+    render_unhooked(&mut out, &r.unhooked);
+    render_event_loop(&mut out, &r.event_loop);
+    out
+}
+
+/// The warning about GPU processes without the hook's connection.
+fn render_unhooked(out: &mut String, unhooked: &[Unhooked]) {
+    let (loaded, missing): (Vec<_>, Vec<_>) = unhooked.iter().partition(|u| u.hook_loaded);
+    let list = |v: &[&Unhooked]| {
+        v.iter()
+            .map(|u| format!("{} ({})", u.pid, u.command))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !missing.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nWARNING: these processes use the GPU driver WITHOUT gpushare's hook (ungated, uncapped): {}\n  Run them with `gpushare run`, or check that LD_PRELOAD names libgpushare.so and that their glibc is 2.34 or newer.",
+            list(&missing)
+        );
+    }
+    if !loaded.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nNot connected yet (the hook connects at the first launch or allocation; refused processes stay here): {}",
+            list(&loaded)
+        );
+    }
+}
+
+/// The Kubernetes section of `gpushare status`: every container the node agent registered.
+fn render_pods(out: &mut String, pods: &[PodReport]) {
+    let _ = writeln!(
+        out,
+        "\nKubernetes containers:\n  {:<20} {:<28} {:<16} {:>7} {:>6} {:>6} {:>11}  {:<8}  GPU",
+        "NAMESPACE", "POD", "CONTAINER", "REQUEST", "LIMIT", "WEIGHT", "MEMORY(MiB)", "STATE"
+    );
+    for p in pods {
+        let memory = p.memory.map_or("-".to_string(), |m| {
+            format!("{:.0}", m as f64 / (1u64 << 20) as f64)
+        });
+        let state = if p.removed {
+            "removed"
+        } else if p.container_id.is_some() {
+            "running"
+        } else {
+            "starting"
+        };
+        let _ = writeln!(
+            out,
+            "  {:<20} {:<28} {:<16} {:>7.2} {:>6.2} {:>6.2} {:>11}  {:<8}  {}",
+            p.namespace,
+            p.pod,
+            p.container,
+            p.request,
+            p.limit,
+            p.weight,
+            memory,
+            state,
+            p.gpus.join(",")
+        );
+    }
+}
+
+/// How promptly the daemon's event loop served, in one line.
+fn render_event_loop(out: &mut String, l: &LoopLatency) {
+    let ms = |q: f64| {
+        l.quantile(q)
+            .map_or("-".into(), |s| format!("{:.3}", s * 1e3))
+    };
+    let _ = writeln!(
+        out,
+        "\nevent loop: {} events handled, late by at most {} ms (median), {} ms (99%), {:.3} ms (worst)",
+        l.count,
+        ms(0.5),
+        ms(0.99),
+        l.max_s * 1e3
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warns_of_processes_without_the_hook_and_says_how_late_the_loop_ran() {
+        let r = Report {
+            dev_mode: true,
+            gpus: vec![],
+            pods: vec![],
+            unhooked: vec![
+                Unhooked {
+                    pid: 42,
+                    command: "python3".into(),
+                    hook_loaded: false,
+                },
+                Unhooked {
+                    pid: 43,
+                    command: "trainer".into(),
+                    hook_loaded: true,
+                },
+            ],
+            event_loop: LoopLatency {
+                bounds_s: vec![0.0001, 0.001],
+                counts: vec![98, 1, 1],
+                count: 100,
+                sum_s: 0.01,
+                max_s: 0.004,
+            },
+        };
+        let table = render(&r);
+        assert!(
+            table.contains("WITHOUT gpushare's hook (ungated, uncapped): 42 (python3)"),
+            "{table}"
+        );
+        assert!(table.contains("Not connected yet"), "{table}");
+        assert!(
+            table.contains(
+                "event loop: 100 events handled, late by at most 0.100 ms (median), 1.000 ms (99%), 4.000 ms (worst)"
+            ),
+            "{table}"
+        );
+    }
+}

@@ -1,0 +1,675 @@
+//! The node core, scripted in virtual time ([`World`]), and fed hostile input.
+
+use super::sim::{CONFIG, GPUS, MIB, MS, S, Work, World, pod_group, pod_identity};
+use super::*;
+use gpushare_frame::fuzz;
+use gpushare_protocol::admin::{AdminReply, ContainerKey, PodGroup};
+use gpushare_protocol::{GroupSpec, PROTOCOL_VERSION};
+
+const GPU: GpuUuid = GPUS[0];
+
+/// A client of group `a` (uid 1000), welcomed.
+fn client_a(w: &mut World) -> ConnId {
+    let c = w.connect(1000, None);
+    w.complete_all();
+    w.hello(c, None);
+    assert_eq!(w.tenants[&c].welcome.as_deref(), Some("a"));
+    c
+}
+
+fn reserve(w: &mut World, c: ConnId, mib: u64) -> u64 {
+    let req = w.req(c);
+    w.send(
+        c,
+        ClientMsg::MemReserve {
+            req,
+            gpu: GPU,
+            bytes: mib * MIB,
+        },
+    );
+    req
+}
+
+fn last(w: &World, c: ConnId) -> Option<&ServerMsg> {
+    w.tenants[&c].received.last()
+}
+
+fn persists(w: &World) -> usize {
+    (w.work.iter())
+        .filter(|x| matches!(x, Work::Persist { .. }))
+        .count()
+}
+
+#[test]
+fn a_granted_reservation_waits_for_its_books_on_disk_and_what_follows_waits_behind_it() {
+    let mut w = World::new(CONFIG, false);
+    let c = client_a(&mut w);
+    let other = client_a(&mut w);
+    let req = reserve(&mut w, c, 100);
+    assert!(
+        !matches!(last(&w, c), Some(ServerMsg::Memory { .. })),
+        "not granted before the write"
+    );
+    assert_eq!(persists(&w), 1, "the books are written at once");
+    // Meanwhile: a query of the same client waits behind the grant; another client is served.
+    let q = w.req(c);
+    w.send(c, ClientMsg::MemQuery { req: q, gpu: GPU });
+    let q2 = w.req(other);
+    w.send(other, ClientMsg::MemQuery { req: q2, gpu: GPU });
+    assert!(
+        matches!(last(&w, other), Some(ServerMsg::Memory { req, used, .. }) if *req == q2 && *used == 100 * MIB)
+    );
+    // A second reservation while the first write is under way goes into the next write.
+    let req2 = reserve(&mut w, other, 50);
+    assert_eq!(persists(&w), 1, "one write at a time");
+    w.complete(0);
+    let got: Vec<u64> = (w.tenants[&c].received.iter())
+        .filter_map(|m| match m {
+            ServerMsg::Memory { req, .. } => Some(*req),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(got, vec![req, q], "granted, then the query, in order");
+    assert!(
+        !matches!(last(&w, other), Some(ServerMsg::Memory { req, .. }) if *req == req2),
+        "the second waits for its own write"
+    );
+    assert_eq!(persists(&w), 1, "which begins as the first ends");
+    w.complete(0);
+    assert!(
+        matches!(last(&w, other), Some(ServerMsg::Memory { req, granted: true, used, .. }) if *req == req2 && *used == 150 * MIB)
+    );
+    w.settle();
+    w.check_settled();
+}
+
+#[test]
+fn refusals_and_empty_reservations_need_no_write() {
+    let mut w = World::new(CONFIG, false);
+    let c = client_a(&mut w);
+    reserve(&mut w, c, 2048);
+    assert!(matches!(
+        last(&w, c),
+        Some(ServerMsg::Memory { granted: false, .. })
+    ));
+    reserve(&mut w, c, 0);
+    assert!(matches!(
+        last(&w, c),
+        Some(ServerMsg::Memory { granted: true, .. })
+    ));
+    assert_eq!(persists(&w), 0);
+}
+
+#[test]
+fn frees_and_departures_reach_the_journal_within_the_flush_period() {
+    let mut w = World::new(CONFIG, false);
+    let c = client_a(&mut w);
+    reserve(&mut w, c, 100);
+    w.complete_all();
+    assert_eq!(w.journal.len(), 1);
+    w.send(
+        c,
+        ClientMsg::MemFree {
+            gpu: GPU,
+            bytes: 100 * MIB,
+        },
+    );
+    assert_eq!(persists(&w), 0, "nothing waits for a free");
+    w.advance(FLUSH_EVERY.as_nanos() as u64 - 1);
+    assert_eq!(persists(&w), 0);
+    w.advance(1);
+    assert_eq!(persists(&w), 1, "written once the flush period is over");
+    w.complete_all();
+    assert!(w.journal.is_empty());
+}
+
+#[test]
+fn a_restarted_node_counts_the_journaled_holdings_until_their_process_restates_them() {
+    let mut w = World::new(CONFIG, false);
+    let a1 = client_a(&mut w);
+    let a2 = client_a(&mut w);
+    reserve(&mut w, a1, 600);
+    reserve(&mut w, a2, 300);
+    w.complete_all();
+    // Killed before the departure of a2 is written: the journal overstates, the safe side.
+    w.hang_up(a2);
+    w.restart();
+    let back: Vec<ConnId> = (w.tenants.iter())
+        .filter(|(_, t)| !t.closed)
+        .map(|(c, _)| *c)
+        .collect();
+    assert_eq!(back.len(), 1, "a1 reconnected and restated 600 MiB");
+    assert_eq!(
+        w.node.memory.used("a", &GPU),
+        900 * MIB,
+        "a2's process still runs: its holding counts"
+    );
+    let c = back[0];
+    reserve(&mut w, c, 200);
+    assert!(
+        matches!(last(&w, c), Some(ServerMsg::Memory { granted: false, .. })),
+        "the ghost counts against the cap"
+    );
+    // a2's process exits: its ghost goes at the next check.
+    let pid2 = w.tenants[&a2].peer.pid;
+    w.tenants.get_mut(&a2).unwrap().exited = true;
+    w.advance(S);
+    w.complete_all();
+    assert_eq!(
+        w.node.memory.used("a", &GPU),
+        600 * MIB,
+        "pid {pid2} is gone"
+    );
+    reserve(&mut w, c, 200);
+    w.complete_all();
+    assert!(matches!(
+        last(&w, c),
+        Some(ServerMsg::Memory { granted: true, .. })
+    ));
+    w.settle();
+    w.check_settled();
+}
+
+#[test]
+fn an_exited_process_frees_its_memory_though_a_child_keeps_its_connection() {
+    let mut w = World::new(CONFIG, false);
+    let c = client_a(&mut w);
+    reserve(&mut w, c, 700);
+    w.complete_all();
+    w.tenants.get_mut(&c).unwrap().exited = true;
+    w.advance(2 * S);
+    w.complete_all();
+    assert_eq!(w.node.memory.used("a", &GPU), 0);
+    assert!(!w.tenants[&c].closed, "its connection lives on");
+}
+
+#[test]
+fn connections_over_the_limits_are_closed_and_a_silent_one_after_its_hello_timeout() {
+    let mut w = World::new(
+        "[connections]\nmax = 4\nmax_per_uid = 2\nhello_timeout = \"500ms\"\n",
+        true,
+    );
+    let a = w.connect(1000, None);
+    let b = w.connect(1000, None);
+    let c = w.connect(1000, None);
+    w.complete_all();
+    assert!(w.tenants[&c].closed, "the third of uid 1000");
+    assert!(!w.tenants[&a].closed && !w.tenants[&b].closed);
+    let d = w.connect(1001, None);
+    let e = w.connect(1001, None);
+    assert!(!w.tenants[&e].closed);
+    let f = w.connect(1002, None);
+    assert!(w.tenants[&f].closed, "over the total: closed at once");
+    w.complete_all();
+    w.hello(a, None);
+    w.hello(d, None);
+    w.advance(499 * MS);
+    assert!(!w.tenants[&b].closed);
+    w.advance(MS);
+    assert!(
+        w.tenants[&b].closed && w.tenants[&e].closed,
+        "no Hello in time"
+    );
+    assert!(!w.tenants[&a].closed && !w.tenants[&d].closed);
+    // Their places are free again.
+    let g = w.connect(1000, None);
+    w.complete_all();
+    assert!(!w.tenants[&g].closed);
+}
+
+#[test]
+fn a_hello_waits_for_its_peer_and_what_follows_it_is_read_in_order() {
+    let mut w = World::new(CONFIG, false);
+    let c = w.connect(1000, None);
+    w.hello(c, None);
+    w.send(c, ClientMsg::Status);
+    assert!(
+        w.tenants[&c].received.is_empty(),
+        "its peer is not known yet"
+    );
+    w.complete_all();
+    let r = &w.tenants[&c].received;
+    assert!(matches!(r[0], ServerMsg::Welcome { .. }), "{r:?}");
+    assert!(matches!(r[1], ServerMsg::Status { .. }), "{r:?}");
+}
+
+#[test]
+fn a_pods_process_waits_for_its_container_and_is_admitted_or_refused() {
+    let mut w = World::new(CONFIG, false);
+    assert_eq!(
+        w.admin(AdminRequest::Sync {
+            groups: vec![pod_group(0)],
+        }),
+        AdminReply::Done
+    );
+    let known = w.connect(0, Some(pod_identity(0)));
+    let late = w.connect(0, Some(pod_identity(1)));
+    let never = w.connect(0, Some(pod_identity(2)));
+    w.complete_all();
+    for c in [known, late, never] {
+        w.hello(c, None);
+    }
+    assert_eq!(w.tenants[&known].welcome.as_deref(), Some("ns/pod0/c0"));
+    assert_eq!(w.tenants[&late].welcome, None, "waits for its container");
+    w.advance(POD_WAIT.as_nanos() as u64 / 2);
+    w.admin(AdminRequest::Upsert {
+        group: pod_group(1),
+    });
+    assert_eq!(w.tenants[&late].welcome.as_deref(), Some("ns/pod1/c1"));
+    w.advance(POD_WAIT.as_nanos() as u64 / 2);
+    assert!(
+        matches!(last(&w, never), Some(ServerMsg::Error { fatal: true, message }) if message.contains("no gpushare policy")),
+        "refused after the pod wait, counted from its Hello"
+    );
+    assert!(w.tenants[&never].closed);
+    // The agent's Usage is answered from the latest report.
+    assert!(matches!(
+        w.admin(AdminRequest::Usage),
+        AdminReply::Usage { .. }
+    ));
+}
+
+/// A removed container's group stays while any of its processes is connected and goes with
+/// the last one.
+#[test]
+fn a_removed_pods_group_goes_with_its_last_process() {
+    let mut w = World::new(CONFIG, false);
+    let spec: PodGroup = pod_group(0);
+    w.admin(AdminRequest::Sync {
+        groups: vec![spec.clone()],
+    });
+    let ids: Vec<ConnId> = (0..2)
+        .map(|_| w.connect(0, Some(pod_identity(0))))
+        .collect();
+    w.complete_all();
+    for &c in &ids {
+        w.hello(c, None);
+    }
+    let name = w.tenants[&ids[0]].welcome.clone().unwrap();
+    assert!(w.node.groups.contains_key(&name));
+    w.admin(AdminRequest::Remove {
+        key: ContainerKey {
+            pod_uid: spec.pod_uid.clone(),
+            container: spec.container.clone(),
+        },
+    });
+    assert!(
+        w.node.groups.contains_key(&name),
+        "kept while its processes run"
+    );
+    w.hang_up(ids[0]);
+    assert!(w.node.groups.contains_key(&name), "kept while one is left");
+    w.hang_up(ids[1]);
+    assert!(
+        !w.node.groups.contains_key(&name),
+        "gone with its last process"
+    );
+}
+
+#[test]
+fn a_reload_changes_caps_and_removes_the_groups_it_drops() {
+    let mut w = World::new(CONFIG, false);
+    let c = client_a(&mut w);
+    reserve(&mut w, c, 300);
+    w.complete_all();
+    w.reload("[[group]]\nname = \"a\"\nuids = [1000]\nmemory = \"256MiB\"\n");
+    assert!(!w.node.groups.contains_key("b"));
+    let q = w.req(c);
+    w.send(c, ClientMsg::MemQuery { req: q, gpu: GPU });
+    assert!(
+        matches!(last(&w, c), Some(ServerMsg::Memory { cap: Some(cap), used, .. }) if *cap == 256 * MIB && *used == 300 * MIB)
+    );
+    reserve(&mut w, c, 1);
+    assert!(matches!(
+        last(&w, c),
+        Some(ServerMsg::Memory { granted: false, .. })
+    ));
+}
+
+#[test]
+fn turns_are_granted_and_a_departure_hands_the_gpu_on() {
+    let mut w = World::new(CONFIG, false);
+    let a = client_a(&mut w);
+    let b = w.connect(1001, None);
+    w.complete_all();
+    w.hello(b, None);
+    w.send(a, ClientMsg::Acquire { gpu: GPU });
+    w.send(b, ClientMsg::Acquire { gpu: GPU });
+    assert!(matches!(last(&w, a), Some(ServerMsg::Grant { .. })));
+    w.hang_up(a);
+    w.advance(MS);
+    assert!(
+        (w.tenants[&b].received.iter()).any(|m| matches!(m, ServerMsg::Grant { .. })),
+        "the waiting client gets the GPU once the holder is gone"
+    );
+}
+
+#[test]
+fn status_reports_are_reused_for_a_moment_and_published_every_second() {
+    let mut w = World::new(CONFIG, true);
+    let c = client_a(&mut w);
+    let status = |w: &mut World| {
+        w.send(c, ClientMsg::Status);
+        match last(w, c) {
+            Some(ServerMsg::Status { report }) => report.clone(),
+            other => panic!("{other:?}"),
+        }
+    };
+    let first = status(&mut w);
+    assert_eq!(
+        *w.published, first,
+        "what a client is sent is published too"
+    );
+    w.node.dev = false;
+    w.now += STATUS_REUSE_NS - 1;
+    assert_eq!(status(&mut w), first, "reused");
+    w.now += 1;
+    assert_ne!(status(&mut w), first, "rebuilt");
+    let published = w.published.clone();
+    w.advance(PUBLISH_EVERY_NS);
+    assert!(!Arc::ptr_eq(&published, &w.published), "published anew");
+}
+
+#[test]
+fn the_census_lists_unhooked_processes_but_not_one_that_connected_meanwhile() {
+    let mut w = World::new(CONFIG, false);
+    let census = (w.work.iter())
+        .position(|x| matches!(x, Work::Census(_)))
+        .expect("a census at start");
+    let c = w.connect(1000, None);
+    let resolve = (w.work.iter())
+        .position(|x| matches!(x, Work::Resolve(_)))
+        .unwrap();
+    w.complete(resolve);
+    w.hello(c, None);
+    let pid = w.tenants[&c].peer.pid;
+    w.complete(census);
+    w.now += STATUS_REUSE_NS;
+    w.send(c, ClientMsg::Status);
+    let Some(ServerMsg::Status { report }) = last(&w, c) else {
+        panic!("no report")
+    };
+    let pids: Vec<u32> = report.unhooked.iter().map(|u| u.pid).collect();
+    assert_eq!(
+        pids,
+        vec![1],
+        "pid {pid} connected while the census was taken"
+    );
+    assert!(
+        !(w.work.iter()).any(|x| matches!(x, Work::Census(_))),
+        "the next one is taken later"
+    );
+    w.advance(CENSUS_EVERY_NS);
+    assert!((w.work.iter()).any(|x| matches!(x, Work::Census(_))));
+}
+
+#[test]
+fn the_loop_latency_the_shell_measures_is_reported() {
+    let mut w = World::new(CONFIG, false);
+    let c = client_a(&mut w);
+    for ns in [5_000, 20_000, 3_000_000] {
+        w.node.note_lateness(ns);
+    }
+    w.now += STATUS_REUSE_NS;
+    w.send(c, ClientMsg::Status);
+    let Some(ServerMsg::Status { report }) = last(&w, c) else {
+        panic!("no report")
+    };
+    assert_eq!(report.event_loop.count, 3);
+    assert_eq!(report.event_loop.max_s, 0.003);
+}
+
+#[test]
+fn a_connection_flood_costs_no_client_its_turn_or_its_answers() {
+    let mut w = World::new(CONFIG, false);
+    let a = client_a(&mut w);
+    w.send(a, ClientMsg::Acquire { gpu: GPU });
+    // Thousands of connections that never say Hello, of many users.
+    for i in 0..3_000u32 {
+        w.connect(1000 + i % 50, None);
+    }
+    w.complete_all();
+    let req = reserve(&mut w, a, 10);
+    w.complete_all();
+    assert!(
+        matches!(last(&w, a), Some(ServerMsg::Memory { req: r, granted: true, .. }) if *r == req)
+    );
+    w.advance(3 * S);
+    let open = (w.tenants.values()).filter(|t| !t.closed).count();
+    assert_eq!(open, 1, "the silent ones are closed at their Hello timeout");
+    w.settle();
+    w.check_settled();
+}
+
+/// Tokens the policy hands out are small numbers: samples use them so that mutated messages
+/// reach turns that exist.
+fn client_msgs() -> Vec<ClientMsg> {
+    let used = gpushare_protocol::TurnUse {
+        first_ns: 1_000_000,
+        last_ns: 3_000_000,
+    };
+    vec![
+        ClientMsg::Hello {
+            version: PROTOCOL_VERSION,
+            declared: Some(GroupSpec {
+                name: "dev".into(),
+                request: 0.5,
+                limit: 1.0,
+                weight: 2.0,
+                memory: Some(1 << 30),
+            }),
+        },
+        ClientMsg::Acquire { gpu: GPU },
+        ClientMsg::Yield {
+            gpu: GPU,
+            token: 1,
+            drained_ns: 2_000_000,
+        },
+        ClientMsg::Report {
+            gpu: GPU,
+            token: 2,
+            used: Some(used),
+            again: true,
+        },
+        ClientMsg::Report {
+            gpu: GPU,
+            token: 1,
+            used: None,
+            again: false,
+        },
+        ClientMsg::Status,
+        ClientMsg::MemReserve {
+            req: 1,
+            gpu: GPU,
+            bytes: 512 << 20,
+        },
+        ClientMsg::MemFree {
+            gpu: GPU,
+            bytes: 256 << 20,
+        },
+        ClientMsg::MemQuery { req: 2, gpu: GPU },
+        ClientMsg::MemSync {
+            gpu: GPU,
+            bytes: 1 << 20,
+        },
+    ]
+}
+
+/// A connection `conn` of pid 1 (uid 1000) as the shell and its `/proc` reader report it.
+fn admit(node: &mut Node, conn: ConnId, now: u64) {
+    let cred = Credentials {
+        pid: 1,
+        uid: 1000,
+        gid: 1000,
+    };
+    node.handle(Input::Accepted { conn, cred }, now);
+    let peer = Peer {
+        pid: 1,
+        start: 7,
+        uid: 1000,
+        gid: 1000,
+        cgroup: "/user.slice".into(),
+        pod: None,
+    };
+    let resolved = Input::Resolved {
+        conn,
+        peer,
+        pid_ns: None,
+    };
+    node.handle(resolved, now);
+}
+
+/// A fresh `--dev` node with a connection (driven directly, without a world: hostile clients
+/// break the world's model of a tenant, not the node).
+fn dev_node() -> (Node, ConnId, u64) {
+    let config = Config::parse(CONFIG).unwrap();
+    let now = S;
+    let mut node = Node::new(
+        NodeOptions {
+            config,
+            dev: true,
+            restored: Vec::new(),
+        },
+        now,
+    );
+    admit(&mut node, 1, now);
+    (node, 1, now)
+}
+
+/// Hostile tenants of a `--dev` scheduler: whatever a socket decodes goes to the node, with
+/// the clock moving, the books written and the timers served.
+#[test]
+fn hostile_client_streams_are_handled_without_panicking() {
+    let (mut node, mut conn, mut now) = dev_node();
+    let mut handled = 0usize;
+    let n = 30_000;
+    fuzz::frames(51, &client_msgs(), n, |msg| {
+        // A fresh node now and then, so that random GPUs and groups do not pile up.
+        if handled.is_multiple_of(1_000) {
+            (node, conn, now) = dev_node();
+        }
+        handled += 1;
+        now += 500_000;
+        node.handle(Input::Message { conn, msg }, now);
+        for e in node.take_effects() {
+            match e {
+                Effect::Persist { seq, .. } => node.handle(Input::Persisted { seq }, now),
+                Effect::Close { .. } => {
+                    // Refused: the next messages come from a new connection.
+                    conn += 1;
+                    admit(&mut node, conn, now);
+                }
+                _ => {}
+            }
+        }
+        node.handle(Input::Tick, now);
+        node.take_effects();
+    })
+    .assert_exercised(n);
+    assert!(handled > n / 10, "{handled} messages handled");
+}
+
+/// Hostile admin requests as the agent's socket decodes them; a tenant of those pods keeps
+/// using the GPU meanwhile.
+#[test]
+fn hostile_admin_streams_are_applied_without_panicking() {
+    // A second pod of the same name whose UID has a multi-byte character across byte 8,
+    // where the group's disambiguating suffix was cut (regression: a slicing panic).
+    let mut b = pod_group(1);
+    b.pod_uid = "pod-uidé-1".into();
+    let a = pod_group(0);
+    let samples = [
+        AdminRequest::Sync {
+            groups: vec![a.clone()],
+        },
+        AdminRequest::Upsert { group: b.clone() },
+        AdminRequest::Upsert { group: a.clone() },
+        AdminRequest::Remove {
+            key: ContainerKey {
+                pod_uid: a.pod_uid.clone(),
+                container: a.container.clone(),
+            },
+        },
+        AdminRequest::Remove {
+            key: ContainerKey {
+                pod_uid: b.pod_uid.clone(),
+                container: "c1".into(),
+            },
+        },
+        AdminRequest::Usage,
+    ];
+    let (mut node, conn, mut now) = dev_node();
+    node.handle(
+        Input::Message {
+            conn,
+            msg: ClientMsg::Hello {
+                version: PROTOCOL_VERSION,
+                declared: None,
+            },
+        },
+        now,
+    );
+    let (mut token, mut applied) = (0u64, 0usize);
+    let n = 100_000;
+    fuzz::frames(52, &samples, n, |req| {
+        now += 500_000;
+        token += 1;
+        node.handle(Input::Admin { token, req }, now);
+        node.handle(
+            Input::Message {
+                conn,
+                msg: ClientMsg::Acquire { gpu: GPU },
+            },
+            now,
+        );
+        for e in node.take_effects() {
+            if let Effect::AdminReply {
+                token: t,
+                reply: AdminReply::Done,
+            } = e
+            {
+                assert_eq!(t, token);
+                applied += 1;
+            }
+        }
+    })
+    .assert_exercised(n);
+    assert!(applied > 0);
+}
+
+/// Config files as an administrator might break them: whatever parses is applied to a
+/// running node as on reload (anything else keeps the previous config).
+#[test]
+fn hostile_configs_are_rejected_or_applied_without_panicking() {
+    let samples = [
+        "[scheduler]\nquota = \"10ms\"\nmin_quota = \"1ms\"\ngrace = \"5ms\"\nwindow = \"5s\"\ngrant_ahead = \"2ms\"\n",
+        "[[group]]\nname = \"train\"\nuids = [1000]\ngids = [7]\nrequest = 0.3\nlimit = 0.6\nweight = 1.5\nmemory = \"4GiB\"\n",
+        "[[group]]\nname = \"pods\"\ncgroups = [\"kubepods/pod42\"]\nweight = 2\n",
+    ];
+    let (mut node, conn, mut now) = dev_node();
+    node.handle(
+        Input::Message {
+            conn,
+            msg: ClientMsg::Hello {
+                version: PROTOCOL_VERSION,
+                declared: None,
+            },
+        },
+        now,
+    );
+    let n = 50_000;
+    fuzz::texts(53, &samples, n, |text| {
+        let Ok(cfg) = Config::parse(text) else {
+            return false;
+        };
+        now += 500_000;
+        node.handle(Input::Config(Box::new(cfg)), now);
+        let acquire = ClientMsg::Acquire { gpu: GPU };
+        node.handle(Input::Message { conn, msg: acquire }, now);
+        node.handle(Input::Tick, now + S);
+        now += S;
+        node.take_effects();
+        true
+    })
+    .assert_exercised(n);
+}

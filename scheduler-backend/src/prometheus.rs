@@ -1,0 +1,227 @@
+//! The scheduler's report in Prometheus text format, for its metrics endpoint
+//! ([`crate::metrics`]).
+
+use gpushare_protocol::status::{GroupReport, LoopLatency, Report};
+use std::fmt::Write;
+
+/// The report in Prometheus text format (`GET /metrics`), with DCGM-style `gpu` and `UUID`
+/// labels, a `group` label, and for a Kubernetes container's group `namespace`, `pod` and
+/// `container` (as dcgm-exporter labels them).
+pub fn render(r: &Report) -> String {
+    type Metric = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&GroupReport) -> Option<f64>,
+    );
+    let metrics: [Metric; 12] = [
+        (
+            "gpushare_group_request",
+            "gauge",
+            "Guaranteed share of GPU time (effective).",
+            |g| Some(g.effective_request),
+        ),
+        (
+            "gpushare_group_limit",
+            "gauge",
+            "Hard cap on the share of GPU time.",
+            |g| Some(g.limit),
+        ),
+        (
+            "gpushare_group_target_share",
+            "gauge",
+            "Share the group is entitled to right now.",
+            |g| Some(g.target_share),
+        ),
+        (
+            "gpushare_group_share",
+            "gauge",
+            "Share of GPU time achieved over the window.",
+            |g| Some(g.achieved_share),
+        ),
+        (
+            "gpushare_group_busy_seconds_total",
+            "counter",
+            "GPU time charged to the group.",
+            |g| Some(g.busy_seconds),
+        ),
+        (
+            "gpushare_group_tokens_total",
+            "counter",
+            "Tokens granted.",
+            |g| Some(g.tokens as f64),
+        ),
+        (
+            "gpushare_group_waits_total",
+            "counter",
+            "Times a process of the group waited for the token.",
+            |g| Some(g.waits as f64),
+        ),
+        (
+            "gpushare_group_overruns_total",
+            "counter",
+            "Tokens returned after their deadline.",
+            |g| Some(g.overruns as f64),
+        ),
+        (
+            "gpushare_group_preempted_total",
+            "counter",
+            "Tokens cut short because a group owed more came back.",
+            |g| Some(g.preempted as f64),
+        ),
+        (
+            "gpushare_group_memory_used_bytes",
+            "gauge",
+            "GPU memory held by the group.",
+            |g| Some(g.memory_used as f64),
+        ),
+        (
+            "gpushare_group_memory_cap_bytes",
+            "gauge",
+            "GPU memory cap of the group.",
+            |g| g.memory_cap.map(|c| c as f64),
+        ),
+        (
+            "gpushare_group_memory_reservations_total",
+            "counter",
+            "Memory reservations the group's processes waited for (small allocations come from their leases).",
+            |g| Some(g.memory_reservations as f64),
+        ),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, value) in metrics {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (i, gpu) in r.gpus.iter().enumerate() {
+            for g in &gpu.groups {
+                if let Some(v) = value(g) {
+                    let pod = g.pod.as_ref().map_or(String::new(), |p| {
+                        format!(
+                            ",namespace=\"{}\",pod=\"{}\",container=\"{}\"",
+                            label(&p.namespace),
+                            label(&p.pod),
+                            label(&p.container)
+                        )
+                    });
+                    let _ = writeln!(
+                        out,
+                        "{name}{{gpu=\"{i}\",UUID=\"{}\",group=\"{}\"{pod}}} {v}",
+                        gpu.uuid,
+                        label(&g.name)
+                    );
+                }
+            }
+        }
+    }
+    let missing = r.unhooked.iter().filter(|u| !u.hook_loaded).count();
+    let _ = writeln!(
+        out,
+        "# HELP gpushare_unhooked_processes Processes using the GPU driver without gpushare's hook (ungated).\n# TYPE gpushare_unhooked_processes gauge\ngpushare_unhooked_processes {missing}"
+    );
+    event_loop(&mut out, &r.event_loop);
+    out
+}
+
+/// The event loop's lateness as a Prometheus histogram (cumulative buckets).
+fn event_loop(out: &mut String, l: &LoopLatency) {
+    let name = "gpushare_event_loop_lateness_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} How late the scheduler's event loop handled a timer, a ready socket or another thread's request, against when it was due.\n# TYPE {name} histogram"
+    );
+    let mut below = 0;
+    for (bound, n) in l.bounds_s.iter().zip(&l.counts) {
+        below += n;
+        let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {below}");
+    }
+    let _ = writeln!(
+        out,
+        "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}",
+        l.count, l.sum_s, l.count
+    );
+}
+
+/// A Prometheus label value: quotes and backslashes cannot break out of it.
+fn label(v: &str) -> String {
+    v.replace(['"', '\\'], "'")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpushare_protocol::status::{GpuReport, PodLabels, Unhooked};
+
+    #[test]
+    fn prometheus_text() {
+        let g = GroupReport {
+            name: "a".into(),
+            request: 0.5,
+            limit: 1.0,
+            weight: 1.0,
+            effective_request: 0.5,
+            target_share: 0.5,
+            achieved_share: 0.49,
+            busy_seconds: 2.0,
+            tokens: 3,
+            waits: 4,
+            overruns: 0,
+            revocations: 0,
+            preempted: 0,
+            pids: vec![7],
+            active: true,
+            memory_used: 10,
+            memory_cap: None,
+            memory_reservations: 0,
+            pod: None,
+        };
+        let mut p = g.clone();
+        p.name = "ns/train/main".into();
+        p.pod = Some(PodLabels {
+            namespace: "ns".into(),
+            pod: "train".into(),
+            container: "main".into(),
+        });
+        let r = Report {
+            dev_mode: true,
+            gpus: vec![GpuReport {
+                uuid: "GPU-x".into(),
+                holder: None,
+                waiting: vec![],
+                groups: vec![g, p],
+            }],
+            pods: vec![],
+            unhooked: vec![Unhooked {
+                pid: 42,
+                command: "python3".into(),
+                hook_loaded: false,
+            }],
+            event_loop: LoopLatency {
+                bounds_s: vec![0.001, 0.01],
+                counts: vec![5, 1, 1],
+                count: 7,
+                sum_s: 0.5,
+                max_s: 0.4,
+            },
+        };
+        let text = render(&r);
+        assert!(text.contains("# TYPE gpushare_group_share gauge"));
+        assert!(text.contains("gpushare_group_share{gpu=\"0\",UUID=\"GPU-x\",group=\"a\"} 0.49"));
+        assert!(
+            !text.contains("gpushare_group_memory_cap_bytes{"),
+            "uncapped: no sample"
+        );
+        assert!(text.contains(
+            "gpushare_group_share{gpu=\"0\",UUID=\"GPU-x\",group=\"ns/train/main\",namespace=\"ns\",pod=\"train\",container=\"main\"} 0.49"
+        ));
+        assert!(text.contains("\ngpushare_unhooked_processes 1\n"));
+        for line in [
+            "# TYPE gpushare_event_loop_lateness_seconds histogram",
+            "gpushare_event_loop_lateness_seconds_bucket{le=\"0.001\"} 5",
+            "gpushare_event_loop_lateness_seconds_bucket{le=\"0.01\"} 6",
+            "gpushare_event_loop_lateness_seconds_bucket{le=\"+Inf\"} 7",
+            "gpushare_event_loop_lateness_seconds_sum 0.5",
+            "gpushare_event_loop_lateness_seconds_count 7",
+        ] {
+            assert!(text.contains(&format!("{line}\n")), "{line} in {text}");
+        }
+    }
+}
