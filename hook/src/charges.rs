@@ -207,7 +207,10 @@ fn ask(h: &Hook, gpu: usize, bytes: u64) -> bool {
         return !h.port.is_refused();
     }
     let uuid = h.gates[gpu].uuid;
-    match h.port.call(|req| ClientMsg::MemReserve {
+    // Under memory overcommit the scheduler may make the allocation wait for memory (others
+    // freeing it, or being swapped to host memory), never longer than its bound.
+    let wait = Duration::from_nanos(gpushare_protocol::MAX_MEMORY_WAIT_NS) + Duration::from_secs(5);
+    match h.port.call_within(wait, |req| ClientMsg::MemReserve {
         req,
         gpu: uuid,
         bytes,

@@ -191,11 +191,21 @@ impl Port {
     /// Send a request made around a fresh request id and wait (at most 5 s) for its answer;
     /// `None` when the scheduler is not there to answer.
     pub fn call(&self, make: impl FnOnce(u64) -> ClientMsg) -> Option<ServerMsg> {
+        self.call_within(ANSWER_TIMEOUT, make)
+    }
+
+    /// [`call`](Port::call), waiting at most `timeout` for the answer (a lost connection ends
+    /// the wait at once).
+    pub fn call_within(
+        &self,
+        timeout: Duration,
+        make: impl FnOnce(u64) -> ClientMsg,
+    ) -> Option<ServerMsg> {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = sync_channel(1);
         self.pending().insert(req, tx);
         let answer = if self.send(&make(req)) {
-            rx.recv_timeout(ANSWER_TIMEOUT).ok()
+            rx.recv_timeout(timeout).ok()
         } else {
             None
         };

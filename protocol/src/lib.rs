@@ -12,7 +12,12 @@ pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
+
+/// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
+/// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
+/// for that answer a little longer.
+pub const MAX_MEMORY_WAIT_NS: u64 = 600_000_000_000;
 
 /// Environment variable naming the scheduler socket.
 pub const SOCKET_ENV: &str = "GPUSHARE_SOCKET";
@@ -80,6 +85,9 @@ pub enum ClientMsg {
     MemQuery { req: u64, gpu: GpuUuid },
     /// After reconnecting: what this process holds on `gpu`, so restarted books are right.
     MemSync { gpu: GpuUuid, bytes: u64 },
+    /// How much memory `gpu` has in all (the driver's `cuDeviceTotalMem_v2`), sent with
+    /// [`ClientMsg::MemSync`] after Hello: the scheduler's physical books of that GPU.
+    MemTotal { gpu: GpuUuid, bytes: u64 },
 }
 
 /// Scheduler → client.
@@ -188,6 +196,10 @@ mod tests {
             },
             ClientMsg::MemQuery { req: 2, gpu: GPU },
             ClientMsg::MemSync { gpu: GPU, bytes: 5 },
+            ClientMsg::MemTotal {
+                gpu: GPU,
+                bytes: 80 << 30,
+            },
         ]
     }
 

@@ -90,6 +90,10 @@ pub struct Params {
     pub memory_turn_ns: Nanos,
     /// A group whose checkpoint timed out is not chosen again for this long.
     pub retry_after_ns: Nanos,
+    /// The longest an allocation waits, whatever it waits for (memory, a swap, a group's
+    /// memory turn): then it is refused ([`Refusal::WaitedTooLong`]), so that no allocation
+    /// call blocks without bound.
+    pub max_wait_ns: Nanos,
     /// What a swap costs before any is seen (each one seen updates it).
     pub swap_cost: SwapCost,
 }
@@ -148,6 +152,7 @@ impl Default for Params {
             window_ns: 60_000_000_000,
             memory_turn_ns: 10_000_000_000,
             retry_after_ns: 10_000_000_000,
+            max_wait_ns: 120_000_000_000,
             swap_cost: SwapCost::MEASURED,
         }
     }
@@ -213,6 +218,9 @@ pub enum Refusal {
         own: Bytes,
         unswappable: Vec<(GroupId, Unswappable, Bytes)>,
     },
+    /// It waited [`Params::max_wait_ns`] (`waited_ns`) and memory still did not come free:
+    /// every group that could make room was mid-swap, inside its memory turn or cooling down.
+    WaitedTooLong { bytes: Bytes, waited_ns: Nanos },
     /// The process could not be restored after a swap, so it cannot allocate.
     Lost,
 }
@@ -249,6 +257,14 @@ impl std::fmt::Display for Refusal {
                     "; free memory on the GPU or lower the group's memory cap"
                 )
             }
+            Refusal::WaitedTooLong { bytes, waited_ns } => write!(
+                f,
+                "{} MiB did not come free on the GPU within {:.1} s (the other groups' memory \
+                 was mid-swap or inside its memory turn); retry later, raise the scheduler's \
+                 overcommit.max_wait, or lower memory_overcommit",
+                bytes.div_ceil(MIB),
+                *waited_ns as f64 / 1e9
+            ),
             Refusal::Lost => write!(
                 f,
                 "the process could not be restored after a swap to host memory; restart it"
@@ -527,6 +543,24 @@ impl Overcommit {
         self.step(now)
     }
 
+    /// `process` states what it holds on `gpu` (its books were lost, e.g. the daemon
+    /// restarted): booked as it is, even past the GPU — the memory is taken already.
+    pub fn restate(&mut self, now: Nanos, process: ProcessId, gpu: Gpu, bytes: Bytes) -> Vec<Effect> {
+        if gpu >= self.capacity.len() {
+            self.capacity.resize(gpu + 1, 0);
+        }
+        if let Some(p) = self.processes.get_mut(&process) {
+            p.held.insert(gpu, bytes);
+        }
+        self.step(now)
+    }
+
+    /// Request `req` is no longer wanted (its asker went away): it stops waiting.
+    pub fn cancel(&mut self, now: Nanos, req: RequestId) -> Vec<Effect> {
+        self.waits.retain(|w| w.req != req);
+        self.step(now)
+    }
+
     /// The process exited: its memory is free, on the GPU or in host memory, and its waits end.
     pub fn exit(&mut self, now: Nanos, process: ProcessId) -> Vec<Effect> {
         self.processes.remove(&process);
@@ -648,6 +682,7 @@ impl Overcommit {
         let mut times: Vec<Nanos> = Vec::new();
         for w in &self.waits {
             times.push(w.since + self.wait_for(w.bytes));
+            times.push(w.since + self.params.max_wait_ns);
         }
         for s in self.swaps.values() {
             if let (SwapState::Out, Some(t)) = (s.state, s.wanted_since) {
@@ -800,6 +835,7 @@ impl Overcommit {
             }
         }
         self.serve(now, &mut effects);
+        self.refuse_waited_too_long(now, &mut effects);
         self.swap_out_for_overdue(now, &mut effects);
         // A refusal may leave a GPU where nothing waits: groups that do not want to run may
         // come back there.
@@ -891,6 +927,23 @@ impl Overcommit {
             group,
             processes,
         });
+    }
+
+    /// Rule 2's bound: an allocation that waited [`Params::max_wait_ns`] is refused.
+    fn refuse_waited_too_long(&mut self, now: Nanos, effects: &mut Vec<Effect>) {
+        let max = self.params.max_wait_ns;
+        let (done, kept): (Vec<Wait>, Vec<Wait>) = std::mem::take(&mut self.waits)
+            .into_iter()
+            .partition(|w| now >= w.since.saturating_add(max));
+        self.waits = kept;
+        for w in done {
+            self.counters.refusals += 1;
+            let refusal = Refusal::WaitedTooLong {
+                bytes: w.bytes,
+                waited_ns: now - w.since,
+            };
+            effects.push(Effect::Refuse(w.req, refusal));
+        }
     }
 
     /// Rules 3, 4 and 5: swap groups out for allocations whose wait ran out and for swapped-out

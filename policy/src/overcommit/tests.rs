@@ -18,6 +18,7 @@ fn params() -> Params {
         window_ns: 5 * S,
         memory_turn_ns: S,
         retry_after_ns: S,
+        max_wait_ns: 3600 * S,
         swap_cost: SwapCost {
             latency_ns: 0,
             checkpoint_bytes_per_s: 1e15,
@@ -70,6 +71,47 @@ fn an_allocation_that_fits_is_granted_at_once_and_one_that_does_not_waits() {
     assert_eq!(e, vec![Effect::Grant(RequestId(1))]);
     assert_eq!(o.books(0).used, 10 * GIB);
     assert_eq!(o.counters().swap_outs, 0);
+}
+
+#[test]
+fn an_allocation_waits_no_longer_than_the_bound_then_is_refused_saying_why() {
+    let mut o = Overcommit::new(
+        Params {
+            max_wait_ns: 500 * MS,
+            ..params()
+        },
+        vec![10 * GIB],
+    );
+    for i in 0..2 {
+        o.attach(ProcessId(i), GroupId(i));
+    }
+    grant(&mut o, 0, 0, 8 * GIB);
+    o.request(0, RequestId(1), ProcessId(1), 0, 4 * GIB);
+    assert_eq!(swap_outs(&o.tick(100 * MS)), vec![(SwapId(1), GroupId(0))]);
+    // The only victim's checkpoint times out: it cools down past the bound.
+    assert_eq!(
+        o.swapped_out(150 * MS, SwapId(1), Err(SwapOutFailure::TimedOut)),
+        vec![]
+    );
+    assert_eq!(o.next_wakeup(150 * MS), Some(500 * MS));
+    assert_eq!(o.tick(499 * MS), vec![]);
+    let e = o.tick(500 * MS);
+    let [Effect::Refuse(RequestId(1), r @ Refusal::WaitedTooLong { .. })] = e.as_slice() else {
+        panic!("{e:?}");
+    };
+    assert!(r.to_string().contains("within 0.5 s"), "{r}");
+    assert!(o.waiting().is_empty());
+    assert_eq!(o.next_wakeup(500 * MS), None);
+}
+
+#[test]
+fn a_cancelled_request_stops_waiting() {
+    let mut o = node(10 * GIB, 2);
+    grant(&mut o, 0, 0, 8 * GIB);
+    o.request(0, RequestId(1), ProcessId(1), 0, 4 * GIB);
+    assert_eq!(o.cancel(10 * MS, RequestId(1)), vec![]);
+    assert!(o.waiting().is_empty());
+    assert_eq!(o.tick(100 * MS), vec![], "no swap for a request gone");
 }
 
 #[test]
