@@ -1,5 +1,5 @@
-//! The manager's end of the scheduler's admin socket ([`gpushare_protocol::admin`]). Blocking
-//! I/O with timeouts; the async shell calls it from `spawn_blocking`.
+//! A node agent's end of the scheduler's admin socket ([`gpushare_protocol::admin`]). Blocking
+//! I/O with timeouts; the async shells call it from `spawn_blocking` ([`push`]).
 //!
 //! After every (re)connection the first push is a full [`AdminRequest::Sync`] (a restarted
 //! scheduler learns everything again); later pushes send only the difference
@@ -12,6 +12,7 @@ use gpushare_protocol::admin::{
 use std::collections::BTreeMap;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How long one request may take before the connection is dropped and retried.
@@ -38,6 +39,8 @@ pub enum AdminError {
 
 pub struct AdminLink {
     path: PathBuf,
+    /// Who we are, for the scheduler's log.
+    agent: &'static str,
     conn: Option<UnixStream>,
     /// What the scheduler holds, as far as this connection told it.
     pushed: BTreeMap<ContainerKey, PodGroup>,
@@ -47,9 +50,10 @@ pub struct AdminLink {
 }
 
 impl AdminLink {
-    pub fn new(path: PathBuf) -> AdminLink {
+    pub fn new(path: PathBuf, agent: &'static str) -> AdminLink {
         AdminLink {
             path,
+            agent,
             conn: None,
             pushed: BTreeMap::new(),
             synced: false,
@@ -71,7 +75,7 @@ impl AdminLink {
         self.synced = false;
         let hello = AdminRequest::Hello {
             version: ADMIN_PROTOCOL_VERSION,
-            agent: format!("gpushare-device-manager {}", env!("CARGO_PKG_VERSION")),
+            agent: format!("{} {}", self.agent, env!("CARGO_PKG_VERSION")),
         };
         match self.call(&hello)? {
             AdminReply::Welcome { .. } => Ok(()),
@@ -154,5 +158,22 @@ impl AdminLink {
             AdminReply::Usage { gpus } => Ok(gpus),
             other => Err(self.fail(other)),
         }
+    }
+}
+
+/// Make the scheduler hold exactly `groups` (from an async task; the I/O runs on a blocking
+/// thread). Failures are logged: the next push tries again.
+pub async fn push(link: &Arc<Mutex<AdminLink>>, groups: BTreeMap<ContainerKey, PodGroup>) {
+    let link = link.clone();
+    let containers = groups.len();
+    let pushed = tokio::task::spawn_blocking(move || {
+        link.lock().unwrap_or_else(|e| e.into_inner()).push(&groups)
+    })
+    .await;
+    match pushed {
+        Ok(Ok(0)) => {}
+        Ok(Ok(n)) => tracing::info!(requests = n, containers, "scheduler updated"),
+        Ok(Err(e)) => tracing::warn!("{e}"),
+        Err(e) => tracing::error!("admin push panicked: {e}"),
     }
 }

@@ -8,6 +8,7 @@
 //! not what was requested: requests over-provision). More than one GPU's units must be whole
 //! GPUs.
 
+use crate::injection::Injection;
 use crate::inventory::parse_device_id;
 use crate::proto::deviceplugin::{CdiDevice, ContainerAllocateResponse, Mount};
 use std::collections::{BTreeMap, BTreeSet};
@@ -142,84 +143,27 @@ pub fn gpus_of(device_ids: &[String], units_per_gpu: u32) -> Result<Vec<String>,
     }
 }
 
-/// How the hook gets into a container.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Preload {
-    /// `LD_PRELOAD` in the container's environment.
-    LdPreload,
-    /// A read-only `/etc/ld.so.preload` mounted over the image's.
-    LdSoPreload,
-}
-
-/// Where the hook's versioned host directory is mounted in containers.
-pub const HOOK_MOUNT: &str = "/usr/lib/gpushare";
-
-/// What `Allocate` needs besides the units: paths on the host, and options.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Injection {
-    /// The scheduler's tenant socket; its directory is mounted at the same path.
-    pub tenant_socket: std::path::PathBuf,
-    /// Versioned host directory holding `libgpushare.so` (and `ld.so.preload`).
-    pub hook_dir: std::path::PathBuf,
-    pub preload: Preload,
-    /// CDI kind (e.g. `nvidia.com/gpu`): each GPU also as the CDI device `<kind>=<UUID>`.
-    pub cdi_kind: Option<String>,
-}
-
 /// The container's part of the `Allocate` answer for `gpus`.
 pub fn container_response(gpus: &[String], inj: &Injection) -> ContainerAllocateResponse {
-    let mut envs = std::collections::HashMap::new();
-    envs.insert("NVIDIA_VISIBLE_DEVICES".to_string(), gpus.join(","));
-    envs.insert(
-        gpushare_protocol::SOCKET_ENV.to_string(),
-        inj.tenant_socket.display().to_string(),
-    );
-    let socket_dir = inj
-        .tenant_socket
-        .parent()
-        .unwrap_or(std::path::Path::new("/"))
-        .display()
-        .to_string();
-    let mut mounts = vec![
-        Mount {
-            container_path: socket_dir.clone(),
-            host_path: socket_dir,
-            read_only: false,
-        },
-        Mount {
-            container_path: HOOK_MOUNT.to_string(),
-            host_path: inj.hook_dir.display().to_string(),
-            read_only: true,
-        },
-    ];
-    match inj.preload {
-        Preload::LdPreload => {
-            envs.insert(
-                "LD_PRELOAD".to_string(),
-                format!("{HOOK_MOUNT}/libgpushare.so"),
-            );
-        }
-        Preload::LdSoPreload => mounts.push(Mount {
-            container_path: "/etc/ld.so.preload".to_string(),
-            host_path: inj.hook_dir.join("ld.so.preload").display().to_string(),
-            read_only: true,
-        }),
-    }
-    let cdi_devices = inj
-        .cdi_kind
-        .iter()
-        .flat_map(|kind| {
-            gpus.iter().map(move |g| CdiDevice {
-                name: format!("{kind}={g}"),
-            })
-        })
-        .collect();
+    let edits = inj.edits(gpus);
     ContainerAllocateResponse {
-        envs,
-        mounts,
+        envs: edits.env.into_iter().collect(),
+        mounts: edits
+            .mounts
+            .into_iter()
+            .map(|m| Mount {
+                container_path: m.container_path,
+                host_path: m.host_path,
+                read_only: m.read_only,
+            })
+            .collect(),
         devices: vec![],
         annotations: Default::default(),
-        cdi_devices,
+        cdi_devices: edits
+            .cdi_devices
+            .into_iter()
+            .map(|name| CdiDevice { name })
+            .collect(),
     }
 }
 
@@ -313,6 +257,7 @@ mod tests {
 
     #[test]
     fn allocate_injects_gpu_socket_and_hook() {
+        use crate::injection::Preload;
         let inj = Injection {
             tenant_socket: "/run/gpushare/gpushare.sock".into(),
             hook_dir: "/var/lib/gpushare/lib/0.1.0-abc".into(),

@@ -4,7 +4,7 @@
 //! that file in place would crash it (HAMi's upgrade failure), so a new library always gets a
 //! new directory, made complete under a temporary name and renamed into place.
 
-use crate::allocation::HOOK_MOUNT;
+use crate::injection::HOOK_MOUNT;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 

@@ -1,20 +1,28 @@
-//! `gpushare-device-manager`: the Kubernetes node agent of gpushare (DESIGN §6).
+//! The Kubernetes node agents of gpushare: `gpushare-device-manager`, the device
+//! plugin, and `gpushare-dra`, the Dynamic Resource Allocation driver.
 //!
-//! - [`plugin`] + [`kubelet`]: the device plugin for `gpushare.io/gpu-share` (100 units per
-//!   GPU, [`inventory`]), which units to prefer and what `Allocate` injects ([`allocation`],
-//!   the hook from a versioned directory: [`hook_install`]);
-//! - [`podwatch`] (annotations, [`annotations`]) and [`podresources`] (who got which units)
-//!   feed the pure [`reconcile`], whose groups go to the scheduler over its admin socket
-//!   ([`admin_client`]); problems become Warning [`events`] and [`metrics`];
-//! - [`discovery`]: GPUs from the CUDA driver; [`manager`]: the tasks that tie it together.
+//! Shared by both: the settings, start and GPU watch ([`agent`]; GPUs from the CUDA driver,
+//! [`discovery`], [`inventory`]), what a container gets ([`injection`], the hook from a
+//! versioned directory: [`hook_install`]), the pods of the node ([`podwatch`]), the scheduler's
+//! admin socket ([`admin_client`]), Warning [`events`], gRPC on Unix sockets ([`grpc`],
+//! [`proto`]).
+//!
+//! - the device plugin: [`plugin`] + [`kubelet`] serve `gpushare.io/gpu-share` (100 units per
+//!   GPU), which units to prefer ([`allocation`]); pod annotations ([`annotations`]) and who
+//!   got which units ([`podresources`]) feed the pure [`reconcile`]; [`metrics`]; [`manager`]
+//!   ties it together;
+//! - the DRA driver: [`dra`].
 
 pub mod admin_client;
+pub mod agent;
 pub mod allocation;
 pub mod annotations;
 pub mod discovery;
+pub mod dra;
 pub mod events;
 pub mod grpc;
 pub mod hook_install;
+pub mod injection;
 pub mod inventory;
 pub mod kubelet;
 pub mod manager;

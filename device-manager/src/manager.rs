@@ -3,7 +3,10 @@
 //! scheduler. Each runs as its own task; they meet in [`Shared`].
 
 use crate::admin_client::AdminLink;
-use crate::allocation::{Injection, Load, Placement, Preload};
+use crate::agent::{AgentArgs, Gpus};
+use crate::allocation::{Load, Placement};
+use crate::events::Reporter;
+use crate::injection::Injection;
 use crate::inventory::{Gpu, device_id};
 use crate::metrics::Metrics;
 use crate::podwatch::PodStore;
@@ -16,25 +19,33 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{Notify, watch};
 
-/// The manager's settings (the command line).
-#[derive(Debug, Clone)]
+/// The device plugin's settings (the command line, besides the agents' common ones).
+#[derive(clap::Args, Debug, Clone)]
 pub struct Options {
-    pub node_name: String,
+    #[command(flatten)]
+    pub agent: AgentArgs,
+    /// The kubelet's device-plugin directory (kubelet.sock; our gpushare.sock goes there).
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "/var/lib/kubelet/device-plugins"
+    )]
     pub device_plugin_dir: PathBuf,
+    /// The kubelet's PodResources socket.
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    )]
     pub pod_resources_socket: PathBuf,
-    /// The scheduler's admin socket.
-    pub scheduler_socket: PathBuf,
-    /// The scheduler's tenant socket, as containers see it (its directory is mounted).
-    pub tenant_socket: PathBuf,
-    pub kubeconfig: Option<PathBuf>,
-    pub units_per_gpu: u32,
+    /// Which GPU a request's units come from: binpack (fullest that fits) or spread (emptiest).
+    #[arg(long, value_enum, default_value = "binpack")]
     pub placement: Placement,
-    pub hook_library: PathBuf,
-    pub hook_dir: PathBuf,
-    pub preload: Preload,
-    pub cdi_kind: Option<String>,
+    /// Serve Prometheus metrics at ADDR (e.g. 0.0.0.0:9401).
+    #[arg(long, value_name = "ADDR")]
     pub metrics: Option<SocketAddr>,
-    pub health_interval: Duration,
+    /// How often PodResources is read besides after each allocation and pod change.
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = crate::agent::duration)]
     pub pod_resources_interval: Duration,
 }
 
@@ -44,8 +55,7 @@ pub struct Shared {
     pub injection: Injection,
     /// The device list the plugin advertises (`ListAndWatch`).
     pub devices: watch::Sender<Vec<Device>>,
-    /// Every GPU ever seen, and whether the last look found it.
-    gpus: Mutex<Vec<(Gpu, bool)>>,
+    gpus: Mutex<Gpus>,
     admin: Arc<Mutex<AdminLink>>,
     /// Something changed that the reconcile loop should look at.
     poke: Notify,
@@ -79,10 +89,7 @@ impl Shared {
         let admin = self.admin.clone();
         let usage = tokio::task::spawn_blocking(move || locked(&admin).usage()).await;
         match usage {
-            Ok(Ok(u)) => {
-                let gpus: Vec<Gpu> = locked(&self.gpus).iter().map(|(g, _)| g.clone()).collect();
-                crate::plugin::loads(&u, &gpus)
-            }
+            Ok(Ok(u)) => crate::plugin::loads(&u, &locked(&self.gpus).all()),
             Ok(Err(e)) => {
                 tracing::debug!("placement without measurements: {e}");
                 BTreeMap::new()
@@ -95,27 +102,10 @@ impl Shared {
     /// them when discovery failed). Publishes the device list if it changed.
     fn set_found(&self, found: Result<Vec<Gpu>, String>) {
         let mut gpus = locked(&self.gpus);
-        match found {
-            Ok(list) => {
-                for (g, healthy) in gpus.iter_mut() {
-                    *healthy = list.iter().any(|x| x.uuid == g.uuid);
-                }
-                for g in list {
-                    if !gpus.iter().any(|(x, _)| x.uuid == g.uuid) {
-                        tracing::info!(uuid = %g.uuid, name = %g.name, memory = g.memory, "GPU found");
-                        gpus.push((g, true));
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::warn!("{e}: every GPU is unhealthy until discovery works again");
-                for (_, healthy) in gpus.iter_mut() {
-                    *healthy = false;
-                }
-            }
-        }
-        let per_gpu = self.opts.units_per_gpu;
+        gpus.update(found);
+        let per_gpu = self.opts.agent.units_per_gpu;
         let devices: Vec<Device> = gpus
+            .seen
             .iter()
             .flat_map(|(g, healthy)| {
                 (0..per_gpu).map(move |n| Device {
@@ -128,6 +118,7 @@ impl Shared {
         {
             let mut m = locked(&self.metrics);
             m.allocatable = gpus
+                .seen
                 .iter()
                 .enumerate()
                 .map(|(i, (g, healthy))| (g.uuid.clone(), (i, if *healthy { per_gpu } else { 0 })))
@@ -146,32 +137,19 @@ impl Shared {
 
 /// Run the manager until the process is killed.
 pub async fn run(opts: Options) -> anyhow::Result<()> {
-    let hook_dir = crate::hook_install::install(&opts.hook_library, &opts.hook_dir)
-        .map_err(|e| anyhow::anyhow!(e))?;
-    tracing::info!(dir = %hook_dir.display(), "hook installed");
-    let injection = Injection {
-        tenant_socket: opts.tenant_socket.clone(),
-        hook_dir,
-        preload: opts.preload,
-        cdi_kind: opts.cdi_kind.clone(),
-    };
+    let injection = crate::agent::install_hook(&opts.agent)?;
     let exe = std::env::current_exe()?;
-    // The first discovery must succeed: without GPUs there is nothing to serve.
-    let first = loop {
-        match crate::discovery::probe(&exe, Duration::from_secs(30)).await {
-            Ok(g) if !g.is_empty() => break g,
-            Ok(_) => tracing::warn!("no GPU found; looking again"),
-            Err(e) => tracing::warn!("{e}; looking again"),
-        }
-        tokio::time::sleep(opts.health_interval).await;
-    };
+    let first = crate::agent::first_gpus(&exe, opts.agent.health_interval).await;
     let metrics = Arc::new(Mutex::new(Metrics::default()));
     let shared = Arc::new(Shared {
-        admin: Arc::new(Mutex::new(AdminLink::new(opts.scheduler_socket.clone()))),
+        admin: Arc::new(Mutex::new(AdminLink::new(
+            opts.agent.scheduler_socket.clone(),
+            "gpushare-device-manager",
+        ))),
         opts,
         injection,
         devices: watch::Sender::new(Vec::new()),
-        gpus: Mutex::new(Vec::new()),
+        gpus: Mutex::new(Gpus::default()),
         poke: Notify::new(),
         metrics: metrics.clone(),
     });
@@ -182,15 +160,20 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         })?;
         tokio::spawn(crate::metrics::serve(l, metrics));
     }
-    tokio::spawn(health_loop(shared.clone(), exe));
+    let s = shared.clone();
+    tokio::spawn(crate::agent::watch_gpus(
+        exe,
+        shared.opts.agent.health_interval,
+        move |found| s.set_found(found),
+    ));
     tokio::spawn(crate::kubelet::run(shared.clone()));
     let store = Arc::new(Mutex::new(PodStore::default()));
-    let client = match crate::podwatch::client(shared.opts.kubeconfig.as_deref()).await {
+    let client = match crate::podwatch::client(shared.opts.agent.kubeconfig.as_deref()).await {
         Ok(c) => {
             let changed = Arc::new(Notify::new());
             tokio::spawn(crate::podwatch::run(
                 c.clone(),
-                shared.opts.node_name.clone(),
+                shared.opts.agent.node().to_string(),
                 store.clone(),
                 changed.clone(),
             ));
@@ -212,14 +195,6 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn health_loop(shared: Arc<Shared>, exe: PathBuf) {
-    loop {
-        tokio::time::sleep(shared.opts.health_interval).await;
-        let found = crate::discovery::probe(&exe, Duration::from_secs(30)).await;
-        shared.set_found(found);
-    }
-}
-
 /// On every change (and every `pod_resources_interval`): read PodResources, compute the
 /// desired groups, push the difference, report new annotation problems.
 async fn reconcile_loop(
@@ -229,7 +204,8 @@ async fn reconcile_loop(
 ) {
     let mut assignments: Option<Vec<Assignment>> = None;
     let mut counted: HashSet<PodProblem> = HashSet::new();
-    let events = Arc::new(Mutex::new(Reported::default()));
+    let reporter =
+        client.map(|c| Reporter::new(c, "gpushare-device-manager", shared.opts.agent.node()));
     let mut pr_failing = false;
     loop {
         let _ =
@@ -259,23 +235,9 @@ async fn reconcile_loop(
         let Some(assignments) = assignments.as_ref().filter(|_| ready) else {
             continue;
         };
-        let gpus: Vec<Gpu> = locked(&shared.gpus)
-            .iter()
-            .map(|(g, _)| g.clone())
-            .collect();
-        let want = reconcile::desired(&pods, assignments, &gpus, shared.opts.units_per_gpu);
-        let admin = shared.admin.clone();
-        let groups = want.groups.clone();
-        match tokio::task::spawn_blocking(move || locked(&admin).push(&groups)).await {
-            Ok(Ok(0)) => {}
-            Ok(Ok(n)) => tracing::info!(
-                requests = n,
-                containers = want.groups.len(),
-                "scheduler updated"
-            ),
-            Ok(Err(e)) => tracing::warn!("{e}"),
-            Err(e) => tracing::error!("admin push panicked: {e}"),
-        }
+        let gpus = locked(&shared.gpus).all();
+        let want = reconcile::desired(&pods, assignments, &gpus, shared.opts.agent.units_per_gpu);
+        crate::admin_client::push(&shared.admin, want.groups).await;
         let now: HashSet<PodProblem> = want.problems.iter().cloned().collect();
         for p in now.difference(&counted) {
             tracing::warn!(namespace = %p.namespace, pod = %p.pod, "{}={:?}: {}", p.problem.annotation, p.problem.value, p.problem.message);
@@ -288,54 +250,9 @@ async fn reconcile_loop(
                 ))
                 .or_default() += 1;
         }
-        counted = now.clone();
-        if let Some(c) = &client {
-            report(c, &shared.opts.node_name, &now, &events);
+        if let Some(r) = &reporter {
+            r.report(&now.iter().map(PodProblem::warning).collect());
         }
-    }
-}
-
-/// Problems whose event was posted, and those being posted.
-#[derive(Default)]
-struct Reported {
-    posted: HashSet<PodProblem>,
-    in_flight: HashSet<PodProblem>,
-}
-
-/// Post an event for each problem not reported yet, each in its own task (the API server may
-/// be slow or down; the reconcile loop does not wait for it). Problems that went away are
-/// forgotten, so one that comes back is reported again.
-fn report(
-    client: &kube::Client,
-    node: &str,
-    now: &HashSet<PodProblem>,
-    events: &Arc<Mutex<Reported>>,
-) {
-    let mut r = locked(events);
-    r.posted.retain(|p| now.contains(p));
-    for p in now {
-        if r.posted.contains(p) || !r.in_flight.insert(p.clone()) {
-            continue;
-        }
-        let (client, node, p, events) =
-            (client.clone(), node.to_string(), p.clone(), events.clone());
-        tokio::spawn(async move {
-            let res = tokio::time::timeout(
-                Duration::from_secs(10),
-                crate::events::post(client, &p, &node),
-            )
-            .await;
-            let mut r = locked(&events);
-            r.in_flight.remove(&p);
-            match res {
-                Ok(Ok(())) => {
-                    r.posted.insert(p);
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!("cannot post an event on {}/{}: {e}", p.namespace, p.pod)
-                }
-                Err(_) => tracing::warn!("posting an event on {}/{} timed out", p.namespace, p.pod),
-            }
-        });
+        counted = now;
     }
 }

@@ -65,7 +65,7 @@ impl DevicePlugin for PluginService {
                 &c.available_device_i_ds,
                 &c.must_include_device_i_ds,
                 usize::try_from(c.allocation_size).unwrap_or(0),
-                opts.units_per_gpu,
+                opts.agent.units_per_gpu,
                 opts.placement,
                 &load,
             )
@@ -83,7 +83,7 @@ impl DevicePlugin for PluginService {
     ) -> Result<Response<AllocateResponse>, Status> {
         let mut container_responses = Vec::new();
         for c in req.into_inner().container_requests {
-            let gpus = allocation::gpus_of(&c.devices_ids, self.shared.opts.units_per_gpu)
+            let gpus = allocation::gpus_of(&c.devices_ids, self.shared.opts.agent.units_per_gpu)
                 .map_err(|e| {
                     tracing::warn!("Allocate refused: {e}");
                     Status::invalid_argument(format!("gpushare: {e}"))

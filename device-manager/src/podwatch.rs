@@ -79,7 +79,56 @@ pub fn view(p: &Pod) -> Option<PodView> {
         name: m.name.clone()?,
         annotations: m.annotations.clone().unwrap_or_default(),
         container_ids,
+        claims: claims(p),
     })
+}
+
+/// Container name → the ResourceClaims it uses: a container names the pod's claim entries
+/// (`spec.resourceClaims`), each either a claim's name or a template, whose claim the pod's
+/// status names once it was made. Entries not resolved yet are left out.
+fn claims(p: &Pod) -> BTreeMap<String, Vec<String>> {
+    let Some(spec) = &p.spec else {
+        return BTreeMap::new();
+    };
+    let statuses = p
+        .status
+        .iter()
+        .flat_map(|s| s.resource_claim_statuses.iter().flatten());
+    let made: BTreeMap<&str, &str> = statuses
+        .filter_map(|s| Some((s.name.as_str(), s.resource_claim_name.as_deref()?)))
+        .collect();
+    let resolved: BTreeMap<&str, &str> = spec
+        .resource_claims
+        .iter()
+        .flatten()
+        .filter_map(|c| {
+            let claim = c
+                .resource_claim_name
+                .as_deref()
+                .or_else(|| made.get(c.name.as_str()).copied())?;
+            Some((c.name.as_str(), claim))
+        })
+        .collect();
+    let containers = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .chain(&spec.containers);
+    let mut out = BTreeMap::new();
+    for c in containers {
+        let mut names: Vec<String> = c
+            .resources
+            .iter()
+            .flat_map(|r| r.claims.iter().flatten())
+            .filter_map(|r| resolved.get(r.name.as_str()).map(|n| n.to_string()))
+            .collect();
+        names.sort();
+        names.dedup();
+        if !names.is_empty() {
+            out.insert(c.name.clone(), names);
+        }
+    }
+    out
 }
 
 /// A client from `--kubeconfig`, or else the in-cluster config (or `$KUBECONFIG`).
@@ -131,5 +180,44 @@ pub async fn run(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn containers_name_their_claims_directly_or_through_a_template() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"uid": "u", "namespace": "ns", "name": "p"},
+            "spec": {
+                "resourceClaims": [
+                    {"name": "shared", "resourceClaimName": "team-gpu"},
+                    {"name": "own", "resourceClaimTemplateName": "gpu-30"},
+                    {"name": "pending", "resourceClaimTemplateName": "gpu-30"}
+                ],
+                "initContainers": [{"name": "warmup", "resources": {"claims": [{"name": "own"}]}}],
+                "containers": [
+                    {"name": "main", "resources": {"claims": [{"name": "own"}, {"name": "shared"}, {"name": "own", "request": "gpu"}]}},
+                    {"name": "waiting", "resources": {"claims": [{"name": "pending"}]}},
+                    {"name": "sidecar"}
+                ]
+            },
+            "status": {"resourceClaimStatuses": [
+                {"name": "own", "resourceClaimName": "p-own-x7k2q"},
+                {"name": "pending"}
+            ]}
+        }))
+        .unwrap();
+        let v = view(&pod).unwrap();
+        let want = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            v.claims,
+            BTreeMap::from([
+                ("main".to_string(), want(&["p-own-x7k2q", "team-gpu"])),
+                ("warmup".to_string(), want(&["p-own-x7k2q"])),
+            ])
+        );
     }
 }

@@ -19,3 +19,21 @@ pub mod deviceplugin {
 pub mod podresources {
     tonic::include_proto!("v1");
 }
+
+/// Plugin registration API v1: `Registration`, served by a plugin on its socket in the
+/// kubelet's `plugins_registry` directory; the kubelet calls `GetInfo`, then
+/// `NotifyRegistrationStatus`.
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+
+    /// [`PluginInfo::type`] of a DRA driver.
+    pub const DRA_PLUGIN: &str = "DRAPlugin";
+}
+
+/// DRA plugin API v1: `DRAPlugin` (served by the DRA driver, Kubernetes 1.34 and later).
+pub mod dra {
+    tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+
+    /// The service version a driver lists in [`super::pluginregistration::PluginInfo`].
+    pub const SERVICE: &str = "v1.DRAPlugin";
+}

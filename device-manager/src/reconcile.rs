@@ -5,6 +5,7 @@
 //! ([`diff`]); since it looks only at what is observed now, restarts and missed events heal.
 
 use crate::annotations::{self, Problem};
+use crate::events::{Object, Warning};
 use crate::inventory::{Gpu, parse_device_id};
 use gpushare_protocol::admin::{AdminRequest, ContainerKey, PodGroup};
 use std::collections::BTreeMap;
@@ -18,6 +19,9 @@ pub struct PodView {
     pub annotations: BTreeMap<String, String>,
     /// Container name → ID (without the `containerd://` prefix), once running.
     pub container_ids: BTreeMap<String, String>,
+    /// Container name → the names of the ResourceClaims (of the pod's namespace) it uses,
+    /// once known (a claim made from a template is named in the pod's status).
+    pub claims: BTreeMap<String, Vec<String>>,
 }
 
 /// Units of our resource the kubelet assigned to one container (PodResources).
@@ -36,6 +40,26 @@ pub struct PodProblem {
     pub namespace: String,
     pub pod: String,
     pub problem: Problem,
+}
+
+impl PodProblem {
+    /// The Warning event telling it, on the pod.
+    pub fn warning(&self) -> Warning {
+        Warning {
+            object: Object {
+                api_version: "v1",
+                kind: "Pod",
+                namespace: self.namespace.clone(),
+                name: self.pod.clone(),
+                uid: self.pod_uid.clone(),
+            },
+            reason: "InvalidGpushareAnnotation",
+            message: format!(
+                "{}={:?}: {}",
+                self.problem.annotation, self.problem.value, self.problem.message
+            ),
+        }
+    }
 }
 
 /// The outcome of [`desired`].
@@ -120,10 +144,6 @@ fn group_of(
         }
     };
     let q = annotations::quota(&pod.annotations, &a.container, problems);
-    // A cap below the units' request wins: the guarantee is lowered to it (the pod keeps the
-    // units it was scheduled with, but never gets more than its cap).
-    let limit = q.limit.unwrap_or(1.0);
-    let request = request.min(limit);
     let gpu_memory = units.keys().map(|g| memory_of[g]).min().unwrap_or(0);
     let units_share = f64::from(units.values().sum::<u32>().min(per_gpu)) / f64::from(per_gpu);
     let memory = match q.memory {
@@ -141,18 +161,49 @@ fn group_of(
         Some(m) => m,
         None => (units_share * gpu_memory as f64) as u64,
     };
-    Some(PodGroup {
+    let policy = Policy {
+        share: request,
+        limit: q.limit.unwrap_or(1.0),
+        weight: q.weight.unwrap_or(1.0),
+        memory,
+    };
+    Some(group(
+        pod,
+        &a.container,
+        units.keys().map(|g| g.to_string()).collect(),
+        &policy,
+    ))
+}
+
+/// What a container is given on each of its GPUs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Policy {
+    /// The share it was scheduled with (units / units per GPU), 0..=1.
+    pub share: f64,
+    /// Hard cap, in (0, 1].
+    pub limit: f64,
+    /// Weight for spare time, > 0.
+    pub weight: f64,
+    /// Memory cap in bytes.
+    pub memory: u64,
+}
+
+/// The scheduler group of `container` of `pod` on `gpus`. A cap below the share wins: the
+/// guarantee is lowered to it (the container keeps what it was scheduled with, but never gets
+/// more than its cap).
+pub fn group(pod: &PodView, container: &str, gpus: Vec<String>, p: &Policy) -> PodGroup {
+    PodGroup {
         pod_uid: pod.uid.clone(),
         namespace: pod.namespace.clone(),
         pod: pod.name.clone(),
-        container: a.container.clone(),
-        container_id: pod.container_ids.get(&a.container).cloned(),
-        gpus: units.keys().map(|g| g.to_string()).collect(),
-        request,
-        limit,
-        weight: q.weight.unwrap_or(1.0),
-        memory: Some(memory),
-    })
+        container: container.to_string(),
+        container_id: pod.container_ids.get(container).cloned(),
+        gpus,
+        request: p.share.min(p.limit),
+        limit: p.limit,
+        weight: p.weight,
+        memory: Some(p.memory),
+    }
 }
 
 /// The admin requests that turn `pushed` into `want`: removals first, then upserts of what
@@ -211,6 +262,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             container_ids: BTreeMap::new(),
+            claims: BTreeMap::new(),
         }
     }
 

@@ -1,15 +1,18 @@
 //! A fake Kubernetes API server on loopback, good enough for kube-rs and the real `kubectl`:
-//! discovery (`/api`, `/apis`, `/api/v1`, `/version`), pods get / list / watch (field selector
-//! `spec.nodeName`, resource versions, bookmarks, `410 Gone` for a resource version older than
-//! the last compaction), JSON merge patch on pods, events create / list, and server-side
-//! `Table` output for `kubectl get`. The test changes pods directly ([`FakeApiServer::create_pod`]
-//! and friends), compacts the history, or takes the server down.
+//! discovery (`/api`, `/apis`, `/api/v1`, `/apis/resource.k8s.io/v1`, `/version`); for pods,
+//! events and the `resource.k8s.io/v1` kinds (ResourceSlices, ResourceClaims, DeviceClasses)
+//! get / list / watch (field selectors on any field path, e.g. `spec.nodeName`, resource
+//! versions, bookmarks, `410 Gone` for a resource version older than the last compaction),
+//! create, replace (with the resource version checked), JSON merge patch and delete; and
+//! server-side `Table` output of pods and events for `kubectl get`. The test changes objects
+//! directly ([`FakeApiServer::create`] and friends), compacts the history, or takes the server
+//! down.
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{MethodRouter, get};
 use axum::{Json, Router};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
@@ -18,19 +21,113 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::broadcast;
 
+/// The kinds served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kind {
+    Pod,
+    Event,
+    ResourceSlice,
+    ResourceClaim,
+    DeviceClass,
+}
+
+const KINDS: [Kind; 5] = [
+    Kind::Pod,
+    Kind::Event,
+    Kind::ResourceSlice,
+    Kind::ResourceClaim,
+    Kind::DeviceClass,
+];
+
+impl Kind {
+    fn plural(self) -> &'static str {
+        match self {
+            Kind::Pod => "pods",
+            Kind::Event => "events",
+            Kind::ResourceSlice => "resourceslices",
+            Kind::ResourceClaim => "resourceclaims",
+            Kind::DeviceClass => "deviceclasses",
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Pod => "Pod",
+            Kind::Event => "Event",
+            Kind::ResourceSlice => "ResourceSlice",
+            Kind::ResourceClaim => "ResourceClaim",
+            Kind::DeviceClass => "DeviceClass",
+        }
+    }
+
+    fn group_version(self) -> &'static str {
+        match self {
+            Kind::Pod | Kind::Event => "v1",
+            _ => "resource.k8s.io/v1",
+        }
+    }
+
+    fn namespaced(self) -> bool {
+        matches!(self, Kind::Pod | Kind::Event | Kind::ResourceClaim)
+    }
+
+    fn of(group_version: &str, plural: &str) -> Option<Kind> {
+        KINDS
+            .into_iter()
+            .find(|k| k.group_version() == group_version && k.plural() == plural)
+    }
+}
+
+/// An object's key: kind, namespace (empty for cluster-scoped kinds), name.
+type Key = (Kind, String, String);
+
 #[derive(Default)]
 struct Store {
     rv: u64,
-    pods: BTreeMap<(String, String), Value>,
-    events: Vec<Value>,
-    /// (resource version, ADDED | MODIFIED | DELETED, pod) since the last compaction.
-    history: Vec<(u64, &'static str, Value)>,
+    objects: BTreeMap<Key, Value>,
+    /// (resource version, kind, ADDED | MODIFIED | DELETED, object) since the last compaction.
+    history: Vec<(u64, Kind, &'static str, Value)>,
     /// Watches from a resource version older than this get 410 Gone.
     oldest: u64,
     down: bool,
     /// Requests refused while down.
     refused: u64,
     names: u64,
+}
+
+impl Store {
+    /// Record `obj` under `key` as of a new resource version.
+    fn put(&mut self, key: Key, mut obj: Value, how: &'static str) -> Value {
+        self.rv += 1;
+        obj["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+        self.history.push((self.rv, key.0, how, obj.clone()));
+        if how == "DELETED" {
+            self.objects.remove(&key);
+        } else {
+            self.objects.insert(key, obj.clone());
+        }
+        obj
+    }
+
+    /// Fill in what the server sets on creation.
+    fn created(&mut self, kind: Kind, ns: &str, mut obj: Value) -> Value {
+        self.names += 1;
+        obj["apiVersion"] = json!(kind.group_version());
+        obj["kind"] = json!(kind.name());
+        let m = &mut obj["metadata"];
+        if m["name"].is_null() {
+            let base = m["generateName"].as_str().unwrap_or("object.").to_string();
+            m["name"] = json!(format!("{base}{:05x}", self.names));
+        }
+        if kind.namespaced() {
+            m["namespace"] = json!(ns);
+        }
+        if m["uid"].is_null() {
+            m["uid"] = json!(format!("00000000-0000-4000-9000-{:012x}", self.names));
+        }
+        m["creationTimestamp"] = json!(now());
+        obj
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -65,6 +162,20 @@ fn now() -> String {
         .to_string()
 }
 
+fn key(kind: Kind, ns: &str, name: &str) -> Key {
+    let ns = if kind.namespaced() { ns } else { "" };
+    (kind, ns.to_string(), name.to_string())
+}
+
+fn key_of(kind: Kind, obj: &Value) -> Key {
+    let m = &obj["metadata"];
+    key(
+        kind,
+        m["namespace"].as_str().unwrap_or("default"),
+        m["name"].as_str().unwrap_or_default(),
+    )
+}
+
 impl FakeApiServer {
     pub async fn start() -> FakeApiServer {
         let (tx, _) = broadcast::channel(1024);
@@ -75,21 +186,27 @@ impl FakeApiServer {
             }),
             tx,
         });
+        let collection = || -> MethodRouter<Shared> { get(collection).post(collection) };
+        let object =
+            || -> MethodRouter<Shared> { get(object).patch(object).put(object).delete(object) };
         let app = Router::new()
             .route("/version", get(version))
             .route("/api", get(api_versions))
             .route("/apis", get(api_groups))
-            .route("/api/v1", get(api_resources))
-            .route("/api/v1/pods", get(list_pods_all))
-            .route("/api/v1/namespaces/{ns}/pods", get(list_pods_ns))
+            .route("/api/{version}", get(api_resources))
+            .route("/apis/{group}/{version}", get(group_resources))
+            .route("/api/{version}/{plural}", collection())
+            .route("/api/{version}/namespaces/{ns}/{plural}", collection())
+            .route("/api/{version}/namespaces/{ns}/{plural}/{name}", object())
+            .route("/apis/{group}/{version}/{plural}", collection())
+            .route("/apis/{group}/{version}/{plural}/{name}", object())
             .route(
-                "/api/v1/namespaces/{ns}/pods/{name}",
-                get(get_pod).patch(patch_pod),
+                "/apis/{group}/{version}/namespaces/{ns}/{plural}",
+                collection(),
             )
-            .route("/api/v1/events", get(list_events_all))
             .route(
-                "/api/v1/namespaces/{ns}/events",
-                get(list_events_ns).post(create_event),
+                "/apis/{group}/{version}/namespaces/{ns}/{plural}/{name}",
+                object(),
             )
             .fallback(not_found)
             .with_state(inner.clone());
@@ -112,49 +229,74 @@ impl FakeApiServer {
         path
     }
 
-    fn change(&self, f: impl FnOnce(&mut Store)) {
-        f(&mut self.inner.store.lock().unwrap());
+    fn change<T>(&self, f: impl FnOnce(&mut Store) -> T) -> T {
+        let out = f(&mut self.inner.store.lock().unwrap());
         let _ = self.inner.tx.send(Signal::Changed);
+        out
+    }
+
+    /// Create an object of `kind` (its `metadata.uid` kept if set); the object as stored.
+    pub fn create(&self, kind: Kind, obj: Value) -> Value {
+        self.change(|s| {
+            let ns = obj["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("default")
+                .to_string();
+            let obj = s.created(kind, &ns, obj);
+            s.put(key_of(kind, &obj), obj, "ADDED")
+        })
+    }
+
+    /// Change an object as a controller would.
+    pub fn update(&self, kind: Kind, ns: &str, name: &str, f: impl FnOnce(&mut Value)) {
+        self.change(|s| {
+            let k = key(kind, ns, name);
+            let mut obj = s
+                .objects
+                .get(&k)
+                .unwrap_or_else(|| panic!("no {kind:?} {ns}/{name}"))
+                .clone();
+            f(&mut obj);
+            s.put(k, obj, "MODIFIED");
+        });
+    }
+
+    pub fn delete(&self, kind: Kind, ns: &str, name: &str) {
+        self.change(|s| {
+            let k = key(kind, ns, name);
+            if let Some(obj) = s.objects.get(&k).cloned() {
+                s.put(k, obj, "DELETED");
+            }
+        });
+    }
+
+    /// The objects of `kind` (in namespace `ns` for a namespaced kind).
+    pub fn list(&self, kind: Kind, ns: &str) -> Vec<Value> {
+        let s = self.inner.store.lock().unwrap();
+        s.objects
+            .iter()
+            .filter(|((k, n, _), _)| *k == kind && (!kind.namespaced() || n == ns))
+            .map(|(_, v)| v.clone())
+            .collect()
     }
 
     /// Create a pod (its `metadata.uid` kept if set).
-    pub fn create_pod(&self, mut pod: Value) {
-        self.change(|s| {
-            s.rv += 1;
-            let m = &mut pod["metadata"];
-            m["resourceVersion"] = json!(s.rv.to_string());
-            m["creationTimestamp"] = json!(now());
-            if m["uid"].is_null() {
-                m["uid"] = json!(format!("00000000-0000-4000-8000-{:012x}", s.rv));
-            }
-            let key = key_of(&pod);
-            s.history.push((s.rv, "ADDED", pod.clone()));
-            s.pods.insert(key, pod);
-        });
+    pub fn create_pod(&self, pod: Value) {
+        self.create(Kind::Pod, pod);
     }
 
     /// Change a pod as the kubelet or a controller would.
     pub fn update_pod(&self, ns: &str, name: &str, f: impl FnOnce(&mut Value)) {
-        self.change(|s| {
-            let Some(pod) = s.pods.get_mut(&(ns.to_string(), name.to_string())) else {
-                panic!("no pod {ns}/{name}");
-            };
-            f(pod);
-            s.rv += 1;
-            pod["metadata"]["resourceVersion"] = json!(s.rv.to_string());
-            let pod = pod.clone();
-            s.history.push((s.rv, "MODIFIED", pod));
-        });
+        self.update(Kind::Pod, ns, name, f);
     }
 
     pub fn delete_pod(&self, ns: &str, name: &str) {
-        self.change(|s| {
-            if let Some(mut pod) = s.pods.remove(&(ns.to_string(), name.to_string())) {
-                s.rv += 1;
-                pod["metadata"]["resourceVersion"] = json!(s.rv.to_string());
-                s.history.push((s.rv, "DELETED", pod));
-            }
-        });
+        self.delete(Kind::Pod, ns, name);
+    }
+
+    /// Events of namespace `ns`.
+    pub fn events(&self, ns: &str) -> Vec<Value> {
+        self.list(Kind::Event, ns)
     }
 
     /// Forget the watch history (as etcd compaction does) and end every watch: clients must
@@ -178,24 +320,6 @@ impl FakeApiServer {
     pub fn refused(&self) -> u64 {
         self.inner.store.lock().unwrap().refused
     }
-
-    /// Events of namespace `ns`.
-    pub fn events(&self, ns: &str) -> Vec<Value> {
-        let s = self.inner.store.lock().unwrap();
-        s.events
-            .iter()
-            .filter(|e| e["metadata"]["namespace"] == ns)
-            .cloned()
-            .collect()
-    }
-}
-
-fn key_of(pod: &Value) -> (String, String) {
-    let m = &pod["metadata"];
-    (
-        m["namespace"].as_str().unwrap_or("default").to_string(),
-        m["name"].as_str().unwrap_or_default().to_string(),
-    )
 }
 
 fn status(code: u16, reason: &str, message: &str) -> Response {
@@ -225,7 +349,7 @@ async fn version(State(st): State<Shared>) -> Response {
         return r;
     }
     Json(
-        json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-gpushare-fake",
+        json!({"major": "1", "minor": "34", "gitVersion": "v1.34.0-gpushare-fake",
         "platform": "linux/amd64"}),
     )
     .into_response()
@@ -244,24 +368,57 @@ async fn api_groups(State(st): State<Shared>) -> Response {
     if let Some(r) = unavailable(&st) {
         return r;
     }
-    Json(json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": []})).into_response()
-}
-
-async fn api_resources(State(st): State<Shared>) -> Response {
-    if let Some(r) = unavailable(&st) {
-        return r;
-    }
-    let res = |name: &str, kind: &str, short: &[&str], verbs: &[&str]| {
-        json!({"name": name, "singularName": kind.to_lowercase(), "namespaced": true,
-            "kind": kind, "verbs": verbs, "shortNames": short})
-    };
+    let v = json!({"groupVersion": "resource.k8s.io/v1", "version": "v1"});
     Json(
-        json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": [
-            res("pods", "Pod", &["po"], &["get", "list", "watch", "patch"]),
-            res("events", "Event", &["ev"], &["create", "get", "list", "patch"]),
+        json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+            {"name": "resource.k8s.io", "versions": [v], "preferredVersion": v}
         ]}),
     )
     .into_response()
+}
+
+fn resources(group_version: &str) -> Response {
+    let verbs = [
+        "create", "delete", "get", "list", "patch", "update", "watch",
+    ];
+    let res: Vec<Value> = KINDS
+        .into_iter()
+        .filter(|k| k.group_version() == group_version)
+        .map(|k| {
+            json!({"name": k.plural(), "singularName": k.name().to_lowercase(),
+                "namespaced": k.namespaced(), "kind": k.name(), "verbs": verbs})
+        })
+        .collect();
+    if res.is_empty() {
+        return status(
+            404,
+            "NotFound",
+            &format!("no group version {group_version}"),
+        );
+    }
+    Json(json!({"kind": "APIResourceList", "groupVersion": group_version, "resources": res}))
+        .into_response()
+}
+
+async fn api_resources(State(st): State<Shared>, Path(version): Path<String>) -> Response {
+    unavailable(&st).unwrap_or_else(|| resources(&version))
+}
+
+async fn group_resources(
+    State(st): State<Shared>,
+    Path((group, version)): Path<(String, String)>,
+) -> Response {
+    unavailable(&st).unwrap_or_else(|| resources(&format!("{group}/{version}")))
+}
+
+/// Kind, namespace (if in the path) and name (if any) from a request's path parameters.
+fn target(p: &HashMap<String, String>) -> Option<(Kind, Option<String>, Option<String>)> {
+    let gv = match p.get("group") {
+        Some(g) => format!("{g}/{}", p.get("version")?),
+        None => p.get("version")?.clone(),
+    };
+    let kind = Kind::of(&gv, p.get("plural")?)?;
+    Some((kind, p.get("ns").cloned(), p.get("name").cloned()))
 }
 
 fn wants_table(h: &HeaderMap) -> bool {
@@ -286,83 +443,214 @@ fn table(columns: &[&str], rows: Vec<(Vec<Value>, Value)>) -> Response {
     .into_response()
 }
 
-fn matches_fields(pod: &Value, selector: Option<&String>) -> bool {
+/// `kubectl get`'s columns for pods and events.
+fn rows(kind: Kind, items: &[Value]) -> Response {
+    match kind {
+        Kind::Pod => {
+            let rows = items
+                .iter()
+                .map(|p| {
+                    let ready = p["status"]["containerStatuses"]
+                        .as_array()
+                        .map_or(0, |c| c.iter().filter(|c| c["ready"] == true).count());
+                    let total = p["spec"]["containers"].as_array().map_or(0, Vec::len);
+                    let cells = vec![
+                        p["metadata"]["name"].clone(),
+                        json!(format!("{ready}/{total}")),
+                        p["status"]["phase"].clone(),
+                        json!(0),
+                        json!("1m"),
+                    ];
+                    (cells, p.clone())
+                })
+                .collect();
+            table(&["Name", "Ready", "Status", "Restarts", "Age"], rows)
+        }
+        Kind::Event => {
+            let rows = items
+                .iter()
+                .map(|e| {
+                    let obj = &e["involvedObject"];
+                    let cells = vec![
+                        json!("1s"),
+                        e["type"].clone(),
+                        e["reason"].clone(),
+                        json!(format!(
+                            "{}/{}",
+                            obj["kind"].as_str().unwrap_or("").to_lowercase(),
+                            obj["name"].as_str().unwrap_or("")
+                        )),
+                        e["message"].clone(),
+                    ];
+                    (cells, e.clone())
+                })
+                .collect();
+            table(&["Last Seen", "Type", "Reason", "Object", "Message"], rows)
+        }
+        _ => {
+            let rows = items
+                .iter()
+                .map(|o| (vec![o["metadata"]["name"].clone(), json!("1m")], o.clone()))
+                .collect();
+            table(&["Name", "Age"], rows)
+        }
+    }
+}
+
+/// The value at a field path (`spec.nodeName`) as text; missing: empty.
+fn field<'a>(obj: &'a Value, path: &str) -> &'a str {
+    path.split('.')
+        .fold(obj, |v, k| &v[k])
+        .as_str()
+        .unwrap_or("")
+}
+
+fn matches_fields(obj: &Value, selector: Option<&String>) -> bool {
     let Some(sel) = selector else {
         return true;
     };
     sel.split(',').filter(|t| !t.is_empty()).all(|term| {
-        let (field, want) = term.split_once('=').unwrap_or((term, ""));
-        let want = want.trim_start_matches('=');
-        let have = match field {
-            "spec.nodeName" => pod["spec"]["nodeName"].as_str().unwrap_or(""),
-            "metadata.name" => pod["metadata"]["name"].as_str().unwrap_or(""),
-            "metadata.namespace" => pod["metadata"]["namespace"].as_str().unwrap_or(""),
-            _ => return true,
-        };
-        have == want
+        let (path, want) = term.split_once('=').unwrap_or((term, ""));
+        field(obj, path) == want.trim_start_matches('=')
     })
 }
 
-async fn list_pods_all(
+/// List, watch or create.
+async fn collection(
     State(st): State<Shared>,
+    method: Method,
+    Path(p): Path<HashMap<String, String>>,
     Query(q): Query<HashMap<String, String>>,
     h: HeaderMap,
-) -> Response {
-    list_or_watch(st, None, q, h).await
-}
-
-async fn list_pods_ns(
-    State(st): State<Shared>,
-    Path(ns): Path<String>,
-    Query(q): Query<HashMap<String, String>>,
-    h: HeaderMap,
-) -> Response {
-    list_or_watch(st, Some(ns), q, h).await
-}
-
-async fn list_or_watch(
-    st: Shared,
-    ns: Option<String>,
-    q: HashMap<String, String>,
-    h: HeaderMap,
+    body: Bytes,
 ) -> Response {
     if let Some(r) = unavailable(&st) {
         return r;
     }
+    let Some((kind, ns, _)) = target(&p) else {
+        return not_found().await;
+    };
+    if method == Method::POST {
+        let Ok(obj) = serde_json::from_slice::<Value>(&body) else {
+            return status(400, "BadRequest", "the body is not JSON");
+        };
+        let ns = ns.unwrap_or_else(|| "default".into());
+        let created = {
+            let mut s = st.store.lock().unwrap();
+            let obj = s.created(kind, &ns, obj);
+            let k = key_of(kind, &obj);
+            if s.objects.contains_key(&k) {
+                return status(
+                    409,
+                    "AlreadyExists",
+                    &format!("{} {:?} already exists", kind.plural(), k.2),
+                );
+            }
+            s.put(k, obj, "ADDED")
+        };
+        let _ = st.tx.send(Signal::Changed);
+        return (StatusCode::CREATED, Json(created)).into_response();
+    }
     let fields = q.get("fieldSelector").cloned();
-    let wanted = move |p: &Value| {
-        ns.as_ref()
-            .is_none_or(|n| p["metadata"]["namespace"] == n.as_str())
-            && matches_fields(p, fields.as_ref())
+    let wanted = move |k: Kind, o: &Value| {
+        k == kind
+            && ns
+                .as_ref()
+                .is_none_or(|n| o["metadata"]["namespace"] == n.as_str())
+            && matches_fields(o, fields.as_ref())
     };
     if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
-        return watch(st, wanted, &q);
+        return watch(st, kind, wanted, &q);
     }
     let s = st.store.lock().unwrap();
-    let items: Vec<Value> = s.pods.values().filter(|p| wanted(p)).cloned().collect();
+    let items: Vec<Value> = s
+        .objects
+        .iter()
+        .filter(|((k, _, _), o)| wanted(*k, o))
+        .map(|(_, o)| o.clone())
+        .collect();
     if wants_table(&h) {
-        let rows = items
-            .iter()
-            .map(|p| {
-                let ready = p["status"]["containerStatuses"]
-                    .as_array()
-                    .map_or(0, |c| c.iter().filter(|c| c["ready"] == true).count());
-                let total = p["spec"]["containers"].as_array().map_or(0, Vec::len);
-                let cells = vec![
-                    p["metadata"]["name"].clone(),
-                    json!(format!("{ready}/{total}")),
-                    p["status"]["phase"].clone(),
-                    json!(0),
-                    json!("1m"),
-                ];
-                (cells, p.clone())
-            })
-            .collect();
-        return table(&["Name", "Ready", "Status", "Restarts", "Age"], rows);
+        return rows(kind, &items);
     }
-    Json(json!({"kind": "PodList", "apiVersion": "v1",
-        "metadata": {"resourceVersion": s.rv.to_string()}, "items": items}))
+    Json(
+        json!({"kind": format!("{}List", kind.name()), "apiVersion": kind.group_version(),
+        "metadata": {"resourceVersion": s.rv.to_string()}, "items": items}),
+    )
     .into_response()
+}
+
+/// Get, merge-patch, replace or delete one object.
+async fn object(
+    State(st): State<Shared>,
+    method: Method,
+    Path(p): Path<HashMap<String, String>>,
+    h: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = unavailable(&st) {
+        return r;
+    }
+    let Some((kind, ns, Some(name))) = target(&p) else {
+        return not_found().await;
+    };
+    let k = key(kind, ns.as_deref().unwrap_or(""), &name);
+    let missing = || {
+        status(
+            404,
+            "NotFound",
+            &format!("{} \"{name}\" not found", kind.plural()),
+        )
+    };
+    let mut s = st.store.lock().unwrap();
+    let Some(current) = s.objects.get(&k).cloned() else {
+        return missing();
+    };
+    let done = match method {
+        Method::GET => return Json(current).into_response(),
+        Method::DELETE => s.put(k, current, "DELETED"),
+        Method::PUT => {
+            let Ok(mut obj) = serde_json::from_slice::<Value>(&body) else {
+                return status(400, "BadRequest", "the body is not JSON");
+            };
+            let rv = &obj["metadata"]["resourceVersion"];
+            if !rv.is_null() && *rv != current["metadata"]["resourceVersion"] {
+                return status(
+                    409,
+                    "Conflict",
+                    "the object has been modified; apply your changes to the latest version and try again",
+                );
+            }
+            for keep in ["uid", "creationTimestamp", "namespace"] {
+                obj["metadata"][keep] = current["metadata"][keep].clone();
+            }
+            s.put(k, obj, "MODIFIED")
+        }
+        Method::PATCH => {
+            let ct = h
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            if !(ct.starts_with("application/merge-patch+json")
+                || ct.starts_with("application/strategic-merge-patch+json"))
+            {
+                return status(
+                    415,
+                    "UnsupportedMediaType",
+                    &format!("patch type {ct} is not supported"),
+                );
+            }
+            let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
+                return status(400, "BadRequest", "the patch is not JSON");
+            };
+            let mut obj = current;
+            merge_patch(&mut obj, &patch);
+            s.put(k, obj, "MODIFIED")
+        }
+        _ => return status(405, "MethodNotAllowed", "method not allowed"),
+    };
+    drop(s);
+    let _ = st.tx.send(Signal::Changed);
+    Json(done).into_response()
 }
 
 fn line(kind: &str, object: &Value) -> Bytes {
@@ -375,7 +663,8 @@ fn line(kind: &str, object: &Value) -> Bytes {
 /// state first, without one), with bookmarks when asked for, until `timeoutSeconds`.
 fn watch(
     st: Shared,
-    wanted: impl Fn(&Value) -> bool + Send + 'static,
+    kind: Kind,
+    wanted: impl Fn(Kind, &Value) -> bool + Send + 'static,
     q: &HashMap<String, String>,
 ) -> Response {
     let from: Option<u64> = q
@@ -405,16 +694,16 @@ fn watch(
                     s.rv,
                     s.history
                         .iter()
-                        .filter(|(r, _, p)| *r > rv && wanted(p))
-                        .map(|(_, k, p)| line(k, p))
+                        .filter(|(r, k, _, o)| *r > rv && wanted(*k, o))
+                        .map(|(_, _, how, o)| line(how, o))
                         .collect(),
                 ),
                 None => (
                     s.rv,
-                    s.pods
-                        .values()
-                        .filter(|p| wanted(p))
-                        .map(|p| line("ADDED", p))
+                    s.objects
+                        .iter()
+                        .filter(|((k, _, _), o)| wanted(*k, o))
+                        .map(|(_, o)| line("ADDED", o))
                         .collect(),
                 ),
             }
@@ -443,8 +732,8 @@ fn watch(
                     let new: Vec<Bytes> = s
                         .history
                         .iter()
-                        .filter(|(r, _, p)| *r > sent_rv && wanted(p))
-                        .map(|(_, k, p)| line(k, p))
+                        .filter(|(r, k, _, o)| *r > sent_rv && wanted(*k, o))
+                        .map(|(_, _, how, o)| line(how, o))
                         .collect();
                     sent_rv = s.rv;
                     new
@@ -455,7 +744,7 @@ fn watch(
                     sent_rv = sent_rv.max(rv);
                     vec![line(
                         "BOOKMARK",
-                        &json!({"kind": "Pod", "apiVersion": "v1",
+                        &json!({"kind": kind.name(), "apiVersion": kind.group_version(),
                             "metadata": {"resourceVersion": rv.to_string()}}),
                     )]
                 }
@@ -476,16 +765,6 @@ fn watch(
         .unwrap()
 }
 
-async fn get_pod(State(st): State<Shared>, Path((ns, name)): Path<(String, String)>) -> Response {
-    if let Some(r) = unavailable(&st) {
-        return r;
-    }
-    match st.store.lock().unwrap().pods.get(&(ns, name.clone())) {
-        Some(p) => Json(p.clone()).into_response(),
-        None => status(404, "NotFound", &format!("pods \"{name}\" not found")),
-    }
-}
-
 /// RFC 7386 JSON merge patch.
 fn merge_patch(target: &mut Value, patch: &Value) {
     match patch {
@@ -504,122 +783,4 @@ fn merge_patch(target: &mut Value, patch: &Value) {
         }
         other => *target = other.clone(),
     }
-}
-
-async fn patch_pod(
-    State(st): State<Shared>,
-    Path((ns, name)): Path<(String, String)>,
-    h: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if let Some(r) = unavailable(&st) {
-        return r;
-    }
-    let ct = h
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    if !(ct.starts_with("application/merge-patch+json")
-        || ct.starts_with("application/strategic-merge-patch+json"))
-    {
-        return status(
-            415,
-            "UnsupportedMediaType",
-            &format!("patch type {ct} is not supported"),
-        );
-    }
-    let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
-        return status(400, "BadRequest", "the patch is not JSON");
-    };
-    let updated = {
-        let mut s = st.store.lock().unwrap();
-        let rv = s.rv + 1;
-        let Some(pod) = s.pods.get_mut(&(ns, name.clone())) else {
-            return status(404, "NotFound", &format!("pods \"{name}\" not found"));
-        };
-        merge_patch(pod, &patch);
-        pod["metadata"]["resourceVersion"] = json!(rv.to_string());
-        let pod = pod.clone();
-        s.rv = rv;
-        s.history.push((rv, "MODIFIED", pod.clone()));
-        pod
-    };
-    let _ = st.tx.send(Signal::Changed);
-    Json(updated).into_response()
-}
-
-async fn list_events_all(State(st): State<Shared>, h: HeaderMap) -> Response {
-    list_events(st, None, h)
-}
-
-async fn list_events_ns(
-    State(st): State<Shared>,
-    Path(ns): Path<String>,
-    h: HeaderMap,
-) -> Response {
-    list_events(st, Some(ns), h)
-}
-
-fn list_events(st: Shared, ns: Option<String>, h: HeaderMap) -> Response {
-    if let Some(r) = unavailable(&st) {
-        return r;
-    }
-    let s = st.store.lock().unwrap();
-    let items: Vec<Value> = s
-        .events
-        .iter()
-        .filter(|e| {
-            ns.as_ref()
-                .is_none_or(|n| e["metadata"]["namespace"] == n.as_str())
-        })
-        .cloned()
-        .collect();
-    if wants_table(&h) {
-        let rows = items
-            .iter()
-            .map(|e| {
-                let obj = &e["involvedObject"];
-                let cells = vec![
-                    json!("1s"),
-                    e["type"].clone(),
-                    e["reason"].clone(),
-                    json!(format!(
-                        "{}/{}",
-                        obj["kind"].as_str().unwrap_or("").to_lowercase(),
-                        obj["name"].as_str().unwrap_or("")
-                    )),
-                    e["message"].clone(),
-                ];
-                (cells, e.clone())
-            })
-            .collect();
-        return table(&["Last Seen", "Type", "Reason", "Object", "Message"], rows);
-    }
-    Json(json!({"kind": "EventList", "apiVersion": "v1",
-        "metadata": {"resourceVersion": s.rv.to_string()}, "items": items}))
-    .into_response()
-}
-
-async fn create_event(
-    State(st): State<Shared>,
-    Path(ns): Path<String>,
-    Json(mut ev): Json<Value>,
-) -> Response {
-    if let Some(r) = unavailable(&st) {
-        return r;
-    }
-    let mut s = st.store.lock().unwrap();
-    s.rv += 1;
-    s.names += 1;
-    let m = &mut ev["metadata"];
-    if m["name"].is_null() {
-        let base = m["generateName"].as_str().unwrap_or("event.").to_string();
-        m["name"] = json!(format!("{base}{:05x}", s.names));
-    }
-    m["namespace"] = json!(ns);
-    m["uid"] = json!(format!("00000000-0000-4000-9000-{:012x}", s.names));
-    m["resourceVersion"] = json!(s.rv.to_string());
-    m["creationTimestamp"] = json!(now());
-    s.events.push(ev.clone());
-    (StatusCode::CREATED, Json(ev)).into_response()
 }

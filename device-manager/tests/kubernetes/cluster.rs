@@ -132,7 +132,7 @@ pub struct Cluster {
 
 pub const NODE: &str = "node-1";
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -190,40 +190,21 @@ impl Cluster {
 
     pub fn start_manager(&mut self) {
         assert!(self.manager.is_none());
-        let tmp = self.node.tmp.path();
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.manager_log_path())
-            .unwrap();
-        let mut cmd = self
-            .node
-            .command(target_dir().join("gpushare-device-manager"));
-        cmd.args(["--node-name", NODE])
-            .arg("--device-plugin-dir")
+        let mut cmd = agent_command(
+            &self.node,
+            "gpushare-device-manager",
+            &self.admin_socket,
+            &self.kubeconfig,
+            &self.manager_log_path(),
+        );
+        cmd.arg("--device-plugin-dir")
             .arg(&self.kubelet.dir)
             .arg("--pod-resources-socket")
             .arg(&self.podres.socket)
-            .arg("--scheduler-socket")
-            .arg(&self.admin_socket)
-            .arg("--tenant-socket")
-            .arg(&self.node.sched_socket)
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--hook-library")
-            .arg(target_dir().join("libgpushare.so"))
-            .arg("--hook-dir")
-            .arg(tmp.join("var-lib-gpushare/lib"))
             .arg("--metrics")
             .arg(self.metrics.to_string())
-            .args(&self.manager_args)
-            .env("GPUSHARE_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log);
-        self.manager = Some(Manager {
-            child: cmd.spawn().expect("start gpushare-device-manager"),
-            log: self.manager_log_path(),
-        });
+            .args(&self.manager_args);
+        self.manager = Some(Manager::spawn(cmd, self.manager_log_path()));
     }
 
     pub fn stop_manager(&mut self) {
@@ -357,28 +338,82 @@ impl Cluster {
 
     /// Poll `gpushare status --json` until `f` holds (at most `timeout`); the status then.
     pub fn wait_status(&self, timeout: Duration, f: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(s) = self.node.status_json()
-                && f(&s)
-            {
-                return s;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the scheduler's status did not get there within {timeout:?}: {:#}\n--- manager log ---\n{}",
-                self.node.status_json().unwrap_or_default(),
-                self.manager_log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_status(&self.node, timeout, f, || self.manager_log())
     }
 }
 
-/// The running manager, killed on drop (its log printed if the test is failing).
-struct Manager {
+/// Poll `node`'s `gpushare status --json` until `f` holds (at most `timeout`); the status
+/// then. On failure the last status and `agent_log()` are shown.
+pub fn wait_status(
+    node: &Node,
+    timeout: Duration,
+    f: impl Fn(&Value) -> bool,
+    agent_log: impl Fn() -> String,
+) -> Value {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(s) = node.status_json()
+            && f(&s)
+        {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the scheduler's status did not get there within {timeout:?}: {:#}\n--- agent log ---\n{}",
+            node.status_json().unwrap_or_default(),
+            agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A node agent (`program`: `gpushare-device-manager` or `gpushare-dra`) on `node` with the
+/// settings both take (the node's name, the scheduler's sockets, the API server, the hook),
+/// logging to `log` (appended).
+pub fn agent_command(
+    node: &Node,
+    program: &str,
+    admin_socket: &Path,
+    kubeconfig: &Path,
+    log: &Path,
+) -> Command {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap();
+    let mut cmd = node.command(target_dir().join(program));
+    cmd.args(["--node-name", NODE])
+        .arg("--scheduler-socket")
+        .arg(admin_socket)
+        .arg("--tenant-socket")
+        .arg(&node.sched_socket)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .arg("--hook-library")
+        .arg(target_dir().join("libgpushare.so"))
+        .arg("--hook-dir")
+        .arg(node.tmp.path().join("var-lib-gpushare/lib"))
+        .env("GPUSHARE_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log);
+    cmd
+}
+
+/// A running node agent, killed on drop (its log printed if the test is failing).
+pub struct Manager {
     child: Child,
     log: PathBuf,
+}
+
+impl Manager {
+    /// Start `cmd` (its stderr already going to `log`).
+    pub fn spawn(mut cmd: Command, log: PathBuf) -> Manager {
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {:?}: {e}", cmd.get_program()));
+        Manager { child, log }
+    }
 }
 
 impl Drop for Manager {
@@ -412,7 +447,7 @@ fn host_path(alloc: &ContainerAllocateResponse, v: &str) -> String {
 }
 
 /// A stable hash of a name (for test UIDs and container IDs).
-fn fxhash(s: &str) -> u64 {
+pub fn fxhash(s: &str) -> u64 {
     s.bytes().fold(0xcbf29ce484222325u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
     })

@@ -112,18 +112,10 @@ impl FakeKubelet {
 
     /// Wait (at most `timeout`) until there are `n` registrations; the time of the `n`th.
     pub async fn wait_registrations(&self, n: usize, timeout: Duration) -> Instant {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some((t, _)) = self.registrations().get(n - 1) {
-                return *t;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "only {} registration(s) within {timeout:?}, expected {n}",
-                self.registrations().len()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        wait_nth(n, timeout, || {
+            self.registrations().iter().map(|(t, _)| *t).collect()
+        })
+        .await
     }
 
     /// A client of the plugin that registered last.
@@ -279,5 +271,22 @@ impl FakePodResources {
             .lock()
             .unwrap()
             .retain(|p| !(p.name == pod && p.namespace == namespace));
+    }
+}
+
+/// Wait (at most `timeout`) until `times()` has `n` entries; the `n`th.
+pub async fn wait_nth(n: usize, timeout: Duration, times: impl Fn() -> Vec<Instant>) -> Instant {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let seen = times();
+        if let Some(t) = seen.get(n - 1) {
+            return *t;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {} registration(s) within {timeout:?}, expected {n}",
+            seen.len()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

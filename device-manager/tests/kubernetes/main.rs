@@ -1,9 +1,12 @@
-//! gpushare-device-manager on a node of stand-ins (see `cluster.rs`): the real manager, the
-//! real scheduler and hook on the simulated GPU, a fake kubelet, PodResources and API server,
-//! the real `kubectl`, tenants in kubelet-style cgroups.
+//! The node agents on nodes of stand-ins: gpushare-device-manager (see `cluster.rs`; here) and
+//! gpushare-dra (`dra.rs`), each the real agent with the real scheduler and hook on the
+//! simulated GPU, fake kubelets and API server, the real `kubectl`, tenants in kubelet-style
+//! cgroups.
 
 mod apiserver;
 mod cluster;
+mod dra;
+mod drakubelet;
 mod kubelet;
 mod tools;
 
@@ -490,17 +493,7 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
 #[test]
 fn the_manifests_render_and_validate() {
     let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes");
-    let out = Command::new(tools::kubectl())
-        .arg("kustomize")
-        .arg(&base)
-        .output()
-        .expect("run kubectl kustomize");
-    assert!(
-        out.status.success(),
-        "kubectl kustomize failed\n{}",
-        describe(&out)
-    );
-    let rendered = String::from_utf8(out.stdout).unwrap();
+    let rendered = tools::kustomize(&base);
     for want in [
         "kind: DaemonSet",
         "hostPID: true",
@@ -518,20 +511,7 @@ fn the_manifests_render_and_validate() {
             "the rendered base lacks {want:?}\n{rendered}"
         );
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let file = tmp.path().join("rendered.yaml");
-    std::fs::write(&file, &rendered).unwrap();
-    let out = Command::new(tools::kubernetes_validate())
-        .args(["--strict", "-k", "1.30.0"])
-        .arg(&file)
-        .arg(base.join("examples/pod.yaml"))
-        .output()
-        .expect("run kubernetes-validate");
-    assert!(
-        out.status.success(),
-        "schema validation failed\n{}",
-        describe(&out)
-    );
+    tools::validate("1.30.0", &rendered, &[base.join("examples/pod.yaml")]);
 }
 
 /// The last known policy stays in force while the API server is down, across a manager

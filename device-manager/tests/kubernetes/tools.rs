@@ -83,3 +83,38 @@ pub fn kubernetes_validate() -> PathBuf {
     })
     .clone()
 }
+
+/// `kubectl kustomize DIR`: the rendered manifests (it must succeed).
+pub fn kustomize(dir: &std::path::Path) -> String {
+    let out = Command::new(kubectl())
+        .arg("kustomize")
+        .arg(dir)
+        .output()
+        .expect("run kubectl kustomize");
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {} failed\n{}",
+        dir.display(),
+        gpushare_testkit::harness::describe(&out)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `kubernetes-validate --strict -k VERSION` on `files`, and on `rendered` written to a file;
+/// it must pass.
+pub fn validate(version: &str, rendered: &str, files: &[PathBuf]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("rendered.yaml");
+    std::fs::write(&file, rendered).unwrap();
+    let out = Command::new(kubernetes_validate())
+        .args(["--strict", "-k", version])
+        .arg(&file)
+        .args(files)
+        .output()
+        .expect("run kubernetes-validate");
+    assert!(
+        out.status.success(),
+        "schema validation against {version} failed\n{}\n{rendered}",
+        gpushare_testkit::harness::describe(&out)
+    );
+}

@@ -58,9 +58,10 @@ pub type ConnId = u64;
 
 /// How often the report other threads read (metrics, the admin socket's `Usage`) is rebuilt.
 pub const PUBLISH_EVERY_NS: u64 = 1_000_000_000;
-/// A report asked for over the tenant socket is built anew at most this often: building one
-/// takes the event loop's time, so a client asking in a tight loop (or thousands of them)
-/// costs at most one report per this long.
+/// A report asked for over the tenant socket is reused for this long while nothing but
+/// questions reached the node: building one takes the event loop's time, so clients asking in a
+/// tight loop cost at most one report per this long, yet every answer reflects whatever the
+/// node handled before the question.
 pub const STATUS_REUSE_NS: u64 = 5_000_000;
 /// How often the census of GPU processes without the hook is taken.
 pub const CENSUS_EVERY_NS: u64 = 2_000_000_000;
@@ -174,6 +175,8 @@ pub struct Node {
     memory_overcommit: Option<f64>,
     /// The last report built, and when.
     report: (u64, Arc<Report>),
+    /// Whether an input other than a question came since the last report was built.
+    report_stale: bool,
     /// How late the event loop handled what was due.
     latency: Histogram,
     warnings: Throttle,
@@ -210,6 +213,7 @@ impl Node {
             overcommit,
             memory_overcommit: opts.memory_overcommit,
             report: (0, Arc::new(report::empty())),
+            report_stale: true,
             latency: Histogram::default(),
             warnings: Throttle::default(),
             census_at: Some(now),
@@ -226,6 +230,14 @@ impl Node {
     pub fn handle(&mut self, input: Input, now: u64) {
         let now = now.max(self.now);
         self.now = now;
+        let question = matches!(
+            input,
+            Input::Message {
+                msg: ClientMsg::Status,
+                ..
+            }
+        );
+        self.report_stale |= !question;
         match input {
             Input::Tick => {}
             Input::Accepted { conn, cred } => self.accepted(conn, cred, now),

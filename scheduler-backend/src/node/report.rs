@@ -42,13 +42,14 @@ impl Node {
     pub(super) fn publish(&mut self, now: u64) {
         let report = Arc::new(self.build_report(now));
         self.report = (now, report.clone());
+        self.report_stale = false;
         self.effects.push(Effect::Publish(report));
     }
 
-    /// The report for a client that asks: the last one if it is recent enough
-    /// ([`STATUS_REUSE_NS`]), else a new one (published too).
+    /// The report for a client that asks: the last one if only questions came since it was
+    /// built and it is recent enough ([`STATUS_REUSE_NS`]), else a new one (published too).
     pub(super) fn fresh_report(&mut self, now: u64) -> Report {
-        if now.saturating_sub(self.report.0) >= STATUS_REUSE_NS {
+        if self.report_stale || now.saturating_sub(self.report.0) >= STATUS_REUSE_NS {
             self.publish(now);
         }
         Report::clone(&self.report.1)

@@ -371,6 +371,22 @@ fn status_reports_are_reused_for_a_moment_and_published_every_second() {
 }
 
 #[test]
+fn a_report_reflects_everything_handled_before_the_question() {
+    let mut w = World::new(CONFIG, true);
+    let c = client_a(&mut w);
+    let gpus = |w: &mut World| {
+        w.send(c, ClientMsg::Status);
+        match last(w, c) {
+            Some(ServerMsg::Status { report }) => report.gpus.len(),
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(gpus(&mut w), 0);
+    w.send(c, ClientMsg::Acquire { gpu: GPU });
+    assert_eq!(gpus(&mut w), 1, "the GPU acquired a moment ago is in the report");
+}
+
+#[test]
 fn the_census_lists_unhooked_processes_but_not_one_that_connected_meanwhile() {
     let mut w = World::new(CONFIG, false);
     let census = (w.work.iter())
