@@ -230,6 +230,8 @@ mod tests {
             memory_used: 1 << 30,
             memory_cap: Some(4 << 30),
             memory_reservations: 5,
+            memory_swapped: 1 << 20,
+            memory_refused: Some("why".into()),
             pod: Some(PodLabels {
                 namespace: "ns".into(),
                 pod: "train".into(),
@@ -246,6 +248,13 @@ mod tests {
                 }),
                 waiting: vec![],
                 groups: vec![group],
+                physical: Some(status::PhysicalMemory {
+                    total: 80 << 30,
+                    used: 60 << 30,
+                    free: 20 << 30,
+                    swapped: 30 << 30,
+                    overcommit: 1.5,
+                }),
             }],
             pods: vec![PodReport {
                 namespace: "ns".into(),

@@ -171,6 +171,8 @@ mod tests {
             memory_used: 10,
             memory_cap: None,
             memory_reservations: 0,
+            memory_swapped: 0,
+            memory_refused: None,
             pod: None,
         };
         let mut p = g.clone();
@@ -187,6 +189,7 @@ mod tests {
                 holder: None,
                 waiting: vec![],
                 groups: vec![g, p],
+                physical: None,
             }],
             pods: vec![],
             unhooked: vec![Unhooked {

@@ -8,7 +8,7 @@
 //! may fail.
 
 use gpushare_testkit::harness::{describe, json_lines, output_with_timeout, target_dir};
-use gpushare_testkit::node::{Node, monotonic_ns};
+use gpushare_testkit::node::{Node, group_in, monotonic_ns};
 use serde_json::Value;
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
@@ -1158,6 +1158,16 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
         "the second allocation was served without a swap?\n{}",
         node.scheduler_log()
     );
+    // While it is out, `gpushare status` says so.
+    let status = node.status_json().expect("gpushare status --json");
+    let first_group = group_in(&status, "first").expect("the first group in the status");
+    assert!(
+        u(first_group, "memory_swapped") >= 1200 * MIB,
+        "{first_group}"
+    );
+    let physical = &status["gpus"][0]["physical"];
+    assert_eq!(u(physical, "total"), 2 * GIB, "{physical}");
+    assert!(u(physical, "swapped") >= 1200 * MIB, "{physical}");
     second.signal(libc::SIGUSR1);
     let v = second.expect_json("intact", RUN);
     assert_eq!(v["intact"], true, "the second group's bytes: {v}");

@@ -12,8 +12,9 @@
 use super::{Effect, Node};
 use gpushare_policy::ClientId;
 use gpushare_policy::overcommit::{
-    self as core, GroupId, Overcommit, ProcessId, RequestId, SwapId, SwapOutFailure,
+    self as core, GroupId, Overcommit, ProcessId, RequestId, Residence, SwapId, SwapOutFailure,
 };
+use gpushare_protocol::status::PhysicalMemory;
 use gpushare_protocol::status::uuid_string;
 use gpushare_protocol::{GpuUuid, ServerMsg};
 use std::collections::BTreeMap;
@@ -50,6 +51,8 @@ pub(super) struct State {
     next_req: u64,
     /// When the core next needs a tick.
     wake_at: Option<u64>,
+    /// Why each group's last allocation was refused, for the report.
+    pub refusals: BTreeMap<String, String>,
 }
 
 impl State {
@@ -63,6 +66,7 @@ impl State {
             asks: BTreeMap::new(),
             next_req: 1,
             wake_at: None,
+            refusals: BTreeMap::new(),
         }
     }
 
@@ -94,6 +98,41 @@ impl State {
         (self.groups.iter())
             .find(|(_, g)| **g == id)
             .map_or("?", |(n, _)| n.as_str())
+    }
+}
+
+impl State {
+    /// `gpu`'s physical memory, if the core checks it.
+    pub fn physical(&self, gpu: &GpuUuid) -> Option<PhysicalMemory> {
+        let i = self.gpus.iter().position(|g| g == gpu)?;
+        if !self.checks(gpu) {
+            return None;
+        }
+        let b = self.core.books(i);
+        Some(PhysicalMemory {
+            total: b.capacity,
+            used: b.used,
+            free: b.capacity.saturating_sub(b.used),
+            swapped: b.swapped,
+            overcommit: self.settings.ratio,
+        })
+    }
+
+    /// Bytes of `group` on `gpu` that are not resident: swapped out, or on their way.
+    pub fn swapped(&self, group: &str, gpu: &GpuUuid) -> u64 {
+        let (Some(id), Some(i)) = (
+            self.groups.get(group),
+            self.gpus.iter().position(|g| g == gpu),
+        ) else {
+            return 0;
+        };
+        (self.core.swaps().into_iter())
+            .filter(|s| s.1 == *id)
+            .flat_map(|s| s.3)
+            .filter_map(|p| self.core.process(p, i))
+            .filter(|(r, _)| *r != Residence::Resident)
+            .map(|(_, b)| b)
+            .sum()
     }
 }
 
@@ -274,6 +313,9 @@ impl Node {
                         a.bytes.div_ceil(1 << 20)
                     );
                     tracing::warn!(client = a.client, group = ?group, "{message}");
+                    if let Some(g) = group {
+                        self.overcommit.refusals.insert(g.to_string(), message.clone());
+                    }
                     self.send(
                         a.client,
                         ServerMsg::Error {
