@@ -88,9 +88,11 @@ impl Driver {
         // SAFETY: dlopen of a static NUL-terminated name; the handle is kept for the process.
         let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) };
         if lib.is_null() {
-            return Err("the CUDA driver (libcuda.so.1) cannot be loaded: mount the driver into \
+            return Err(
+                "the CUDA driver (libcuda.so.1) cannot be loaded: mount the driver into \
                         the scheduler's container, or keep memory_overcommit at 1"
-                .into());
+                    .into(),
+            );
         }
         let sym = |name: &CStr| -> Result<*mut c_void, String> {
             // SAFETY: dlsym on a live handle with a NUL-terminated name.
@@ -108,16 +110,24 @@ impl Driver {
         let init = sym(c"cuInit")?;
         // SAFETY: each symbol is the driver's function of that name, with the type cuda.h gives.
         let d = unsafe {
-            let init: pfn::cuInit = std::mem::transmute(init);
+            let init = std::mem::transmute::<*mut c_void, pfn::cuInit>(init);
             let r = init(0);
             if r != CUDA_SUCCESS {
                 return Err(format!("cuInit failed ({})", name(r)));
             }
             Driver {
-                lock: std::mem::transmute(sym(c"cuCheckpointProcessLock")?),
-                checkpoint: std::mem::transmute(sym(c"cuCheckpointProcessCheckpoint")?),
-                restore: std::mem::transmute(sym(c"cuCheckpointProcessRestore")?),
-                unlock: std::mem::transmute(sym(c"cuCheckpointProcessUnlock")?),
+                lock: std::mem::transmute::<*mut c_void, pfn::cuCheckpointProcessLock>(sym(
+                    c"cuCheckpointProcessLock",
+                )?),
+                checkpoint: std::mem::transmute::<*mut c_void, pfn::cuCheckpointProcessCheckpoint>(
+                    sym(c"cuCheckpointProcessCheckpoint")?,
+                ),
+                restore: std::mem::transmute::<*mut c_void, pfn::cuCheckpointProcessRestore>(sym(
+                    c"cuCheckpointProcessRestore",
+                )?),
+                unlock: std::mem::transmute::<*mut c_void, pfn::cuCheckpointProcessUnlock>(sym(
+                    c"cuCheckpointProcessUnlock",
+                )?),
             }
         };
         Ok(d)
@@ -136,7 +146,11 @@ impl Driver {
         for (i, &pid) in pids.iter().enumerate() {
             let r = self.lock_one(pid, lock_timeout_ms);
             if r != CUDA_SUCCESS {
-                tracing::warn!(pid, "checkpoint lock failed ({}): the group runs on", name(r));
+                tracing::warn!(
+                    pid,
+                    "checkpoint lock failed ({}): the group runs on",
+                    name(r)
+                );
                 self.unlock_all(&pids[..i]);
                 return Err(failure(r));
             }

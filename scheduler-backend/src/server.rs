@@ -11,11 +11,11 @@
 //! against its deadline, a ready socket against the poll that reported it, a post against when
 //! it was posted — and tells the node, which reports it.
 
+use crate::checkpoint::Job;
 use crate::identity::Credentials;
 use crate::inbox::{Letter, Post, Published};
 use crate::node::{ConnId, Effect, Input, Node, SwapOutFailure};
 use crate::throttle::Throttle;
-use crate::checkpoint::Job;
 use crate::workers::{Lookup, Workers};
 use gpushare_protocol::admin::AdminReply;
 use gpushare_protocol::{ClientMsg, FrameBuf};

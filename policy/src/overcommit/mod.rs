@@ -545,7 +545,13 @@ impl Overcommit {
 
     /// `process` states what it holds on `gpu` (its books were lost, e.g. the daemon
     /// restarted): booked as it is, even past the GPU — the memory is taken already.
-    pub fn restate(&mut self, now: Nanos, process: ProcessId, gpu: Gpu, bytes: Bytes) -> Vec<Effect> {
+    pub fn restate(
+        &mut self,
+        now: Nanos,
+        process: ProcessId,
+        gpu: Gpu,
+        bytes: Bytes,
+    ) -> Vec<Effect> {
         if gpu >= self.capacity.len() {
             self.capacity.resize(gpu + 1, 0);
         }

@@ -254,7 +254,10 @@ impl Node {
     /// The checkpoint of `swap` ended.
     pub(super) fn swapped_out(&mut self, swap: u64, outcome: Result<(), SwapOutFailure>, now: u64) {
         if let Err(e) = outcome {
-            tracing::warn!(swap, "swap-out failed ({e:?}): choosing another victim or waiting");
+            tracing::warn!(
+                swap,
+                "swap-out failed ({e:?}): choosing another victim or waiting"
+            );
         }
         let effects = self.overcommit.core.swapped_out(now, SwapId(swap), outcome);
         self.carry_out(effects, now);
@@ -314,7 +317,9 @@ impl Node {
                     );
                     tracing::warn!(client = a.client, group = ?group, "{message}");
                     if let Some(g) = group {
-                        self.overcommit.refusals.insert(g.to_string(), message.clone());
+                        self.overcommit
+                            .refusals
+                            .insert(g.to_string(), message.clone());
                     }
                     self.send(
                         a.client,

@@ -383,7 +383,11 @@ fn a_report_reflects_everything_handled_before_the_question() {
     };
     assert_eq!(gpus(&mut w), 0);
     w.send(c, ClientMsg::Acquire { gpu: GPU });
-    assert_eq!(gpus(&mut w), 1, "the GPU acquired a moment ago is in the report");
+    assert_eq!(
+        gpus(&mut w),
+        1,
+        "the GPU acquired a moment ago is in the report"
+    );
 }
 
 #[test]
@@ -694,7 +698,8 @@ fn hostile_configs_are_rejected_or_applied_without_panicking() {
 /// Groups `a` (cap 1 GiB) and `b` (512 MiB) under `memory_overcommit = 2` on a GPU of 1 GiB,
 /// its memory told by a hook; `extra` goes into `[overcommit]`. The clients of `a` and `b`.
 fn overcommitted(extra: &str) -> (World, ConnId, ConnId) {
-    let config = format!("memory_overcommit = 2\n[overcommit]\nwait = \"100ms\"\n{extra}\n{CONFIG}");
+    let config =
+        format!("memory_overcommit = 2\n[overcommit]\nwait = \"100ms\"\n{extra}\n{CONFIG}");
     let mut w = World::new(&config, false);
     let a = client_a(&mut w);
     let b = w.connect(1001, None);
@@ -781,7 +786,10 @@ fn under_overcommit_a_wait_is_bounded_and_its_refusal_says_why_and_frees_the_cap
     // Its reservation no longer counts against b's cap.
     let q = w.req(b);
     w.send(b, ClientMsg::MemQuery { req: q, gpu: GPU });
-    assert!(matches!(last(&w, b), Some(ServerMsg::Memory { used: 0, .. })));
+    assert!(matches!(
+        last(&w, b),
+        Some(ServerMsg::Memory { used: 0, .. })
+    ));
 }
 
 #[test]
