@@ -98,7 +98,13 @@ impl MemoryReplayParams {
             memory_overcommit,
             seeds: 20,
             swap: SwapCost::measured(),
-            overcommit: Params::default(),
+            // Jobs wait for memory as long as the scheduler lets an allocation wait at most
+            // (`overcommit.max_wait` as high as it goes): a job is queued work, better late
+            // than failed.
+            overcommit: Params {
+                max_wait_ns: gpushare_protocol::MAX_MEMORY_WAIT_NS,
+                ..Params::default()
+            },
         }
     }
 

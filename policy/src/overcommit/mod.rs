@@ -688,7 +688,7 @@ impl Overcommit {
         let mut times: Vec<Nanos> = Vec::new();
         for w in &self.waits {
             times.push(w.since + self.wait_for(w.bytes));
-            times.push(w.since + self.params.max_wait_ns);
+            times.push(w.since.saturating_add(self.params.max_wait_ns));
         }
         for s in self.swaps.values() {
             if let (SwapState::Out, Some(t)) = (s.state, s.wanted_since) {
