@@ -14,19 +14,30 @@
 //! synchronisation or trim that released them (or of its next activity). The thread sleeps
 //! without a timeout while there is nothing to watch.
 //!
-//! Without a scheduler, fail-open grants everything unchecked (and counts it, so a restated
-//! holding after the reconnection is whole) and fail-closed waits for it; a refused process
+//! Every message that changes the scheduler's books of this process (a reservation, a give
+//! back, a statement of the holding) is sent under its lease's lock, so the scheduler reads
+//! them in the order the lease changed.
+//!
+//! Without an answer — no scheduler, or one that owes an answer past the liveness bound
+//! (`crate::turn`) — fail-open decides alone, against the cap and the others' use the
+//! scheduler last told it ([`Lease::grant_alone`]), and states its whole holding when the
+//! scheduler answers again (or on the next connection), so that the scheduler's books are
+//! exact again: what was allocated meanwhile is charged, nothing twice. Fail-closed waits for a
+//! connection, and for an answer at most [`ANSWER_TIMEOUT`] (then the allocation fails). A
+//! grant the scheduler could not journal (its disk full) is kept under `open` and given back
+//! under `closed` (the allocation fails), with a line on stderr either way. A refused process
 //! allocates nothing.
 
 use crate::books::PoolCharge;
 use crate::driver::{self, Handle};
-use crate::lease::{Refused, Take};
+use crate::lease::{Ask, Lease, Refused, Take};
 use crate::log::debug;
+use crate::port::NoAnswer;
 use crate::process::Hook;
 use crate::settings::FailPolicy;
 use gpushare_protocol::{ClientMsg, ServerMsg};
 use std::collections::HashMap;
-use std::sync::MutexGuard;
+use std::sync::{MutexGuard, Once};
 use std::time::{Duration, Instant};
 
 /// Spare that no allocation needed for this long goes back to the scheduler: another process
@@ -38,6 +49,20 @@ const POOL_POLL_MAX: Duration = Duration::from_secs(1);
 /// a pool's growth is reserved in whole granules, and less than a granule unused is not
 /// watched (the pool cannot release it).
 const POOL_GRANULE: u64 = 2 << 20;
+/// How long fail-closed waits for the answer to a reservation before the allocation fails.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What became of a reservation.
+enum Answer {
+    Granted {
+        journaled: bool,
+    },
+    Refused,
+    /// No answer (fail-open): decide alone.
+    Alone,
+    /// No answer (fail-closed), or a refused process: the allocation fails.
+    Failed,
+}
 
 /// Reserve `bytes` for an allocation on gate `gpu`; false: over the cap (or refused).
 pub fn draw(h: &'static Hook, gpu: usize, bytes: u64) -> bool {
@@ -46,26 +71,45 @@ pub fn draw(h: &'static Hook, gpu: usize, bytes: u64) -> bool {
         return true;
     };
     loop {
-        let granted = ask(h, gpu, a.ask);
+        let answer = ask(h, gpu, &a);
         let mut lease = h.memory.lease(gpu);
-        if granted {
-            let back = lease.granted(&a);
-            let spare = lease.spare();
-            drop(lease);
-            give_back(h, gpu, back);
-            if spare > 0 {
-                keep(h);
+        let granted = match answer {
+            Answer::Granted { journaled } => {
+                let back = lease.granted(&a);
+                give_back(h, gpu, &mut lease, back);
+                if journaled || h.settings.fail == FailPolicy::Open {
+                    true
+                } else {
+                    let back = lease.free(a.bytes);
+                    give_back(h, gpu, &mut lease, back);
+                    false
+                }
             }
-            return true;
-        }
-        match lease.refused(&a) {
-            Refused::Retry(next) => a = next,
-            Refused::Failed { give_back: back } => {
-                drop(lease);
-                give_back(h, gpu, back);
-                return false;
+            Answer::Refused => match lease.refused(&a) {
+                Refused::Retry(next) => {
+                    a = next;
+                    continue;
+                }
+                Refused::Failed { give_back: back } => {
+                    give_back(h, gpu, &mut lease, back);
+                    false
+                }
+            },
+            Answer::Alone => match lease.grant_alone(&a) {
+                Ok(()) => true,
+                Err(back) => {
+                    give_back(h, gpu, &mut lease, back);
+                    false
+                }
+            },
+            Answer::Failed => {
+                let back = lease.fail(&a);
+                give_back(h, gpu, &mut lease, back);
+                false
             }
-        }
+        };
+        settled(h, gpu, lease);
+        return granted;
     }
 }
 
@@ -74,20 +118,123 @@ pub fn draw(h: &'static Hook, gpu: usize, bytes: u64) -> bool {
 pub fn release(h: &'static Hook, gpu: usize, bytes: u64) {
     let mut lease = h.memory.lease(gpu);
     let back = lease.free(bytes);
+    give_back(h, gpu, &mut lease, back);
+    settled(h, gpu, lease);
+}
+
+/// After a change of gate `gpu`'s lease: state the holding if a statement is owed and may be
+/// made now, and have the keeper look if there is spare.
+fn settled(h: &'static Hook, gpu: usize, mut lease: MutexGuard<'_, Lease>) {
+    state_if_owed(h, gpu, &mut lease);
     let spare = lease.spare();
     drop(lease);
-    give_back(h, gpu, back);
     if spare > 0 {
         keep(h);
     }
 }
 
-/// The scheduler told the group's cap on gate `gpu` (`None`: uncapped): the lease block
-/// follows it.
-pub fn learn_cap(h: &Hook, gpu: usize, cap: Option<u64>) {
+/// Send the statement of its holding gate `gpu`'s lease owes, if it owes one, no ask is in
+/// flight, and the scheduler answers (it is sent under the lease's lock: nothing between).
+fn state_if_owed(h: &Hook, gpu: usize, lease: &mut Lease) {
+    if !h.port.is_connected() || h.port.owes() {
+        return;
+    }
+    if let Some(bytes) = lease.sync_due() {
+        debug!("stating what this process holds on GPU {gpu}: {bytes} bytes");
+        if !h.port.send(&ClientMsg::MemSync {
+            gpu: h.gates[gpu].uuid,
+            bytes,
+        }) {
+            lease.owe_sync();
+        }
+    }
+}
+
+/// The scheduler answers again after leaving a question unanswered: the statements owed.
+pub fn answered_again(h: &Hook) {
+    for gpu in 0..h.memory.gpus() {
+        state_if_owed(h, gpu, &mut h.memory.lease(gpu));
+    }
+}
+
+/// What a new connection is told first: each lease's whole holding, spare included (the
+/// process may allocate the spare without asking again), under every lease's lock.
+pub fn greet(h: &Hook, send: &mut dyn FnMut(&[ClientMsg])) {
+    let mut leases: Vec<MutexGuard<'_, Lease>> =
+        (0..h.memory.gpus()).map(|g| h.memory.lease(g)).collect();
+    let mut greeting: Vec<ClientMsg> = Vec::with_capacity(2 * leases.len());
+    for (gpu, lease) in leases.iter_mut().enumerate() {
+        let uuid = h.gates[gpu].uuid;
+        if h.gpu_memory[gpu] > 0 {
+            greeting.push(ClientMsg::MemTotal {
+                gpu: uuid,
+                bytes: h.gpu_memory[gpu],
+            });
+        }
+        greeting.push(ClientMsg::MemSync {
+            gpu: uuid,
+            bytes: lease.stated(),
+        });
+    }
+    send(&greeting);
+}
+
+/// The scheduler told the group's cap on gate `gpu` (`None`: uncapped) and its use: the lease
+/// block follows the cap.
+pub fn learn_cap(h: &Hook, gpu: usize, cap: Option<u64>, used: u64) {
     let block = h.memory.block_for(cap);
-    let back = h.memory.lease(gpu).set_block(block);
-    give_back(h, gpu, back);
+    let mut lease = h.memory.lease(gpu);
+    lease.learn(cap, used);
+    let back = lease.set_block(block);
+    give_back(h, gpu, &mut lease, back);
+}
+
+/// The group's cap on gate `gpu` and its use (this process's spare included): the
+/// scheduler's answer, or, while it owes answers or cannot be reached (fail-open), what it
+/// last said. `None` if it said nothing yet, or when fail-closed gets no answer (it asks even
+/// while the scheduler owes one, and waits).
+pub fn query(h: &'static Hook, gpu: usize) -> Option<(Option<u64>, u64)> {
+    let known = || h.memory.lease(gpu).known();
+    let open = h.settings.fail == FailPolicy::Open;
+    if open && (!h.port.is_connected() || h.port.owes()) {
+        return known();
+    }
+    if !h.port.is_connected() {
+        return None;
+    }
+    let uuid = h.gates[gpu].uuid;
+    let Some(pending) = h.port.request(|req| ClientMsg::MemQuery { req, gpu: uuid }) else {
+        return if open { known() } else { None };
+    };
+    let timeout = if open {
+        h.port.liveness()
+    } else {
+        ANSWER_TIMEOUT
+    };
+    // Under memory overcommit the scheduler may say the reservation waits for memory (others
+    // freeing it, or being swapped to host memory): then its answer comes within its bound.
+    let mut answer = pending.wait(timeout);
+    if let Ok(ServerMsg::MemWait { max_wait_ns, .. }) = answer {
+        answer = pending.wait(Duration::from_nanos(max_wait_ns) + ANSWER_TIMEOUT);
+    }
+    match answer {
+        Ok(ServerMsg::Memory { cap, used, .. }) => {
+            learn_cap(h, gpu, cap, used);
+            Some((cap, used))
+        }
+        Ok(_) => None,
+        Err(NoAnswer::Late) => {
+            h.port.mark_owed();
+            if open { known() } else { None }
+        }
+        Err(NoAnswer::Gone) => {
+            if open {
+                known()
+            } else {
+                None
+            }
+        }
+    }
 }
 
 /// Bytes this process holds on gate `gpu` that it has not allocated: free for it, though the
@@ -200,35 +347,106 @@ fn forget_empty(pools: &mut HashMap<u64, PoolCharge>) {
     pools.retain(|_, c| c.charged > 0 || c.watched);
 }
 
-/// One reservation round trip: granted or not. Without a scheduler, fail-open grants
-/// unchecked and fail-closed waits for it (and refuses if it does not answer).
-fn ask(h: &Hook, gpu: usize, bytes: u64) -> bool {
+/// One reservation round trip for `a` (sent under the lease's lock). Fail-open waits for the
+/// answer at most the liveness bound, and not at all while the scheduler owes one or cannot be
+/// reached; fail-closed waits for a connection, then at most [`ANSWER_TIMEOUT`].
+fn ask(h: &Hook, gpu: usize, a: &Ask) -> Answer {
+    let open = h.settings.fail == FailPolicy::Open;
+    let no_answer = || if open { Answer::Alone } else { Answer::Failed };
+    if h.port.is_refused() {
+        return Answer::Failed;
+    }
+    if open && (!h.port.is_connected() || h.port.owes()) {
+        return Answer::Alone;
+    }
     if !h.wait_connected() {
-        return !h.port.is_refused();
+        return no_answer();
     }
     let uuid = h.gates[gpu].uuid;
-    // Under memory overcommit the scheduler may make the allocation wait for memory (others
-    // freeing it, or being swapped to host memory), never longer than its bound.
-    let wait = Duration::from_nanos(gpushare_protocol::MAX_MEMORY_WAIT_NS) + Duration::from_secs(5);
-    match h.port.call_within(wait, |req| ClientMsg::MemReserve {
-        req,
-        gpu: uuid,
-        bytes,
-    }) {
-        Some(ServerMsg::Memory { granted, cap, .. }) => {
-            learn_cap(h, gpu, cap);
-            granted
+    let pending = {
+        let _lease = h.memory.lease(gpu);
+        h.port.request(|req| ClientMsg::MemReserve {
+            req,
+            gpu: uuid,
+            bytes: a.ask,
+        })
+    };
+    let Some(pending) = pending else {
+        return no_answer();
+    };
+    let timeout = if open {
+        h.port.liveness()
+    } else {
+        ANSWER_TIMEOUT
+    };
+    // Under memory overcommit the scheduler may say the reservation waits for memory (others
+    // freeing it, or being swapped to host memory): then its answer comes within its bound.
+    let mut answer = pending.wait(timeout);
+    if let Ok(ServerMsg::MemWait { max_wait_ns, .. }) = answer {
+        answer = pending.wait(Duration::from_nanos(max_wait_ns) + ANSWER_TIMEOUT);
+    }
+    match answer {
+        Ok(ServerMsg::Memory {
+            granted,
+            cap,
+            used,
+            journaled,
+            ..
+        }) => {
+            let mut lease = h.memory.lease(gpu);
+            if granted {
+                // As it will be once the grant is counted.
+                lease.learn(cap, used.saturating_sub(a.ask));
+            } else {
+                lease.learn(cap, used);
+            }
+            let back = lease.set_block(h.memory.block_for(cap));
+            give_back(h, gpu, &mut lease, back);
+            drop(lease);
+            if !granted {
+                return Answer::Refused;
+            }
+            if !journaled {
+                unjournaled_warning(open);
+            }
+            Answer::Granted { journaled }
         }
-        _ => h.settings.fail == FailPolicy::Open,
+        Ok(_) => no_answer(),
+        Err(NoAnswer::Late) => {
+            debug!(
+                "no answer to a reservation within {} ms: the scheduler is taken to be unresponsive",
+                timeout.as_millis()
+            );
+            h.port.mark_owed();
+            no_answer()
+        }
+        Err(NoAnswer::Gone) => no_answer(),
     }
 }
 
-fn give_back(h: &Hook, gpu: usize, bytes: u64) {
-    if bytes > 0 {
-        h.port.send(&ClientMsg::MemFree {
+/// The scheduler could not journal a reservation: said once per process on stderr.
+fn unjournaled_warning(open: bool) {
+    static WARN: Once = Once::new();
+    WARN.call_once(|| {
+        let what = if open {
+            "allocating anyway (GPUSHARE_FAIL=open): a restart of the scheduler now would forget it"
+        } else {
+            "the allocation fails (GPUSHARE_FAIL=closed)"
+        };
+        eprintln!("gpushare: gpushare-scheduler could not journal a GPU memory reservation (its journal's file system may be full); {what}");
+    });
+}
+
+/// Give back `bytes` of gate `gpu`'s lease (under its lock); a statement is owed if the
+/// scheduler does not hear it.
+fn give_back(h: &Hook, gpu: usize, lease: &mut Lease, bytes: u64) {
+    if bytes > 0
+        && !h.port.send(&ClientMsg::MemFree {
             gpu: h.gates[gpu].uuid,
             bytes,
-        });
+        })
+    {
+        lease.owe_sync();
     }
 }
 
@@ -253,9 +471,9 @@ fn tick(h: &'static Hook) -> Option<Duration> {
     for gpu in 0..h.memory.gpus() {
         let mut lease = h.memory.lease(gpu);
         let back = lease.expire();
+        give_back(h, gpu, &mut lease, back);
         let spare = lease.spare();
         drop(lease);
-        give_back(h, gpu, back);
         if spare > 0 {
             soon(LEASE_WINDOW);
         }

@@ -23,7 +23,7 @@ use crate::driver::{self, Handle, Stream};
 use crate::log::debug;
 use crate::port::Port;
 use crate::queue::{LaunchStreams, Queue};
-use crate::turn::{Activity, Say, Step, Turn, TurnConfig, Turns, Waiter, Watch, pacing};
+use crate::turn::{Activity, Say, Step, Turn, TurnConfig, Turns, UNLIMITED, Waiter, Watch, pacing};
 use gpushare_protocol::ClientMsg;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, Once};
@@ -67,7 +67,13 @@ pub struct Gate {
 }
 
 impl Gate {
-    pub fn new(uuid: [u8; 16], cfg: TurnConfig, drain_grace_ns: u64, port: &'static Port) -> Gate {
+    pub fn new(
+        uuid: [u8; 16],
+        cfg: TurnConfig,
+        liveness_ns: u64,
+        drain_grace_ns: u64,
+        port: &'static Port,
+    ) -> Gate {
         Gate {
             uuid,
             port,
@@ -82,7 +88,7 @@ impl Gate {
             launch_streams: LaunchStreams::new(),
             next_pace: AtomicU64::new(1),
             inner: Mutex::new(Inner {
-                turns: Turns::new(cfg),
+                turns: Turns::new(cfg, liveness_ns),
                 queue: Queue::default(),
                 ctxs: Vec::new(),
             }),
@@ -108,13 +114,20 @@ impl Gate {
     }
 
     /// Carry out what the machine decided: the fast path's deadline, and what to tell the
-    /// scheduler (in order).
+    /// scheduler (in order). Limits that apply again after a spell without them restart the
+    /// pacing from an empty queue (what the fences knew spans the spell).
     fn apply(&self, g: &mut Inner) {
-        self.deadline
-            .store(g.turns.gate_deadline(), Ordering::SeqCst);
+        let deadline = g.turns.gate_deadline();
+        let was = self.deadline.swap(deadline, Ordering::SeqCst);
+        if was == UNLIMITED && deadline != UNLIMITED {
+            self.next_pace.store(1, Ordering::Relaxed);
+            let n = self.launches.load(Ordering::Relaxed);
+            g.queue.drained(&self.launch_streams, n);
+        }
         for say in g.turns.take_said() {
             let msg = match say {
                 Say::Acquire => ClientMsg::Acquire { gpu: self.uuid },
+                Say::Probe => ClientMsg::Probe { gpu: self.uuid },
                 Say::Yield { token, drained_ns } => ClientMsg::Yield {
                     gpu: self.uuid,
                     token,
@@ -219,15 +232,26 @@ impl Gate {
                     self.wake();
                     break true;
                 }
+                Step::Ungated => {
+                    ungated_warning(g.turns.liveness_ns());
+                    self.port.mark_owed();
+                    self.wake();
+                    break true;
+                }
                 Step::Refuse => break false,
                 Step::Ask => {
                     let sent = self.port.send(&ClientMsg::Acquire { gpu: self.uuid });
-                    g.turns.asked(sent);
+                    g.turns.asked(sent, now);
                     if !sent {
                         g = self.wait(g, Duration::from_millis(100));
                     }
                 }
                 Step::Wait { until_ns } => {
+                    if g.turns.overdue(now) {
+                        // Fail-closed: waits on.
+                        debug!("gpushare-scheduler owes an answer: waiting for it (fail-closed)");
+                        self.port.mark_owed();
+                    }
                     g = self.wait(g, Duration::from_nanos(until_ns.saturating_sub(now)));
                 }
             }
@@ -282,13 +306,19 @@ impl Gate {
         }
     }
 
-    pub fn on_connected(&self) {
+    /// Connected (again), to a scheduler that promises to answer within `liveness_ns` (unless
+    /// the settings fix the bound).
+    pub fn on_connected(&self, liveness_ns: u64) {
         let mut g = self.lock();
-        if g.turns.connected() {
-            self.next_pace.store(1, Ordering::Relaxed);
-            let n = self.launches.load(Ordering::Relaxed);
-            g.queue.drained(&self.launch_streams, n);
-        }
+        g.turns.set_liveness(liveness_ns);
+        g.turns.connected(crate::now_ns());
+        self.changed(&mut g);
+    }
+
+    /// The scheduler answered a probe.
+    pub fn on_alive(&self) {
+        let mut g = self.lock();
+        g.turns.alive(crate::now_ns());
         self.changed(&mut g);
     }
 
@@ -375,8 +405,15 @@ impl Gate {
         let tolerance = turns.queue_budget().unwrap_or(0.0) as u64;
         let mut queued = || self.queued_now(queue, now, tolerance);
         match turns.watch(now, a, &mut queued) {
-            Watch::Nothing => None,
-            Watch::At(t) => Some(t),
+            // (Applied: a probe, when ungated.)
+            Watch::Nothing => {
+                self.apply(&mut g);
+                None
+            }
+            Watch::At(t) => {
+                self.apply(&mut g);
+                Some(t)
+            }
             Watch::RollOver => {
                 g.turns.roll_over();
                 self.apply(&mut g);
@@ -489,8 +526,8 @@ impl Gate {
         }
         let mut g = self.lock();
         let Some(budget) = g.turns.queue_budget() else {
-            // Unthrottled (no scheduler): nothing to pace until it is back (`on_connected`).
-            let unthrottled = g.turns.gate_deadline() == crate::turn::UNLIMITED;
+            // Without limits: nothing to pace until they apply again (`apply`).
+            let unthrottled = g.turns.gate_deadline() == UNLIMITED;
             let next = if unthrottled { u64::MAX } else { n + 1 };
             self.next_pace.store(next, Ordering::Relaxed);
             return;
@@ -557,6 +594,19 @@ impl Gate {
         }
         self.pace_due.store(false, Ordering::Relaxed);
     }
+}
+
+/// A launcher found the scheduler unresponsive (fail-open): said once per process on stderr,
+/// as when it cannot be reached, and each time under `GPUSHARE_LOG`.
+fn ungated_warning(liveness_ns: u64) {
+    static WARN: Once = Once::new();
+    let ms = liveness_ns as f64 / 1e6;
+    debug!(
+        "gpushare-scheduler left a probe unanswered ({ms:.0} ms): launching without limits until it answers"
+    );
+    WARN.call_once(|| {
+        eprintln!("gpushare: gpushare-scheduler has not answered for {ms:.0} ms; running WITHOUT GPU sharing limits until it does (fail-open). Set GPUSHARE_FAIL=closed to wait for it, or GPUSHARE_LIVENESS to wait longer.");
+    });
 }
 
 /// One GPU's drains, on a thread of their own: `cuCtxSynchronize` cannot be given a time
@@ -640,21 +690,28 @@ mod tests {
     const CFG: TurnConfig = TurnConfig {
         idle_release_ns: 2_000_000,
         handoff_lead_ns: 1_000_000,
+        fail_open: true,
     };
+    const LIVENESS: u64 = 40_000_000;
 
     fn port() -> &'static Port {
-        Box::leak(Box::new(Port::new("/nonexistent".into(), None)))
+        Box::leak(Box::new(Port::new(
+            "/nonexistent".into(),
+            None,
+            None,
+            LIVENESS,
+        )))
     }
 
     /// A gate whose turn `token`, an hour long, is open.
     fn holding(token: u64) -> Gate {
-        let gate = Gate::new([0; 16], CFG, 10_000_000, port());
+        let gate = Gate::new([0; 16], CFG, LIVENESS, 10_000_000, port());
         let now = crate::now_ns();
         {
             let mut g = gate.lock();
             let mut w = Waiter::default();
             assert_eq!(g.turns.admit(now, &mut w), Step::Ask);
-            g.turns.asked(true);
+            g.turns.asked(true, now);
             g.turns
                 .grant(token, now, now + 3_600_000_000_000, 2_500_000, now);
             assert_eq!(g.turns.admit(now, &mut w), Step::Opened);
@@ -740,7 +797,7 @@ mod tests {
     /// against the bare simulator by the isolation tests and the benchmark.)
     #[test]
     fn fast_path_admits_while_the_turn_is_open_and_costs_little() {
-        let closed = Gate::new([0; 16], CFG, 10_000_000, port());
+        let closed = Gate::new([0; 16], CFG, LIVENESS, 10_000_000, port());
         assert!(!closed.try_enter(), "no turn: slow path");
         let gate = holding(1);
         gate.next_pace.store(u64::MAX, Ordering::Relaxed);

@@ -20,6 +20,13 @@
 //! At every step: allocations ≤ held, and held plus the asks in flight ≤ allocations plus
 //! the allocations waiting for those asks plus one block per ask in flight and one spare block
 //! (property-tested below).
+//!
+//! When the scheduler owes an answer past the liveness bound, or cannot be reached, a
+//! fail-open process decides on its own ([`Lease::grant_alone`]): against the group's cap and
+//! the others' use as the scheduler last told them, for exactly what the allocation needs. What
+//! it holds then differs from the scheduler's books, so it owes the scheduler a statement of
+//! its holding ([`Lease::sync_due`]), made once no ask is in flight (an answer to one would
+//! count twice) and the scheduler answers again: its books are then exact.
 
 /// One GPU's lease.
 #[derive(Debug, Default, Clone)]
@@ -33,6 +40,20 @@ pub struct Lease {
     used: u64,
     /// The least spare since the window began.
     low: u64,
+    /// Asks sent and not yet answered or decided.
+    asks: u32,
+    /// What the scheduler books for this process may differ from `held`: a statement is owed.
+    unsynced: bool,
+    /// The group's cap and the others' use on this GPU, as the scheduler last said.
+    known: Option<Known>,
+}
+
+/// What the scheduler last said of the group's memory on this GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Known {
+    cap: Option<u64>,
+    /// The group's use less this process's holding.
+    others: u64,
 }
 
 /// What an allocation of some bytes needs.
@@ -80,6 +101,7 @@ impl Lease {
     }
 
     /// What the scheduler books for this process.
+    #[cfg(test)]
     pub fn held(&self) -> u64 {
         self.held
     }
@@ -105,6 +127,7 @@ impl Lease {
         let claimed = self.spare();
         self.used += claimed;
         self.low = 0;
+        self.asks += 1;
         let extra = if bytes <= self.block { self.block } else { 0 };
         Take::Ask(Ask {
             bytes,
@@ -116,9 +139,67 @@ impl Lease {
     /// The scheduler granted `a`: the allocation may go ahead. The bytes to give back now
     /// (spare over one block, when other frees or refills came meanwhile).
     pub fn granted(&mut self, a: &Ask) -> u64 {
+        self.asks -= 1;
         self.held += a.ask;
         self.used += a.bytes - a.claimed;
         self.trim(self.block)
+    }
+
+    /// The scheduler's answer to an ask: the group's cap on this GPU and its use, this
+    /// process's holding included (as [`Lease::held`] is now).
+    pub fn learn(&mut self, cap: Option<u64>, used: u64) {
+        self.known = Some(Known {
+            cap,
+            others: used.saturating_sub(self.held),
+        });
+    }
+
+    /// The group's cap and its use as far as this process knows: what the scheduler last said,
+    /// with this process's holding as it is now.
+    pub fn known(&self) -> Option<(Option<u64>, u64)> {
+        self.known.map(|k| (k.cap, k.others + self.held))
+    }
+
+    /// `a` gets no answer (fail-open): granted if what the allocation needs fits under the
+    /// cap as last known (or none is known), with no spare added; else the allocation fails
+    /// (`Err`: the bytes to give back). Either way the scheduler is owed a statement (it may
+    /// yet book the ask).
+    pub fn grant_alone(&mut self, a: &Ask) -> Result<(), u64> {
+        let need = a.bytes - a.claimed;
+        let fits = self.known.is_none_or(|k| {
+            k.cap
+                .is_none_or(|c| k.others.saturating_add(self.held + need) <= c)
+        });
+        self.unsynced = true;
+        if !fits {
+            return Err(self.fail(a));
+        }
+        self.asks -= 1;
+        self.held += need;
+        self.used += need;
+        Ok(())
+    }
+
+    /// The statement of its holding this process owes the scheduler, if it owes one and no
+    /// ask is in flight: send it now (under the lease's lock, with nothing sent between).
+    pub fn sync_due(&mut self) -> Option<u64> {
+        (self.unsynced && self.asks == 0).then(|| {
+            self.unsynced = false;
+            self.held
+        })
+    }
+
+    /// The scheduler may not have what this process holds (a message to it was lost, or it
+    /// is stated on a new connection).
+    pub fn owe_sync(&mut self) {
+        self.unsynced = true;
+    }
+
+    /// The holding was stated to a new connection (asks in flight, if any, were on the last
+    /// one: their outcome is owed when they end).
+    pub fn stated(&mut self) -> u64 {
+        self.unsynced = self.asks > 0;
+        self.held
     }
 
     /// The scheduler refused `a`: ask for the least the allocation needs if `a` asked for more
@@ -131,10 +212,16 @@ impl Lease {
                 ..*a
             });
         }
-        self.used -= a.claimed;
         Refused::Failed {
-            give_back: self.trim(self.block),
+            give_back: self.fail(a),
         }
+    }
+
+    /// `a`'s allocation fails: its set-aside spare is spare again; the bytes to give back.
+    pub fn fail(&mut self, a: &Ask) -> u64 {
+        self.asks -= 1;
+        self.used -= a.claimed;
+        self.trim(self.block)
     }
 
     /// Allocations of `bytes` ended (freed, or the driver failed them); the bytes to give back.
@@ -308,6 +395,14 @@ mod tests {
         DriverFails,
         Expire,
         Block(u64),
+        /// The oldest ask in flight gets no answer (the scheduler stopped): the process decides
+        /// alone; the scheduler books the ask all the same if `booked` (it read it before it
+        /// stopped) and it fits.
+        Unanswered {
+            booked: bool,
+        },
+        /// The scheduler answers again: the statement owed, if due, is sent.
+        Sync,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -318,15 +413,20 @@ mod tests {
             1 => Just(Op::DriverFails),
             1 => Just(Op::Expire),
             1 => (0u64..16).prop_map(Op::Block),
+            1 => any::<bool>().prop_map(|booked| Op::Unanswered { booked }),
+            1 => Just(Op::Sync),
         ]
     }
 
     proptest! {
         /// Random allocations, frees, answers (asks interleaved with other steps), failures,
-        /// windows and block changes, against a scheduler enforcing a cap: never an allocation
-        /// outside the lease, never more held (plus asks in flight) than allocations (plus those
-        /// waiting) plus one spare block and one block per ask in flight, never over the cap,
-        /// and after the last window nothing is held that no allocation uses.
+        /// windows and block changes, against a scheduler enforcing a cap, which now and then
+        /// leaves an ask unanswered (the process decides alone, against the cap it knows):
+        /// never an allocation outside the lease, never more held (plus asks in flight) than
+        /// allocations (plus those waiting) plus one spare block and one block per ask in
+        /// flight, the scheduler's books exact whenever no statement is owed, over the cap by
+        /// no more than what was decided alone, and after the last window and statement
+        /// nothing held that no allocation uses, there or here.
         #[test]
         fn never_more_held_than_used_plus_a_block_and_never_an_allocation_outside_it(
             ops in proptest::collection::vec(op(), 1..300),
@@ -337,6 +437,9 @@ mod tests {
             let mut block = block * MIB;
             let mut max_block = block;
             let cap = cap * MIB;
+            l.learn(Some(cap), 0);
+            // Bytes granted alone (not by the scheduler) so far.
+            let mut alone = 0u64;
             let mut live: Vec<u64> = Vec::new();
             let mut pending: std::collections::VecDeque<Ask> = Default::default();
             // What the scheduler books: held, plus what it granted but the hook has not yet
@@ -353,45 +456,70 @@ mod tests {
                             loop {
                                 if booked + a.ask <= cap {
                                     booked += a.ask;
-                                    booked -= l.granted(&a);
+                                    booked = booked.saturating_sub(l.granted(&a));
+                                    l.learn(Some(cap), booked);
                                     live.push(a.bytes);
                                     break;
                                 }
+                                l.learn(Some(cap), booked);
                                 match l.refused(&a) {
                                     Refused::Retry(next) => a = next,
+                                    // (The scheduler's books saturate: they may hold less
+                                    // than the lease after it decided alone.)
                                     Refused::Failed { give_back } => {
-                                        booked -= give_back;
+                                        booked = booked.saturating_sub(give_back);
                                         break;
                                     }
                                 }
                             }
                         }
                     }
+                    Op::Unanswered { booked: read } => {
+                        if let Some(a) = pending.pop_front() {
+                            if read && booked + a.ask <= cap {
+                                booked += a.ask;
+                            }
+                            // (Refused alone: what it gives back goes to a scheduler that is
+                            // not there to hear it.)
+                            if l.grant_alone(&a).is_ok() {
+                                alone += a.bytes - a.claimed;
+                                live.push(a.bytes);
+                            }
+                        }
+                    }
+                    Op::Sync => {
+                        if let Some(held) = l.sync_due() {
+                            booked = held;
+                        }
+                    }
                     Op::Free(i) if !live.is_empty() => {
                         let bytes = live.swap_remove(i % live.len());
-                        booked -= l.free(bytes);
+                        booked = booked.saturating_sub(l.free(bytes));
                     }
                     Op::Free(_) => {}
                     Op::DriverFails => {
                         if let Some(bytes) = live.pop() {
-                            booked -= l.free(bytes);
+                            booked = booked.saturating_sub(l.free(bytes));
                         }
                     }
-                    Op::Expire => booked -= l.expire(),
+                    Op::Expire => booked = booked.saturating_sub(l.expire()),
                     Op::Block(b) => {
                         block = b * MIB;
                         max_block = max_block.max(block);
-                        booked -= l.set_block(block);
+                        booked = booked.saturating_sub(l.set_block(block));
                     }
                 }
                 let allocated: u64 = live.iter().sum();
                 let claimed: u64 = pending.iter().map(|a| a.claimed).sum();
                 let asked: u64 = pending.iter().map(|a| a.ask).sum();
                 let waiting: u64 = pending.iter().map(|a| a.bytes).sum();
-                prop_assert_eq!(booked, l.held(), "the scheduler's books and the lease agree");
+                if !l.unsynced {
+                    prop_assert_eq!(booked, l.held(), "the scheduler's books and the lease agree");
+                }
                 prop_assert_eq!(l.used, allocated + claimed);
                 prop_assert!(allocated + claimed <= l.held(), "an allocation outside the lease");
-                prop_assert!(booked <= cap);
+                prop_assert!(booked <= cap + alone, "booked {booked}, cap {cap}, alone {alone}");
+                prop_assert_eq!(l.asks as usize, pending.len());
                 // Each ask in flight adds at most the block of its day.
                 let extra: u64 = pending.iter().map(|a| a.ask - (a.bytes - a.claimed)).sum();
                 prop_assert!(pending.iter().all(|a| a.ask - (a.bytes - a.claimed) <= max_block));
@@ -405,18 +533,29 @@ mod tests {
                     prop_assert!(l.held() + asked <= allocated + waiting + block * (1 + pending.len() as u64));
                 }
             }
-            // Answer everything, free everything: two windows later nothing is held.
+            // Answer everything, free everything: two windows later nothing is held, and the
+            // statement owed says so.
             while let Some(mut a) = pending.pop_front() {
-                while let Refused::Retry(next) = l.refused(&a) {
-                    a = next;
+                loop {
+                    match l.refused(&a) {
+                        Refused::Retry(next) => a = next,
+                        Refused::Failed { give_back } => {
+                            booked = booked.saturating_sub(give_back);
+                            break;
+                        }
+                    }
                 }
             }
             for bytes in live.drain(..) {
-                l.free(bytes);
+                booked = booked.saturating_sub(l.free(bytes));
             }
-            l.expire();
-            l.expire();
+            booked = booked.saturating_sub(l.expire());
+            booked = booked.saturating_sub(l.expire());
+            if let Some(held) = l.sync_due() {
+                booked = held;
+            }
             prop_assert_eq!(l.held(), 0);
+            prop_assert_eq!(booked, 0);
         }
     }
 }

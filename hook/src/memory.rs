@@ -19,7 +19,6 @@ use gpushare_cuda_abi::types::{
     CU_MEM_LOCATION_TYPE_DEVICE, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY3D_DESCRIPTOR,
     CUmemAllocationProp, CUresult,
 };
-use gpushare_protocol::{ClientMsg, ServerMsg};
 use std::ffi::c_void;
 
 type P = *mut c_void;
@@ -430,17 +429,8 @@ pub extern "C" fn cuMipmappedArrayDestroy(arr: P) -> CUresult {
 /// group's use counts this process's leased spare, which is this process's to allocate. The
 /// pools' charges are brought up to date first (a synchronisation may have released bytes).
 fn cap_of(h: &'static Hook, gpu: usize) -> Option<(u64, u64)> {
-    if !h.port.is_connected() {
-        return None;
-    }
     charges::reconcile_pools(h, gpu);
-    let uuid = h.gates[gpu].uuid;
-    let ServerMsg::Memory { cap, used, .. } =
-        h.port.call(|req| ClientMsg::MemQuery { req, gpu: uuid })?
-    else {
-        return None;
-    };
-    charges::learn_cap(h, gpu, cap);
+    let (cap, used) = charges::query(h, gpu)?;
     let others = used.saturating_sub(charges::spare(h, gpu));
     cap.map(|cap| (cap, cap.saturating_sub(others)))
 }

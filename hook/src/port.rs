@@ -2,42 +2,131 @@
 //! for their answer, and one thread (`gpushare-rx`) that reads what the scheduler sends and
 //! reconnects when the connection is lost. What the messages mean is the [`Inbox`]'s business
 //! (the process, which hands grants to its gates): this module knows sockets, not turns.
+//!
+//! Nothing here makes a caller wait for the scheduler beyond what it asked for: a message is
+//! written without blocking (what the socket does not take now waits in a backlog, written
+//! before the next message; a scheduler that leaves a megabyte unread loses the connection), a
+//! request waits for its answer only as long as its caller says, and a process's first call
+//! waits for the handshake at most [`FIRST_WELCOME_WAIT`] (the rest of it goes on in the
+//! background). The port remembers that a question went unanswered past the liveness bound,
+//! and tells the inbox when the scheduler speaks again.
 
 use crate::log::debug;
 use gpushare_protocol::{ClientMsg, GroupSpec, PROTOCOL_VERSION, ServerMsg};
 use std::collections::HashMap;
-use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
-use std::sync::mpsc::{SyncSender, sync_channel};
-use std::sync::{Mutex, OnceLock};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 /// How long a lost or unreachable scheduler is left before the next attempt.
 const RECONNECT: Duration = Duration::from_millis(500);
-/// How long a request waits for its answer.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the handshake waits for the scheduler's `Welcome` on the reader thread (it follows
+/// the scheduler's read of this process's `/proc` entries).
+const WELCOME_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a process's first call waits for the first handshake; past it the process goes on
+/// as if the scheduler were unreachable (`GPUSHARE_FAIL`) until the handshake ends.
+pub const FIRST_WELCOME_WAIT: Duration = Duration::from_millis(200);
+/// Bytes the scheduler may leave unread before the connection is given up (and made again).
+const MAX_BACKLOG: usize = 1 << 20;
 
 /// What the connection delivers.
 pub trait Inbox: Sync {
-    /// Sent first on every new connection, before anything else this process sends on it.
-    fn greeting(&self) -> Vec<ClientMsg>;
-    /// The handshake succeeded: limits apply again.
-    fn connected(&self);
-    /// A grant, revocation or new deadline.
+    /// Hand `send` what is said first on every new connection, before anything else this
+    /// process sends on it, while what it states cannot change (it is sent at once).
+    fn greet(&self, send: &mut dyn FnMut(&[ClientMsg]));
+    /// The handshake succeeded: limits apply again; the scheduler promises to answer within
+    /// `liveness_ns`.
+    fn connected(&self, liveness_ns: u64);
+    /// A grant, revocation, new deadline or answer to a probe.
     fn message(&self, msg: ServerMsg);
+    /// The scheduler spoke again after leaving a question unanswered past the liveness bound.
+    fn answered_again(&self);
     /// The scheduler refused this process (for good).
     fn refused(&self, why: &str);
     /// The scheduler cannot be reached, or the connection was lost.
     fn unreachable(&self, why: &str);
 }
 
+/// The writing half of the connection.
+struct Writer {
+    stream: UnixStream,
+    /// Encoded messages the socket has not taken yet, in order.
+    backlog: Vec<u8>,
+}
+
+impl Writer {
+    /// Write what the socket takes now, without blocking.
+    fn flush(&mut self) -> std::io::Result<()> {
+        while !self.backlog.is_empty() {
+            // SAFETY: send(2) from a live buffer on our own socket; MSG_DONTWAIT never blocks,
+            // MSG_NOSIGNAL turns a closed peer into EPIPE rather than SIGPIPE.
+            let n = unsafe {
+                libc::send(
+                    self.stream.as_raw_fd(),
+                    self.backlog.as_ptr().cast(),
+                    self.backlog.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                match e.kind() {
+                    std::io::ErrorKind::WouldBlock => break,
+                    std::io::ErrorKind::Interrupted => continue,
+                    _ => return Err(e),
+                }
+            }
+            self.backlog.drain(..n as usize);
+        }
+        if self.backlog.len() > MAX_BACKLOG {
+            return Err(std::io::Error::other(
+                "the scheduler leaves its input unread",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A request sent, waiting for its answer.
+pub struct Pending<'a> {
+    port: &'a Port,
+    req: u64,
+    rx: Receiver<ServerMsg>,
+}
+
+/// Why a request has no answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoAnswer {
+    /// Not within the time given.
+    Late,
+    /// The connection is gone.
+    Gone,
+}
+
+impl Pending<'_> {
+    /// The answer, if it comes within `timeout`.
+    pub fn wait(&self, timeout: Duration) -> Result<ServerMsg, NoAnswer> {
+        self.rx.recv_timeout(timeout).map_err(|e| match e {
+            RecvTimeoutError::Timeout => NoAnswer::Late,
+            RecvTimeoutError::Disconnected => NoAnswer::Gone,
+        })
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.port.pending().remove(&self.req);
+    }
+}
+
 pub struct Port {
     socket: PathBuf,
     declared: Option<GroupSpec>,
-    writer: Mutex<Option<UnixStream>>,
+    writer: Mutex<Option<Writer>>,
     /// The connection's file descriptors (writer, reader; -1: none), for a forked child to close:
     /// recorded as soon as each is open and cleared before it is closed, so a child never closes
     /// a number the application has since reused.
@@ -45,14 +134,29 @@ pub struct Port {
     connected: AtomicBool,
     /// The scheduler refused this process; it will not ask again.
     refused: AtomicBool,
+    /// The liveness bound: the settings', or the scheduler's promise in its `Welcome`.
+    liveness_ns: AtomicU64,
+    /// `GPUSHARE_LIVENESS` was set: the scheduler's promise does not change the bound.
+    liveness_fixed: bool,
+    /// A question went unanswered past the liveness bound since the scheduler last spoke.
+    owed: AtomicBool,
     /// Requests waiting for their answer, by request id.
     pending: Mutex<HashMap<u64, SyncSender<ServerMsg>>>,
     next_req: AtomicU64,
+    /// A handshake has ended (well or not): a process's first call waits for this, a while.
+    greeted: (Mutex<bool>, Condvar),
     inbox: OnceLock<&'static dyn Inbox>,
 }
 
 impl Port {
-    pub fn new(socket: PathBuf, declared: Option<GroupSpec>) -> Port {
+    /// A port to `socket`; `liveness`: the bound fixed by the settings (else the scheduler's
+    /// promise, and `default_liveness_ns` until it is known).
+    pub fn new(
+        socket: PathBuf,
+        declared: Option<GroupSpec>,
+        liveness: Option<u64>,
+        default_liveness_ns: u64,
+    ) -> Port {
         Port {
             socket,
             declared,
@@ -60,19 +164,41 @@ impl Port {
             conn_fds: [AtomicI32::new(-1), AtomicI32::new(-1)],
             connected: AtomicBool::new(false),
             refused: AtomicBool::new(false),
+            liveness_ns: AtomicU64::new(liveness.unwrap_or(default_liveness_ns)),
+            liveness_fixed: liveness.is_some(),
+            owed: AtomicBool::new(false),
             pending: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
+            greeted: (Mutex::new(false), Condvar::new()),
             inbox: OnceLock::new(),
         }
     }
 
-    /// Connect (once, now), then read and reconnect on a thread of its own.
+    /// Connect and read on a thread of its own (`gpushare-rx`), reconnecting when the
+    /// connection is lost; wait for the first handshake at most [`FIRST_WELCOME_WAIT`], then
+    /// go on as if the scheduler were unreachable until it ends.
     pub fn start(&'static self, inbox: &'static dyn Inbox) {
         let _ = self.inbox.set(inbox);
-        let first = self.connect();
-        let _ = std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name("gpushare-rx".into())
-            .spawn(move || self.run(first));
+            .spawn(move || self.run());
+        if let Err(e) = spawned {
+            inbox.unreachable(&format!("cannot start the hook's reader thread: {e}"));
+            return;
+        }
+        let (lock, cv) = &self.greeted;
+        let greeted = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (greeted, _) = cv
+            .wait_timeout_while(greeted, FIRST_WELCOME_WAIT, |g| !*g)
+            .unwrap_or_else(|e| e.into_inner());
+        if !*greeted {
+            // Under the lock: a handshake ending now says `connected` after this.
+            inbox.unreachable(&format!(
+                "gpushare-scheduler at {} has not answered within {} ms",
+                self.socket.display(),
+                FIRST_WELCOME_WAIT.as_millis()
+            ));
+        }
     }
 
     pub fn is_connected(&self) -> bool {
@@ -83,29 +209,43 @@ impl Port {
         self.refused.load(Ordering::Acquire)
     }
 
+    /// The liveness bound now.
+    pub fn liveness(&self) -> Duration {
+        Duration::from_nanos(self.liveness_ns.load(Ordering::Relaxed))
+    }
+
+    /// Whether the scheduler owes an answer past the liveness bound (and has said nothing
+    /// since).
+    pub fn owes(&self) -> bool {
+        self.owed.load(Ordering::Acquire)
+    }
+
+    /// A question went unanswered past the liveness bound.
+    pub fn mark_owed(&self) {
+        self.owed.store(true, Ordering::Release);
+    }
+
     fn inbox(&self) -> &'static dyn Inbox {
         *self.inbox.get().expect("started before use")
     }
 
-    /// Read while connected; reconnect when lost, until refused.
-    fn run(&'static self, mut reader: Option<UnixStream>) {
+    /// Connect, read while connected, reconnect when lost, until refused.
+    fn run(&'static self) {
         loop {
-            if let Some(r) = reader.take() {
+            if let Some(r) = self.connect() {
                 self.read_loop(r);
             }
             if self.is_refused() {
                 return;
             }
             std::thread::sleep(RECONNECT);
-            reader = self.connect();
         }
     }
 
     /// Connect and say hello; the reader half of the connection on success.
     fn connect(&self) -> Option<UnixStream> {
-        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         // Err((message, refused)): unreachable, or reachable but refusing this process.
-        let attempt = || -> Result<UnixStream, (String, bool)> {
+        let attempt = || -> Result<(UnixStream, u64), (String, bool)> {
             let mut s = UnixStream::connect(&self.socket).map_err(|e| {
                 let msg = format!(
                     "cannot reach gpushare-scheduler at {}: {e}",
@@ -114,26 +254,33 @@ impl Port {
                 (msg, false)
             })?;
             self.conn_fds[0].store(s.as_raw_fd(), Ordering::Release);
-            if let Err(e) = self.handshake(&mut s) {
-                self.conn_fds[0].store(-1, Ordering::Release);
-                return Err(e);
-            }
-            Ok(s)
-        };
-        match attempt() {
-            Ok(mut s) => {
-                let Ok(reader) = s.try_clone() else {
+            match self.handshake(&mut s) {
+                Ok(liveness) => Ok((s, liveness)),
+                Err(e) => {
                     self.conn_fds[0].store(-1, Ordering::Release);
-                    return None;
-                };
-                self.conn_fds[1].store(reader.as_raw_fd(), Ordering::Release);
-                for msg in self.inbox().greeting() {
-                    let _ = gpushare_protocol::send(&mut s, &msg);
+                    Err(e)
                 }
-                *w = Some(s);
-                drop(w);
+            }
+        };
+        let outcome = attempt().and_then(|(s, liveness)| match s.try_clone() {
+            Ok(reader) => Ok((s, reader, liveness)),
+            Err(e) => {
+                self.conn_fds[0].store(-1, Ordering::Release);
+                Err((format!("cannot read from the scheduler: {e}"), false))
+            }
+        });
+        // What the inbox is told is ordered with the first call's wait (see `start`).
+        let (lock, cv) = &self.greeted;
+        let mut greeted = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let reader = match outcome {
+            Ok((s, reader, liveness)) => {
+                self.conn_fds[1].store(reader.as_raw_fd(), Ordering::Release);
+                if !self.liveness_fixed {
+                    self.liveness_ns.store(liveness, Ordering::Relaxed);
+                }
+                self.install(s);
                 self.connected.store(true, Ordering::Release);
-                self.inbox().connected();
+                self.inbox().connected(self.liveness().as_nanos() as u64);
                 Some(reader)
             }
             Err((msg, true)) => {
@@ -144,19 +291,46 @@ impl Port {
                 self.inbox().unreachable(&msg);
                 None
             }
-        }
+        };
+        *greeted = true;
+        cv.notify_all();
+        reader
     }
 
-    fn handshake(&self, s: &mut UnixStream) -> Result<(), (String, bool)> {
+    /// Make `s` the connection written to, after the greeting (written first, while the
+    /// inbox holds what it states).
+    fn install(&self, s: UnixStream) {
+        let mut s = Some(s);
+        self.inbox().greet(&mut |greeting| {
+            let Some(stream) = s.take() else { return };
+            let mut w = Writer {
+                stream,
+                backlog: Vec::new(),
+            };
+            for msg in greeting {
+                let _ = gpushare_protocol::encode(msg, &mut w.backlog);
+            }
+            if w.flush().is_ok() {
+                *self.writer() = Some(w);
+            }
+        });
+        self.owed.store(false, Ordering::Release);
+    }
+
+    /// The handshake; the scheduler's liveness bound.
+    fn handshake(&self, s: &mut UnixStream) -> Result<u64, (String, bool)> {
         let io = |e: std::io::Error| (e.to_string(), false);
         let hello = ClientMsg::Hello {
             version: PROTOCOL_VERSION,
             declared: self.declared.clone(),
         };
         gpushare_protocol::send(s, &hello).map_err(|e| (e.to_string(), false))?;
-        s.set_read_timeout(Some(ANSWER_TIMEOUT)).map_err(io)?;
-        match gpushare_protocol::recv::<ServerMsg>(s, &mut Vec::new()) {
-            Ok(Some(ServerMsg::Welcome { group })) => debug!("connected as group {group}"),
+        s.set_read_timeout(Some(WELCOME_TIMEOUT)).map_err(io)?;
+        let liveness = match gpushare_protocol::recv::<ServerMsg>(s, &mut Vec::new()) {
+            Ok(Some(ServerMsg::Welcome { group, liveness_ns })) => {
+                debug!("connected as group {group}");
+                liveness_ns
+            }
             Ok(Some(ServerMsg::Error { message, .. })) => return Err((message, true)),
             other => {
                 return Err((
@@ -164,8 +338,9 @@ impl Port {
                     false,
                 ));
             }
-        }
-        s.set_read_timeout(None).map_err(io)
+        };
+        s.set_read_timeout(None).map_err(io)?;
+        Ok(liveness)
     }
 
     fn refuse(&self, msg: &str) {
@@ -175,51 +350,53 @@ impl Port {
         self.inbox().refused(msg);
     }
 
-    /// Send a message; false when the scheduler is gone.
+    fn writer(&self) -> MutexGuard<'_, Option<Writer>> {
+        self.writer.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Send a message (without waiting for the socket); false when the scheduler is gone.
     pub fn send(&self, msg: &ClientMsg) -> bool {
-        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(s) = w.as_mut() else { return false };
-        let mut buf = Vec::new();
-        if gpushare_protocol::encode(msg, &mut buf).is_ok() && s.write_all(&buf).is_ok() {
+        let mut w = self.writer();
+        let Some(writer) = w.as_mut() else {
+            return false;
+        };
+        if gpushare_protocol::encode(msg, &mut writer.backlog).is_ok() && writer.flush().is_ok() {
             return true;
         }
+        // Given up: the reader sees the connection end, and a new one is made.
+        debug!("giving up the scheduler connection: it does not take what is sent");
+        let _ = writer.stream.shutdown(std::net::Shutdown::Both);
         self.conn_fds[0].store(-1, Ordering::Release);
         *w = None;
         false
     }
 
-    /// Send a request made around a fresh request id and wait (at most 5 s) for its answer;
-    /// `None` when the scheduler is not there to answer.
-    pub fn call(&self, make: impl FnOnce(u64) -> ClientMsg) -> Option<ServerMsg> {
-        self.call_within(ANSWER_TIMEOUT, make)
-    }
-
-    /// [`call`](Port::call), waiting at most `timeout` for the answer (a lost connection ends
-    /// the wait at once).
-    pub fn call_within(
-        &self,
-        timeout: Duration,
-        make: impl FnOnce(u64) -> ClientMsg,
-    ) -> Option<ServerMsg> {
+    /// Send a request made around a fresh request id; its answer is awaited with
+    /// [`Pending::wait`]. `None` when the scheduler is not there to ask.
+    pub fn request(&self, make: impl FnOnce(u64) -> ClientMsg) -> Option<Pending<'_>> {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = sync_channel(1);
+        // Room for a `MemWait` before the answer.
+        let (tx, rx) = sync_channel(2);
         self.pending().insert(req, tx);
-        let answer = if self.send(&make(req)) {
-            rx.recv_timeout(timeout).ok()
-        } else {
-            None
+        let pending = Pending {
+            port: self,
+            req,
+            rx,
         };
-        self.pending().remove(&req);
-        answer
+        self.send(&make(req)).then_some(pending)
     }
 
-    fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<u64, SyncSender<ServerMsg>>> {
+    fn pending(&self) -> MutexGuard<'_, HashMap<u64, SyncSender<ServerMsg>>> {
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn read_loop(&self, mut s: UnixStream) {
         let mut buf = Vec::new();
         while let Ok(Some(msg)) = gpushare_protocol::recv::<ServerMsg>(&mut s, &mut buf) {
+            if self.owed.swap(false, Ordering::AcqRel) {
+                debug!("the scheduler answers again");
+                self.inbox().answered_again();
+            }
             match msg {
                 ServerMsg::Error {
                     message,
@@ -237,6 +414,11 @@ impl Port {
                         let _ = tx.send(msg);
                     }
                 }
+                ServerMsg::MemWait { req, .. } => {
+                    if let Some(tx) = self.pending().get(&req) {
+                        let _ = tx.try_send(msg);
+                    }
+                }
                 ServerMsg::Welcome { .. } | ServerMsg::Status { .. } => {}
                 msg => self.inbox().message(msg),
             }
@@ -244,7 +426,7 @@ impl Port {
         debug!("lost the scheduler connection");
         // Both ends closed (each fd forgotten first) before a reconnect may open new ones.
         {
-            let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+            let mut w = self.writer();
             self.conn_fds[0].store(-1, Ordering::Release);
             *w = None;
         }

@@ -7,7 +7,7 @@ use crate::driver;
 use crate::gate::Gate;
 use crate::log::debug;
 use crate::port::{Inbox, Port};
-use crate::settings::{FailPolicy, Settings};
+use crate::settings::{DEFAULT_LIVENESS_NS, FailPolicy, Settings};
 use gpushare_protocol::{ClientMsg, ServerMsg};
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Mutex, Once};
@@ -78,13 +78,17 @@ impl Hook {
         let port: &'static Port = Box::leak(Box::new(Port::new(
             settings.socket.clone(),
             settings.declared.clone(),
+            settings.liveness,
+            DEFAULT_LIVENESS_NS,
         )));
+        let liveness_ns = port.liveness().as_nanos() as u64;
         let gates = (0..driver::device_count()?)
             .map(|dev| {
                 let uuid = driver::device_uuid(dev)?;
                 Some(Gate::new(
                     uuid,
                     settings.turns,
+                    liveness_ns,
                     settings.drain_grace_ns,
                     port,
                 ))
@@ -153,27 +157,19 @@ impl Inbox for Hook {
     /// A restarted scheduler learns what this process holds on every GPU (nothing, too: its
     /// journal may remember more): its whole lease, spare included, since the process may
     /// allocate the spare without asking again; and how much memory each GPU has.
-    fn greeting(&self) -> Vec<ClientMsg> {
-        let mut msgs = Vec::with_capacity(2 * self.gates.len());
-        for (i, g) in self.gates.iter().enumerate() {
-            if self.gpu_memory[i] > 0 {
-                msgs.push(ClientMsg::MemTotal {
-                    gpu: g.uuid,
-                    bytes: self.gpu_memory[i],
-                });
-            }
-            msgs.push(ClientMsg::MemSync {
-                gpu: g.uuid,
-                bytes: self.memory.lease(i).held(),
-            });
-        }
-        msgs
+    fn greet(&self, send: &mut dyn FnMut(&[ClientMsg])) {
+        crate::charges::greet(self, send);
     }
 
-    fn connected(&self) {
+    fn connected(&self, liveness_ns: u64) {
         for g in &self.gates {
-            g.on_connected();
+            g.on_connected(liveness_ns);
         }
+    }
+
+    /// What this process decided alone meanwhile is stated.
+    fn answered_again(&self) {
+        crate::charges::answered_again(self);
     }
 
     fn message(&self, msg: ServerMsg) {
@@ -201,6 +197,11 @@ impl Inbox for Hook {
             } => {
                 if let Some(g) = self.gate(&gpu) {
                     g.on_deadline(token, deadline_ns);
+                }
+            }
+            ServerMsg::Alive { gpu } => {
+                if let Some(g) = self.gate(&gpu) {
+                    g.on_alive();
                 }
             }
             other => debug!("unexpected from the scheduler: {other:?}"),

@@ -12,6 +12,17 @@
 //! ([`Turns::watch`]); the gate drains this process's work and reports the turn
 //! ([`Turns::begin_close`], [`Turns::yield_turn`], [`Turns::end_close`]). A turn followed by this process's own next one
 //! rolls over without closing ([`Turns::roll_over`]).
+//!
+//! **The liveness contract.** A process waiting for a turn is owed an answer: it probes the
+//! scheduler ([`Say::Probe`]) once it has heard nothing about this GPU for half the liveness
+//! bound (the scheduler's quota plus its grace, 40 ms by default, or `GPUSHARE_LIVENESS`),
+//! and a scheduler that is well answers at once. Unanswered for the other half — the daemon
+//! stopped, starved or swapped out — it is taken to be unresponsive, and `GPUSHARE_FAIL`
+//! decides: `open` launches without limits ([`Token::Ungated`]: the device's own time-slicing
+//! among the processes that do the same), probing every bound; `closed` goes on waiting. The
+//! first word from the scheduler after that (an answer, a grant, a new deadline) ends it: the
+//! process still waits for the turn it asked for and is granted it in the schedule's order, and
+//! no turn held while it was ungated is ever reported (it held none).
 
 use gpushare_protocol::TurnUse;
 
@@ -27,11 +38,11 @@ const IDLE_RECENTLY: u32 = 250;
 const LATENESS_SAMPLES: usize = 16;
 /// The lead never exceeds this: turns are granted 5 ms ahead by default.
 const MAX_LEAD_NS: u64 = 3_000_000;
-/// A launcher waiting for a grant (or for a closed turn's drain) looks again this often.
+/// A launcher waiting for a closed turn's drain looks again this often.
 const GRANT_WAIT_NS: u64 = 100_000_000;
-/// Grant waits without an answer before the request is sent again (the scheduler may have
+/// A request for a turn left without a grant this long is sent again (the scheduler may have
 /// taken this process for a stopped one).
-const UNANSWERED_ASKS: u32 = 5;
+const ASK_AGAIN_NS: u64 = 500_000_000;
 
 /// A turn granted by the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,7 +94,11 @@ pub enum Token {
     /// process as waiting for another).
     Requested,
     Held(Turn),
+    /// No scheduler to ask (disconnected, fail-open): no limits.
     Unthrottled,
+    /// Asked, and the scheduler left this process's probe unanswered past the liveness bound
+    /// (fail-open): no limits until it is heard from again. It still owes the turn asked for.
+    Ungated,
     /// The scheduler refused this process (e.g. no group matches it): launches fail.
     Refused,
 }
@@ -101,6 +116,8 @@ pub enum Say {
         used: Option<TurnUse>,
         again: bool,
     },
+    /// Is the scheduler there? (The liveness contract.)
+    Probe,
 }
 
 /// The hook's settings that shape turns.
@@ -110,6 +127,9 @@ pub struct TurnConfig {
     pub idle_release_ns: u64,
     /// The least lead before a turn's start at which the gate opens.
     pub handoff_lead_ns: u64,
+    /// `GPUSHARE_FAIL=open`: a scheduler that owes an answer past the liveness bound is done
+    /// without (else it is waited for).
+    pub fail_open: bool,
 }
 
 /// What the gate's counters say at a moment.
@@ -128,8 +148,6 @@ pub struct Activity {
 pub struct Waiter {
     /// The opening time its last timed wait was for (to learn how late it woke).
     waited_for: Option<u64>,
-    /// Its last wait was for a grant.
-    waited_for_grant: bool,
 }
 
 /// What a launcher does next.
@@ -146,6 +164,9 @@ pub enum Step {
     Ask,
     /// Wait until this time, or until woken by a change, and ask again.
     Wait { until_ns: u64 },
+    /// The launch runs without limits, and so do the next ones: the scheduler left a probe
+    /// unanswered past the liveness bound (fail-open). The watcher must look (it probes on).
+    Ungated,
 }
 
 /// What the watcher does next.
@@ -169,8 +190,7 @@ pub struct Turns {
     token: Token,
     /// A further turn granted while `token` still holds one (it starts after that one ends).
     next: Option<Turn>,
-    /// Grant waits since the last request.
-    requests_unanswered: u32,
+    liveness: Liveness,
     /// The newest token reported or withdrawn on this connection: a grant moving one of these
     /// crossed this process's report on the way (the scheduler numbers turns in order).
     retired: u64,
@@ -190,6 +210,29 @@ pub struct Turns {
     sync: SyncHistory,
     /// What to tell the scheduler, in order ([`Turns::take_said`]).
     said: Vec<Say>,
+}
+
+/// What this machine has heard from the scheduler, and what it is owed (the liveness
+/// contract, in the module documentation).
+#[derive(Debug)]
+struct Liveness {
+    /// The liveness bound: a probe is sent after half of it without a word about this GPU, and
+    /// left unanswered for the other half the scheduler is taken to be unresponsive.
+    bound_ns: u64,
+    /// When the scheduler last said something about this GPU (or the connection was made).
+    heard_at: u64,
+    /// When this process last asked for a turn.
+    asked_at: u64,
+    /// When the latest probe was sent.
+    probed_at: Option<u64>,
+}
+
+impl Liveness {
+    /// A probe is out: sent after the last word from the scheduler (and the last request).
+    fn probe_out(&self) -> Option<u64> {
+        self.probed_at
+            .filter(|&p| p > self.heard_at && p >= self.asked_at)
+    }
 }
 
 /// What followed the application's recent synchronisations.
@@ -214,12 +257,18 @@ struct SyncHistory {
 }
 
 impl Turns {
-    pub fn new(cfg: TurnConfig) -> Turns {
+    /// A machine whose liveness bound is `liveness_ns` until [`Turns::set_liveness`].
+    pub fn new(cfg: TurnConfig, liveness_ns: u64) -> Turns {
         Turns {
             cfg,
             token: Token::None,
             next: None,
-            requests_unanswered: 0,
+            liveness: Liveness {
+                bound_ns: liveness_ns,
+                heard_at: 0,
+                asked_at: 0,
+                probed_at: None,
+            },
             retired: 0,
             lateness: [0; LATENESS_SAMPLES],
             lateness_at: 0,
@@ -247,7 +296,7 @@ impl Turns {
     /// 0 (closed: launches take the slow path) otherwise.
     pub fn gate_deadline(&self) -> u64 {
         match self.token {
-            Token::Unthrottled => UNLIMITED,
+            Token::Unthrottled | Token::Ungated => UNLIMITED,
             Token::Held(t) if t.is_open() => t.deadline_ns.max(1),
             _ => 0,
         }
@@ -279,16 +328,9 @@ impl Turns {
 
     /// What launcher `w` does at `now`.
     pub fn admit(&mut self, now: u64, w: &mut Waiter) -> Step {
-        if std::mem::take(&mut w.waited_for_grant) && self.token == Token::Requested {
-            self.requests_unanswered += 1;
-            if self.requests_unanswered >= UNANSWERED_ASKS {
-                self.requests_unanswered = 0;
-                self.said.push(Say::Acquire);
-            }
-        }
         match self.token {
             Token::Refused => Step::Refuse,
-            Token::Unthrottled => Step::Admit,
+            Token::Unthrottled | Token::Ungated => Step::Admit,
             Token::Held(t) if t.is_open() => Step::Admit,
             Token::Held(t) if t.opened_ns.is_none() && !t.closed => {
                 let open_at = t.start_ns.saturating_sub(self.lead_ns());
@@ -303,10 +345,16 @@ impl Turns {
                 Step::Opened
             }
             Token::None => Step::Ask,
-            // Waiting for a grant, or for the last turn to close and drain.
-            Token::Requested | Token::Held(_) => {
+            Token::Requested => {
                 w.waited_for = None;
-                w.waited_for_grant = true;
+                match self.await_grant(now) {
+                    Some(until_ns) => Step::Wait { until_ns },
+                    None => Step::Ungated,
+                }
+            }
+            // Waiting for the last turn to close and drain.
+            Token::Held(_) => {
+                w.waited_for = None;
                 Step::Wait {
                     until_ns: now + GRANT_WAIT_NS,
                 }
@@ -314,12 +362,86 @@ impl Turns {
         }
     }
 
-    /// The request of [`Step::Ask`] was sent (`sent`), or could not be (the launcher waits a
-    /// grant wait and asks again).
-    pub fn asked(&mut self, sent: bool) {
-        if sent && self.token == Token::None {
-            self.token = Token::Requested;
+    /// Waiting for a grant at `now`: probe, ask again, or give up on the scheduler (fail-open:
+    /// `None`, this process is ungated); else when to look again.
+    fn await_grant(&mut self, now: u64) -> Option<u64> {
+        let l = &mut self.liveness;
+        if now >= l.asked_at.saturating_add(ASK_AGAIN_NS) {
+            l.asked_at = now;
+            self.said.push(Say::Acquire);
         }
+        let half = (l.bound_ns / 2).max(1);
+        let look = match l.probe_out() {
+            Some(p) if now >= p.saturating_add(half) => {
+                if self.cfg.fail_open {
+                    self.token = Token::Ungated;
+                    return None;
+                }
+                // Fail-closed: waits on, for a grant or the next word.
+                now.saturating_add(GRANT_WAIT_NS)
+            }
+            Some(p) => p.saturating_add(half),
+            None => {
+                let quiet = l.heard_at.max(l.asked_at);
+                if now >= quiet.saturating_add(half) {
+                    l.probed_at = Some(now);
+                    self.said.push(Say::Probe);
+                    now.saturating_add(half)
+                } else {
+                    quiet.saturating_add(half)
+                }
+            }
+        };
+        Some(look.min(l.asked_at.saturating_add(ASK_AGAIN_NS)))
+    }
+
+    /// The request of [`Step::Ask`] was sent at `now` (`sent`), or could not be (the launcher
+    /// waits a while and asks again).
+    pub fn asked(&mut self, sent: bool, now: u64) {
+        if sent && self.token == Token::None {
+            self.requested(now);
+        }
+    }
+
+    /// Waiting for a turn asked for at `now`.
+    fn requested(&mut self, now: u64) {
+        self.token = Token::Requested;
+        self.liveness.asked_at = now;
+    }
+
+    /// The scheduler said something about this GPU at `now`: it is there. A process ungated
+    /// for want of an answer goes back to waiting for its turn (and asks for it again, in case
+    /// the scheduler took it for a stopped one meanwhile).
+    fn heard(&mut self, now: u64) {
+        self.liveness.heard_at = self.liveness.heard_at.max(now);
+        if self.token == Token::Ungated {
+            self.requested(now);
+            self.said.push(Say::Acquire);
+        }
+    }
+
+    /// The scheduler answered a probe at `now`.
+    pub fn alive(&mut self, now: u64) {
+        self.heard(now);
+    }
+
+    /// The liveness bound (the scheduler's promise in its `Welcome`, unless the settings fix
+    /// it).
+    pub fn set_liveness(&mut self, bound_ns: u64) {
+        self.liveness.bound_ns = bound_ns;
+    }
+
+    pub fn liveness_ns(&self) -> u64 {
+        self.liveness.bound_ns
+    }
+
+    /// Whether the scheduler owes this process an answer past the liveness bound (fail-closed:
+    /// it is waited for; fail-open: [`Token::Ungated`]).
+    pub fn overdue(&self, now: u64) -> bool {
+        let l = &self.liveness;
+        self.token == Token::Ungated
+            || l.probe_out()
+                .is_some_and(|p| now >= p.saturating_add(l.bound_ns / 2))
     }
 
     /// Open the gate for the held turn (its first launch is about to be made, at `now`).
@@ -361,6 +483,7 @@ impl Turns {
     ) {
         let current = matches!(self.token, Token::Held(t) if t.token == token)
             || self.next.is_some_and(|n| n.token == token);
+        self.liveness.heard_at = self.liveness.heard_at.max(now);
         if token <= self.retired && !current {
             return;
         }
@@ -368,10 +491,7 @@ impl Turns {
         match (&mut self.token, &mut self.next) {
             (Token::Held(t), _) if t.token == token => t.retime(turn),
             (_, Some(n)) if n.token == token => n.retime(turn),
-            (Token::Requested, _) => {
-                self.requests_unanswered = 0;
-                self.token = Token::Held(turn);
-            }
+            (Token::Requested | Token::Ungated, _) => self.token = Token::Held(turn),
             (Token::Held(_), next) => *next = Some(turn),
             (Token::None | Token::Unthrottled | Token::Refused, _) => {
                 self.retire(token);
@@ -391,6 +511,7 @@ impl Turns {
     /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
     /// or forget it if it has not started (withdrawn: a launcher asks again).
     pub fn revoke(&mut self, token: u64, now: u64) {
+        self.heard(now);
         if self.next.is_some_and(|n| n.token == token) {
             self.next = None;
             return;
@@ -410,6 +531,7 @@ impl Turns {
     /// Turn `token` now ends at `deadline_ns` (earlier: cut short; later: extended, nobody
     /// else wants the GPU). One already past stops the open turn at once.
     pub fn deadline(&mut self, token: u64, deadline_ns: u64, now: u64) {
+        self.heard(now);
         if let Some(n) = self.next.as_mut().filter(|n| n.token == token) {
             n.deadline_ns = deadline_ns;
             return;
@@ -433,15 +555,14 @@ impl Turns {
         }
     }
 
-    /// Connected (again) to the scheduler. True when limits apply again after running
-    /// unthrottled (the gate restarts its pacing from an empty queue).
-    pub fn connected(&mut self) -> bool {
+    /// Connected (again) to the scheduler at `now`: what was asked of the last one is not
+    /// owed by this one.
+    pub fn connected(&mut self, now: u64) {
         self.retired = 0;
-        let was = self.token == Token::Unthrottled;
-        if was {
+        self.liveness.heard_at = now;
+        if matches!(self.token, Token::Unthrottled | Token::Ungated) {
             self.token = Token::None;
         }
-        was
     }
 
     /// The scheduler is gone, its turns with it. True when the gate must forget its queue.
@@ -483,6 +604,17 @@ impl Turns {
         queued: &mut dyn FnMut() -> Option<u64>,
     ) -> Watch {
         let idle_ns = self.cfg.idle_release_ns.max(100_000);
+        if self.token == Token::Ungated {
+            // Probe on: the answer ends the spell.
+            let l = &mut self.liveness;
+            let due = l.probed_at.map_or(now, |p| p.saturating_add(l.bound_ns));
+            if now < due {
+                return Watch::At(due);
+            }
+            l.probed_at = Some(now);
+            self.said.push(Say::Probe);
+            return Watch::At(now.saturating_add(l.bound_ns));
+        }
         let Token::Held(turn) = self.token else {
             return Watch::Nothing;
         };
@@ -629,11 +761,11 @@ impl Turns {
     /// hold none. (Disconnected, refused or unthrottled meanwhile: that state stands.)
     pub fn end_close(&mut self, turn: Turn, last_ns: u64, again: bool) {
         if matches!(self.token, Token::Held(t) if t.token == turn.token) {
-            self.token = match self.next.take() {
-                Some(n) => Token::Held(n),
-                None if again => Token::Requested,
-                None => Token::None,
-            };
+            match self.next.take() {
+                Some(n) => self.token = Token::Held(n),
+                None if again => self.requested(last_ns),
+                None => self.token = Token::None,
+            }
         }
         self.retire(turn.token);
         self.said.push(Say::Report {

@@ -12,7 +12,7 @@ pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
 /// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
@@ -83,11 +83,17 @@ pub enum ClientMsg {
     MemFree { gpu: GpuUuid, bytes: u64 },
     /// The group's cap and use on `gpu` (for `cuMemGetInfo`); answered by [`ServerMsg::Memory`].
     MemQuery { req: u64, gpu: GpuUuid },
-    /// After reconnecting: what this process holds on `gpu`, so restarted books are right.
+    /// What this process holds on `gpu`, all told: sent after (re)connecting, so that
+    /// restarted books are right, and after the scheduler answers again having left a question
+    /// unanswered past its [`ServerMsg::Welcome`] `liveness_ns` (the process decided meanwhile
+    /// on its own). The books take its word for it.
     MemSync { gpu: GpuUuid, bytes: u64 },
     /// How much memory `gpu` has in all (the driver's `cuDeviceTotalMem_v2`), sent with
     /// [`ClientMsg::MemSync`] after Hello: the scheduler's physical books of that GPU.
     MemTotal { gpu: GpuUuid, bytes: u64 },
+    /// Is the scheduler there? Answered at once with [`ServerMsg::Alive`] for the same GPU: a
+    /// process waiting for a turn on `gpu` asks when it has heard nothing for a while.
+    Probe { gpu: GpuUuid },
 }
 
 /// Scheduler → client.
@@ -95,6 +101,10 @@ pub enum ClientMsg {
 pub enum ServerMsg {
     Welcome {
         group: String,
+        /// The scheduler answers a question (a [`ClientMsg::Probe`], a reservation) within
+        /// this long while it is well: past it, the process takes it to be unresponsive and
+        /// follows `GPUSHARE_FAIL` until it is heard from again (its quota plus its grace).
+        liveness_ns: u64,
     },
     /// A turn on `gpu` from `start_ns` until `deadline_ns` (absolute CLOCK_MONOTONIC),
     /// usually granted ahead of its start: the turn before it ends then. The process may
@@ -120,11 +130,23 @@ pub enum ServerMsg {
     },
     /// Answer to a reservation (`granted`) or query: the group's cap (`None`: uncapped) and
     /// what the group uses on that GPU, this reservation included.
+    /// `journaled`: the reservation is on disk, so a restarted scheduler still counts it;
+    /// `false` when the journal could not be written (its file system full, say): the process
+    /// then follows `GPUSHARE_FAIL` (`open` allocates anyway, `closed` gives it back and
+    /// fails the allocation). Always true for refusals and queries.
     Memory {
         req: u64,
         granted: bool,
         cap: Option<u64>,
         used: u64,
+        journaled: bool,
+    },
+    /// Reservation `req` waits for memory on its GPU (memory overcommit: the GPU is full, and
+    /// others free memory or are swapped to host memory for it): its answer comes within
+    /// `max_wait_ns`.
+    MemWait {
+        req: u64,
+        max_wait_ns: u64,
     },
     /// `fatal`: the connection is closed after this message.
     Error {
@@ -137,6 +159,10 @@ pub enum ServerMsg {
         gpu: GpuUuid,
         token: u64,
         deadline_ns: u64,
+    },
+    /// The answer to [`ClientMsg::Probe`].
+    Alive {
+        gpu: GpuUuid,
     },
 }
 
@@ -200,6 +226,7 @@ mod tests {
                 gpu: GPU,
                 bytes: 80 << 30,
             },
+            ClientMsg::Probe { gpu: GPU },
         ]
     }
 
@@ -290,6 +317,7 @@ mod tests {
         let samples = [
             ServerMsg::Welcome {
                 group: "train".into(),
+                liveness_ns: 40_000_000,
             },
             ServerMsg::Grant {
                 gpu: GPU,
@@ -305,6 +333,7 @@ mod tests {
                 granted: true,
                 cap: Some(4 << 30),
                 used: 1 << 30,
+                journaled: false,
             },
             ServerMsg::Error {
                 message: "no".into(),
@@ -315,6 +344,7 @@ mod tests {
                 token: 9,
                 deadline_ns: u64::MAX,
             },
+            ServerMsg::Alive { gpu: GPU },
         ];
         fuzz::frames(12, &samples, 150_000, |_| {}).assert_exercised(150_000);
     }

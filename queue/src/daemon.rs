@@ -11,6 +11,8 @@ use crate::core::{Action, Core, Exit, GpuLoad, JobId, JobState, QueueConfig};
 use crate::db::{Db, JobMeta, StoredJob};
 use crate::gpus::GpuInfo;
 use crate::sys;
+use crate::usage::{GpuUsage, UsageHistory};
+use crate::web::{GpuView, Snapshot};
 use gpushare_protocol::status::{self, Report, StatusError};
 use gpushare_queue_protocol::{JobView, QUEUE_PROTOCOL_VERSION, Request, Response, Submission};
 use serde::{Deserialize, Serialize};
@@ -52,6 +54,8 @@ pub(crate) struct State {
     pub gpus: Vec<GpuInfo>,
     /// The scheduler's last report, or why it could not be read.
     pub books: Result<Report, String>,
+    /// The last minutes of the books, for the web page's plots.
+    usage: UsageHistory,
     /// Bumped at every visible change (the web page's live updates).
     pub version: u64,
     /// Jobs sent SIGTERM, and when they get SIGKILL (ns since the epoch).
@@ -148,6 +152,7 @@ pub fn serve(opts: ServeOptions, gpus: Vec<GpuInfo>) -> anyhow::Result<()> {
             core,
             meta,
             db,
+            usage: UsageHistory::new(gpus.len()),
             gpus,
             books: Err("not read yet".into()),
             version: 1,
@@ -538,6 +543,7 @@ fn apply_books(st: &mut State, report: Result<Report, StatusError>, now: u64) {
         Ok(r) => {
             let loads = loads_from(&st.gpus, &r);
             st.core.gpu_state(loads, now);
+            st.usage.record(now, &st.gpus, &r);
             if st.books.as_ref().ok() != Some(&r) {
                 st.version += 1;
             }
@@ -642,6 +648,59 @@ pub(crate) fn views(st: &State) -> Vec<JobView> {
 
 pub(crate) fn view(st: &State, id: JobId) -> Option<JobView> {
     views(st).into_iter().find(|v| v.id == id)
+}
+
+/// What the web page shows, taken now: the page renders this, never the state itself.
+pub(crate) fn snapshot(st: &State) -> Snapshot {
+    let books = st.books.as_ref().ok();
+    let gpus = st
+        .gpus
+        .iter()
+        .zip(st.core.loads())
+        .map(|(g, load)| {
+            let report = books.and_then(|r| r.gpus.iter().find(|x| x.uuid == g.uuid));
+            GpuView {
+                index: g.index,
+                uuid: g.uuid.clone(),
+                name: g.name.clone(),
+                memory_total: g.memory,
+                memory_used: load.memory_used(),
+                queue_share: st.core.on_gpu(g.index).fold(0.0, |s, j| s + j.demand.share),
+                others_request: load.foreign_request,
+                achieved: report
+                    .map(|r| {
+                        r.groups
+                            .iter()
+                            .filter(|x| x.achieved_share > 0.0005)
+                            .map(|x| (x.name.clone(), x.achieved_share))
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                jobs: st.core.on_gpu(g.index).map(|j| j.id).collect(),
+            }
+        })
+        .collect();
+    Snapshot {
+        policy: st.core.config().policy.to_string(),
+        gpus,
+        jobs: views(st),
+        books_error: st.books.as_ref().err().cloned(),
+    }
+}
+
+/// Each GPU's use by group over the last minutes, a job's group labelled with the job and its
+/// owner.
+pub(crate) fn usage(st: &State) -> Vec<GpuUsage> {
+    st.usage.view(&st.gpus, |group| {
+        let job = group
+            .strip_prefix(JOB_GROUP_PREFIX)
+            .and_then(|id| id.parse::<JobId>().ok());
+        match job.map(|id| (id, st.meta.get(&id))) {
+            Some((id, Some(m))) => format!("job {id} ({})", m.user),
+            Some((id, None)) => format!("job {id}"),
+            None => group.to_string(),
+        }
+    })
 }
 
 /// Check and queue a submission from `uid`; its id.

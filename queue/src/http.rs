@@ -7,15 +7,20 @@
 //! | `GET /events` | the page's live part, re-rendered at every change (SSE, event `live`) | off loopback |
 //! | `GET /api/jobs`, `GET /api/jobs/ID` | jobs as JSON | off loopback |
 //! | `GET /api/gpus` | GPUs as JSON | off loopback |
+//! | `GET /api/usage` | each GPU's use by group over the last minutes (the page's plots) | off loopback |
+//! | `GET /api/me` | who the token belongs to | yes |
 //! | `GET /api/jobs/ID/logs` | the job's output | the owner's (or root's) |
 //! | `POST /api/jobs` | submit (JSON body, below); `201 {"id": N}` | yes: the job runs as the token's user |
 //! | `POST /api/jobs/ID/cancel` | cancel | the owner's (or root's) |
 //!
-//! A token (`gpushare token` prints the caller's) goes in `Authorization: Bearer TOKEN`.
-//! Errors are `{"error": "..."}` with a 4xx status; a refused request changes nothing.
+//! A token (`gpushare token` prints the caller's) goes in `Authorization: Bearer TOKEN`, or, for
+//! a `GET` only, in the cookie [`TOKEN_COOKIE`] that the web page sets: a browser following a
+//! link sends no header. Errors are `{"error": "..."}` with a 4xx status; a refused request
+//! changes nothing.
 
 use crate::daemon::{self, Shared};
 use crate::web;
+use cookie::Cookie;
 use gpushare_queue_protocol::{Demand, Submission, WaitMode};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -23,6 +28,10 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tiny_http::{Header, Method, Request, Response, Server};
+
+/// The cookie that carries a token from the web page (`SameSite=Strict`, honoured for `GET`
+/// only: it can read, never act).
+pub const TOKEN_COOKIE: &str = "gpushare_token";
 
 /// Largest request body accepted.
 const MAX_BODY: u64 = 1 << 20;
@@ -119,22 +128,39 @@ pub(crate) fn serve_http(sh: Arc<Shared>, server: Server) {
     }
 }
 
+/// The token of a request: its `Authorization` header, else (for a `GET`) its token cookie.
+fn token_of(req: &Request) -> Result<Option<String>, String> {
+    let field = |name: &'static str| {
+        req.headers()
+            .iter()
+            .filter(move |h| h.field.equiv(name))
+            .map(|h| h.value.as_str())
+    };
+    if let Some(value) = field("Authorization").next() {
+        let token = value
+            .trim()
+            .strip_prefix("Bearer ")
+            .ok_or("Authorization must be `Bearer TOKEN`")?;
+        return Ok(Some(token.trim().to_string()));
+    }
+    if *req.method() != Method::Get {
+        return Ok(None);
+    }
+    Ok(field("Cookie")
+        .flat_map(Cookie::split_parse)
+        .filter_map(Result::ok)
+        .find(|c| c.name() == TOKEN_COOKIE)
+        .map(|c| c.value().trim().to_string()))
+}
+
 /// Who the request is from: `Ok(None)` without a token, `Err` with a bad one.
 fn caller(sh: &Shared, req: &Request) -> Result<Option<u32>, String> {
-    let Some(h) = req
-        .headers()
-        .iter()
-        .find(|h| h.field.equiv("Authorization"))
-    else {
-        return Ok(None);
-    };
-    let value = h.value.as_str().trim();
-    let token = value
-        .strip_prefix("Bearer ")
-        .ok_or("Authorization must be `Bearer TOKEN`")?;
-    daemon::token_user(sh, token.trim())
-        .map(Some)
-        .ok_or_else(|| "unknown token; `gpushare token` prints yours".to_string())
+    match token_of(req)? {
+        None => Ok(None),
+        Some(token) => daemon::token_user(sh, &token)
+            .map(Some)
+            .ok_or_else(|| "unknown token; `gpushare token` prints yours".to_string()),
+    }
 }
 
 fn handle(sh: &Arc<Shared>, mut req: Request) {
@@ -150,26 +176,36 @@ fn handle(sh: &Arc<Shared>, mut req: Request) {
     let loopback = req.remote_addr().is_some_and(|a| a.ip().is_loopback());
     let user = match caller(sh, &req) {
         Ok(u) => u,
+        // The page itself says what is wrong with the token it saved.
+        Err(_) if method == Method::Get && path.is_empty() => None,
         Err(e) => {
             let _ = req.respond(error(401, &e));
             return;
         }
     };
-    let need_token = "this needs a token: `gpushare token` prints yours; send it as `Authorization: Bearer TOKEN`";
+    let need_token = "this needs a token: `gpushare token` prints yours; send it as `Authorization: Bearer TOKEN`, or save it on the web page";
     // Read-only views are open on loopback; from elsewhere they need a token too.
     let view = method == Method::Get
         && matches!(
             path.as_slice(),
-            [] | ["events"] | ["api", "jobs" | "gpus"] | ["api", "jobs", _]
+            [] | ["events"] | ["api", "jobs" | "gpus" | "usage"] | ["api", "jobs", _]
         );
     if view && !loopback && user.is_none() {
-        let _ = req.respond(error(401, need_token));
+        let refusal = if path.is_empty() {
+            // A browser: a page that asks for the token.
+            Response::from_data(web::token_page().into_bytes())
+                .with_status_code(401)
+                .with_header(header("Content-Type", "text/html; charset=utf-8"))
+        } else {
+            error(401, need_token)
+        };
+        let _ = req.respond(refusal);
         return;
     }
     let job_id = |s: &str| s.parse::<u64>().ok();
     let response = match (&method, path.as_slice()) {
         (Method::Get, []) => {
-            let page = web::page(&web::snapshot(&sh.lock()));
+            let page = web::page(&daemon::snapshot(&sh.lock()));
             Response::from_data(page.into_bytes())
                 .with_header(header("Content-Type", "text/html; charset=utf-8"))
         }
@@ -178,7 +214,15 @@ fn handle(sh: &Arc<Shared>, mut req: Request) {
             return;
         }
         (Method::Get, ["api", "jobs"]) => json(200, &daemon::views(&sh.lock())),
-        (Method::Get, ["api", "gpus"]) => json(200, &web::snapshot(&sh.lock()).gpus),
+        (Method::Get, ["api", "gpus"]) => json(200, &daemon::snapshot(&sh.lock()).gpus),
+        (Method::Get, ["api", "usage"]) => json(200, &daemon::usage(&sh.lock())),
+        (Method::Get, ["api", "me"]) => match user {
+            None => error(401, need_token),
+            Some(uid) => json(
+                200,
+                &serde_json::json!({ "uid": uid, "user": crate::sys::user_by_uid(uid).map(|u| u.name) }),
+            ),
+        },
         (Method::Get, ["api", "jobs", id]) => {
             match job_id(id).and_then(|id| daemon::view(&sh.lock(), id)) {
                 Some(v) => json(200, &v),
@@ -233,13 +277,15 @@ fn handle(sh: &Arc<Shared>, mut req: Request) {
                 Err(e) => error(409, &e),
             },
         },
-        (_, [] | ["events"] | ["api", "jobs" | "gpus"] | ["api", "jobs", _]) => error(
-            405,
-            &format!("{method} is not served at {url}; see the API table in the README"),
-        ),
+        (_, [] | ["events"] | ["api", "jobs" | "gpus" | "usage" | "me"] | ["api", "jobs", _]) => {
+            error(
+                405,
+                &format!("{method} is not served at {url}; see the API table in docs/queue.md"),
+            )
+        }
         (_, ["api", "jobs", _, "logs" | "cancel"]) => error(
             405,
-            &format!("{method} is not served at {url}; see the API table in the README"),
+            &format!("{method} is not served at {url}; see the API table in docs/queue.md"),
         ),
         _ => error(404, &format!("nothing at {url}")),
     };
@@ -277,7 +323,7 @@ fn events(sh: &Shared, req: Request) {
             ": still here\n\n".to_string()
         } else {
             seen = st.version;
-            let snap = web::snapshot(&st);
+            let snap = daemon::snapshot(&st);
             drop(st);
             let mut m = String::from("event: live\n");
             for line in web::live(&snap).lines() {

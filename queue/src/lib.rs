@@ -5,8 +5,9 @@
 //!   [`memory_replay`]: jobs whose memory grows and shrinks, with caps held to the GPU or
 //!   overcommitted (waits and swaps by the overcommit core of `gpushare-policy`).
 //! - [`daemon`]: `gpushare-queue serve`, the I/O shell: socket, jobs' processes, clock;
-//!   [`db`] its SQLite state, [`http`] its HTTP API and [`web`] page, [`shim`] the supervisor
-//!   of each run, [`gpus`] the node's GPUs, [`sys`] the few system calls std lacks.
+//!   [`db`] its SQLite state, [`http`] its HTTP API and [`web`] page, [`usage`] the last
+//!   minutes of the GPUs' use that the page plots, [`shim`] the supervisor of each run, [`gpus`]
+//!   the node's GPUs, [`sys`] the few system calls std lacks.
 
 pub mod core;
 pub mod daemon;
@@ -17,4 +18,5 @@ pub mod memory_replay;
 pub mod replay;
 pub mod shim;
 pub mod sys;
+pub mod usage;
 pub mod web;

@@ -1,10 +1,12 @@
 //! The queue's web page in a real browser: Debian's headless Chromium, driven over WebDriver
 //! (chromedriver, plain HTTP on loopback). It lists running and finished jobs and follows
-//! changes without a reload.
+//! changes without a reload, plots each group's use of the GPU, and links each job to its
+//! output for its owner only.
 
 mod common;
 
 use common::*;
+use gpushare_testkit::harness::{describe, target_dir};
 use serde_json::{Value, json};
 use std::net::TcpListener;
 use std::path::Path;
@@ -129,6 +131,27 @@ impl Browser {
         )
     }
 
+    /// Save a screenshot of the page as PNG at `path`.
+    fn screenshot(&self, path: &Path) {
+        use base64::Engine;
+        let path_ = format!("/session/{}/screenshot", self.session);
+        let (s, b) = http(&self.addr, "GET", &path_, &[], "");
+        assert_eq!(s, 200, "WebDriver screenshot: {b}");
+        let v: Value = serde_json::from_str(&b).unwrap();
+        let png = base64::engine::general_purpose::STANDARD
+            .decode(v["value"].as_str().expect("a base64 PNG"))
+            .expect("base64");
+        std::fs::write(path, png).unwrap();
+    }
+
+    /// The text of the page now shown.
+    fn text(&self) -> String {
+        self.eval("return document.body.innerText;")
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+
     /// `id:state` of every job row of table `#table`.
     fn rows(&self, table: &str) -> Vec<String> {
         let v = self.eval(&format!(
@@ -214,4 +237,189 @@ fn the_page_lists_jobs_and_follows_them_without_a_reload() {
         42,
         "updated in place, not reloaded"
     );
+}
+
+#[test]
+fn the_page_plots_each_groups_use_and_links_output_to_its_owner_only() {
+    let alice = test_user("gpsq-alice");
+    let bob = test_user("gpsq-bob");
+    let q = QueueNode::start(&[], &["--policy", "fifo", "--listen", "127.0.0.1:0"]);
+    let addr = q.http.clone().unwrap();
+    // Each job says whose it is, then holds 64 MiB and keeps the GPU busy until cancelled.
+    let job = |share: &str| -> Vec<String> {
+        let spin = cudarc(&[
+            "spin",
+            "--ms-per-kernel",
+            "1",
+            "--duration-ms",
+            "120000",
+            "--sync-every",
+            "20",
+            "--alloc-mib",
+            "64",
+        ]);
+        let mut v: Vec<String> = [
+            "--share",
+            share,
+            "--",
+            "sh",
+            "-c",
+            "echo \"output of $(id -un)\"; exec \"$@\"",
+            "job",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        v.extend(spin);
+        v
+    };
+    let a = q.submit_as(Some(alice), &strs(&job("0.6")));
+    let b = q.submit_as(Some(bob), &strs(&job("0.4")));
+    q.wait_state(a, "running", Duration::from_secs(60));
+    q.wait_state(b, "running", Duration::from_secs(60));
+
+    let browser = Browser::start();
+    browser.open(&format!("http://{addr}/"));
+    // Both groups in both plots of GPU 0, each with GPU time and memory over several samples.
+    let groups = [format!("gpushare-job-{a}"), format!("gpushare-job-{b}")];
+    let series = |plot: &str| -> Vec<(String, u64, f64)> {
+        let v = browser.eval(&format!(
+            "return Array.from(document.querySelectorAll('#{plot} path[data-group]')).map(p => [p.dataset.group, +p.dataset.points, +p.dataset.max]);"
+        ));
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| {
+                (
+                    x[0].as_str().unwrap().to_string(),
+                    x[1].as_u64().unwrap(),
+                    x[2].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let plotted = |plot: &str, least: f64| {
+        let s = series(plot);
+        groups.iter().all(|g| {
+            s.iter()
+                .any(|(name, points, max)| name == g && *points >= 5 && *max >= least)
+        })
+    };
+    eventually(
+        Duration::from_secs(60),
+        "both jobs' GPU time and memory in the plots",
+        || {
+            (plotted("share-gpu-0", 0.05) && plotted("memory-gpu-0", (64 << 20) as f64))
+                .then_some(())
+        },
+    );
+    let legend = browser.eval(
+        "return Array.from(document.querySelectorAll('#usage-gpu-0 .legend li')).map(l => l.textContent);",
+    );
+    for (id, user) in [(a, "gpsq-alice"), (b, "gpsq-bob")] {
+        assert!(
+            legend
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|l| l == &json!(format!("job {id} ({user})"))),
+            "the legend names job {id} and its owner: {legend}"
+        );
+    }
+    browser.command(
+        "POST",
+        "window/rect",
+        json!({"width": 1280, "height": 1300}),
+    );
+    let shot = target_dir().join("gpushare-queue-page.png");
+    browser.screenshot(&shot);
+    eprintln!("screenshot of the page: {}", shot.display());
+    eprintln!("share plot: {:?}", series("share-gpu-0"));
+
+    // Alice saves her token on the page; her job's output link shows her its output.
+    let token = |user| {
+        let out = q.cli_as(Some(user), &["token"]);
+        assert!(out.status.success(), "{}", describe(&out));
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let (alice_token, bob_token) = (token(alice), token(bob));
+    browser.eval(&format!(
+        "document.getElementById('token').value = '{alice_token}'; document.getElementById('token-form').requestSubmit(); return null;"
+    ));
+    eventually(Duration::from_secs(10), "the page to know Alice", || {
+        let me = browser.eval("return document.getElementById('me').textContent;");
+        me.as_str()?.contains("gpsq-alice").then_some(())
+    });
+    let link = |id: u64| {
+        browser
+            .eval(&format!(
+                "const a = document.querySelector('#job-{id} a.output'); return a && a.href;"
+            ))
+            .as_str()
+            .unwrap_or_else(|| panic!("no output link for job {id}"))
+            .to_string()
+    };
+    let (link_a, link_b) = (link(a), link(b));
+    browser.open(&link_a);
+    let text = browser.text();
+    assert!(
+        text.contains("output of gpsq-alice"),
+        "Alice's output: {text:?}"
+    );
+    // Bob's job's link, followed with Alice's token: refused, and nothing of Bob's output.
+    browser.open(&link_b);
+    let text = browser.text();
+    assert!(
+        text.contains("not yours") && !text.contains("output of"),
+        "Bob's output refused to Alice: {text:?}"
+    );
+    // The same from a browser without a token, and over plain HTTP with each cookie.
+    browser.open(&format!("http://{addr}/"));
+    browser.eval("document.getElementById('forget').click(); return null;");
+    eventually(Duration::from_secs(10), "the token forgotten", || {
+        let me = browser.eval("return document.getElementById('me').textContent;");
+        me.as_str()?.contains("no token").then_some(())
+    });
+    browser.open(&link_a);
+    let text = browser.text();
+    assert!(
+        text.contains("needs a token") && !text.contains("output of"),
+        "no token, no output: {text:?}"
+    );
+    let path_a = format!("/api/jobs/{a}/logs");
+    let cookie = |t: &str| format!("gpushare_token={t}");
+    let (s, body) = http(
+        &addr,
+        "GET",
+        &path_a,
+        &[("Cookie", &cookie(&alice_token))],
+        "",
+    );
+    assert!(
+        s == 200 && body.contains("output of gpsq-alice"),
+        "{s} {body}"
+    );
+    let (s, body) = http(
+        &addr,
+        "GET",
+        &path_a,
+        &[("Cookie", &cookie(&bob_token))],
+        "",
+    );
+    assert_eq!(s, 403, "{body}");
+    // The cookie reads; it never acts.
+    let (s, _) = http(
+        &addr,
+        "POST",
+        &format!("/api/jobs/{a}/cancel"),
+        &[("Cookie", &cookie(&alice_token))],
+        "",
+    );
+    assert_eq!(s, 401);
+    assert_eq!(q.job(a)["state"], "running");
+
+    for id in [a, b] {
+        let out = q.cli(&["cancel", &id.to_string()]);
+        assert!(out.status.success(), "{}", describe(&out));
+    }
 }

@@ -1,16 +1,16 @@
 //! The daemon's start: its configuration and journal read, its sockets bound, its threads
 //! started around the event loop ([`crate::server`]) that owns the node core
-//! ([`crate::node`]). Threads: the event loop; the journal's writer, the `/proc` reader and
-//! the census taker ([`crate::workers`]); the configuration watcher (with `--config`); the
-//! metrics endpoint (with `--metrics`); the admin socket's listener and one thread per agent
-//! connection, at most 8 (with `--admin-socket`).
+//! ([`crate::node`]). Threads: the event loop; the journal's writer, the `/proc` reader, the
+//! census taker and the file watcher (the tenant socket's path, the configuration)
+//! ([`crate::workers`]); the metrics endpoint (with `--metrics`); the admin socket's listener
+//! and one thread per agent connection, at most 8 (with `--admin-socket`).
 
 use crate::config::Config;
 use crate::inbox::{Inbox, Published};
 use crate::journal::Journal;
 use crate::node::{Node, NodeOptions};
 use crate::server::Server;
-use crate::workers::{Workers, mtime, watch_config};
+use crate::workers::{Watched, Workers, mtime, watch};
 use arc_swap::ArcSwap;
 use gpushare_protocol::status::Report;
 use std::path::PathBuf;
@@ -61,9 +61,11 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
     let (inbox, letters) = Inbox::new(waker);
     let published: Published = Arc::new(ArcSwap::from_pointee(Report::clone(node.latest_report())));
     let workers = Workers::spawn(journal, &inbox)?;
-    if let Some(path) = opts.config_path.clone() {
-        watch_config(path, config_mtime, inbox.clone())?;
-    }
+    let watched = Watched {
+        socket: opts.socket.clone(),
+        config: opts.config_path.clone().map(|p| (p, config_mtime)),
+    };
+    watch(watched, inbox.clone())?;
     if let Some(addr) = opts.metrics {
         let http = std::net::TcpListener::bind(addr).map_err(|e| {
             anyhow::anyhow!("cannot serve metrics on {addr}: {e}; pick another --metrics address")

@@ -18,6 +18,8 @@ pub enum Post {
         req: AdminRequest,
         reply: SyncSender<AdminReply>,
     },
+    /// The tenant socket, bound anew at its path (the last one's path had gone).
+    Listener(std::os::unix::net::UnixListener),
 }
 
 /// A post, and when it was posted (`CLOCK_MONOTONIC` ns): how long it waited is the loop's

@@ -74,10 +74,11 @@ impl Journal {
         }
     }
 
-    /// Write `holdings` as the books' current state. A failure is logged (once until a write
-    /// succeeds again): the books in memory stay right, only a restart of the daemon would
-    /// forget what they hold beyond the last good write.
-    pub fn save(&mut self, holdings: Vec<Holding>) {
+    /// Write `holdings` as the books' current state; whether it was written. A failure is
+    /// logged (once until a write succeeds again): the books in memory stay right, only a
+    /// restart of the daemon would forget what they hold beyond the last good write, so the
+    /// reservations granted meanwhile are answered as not journaled.
+    pub fn save(&mut self, holdings: Vec<Holding>) -> bool {
         let file = File {
             version: VERSION,
             holdings,
@@ -88,12 +89,14 @@ impl Journal {
                     tracing::info!(path = %self.path.display(), "the memory journal is written again");
                 }
                 self.failing = false;
+                true
             }
             Err(e) => {
                 if !self.failing {
-                    tracing::error!(path = %self.path.display(), "cannot write the memory journal: {e}; a restart of the daemon would forget what processes hold");
+                    tracing::error!(path = %self.path.display(), "cannot write the memory journal: {e}; GPU memory reservations are answered as not journaled until it is written again (hooks with GPUSHARE_FAIL=open allocate anyway, and a restart of the daemon would forget those; GPUSHARE_FAIL=closed refuses them): free space on its file system, or move it with --books");
                 }
                 self.failing = true;
+                false
             }
         }
     }
@@ -152,7 +155,7 @@ mod tests {
         );
         assert!(books.reserve(1, "g", [1; 16], 3 << 30).granted);
         assert!(books.reserve(2, "g", [1; 16], 1 << 30).granted);
-        j.save(books.holdings());
+        assert!(j.save(books.holdings()));
         let back = j.load();
         assert_eq!(
             back,
@@ -190,14 +193,14 @@ mod tests {
             gpu: [1; 16],
             bytes: 5,
         };
-        j.save(vec![held.clone()]);
+        assert!(j.save(vec![held.clone()]));
         // The staging file cannot be created: a directory stands in its way.
         std::fs::create_dir(dir.path().join("b.new")).unwrap();
-        j.save(Vec::new());
+        assert!(!j.save(Vec::new()));
         assert!(j.failing);
         assert_eq!(j.load(), vec![held]);
         std::fs::remove_dir(dir.path().join("b.new")).unwrap();
-        j.save(Vec::new());
+        assert!(j.save(Vec::new()));
         assert!(!j.failing);
         assert!(j.load().is_empty());
     }

@@ -262,7 +262,10 @@ impl Server {
             }
         }
         if let Some(seq) = unwritten {
-            self.handle(Input::Persisted { seq });
+            self.handle(Input::Persisted {
+                seq,
+                written: false,
+            });
         }
         for input in swaps_lost {
             tracing::error!("the swapper thread is gone");
@@ -286,8 +289,27 @@ impl Server {
                     self.admin_replies.insert(token, reply);
                     self.handle(Input::Admin { token, req });
                 }
+                Post::Listener(listener) => self.listen_anew(listener),
             }
         }
+    }
+
+    /// Listen on `listener` from now on (the tenant socket bound again at its path): the
+    /// connections the old one has waiting are accepted first.
+    fn listen_anew(&mut self, listener: std::os::unix::net::UnixListener) {
+        if let Err(e) = listener.set_nonblocking(true) {
+            tracing::error!("cannot use the tenant socket bound anew: {e}");
+            return;
+        }
+        let mut listener = UnixListener::from_std(listener);
+        let registry = self.poll.registry();
+        if let Err(e) = registry.register(&mut listener, LISTENER, Interest::READABLE) {
+            tracing::error!("cannot poll the tenant socket bound anew: {e}");
+            return;
+        }
+        self.accept();
+        let mut old = std::mem::replace(&mut self.listener, listener);
+        let _ = self.poll.registry().deregister(&mut old);
     }
 
     /// Accept the pending connections (up to [`ACCEPT_BUDGET`]); the node says which stay.

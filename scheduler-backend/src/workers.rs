@@ -1,15 +1,17 @@
 //! The work that may block, each on a thread of its own so that the event loop never waits for
 //! a file or for `/proc`: writing the memory journal, reading who a peer is and whether
 //! processes still run, taking the census of GPU processes, swapping processes' GPU memory to
-//! host memory and back ([`crate::checkpoint`]), and watching the configuration file. Each does what the node asked ([`crate::node::Effect`]) and posts the outcome back
+//! host memory and back ([`crate::checkpoint`]), and watching the files (the tenant socket's
+//! path, the configuration). Each does what the node asked ([`crate::node::Effect`]) and posts the outcome back
 //! to the loop's inbox as an input.
 
 use crate::config::Config;
 use crate::identity::{self, Credentials};
-use crate::inbox::Inbox;
+use crate::inbox::{Inbox, Post};
 use crate::journal::{self, Journal};
 use crate::memory::{Holding, ProcessId};
 use crate::node::{ConnId, Input};
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::time::{Duration, SystemTime};
@@ -63,12 +65,13 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
         .map(drop)
 }
 
-/// Write each version of the books asked for and say when it is done (a failed write is
-/// logged by the journal; the books in memory are still right, so what waited for it goes on).
+/// Write each version of the books asked for and say when it is done, and whether it was
+/// written (a failed write is logged by the journal; the node answers what waited for it as
+/// not journaled).
 fn write_journal(mut journal: Journal, rx: Receiver<(u64, Vec<Holding>)>, inbox: Inbox) {
     for (seq, holdings) in rx {
-        journal.save(holdings);
-        if !inbox.input(Input::Persisted { seq }) {
+        let written = journal.save(holdings);
+        if !inbox.input(Input::Persisted { seq, written }) {
             return;
         }
     }
@@ -110,23 +113,36 @@ pub fn mtime(path: &std::path::Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
-/// Watch the configuration file (from the version `loaded` at start) and post each version
-/// that parses; a broken file keeps the previous configuration.
-pub fn watch_config(
-    path: PathBuf,
-    loaded: Option<SystemTime>,
-    inbox: Inbox,
-) -> std::io::Result<()> {
-    spawn("config", move || {
-        let mut seen = loaded;
+/// The files the daemon watches, once a second, on a thread of their own.
+pub struct Watched {
+    /// The tenant socket: bound again if its path goes (its directory replaced or removed).
+    pub socket: PathBuf,
+    /// The configuration file, and the version loaded at start: each version that parses is
+    /// posted, a broken one keeps the previous configuration.
+    pub config: Option<(PathBuf, Option<SystemTime>)>,
+}
+
+/// Watch `w`'s files and post what changed.
+pub fn watch(w: Watched, inbox: Inbox) -> std::io::Result<()> {
+    spawn("watch", move || {
+        let mut socket = SocketWatch::new(w.socket);
+        let mut config = w.config;
         loop {
             std::thread::sleep(Duration::from_secs(1));
-            let m = mtime(&path);
-            if m == seen {
+            if let Some(listener) = socket.check()
+                && !inbox.post(Post::Listener(listener))
+            {
+                return;
+            }
+            let Some((path, seen)) = config.as_mut() else {
+                continue;
+            };
+            let m = mtime(path);
+            if m == *seen {
                 continue;
             }
-            seen = m;
-            match Config::load(&path) {
+            *seen = m;
+            match Config::load(path) {
                 Ok(cfg) => {
                     tracing::info!(path = %path.display(), "configuration file changed");
                     if !inbox.input(Input::Config(Box::new(cfg))) {
@@ -137,4 +153,61 @@ pub fn watch_config(
             }
         }
     })
+}
+
+/// The tenant socket's path, as the daemon bound it.
+struct SocketWatch {
+    path: PathBuf,
+    /// The bound socket's device and inode (`None`: not known).
+    bound: Option<(u64, u64)>,
+    /// Something else is at the path now (said once).
+    taken: bool,
+}
+
+impl SocketWatch {
+    fn new(path: PathBuf) -> SocketWatch {
+        let bound = identity(&path);
+        SocketWatch {
+            path,
+            bound,
+            taken: false,
+        }
+    }
+
+    /// A listener bound anew if the socket's path is gone (a replaced or removed directory:
+    /// the daemon's existing connections live on, new processes could not connect).
+    fn check(&mut self) -> Option<std::os::unix::net::UnixListener> {
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(m) => {
+                let now = Some((m.dev(), m.ino()));
+                if now != self.bound && !self.taken {
+                    self.taken = true;
+                    tracing::warn!(path = %self.path.display(), "the tenant socket's path is another file now (another daemon?): left alone; new processes reach whatever listens there");
+                }
+                None
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                match gpushare_frame::listen_at(&self.path, 0o666) {
+                    Ok(l) => {
+                        tracing::warn!(path = %self.path.display(), "the tenant socket was gone (its directory replaced or removed): listening there again");
+                        self.bound = identity(&self.path);
+                        self.taken = false;
+                        Some(l)
+                    }
+                    Err(e) => {
+                        tracing::error!("the tenant socket is gone and cannot be bound again: {e}");
+                        None
+                    }
+                }
+            }
+            Err(_) => None,
+        }
+    }
+}
+
+/// A file's device and inode.
+fn identity(path: &std::path::Path) -> Option<(u64, u64)> {
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }

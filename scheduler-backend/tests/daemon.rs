@@ -114,7 +114,14 @@ fn config_groups_and_hot_reload() {
         &["--metrics".into(), format!("127.0.0.1:{port}")],
     );
     let mut s = connect(&sock);
-    assert_eq!(next(&mut s), ServerMsg::Welcome { group: "me".into() });
+    assert_eq!(
+        next(&mut s),
+        ServerMsg::Welcome {
+            group: "me".into(),
+            liveness_ns: 40_000_000
+        },
+        "the default quota plus the default grace"
+    );
     let gpu = [9u8; 16];
     gpushare_protocol::send(&mut s, &ClientMsg::Acquire { gpu }).unwrap();
     let ServerMsg::Grant { token, .. } = next(&mut s) else {
@@ -173,7 +180,8 @@ fn unknown_clients_get_a_clear_error_and_garbage_drops_only_its_sender() {
     assert_eq!(
         next(&mut s),
         ServerMsg::Welcome {
-            group: String::new()
+            group: String::new(),
+            liveness_ns: 40_000_000
         }
     );
     gpushare_protocol::send(&mut s, &ClientMsg::Acquire { gpu: [1; 16] }).unwrap();
@@ -236,4 +244,30 @@ fn declared_groups_need_dev_mode() {
     assert!(
         matches!(next(&mut s), ServerMsg::Error { fatal: true, message } if message.contains("--dev"))
     );
+}
+
+/// The tenant socket's path removed (its directory replaced, say): the daemon binds it again
+/// within a couple of seconds, new processes connect there, and the connections it had live on
+/// (a probe is answered).
+#[test]
+fn a_removed_socket_is_bound_again_and_connections_live_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!("[[group]]\nname = \"me\"\nuids = [{}]\n", uid());
+    let (_d, sock) = start(dir.path(), &config, false);
+    let mut before = connect(&sock);
+    assert!(matches!(next(&mut before), ServerMsg::Welcome { .. }));
+    std::fs::remove_file(&sock).unwrap();
+    let t = Instant::now();
+    while !sock.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the socket was not bound again"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut after = connect(&sock);
+    assert!(matches!(next(&mut after), ServerMsg::Welcome { .. }));
+    let gpu = [7u8; 16];
+    gpushare_protocol::send(&mut before, &ClientMsg::Probe { gpu }).unwrap();
+    assert_eq!(next(&mut before), ServerMsg::Alive { gpu });
 }

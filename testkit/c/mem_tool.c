@@ -6,6 +6,11 @@
  *                               cuDeviceTotalMem_v2)
  *   mem_tool hold BYTES         cuMemAlloc_v2(BYTES), print {"held":BYTES,"t_ns":…}, then wait:
  *                               SIGUSR1 frees it, prints {"freed":…} and exits 0
+ *   mem_tool hold-later BYTES   set up, print {"ready":true,"free":…,…} (cuMemGetInfo_v2: the
+ *                               hook has connected); SIGUSR1:
+ *                               cuMemAlloc_v2(BYTES), print {"held":BYTES,"t_start_ns":…,
+ *                               "t_ns":…}; SIGUSR1 again frees it, prints {"freed":BYTES} and
+ *                               exits 0
  *   mem_tool try BYTES RETRY_MS cuMemAlloc_v2(BYTES), retried every 1 ms while it returns
  *                               CUDA_ERROR_OUT_OF_MEMORY, for at most RETRY_MS; prints
  *                               {"result":…,"attempts":…,"t_start_ns":…,"t_done_ns":…}; frees
@@ -252,7 +257,7 @@ int main(int argc, char **argv) {
     check_error_name = cuGetErrorName;
     if (argc < 2) {
         fprintf(stderr,
-                "usage: %s info | hold BYTES | try BYTES RETRY_MS | bench N BYTES | vmm BYTES | "
+                "usage: %s info | hold BYTES | hold-later BYTES | try BYTES RETRY_MS | bench N BYTES | vmm BYTES | "
                 "vmm-host BYTES DEV | many N BYTES RETRY_MS KEEP | pool BYTES THRESHOLD | pool-api | "
                 "keep BYTES SEED | "
                 "fork-hold BYTES\n",
@@ -299,6 +304,21 @@ int main(int argc, char **argv) {
         printf("{\"intact\":%s}\n", ok ? "true" : "false");
         fflush(stdout);
         CK(cuMemFree_v2(p));
+    } else if (strcmp(cmd, "hold-later") == 0 && argc == 3) {
+        size_t bytes = strtoull(argv[2], NULL, 10);
+        release_on_usr1();
+        setup();
+        print_info("ready");
+        wait_usr1();
+        CUdeviceptr p;
+        unsigned long long t0 = now_ns();
+        CK(cuMemAlloc_v2(&p, bytes));
+        printf("{\"held\":%zu,\"t_start_ns\":%llu,\"t_ns\":%llu}\n", bytes, t0, now_ns());
+        fflush(stdout);
+        wait_usr1();
+        CK(cuMemFree_v2(p));
+        printf("{\"freed\":%zu}\n", bytes);
+        fflush(stdout);
     } else if (strcmp(cmd, "try") == 0 && argc == 4) {
         size_t bytes = strtoull(argv[2], NULL, 10);
         unsigned long long retry_ns = strtoull(argv[3], NULL, 10) * 1000000ull;

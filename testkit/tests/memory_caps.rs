@@ -1186,3 +1186,121 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
     let log = node.scheduler_log();
     assert!(log.contains("restoring from host memory"), "{log}");
 }
+
+/// The scheduler stopped (`SIGSTOP`) while a connected fail-open process allocates 256 MiB of a
+/// 1 GiB cap: the reservation waits at most the liveness bound (the default quota plus grace,
+/// 40 ms) and the process decides alone; once the scheduler runs again the process states what
+/// it holds, so the books count the 256 MiB exactly once (the reservation the scheduler read
+/// late is not counted twice), and nothing after the free.
+#[test]
+fn an_allocation_while_the_scheduler_is_stopped_is_charged_once_it_answers() {
+    const LIVENESS_NS: u64 = 40_000_000;
+    let (node, exe) = node_with("mem_tool");
+    let bytes = 256 * MIB;
+    let mut cmd = in_group(
+        &node,
+        "stall",
+        Some("1GiB"),
+        &exe,
+        &["hold-later", &bytes.to_string()],
+    );
+    cmd.env("GPUSHARE_FAIL", "open");
+    let mut p = Proc::spawn(cmd);
+    let ready = p.expect_json("ready", RUN);
+    assert_eq!(
+        u(&ready, "free"),
+        GIB,
+        "connected, and told the cap: {ready}"
+    );
+    let sched = node.scheduler_pid().expect("a scheduler runs") as libc::pid_t;
+    // (The group is listed once it holds memory.)
+    let used = || {
+        node.status_group("stall")
+            .map_or(0, |g| u(&g, "memory_used"))
+    };
+    assert_eq!(used(), 0, "nothing held before the allocation");
+    // SAFETY: plain syscalls on the scheduler, our own child.
+    unsafe { libc::kill(sched, libc::SIGSTOP) };
+    p.signal(libc::SIGUSR1);
+    let held = p.expect_json("held", Duration::from_secs(10));
+    unsafe { libc::kill(sched, libc::SIGCONT) };
+    let took = u(&held, "t_ns") - u(&held, "t_start_ns");
+    // The books settle once the scheduler has read the reservation and the statement after it.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while used() != bytes && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let settled = used();
+    eprintln!(
+        "allocation with the scheduler stopped: {:.1} ms; then the books hold {settled} (of {bytes})",
+        took as f64 / 1e6
+    );
+    assert!(
+        took <= LIVENESS_NS + gpushare_testkit::margins::RECOVERY_NS,
+        "the allocation waited {:.1} ms for a stopped scheduler",
+        took as f64 / 1e6
+    );
+    assert_eq!(
+        settled, bytes,
+        "the books count what the process allocated alone, once"
+    );
+    p.signal(libc::SIGUSR1);
+    p.expect_json("freed", RUN);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while used() != 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(used(), 0, "freed");
+    let (status, stderr) = p.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "{stderr}");
+}
+
+/// Fail-open decides alone against what the scheduler last said: here another process of the
+/// group took 900 MiB of the 1 GiB cap since, so the 256 MiB allocated while the scheduler is
+/// stopped overrun the cap, and the scheduler, running again, refuses the reservation it reads
+/// late. The process's statement of what it holds puts the overrun on the books all the same
+/// (1,156 MiB used of 1,024): never a silent one.
+#[test]
+fn an_overrun_decided_alone_is_on_the_books() {
+    let (node, exe) = node_with("mem_tool");
+    let mut late = in_group(
+        &node,
+        "overrun",
+        Some("1GiB"),
+        &exe,
+        &["hold-later", &(256 * MIB).to_string()],
+    );
+    late.env("GPUSHARE_FAIL", "open");
+    let mut late = Proc::spawn(late);
+    late.expect_json("ready", RUN);
+    let mut other = Proc::spawn(in_group(
+        &node,
+        "overrun",
+        Some("1GiB"),
+        &exe,
+        &["hold", &(900 * MIB).to_string()],
+    ));
+    other.expect_json("held", RUN);
+    let sched = node.scheduler_pid().expect("a scheduler runs") as libc::pid_t;
+    // SAFETY: plain syscalls on the scheduler, our own child.
+    unsafe { libc::kill(sched, libc::SIGSTOP) };
+    late.signal(libc::SIGUSR1);
+    late.expect_json("held", Duration::from_secs(10));
+    unsafe { libc::kill(sched, libc::SIGCONT) };
+    let used = || {
+        node.status_group("overrun")
+            .map_or(0, |g| u(&g, "memory_used"))
+    };
+    let want = 1156 * MIB;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while used() != want && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let got = used();
+    eprintln!(
+        "an overrun decided alone: the books hold {} MiB of a 1024 MiB cap",
+        got / MIB
+    );
+    assert_eq!(got, want, "the books hold both processes' allocations");
+}

@@ -6,12 +6,16 @@ use super::*;
 use std::collections::HashMap;
 
 const MS: u64 = 1_000_000;
+const S: u64 = 1_000_000_000;
 /// The queue budget the scheduler gives a 20 ms turn that another group may cut short.
 const BUDGET: u64 = 2_500_000;
 const CFG: TurnConfig = TurnConfig {
     idle_release_ns: 2 * MS,
     handoff_lead_ns: MS,
+    fail_open: true,
 };
+/// The liveness bound of the default quota and grace.
+const LIVENESS: u64 = 40 * MS;
 
 fn busy() -> Activity {
     Activity {
@@ -31,9 +35,9 @@ fn quiet(launches: u64) -> Activity {
 
 /// A machine holding turn `token` (opened at `start`, 20 ms long).
 fn holding(token: u64, start: u64) -> Turns {
-    let mut t = Turns::new(CFG);
+    let mut t = Turns::new(CFG, LIVENESS);
     assert_eq!(t.admit(start - 10 * MS, &mut Waiter::default()), Step::Ask);
-    t.asked(true);
+    t.asked(true, start - 10 * MS);
     t.grant(token, start, start + 20 * MS, BUDGET, start - 5 * MS);
     assert_eq!(t.admit(start, &mut Waiter::default()), Step::Opened);
     assert_eq!(t.gate_deadline(), start + 20 * MS);
@@ -66,15 +70,16 @@ fn given_back_idle(t: &mut Turns, at: u64, launches: u64) {
 
 #[test]
 fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
-    let mut t = Turns::new(CFG);
+    let mut t = Turns::new(CFG, LIVENESS);
     let mut w = Waiter::default();
     assert_eq!(t.admit(0, &mut w), Step::Ask);
-    t.asked(true);
+    t.asked(true, 0);
     assert_eq!(
         t.admit(0, &mut w),
         Step::Wait {
-            until_ns: GRANT_WAIT_NS
-        }
+            until_ns: LIVENESS / 2
+        },
+        "looks again when a probe would be due"
     );
     t.grant(1, 10 * MS, 30 * MS, BUDGET, MS);
     assert_eq!(t.admit(MS, &mut w), Step::Wait { until_ns: 9 * MS });
@@ -173,10 +178,10 @@ fn a_revoked_open_turn_admits_nothing_until_closed_and_reported() {
 
 #[test]
 fn a_turn_withdrawn_before_it_opened_is_asked_for_again() {
-    let mut t = Turns::new(CFG);
+    let mut t = Turns::new(CFG, LIVENESS);
     let mut w = Waiter::default();
     assert_eq!(t.admit(0, &mut w), Step::Ask);
-    t.asked(true);
+    t.asked(true, 0);
     t.grant(3, 10 * MS, 30 * MS, BUDGET, 0);
     t.revoke(3, MS);
     assert_eq!(t.token(), Token::None);
@@ -272,7 +277,7 @@ fn disconnection_during_the_drain_stands() {
 
 #[test]
 fn a_turn_nobody_wants_is_given_straight_back() {
-    let mut t = Turns::new(CFG);
+    let mut t = Turns::new(CFG, LIVENESS);
     t.grant(8, 10 * MS, 30 * MS, BUDGET, 5 * MS);
     assert_eq!(
         t.take_said(),
@@ -318,7 +323,7 @@ fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
     let mut w = Waiter::default();
     t.launcher_arrives(110 * MS, 10);
     assert_eq!(t.admit(110 * MS, &mut w), Step::Ask);
-    t.asked(true);
+    t.asked(true, 110 * MS);
     t.grant(2, 111 * MS, 131 * MS, BUDGET, 110 * MS);
     assert_eq!(t.admit(111 * MS, &mut w), Step::Opened);
     assert!(t.before_sync(112 * MS, quiet(20)));
@@ -330,7 +335,7 @@ fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
 
 #[test]
 fn going_idle_after_synchronising_is_learnt() {
-    let mut t = Turns::new(CFG);
+    let mut t = Turns::new(CFG, LIVENESS);
     assert_eq!(t.learn_after_sync(1, 0), 0, "no synchronisation before");
     t.sync.idled_after = true;
     assert_eq!(t.learn_after_sync(2, 0), IDLE);
@@ -353,7 +358,7 @@ fn going_idle_after_synchronising_is_learnt() {
 /// the moment the work it synchronises on drains, nor while the host is slow to wake it.
 #[test]
 fn idleness_counts_from_a_synchronisation_not_the_launches_before_it() {
-    let mut t = Turns::new(CFG);
+    let mut t = Turns::new(CFG, LIVENESS);
     t.paced(20, 1_000);
     assert_eq!(t.last_active(9_000, 20, true), (1_000, false));
     t.sync.began_at = 3_000;
@@ -395,7 +400,7 @@ fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
     let mut w = Waiter::default();
     t.launcher_arrives(109 * MS, 10);
     assert_eq!(t.admit(109 * MS, &mut w), Step::Ask);
-    t.asked(true);
+    t.asked(true, 109 * MS);
     t.grant(2, 110 * MS, 130 * MS, BUDGET, 109 * MS);
     assert_eq!(t.admit(110 * MS, &mut w), Step::Opened);
     assert!(
@@ -442,23 +447,183 @@ fn an_extended_turn_is_not_given_back_for_idleness() {
     assert_eq!(t.gate_deadline(), 0);
 }
 
-#[test]
-fn a_grant_without_an_answer_is_asked_again() {
-    let mut t = Turns::new(CFG);
+/// A launcher waiting at `now`, woken at each time the machine names until it is admitted
+/// (or `until`); `answer(t)`: whether a probe sent at `t` is answered (at once), and the
+/// scheduler's grant, if any, at `grant_at`. When it was admitted, and the probes sent.
+fn wait_for_turn(
+    t: &mut Turns,
+    mut now: u64,
+    until: u64,
+    answer: impl Fn(u64) -> bool,
+    grant_at: Option<u64>,
+) -> (Option<u64>, u32) {
     let mut w = Waiter::default();
-    assert_eq!(t.admit(0, &mut w), Step::Ask);
-    t.asked(true);
-    t.take_said();
-    for i in 1..UNANSWERED_ASKS {
-        assert!(matches!(
-            t.admit(i as u64 * GRANT_WAIT_NS, &mut w),
-            Step::Wait { .. }
-        ));
-        assert!(t.take_said().is_empty() || i == UNANSWERED_ASKS);
+    let mut probes = 0;
+    while now <= until {
+        if grant_at.is_some_and(|g| now >= g) && t.token() == Token::Requested {
+            t.grant(99, now, now + 20 * MS, BUDGET, now);
+        }
+        match t.admit(now, &mut w) {
+            Step::Ungated | Step::Admit | Step::Opened => return (Some(now), probes),
+            Step::Wait { until_ns } => {
+                for say in t.take_said() {
+                    if say == Say::Probe {
+                        probes += 1;
+                        if answer(now) {
+                            t.alive(now);
+                        }
+                    }
+                }
+                assert!(until_ns > now, "a wait that ends at once");
+                now = until_ns.min(grant_at.filter(|&g| g > now).unwrap_or(u64::MAX));
+            }
+            other => panic!("{other:?} while waiting for a turn"),
+        }
     }
-    t.admit(9 * GRANT_WAIT_NS, &mut w);
-    t.admit(10 * GRANT_WAIT_NS, &mut w);
+    (None, probes)
+}
+
+/// A machine that asked for a turn at `at`.
+fn waiting(cfg: TurnConfig, at: u64) -> Turns {
+    let mut t = Turns::new(cfg, LIVENESS);
+    assert_eq!(t.admit(at, &mut Waiter::default()), Step::Ask);
+    t.asked(true, at);
+    t
+}
+
+/// A scheduler that answers its probes keeps a launcher waiting as long as the schedule says
+/// (other groups' turns): it probes once per half bound of silence, and is never ungated.
+#[test]
+fn a_live_scheduler_is_probed_and_waited_for() {
+    let mut t = waiting(CFG, 0);
+    let (admitted, probes) = wait_for_turn(&mut t, 0, 300 * MS, |_| true, Some(300 * MS));
+    assert_eq!(
+        admitted,
+        Some(300 * MS),
+        "admitted with its grant, not before"
+    );
+    assert_eq!(probes, 14, "one per half bound of silence");
+    assert!(matches!(t.token(), Token::Held(_)));
+}
+
+/// A probe left unanswered for half the bound (the scheduler stopped): a fail-open launcher
+/// runs without limits once the bound has passed since it last heard of the scheduler, and
+/// probes on; the scheduler's next word puts it back in the queue for its turn.
+#[test]
+fn an_unanswered_probe_ungates_a_fail_open_waiter_within_the_bound() {
+    let mut t = waiting(CFG, 0);
+    let (admitted, probes) = wait_for_turn(&mut t, 0, S, |_| false, None);
+    assert_eq!((admitted, probes), (Some(LIVENESS), 1));
+    assert_eq!(t.token(), Token::Ungated);
+    assert_eq!(t.gate_deadline(), UNLIMITED, "the fast path admits");
+    assert!(t.overdue(LIVENESS));
+    let mut w = Waiter::default();
+    assert_eq!(t.admit(LIVENESS + MS, &mut w), Step::Admit);
+    // The watcher probes every bound.
+    assert_eq!(
+        t.watch(LIVENESS, busy(), &mut || None),
+        Watch::At(LIVENESS / 2 + LIVENESS)
+    );
+    assert_eq!(
+        t.watch(LIVENESS / 2 + LIVENESS, busy(), &mut || None),
+        Watch::At(LIVENESS / 2 + 2 * LIVENESS)
+    );
+    assert_eq!(t.take_said(), vec![Say::Probe]);
+    // The scheduler is back: the process waits for its turn again, and asks for it.
+    t.alive(3 * S);
+    assert_eq!(t.token(), Token::Requested);
+    assert_eq!(t.gate_deadline(), 0);
+    assert!(!t.overdue(3 * S));
     assert_eq!(t.take_said(), vec![Say::Acquire]);
+    t.grant(5, 3 * S + MS, 3 * S + 21 * MS, BUDGET, 3 * S);
+    assert_eq!(t.admit(3 * S + MS, &mut w), Step::Opened);
+    // Only the turn it was granted since is ever reported.
+    close(&mut t, 3 * S + 21 * MS, false);
+    assert!(matches!(
+        t.take_said().as_slice(),
+        [Say::Report { token: 5, .. }]
+    ));
+}
+
+/// A grant ends an ungated spell by itself: no second request.
+#[test]
+fn a_grant_ends_an_ungated_spell() {
+    let mut t = waiting(CFG, 0);
+    wait_for_turn(&mut t, 0, S, |_| false, None);
+    assert_eq!(t.token(), Token::Ungated);
+    t.take_said();
+    t.grant(3, S, S + 20 * MS, BUDGET, S - MS);
+    assert!(matches!(t.token(), Token::Held(_)));
+    assert_eq!(t.gate_deadline(), 0, "closed until its start");
+    assert!(t.take_said().is_empty());
+    assert_eq!(t.admit(S, &mut Waiter::default()), Step::Opened);
+}
+
+/// Fail-closed: the launcher waits on past the bound, for the scheduler, and goes on with the
+/// grant when it comes.
+#[test]
+fn fail_closed_waits_for_the_scheduler() {
+    let cfg = TurnConfig {
+        fail_open: false,
+        ..CFG
+    };
+    let mut t = waiting(cfg, 0);
+    let (admitted, probes) = wait_for_turn(&mut t, 0, 3 * S, |_| false, Some(3 * S));
+    assert_eq!(admitted, Some(3 * S));
+    assert!(probes >= 1);
+    assert!(matches!(t.token(), Token::Held(_)));
+}
+
+/// Wherever a freeze of the scheduler begins — before the request, during a wait, just after
+/// a probe — a fail-open launcher waits at most the bound for it beyond what the schedule
+/// made it wait.
+#[test]
+fn a_frozen_scheduler_blocks_a_waiter_at_most_the_bound() {
+    let mut rng = Rng(7);
+    for _ in 0..2_000 {
+        let asked = rng.below(100 * MS);
+        let frozen = rng.below(400 * MS);
+        let mut t = waiting(CFG, asked);
+        let (admitted, _) = wait_for_turn(&mut t, asked, 10 * S, |at| at < frozen, None);
+        let admitted = admitted.expect("admitted");
+        assert!(
+            admitted <= asked.max(frozen) + LIVENESS,
+            "asked at {asked}, frozen at {frozen}: admitted at {admitted}"
+        );
+        assert!(admitted >= frozen, "ungated while the scheduler answered");
+    }
+}
+
+/// Answers slower than half the bound but within it still count: a starved scheduler keeps
+/// its waiters.
+#[test]
+fn a_slow_answer_within_the_bound_keeps_the_waiter_waiting() {
+    let mut t = waiting(CFG, 0);
+    let mut w = Waiter::default();
+    let mut now = 0;
+    for _ in 0..50 {
+        let Step::Wait { until_ns } = t.admit(now, &mut w) else {
+            panic!("ungated by a live scheduler")
+        };
+        if t.take_said().contains(&Say::Probe) {
+            // Answered just before the bound runs out.
+            t.alive(now + LIVENESS / 2 - 1);
+        }
+        now = until_ns;
+    }
+    assert_eq!(t.token(), Token::Requested);
+}
+
+/// A request left without a grant (its probes answered) is sent again after a while: the
+/// scheduler may have taken this process for a stopped one.
+#[test]
+fn a_request_without_a_grant_is_sent_again() {
+    let mut t = waiting(CFG, 0);
+    wait_for_turn(&mut t, 0, ASK_AGAIN_NS - 1, |_| true, None);
+    let mut w = Waiter::default();
+    t.take_said();
+    t.admit(ASK_AGAIN_NS, &mut w);
+    assert_eq!(t.take_said().first(), Some(&Say::Acquire));
 }
 
 #[test]
@@ -514,7 +679,7 @@ impl Rng {
 fn random_interleavings_keep_every_invariant() {
     for seed in 1..=40u64 {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ seed.wrapping_mul(0x2545_f491_4f6c_dd1d));
-        let mut t = Turns::new(CFG);
+        let mut t = Turns::new(CFG, LIVENESS);
         let mut now = MS;
         let mut next_token = 1u64;
         let mut granted: HashMap<u64, u64> = HashMap::new(); // token → start
@@ -566,7 +731,11 @@ fn random_interleavings_keep_every_invariant() {
                     match t.admit(now, &mut waiter) {
                         Step::Admit | Step::Opened => {
                             let Token::Held(h) = t.token() else {
-                                assert_eq!(t.token(), Token::Unthrottled, "seed {seed}");
+                                assert!(
+                                    matches!(t.token(), Token::Unthrottled | Token::Ungated),
+                                    "seed {seed}: {:?}",
+                                    t.token()
+                                );
                                 continue;
                             };
                             assert!(h.is_open(), "admitted outside an open turn: {h:?}");
@@ -577,7 +746,8 @@ fn random_interleavings_keep_every_invariant() {
                             }
                             launches += 1;
                         }
-                        Step::Ask => t.asked(rng.below(10) != 0),
+                        Step::Ask => t.asked(rng.below(10) != 0, now),
+                        Step::Ungated => assert_eq!(t.gate_deadline(), UNLIMITED),
                         Step::Refuse | Step::Wait { .. } => {}
                     }
                 }
@@ -636,16 +806,17 @@ fn random_interleavings_keep_every_invariant() {
                     }
                     2 => {
                         // A new connection: its scheduler's turns are new ones.
-                        t.connected();
+                        t.connected(now);
                         epoch = next_token;
                     }
+                    3..=5 => t.alive(now),
                     _ => {}
                 },
             }
             let d = t.gate_deadline();
             match t.token() {
                 Token::Held(h) if h.is_open() => assert_eq!(d, h.deadline_ns.max(1)),
-                Token::Unthrottled => assert_eq!(d, UNLIMITED),
+                Token::Unthrottled | Token::Ungated => assert_eq!(d, UNLIMITED),
                 other => assert_eq!(d, 0, "seed {seed}: {other:?}"),
             }
             for say in t.take_said() {

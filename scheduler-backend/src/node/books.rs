@@ -5,7 +5,9 @@
 //! so with [`Input::Persisted`](super::Input::Persisted)); whatever is sent to that connection
 //! meanwhile waits behind it, so each connection sees its replies in order. Only one write is
 //! in flight: changes made meanwhile go into the next. Changes nothing waits for (frees,
-//! departures) are written within [`FLUSH_EVERY`].
+//! departures) are written within [`FLUSH_EVERY`]. A write that fails releases what waited
+//! for it as well — a reservation's reply then says it is not journaled, and the hook follows
+//! `GPUSHARE_FAIL` — and the books are written again within [`FLUSH_EVERY`].
 //!
 //! Once a second the processes that hold memory, and those of the holdings restored from the
 //! journal (*ghosts*), are checked (off the event loop): what an exited process held is free
@@ -36,8 +38,9 @@ pub(super) struct Books {
     /// When changes nothing waits for are written.
     flush_at: Option<u64>,
     /// What is sent to connections waiting for a version to be on disk, in order (versions
-    /// never decrease).
-    held: VecDeque<(u64, ConnId, Effect)>,
+    /// never decrease); whether it is a reply that waits for its own reservation's write (the
+    /// rest waits behind one).
+    held: VecDeque<(u64, ConnId, Effect, bool)>,
     /// How many effects each connection has held.
     held_for: HashMap<ConnId, usize>,
     /// When the node started (the restored holdings' grace counts from there).
@@ -64,7 +67,7 @@ impl Books {
     pub fn route(&mut self, conn: ConnId, effect: Effect, out: &mut Vec<Effect>) {
         match self.held.back() {
             Some(&(version, ..)) if self.held_for.contains_key(&conn) => {
-                self.hold(version, conn, effect);
+                self.hold(version, conn, effect, false);
             }
             _ => out.push(effect),
         }
@@ -72,32 +75,48 @@ impl Books {
 
     /// Send `msg` to `conn` once the books as changed by the current input are on disk.
     pub fn after_persist(&mut self, conn: ConnId, msg: ServerMsg) {
-        self.hold(self.version + 1, conn, Effect::Send { conn, msg });
+        self.hold(self.version + 1, conn, Effect::Send { conn, msg }, true);
     }
 
-    fn hold(&mut self, version: u64, conn: ConnId, effect: Effect) {
+    fn hold(&mut self, version: u64, conn: ConnId, effect: Effect, reservation: bool) {
         *self.held_for.entry(conn).or_default() += 1;
-        self.held.push_back((version, conn, effect));
+        self.held.push_back((version, conn, effect, reservation));
     }
 
     /// `conn` is closed: what it had held goes.
     pub fn forget(&mut self, conn: ConnId) {
         if self.held_for.remove(&conn).is_some() {
-            self.held.retain(|(_, c, _)| *c != conn);
+            self.held.retain(|(_, c, ..)| *c != conn);
         }
     }
 
-    /// Version `seq` is on disk: release what waited for it.
-    fn persisted(&mut self, seq: u64, out: &mut Vec<Effect>) {
+    /// The write of version `seq` ended (`written`: on disk; else it failed): release what
+    /// waited for it, reservations' replies marked not journaled if it failed, and try again
+    /// within [`FLUSH_EVERY`].
+    fn persisted(&mut self, seq: u64, written: bool, now: u64, out: &mut Vec<Effect>) {
         if self.writing == Some(seq) {
             self.writing = None;
         }
-        self.persisted = self.persisted.max(seq);
+        if written {
+            self.persisted = self.persisted.max(seq);
+        } else {
+            self.flush_at
+                .get_or_insert(now.saturating_add(FLUSH_EVERY.as_nanos() as u64));
+        }
         while let Some(&(version, ..)) = self.held.front() {
-            if version > self.persisted {
+            if version > seq.max(self.persisted) {
                 break;
             }
-            let (_, conn, effect) = self.held.pop_front().expect("looked at");
+            let (_, conn, mut effect, reservation) = self.held.pop_front().expect("looked at");
+            if !written
+                && reservation
+                && let Effect::Send {
+                    msg: ServerMsg::Memory { journaled, .. },
+                    ..
+                } = &mut effect
+            {
+                *journaled = false;
+            }
             if let Some(n) = self.held_for.get_mut(&conn) {
                 *n -= 1;
                 if *n == 0 {
@@ -137,9 +156,9 @@ impl Node {
         }
     }
 
-    /// The journal's writer finished version `seq`.
-    pub(super) fn persisted(&mut self, seq: u64, _now: u64) {
-        self.books.persisted(seq, &mut self.effects);
+    /// The journal's writer finished version `seq` (`written`), or failed to.
+    pub(super) fn persisted(&mut self, seq: u64, written: bool, now: u64) {
+        self.books.persisted(seq, written, now, &mut self.effects);
     }
 
     /// Once a second: ask whether the processes holding memory, and those of the restored

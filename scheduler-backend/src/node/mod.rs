@@ -16,7 +16,10 @@
 //! write the books, which it does off the event loop and reports with [`Input::Persisted`].
 //! Everything sent to that connection after the held reply waits behind it, so a connection
 //! sees its replies in order. Frees and departures reach the file within
-//! [`books::FLUSH_EVERY`] (until then it overstates, the safe side).
+//! [`books::FLUSH_EVERY`] (until then it overstates, the safe side). A write that fails (the
+//! journal's file system full) releases what waited for it all the same, each reservation's
+//! reply saying that it is not journaled (the hook then follows `GPUSHARE_FAIL`), and is tried
+//! again within [`books::FLUSH_EVERY`].
 //!
 //! Tested like the policy: in virtual time, with scripted and random input sequences
 //! (`tests.rs`, `sim.rs`).
@@ -95,9 +98,10 @@ pub enum Input {
     /// Whether the processes of [`Effect::CheckProcesses`] still run (`None`: cannot tell,
     /// e.g. a process of another pid namespace).
     Liveness(Vec<(ProcessId, Option<bool>)>),
-    /// The books of [`Effect::Persist`] `seq` are on disk (or the write failed, which the
-    /// writer logged: the books in memory are still right).
-    Persisted { seq: u64 },
+    /// The write of the books of [`Effect::Persist`] `seq` ended: on disk (`written`), or it
+    /// failed (logged by the writer): the books in memory are still right, and the replies that
+    /// waited for the write go out saying the reservation is not journaled.
+    Persisted { seq: u64, written: bool },
     /// The checkpoint of [`Effect::SwapOut`] `swap` ended.
     SwappedOut {
         swap: u64,
@@ -248,7 +252,7 @@ impl Node {
             Input::Config(cfg) => self.reconfigure(*cfg, now),
             Input::Census(found) => self.census(found, now),
             Input::Liveness(alive) => self.liveness(alive, now),
-            Input::Persisted { seq } => self.persisted(seq, now),
+            Input::Persisted { seq, written } => self.persisted(seq, written, now),
             Input::SwappedOut { swap, outcome } => self.swapped_out(swap, outcome, now),
             Input::SwappedIn { swap, ok } => self.swapped_in(swap, ok, now),
         }

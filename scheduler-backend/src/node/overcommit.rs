@@ -199,6 +199,11 @@ impl Node {
         );
         let effects = s.core.request(now, id, ProcessId(client), i, bytes);
         self.carry_out(effects, now);
+        if self.overcommit.asks.contains_key(&id) {
+            // It waits: the process is told so at once, and for how long at most.
+            let max_wait_ns = self.overcommit.settings.params.max_wait_ns;
+            self.send(client, ServerMsg::MemWait { req, max_wait_ns });
+        }
         None
     }
 
@@ -300,6 +305,7 @@ impl Node {
                             granted: true,
                             cap: a.cap,
                             used,
+                            journaled: true,
                         };
                         self.books.after_persist(a.client, answer);
                     }
@@ -336,6 +342,7 @@ impl Node {
                             granted: false,
                             cap: a.cap,
                             used,
+                            journaled: true,
                         },
                     );
                 }

@@ -6,7 +6,8 @@
 //!
 //! - nothing is sent to a connection after it was closed, by either side;
 //! - a reply granting memory arrives only once a write of the books begun after the
-//!   reservation has finished, and replies arrive in the order they were asked for;
+//!   reservation has finished — written, or else the reply says it is not journaled — and
+//!   replies arrive in the order they were asked for;
 //! - the journal holds at least what every live process was told it holds;
 //! - once the world settles, every question asked was answered (or its asker refused), and
 //!   the books hold exactly what the tenants were told plus the restored holdings not yet
@@ -59,6 +60,9 @@ enum Asked {
         req: u64,
     },
     Status,
+    Probe {
+        gpu: GpuUuid,
+    },
 }
 
 /// A tenant process and its connection, as the world sees them.
@@ -96,6 +100,8 @@ pub struct Stats {
     pub restarts: u64,
     pub ghosts_restored: u64,
     pub freed_by_exit: u64,
+    /// Reservations granted while the journal could not be written.
+    pub unjournaled: u64,
 }
 
 pub struct World {
@@ -111,6 +117,10 @@ pub struct World {
     /// The journal: the holdings of the last write that finished, and when it was asked.
     pub journal: Vec<Holding>,
     journal_asked_at: u64,
+    /// The journal's file system is full: writes fail.
+    pub journal_full: bool,
+    /// When the last write that finished was asked, written or not.
+    write_asked_at: u64,
     /// What the holdings restored at the last start still hold, per process and GPU.
     ghosts: BTreeMap<(ProcessId, GpuUuid), (String, u64)>,
     pub published: Arc<Report>,
@@ -147,6 +157,8 @@ impl World {
             work: Vec::new(),
             journal: Vec::new(),
             journal_asked_at: 0,
+            journal_full: false,
+            write_asked_at: 0,
             ghosts: BTreeMap::new(),
             published: Arc::new(super::report::empty()),
             admin_replies: BTreeMap::new(),
@@ -221,11 +233,11 @@ impl World {
 
     /// What the node sent to `conn`, checked against what its tenant asked.
     fn receive(&mut self, conn: ConnId, msg: ServerMsg) {
-        let journal_asked_at = self.journal_asked_at;
+        let (journal_asked_at, write_asked_at) = (self.journal_asked_at, self.write_asked_at);
         let t = self.tenants.get_mut(&conn).expect("a known connection");
         assert!(!t.closed, "{msg:?} sent to conn {conn} after it was closed");
         match &msg {
-            ServerMsg::Welcome { group } => {
+            ServerMsg::Welcome { group, .. } => {
                 assert!(t.welcome.is_none(), "welcomed twice");
                 t.welcome = Some(group.clone());
                 self.stats.welcomed += 1;
@@ -242,6 +254,7 @@ impl World {
                 granted,
                 cap,
                 used,
+                journaled,
             } => {
                 let asked = t.asked.pop_front();
                 match asked {
@@ -254,23 +267,40 @@ impl World {
                         assert_eq!(*req, r, "replies in the order asked");
                         if *granted && bytes > 0 {
                             self.stats.grants += 1;
-                            assert!(
-                                journal_asked_at >= at,
-                                "reservation {r} of conn {conn} granted before the books that hold it were written"
-                            );
                             *t.held.entry(gpu).or_default() += bytes;
-                            *t.durable.entry(gpu).or_default() += bytes;
+                            if *journaled {
+                                assert!(
+                                    journal_asked_at >= at,
+                                    "reservation {r} of conn {conn} granted before the books that hold it were written"
+                                );
+                                *t.durable.entry(gpu).or_default() += bytes;
+                            } else {
+                                self.stats.unjournaled += 1;
+                                assert!(
+                                    write_asked_at >= at,
+                                    "reservation {r} of conn {conn} answered before a write of the books that hold it was tried"
+                                );
+                            }
+                        } else {
+                            assert!(journaled, "only grants may lack the journal: {msg:?}");
                         }
                         if *granted {
                             assert!(cap.is_none_or(|c| *used <= c), "{msg:?}");
                         }
                     }
-                    Some(Asked::Query { req: r }) => assert_eq!(*req, r, "replies in order"),
+                    Some(Asked::Query { req: r }) => {
+                        assert_eq!(*req, r, "replies in order");
+                        assert!(journaled, "a query holds nothing to journal: {msg:?}");
+                    }
                     other => panic!("{msg:?} answers {other:?}"),
                 }
             }
             ServerMsg::Status { .. } => {
                 assert_eq!(t.asked.pop_front(), Some(Asked::Status), "replies in order");
+            }
+            ServerMsg::Alive { gpu } if !t.refused => {
+                let asked = t.asked.pop_front();
+                assert_eq!(asked, Some(Asked::Probe { gpu: *gpu }), "replies in order");
             }
             _ => {}
         }
@@ -336,6 +366,7 @@ impl World {
             }),
             ClientMsg::MemQuery { req, .. } => t.asked.push_back(Asked::Query { req: *req }),
             ClientMsg::Status => t.asked.push_back(Asked::Status),
+            ClientMsg::Probe { gpu } => t.asked.push_back(Asked::Probe { gpu: *gpu }),
             _ => {}
         }
         t.unread.push_back(msg);
@@ -427,10 +458,14 @@ impl World {
                 holdings,
                 asked_at,
             } => {
-                self.journal = holdings;
-                self.journal_asked_at = asked_at;
-                self.check_journal();
-                Input::Persisted { seq }
+                self.write_asked_at = asked_at;
+                let written = !self.journal_full;
+                if written {
+                    self.journal = holdings;
+                    self.journal_asked_at = asked_at;
+                    self.check_journal();
+                }
+                Input::Persisted { seq, written }
             }
             Work::Check(processes) => {
                 let alive = |p: &ProcessId| {
@@ -684,6 +719,13 @@ pub enum Op {
     Status {
         who: u8,
     },
+    /// A tenant waiting for a turn asks whether the scheduler is there.
+    Probe {
+        who: u8,
+        gpu: u8,
+    },
+    /// The journal's file system fills up (writes fail from now on), or has room again.
+    JournalFull(bool),
     /// Something a well-behaved tenant would not send.
     Hostile {
         who: u8,
@@ -723,6 +765,8 @@ pub fn op() -> impl Strategy<Value = Op> {
         1 => (any::<u8>(), any::<u8>()).prop_map(|(who, gpu)| Op::Query { who, gpu }),
         1 => (any::<u8>(), any::<u8>()).prop_map(|(who, gpu)| Op::Sync { who, gpu }),
         1 => any::<u8>().prop_map(|who| Op::Status { who }),
+        1 => (any::<u8>(), any::<u8>()).prop_map(|(who, gpu)| Op::Probe { who, gpu }),
+        1 => any::<bool>().prop_map(Op::JournalFull),
         1 => (any::<u8>(), any::<u8>()).prop_map(|(who, what)| Op::Hostile { who, what }),
         1 => any::<u8>().prop_map(|who| Op::HangUp { who }),
         1 => any::<u8>().prop_map(|who| Op::Exit { who }),
@@ -829,6 +873,11 @@ impl World {
                 let Some(c) = self.pick(who) else { return };
                 self.send(c, ClientMsg::Status);
             }
+            Op::Probe { who, gpu } => {
+                let Some(c) = self.pick(who) else { return };
+                self.send(c, ClientMsg::Probe { gpu: gpu_of(gpu) });
+            }
+            Op::JournalFull(full) => self.journal_full = full,
             Op::Hostile { who, what } => {
                 let Some(c) = self.pick_among(who, true) else {
                     return;
@@ -947,7 +996,8 @@ proptest! {
 }
 
 /// The random lives above reach every path: grants, refusals, pods admitted, restarts with
-/// holdings restored, memory freed by an exit, connections closed by the node.
+/// holdings restored, memory freed by an exit, connections closed by the node, reservations
+/// granted while the journal could not be written.
 #[test]
 fn random_lives_reach_every_path() {
     use proptest::strategy::ValueTree;
@@ -972,6 +1022,7 @@ fn random_lives_reach_every_path() {
         total.restarts += s.restarts;
         total.ghosts_restored += s.ghosts_restored;
         total.freed_by_exit += s.freed_by_exit;
+        total.unjournaled += s.unjournaled;
     }
     eprintln!("{total:?}");
     assert!(total.grants > 200 && total.welcomed > 400, "{total:?}");
@@ -981,4 +1032,5 @@ fn random_lives_reach_every_path() {
         total.ghosts_restored > 0 && total.freed_by_exit > 0,
         "{total:?}"
     );
+    assert!(total.unjournaled > 0, "{total:?}");
 }

@@ -95,9 +95,20 @@ impl Node {
             Err(message) => return Greeting::Refused(message),
         }
         match self.hello(conn, peer, *version, declared.clone()) {
-            Ok(group) => Greeting::Admitted(ServerMsg::Welcome { group }),
+            Ok(group) => Greeting::Admitted(ServerMsg::Welcome {
+                group,
+                liveness_ns: self.liveness_ns(),
+            }),
             Err(message) => Greeting::Refused(message),
         }
+    }
+
+    /// How soon this scheduler answers a question while it is well, as promised to each hook
+    /// in its `Welcome`: a quota plus the grace, as long as it waits itself for a holder's
+    /// report past a turn's end (the hook probes when it has heard nothing for half of it).
+    fn liveness_ns(&self) -> u64 {
+        let p = &self.config.policy;
+        p.quota_ns.saturating_add(p.grace_ns)
     }
 
     /// Register `conn` as a client and find its group. Errors are messages for the user.
@@ -221,6 +232,7 @@ impl Node {
                         granted: true,
                         cap: u.cap,
                         used: u.used,
+                        journaled: true,
                     };
                     self.send(id, answer);
                 }
@@ -232,6 +244,9 @@ impl Node {
             ClientMsg::MemTotal { gpu, bytes } => self.gpu_memory(gpu, bytes, now),
             ClientMsg::MemSync { gpu, bytes } => {
                 if let Some(group) = self.group_of(id, now) {
+                    if bytes > 0 {
+                        self.policy_for(gpu); // so `gpushare status` shows the GPU
+                    }
                     self.memory.sync(id, &group, gpu, bytes);
                     self.restate_physical(id, &group, gpu, bytes, now);
                 }
@@ -240,6 +255,7 @@ impl Node {
                 let report = self.fresh_report(now);
                 self.send(id, ServerMsg::Status { report });
             }
+            ClientMsg::Probe { gpu } => self.send(id, ServerMsg::Alive { gpu }),
         }
     }
 
@@ -292,6 +308,7 @@ impl Node {
             granted: u.granted,
             cap: u.cap,
             used: u.used,
+            journaled: true,
         };
         if u.granted && bytes > 0 {
             // Within the cap; under overcommit, the memory must be on the GPU too.

@@ -123,6 +123,100 @@ fn frees_and_departures_reach_the_journal_within_the_flush_period() {
     assert!(w.journal.is_empty());
 }
 
+/// The journal's file system full: a granted reservation is answered all the same, saying it is
+/// not journaled (the hook then follows `GPUSHARE_FAIL`), and the books are written again
+/// within the flush period, after which grants are journaled again.
+#[test]
+fn a_full_journal_answers_grants_as_not_journaled_and_is_tried_again() {
+    let mut w = World::new(CONFIG, false);
+    let c = client_a(&mut w);
+    w.journal_full = true;
+    let req = reserve(&mut w, c, 100);
+    assert!(!matches!(last(&w, c), Some(ServerMsg::Memory { .. })));
+    w.complete_all();
+    assert!(
+        matches!(last(&w, c), Some(ServerMsg::Memory { req: r, granted: true, journaled: false, used, .. }) if *r == req && *used == 100 * MIB),
+        "{:?}",
+        last(&w, c)
+    );
+    assert!(w.journal.is_empty());
+    reserve(&mut w, c, 2048);
+    assert!(
+        matches!(
+            last(&w, c),
+            Some(ServerMsg::Memory {
+                granted: false,
+                journaled: true,
+                ..
+            })
+        ),
+        "a refusal holds nothing to journal"
+    );
+    w.journal_full = false;
+    w.advance(FLUSH_EVERY.as_nanos() as u64 - 1);
+    assert_eq!(persists(&w), 0);
+    w.advance(1);
+    assert_eq!(persists(&w), 1, "tried again within the flush period");
+    w.complete_all();
+    assert_eq!(w.journal.len(), 1, "on disk now");
+    let req = reserve(&mut w, c, 10);
+    w.complete_all();
+    assert!(
+        matches!(last(&w, c), Some(ServerMsg::Memory { req: r, journaled: true, .. }) if *r == req)
+    );
+    w.settle();
+    w.check_settled();
+}
+
+/// A holding stated by a process that neither reserved nor asked for a turn on this connection
+/// (it reconnected, or allocated alone while the node did not answer) is in the report.
+#[test]
+fn a_stated_holding_is_reported() {
+    let mut w = World::new(CONFIG, false);
+    let c = client_a(&mut w);
+    w.send(
+        c,
+        ClientMsg::MemSync {
+            gpu: GPU,
+            bytes: 100 * MIB,
+        },
+    );
+    w.send(c, ClientMsg::Status);
+    let Some(ServerMsg::Status { report }) = last(&w, c) else {
+        panic!("no report: {:?}", last(&w, c))
+    };
+    let used: u64 = (report.gpus.iter())
+        .flat_map(|g| &g.groups)
+        .filter(|g| g.name == "a")
+        .map(|g| g.memory_used)
+        .sum();
+    assert_eq!(used, 100 * MIB, "{report:?}");
+}
+
+/// A probe is answered at once, in order behind what its connection waits for.
+#[test]
+fn a_probe_is_answered_at_once_in_order() {
+    let mut w = World::new(CONFIG, false);
+    let c = client_a(&mut w);
+    w.send(c, ClientMsg::Probe { gpu: GPU });
+    assert_eq!(last(&w, c), Some(&ServerMsg::Alive { gpu: GPU }));
+    let req = reserve(&mut w, c, 100);
+    let before = w.tenants[&c].received.len();
+    w.send(c, ClientMsg::Probe { gpu: GPU });
+    assert_eq!(
+        w.tenants[&c].received.len(),
+        before,
+        "not before the grant it follows"
+    );
+    w.complete_all();
+    let n = w.tenants[&c].received.len();
+    assert!(
+        matches!(&w.tenants[&c].received[n - 2..], [ServerMsg::Memory { req: r, .. }, ServerMsg::Alive { .. }] if *r == req)
+    );
+    w.settle();
+    w.check_settled();
+}
+
 #[test]
 fn a_restarted_node_counts_the_journaled_holdings_until_their_process_restates_them() {
     let mut w = World::new(CONFIG, false);
@@ -512,6 +606,7 @@ fn client_msgs() -> Vec<ClientMsg> {
             gpu: GPU,
             bytes: 1 << 20,
         },
+        ClientMsg::Probe { gpu: GPU },
     ]
 }
 
@@ -574,7 +669,10 @@ fn hostile_client_streams_are_handled_without_panicking() {
         node.handle(Input::Message { conn, msg }, now);
         for e in node.take_effects() {
             match e {
-                Effect::Persist { seq, .. } => node.handle(Input::Persisted { seq }, now),
+                Effect::Persist { seq, .. } => {
+                    let written = seq % 3 != 0;
+                    node.handle(Input::Persisted { seq, written }, now)
+                }
                 Effect::Close { .. } => {
                     // Refused: the next messages come from a new connection.
                     conn += 1;
