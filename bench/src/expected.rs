@@ -1,13 +1,14 @@
-//! Expected (target) shares: the benchmark's own reading of DESIGN §2, written independently of
+//! Expected (target) shares: the benchmark's own reading of the share rules
+//! (docs/scheduling.md#targets, #caps), written independently of
 //! the scheduler's policy code, so that the system under test does not grade itself.
 //!
 //! Per GPU, over a window in which each tenant needs `demand` of the GPU:
-//! 1. a tenant's cap is `min(limit, demand)` (§2.2 hard cap; §2.5 a tenant needing less than its
-//!    target gets what it needs, the rest goes to the others);
+//! 1. a tenant's cap is `min(limit, demand)` (the hard cap; a tenant needing less than its target
+//!    gets what it needs, the rest goes to the others);
 //! 2. each tenant is guaranteed `min(request, cap)`, all scaled down together when these sum to
-//!    more than 1 (§2.1);
+//!    more than 1;
 //! 3. the rest of the GPU is split by weight among the tenants below their cap, a tenant reaching
-//!    its cap passing what it cannot take on to the others, again by weight (§2.3); when every
+//!    its cap passing what it cannot take on to the others, again by weight; when every
 //!    tenant is at its cap the rest stays idle.
 //!
 //! The computation is progressive filling: raise the level of every tenant still below its cap

@@ -8,7 +8,7 @@
 //!
 //! Modules, one job each:
 //! - [`scenario`]: scenario files; [`expected`]: target shares (the benchmark's own
-//!   water-filling of DESIGN §2, independent of the scheduler's code);
+//!   water-filling of the shares, independent of the scheduler's code);
 //! - [`run`]: one run of a scenario's tenants on a node; [`alone`]: tenants alone;
 //!   [`overhead`]: launch overhead; [`noise`]: the noisy-host mode;
 //! - [`analysis`]: figures from kernel records; [`client`]: what the tenants report;

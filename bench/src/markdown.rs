@@ -39,7 +39,7 @@ pub fn render(r: &Report) -> String {
         o,
         "# gpushare benchmark{}{}\n\nGPU: {}. Every scenario ran {} time(s) with gpushare{}; each figure is the median over \
          the runs with [min–max]. Shares are busy time per {} s window after {} s warm-up, from the {}. \
-         Targets are the benchmark's own water-filling of DESIGN §2 (not the scheduler's code), each \
+         Targets are the benchmark's own water-filling of the shares (not the scheduler's code), each \
          tenant's demand as a cap (a latency tenant's: the work of the requests that arrived in the window). \
          \"native\" = same tenants without gpushare (the device's own time-slicing).\n",
         if r.quick { " (--quick)" } else { "" },

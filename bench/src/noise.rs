@@ -15,10 +15,10 @@
 //! `--noise-seed` and the run's label ([`run_seed`]), so a run's stalls do not depend on which
 //! runs came before it.
 //!
-//! A stopped process is always continued: at the end of its stall, when the session stops or is
-//! dropped (error and panic paths), and, if the benchmark is interrupted (`SIGINT`, `SIGTERM`,
-//! `SIGHUP`), by a signal handler before the benchmark dies. Hogs are killed with the session
-//! and die with the benchmark (`PR_SET_PDEATHSIG`). Signals go through pidfds, so a process
+//! A stopped process is always continued: at the end of its stall, when the disturbance stops or
+//! is dropped (error and panic paths), and, if the benchmark is interrupted (`SIGINT`,
+//! `SIGTERM`, `SIGHUP`), by a signal handler before the benchmark dies. Hogs are killed with the
+//! disturbance and die with the benchmark (`PR_SET_PDEATHSIG`). Signals go through pidfds, so a process
 //! that has exited and been reaped is never confused with a new one with the same pid.
 
 use serde::{Deserialize, Serialize};
@@ -229,7 +229,7 @@ unsafe fn pidfd_send_signal(fd: libc::c_int, sig: libc::c_int) -> libc::c_long {
 
 /// A process that may be stalled, held by a pidfd.
 struct Victim {
-    /// `None`: it had already exited when the session started.
+    /// `None`: it had already exited when the disturbance started.
     pidfd: Option<OwnedFd>,
 }
 
@@ -294,7 +294,7 @@ fn stall_loop(schedule: StallSchedule, victims: Vec<Victim>, stop: mpsc::Receive
 }
 
 /// The noise of one run: started with its processes known, stopped when they have finished.
-pub struct NoiseSession {
+pub struct Disturbance {
     seed: u64,
     names: Vec<String>,
     hogs: Vec<Child>,
@@ -302,7 +302,7 @@ pub struct NoiseSession {
     stalls: Option<JoinHandle<Tally>>,
 }
 
-impl NoiseSession {
+impl Disturbance {
     /// Start `params.hogs` hogs (`hog()` builds each one's command) and the stalls of `victims`
     /// (name, pid) from `seed`.
     pub fn start(
@@ -310,9 +310,9 @@ impl NoiseSession {
         seed: u64,
         victims: &[(String, u32)],
         hog: impl Fn() -> Command,
-    ) -> std::io::Result<NoiseSession> {
+    ) -> std::io::Result<Disturbance> {
         install_signal_handlers();
-        let mut session = NoiseSession {
+        let mut disturbance = Disturbance {
             seed,
             names: victims.iter().map(|(n, _)| n.clone()).collect(),
             hogs: Vec::new(),
@@ -322,20 +322,20 @@ impl NoiseSession {
         for _ in 0..params.hogs {
             let mut c = hog();
             c.stdin(Stdio::null()).stdout(Stdio::null());
-            session.hogs.push(c.spawn()?);
+            disturbance.hogs.push(c.spawn()?);
         }
         if !victims.is_empty() {
             let schedule = StallSchedule::new(seed, params, victims.len());
             let open: Vec<Victim> = victims.iter().map(|(_, pid)| Victim::open(*pid)).collect();
             let (tx, rx) = mpsc::channel();
-            session.stop = Some(tx);
-            session.stalls = Some(
+            disturbance.stop = Some(tx);
+            disturbance.stalls = Some(
                 std::thread::Builder::new()
                     .name("noise-stalls".into())
                     .spawn(move || stall_loop(schedule, open, rx))?,
             );
         }
-        Ok(session)
+        Ok(disturbance)
     }
 
     /// Pids of the hogs.
@@ -376,7 +376,7 @@ impl NoiseSession {
     }
 }
 
-impl Drop for NoiseSession {
+impl Drop for Disturbance {
     fn drop(&mut self) {
         self.end();
     }
@@ -494,7 +494,7 @@ mod tests {
         let mut b = sleeper();
         let victims = [("a".to_string(), a.id()), ("b".to_string(), b.id())];
         let p = params(2.0, 0.5, 1.0);
-        let s = NoiseSession::start(&p, 3, &victims, || {
+        let s = Disturbance::start(&p, 3, &victims, || {
             let mut c = Command::new("sleep");
             c.arg("60");
             c
@@ -533,7 +533,7 @@ mod tests {
         let pid = v.id();
         // Long stalls, at once: the victim is stopped when the run "fails".
         let p = params(0.1, 10_000.0, 10_000.0);
-        let s = NoiseSession::start(&p, 1, &[("v".into(), pid)], || {
+        let s = Disturbance::start(&p, 1, &[("v".into(), pid)], || {
             let mut c = Command::new("sleep");
             c.arg("60");
             c
@@ -541,7 +541,7 @@ mod tests {
         .unwrap();
         let hog = s.hog_pids()[0];
         let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-            let _session = s;
+            let _disturbance = s;
             wait_state(pid, 'T');
             panic!("the run failed");
         }));

@@ -58,8 +58,8 @@ pub fn measure_launch_overhead(pairs: usize, s: &Settings) -> anyhow::Result<Lau
     // resolves (the hook's wrapper when preloaded) and the driver's own entry point: the ratio
     // compares the two under the same conditions. Native processes are the control (both
     // routes are the driver: ratio 1 up to the method's noise) and, against the hooked
-    // processes, the comparison of separate runs, alternating so that drifts of this (shared,
-    // 2-core) machine hit both alike.
+    // processes, the comparison of separate runs, alternating so that drifts of a shared machine hit
+    // both alike.
     let mut runs = Vec::new();
     for _ in 0..pairs {
         let mut c = node.command(&client);

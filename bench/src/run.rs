@@ -5,7 +5,7 @@ use crate::analysis::{RunFigures, analyse};
 use crate::client::ClientResult;
 use crate::cpu;
 use crate::expected;
-use crate::noise::{self, NoiseRecord, NoiseSession};
+use crate::noise::{self, Disturbance, NoiseRecord};
 use crate::report::{FLOOD_SAMPLE_MS, FloodRun, round};
 use crate::scenario::Scenario;
 use crate::settings::{Settings, Source};
@@ -138,7 +138,7 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
             victims.extend(node.scheduler_pid().map(|p| ("scheduler".to_string(), p)));
             let seed = noise::run_seed(params.seed, spec.label);
             Some(
-                NoiseSession::start(&params, seed, &victims, noise::hog_command)
+                Disturbance::start(&params, seed, &victims, noise::hog_command)
                     .context("cannot start the noisy-host mode's hog or stall thread")?,
             )
         }
@@ -164,7 +164,7 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         }
         outputs.push(ClientResult::last_in(&out.stdout));
     }
-    let noise = noise.map(NoiseSession::stop);
+    let noise = noise.map(Disturbance::stop);
     let flood = flooded.map(|(flood, watch)| flood_run(watch.stop(), flood));
     if let Some(f) = &flood
         && !f.status_failures.is_empty()

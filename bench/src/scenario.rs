@@ -198,7 +198,7 @@ impl Scenario {
     }
 
     /// The hand-written `expect` of each tenant against the bench's water-filling
-    /// ([`expected::targets`]) at nominal demand: two independent readings of DESIGN §2.
+    /// ([`expected::targets`]) at nominal demand: two independent readings of the share rules.
     fn check_expectations(&self) -> anyhow::Result<()> {
         let targets = expected::targets(self, |i| self.tenants[i].demand());
         for (t, target) in self.tenants.iter().zip(targets) {
@@ -206,7 +206,7 @@ impl Scenario {
                 && (e - target).abs() > EXPECT_TOLERANCE
             {
                 bail!(
-                    "tenant {}: expect = {e} but DESIGN §2 water-filling gives {target:.4}; \
+                    "tenant {}: expect = {e} but the bench's water-filling gives {target:.4}; \
                      correct the expectation (or the tenant's request/limit/weight)",
                     t.name
                 );

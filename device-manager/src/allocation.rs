@@ -7,10 +7,15 @@
 //! go to the GPU the scheduler measured as least loaded (GPU time and memory actually used,
 //! not what was requested: requests over-provision). More than one GPU's units must be whole
 //! GPUs.
+//!
+//! When the scheduler extender chose the GPU (the pod's `gpushare.io/gpu` annotation), the
+//! units come from that GPU ([`recorded_choice`], [`preferred_on`]); the manager's own choice
+//! is the fallback when there is no such annotation or it cannot be followed.
 
 use crate::injection::Injection;
 use crate::inventory::parse_device_id;
 use crate::proto::deviceplugin::{CdiDevice, ContainerAllocateResponse, Mount};
+use crate::reconcile::{Assignment, PodView};
 use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -104,6 +109,92 @@ pub fn preferred(
         .iter()
         .flat_map(|g| (0..units_per_gpu).map(move |u| crate::inventory::device_id(g, u)))
         .collect())
+}
+
+/// The annotation in which the scheduler extender records the GPU(s) it chose for a pod.
+pub const CHOSEN_GPU: &str = "gpushare.io/gpu";
+
+/// The GPU(s) recorded for the container a preferred-allocation request of `size` units is
+/// for. The request does not name its pod, but the kubelet admits one pod at a time, oldest
+/// first: it is the oldest pod of the node with the annotation and a container asking `size`
+/// units that holds none yet.
+pub fn recorded_choice(
+    pods: &[PodView],
+    assigned: &[Assignment],
+    size: usize,
+) -> Option<Vec<String>> {
+    pods.iter()
+        .filter(|p| {
+            p.units.iter().any(|(c, u)| {
+                *u as usize == size
+                    && !assigned
+                        .iter()
+                        .any(|a| a.namespace == p.namespace && a.pod == p.name && &a.container == c)
+            })
+        })
+        .filter_map(|p| {
+            let gpus: Vec<String> = p
+                .annotations
+                .get(CHOSEN_GPU)?
+                .split(',')
+                .map(|g| g.trim().to_string())
+                .filter(|g| !g.is_empty())
+                .collect();
+            (!gpus.is_empty()).then_some((p.created, &p.name, gpus))
+        })
+        .min_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
+        .map(|(_, _, gpus)| gpus)
+}
+
+/// `size` units of the chosen GPU(s) out of `available` (with `must_include`), if they are
+/// there: up to one GPU's worth from the one chosen GPU, or the chosen whole GPUs.
+pub fn preferred_on(
+    chosen: &[String],
+    available: &[String],
+    must_include: &[String],
+    size: usize,
+    units_per_gpu: u32,
+) -> Option<Vec<String>> {
+    let per_gpu = units_per_gpu as usize;
+    let on = |gpu: &str| -> Vec<String> {
+        must_include
+            .iter()
+            .chain(available)
+            .filter(|id| parse_device_id(id).is_some_and(|(g, _)| g == gpu))
+            .fold(Vec::new(), |mut v, id| {
+                if !v.contains(id) {
+                    v.push(id.clone());
+                }
+                v
+            })
+    };
+    let outside = |gpus: &[String]| {
+        must_include
+            .iter()
+            .any(|id| parse_device_id(id).is_none_or(|(g, _)| !gpus.iter().any(|c| c == g)))
+    };
+    if outside(chosen) {
+        return None;
+    }
+    if size <= per_gpu {
+        let [gpu] = chosen else {
+            return None;
+        };
+        let units = on(gpu);
+        return (units.len() >= size).then(|| units.into_iter().take(size).collect());
+    }
+    if chosen.len() * per_gpu != size {
+        return None;
+    }
+    let mut all = Vec::new();
+    for gpu in chosen {
+        let units = on(gpu);
+        if units.len() != per_gpu {
+            return None;
+        }
+        all.extend(units);
+    }
+    Some(all)
 }
 
 fn whole_gpus_check(size: usize, units_per_gpu: u32) -> Result<(), String> {
@@ -291,6 +382,68 @@ mod tests {
             r.mounts
                 .iter()
                 .any(|m| m.container_path == "/etc/ld.so.preload" && m.read_only)
+        );
+    }
+
+    fn view(name: &str, created: i64, units: u32, chosen: Option<&str>) -> PodView {
+        PodView {
+            uid: format!("uid-{name}"),
+            namespace: "ns".into(),
+            name: name.into(),
+            annotations: chosen
+                .map(|g| BTreeMap::from([(CHOSEN_GPU.to_string(), g.to_string())]))
+                .unwrap_or_default(),
+            container_ids: BTreeMap::new(),
+            units: BTreeMap::from([("main".to_string(), units)]),
+            created,
+            claims: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn the_recorded_gpu_is_that_of_the_oldest_pod_waiting_for_units_of_that_size() {
+        let pods = vec![
+            view("late", 20, 30, Some(B)),
+            view("early", 10, 30, Some(A)),
+            view("other-size", 5, 50, Some(B)),
+            view("no-choice", 1, 30, None),
+        ];
+        assert_eq!(recorded_choice(&pods, &[], 30), Some(vec![A.to_string()]));
+        let done = Assignment {
+            namespace: "ns".into(),
+            pod: "early".into(),
+            container: "main".into(),
+            device_ids: ids(A, 0..30),
+        };
+        assert_eq!(
+            recorded_choice(&pods, &[done], 30),
+            Some(vec![B.to_string()])
+        );
+        assert_eq!(recorded_choice(&pods, &[], 70), None);
+    }
+
+    #[test]
+    fn units_come_from_the_recorded_gpu_when_it_has_them() {
+        // A has 40 free units, B 100: binpack alone would take A; the extender chose B.
+        let avail: Vec<String> = ids(A, 60..100).into_iter().chain(ids(B, 0..100)).collect();
+        let got = preferred_on(&[B.to_string()], &avail, &[], 30, 100).unwrap();
+        assert_eq!(gpu_of(&got), BTreeSet::from([B]));
+        assert_eq!(got.len(), 30);
+        // Chosen A for 50 units: A lacks them, so the manager falls back to its own choice.
+        assert_eq!(preferred_on(&[A.to_string()], &avail, &[], 50, 100), None);
+        // A unit the kubelet must include on another GPU contradicts the choice.
+        assert_eq!(
+            preferred_on(&[B.to_string()], &avail, &[device_id(A, 99)], 30, 100),
+            None
+        );
+        // Whole GPUs: exactly the chosen ones, free.
+        let two: Vec<String> = ids(A, 0..100).into_iter().chain(ids(B, 0..100)).collect();
+        let got = preferred_on(&[A.to_string(), B.to_string()], &two, &[], 200, 100).unwrap();
+        assert_eq!(got.len(), 200);
+        assert_eq!(preferred_on(&[A.to_string()], &two, &[], 200, 100), None);
+        assert_eq!(
+            preferred_on(&["GPU-unknown".to_string()], &two, &[], 30, 100),
+            None
         );
     }
 

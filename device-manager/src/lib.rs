@@ -1,5 +1,6 @@
 //! The Kubernetes node agents of gpushare: `gpushare-device-manager`, the device
-//! plugin, and `gpushare-dra`, the Dynamic Resource Allocation driver.
+//! plugin (docs/kubernetes.md), and `gpushare-dra`, the Dynamic Resource Allocation driver
+//! (docs/dra.md).
 //!
 //! Shared by both: the settings, start and GPU watch ([`agent`]; GPUs from the CUDA driver,
 //! [`discovery`], [`inventory`]), what a container gets ([`injection`], the hook from a

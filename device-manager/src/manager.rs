@@ -60,6 +60,10 @@ pub struct Shared {
     /// Something changed that the reconcile loop should look at.
     poke: Notify,
     metrics: Arc<Mutex<Metrics>>,
+    /// The node's pods (the pod watch's store).
+    pods: Arc<Mutex<PodStore>>,
+    /// The last assignments read from PodResources.
+    assigned: Mutex<Vec<Assignment>>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -77,6 +81,23 @@ impl Shared {
                 me.poke.notify_one();
             }
         });
+    }
+
+    /// The GPU(s) the scheduler extender recorded for the container a preferred allocation of
+    /// `size` units is for (see [`crate::allocation::recorded_choice`]). PodResources is read
+    /// afresh, as the previous pod's units were assigned just before this request.
+    pub async fn recorded_choice(&self, size: usize) -> Option<Vec<String>> {
+        let fresh = tokio::time::timeout(
+            Duration::from_secs(1),
+            crate::podresources::list(&self.opts.pod_resources_socket),
+        )
+        .await;
+        let assigned = match fresh {
+            Ok(Ok(a)) => a,
+            _ => locked(&self.assigned).clone(),
+        };
+        let pods: Vec<_> = locked(&self.pods).pods.values().cloned().collect();
+        crate::allocation::recorded_choice(&pods, &assigned, size)
     }
 
     pub fn registered(&self, took: Duration) {
@@ -117,6 +138,11 @@ impl Shared {
             .collect();
         {
             let mut m = locked(&self.metrics);
+            m.memory = gpus
+                .seen
+                .iter()
+                .map(|(g, _)| (g.uuid.clone(), g.memory))
+                .collect();
             m.allocatable = gpus
                 .seen
                 .iter()
@@ -141,6 +167,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let first = crate::agent::first_gpus(&exe, opts.agent.health_interval).await;
     let metrics = Arc::new(Mutex::new(Metrics::default()));
+    let store = Arc::new(Mutex::new(PodStore::default()));
     let shared = Arc::new(Shared {
         admin: Arc::new(Mutex::new(AdminLink::new(
             opts.agent.scheduler_socket.clone(),
@@ -152,6 +179,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         gpus: Mutex::new(Gpus::default()),
         poke: Notify::new(),
         metrics: metrics.clone(),
+        pods: store.clone(),
+        assigned: Mutex::new(Vec::new()),
     });
     shared.set_found(Ok(first));
     if let Some(addr) = shared.opts.metrics {
@@ -167,7 +196,6 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         move |found| s.set_found(found),
     ));
     tokio::spawn(crate::kubelet::run(shared.clone()));
-    let store = Arc::new(Mutex::new(PodStore::default()));
     let client = match crate::podwatch::client(shared.opts.agent.kubeconfig.as_deref()).await {
         Ok(c) => {
             let changed = Arc::new(Notify::new());
@@ -217,6 +245,7 @@ async fn reconcile_loop(
                     pr_failing = false;
                 }
                 locked(&shared.metrics).allocated = reconcile::allocated_units(&a);
+                *locked(&shared.assigned) = a.clone();
                 assignments = Some(a);
             }
             Err(e) => {

@@ -1,5 +1,5 @@
 //! The manager's Prometheus metrics (`--metrics ADDR`, any path): allocatable and allocated
-//! units per GPU (DCGM-style `gpu` and `UUID` labels), annotation errors per pod, and kubelet
+//! units and memory per GPU (DCGM-style `gpu` and `UUID` labels), annotation errors per pod, and kubelet
 //! registrations.
 
 use std::collections::BTreeMap;
@@ -13,6 +13,8 @@ pub struct Metrics {
     pub allocatable: BTreeMap<String, (usize, u32)>,
     /// Per GPU UUID: units the kubelet assigned to containers.
     pub allocated: BTreeMap<String, u32>,
+    /// Per GPU UUID: its memory in bytes.
+    pub memory: BTreeMap<String, u64>,
     /// Per (namespace, pod, annotation): invalid values seen.
     pub annotation_errors: BTreeMap<(String, String, String), u64>,
     pub registrations: u64,
@@ -55,6 +57,21 @@ impl Metrics {
                 "gpushare_device_manager_allocated_units{{gpu=\"{i}\",UUID=\"{}\"}} {units}",
                 label(uuid)
             );
+        }
+        family(
+            &mut out,
+            "gpushare_device_manager_gpu_memory_bytes",
+            "gauge",
+            "Memory of each GPU (for placement by the scheduler extender).",
+        );
+        for (uuid, (i, _)) in &self.allocatable {
+            if let Some(bytes) = self.memory.get(uuid) {
+                let _ = writeln!(
+                    out,
+                    "gpushare_device_manager_gpu_memory_bytes{{gpu=\"{i}\",UUID=\"{}\"}} {bytes}",
+                    label(uuid)
+                );
+            }
         }
         family(
             &mut out,
@@ -117,6 +134,7 @@ mod tests {
         let mut m = Metrics::default();
         m.allocatable.insert("GPU-a".into(), (0, 100));
         m.allocated.insert("GPU-a".into(), 30);
+        m.memory.insert("GPU-a".into(), 8 << 30);
         m.annotation_errors
             .insert(("ns".into(), "p".into(), "gpushare.io/gpu-limit".into()), 2);
         let t = m.render();
@@ -124,6 +142,9 @@ mod tests {
             t.contains("gpushare_device_manager_allocatable_units{gpu=\"0\",UUID=\"GPU-a\"} 100")
         );
         assert!(t.contains("gpushare_device_manager_allocated_units{gpu=\"0\",UUID=\"GPU-a\"} 30"));
+        assert!(t.contains(
+            "gpushare_device_manager_gpu_memory_bytes{gpu=\"0\",UUID=\"GPU-a\"} 8589934592"
+        ));
         assert!(t.contains(
             "gpushare_annotation_errors_total{namespace=\"ns\",pod=\"p\",annotation=\"gpushare.io/gpu-limit\"} 2"
         ));

@@ -61,15 +61,36 @@ impl DevicePlugin for PluginService {
         let opts = &self.shared.opts;
         let mut container_responses = Vec::new();
         for c in req.into_inner().container_requests {
-            let ids = allocation::preferred(
-                &c.available_device_i_ds,
-                &c.must_include_device_i_ds,
-                usize::try_from(c.allocation_size).unwrap_or(0),
-                opts.agent.units_per_gpu,
-                opts.placement,
-                &load,
-            )
-            .map_err(Status::invalid_argument)?;
+            let size = usize::try_from(c.allocation_size).unwrap_or(0);
+            let chosen = self.shared.recorded_choice(size).await;
+            let on_chosen = chosen.as_ref().and_then(|gpus| {
+                let ids = allocation::preferred_on(
+                    gpus,
+                    &c.available_device_i_ds,
+                    &c.must_include_device_i_ds,
+                    size,
+                    opts.agent.units_per_gpu,
+                );
+                if ids.is_none() {
+                    tracing::warn!(
+                        "the GPU the scheduler extender chose ({}) lacks {size} free units here: choosing another",
+                        gpus.join(",")
+                    );
+                }
+                ids
+            });
+            let ids = match on_chosen {
+                Some(ids) => ids,
+                None => allocation::preferred(
+                    &c.available_device_i_ds,
+                    &c.must_include_device_i_ds,
+                    size,
+                    opts.agent.units_per_gpu,
+                    opts.placement,
+                    &load,
+                )
+                .map_err(Status::invalid_argument)?,
+            };
             container_responses.push(ContainerPreferredAllocationResponse { device_i_ds: ids });
         }
         Ok(Response::new(PreferredAllocationResponse {

@@ -73,12 +73,28 @@ pub fn view(p: &Pod) -> Option<PodView> {
             Some((c.name.clone(), id.to_string()))
         })
         .collect();
+    let units = p
+        .spec
+        .iter()
+        .flat_map(|s| &s.containers)
+        .filter_map(|c| {
+            let q = c
+                .resources
+                .as_ref()?
+                .limits
+                .as_ref()?
+                .get(crate::inventory::RESOURCE)?;
+            Some((c.name.clone(), q.0.trim().parse().ok()?))
+        })
+        .collect();
     Some(PodView {
         uid: m.uid.clone()?,
         namespace: m.namespace.clone()?,
         name: m.name.clone()?,
         annotations: m.annotations.clone().unwrap_or_default(),
         container_ids,
+        units,
+        created: m.creation_timestamp.as_ref().map_or(0, |t| t.0.as_second()),
         claims: claims(p),
     })
 }

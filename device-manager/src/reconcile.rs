@@ -19,6 +19,11 @@ pub struct PodView {
     pub annotations: BTreeMap<String, String>,
     /// Container name → ID (without the `containerd://` prefix), once running.
     pub container_ids: BTreeMap<String, String>,
+    /// Container name → units of our resource it asks for (containers asking for some).
+    pub units: BTreeMap<String, u32>,
+    /// `metadata.creationTimestamp`, seconds since the epoch: the kubelet admits pods in this
+    /// order.
+    pub created: i64,
     /// Container name → the names of the ResourceClaims (of the pod's namespace) it uses,
     /// once known (a claim made from a template is named in the pod's status).
     pub claims: BTreeMap<String, Vec<String>>,
@@ -262,6 +267,8 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             container_ids: BTreeMap::new(),
+            units: BTreeMap::new(),
+            created: 0,
             claims: BTreeMap::new(),
         }
     }

@@ -792,27 +792,24 @@ mod tests {
         assert_eq!(d.lock().done, 3, "one drain covers the earlier ones");
     }
 
-    /// The fast path's cost, printed: an in-progress count and a deadline load, and on return
-    /// a launch count. (The figure for the whole hook is measured end to end
-    /// against the bare simulator by the isolation tests and the benchmark.)
+    /// The fast path admits launches while the turn is open and counts each (an in-progress
+    /// count and a deadline load going in, a launch count coming out), and sends a launch to the
+    /// slow path without a turn or once the turn was given back. Its cost is measured end to end
+    /// by `gpushare-bench` (launch overhead), not here.
     #[test]
-    fn fast_path_admits_while_the_turn_is_open_and_costs_little() {
+    fn fast_path_admits_while_the_turn_is_open() {
         let closed = Gate::new([0; 16], CFG, LIVENESS, 10_000_000, port());
         assert!(!closed.try_enter(), "no turn: slow path");
         let gate = holding(1);
         gate.next_pace.store(u64::MAX, Ordering::Relaxed);
-        let n = 2_000_000u64;
-        let t0 = crate::now_ns();
+        let n = 100_000u64;
         for _ in 0..n {
             assert!(gate.try_enter());
             gate.leave(None);
         }
-        let ns = (crate::now_ns() - t0) as f64 / n as f64;
-        eprintln!("hook fast path: {ns:.1} ns per launch (enter + leave)");
         assert_eq!(gate.launches.load(Ordering::Relaxed), n);
         assert_eq!(gate.in_progress.load(Ordering::Relaxed), 0);
         gate.deadline.store(0, Ordering::Release);
         assert!(!gate.try_enter(), "given back: slow path");
-        assert!(ns < 2_000.0, "{ns} ns per launch");
     }
 }

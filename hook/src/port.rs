@@ -308,7 +308,7 @@ impl Port {
                 backlog: Vec::new(),
             };
             for msg in greeting {
-                let _ = gpushare_protocol::encode(msg, &mut w.backlog);
+                let _ = gpushare_protocol::append(msg, &mut w.backlog);
             }
             if w.flush().is_ok() {
                 *self.writer() = Some(w);
@@ -360,7 +360,7 @@ impl Port {
         let Some(writer) = w.as_mut() else {
             return false;
         };
-        if gpushare_protocol::encode(msg, &mut writer.backlog).is_ok() && writer.flush().is_ok() {
+        if gpushare_protocol::append(msg, &mut writer.backlog).is_ok() && writer.flush().is_ok() {
             return true;
         }
         // Given up: the reader sees the connection end, and a new one is made.

@@ -1,6 +1,7 @@
-//! Credit and charging (points 1, 2, 3 and 8 of the [algorithm](crate)): the targets, the
-//! credit each group accrues while turns run, what each turn is charged once its client
-//! reports, and where the charges of two turns back to back divide.
+//! Credit and charging: the targets, the credit each group accrues while turns run, what each
+//! turn is charged once its client reports, and where the charges of two turns back to back
+//! divide (the [algorithm](crate)'s `docs/scheduling.md#targets`, `docs/scheduling.md#credit`,
+//! `docs/scheduling.md#caps` and `docs/scheduling.md#charges`).
 
 use crate::group::Group;
 use crate::turn::{Turn, TurnUse};

@@ -51,7 +51,8 @@ pub(super) struct Group {
     /// share would go to the others every turn).
     pub draining_until: u64,
     /// Where its last turn given back early ended: the turn that started there is the one it
-    /// gave the GPU to, which it may take back at once if it returns (point 6).
+    /// gave the GPU to, which it may take back at once if it returns
+    /// (`docs/scheduling.md#preemption`).
     pub gave_back_at: u64,
     /// When it last asked for a turn after an absence (no turn, none asked for) of at least
     /// [`away_ns`](super::PolicyConfig::away_ns): it comes and goes, like a request server.

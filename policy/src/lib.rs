@@ -23,58 +23,65 @@
 //!
 //! # Algorithm
 //!
-//! 1. **Targets.** The active groups' target shares come from [`water_fill`]: effective
-//!    requests first (scaled down if they sum to more than 1), the rest split by weight among
-//!    groups below their limit, limits capping and their excess redistributed. Recomputed
-//!    lazily whenever the active set or the parameters change. A group is *active* while it
-//!    has a turn, waits for one, or yielded one a moment ago with work still draining.
-//! 2. **Credit** (a deficit counter, ns). While a turn runs, each active group accrues credit
-//!    at its target share, and each idle group with a request *banks* its guarantee (normalised
-//!    over both, so exactly the elapsed time is handed out; the targets count an idle group as
-//!    taking exactly its guarantee, so banking comes out of spare time, never out of another
-//!    group's guarantee). A turn's group is debited its quota when it is granted and settled to
-//!    its charge (point 8) when its client reports. Credit a group cannot absorb above the upper
-//!    bound is passed on by weight to the active groups below their limit. All credits are
-//!    re-centred on their mean and bounded to `[−2B, +B]`, `B = 2·quota + grace`.
-//! 3. **Caps.** Each group with `limit < 1` has a token bucket filling at `limit` ns per ns up
-//!    to `2·quota`, debited like the credit. It may start a turn only when its bucket holds a
-//!    full quota then, and never with `limit = 0`. A capped group's turn is planned for when
-//!    its bucket refills, granted ahead like any other.
-//! 4. **Selection.** The next turn goes to the waiting group with the largest credit among
-//!    those that may start then (ties: the one waiting longest); within a group clients are
-//!    served in the order they asked, i.e. round-robin. A turn lasts a quota, but while other
-//!    groups are active one of a group whose target share `s` is under one half lasts
-//!    `quota / (2·(1 − s))`: no turn moves its group's credit by more than half a quota, so
-//!    every group's share over a window is off by the same small amount however small the
-//!    share (`PolicyConfig::contested_turn_ns`). The holder of the current turn counts
-//!    as waiting for another (it is still launching, as far as the policy knows) unless it
-//!    yielded; if it is chosen again while no other group wants the GPU its turn is *extended*
-//!    ([`Decision::Extend`]), else it gets a new turn back to back (its hook reports the one
-//!    before at the handoff, so a stopped process is noticed there). A client whose report says it has no more work leaves the queue (a turn
-//!    already planned for it is revoked). The GPU is never left without a turn while a group
-//!    that may start waits (work conservation).
-//! 5. **Yield.** A client whose work runs out gives its turn back with an estimate of when its
-//!    last kernels drain; the next turn starts there (a planned one is moved earlier).
-//! 6. **Preemption.** A group that comes back with work (a client asks while the group has no
-//!    turn), or a capped waiting group whose bucket has refilled, is served sooner if it is owed
-//!    more than the holder by a minimum quota: the turn that would run next (the planned one,
-//!    else the current one) ends at once, but never below `min_quota_ns` after its start (an
-//!    eighth of it for the turn the returning group itself gave the GPU to by yielding).
-//!    An idle group with a request banks its guarantee (point 2), so a bursty or
-//!    latency-sensitive group gets what it needs however long it idled, instead of waiting out
-//!    whole turns.
-//! 7. **Extension while alone.** A holder alone on the GPU keeps its turn a quota at a time.
-//!    When another group asks, the turn ends a `min_quota_ns` later (or at its deadline before
-//!    the extension, if later; less by point 6), announced as a cut-short turn.
-//! 8. **Charges.** Back to back, a turn is charged from its start to its end: the GPU was its
-//!    client's in between, used or held while others waited. Where the GPU was free before or
-//!    after it, it is charged from its first launch or until its last kernel ended, as its
-//!    client measured: a tenant alone is charged for the time its kernels occupied the GPU,
-//!    not for the time its turn lasted. (See [`turn::Turn::charge`].)
-//! 9. **Timeouts.** A turn whose client has not reported by its end + grace is revoked (the
-//!    client is told to stop at once; its queued work is bounded by its hook, and the next turn
-//!    started on time anyway) and charged as held until a late report settles it. A client
-//!    that disconnects ends its turn at once.
+//! The rules as `docs/scheduling.md` numbers and explains them; code and tests cite each by its
+//! anchor there (`docs/scheduling.md#charges`), never by number.
+//!
+//! 1. **Targets.** (`docs/scheduling.md#targets`) The active groups' target shares come from
+//!    [`water_fill`]: effective requests first (scaled down if they sum to more than 1), the rest
+//!    split by weight among groups below their limit, limits capping and their excess
+//!    redistributed. Recomputed lazily whenever the active set or the parameters change. A group is
+//!    *active* while it has a turn, waits for one, or yielded one a moment ago with work still
+//!    draining.
+//! 2. **Credit** (`docs/scheduling.md#credit`) (a deficit counter, ns). While a turn runs, each
+//!    active group accrues credit at its target share, and each idle group with a request *banks*
+//!    its guarantee (normalised over both, so exactly the elapsed time is handed out; the targets
+//!    count an idle group as taking exactly its guarantee, so banking comes out of spare time,
+//!    never out of another group's guarantee). A turn's group is debited its quota when it is
+//!    granted and settled to its charge (`docs/scheduling.md#charges`) when its client reports.
+//!    Credit a group cannot absorb above the upper bound is passed on by weight to the active
+//!    groups below their limit. All credits are re-centred on their mean and bounded to `[−2B,
+//!    +B]`, `B = 2·quota + grace`.
+//! 3. **Caps.** (`docs/scheduling.md#caps`) Each group with `limit < 1` has a token bucket filling
+//!    at `limit` ns per ns up to `2·quota`, debited like the credit. It may start a turn only when
+//!    its bucket holds a full quota then, and never with `limit = 0`. A capped group's turn is
+//!    planned for when its bucket refills, granted ahead like any other.
+//! 4. **Selection.** (`docs/scheduling.md#selection`) The next turn goes to the waiting group with
+//!    the largest credit among those that may start then (ties: the one waiting longest); within a
+//!    group clients are served in the order they asked, i.e. round-robin. A turn lasts a quota, but
+//!    while other groups are active one of a group whose target share `s` is under one half lasts
+//!    `quota / (2·(1 − s))`: no turn moves its group's credit by more than half a quota, so every
+//!    group's share over a window is off by the same small amount however small the share
+//!    (`PolicyConfig::contested_turn_ns`). The holder of the current turn counts as waiting for
+//!    another (it is still launching, as far as the policy knows) unless it yielded; if it is
+//!    chosen again while no other group wants the GPU its turn is *extended*
+//!    ([`Decision::Extend`]), else it gets a new turn back to back (its hook reports the one before
+//!    at the handoff, so a stopped process is noticed there). A client whose report says it has no
+//!    more work leaves the queue (a turn already planned for it is revoked). The GPU is never left
+//!    without a turn while a group that may start waits (work conservation).
+//! 5. **Yield.** (`docs/scheduling.md#yield`) A client whose work runs out gives its turn back with
+//!    an estimate of when its last kernels drain; the next turn starts there (a planned one is
+//!    moved earlier).
+//! 6. **Preemption.** (`docs/scheduling.md#preemption`) A group that comes back with work (a client
+//!    asks while the group has no turn), or a capped waiting group whose bucket has refilled, is
+//!    served sooner if it is owed more than the holder by a minimum quota: the turn that would run
+//!    next (the planned one, else the current one) ends at once, but never below `min_quota_ns`
+//!    after its start (an eighth of it for the turn the returning group itself gave the GPU to by
+//!    yielding). An idle group with a request banks its guarantee (`docs/scheduling.md#credit`), so
+//!    a bursty or latency-sensitive group gets what it needs however long it idled, instead of
+//!    waiting out whole turns.
+//! 7. **Charges.** (`docs/scheduling.md#charges`) Back to back, a turn is charged from its start to
+//!    its end: the GPU was its client's in between, used or held while others waited. Where the GPU
+//!    was free before or after it, it is charged from its first launch or until its last kernel
+//!    ended, as its client measured: a tenant alone is charged for the time its kernels occupied
+//!    the GPU, not for the time its turn lasted. (See [`turn::Turn::charge`].)
+//! 8. **Timeouts.** (`docs/scheduling.md#timeouts`) A turn whose client has not reported by its
+//!    end plus the grace is revoked (the client is told to stop at once; its queued work is
+//!    bounded by its hook, and the next turn started on time anyway) and charged as held until a
+//!    late report settles it. A client that disconnects ends its turn at once.
+//! 9. **Extension while alone.** (`docs/scheduling.md#extension`) A holder alone on the GPU keeps
+//!    its turn a quota at a time. When another group asks, the turn ends a `min_quota_ns` later (or
+//!    at its deadline before the extension, if later; less by `docs/scheduling.md#preemption`),
+//!    announced as a cut-short turn.
 //!
 //! # Memory
 //!
@@ -177,7 +184,7 @@ pub struct Policy {
     /// Where the last turn ended: no turn starts before (a yielded turn's work drains until
     /// then).
     busy_until: u64,
-    /// Recent handoffs awaiting their turns' reports (point 7).
+    /// Recent handoffs awaiting their turns' reports (docs/scheduling.md#charges).
     handoffs: std::collections::VecDeque<Handoff>,
     next_token: u64,
     /// Latest time seen; calls with an earlier `now` are treated as happening now.
@@ -342,7 +349,7 @@ impl Policy {
         }
         let group = self.clients[&client].group.clone();
         // Back with work while it has no turn: served before the turn that would run next if it
-        // is owed more (point 6).
+        // is owed more (docs/scheduling.md#preemption).
         let returning = self.groups[&group].turns == 0;
         if !self.enqueue(client, now) {
             return Ok(());
@@ -408,7 +415,8 @@ impl Policy {
 
     /// `client` reports what it measured of its turn `token` once the turn's work drained
     /// (`used`: `None` if it launched nothing), and whether it has more work (`again`: it stays
-    /// queued for a turn; else it leaves the queue). Settles the turn's charge (point 8). A report of the running turn ends it there (the client
+    /// queued for a turn; else it leaves the queue). Settles the turn's charge
+    /// (`docs/scheduling.md#charges`). A report of the running turn ends it there (the client
     /// stopped on its own, say at a deadline it had not yet heard was extended). Unknown tokens
     /// are ignored, but `again` is always taken in.
     pub fn report(

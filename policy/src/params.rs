@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-/// A group's share parameters on one GPU (DESIGN §2).
+/// A group's share parameters on one GPU (docs/scheduling.md#targets).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct GroupParams {
     /// Guaranteed minimum share of GPU time, 0..=1.
@@ -111,7 +111,7 @@ impl PolicyConfig {
     }
 
     /// The shortest a turn may be cut to by the group whose yield started it, returning at
-    /// once (point 6): an eighth of the minimum quota.
+    /// once (docs/scheduling.md#preemption): an eighth of the minimum quota.
     pub(super) fn take_back_ns(&self) -> u64 {
         self.min_quota_ns / 8
     }

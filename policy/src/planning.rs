@@ -1,6 +1,7 @@
-//! Planning: which waiting group gets the next turn and when (points 4 to 7 of the
-//! [algorithm](crate)), how long it lasts, and how the turns before it end (yield, preemption,
-//! an extension cut back).
+//! Planning: which waiting group gets the next turn and when, how long it lasts, and how the
+//! turns before it end (the [algorithm](crate)'s `docs/scheduling.md#selection`,
+//! `docs/scheduling.md#yield`, `docs/scheduling.md#preemption` and
+//! `docs/scheduling.md#extension`).
 
 use crate::turn::Turn;
 use crate::{ClientId, Decision, Policy};
@@ -319,9 +320,9 @@ impl Policy {
             .min_by_key(|(_, at)| *at)
     }
 
-    /// `group` asks while the running turn is extended because its holder was alone (point
-    /// 7): the turn ends a minimum quota from now, or at its deadline before the extension if
-    /// that is later.
+    /// `group` asks while the running turn is extended because its holder was alone
+    /// (`docs/scheduling.md#extension`): the turn ends a minimum quota from now, or at its
+    /// deadline before the extension if that is later.
     pub(crate) fn end_extension(&mut self, group: &str, now: u64) {
         let min_quota = self.cfg.min_quota_ns;
         let Some(t) = self.current.as_mut().filter(|t| t.group != group) else {
@@ -341,10 +342,10 @@ impl Policy {
         }
     }
 
-    /// `group` just returned with work (point 6): if it is owed more than the holder will be
-    /// once its turn is settled, by a minimum quota at least, the turn that would run before
-    /// it — the planned one, else the running one — ends now, but never below a minimum quota
-    /// after its start.
+    /// `group` just returned with work (`docs/scheduling.md#preemption`): if it is owed more
+    /// than the holder will be once its turn is settled, by a minimum quota at least, the turn
+    /// that would run before it — the planned one, else the running one — ends now, but never
+    /// below a minimum quota after its start.
     pub(crate) fn preempt_for(&mut self, group: &str, now: u64) {
         let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
         let min_quota = self.cfg.min_quota_ns;

@@ -200,7 +200,8 @@ pub struct Sim {
     /// kept by the recursion `X ← max(0, X − limit · Δt) + granted`.
     excess: Vec<(f64, u64)>,
     /// Per group, when a tenant of it last gave a turn back early: the turn that starts then
-    /// (within a minimum quota) may be taken back sooner than a minimum quota (point 6).
+    /// (within a minimum quota) may be taken back sooner than a minimum quota
+    /// (`docs/scheduling.md#preemption`).
     yielded_at: Vec<Option<u64>>,
     pub stats: Stats,
 }
@@ -727,7 +728,7 @@ impl Sim {
                 } => {
                     let i = (client - 1) as usize;
                     // Never below a minimum quota after its start, but for a turn that
-                    // another group's yield started (point 6).
+                    // another group's yield started (docs/scheduling.md#preemption).
                     let cfg = self.policy.config().clone();
                     let g = self.tenants[i].group;
                     let yields: Vec<u64> = (self.yielded_at.iter().enumerate())

@@ -6,7 +6,7 @@
 //! Identity is not in these messages: the scheduler takes it from the socket (`SO_PEERCRED`,
 //! `/proc/<pid>/cgroup`). A declared group is honoured only when the daemon runs with `--dev`.
 
-pub use gpushare_frame::{FrameBuf, MAX_FRAME, WireError, encode, recv, send};
+pub use gpushare_frame::{FrameBuf, MAX_FRAME, WireError, append, encode, recv, send};
 
 pub mod admin;
 pub mod status;

@@ -22,7 +22,7 @@ fn jobs_of_two_users_run_as_them_with_their_shares() {
     let q = QueueNode::start(&[], &["--policy", "fifo"]);
     // Each job says who it runs as, then keeps the GPU busy for 3.5 s.
     let job = |share: &str| -> Vec<String> {
-        let spin = cudarc(&[
+        let spin = q.cudarc(&[
             "spin",
             "--ms-per-kernel",
             "1",
@@ -139,7 +139,7 @@ fn queue_and_schedule_wait_modes_and_the_memory_threshold() {
             (used >= 950 << 20).then_some(())
         },
     );
-    let spin = cudarc(&["spin", "--ms-per-kernel", "1", "--kernels", "200"]);
+    let spin = q.cudarc(&["spin", "--ms-per-kernel", "1", "--kernels", "200"]);
     let with = |mode: &str| -> Vec<String> {
         let mut v: Vec<String> = ["--prefer", "0", "--wait-mode", mode, "--"]
             .iter()
@@ -181,7 +181,7 @@ fn queue_and_schedule_wait_modes_and_the_memory_threshold() {
 #[test]
 fn a_timeout_kills_the_job() {
     let q = QueueNode::start(&[], &[]);
-    let spin = cudarc(&[
+    let spin = q.cudarc(&[
         "spin",
         "--ms-per-kernel",
         "1",
@@ -238,7 +238,7 @@ fn kill_9_of_the_daemon_loses_nothing() {
     q.wait_state(done, "succeeded", SPIN);
     // GPU 0: a job that outlives the daemon; GPU 1: one that ends while it is down; a third
     // waits for a whole GPU.
-    let spin = cudarc(&[
+    let spin = q.cudarc(&[
         "spin",
         "--ms-per-kernel",
         "1",
@@ -393,4 +393,41 @@ fn bad_input_is_refused_clearly_and_changes_nothing() {
         "",
     );
     assert_eq!((s, b.as_str()), (200, "via http\n"));
+}
+
+/// The queue runs a PyTorch job under gpushare with its share and memory cap: the job trains,
+/// sees its 2 GiB cap as the GPU's memory, gets PyTorch's own out-of-memory error past it and
+/// recovers; its kernels are on the device.
+#[test]
+fn a_pytorch_job_runs_with_its_share_and_memory_cap() {
+    let python = gpushare_testkit::python::torch();
+    let script = gpushare_testkit::python::script("torch_capabilities.py");
+    let q = QueueNode::start(&[], &[]);
+    let (python, script) = (python.to_string_lossy(), script.to_string_lossy());
+    let id = q.submit(&[
+        "--share", "0.5", "--memory", "2GiB", "--", &python, &script, "matmul", "train", "oom",
+    ]);
+    let job = q.wait_state(id, "succeeded", Duration::from_secs(300));
+    let lines = gpushare_testkit::harness::json_lines(q.logs(id).as_bytes());
+    let case = |name: &str| {
+        lines
+            .iter()
+            .find(|l| l["case"] == name)
+            .unwrap_or_else(|| panic!("no {name} line in {lines:?}"))
+            .clone()
+    };
+    assert_eq!(case("train")["steps"], 10);
+    let oom = case("oom");
+    assert_eq!(
+        oom["total"],
+        2u64 << 30,
+        "the job's cap is its GPU's memory: {oom}"
+    );
+    assert_eq!(oom["error"], "OutOfMemoryError");
+    assert_eq!(oom["recovered"], true);
+    let pid = pid_of(&job);
+    assert!(
+        q.finish().records().iter().any(|r| r.pid == pid),
+        "the job's kernels ran on the device"
+    );
 }

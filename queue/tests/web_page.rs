@@ -247,7 +247,7 @@ fn the_page_plots_each_groups_use_and_links_output_to_its_owner_only() {
     let addr = q.http.clone().unwrap();
     // Each job says whose it is, then holds 64 MiB and keeps the GPU busy until cancelled.
     let job = |share: &str| -> Vec<String> {
-        let spin = cudarc(&[
+        let spin = q.cudarc(&[
             "spin",
             "--ms-per-kernel",
             "1",

@@ -1,4 +1,4 @@
-//! The daemon's TOML configuration (see README "Configuration reference"): token timing and
+//! The daemon's TOML configuration (docs/configuration.md#configuration-file): turn timing and
 //! the groups with their shares and the processes that belong to them.
 //!
 //! ```toml
@@ -142,7 +142,7 @@ impl GroupConfig {
 }
 
 /// Bounds on the tenant socket, so that no number of idle, slow or hostile connections can
-/// exhaust the daemon (see `[connections]` in README "Configuration reference").
+/// exhaust the daemon (docs/robustness.md#a-flood-of-connections).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ConnectionLimits {
     /// Connections in total.
@@ -395,6 +395,38 @@ weight = 2
             "pods"
         );
         assert!(c.group_for(&peer(7, "/user.slice")).is_none());
+    }
+
+    /// The configuration file as `docs/configuration.md` shows it: the example parses, and it
+    /// shows every key each table accepts (the keys come from the parser's own refusal of an
+    /// unknown one, so a key added here and not there fails this test).
+    #[test]
+    fn the_configuration_reference_shows_every_key() {
+        let doc = include_str!("../../docs/configuration.md");
+        let block = doc
+            .split("### Configuration file")
+            .nth(1)
+            .and_then(|s| s.split("```toml\n").nth(1))
+            .and_then(|s| s.split("```").next())
+            .expect("docs/configuration.md has a TOML example under \"Configuration file\"");
+        Config::parse(block).unwrap_or_else(|e| panic!("the documented example: {e}"));
+        for table in ["[scheduler]", "[connections]", "[[group]]\nname = \"g\""] {
+            let err = Config::parse(&format!("{table}\nno_such_key = 1")).unwrap_err();
+            let expected = err
+                .split("expected one of ")
+                .nth(1)
+                .unwrap_or_else(|| panic!("the parser names the keys of {table}: {err}"));
+            let keys: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
+            assert!(!keys.is_empty(), "no keys in {err:?}");
+            for key in keys {
+                assert!(
+                    block
+                        .lines()
+                        .any(|l| l.trim_start().starts_with(&format!("{key} ="))),
+                    "{table} accepts `{key}`, which docs/configuration.md's example does not show"
+                );
+            }
+        }
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The tenant socket's bounds (README "Configuration reference", `[connections]`), against the
+//! The tenant socket's bounds (`[connections]`, docs/robustness.md#a-flood-of-connections), against the
 //! real daemon binary: connections over the per-user limit are closed at once, a connection
 //! must say Hello in time, a frame may not be oversized, and a peer that leaves its replies
 //! unread is dropped while the others are served.

@@ -337,6 +337,7 @@ static void blocks_target(size_t unused) {
            r, info_ms, r2, ms_since(t1), now_ns());
     fflush(stdout);
     target_says('d');
+    target_hears(); /* stays until the controller has read its state after the unlock */
 }
 
 static void blocks(unsigned hold_ms) {
@@ -353,6 +354,7 @@ static void blocks(unsigned hold_ms) {
     printf("{\"step\":\"unlocked_at\",\"unlocked_ns\":%llu}\n", t0);
     fflush(stdout);
     hear_target();
+    tell_target('x');
     reap(pid, 30);
 }
 

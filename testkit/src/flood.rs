@@ -1,4 +1,4 @@
-//! A connection flood against a scheduler's tenant socket (issue 19), shared by the flood test
+//! A connection flood against a scheduler's tenant socket, shared by the flood test
 //! (`tests/flood.rs`) and the benchmark's `[flood]` scenarios: connections that said Hello and
 //! then nothing more, connections sending junk (each dropped by the scheduler and opened again
 //! every `junk_renew_ms`), connections stalled with half a frame after their Hello, and

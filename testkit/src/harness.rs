@@ -40,6 +40,71 @@ pub fn target_dir() -> PathBuf {
     dir
 }
 
+/// The programs and libraries a test's processes run: the target directory's own, or copies of
+/// some of them that every user may run. Processes of other users (tenants and jobs run as
+/// test accounts) cannot reach the target directory when the checkout is private to its owner,
+/// as a clone under `/root` (mode 0700) is; they run the copies, which live in a fresh
+/// directory of the system's temporary directory, removed with this value.
+#[derive(Debug)]
+pub struct Programs {
+    dir: PathBuf,
+    /// The copies' directory, with the names copied into it.
+    copies: Option<(tempfile::TempDir, Vec<String>)>,
+}
+
+impl Programs {
+    /// The target directory's programs, for processes of the test's own user.
+    pub fn own() -> Programs {
+        Programs {
+            dir: target_dir(),
+            copies: None,
+        }
+    }
+
+    /// Copies of `names` (files of the target directory, e.g. `gpushare`, `libgpushare.so`) that
+    /// every user may read and run.
+    pub fn for_every_user(names: &[&str]) -> Programs {
+        use std::os::unix::fs::PermissionsExt;
+        let copies = tempfile::Builder::new()
+            .prefix("gpushare-programs-")
+            .tempdir_in(std::env::temp_dir())
+            .expect("create a directory for the programs other users run");
+        let every_user = |p: &Path| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
+                .unwrap_or_else(|e| panic!("cannot open {} to every user: {e}", p.display()))
+        };
+        every_user(copies.path());
+        let from = target_dir();
+        for name in names {
+            let (src, dst) = (from.join(name), copies.path().join(name));
+            std::fs::copy(&src, &dst)
+                .unwrap_or_else(|e| panic!("cannot copy {}: {e} ({BUILD_HINT})", src.display()));
+            every_user(&dst);
+        }
+        Programs {
+            dir: copies.path().to_path_buf(),
+            copies: Some((copies, names.iter().map(|n| n.to_string()).collect())),
+        }
+    }
+
+    /// The copy of `name`, if it is one of the copies for every user.
+    pub fn copied(&self, name: &str) -> Option<PathBuf> {
+        let (_, names) = self.copies.as_ref()?;
+        names.iter().any(|n| n == name).then(|| self.dir.join(name))
+    }
+
+    /// The path of program (or library) `name`.
+    pub fn path(&self, name: &str) -> PathBuf {
+        if let Some((_, names)) = &self.copies {
+            assert!(
+                names.iter().any(|n| n == name),
+                "{name} is not among the programs copied for every user ({names:?})"
+            );
+        }
+        self.dir.join(name)
+    }
+}
+
 /// The built simulator.
 #[derive(Debug, Clone)]
 pub struct Sim {

@@ -5,7 +5,7 @@
 //! - [`harness`]: find the built simulator (`gpushare-sim`, `libcuda.so`) next to a test or
 //!   benchmark executable and run commands under it.
 //! - [`node`]: a simulated node (device + scheduler) and tenants under `gpushare run`.
-//! - [`flood`]: a connection flood against a scheduler's socket (issue 19), and what a flooded
+//! - [`flood`]: a connection flood against a scheduler's socket, and what a flooded
 //!   run watches (the scheduler's threads, `gpushare status` latency).
 //! - [`margins`]: how far the end-to-end tests let a figure stray (behaviour, not precision).
 //! - [`ptx`]: the hand-written PTX module (`gpushare_spin`, `touch`) every client loads.
@@ -13,6 +13,8 @@
 //!   measurement).
 //! - [`timeline`]: kernel timelines a program records with CUDA timing events, for a GPU that
 //!   writes no trace.
+//! - [`python`]: the Python programs of `python/` and the cached virtual environments (PyTorch)
+//!   they run in.
 //!
 //! The `cudarc-client` binary of this package is a real cudarc 0.19 program; the C programs in
 //! `c/` use the driver API directly (linked, or through `cuGetProcAddress`).
@@ -23,6 +25,7 @@ pub mod harness;
 pub mod margins;
 pub mod node;
 pub mod ptx;
+pub mod python;
 pub mod timeline;
 /// The device trace and its figures live with the device that writes it.
 pub use gpushare_sim_device::trace;

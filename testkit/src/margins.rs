@@ -5,7 +5,7 @@
 //! on their first run on a busy 2-core machine (another process spinning on one core, the VM
 //! pausing every process for a few ms now and then), so their margins are wider than what
 //! gpushare achieves; the precise figures (share error per window, handoff percentiles, launch
-//! overhead) are measured by `gpushare-bench` in release builds and reported in the README.
+//! overhead) are measured by `gpushare-bench` in release builds and reported in docs/benchmarks.md.
 //!
 //! Each margin is still narrow enough that the behaviour it guards fails visibly when broken:
 //! a tenant escaping its gate gets the device's own time-slicing (an equal split: 0.33 of three,

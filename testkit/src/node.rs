@@ -1,7 +1,7 @@
 //! A simulated node for end-to-end tests: the simulated device (`gpushare-sim serve`), the
 //! scheduler (`gpushare-scheduler --dev`), and tenants started with `gpushare run`.
 
-use crate::harness::{Sim, describe, output_with_timeout, target_dir};
+use crate::harness::{Programs, Sim, describe, output_with_timeout, target_dir};
 use crate::trace::{Trace, Window, common_window};
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
@@ -26,6 +26,8 @@ pub struct Node {
     pub scheduler_log_filter: String,
     /// Scratch directory, removed with the node.
     pub tmp: tempfile::TempDir,
+    /// The programs its tenants run (`gpushare`, `cudarc-client`).
+    pub programs: Programs,
 }
 
 /// Poll until `path` exists (a socket being bound), for at most 10 s.
@@ -58,10 +60,36 @@ impl Node {
     /// [`device_only`](Node::device_only) with extra `gpushare-sim serve` arguments (e.g.
     /// `["--gpus", "4"]`).
     pub fn device_only_with(serve_args: &[&str]) -> Node {
+        Node::device_only_running(serve_args, Programs::own())
+    }
+
+    /// [`device_only_with`](Node::device_only_with) for tests whose tenants run as other users:
+    /// they run copies of `gpushare`, the hook, the simulated driver and `cudarc-client` that
+    /// every user may run (see [`Programs`]), and the node's directory, which holds its sockets,
+    /// is open to every user.
+    pub fn for_every_user(serve_args: &[&str]) -> Node {
+        use std::os::unix::fs::PermissionsExt;
+        let programs = Programs::for_every_user(&[
+            "gpushare",
+            "libgpushare.so",
+            "libcuda.so",
+            "cudarc-client",
+        ]);
+        let node = Node::device_only_running(serve_args, programs);
+        std::fs::set_permissions(node.tmp.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("open the node's directory to every user");
+        node
+    }
+
+    fn device_only_running(serve_args: &[&str], programs: Programs) -> Node {
         let sim = Sim::locate();
         let tmp = tempfile::tempdir().unwrap();
         let trace = tmp.path().join("trace.jsonl");
-        let mut device = Command::new(&sim.bin)
+        let mut device = Command::new(&sim.bin);
+        if let Some(driver) = programs.copied("libcuda.so") {
+            device.env("GPUSHARE_SIM_LIBCUDA", driver);
+        }
+        let mut device = device
             .arg("serve")
             .args(serve_args)
             .arg("--trace")
@@ -88,6 +116,7 @@ impl Node {
             trace,
             scheduler_log_filter: "warn".into(),
             tmp,
+            programs,
         }
     }
 
@@ -103,6 +132,7 @@ impl Node {
             trace: tmp.path().join("trace.jsonl"),
             scheduler_log_filter: "warn".into(),
             tmp,
+            programs: Programs::own(),
         }
     }
 
@@ -210,7 +240,7 @@ impl Node {
             request,
             limit,
             weight,
-            target_dir().join("cudarc-client"),
+            self.programs.path("cudarc-client"),
             args,
         )
         .spawn()
@@ -225,7 +255,7 @@ impl Node {
         program: impl AsRef<OsStr>,
         args: &[S],
     ) -> Command {
-        let mut c = self.command(target_dir().join("gpushare"));
+        let mut c = self.command(self.programs.path("gpushare"));
         c.arg("run")
             .args(run_args)
             .arg("--")

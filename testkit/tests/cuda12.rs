@@ -40,6 +40,8 @@ struct Clients {
     runtime_shared: PathBuf,
     runtime_static: PathBuf,
     driver: PathBuf,
+    /// Green contexts and IPC handles (`cuda12/sharing_client.c`).
+    sharing: PathBuf,
     ptx: PathBuf,
     cubin: PathBuf,
     /// A cubin with other kernel names (`gpushare_spin2`, `touch2`), to link with the PTX.
@@ -153,6 +155,12 @@ fn clients() -> &'static Clients {
             &include[..1],
             &[&sim_lib, "-lcuda".as_ref(), "-lpthread".as_ref()],
         );
+        gcc(
+            &src.join("cuda12/sharing_client.c"),
+            &p("sharing_client"),
+            &include[..1],
+            &[&sim_lib, "-lcuda".as_ref()],
+        );
         let ptx = p("gpushare_spin.ptx");
         std::fs::copy(src.join("ptx/gpushare_spin.ptx"), &ptx).unwrap();
         let other = std::fs::read_to_string(&ptx)
@@ -182,6 +190,7 @@ fn clients() -> &'static Clients {
             runtime_shared: p("runtime_shared"),
             runtime_static: p("runtime_static"),
             driver: p("driver_client"),
+            sharing: p("sharing_client"),
             cubin: p("gpushare_spin.cubin"),
             other_cubin: p("other.cubin"),
             ptx,
@@ -284,6 +293,39 @@ fn cuda12_driver_features_work_with_the_real_header() {
     assert_eq!(lines[0]["linked_functions"], 4);
     let (lines, _) = on_sim(&[c.driver.as_os_str(), "capture".as_ref(), c.ptx.as_os_str()]);
     assert_eq!(lines[0]["capture_cases"], 13);
+}
+
+/// Green contexts follow cuda.h's documentation (`sharing_client green`: 42 checks, each
+/// quoting the sentence it follows): resources, splits, descriptors, the green context and its
+/// context, streams and events. PyTorch's driver table looks these entry points up.
+#[test]
+fn green_contexts_follow_the_driver_api() {
+    let c = clients();
+    let (lines, trace) = on_sim(&[c.sharing.as_os_str(), "green".as_ref()]);
+    assert_eq!(lines[0]["checks"], 42, "{lines:?}");
+    assert!(trace.overlaps().is_empty());
+}
+
+/// Interprocess handles follow cuda.h's documentation (`sharing_client ipc`): an allocation and
+/// an event exported by one process and opened by another are the same memory and the same
+/// event (the child's writes are in the parent's allocation; each waits for the other's
+/// records), alone and under gpushare (where DataLoader workers of a capped job hand CUDA
+/// tensors to their parent this way).
+#[test]
+fn ipc_handles_share_memory_and_events_between_processes() {
+    let c = clients();
+    let check = |lines: &[serde_json::Value]| {
+        assert_eq!(lines[0]["checks"], 14, "{lines:?}");
+        assert_eq!(lines[0]["child_checks"], 13, "{lines:?}");
+    };
+    let (lines, _) = on_sim(&[c.sharing.as_os_str(), "ipc".as_ref()]);
+    check(&lines);
+    let node = Node::start(&[]);
+    let mut cmd = node.tenant_command("ipc", 0.5, 1.0, 1.0, &c.sharing, &["ipc"]);
+    cmd.stdout(std::process::Stdio::piped());
+    let out = Tenant::spawn(cmd).wait_ok(TIMEOUT);
+    check(&json_lines(&out.stdout));
+    assert!(node.finish().overlaps().is_empty());
 }
 
 fn frameworks_script() -> PathBuf {
@@ -524,17 +566,18 @@ fn user(name: &str) -> Option<u32> {
 #[test]
 fn tenants_of_different_users_share_one_gpu() {
     let _serial = common::timing_lock();
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: creating users and running tenants as them needs root");
-        return;
-    }
+    assert_eq!(
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() },
+        0,
+        "this test creates users and runs tenants as them, which needs root (run it as root, as CI does)"
+    );
     let (Some(a), Some(b)) = (user("gpushare-tenant1"), user("gpushare-tenant2")) else {
         panic!("cannot create the users gpushare-tenant1 and gpushare-tenant2 (useradd)");
     };
-    let node = Node::start(&[]);
-    // The node's sockets live in its scratch directory: let the tenants' users reach them.
-    std::fs::set_permissions(node.tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The tenants' users run copies of the programs, and reach the node's sockets.
+    let mut node = Node::for_every_user(&[]);
+    node.start_scheduler(&[]);
     // The static runtime: the users cannot read root's Python installation.
     let (trace, s) = two_tenants(node, &clients().runtime_static, Some([a, b]), [0.5, 0.5]);
     assert_split(&s, [0.5, 0.5]);

@@ -1,5 +1,5 @@
 //! End to end: tenants under `gpushare run` (hook + `gpushare-scheduler --dev`) on one simulated
-//! GPU get the shares DESIGN §2 promises, measured on the device trace.
+//! GPU get the shares docs/scheduling.md promises, measured on the device trace.
 
 use gpushare_testkit::margins;
 use gpushare_testkit::node::Node;

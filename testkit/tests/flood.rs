@@ -1,4 +1,4 @@
-//! End to end, issue 19: the scheduler under a connection flood, and its per-user bound. While two busy tenants with
+//! End to end: the scheduler under a connection flood, and its per-user bound. While two busy tenants with
 //! requests 0.7 / 0.3 run, the test holds 2,000 idle connections (each said Hello, then nothing
 //! more), keeps 300 connections sending junk (each dropped by the scheduler and opened again
 //! 100 ms later),

@@ -1,4 +1,4 @@
-//! End to end, issue 3: isolation between tenants under `gpushare run` (hook + scheduler) on one
+//! End to end: isolation between tenants under `gpushare run` (hook + scheduler) on one
 //! simulated GPU, measured on the device trace. Caps, weights, work conservation, every route to
 //! the driver, clients that never synchronise or launch from many threads, and the failures a
 //! node sees (a tenant killed or stopped while holding the token, the scheduler restarted,
@@ -91,7 +91,8 @@ fn measure(what: &str, trace: &Trace, pids: &[u32], want: &[f64]) -> (Window, Ve
     (w, s)
 }
 
-/// DESIGN §2.2: a lone tenant with limit 0.3 gets 0.3 of the GPU, although it is otherwise idle.
+/// A lone tenant with limit 0.3 (`docs/scheduling.md#caps`) gets 0.3 of the GPU, although it is
+/// otherwise idle.
 #[test]
 fn lone_tenant_is_capped_at_its_limit() {
     let node = Node::start(&[]);
@@ -118,7 +119,7 @@ fn assert_capped(what: &str, trace: &Trace, pid: u32, from_ns: u64) {
     assert_shares(what, &s, &[0.3]);
 }
 
-/// Issue 18, context lifetimes: a tenant capped at 0.3 resets its primary context halfway (as
+/// Context lifetimes: a tenant capped at 0.3 resets its primary context halfway (as
 /// `cudaDeviceReset` does): the fence events the hook recorded in it die with it while the
 /// context keeps its handle. The hook forgets them, so its pacing works on after the reset and
 /// the cap holds. (Had it kept recording the dead events, every fence would fail: the tenant
@@ -150,9 +151,9 @@ fn a_capped_tenant_stays_capped_after_resetting_its_primary_context() {
     );
 }
 
-/// Policy point 9: a tenant alone keeps its token, a quota at a time, instead of draining its
-/// queue and asking again every quota (about 60 tokens in 1.2 s before): a few tokens, and
-/// the GPU never idles for a handover.
+/// A tenant alone keeps its token, a quota at a time (docs/scheduling.md#extension), instead of
+/// draining its queue and asking again every quota (about 60 tokens in 1.2 s): a few tokens,
+/// and the GPU never idles for a handover.
 #[test]
 fn a_lone_tenant_keeps_its_token_without_handovers() {
     let node = Node::start(&[]);
@@ -182,7 +183,7 @@ fn a_lone_tenant_keeps_its_token_without_handovers() {
     assert!(busy >= margins::UTILISATION, "GPU busy {busy}");
 }
 
-/// DESIGN §2.3: requests 0.2 / 0.2, weights 1 / 3: the spare 0.6 is split 1:3, 0.35 / 0.65.
+/// Requests 0.2 / 0.2, weights 1 / 3: the spare 0.6 is split 1:3, 0.35 / 0.65.
 #[test]
 fn spare_time_is_split_by_weight() {
     let node = Node::start(&[]);
@@ -193,10 +194,11 @@ fn spare_time_is_split_by_weight() {
     expect_split(node, "weights 1:3", ts, &[0.35, 0.65]);
 }
 
-/// DESIGN §2.4-5: a mostly idle tenant's unused share goes to the busy one, and the GPU does not
+/// A mostly idle tenant's unused share goes to the busy one, and the GPU does not
 /// idle while the busy tenant has work waiting, beyond the cost of the handoffs. The bursty
 /// tenant, under its guarantee, gets what it needs when its work arrives: the busy tenant's
-/// token is cut short for it (policy point 7) rather than it waiting out a whole quota.
+/// token is cut short for it (`docs/scheduling.md#preemption`) rather than it waiting out a
+/// whole quota.
 ///
 /// The busy tenant never synchronises, so it always has work waiting.
 #[test]
@@ -304,7 +306,7 @@ fn the_hook_needs_at_most_glibc_2_34() {
     );
 }
 
-/// Issue 18: a check that the hook actually loaded. A process using the driver without the hook
+/// A check that the hook actually loaded. A process using the driver without the hook
 /// (no preload: an image whose glibc is too old, or that clears `LD_PRELOAD`) runs ungated; the
 /// scheduler's census of `/proc` lists it in `gpushare status` (and the metrics), and not a
 /// process under `gpushare run` once it has connected.
@@ -336,7 +338,7 @@ fn a_gpu_process_without_the_hook_is_listed_by_status() {
     }
 }
 
-/// DESIGN §3: the launch fast path (a turn open) makes no system call. `perf stat` counts every
+/// The launch fast path (a turn open) makes no system call. `perf stat` counts every
 /// system call of 62 000 launches (`cudarc-client launch-latency`: 2 000 warm-up launches, then
 /// 20 000 by each of three routes) natively and under the hook with the token held: the
 /// difference per launch is the hook's — a few fences and the connection, far below one call
@@ -397,7 +399,7 @@ fn c_args(ms: f64, kernels: u64, sync_every: u64, mode: &str) -> Vec<String> {
     ]
 }
 
-/// DESIGN §3: all three routes to the driver are gated. cudarc (dlsym route), a C program
+/// All three routes to the driver are gated. cudarc (dlsym route), a C program
 /// linked against libcuda (exported symbols), and a C program resolving everything through
 /// `cuGetProcAddress_v2` share the GPU 0.5 / 0.3 / 0.2. A route the hook missed would run
 /// unthrottled and take about a third (the device's own time-slicing).
@@ -446,7 +448,7 @@ fn direct_and_procaddr_ptsz_clients_split_70_30() {
     expect_split(node, "direct C / procaddr C (ptsz)", ts, &[0.7, 0.3]);
 }
 
-/// DESIGN §3 "gate every launch path": cuLaunchKernelEx, cuLaunchCooperativeKernel and
+/// Every launch path is gated: cuLaunchKernelEx, cuLaunchCooperativeKernel and
 /// cuGraphLaunch tenants (direct C) share the GPU 0.4 / 0.3 / 0.3.
 #[test]
 fn ex_cooperative_and_graph_launches_are_gated() {
@@ -460,7 +462,7 @@ fn ex_cooperative_and_graph_launches_are_gated() {
     expect_split(node, "Ex / cooperative / graph", ts, &[0.4, 0.3, 0.3]);
 }
 
-/// DESIGN §3 "bound the work queued": a client that launches all its kernels and synchronises
+/// The work queued is bounded: a client that launches all its kernels and synchronises
 /// once at the end still gets only its share. It is given the smaller share (0.4 vs 0.6): were
 /// its queue unbounded, its queued kernels would keep running on the device (time-sliced 1:1
 /// with the token holder's) after its token expired, and it would get 0.5 or more.
@@ -550,9 +552,9 @@ fn multi_threaded_launcher_is_held_to_its_share() {
     multi_threaded_launcher(false);
 }
 
-/// Regression test: the hook used to deadlock here (Hook::connect held the writer mutex while
-/// calling Gate::on_connected, a launcher in Gate::enter_slow held the gate mutex while calling
-/// Hook::send).
+/// Many threads launching at once while the hook connects do not deadlock (connecting must not
+/// hold the connection's writer while it opens the gates, since a launcher holding a gate sends
+/// on the connection).
 #[test]
 fn multi_threaded_first_launches_do_not_deadlock() {
     multi_threaded_launcher(true);
@@ -602,8 +604,8 @@ fn wait_for_status(node: &Node, what: &str, ready: impl Fn(&serde_json::Value) -
 
 /// On a [`long_turn_node`]: start `victim` (group `victim`, request `request`) alone and wait
 /// until it holds the token (alone, it keeps it), then start `other` (group `other`, no
-/// request: the victim's token is not cut short for it, point 7) and wait until it waits for
-/// the token. The victim then holds it for about 300 ms more.
+/// request: the victim's token is not cut short for it, `docs/scheduling.md#preemption`) and
+/// wait until it waits for the token. The victim then holds it for about 300 ms more.
 fn holder_and_waiter(node: &Node, request: f64, victim: &Spin, other: &Spin) -> (Tenant, Tenant) {
     let victim = spin_tenant(node, "victim", request, 1.0, 1.0, victim);
     let vpid = u64::from(victim.pid());
@@ -640,7 +642,7 @@ fn last_end_before(trace: &Trace, pid: u32, t: u64) -> u64 {
         .unwrap_or(0)
 }
 
-/// DESIGN §4: `kill -9` of the token holder while another tenant waits. Its socket closes,
+/// `kill -9` of the token holder while another tenant waits. Its socket closes,
 /// which releases the token at once: the other tenant's kernels resume within
 /// [`margins::RECOVERY_NS`] of its last kernel (without the release, only at its deadline,
 /// 300 ms later). The victim never synchronises, so while it holds the token its kernels run
@@ -691,7 +693,7 @@ fn killed_token_holder_does_not_stall_the_others() {
     );
 }
 
-/// DESIGN §4: `SIGSTOP` of the token holder while another tenant waits. It cannot release, so
+/// `SIGSTOP` of the token holder while another tenant waits. It cannot release, so
 /// its token is revoked at its deadline (at most a quota, 400 ms, away here) + grace (20 ms),
 /// and the other tenant has the GPU for the rest of the time it is stopped. After `SIGCONT` it
 /// finishes normally. The victim never synchronises, so while it holds the token its kernels
@@ -891,7 +893,7 @@ fn closed_by_peer(s: &mut UnixStream, timeout: Duration) -> bool {
     }
 }
 
-/// DESIGN §4 / issue 3: malformed messages. Garbage, a frame with a huge length prefix, a valid
+/// Malformed messages (docs/robustness.md#bad-input). Garbage, a frame with a huge length prefix, a valid
 /// Hello followed by an undecodable frame, a truncated frame left hanging, a connect-and-close:
 /// the scheduler drops those clients, keeps serving the tenants (shares hold), and
 /// `gpushare status --json` still works.
@@ -1115,7 +1117,7 @@ fn explains_no_group(stderr: &[u8]) -> bool {
         .any(|l| l.contains("no ") && l.contains("group") && l.contains("matches"))
 }
 
-/// DESIGN §4 "never block forever: unknown groups get a clear error, not silence". A tenant
+/// Never block forever: an unknown group gets a clear error, not silence. A tenant
 /// that declares a group (`gpushare run --group`) to a scheduler without `--dev` whose config
 /// matches it not: its stderr carries the scheduler's explanation, and it runs nothing.
 #[test]
@@ -1147,7 +1149,7 @@ fn refused_tenant_does_not_run_unthrottled() {
     );
 }
 
-/// Issue 3: "malformed messages: the daemon logs and drops that client". Every malformed
+/// The daemon logs and drops a client that sends malformed messages. Every malformed
 /// connection is logged, not only those that said Hello first.
 #[test]
 fn every_malformed_connection_is_logged() {

@@ -1,4 +1,4 @@
-//! End to end: GPU memory caps per group (issue 4), through the real hook (`libgpushare.so`) and
+//! End to end: GPU memory caps per group (docs/memory.md), through the real hook (`libgpushare.so`) and
 //! daemon (`gpushare-scheduler --dev`) on the simulated GPU, with C clients linked directly
 //! against libcuda (`c/mem_*.c`) and the cudarc client.
 //!
@@ -641,7 +641,7 @@ fn wait_used(node: &Node, group: &str, want: u64) -> Option<f64> {
     None
 }
 
-/// A stream-ordered pool keeps what cuMemFreeAsync frees (issue 18), and the hook charges what
+/// A stream-ordered pool keeps what cuMemFreeAsync frees, and the hook charges what
 /// the pool reserves on the device, not what its allocations use. Release threshold 2 GiB under
 /// a 4 GiB cap: 3 GiB from cuMemAllocAsync; another process of the group is refused 2 GiB while
 /// they are allocated, and still after cuMemFreeAsync (the pool keeps them); at the stream's
@@ -960,7 +960,7 @@ fn mem_get_info_never_underflows() {
     );
 }
 
-/// Small allocations come from the process's lease (issue 18): 2000 × (cuMemAlloc_v2 +
+/// Small allocations come from the process's lease: 2000 × (cuMemAlloc_v2 +
 /// cuMemFree_v2) of 1 MiB under a 4 GiB cap (lease block 64 MiB) ask the scheduler for a
 /// reservation a handful of times in all, where without a lease (`GPUSHARE_MEM_LEASE=0`) each
 /// allocation waits for one. The scheduler counts the round trips (`memory_reservations` in
@@ -1016,7 +1016,7 @@ fn small_allocations_take_from_the_lease_without_a_round_trip() {
     );
 }
 
-/// Two processes of one group share its whole cap through their leases (issue 18). Under a
+/// Two processes of one group share its whole cap through their leases. Under a
 /// 256 MiB cap (lease block 8 MiB) one process allocates the whole cap in 1 MiB pieces (near
 /// the cap a refill asks for no more than the allocation needs) and a second is refused; the
 /// first frees half and goes idle, and the second then gets that half, 128 × 1 MiB, waiting

@@ -1,4 +1,4 @@
-//! End to end, issue 18: one process driving two GPUs whose work waits on each other, under
+//! End to end: one process driving two GPUs whose work waits on each other, under
 //! `gpushare run` (hook + scheduler) on a simulated node with two GPUs, judged on the device
 //! trace (and, in one test, on the scheduler's own count of turns it had to revoke).
 //!
@@ -192,7 +192,7 @@ fn longest_absence(trace: &Trace, pid: u32, device: u32, window: Window) -> u64 
     longest.max(window.end_ns.saturating_sub(covered))
 }
 
-/// (a) Issue 18: a process driving two GPUs whose work waits on each other (a peer-waiting
+/// (a) A process driving two GPUs whose work waits on each other (a peer-waiting
 /// kernel on each GPU for a flag the other sets, and a cross-device event), under two
 /// competing tenants (one per GPU, so neither GPU's turns line up with the other's), completes
 /// in every one of [`ROUNDS`] runs within [`ROUND_BOUND`]: the hook never holds one GPU's work
@@ -403,7 +403,7 @@ impl Held {
     }
 }
 
-/// (b) Issue 18: a kernel that spins on GPU 0 waiting for its peer on GPU 1, which sets the
+/// (b) A kernel that spins on GPU 0 waiting for its peer on GPU 1, which sets the
 /// flag only [`HOLD_MS`] later (many turns), while a competing tenant wants GPU 0. The
 /// holder's turn ends at its deadline however long its kernel waits: from any instant while
 /// the kernel waits, the competitor runs on GPU 0 within a turn ([`QUOTA_NS`], the longest the
@@ -441,7 +441,7 @@ fn a_peer_waiting_kernel_is_handed_over_within_turn_and_grace() {
     );
 }
 
-/// (b) Issue 18, from the scheduler: in the same scenario the holder hands its turn on GPU 0
+/// (b) From the scheduler: in the same scenario the holder hands its turn on GPU 0
 /// over itself, by the turn's end + grace, although its kernel keeps waiting for the peer long
 /// after: the scheduler never revokes it. (A drain that waits for the kernel to finish reports
 /// the turn only when the peer sets the flag, [`HOLD_MS`] later: by then the scheduler has

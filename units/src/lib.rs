@@ -1,5 +1,6 @@
-//! Units shared by every gpushare part: human-friendly sizes (`80GiB`, `512MiB`, `4096`) and
-//! durations (`1ms`, `25us`, `5s`) for flags, environment and config (DESIGN §7), and the
+//! Units shared by every gpushare part: human-friendly sizes (`80GiB`, `512MiB`, `4096`),
+//! Kubernetes quantities of bytes (`4Gi`, `2G`) and durations (`1ms`, `25us`, `5s`) for flags,
+//! environment and config (docs/configuration.md), and the
 //! `CLOCK_MONOTONIC` nanosecond time base of token deadlines and device traces.
 
 /// CLOCK_MONOTONIC in nanoseconds (vDSO, no syscall). Token deadlines, the device trace and
@@ -93,10 +94,65 @@ pub fn parse_duration_ns(s: &str) -> Result<u64, String> {
     to_u64((n * mult).round(), s)
 }
 
+/// A Kubernetes quantity of bytes: a number with an optional suffix `Ki Mi Gi Ti Pi` (binary)
+/// or `k M G T P` (decimal); more than 0.
+pub fn parse_quantity(v: &str) -> Result<u64, String> {
+    let t = v.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, suffix) = t.split_at(split);
+    let mult: f64 = match suffix {
+        "" => 1.0,
+        "Ki" => 1024.0,
+        "Mi" => 1024f64.powi(2),
+        "Gi" => 1024f64.powi(3),
+        "Ti" => 1024f64.powi(4),
+        "Pi" => 1024f64.powi(5),
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        _ => f64::NAN,
+    };
+    match plain_number(num).map(|n| (n * mult).round()) {
+        Some(b) if b >= 1.0 && b < u64::MAX as f64 => Ok(b as u64),
+        _ => Err(format!(
+            "{v:?} is not an amount of memory: write a quantity such as \"4Gi\", \"512Mi\" or \"2G\""
+        )),
+    }
+}
+
+/// Digits with at most one decimal point (no sign, exponent, `inf` or `NaN`).
+pub fn plain_number(s: &str) -> Option<f64> {
+    let ok = !s.is_empty()
+        && s.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+        && s.bytes().filter(|&b| b == b'.').count() <= 1
+        && s.bytes().any(|b| b.is_ascii_digit());
+    ok.then(|| s.parse().ok()).flatten()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use gpushare_frame::fuzz;
+
+    #[test]
+    fn quantities() {
+        assert_eq!(parse_quantity("4Gi"), Ok(4 << 30));
+        assert_eq!(parse_quantity("512Mi"), Ok(512 << 20));
+        assert_eq!(parse_quantity("1.5Gi"), Ok(3 << 29));
+        assert_eq!(parse_quantity("2G"), Ok(2_000_000_000));
+        assert_eq!(parse_quantity("1048576"), Ok(1 << 20));
+        for bad in ["4GiB", "0", "lots", "-1Gi", "Gi"] {
+            assert!(parse_quantity(bad).is_err(), "{bad}");
+        }
+        assert_eq!(plain_number("1.5"), Some(1.5));
+        for bad in ["", ".", "1e3", "-1", "inf", "1.2.3"] {
+            assert_eq!(plain_number(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn sizes() {

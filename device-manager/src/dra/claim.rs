@@ -6,8 +6,8 @@
 
 use super::config::{self, ClaimConfig};
 use super::{DRIVER, MEMORY, SHARE, device_name};
-use crate::annotations::parse_quantity;
 use crate::inventory::Gpu;
+use gpushare_units::parse_quantity;
 use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

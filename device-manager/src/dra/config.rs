@@ -95,7 +95,7 @@ pub fn parse(parameters: &Value) -> Result<ClaimConfig, String> {
         limit: field("limit", &raw.limit, &annotations::parse_fraction)?,
         weight: field("weight", &raw.weight, &annotations::parse_weight)?,
         memory: field("memory", &raw.memory, &|t| {
-            annotations::parse_quantity(t).map(|m| m as f64)
+            gpushare_units::parse_quantity(t).map(|m| m as f64)
         })?
         .map(|m| m as u64),
     })

@@ -121,6 +121,8 @@ mod tests {
             name: name.into(),
             annotations: BTreeMap::new(),
             container_ids: BTreeMap::new(),
+            units: BTreeMap::new(),
+            created: 0,
             claims: containers
                 .iter()
                 .map(|(c, claims)| {

@@ -3,7 +3,8 @@
 //! events and the `resource.k8s.io/v1` kinds (ResourceSlices, ResourceClaims, DeviceClasses)
 //! get / list / watch (field selectors on any field path, e.g. `spec.nodeName`, resource
 //! versions, bookmarks, `410 Gone` for a resource version older than the last compaction),
-//! create, replace (with the resource version checked), JSON merge patch and delete; and
+//! create, replace (with the resource version checked), JSON merge patch and delete; a pod's
+//! `binding` subresource (as kube-scheduler or its extender binds); and
 //! server-side `Table` output of pods and events for `kubectl get`. The test changes objects
 //! directly ([`FakeApiServer::create`] and friends), compacts the history, or takes the server
 //! down.
@@ -198,6 +199,10 @@ impl FakeApiServer {
             .route("/api/{version}/{plural}", collection())
             .route("/api/{version}/namespaces/{ns}/{plural}", collection())
             .route("/api/{version}/namespaces/{ns}/{plural}/{name}", object())
+            .route(
+                "/api/{version}/namespaces/{ns}/{plural}/{name}/binding",
+                axum::routing::post(binding),
+            )
             .route("/apis/{group}/{version}/{plural}", collection())
             .route("/apis/{group}/{version}/{plural}/{name}", object())
             .route(
@@ -651,6 +656,50 @@ async fn object(
     drop(s);
     let _ = st.tx.send(Signal::Changed);
     Json(done).into_response()
+}
+
+/// `POST …/pods/NAME/binding`: the pod gets the target's node, once.
+async fn binding(
+    State(st): State<Shared>,
+    Path(p): Path<HashMap<String, String>>,
+    body: Bytes,
+) -> Response {
+    if let Some(r) = unavailable(&st) {
+        return r;
+    }
+    let (Some(ns), Some(name)) = (p.get("ns"), p.get("name")) else {
+        return not_found().await;
+    };
+    if p.get("plural").map(String::as_str) != Some("pods") {
+        return not_found().await;
+    }
+    let Ok(b) = serde_json::from_slice::<Value>(&body) else {
+        return status(400, "BadRequest", "the body is not JSON");
+    };
+    let Some(node) = b["target"]["name"].as_str().filter(|n| !n.is_empty()) else {
+        return status(400, "BadRequest", "a binding needs target.name");
+    };
+    let k = key(Kind::Pod, ns, name);
+    let mut s = st.store.lock().unwrap();
+    let Some(mut pod) = s.objects.get(&k).cloned() else {
+        return status(404, "NotFound", &format!("pods \"{name}\" not found"));
+    };
+    if let Some(n) = pod["spec"]["nodeName"].as_str().filter(|n| !n.is_empty()) {
+        return status(
+            409,
+            "Conflict",
+            &format!("pod {name} is already assigned to node \"{n}\""),
+        );
+    }
+    pod["spec"]["nodeName"] = json!(node);
+    s.put(k, pod, "MODIFIED");
+    drop(s);
+    let _ = st.tx.send(Signal::Changed);
+    (
+        StatusCode::CREATED,
+        Json(json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201})),
+    )
+        .into_response()
 }
 
 fn line(kind: &str, object: &Value) -> Bytes {

@@ -24,17 +24,23 @@ pub fn cgroups_usable() -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
     // /proc/self belongs to the process's effective user.
     if std::fs::metadata("/proc/self").map_or(true, |m| m.uid() != 0) {
-        return Err("not root: tenants cannot be placed in kubelet-style cgroups".into());
+        return Err(
+            "not root: tenants cannot be placed in kubelet-style cgroups (run it as root, as CI does)"
+                .into(),
+        );
     }
     for d in [V2_ROOT, V1_ROOT] {
         if !Path::new(d).join("cgroup.procs").exists() {
-            return Err(format!("{d} is not a mounted cgroup hierarchy"));
+            return Err(format!(
+                "{d} is not a mounted cgroup hierarchy (these tests need the hybrid layout: \
+                 cgroup v2 at {V2_ROOT} and the v1 pids hierarchy at {V1_ROOT})"
+            ));
         }
     }
     Ok(())
 }
 
-/// cgroup v2 (unified) and a v1 hierarchy, as mounted on this machine (hybrid layout).
+/// cgroup v2 (unified) and a v1 hierarchy, as a host with the hybrid layout mounts them.
 const V2_ROOT: &str = "/sys/fs/cgroup/unified";
 const V1_ROOT: &str = "/sys/fs/cgroup/pids";
 
@@ -258,11 +264,9 @@ fn scrape(addr: std::net::SocketAddr) -> String {
 
 impl Cluster {
     /// What the kubelet does for a new pod with one container asking for `units`: the pod
-    /// in the API server (bound to this node), preferred units, `Allocate`, the assignment in
-    /// PodResources, the container ID in the pod's status.
+    /// in the API server (bound to this node), then [`kubelet_admits`].
     pub async fn admit(&mut self, name: &str, units: u32, annotations: Value) -> Pod {
         let uid = format!("{:08x}-6f0e-4a57-9a39-8f2d3c1b7e11", fxhash(name) as u32);
-        let id = format!("{:016x}", fxhash(name)).repeat(4);
         self.api.create_pod(json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "default", "uid": uid, "annotations": annotations},
@@ -270,66 +274,20 @@ impl Cluster {
                 "resources": {"limits": {RESOURCE: units.to_string()}}}]},
             "status": {"phase": "Pending"}
         }));
-        let mut plugin = self.kubelet.plugin().await;
-        let available: Vec<String> = crate::kubelet::devices(&mut plugin)
-            .await
-            .iter()
-            .filter(|d| d.health == "Healthy" && !self.used.contains(&d.id))
-            .map(|d| d.id.clone())
-            .collect();
-        let preferred = plugin
-            .get_preferred_allocation(PreferredAllocationRequest {
-                container_requests: vec![ContainerPreferredAllocationRequest {
-                    available_device_i_ds: available,
-                    must_include_device_i_ds: vec![],
-                    allocation_size: units as i32,
-                }],
-            })
-            .await
-            .expect("GetPreferredAllocation")
-            .into_inner()
-            .container_responses
-            .remove(0)
-            .device_i_ds;
-        let alloc = plugin
-            .allocate(AllocateRequest {
-                container_requests: vec![ContainerAllocateRequest {
-                    devices_ids: preferred.clone(),
-                }],
-            })
-            .await
-            .expect("Allocate")
-            .into_inner()
-            .container_responses
-            .remove(0);
-        self.used.extend(preferred.iter().cloned());
-        self.podres
-            .assign("default", name, "main", RESOURCE, preferred);
-        self.api.update_pod("default", name, |p| {
-            p["status"] = json!({"phase": "Running", "containerStatuses": [{"name": "main",
-                "containerID": format!("containerd://{id}"), "ready": true, "restartCount": 0,
-                "image": "cuda-app", "imageID": "", "started": true}]});
-        });
-        Pod {
-            uid,
-            container_id: id,
-            alloc,
-        }
+        kubelet_admits(
+            &self.api,
+            &self.kubelet,
+            &self.podres,
+            &mut self.used,
+            name,
+            units,
+        )
+        .await
     }
 
-    /// A process of `pod`'s container: `cudarc-client ARGS` with the container's environment
-    /// from `Allocate` (container paths mapped back to the host, as the runtime's mounts would),
-    /// on the simulated GPU, in the container's cgroup.
+    /// A process of `pod`'s container (see [`container_process`]).
     pub fn container_process(&self, pod: &Pod, cg: &Cgroup, args: &[String]) -> Command {
-        let mut c = cg.command(&target_dir().join("cudarc-client"), args);
-        for (k, v) in &self.node.sim_env {
-            c.env(k, v);
-        }
-        for (k, v) in &pod.alloc.envs {
-            c.env(k, host_path(&pod.alloc, v));
-        }
-        c.env("GPUSHARE_FAIL", "closed");
-        c
+        container_process(&self.node, pod, cg, args)
     }
 
     pub fn spawn(&self, cmd: Command) -> Tenant {
@@ -340,6 +298,86 @@ impl Cluster {
     pub fn wait_status(&self, timeout: Duration, f: impl Fn(&Value) -> bool) -> Value {
         wait_status(&self.node, timeout, f, || self.manager_log())
     }
+}
+
+/// What a node's kubelet does for pod `default/NAME`, bound to it, with one container `main`
+/// asking for `units`: preferred units, `Allocate`, the assignment in PodResources, the
+/// container ID in the pod's status. `used`: the units the kubelet assigned before.
+pub async fn kubelet_admits(
+    api: &FakeApiServer,
+    kubelet: &FakeKubelet,
+    podres: &FakePodResources,
+    used: &mut BTreeSet<String>,
+    name: &str,
+    units: u32,
+) -> Pod {
+    let uid = api
+        .list(crate::apiserver::Kind::Pod, "default")
+        .into_iter()
+        .find(|p| p["metadata"]["name"] == name)
+        .and_then(|p| p["metadata"]["uid"].as_str().map(str::to_string))
+        .unwrap_or_else(|| panic!("no pod default/{name} in the API server"));
+    let id = format!("{:016x}", fxhash(name)).repeat(4);
+    let mut plugin = kubelet.plugin().await;
+    let available: Vec<String> = crate::kubelet::devices(&mut plugin)
+        .await
+        .iter()
+        .filter(|d| d.health == "Healthy" && !used.contains(&d.id))
+        .map(|d| d.id.clone())
+        .collect();
+    let preferred = plugin
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: available,
+                must_include_device_i_ds: vec![],
+                allocation_size: units as i32,
+            }],
+        })
+        .await
+        .expect("GetPreferredAllocation")
+        .into_inner()
+        .container_responses
+        .remove(0)
+        .device_i_ds;
+    let alloc = plugin
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: preferred.clone(),
+            }],
+        })
+        .await
+        .expect("Allocate")
+        .into_inner()
+        .container_responses
+        .remove(0);
+    used.extend(preferred.iter().cloned());
+    podres.assign("default", name, "main", RESOURCE, preferred.clone());
+    api.update_pod("default", name, |p| {
+        p["status"] = json!({"phase": "Running", "containerStatuses": [{"name": "main",
+            "containerID": format!("containerd://{id}"), "ready": true, "restartCount": 0,
+            "image": "cuda-app", "imageID": "", "started": true}]});
+    });
+    Pod {
+        uid,
+        container_id: id,
+        alloc,
+        devices: preferred,
+    }
+}
+
+/// A process of `pod`'s container on `node`: `cudarc-client ARGS` with the container's
+/// environment from `Allocate` (container paths mapped back to the host, as the runtime's
+/// mounts would), on the simulated GPU, in the container's cgroup.
+pub fn container_process(node: &Node, pod: &Pod, cg: &Cgroup, args: &[String]) -> Command {
+    let mut c = cg.command(&target_dir().join("cudarc-client"), args);
+    for (k, v) in &node.sim_env {
+        c.env(k, v);
+    }
+    for (k, v) in &pod.alloc.envs {
+        c.env(k, host_path(&pod.alloc, v));
+    }
+    c.env("GPUSHARE_FAIL", "closed");
+    c
 }
 
 /// Poll `node`'s `gpushare status --json` until `f` holds (at most `timeout`); the status
@@ -377,13 +415,25 @@ pub fn agent_command(
     kubeconfig: &Path,
     log: &Path,
 ) -> Command {
+    agent_command_on(NODE, node, program, admin_socket, kubeconfig, log)
+}
+
+/// [`agent_command`] on the node named `node_name`.
+pub fn agent_command_on(
+    node_name: &str,
+    node: &Node,
+    program: &str,
+    admin_socket: &Path,
+    kubeconfig: &Path,
+    log: &Path,
+) -> Command {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
         .unwrap();
     let mut cmd = node.command(target_dir().join(program));
-    cmd.args(["--node-name", NODE])
+    cmd.args(["--node-name", node_name])
         .arg("--scheduler-socket")
         .arg(admin_socket)
         .arg("--tenant-socket")
@@ -432,6 +482,8 @@ pub struct Pod {
     pub uid: String,
     pub container_id: String,
     pub alloc: ContainerAllocateResponse,
+    /// The units the kubelet assigned (`<GPU-UUID>::<n>`).
+    pub devices: Vec<String>,
 }
 
 /// An environment value with a mount's container path replaced by its host path.

@@ -1,12 +1,13 @@
 //! The node agents on nodes of stand-ins: gpushare-device-manager (see `cluster.rs`; here) and
 //! gpushare-dra (`dra.rs`), each the real agent with the real scheduler and hook on the
 //! simulated GPU, fake kubelets and API server, the real `kubectl`, tenants in kubelet-style
-//! cgroups.
+//! cgroups; and the scheduler extender placing pods on three such nodes (`extender.rs`).
 
 mod apiserver;
 mod cluster;
 mod dra;
 mod drakubelet;
+mod extender;
 mod kubelet;
 mod tools;
 
@@ -267,10 +268,7 @@ async fn the_device_plugin_serves_the_kubelet_without_an_api_server() {
 /// after 2 s; metrics and status name the pods.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_get_the_shares_their_units_and_annotations_say() {
-    if let Err(why) = cgroups_usable() {
-        eprintln!("SKIPPED: {why}");
-        return;
-    }
+    cgroups_usable().unwrap_or_else(|why| panic!("cannot run: {why}"));
     let mut c = Cluster::start(&["--memory", "8GiB"], &[]).await;
     let a = c
         .admit(
@@ -489,7 +487,8 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
 }
 
 /// `deploy/kubernetes` renders with `kubectl kustomize` and its objects (and the example pod)
-/// pass strict schema validation for Kubernetes 1.30, the first with admission policies v1.
+/// pass strict schema validation for Kubernetes 1.30, the first with admission policies v1;
+/// so does `deploy/with-extender`, the base with the scheduler extender's component.
 #[test]
 fn the_manifests_render_and_validate() {
     let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes");
@@ -512,16 +511,35 @@ fn the_manifests_render_and_validate() {
         );
     }
     tools::validate("1.30.0", &rendered, &[base.join("examples/pod.yaml")]);
+    // With the scheduler extender's component: its scheduler, configuration and RBAC.
+    let overlay = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/with-extender");
+    let rendered = tools::kustomize(&overlay);
+    for want in [
+        "kind: DaemonSet",
+        "kind: KubeSchedulerConfiguration",
+        "schedulerName: gpushare",
+        "filterVerb: filter",
+        "prioritizeVerb: prioritize",
+        "bindVerb: bind",
+        "nodeCacheCapable: true",
+        "name: gpushare.io/gpu-share",
+        "- gpushare-extender",
+        "resources:\n  - pods/binding",
+        "name: system:kube-scheduler",
+    ] {
+        assert!(
+            rendered.contains(want),
+            "the rendered overlay lacks {want:?}\n{rendered}"
+        );
+    }
+    tools::validate("1.30.0", &rendered, &[]);
 }
 
 /// The last known policy stays in force while the API server is down, across a manager
 /// restart in that state; the watch recovers from a compaction (410 Gone) by relisting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_policy_survives_api_outages_manager_restarts_and_compaction() {
-    if let Err(why) = cgroups_usable() {
-        eprintln!("SKIPPED: {why}");
-        return;
-    }
+    cgroups_usable().unwrap_or_else(|why| panic!("cannot run: {why}"));
     let mut c = Cluster::start(&[], &[]).await;
     let p = c
         .admit("serve", 40, json!({"gpushare.io/gpu-limit": "0.5"}))

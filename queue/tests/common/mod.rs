@@ -8,7 +8,6 @@ use gpushare_testkit::node::{Node, wait_for};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
@@ -77,10 +76,10 @@ impl QueueNode {
     /// A node with `gpushare-sim serve SIM_ARGS`, a `--dev` scheduler, and `gpushare-queue serve
     /// QUEUE_ARGS` (the test defaults: books read every 100 ms, 1 s kill grace).
     pub fn start(sim_args: &[&str], queue_args: &[&str]) -> QueueNode {
-        let mut node = Node::device_only_with(sim_args);
+        // Jobs and commands of other users run copies of the programs, and reach the node's
+        // sockets.
+        let mut node = Node::for_every_user(sim_args);
         node.start_scheduler(&[]);
-        // Jobs of other users reach the node's sockets and binaries through its directory.
-        std::fs::set_permissions(node.tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let mut q = QueueNode {
             socket: node.tmp.path().join("queue.sock"),
             db: node.tmp.path().join("queue/queue.db"),
@@ -114,6 +113,8 @@ impl QueueNode {
             .arg(&self.socket)
             .arg("--scheduler-socket")
             .arg(&self.node.sched_socket)
+            .arg("--gpushare")
+            .arg(self.node.programs.path("gpushare"))
             .args(["--books-interval", "100ms", "--kill-grace", "1s"])
             .args(["--pass-env", "LD_LIBRARY_PATH,GPUSHARE_SIM_SOCKET"])
             .args(&self.args)
@@ -152,9 +153,23 @@ impl QueueNode {
         }
     }
 
+    /// A job command: `cudarc-client ARGS` (the simulated GPU's client, a copy every user may
+    /// run).
+    pub fn cudarc(&self, args: &[&str]) -> Vec<String> {
+        let mut v = vec![
+            self.node
+                .programs
+                .path("cudarc-client")
+                .display()
+                .to_string(),
+        ];
+        v.extend(args.iter().map(|s| s.to_string()));
+        v
+    }
+
     /// `gpushare ARGS` as root (or as `uid`/`gid`), in the node's directory.
     pub fn cli_as(&self, user: Option<(u32, u32)>, args: &[&str]) -> Output {
-        let mut c = Command::new(target_dir().join("gpushare"));
+        let mut c = Command::new(self.node.programs.path("gpushare"));
         c.args(args)
             .env("GPUSHARE_QUEUE_SOCKET", &self.socket)
             .current_dir(self.node.tmp.path());
@@ -321,13 +336,6 @@ pub fn ran_on(trace: &gpushare_testkit::trace::Trace, pid: u32, device: u32) -> 
         .records()
         .iter()
         .any(|r| r.pid == pid && r.device == device)
-}
-
-/// A job command: `cudarc-client ARGS` (the sim client, from the target directory).
-pub fn cudarc(args: &[&str]) -> Vec<String> {
-    let mut v = vec![target_dir().join("cudarc-client").display().to_string()];
-    v.extend(args.iter().map(|s| s.to_string()));
-    v
 }
 
 /// Borrow a list of arguments.

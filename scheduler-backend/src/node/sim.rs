@@ -898,8 +898,10 @@ impl World {
                         }),
                         again: what % 8 < 4,
                     },
+                    // Never the current version, whatever it is: a second Hello, or a first
+                    // one of another version.
                     2 => ClientMsg::Hello {
-                        version: u32::from(what),
+                        version: PROTOCOL_VERSION + 1 + u32::from(what),
                         declared: None,
                     },
                     // Frees more than it holds (when no reservation of its is under way, whose
@@ -1025,7 +1027,7 @@ fn random_lives_reach_every_path() {
         total.unjournaled += s.unjournaled;
     }
     eprintln!("{total:?}");
-    assert!(total.grants > 200 && total.welcomed > 400, "{total:?}");
+    assert!(total.grants > 200 && total.welcomed > 300, "{total:?}");
     assert!(total.pods_admitted > 0 && total.refused > 0, "{total:?}");
     assert!(total.closed_by_node > 0 && total.restarts > 0, "{total:?}");
     assert!(

@@ -167,6 +167,10 @@ pub struct Model {
     event_slots: FxHashMap<(ConnId, u32), (Key, u64)>,
     /// When each flag `(connection, device address)` was set (the earliest decided set).
     flags: FxHashMap<(ConnId, u64), u64>,
+    /// Events shared between processes (IPC events), by id: the sharing connection, and the
+    /// latest record made of it by any process.
+    shared_events: FxHashMap<u64, (ConnId, Option<(Key, u64)>)>,
+    next_shared_event: u64,
     /// How far spinning peer-wait kernels may be committed during this [`Model::advance`].
     spin_horizon: u64,
 }
@@ -204,6 +208,8 @@ impl Model {
             events: FxHashMap::default(),
             event_slots: FxHashMap::default(),
             flags: FxHashMap::default(),
+            shared_events: FxHashMap::default(),
+            next_shared_event: 1,
             spin_horizon: 0,
         }
     }
@@ -227,6 +233,7 @@ impl Model {
         self.events.retain(|k, _| k.0.0 != conn);
         self.event_slots.retain(|k, _| k.0 != conn);
         self.flags.retain(|k, _| k.0 != conn);
+        self.shared_events.retain(|_, e| e.0 != conn);
         let held: Vec<_> = self.held.keys().filter(|k| k.0 == conn).copied().collect();
         for key in held {
             let bytes = self.held.remove(&key).unwrap_or(0);
@@ -397,8 +404,25 @@ impl Model {
                 event: Some((slot, generation)),
             },
             Op::HostFunc => Work::HostFunc { notified: false },
+            &Op::SharedEvent {
+                slot, generation, ..
+            } => Work::Marker {
+                event: Some((slot, generation)),
+            },
+            Op::WaitShared { .. } => Work::Marker { event: None },
         };
         let conn = stream.0;
+        let mut deps: Vec<(Key, u64)> = deps.iter().map(|&(st, q)| ((conn, st), q)).collect();
+        match *op {
+            // The latest record of the shared event so far, whichever process made it.
+            Op::WaitShared { event } => deps.extend(self.shared_record(event)),
+            Op::SharedEvent { event, .. } if self.streams.contains_key(&stream) => {
+                if let Some(e) = self.shared_events.get_mut(&event) {
+                    e.1 = Some((stream, seq));
+                }
+            }
+            _ => {}
+        }
         let s = self
             .streams
             .get_mut(&stream)
@@ -415,10 +439,37 @@ impl Model {
         s.queue.push_back(QueuedOp {
             seq,
             submit_ns: now,
-            deps: deps.iter().map(|&(st, q)| ((conn, st), q)).collect(),
+            deps,
             work,
         });
         Ok(())
+    }
+
+    /// Share an event of `conn` with other processes, its latest record so far being `record`;
+    /// the id others name it by.
+    pub fn share_event(&mut self, conn: ConnId, record: Option<(u64, u64)>) -> u64 {
+        let id = self.next_shared_event;
+        self.next_shared_event += 1;
+        let record = record.map(|(stream, seq)| ((conn, stream), seq));
+        self.shared_events.insert(id, (conn, record));
+        id
+    }
+
+    /// Whether shared event `event` exists (its sharer has neither destroyed it nor exited).
+    pub fn shared_event_exists(&self, event: u64) -> bool {
+        self.shared_events.contains_key(&event)
+    }
+
+    /// The sharer `conn` destroyed shared event `event`.
+    pub fn unshare_event(&mut self, conn: ConnId, event: u64) {
+        if self.shared_events.get(&event).is_some_and(|e| e.0 == conn) {
+            self.shared_events.remove(&event);
+        }
+    }
+
+    /// The latest record of shared event `event`, if it has one.
+    pub fn shared_record(&self, event: u64) -> Option<(Key, u64)> {
+        self.shared_events.get(&event).and_then(|e| e.1)
     }
 
     /// The client finished running a host function: the stream moves on from `now`.

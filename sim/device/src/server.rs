@@ -380,6 +380,40 @@ fn handle(st: &mut State, shared: &Shared, conn: ConnId, req: Request, now: u64,
             Some((free, total)) => out.push((conn, Reply::MemInfo { req, free, total })),
             None => out.push(err(Some(req), format!("no simulated device {device}"))),
         },
+        Request::ShareEvent { req, record } => {
+            let event = m.share_event(conn, record);
+            out.push((conn, Reply::SharedEvent { req, event }));
+        }
+        Request::OpenSharedEvent { req, event } => {
+            if m.shared_event_exists(event) {
+                out.push((conn, Reply::SharedEvent { req, event }));
+            } else {
+                out.push(err(
+                    Some(req),
+                    format!("no shared event {event}: its process destroyed it or exited"),
+                ));
+            }
+        }
+        Request::UnshareEvent { event } => m.unshare_event(conn, event),
+        Request::SharedEventStatus { req, event, wait } => {
+            let ops: Vec<(Key, u64)> = m.shared_record(event).into_iter().collect();
+            if wait {
+                st.waiters.push(Waiter { conn, req, ops });
+            } else {
+                m.advance(now);
+                let end = ops
+                    .iter()
+                    .try_fold(0, |acc, &(s, q)| Some(acc.max(m.completion(s, q)?)))
+                    .filter(|&e| e <= now);
+                out.push((
+                    conn,
+                    Reply::Status {
+                        req,
+                        ends: vec![end],
+                    },
+                ));
+            }
+        }
         Request::Checkpoint { req, pid, call } => relay(st, conn, req, pid, call, out),
         Request::CheckpointDone { id, result, value } => {
             if st.relays.get(&id).is_some_and(|r| r.target == conn) {

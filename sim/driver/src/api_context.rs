@@ -77,25 +77,93 @@ entry!(
     }
 );
 
+fn push(ctx: Handle) -> CuResult {
+    let d = driver()?;
+    if !d.lock().contexts.contains_key(&id(ctx)) {
+        return Err(CUDA_ERROR_INVALID_CONTEXT);
+    }
+    state::push_current(id(ctx));
+    Ok(())
+}
+
+fn pop(pctx: *mut Handle) -> CuResult {
+    driver()?;
+    let ctx = state::pop_current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+    if !pctx.is_null() {
+        put(pctx, handle(ctx))?;
+    }
+    Ok(())
+}
+
 entry!(
     fn cuCtxPushCurrent_v2(ctx: Handle) {
-        let d = driver()?;
-        if !d.lock().contexts.contains_key(&id(ctx)) {
-            return Err(CUDA_ERROR_INVALID_CONTEXT);
-        }
-        state::push_current(id(ctx));
-        Ok(())
+        push(ctx)
     }
 );
 
 entry!(
     fn cuCtxPopCurrent_v2(pctx: *mut Handle) {
-        driver()?;
-        let ctx = state::pop_current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
-        if !pctx.is_null() {
-            put(pctx, handle(ctx))?;
-        }
-        Ok(())
+        pop(pctx)
+    }
+);
+
+// The legacy names of the push and pop, which programs still look up with dlsym.
+entry!(
+    fn cuCtxPushCurrent(ctx: Handle) {
+        push(ctx)
+    }
+);
+entry!(
+    fn cuCtxPopCurrent(pctx: *mut Handle) {
+        pop(pctx)
+    }
+);
+
+/// Peer access from the current context to `peer`'s memory: the current context and the
+/// peer, checked as `cuCtxEnablePeerAccess` and `cuCtxDisablePeerAccess` document ("no current
+/// context, peerContext is not a valid context, or ... the current context is peerContext":
+/// `CUDA_ERROR_INVALID_CONTEXT`).
+fn peer_pair(st: &crate::state::State, peer: Handle) -> CuResult<(u64, u64)> {
+    let ctx = st.current()?;
+    let peer = id(peer);
+    if peer == ctx || !st.contexts.contains_key(&peer) {
+        return Err(CUDA_ERROR_INVALID_CONTEXT);
+    }
+    Ok((ctx, peer))
+}
+
+entry!(
+    fn cuCtxEnablePeerAccess(peer: Handle, flags: c_uint) {
+        with_state(|_, st| {
+            let (ctx, peer) = peer_pair(st, peer)?;
+            if flags != 0 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            // Only across devices cuDeviceCanAccessPeer links.
+            if st.contexts[&ctx].device == st.contexts[&peer].device {
+                return Err(CUDA_ERROR_PEER_ACCESS_UNSUPPORTED);
+            }
+            let peers = &mut st.contexts.get_mut(&ctx).expect("current").peers;
+            if peers.contains(&peer) {
+                return Err(CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED);
+            }
+            peers.push(peer);
+            Ok(())
+        })
+    }
+);
+
+entry!(
+    fn cuCtxDisablePeerAccess(peer: Handle) {
+        with_state(|_, st| {
+            let (ctx, peer) = peer_pair(st, peer)?;
+            let peers = &mut st.contexts.get_mut(&ctx).expect("current").peers;
+            if !peers.contains(&peer) {
+                return Err(CUDA_ERROR_PEER_ACCESS_NOT_ENABLED);
+            }
+            peers.retain(|&p| p != peer);
+            Ok(())
+        })
     }
 );
 
@@ -186,32 +254,59 @@ entry!(
     }
 );
 
-// Limits the simulated device accepts and remembers nothing about (stack size, printf FIFO…).
+/// A context's limit, as set or else its default (an H100's; a context is never a CIG context).
+/// Every limit CUDA 12.9 defines answers: libraries query them all, including those added late
+/// (`CU_LIMIT_CIG_ENABLED`), and read the value.
+fn limit_value(set: &[(CUlimit, usize)], limit: CUlimit) -> CuResult<usize> {
+    if let Some(&(_, v)) = set.iter().find(|(l, _)| *l == limit) {
+        return Ok(v);
+    }
+    Ok(match limit {
+        CU_LIMIT_STACK_SIZE => 1024,
+        CU_LIMIT_PRINTF_FIFO_SIZE => 1 << 20,
+        CU_LIMIT_MALLOC_HEAP_SIZE => 8 << 20,
+        CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH => 2,
+        CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT => 2048,
+        CU_LIMIT_MAX_L2_FETCH_GRANULARITY => 32,
+        CU_LIMIT_PERSISTING_L2_CACHE_SIZE => 0,
+        // The shared memory kernels may use: the whole opt-in maximum outside CIG.
+        CU_LIMIT_SHMEM_SIZE => crate::occupancy::SHARED_PER_BLOCK_OPTIN as usize,
+        CU_LIMIT_CIG_ENABLED => 0,
+        CU_LIMIT_CIG_SHMEM_FALLBACK_ENABLED => 1,
+        _ => return Err(CUDA_ERROR_UNSUPPORTED_LIMIT),
+    })
+}
+
 entry!(
     fn cuCtxGetLimit(value: *mut usize, limit: CUlimit) {
-        with_state(|_, st| st.current().map(|_| ()))?;
-        let v = match limit {
-            CU_LIMIT_STACK_SIZE => 1024,
-            CU_LIMIT_PRINTF_FIFO_SIZE => 1 << 20,
-            CU_LIMIT_MALLOC_HEAP_SIZE => 8 << 20,
-            CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH => 2,
-            CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT => 2048,
-            CU_LIMIT_MAX_L2_FETCH_GRANULARITY => 32,
-            CU_LIMIT_PERSISTING_L2_CACHE_SIZE => 0,
-            _ => return Err(CUDA_ERROR_UNSUPPORTED_LIMIT),
-        };
+        let v = with_state(|_, st| {
+            let ctx = st.current()?;
+            limit_value(&st.contexts[&ctx].limits, limit)
+        })?;
         put(value, v)
     }
 );
 
+// "The driver is free to modify the requested value to meet h/w requirements": the L2 fetch
+// granularity is at most 128 bytes. The CIG limits `SHMEM_SIZE` and `CIG_ENABLED` "can only be
+// queried, cannot be set".
 entry!(
-    fn cuCtxSetLimit(limit: CUlimit, _value: usize) {
-        with_state(|_, st| st.current().map(|_| ()))?;
-        if (CU_LIMIT_STACK_SIZE..=CU_LIMIT_PERSISTING_L2_CACHE_SIZE).contains(&limit) {
+    fn cuCtxSetLimit(limit: CUlimit, value: usize) {
+        with_state(|_, st| {
+            let ctx = st.current()?;
+            let value = match limit {
+                CU_LIMIT_SHMEM_SIZE | CU_LIMIT_CIG_ENABLED => {
+                    return Err(CUDA_ERROR_UNSUPPORTED_LIMIT);
+                }
+                CU_LIMIT_MAX_L2_FETCH_GRANULARITY => value.min(128),
+                _ => value,
+            };
+            let limits = &mut st.contexts.get_mut(&ctx).expect("current").limits;
+            limit_value(limits, limit)?;
+            limits.retain(|(l, _)| *l != limit);
+            limits.push((limit, value));
             Ok(())
-        } else {
-            Err(CUDA_ERROR_UNSUPPORTED_LIMIT)
-        }
+        })
     }
 );
 
@@ -257,7 +352,7 @@ entry!(
     }
 );
 
-fn primary_release(dev: CUdevice) -> CuResult {
+pub fn primary_release(dev: CUdevice) -> CuResult {
     let d = driver()?;
     let device = d.check_device(dev)? as usize;
     let p = d.lock().primary[device];

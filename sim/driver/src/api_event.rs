@@ -3,8 +3,8 @@
 //! event board as soon as it is decided: queries read memory, as on a real GPU.
 
 use crate::ffi::*;
-use crate::state::{Event, driver, with_state};
-use gpushare_sim_wire::Op;
+use crate::state::{Driver, Event, State, driver, with_state};
+use gpushare_sim_wire::{Op, OpRef};
 use std::ffi::c_uint;
 
 entry!(
@@ -34,9 +34,15 @@ entry!(
 );
 
 fn destroy(h: Handle) -> CuResult {
-    with_state(|_, st| {
+    with_state(|d, st| {
         let ev = st.events.remove(&id(h)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         st.free_event_slot(ev.slot);
+        // Other processes may no longer open it ("operations on the imported event after the
+        // exported event has been freed" are undefined).
+        if let (Some(event), true) = (ev.shared, ev.exported) {
+            d.client
+                .send(&gpushare_sim_wire::Request::UnshareEvent { event })?;
+        }
         Ok(())
     })
 }
@@ -55,29 +61,60 @@ entry!(
 fn record(h: Handle, stream: Handle, pt: bool) -> CuResult {
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, stream, pt)?;
-        if !st.events.contains_key(&id(h)) {
-            return Err(CUDA_ERROR_INVALID_HANDLE);
-        }
-        if let Some(cap) = st.streams[&s].capture.clone() {
-            if cap.invalidated {
-                return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
-            }
-            let ev = st.events.get_mut(&id(h)).expect("checked above");
-            ev.captured = Some(cap);
-            return Ok(());
-        }
-        // A generation never used before on any slot: a slot's next owner cannot read this
-        // record's time as its own.
-        let generation = st.new_id();
-        let slot = st.events[&id(h)].slot;
-        let r = st.submit(&d.client, s, Op::Event { slot, generation }, &[])?;
-        let ev = st.events.get_mut(&id(h)).expect("checked above");
-        ev.record = Some(r);
-        ev.generation = generation;
-        ev.done_ns = None;
-        ev.captured = None;
-        Ok(())
+        record_on(d, st, id(h), s, &[])
     })
+}
+
+/// Record `event` on `stream` after the stream's work and `after` (a green context's record
+/// waits for all of its streams); into the graph instead while the stream is captured.
+pub fn record_on(d: &Driver, st: &mut State, event: u64, stream: u64, after: &[OpRef]) -> CuResult {
+    if !st.events.contains_key(&event) {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    if let Some(cap) = st.streams[&stream].capture.clone() {
+        if cap.invalidated {
+            return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        }
+        let ev = st.events.get_mut(&event).expect("checked above");
+        ev.captured = Some(cap);
+        return Ok(());
+    }
+    // A generation never used before on any slot: a slot's next owner cannot read this
+    // record's time as its own.
+    let generation = st.new_id();
+    let (slot, shared) = (st.events[&event].slot, st.events[&event].shared);
+    let op = match shared {
+        Some(event) => Op::SharedEvent {
+            slot,
+            generation,
+            event,
+        },
+        None => Op::Event { slot, generation },
+    };
+    let r = st.submit(&d.client, stream, op, after)?;
+    let ev = st.events.get_mut(&event).expect("checked above");
+    ev.record = Some(r);
+    ev.generation = generation;
+    ev.done_ns = None;
+    ev.captured = None;
+    if shared.is_some() {
+        // The record is the shared event's latest for every process once this call returns:
+        // a round trip on this connection has the device take it before anything another
+        // process does after hearing of it.
+        d.client.query(Vec::new())?;
+    }
+    Ok(())
+}
+
+/// The op that makes work wait for `event`'s latest record: a marker after the record, or,
+/// for an event shared between processes, a marker the device makes wait for the latest
+/// record of the event by any process. `None`: nothing to wait for.
+pub fn wait_op(ev: &Event) -> Option<(Op, Vec<OpRef>)> {
+    match (ev.shared, ev.record) {
+        (Some(event), _) => Some((Op::WaitShared { event }, Vec::new())),
+        (None, Some(r)) => Some((Op::Marker, vec![r])),
+        (None, None) => None,
+    }
 }
 
 entry_pt!(cuEventRecord / cuEventRecord_ptsz, |pt| fn(h: Handle, stream: Handle) { record(h, stream, pt) });
@@ -93,6 +130,13 @@ fn completion(h: Handle, wait: bool) -> CuResult<u64> {
     let (rec, slot, generation) = {
         let mut st = d.lock();
         let ev = st.events.get(&id(h)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if let Some(event) = ev.shared {
+            drop(st);
+            return match d.client.shared_event_status(event, wait)? {
+                Some(t) => Ok(t),
+                None => Err(CUDA_ERROR_NOT_READY),
+            };
+        }
         // An event recorded in a capture stands for no device work: querying or waiting for
         // it while the capture goes on is invalid and invalidates the capture.
         if let Some(graph) = ev.captured.as_ref().map(|c| c.graph)

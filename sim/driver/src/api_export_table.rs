@@ -143,8 +143,41 @@ extern "C" fn tools_buffer_2(ptr: *mut *mut c_void, size: *mut usize) {
     let _ = put(size, 14);
 }
 
+// Thread-local state for tools. cuBLASLt calls slot 2 with one out-pointer and passes what it
+// gets to slot 4 of the context-identity table below, whose answer keys its per-context state:
+// slot 2 answers the calling thread's current context. (Answering "not supported" there sends
+// cuBLASLt down a path on which every matmul fails with CUBLAS_STATUS_NOT_SUPPORTED.)
 const TOOLS_TLS_ID: [u8; 16] = uuid(0x42d85a81_23f6_cb47_8298_f6e78a3aecdc);
-static TOOLS_TLS: Table<4> = Table([size_of_table(4), NULL, NULL, NULL]);
+static TOOLS_TLS: Table<4> = Table([
+    size_of_table(4),
+    not_supported_2 as *const c_void,
+    tls_current_ctx as *const c_void,
+    not_supported_2 as *const c_void,
+]);
+
+extern "C" fn tls_current_ctx(out: *mut Handle) -> CUresult {
+    call(|| put(out, handle(crate::state::current_ctx().unwrap_or(0))))
+}
+
+// A context's identity: slot 4 maps a context (from the tools table's slot 2) to its unique id,
+// the one cuCtxGetId reports.
+const CONTEXT_IDENTITY_ID: [u8; 16] = uuid(0x21318c60_9714_3248_8ca6_41ff7324c8f2);
+static CONTEXT_IDENTITY: Table<5> = Table([
+    size_of_table(5),
+    not_supported_2 as *const c_void,
+    not_supported_2 as *const c_void,
+    not_supported_2 as *const c_void,
+    context_id as *const c_void,
+]);
+
+extern "C" fn context_id(ctx: Handle, out: *mut u64) -> CUresult {
+    call(|| {
+        with_state(|_, st| {
+            let c = storage_ctx(st, ctx)?;
+            put(out, c)
+        })
+    })
+}
 
 // --- context-local storage: the runtime keeps its per-context state with the context ---
 
@@ -252,6 +285,18 @@ extern "C" fn not_supported_3(_: usize, _: usize, _: usize) -> CUresult {
 extern "C" fn not_supported_4(_: usize, _: usize, _: usize, _: usize) -> CUresult {
     CUDA_ERROR_NOT_SUPPORTED
 }
+
+// --- a table cuBLASLt's reduced-precision heuristics ask for ---
+//
+// cuBLASLt calls slot 4 with two out-pointers it zeroed, and takes its own path when the call
+// fails; it does not check that the table was found, so a driver that does not serve it makes
+// the first bfloat16 matmul crash. Every slot answers "not supported".
+const LT_HEURISTICS_ID: [u8; 16] = uuid(0x1734dc26_800d_4745_8726_c0f1e7dd8bca);
+static LT_HEURISTICS: Table<8> = {
+    let mut t = [not_supported_2 as *const c_void; 8];
+    t[0] = size_of_table(8);
+    Table(t)
+};
 
 // --- context checks ---
 
@@ -439,6 +484,8 @@ fn table(uuid: &[u8; 16]) -> Option<*const c_void> {
         DEVICE_EXTENDED_RT_ID => DEVICE_EXTENDED_RT.start(),
         CONTEXT_CHECKS_ID => CONTEXT_CHECKS.start(),
         INTEGRITY_CHECK_ID => INTEGRITY_CHECK.start(),
+        CONTEXT_IDENTITY_ID => CONTEXT_IDENTITY.start(),
+        LT_HEURISTICS_ID => LT_HEURISTICS.start(),
         _ => return None,
     })
 }

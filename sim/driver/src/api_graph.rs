@@ -1,12 +1,12 @@
 //! CUDA graphs: built by stream capture or node by node, instantiated into a fixed node list,
 //! and launched as ordinary stream work (nodes in dependency order on the launch stream).
 
-use crate::api_launch::{check_dims, kernel_arg0};
+use crate::api_launch::{check_dims, copy_args, kernel_arg0};
 use crate::api_memory::{copy_checked, memset_checked};
 use crate::client::HostCall;
 use crate::ffi::*;
 use crate::state::{
-    Exec, Graph, NodeKind, State, UserObject, run_user_object_destructors, with_state,
+    Exec, Graph, KernelLaunch, NodeKind, State, UserObject, run_user_object_destructors, with_state,
 };
 use gpushare_sim_wire::Op;
 use std::ffi::{c_char, c_uint, c_void};
@@ -79,6 +79,22 @@ fn add_node(
     Ok(handle(node))
 }
 
+/// A kernel node of `p`. Arguments are copied when the node is created, as the driver
+/// documents.
+fn kernel_node(st: &State, p: &CUDA_KERNEL_NODE_PARAMS_v1) -> CuResult<NodeKind> {
+    let grid = [p.gridDimX, p.gridDimY, p.gridDimZ];
+    let block = [p.blockDimX, p.blockDimY, p.blockDimZ];
+    check_dims(grid, block)?;
+    let function = id(p.func);
+    let arg0 = kernel_arg0(st, function, p.kernelParams, p.extra)?;
+    let args = copy_args(st, function, p.kernelParams, p.extra)?;
+    Ok(NodeKind::Kernel {
+        function,
+        arg0,
+        launch: Box::new(KernelLaunch::new(grid, block, p.sharedMemBytes, args)),
+    })
+}
+
 fn add_kernel_node(
     out: *mut Handle,
     graph: Handle,
@@ -87,23 +103,8 @@ fn add_kernel_node(
     p: *const CUDA_KERNEL_NODE_PARAMS_v1,
 ) -> CuResult {
     let p = get(p)?;
-    check_dims(
-        [p.gridDimX, p.gridDimY, p.gridDimZ],
-        [p.blockDimX, p.blockDimY, p.blockDimZ],
-    )?;
     with_state(|_, st| {
-        // Arguments are copied when the node is created, as the driver documents.
-        let arg0 = kernel_arg0(st, id(p.func), p.kernelParams, p.extra)?;
-        let node = add_node(
-            st,
-            graph,
-            deps,
-            n,
-            NodeKind::Kernel {
-                function: id(p.func),
-                arg0,
-            },
-        )?;
+        let node = add_node(st, graph, deps, n, kernel_node(st, &p)?)?;
         put(out, node)
     })
 }
@@ -439,7 +440,7 @@ entry_pt!(cuGraphLaunch / cuGraphLaunch_ptsz, |pt| fn(exec: Handle, stream: Hand
         for node in nodes {
             match node {
                 NodeKind::Empty => {}
-                NodeKind::Kernel { function, arg0 } => {
+                NodeKind::Kernel { function, arg0, .. } => {
                     st.submit(&d.client, s, Op::Kernel { function, arg0 }, &[])?;
                 }
                 NodeKind::Memset { dst, value, element_size, width, height, pitch } => {
@@ -453,8 +454,8 @@ entry_pt!(cuGraphLaunch / cuGraphLaunch_ptsz, |pt| fn(exec: Handle, stream: Hand
                     st.submit(&d.client, s, Op::HostFunc, &[])?;
                 }
                 NodeKind::EventWait { event } => {
-                    if let Some(r) = st.events.get(&event).and_then(|e| e.record) {
-                        st.submit(&d.client, s, Op::Marker, &[r])?;
+                    if let Some((op, deps)) = st.events.get(&event).and_then(crate::api_event::wait_op) {
+                        st.submit(&d.client, s, op, &deps)?;
                     }
                 }
             }
@@ -482,5 +483,108 @@ entry!(
             };
             put(ty, t)
         })
+    }
+);
+
+/// The graph and index of a node handle.
+fn node_at(st: &State, node: Handle) -> CuResult<(u64, usize)> {
+    st.graph_nodes
+        .get(&id(node))
+        .copied()
+        .ok_or(CUDA_ERROR_INVALID_VALUE)
+}
+
+/// Fill `out` with a kernel node's parameters; the argument array stays valid as long as the
+/// node is unchanged, as the driver documents.
+fn kernel_node_params(kind: &NodeKind, out: *mut CUDA_KERNEL_NODE_PARAMS_v1) -> CuResult {
+    let NodeKind::Kernel {
+        function, launch, ..
+    } = kind
+    else {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    };
+    let [gx, gy, gz] = launch.grid;
+    let [bx, by, bz] = launch.block;
+    put(
+        out,
+        CUDA_KERNEL_NODE_PARAMS_v1 {
+            func: handle(*function),
+            gridDimX: gx,
+            gridDimY: gy,
+            gridDimZ: gz,
+            blockDimX: bx,
+            blockDimY: by,
+            blockDimZ: bz,
+            sharedMemBytes: launch.shared,
+            kernelParams: launch.arg_ptrs.as_ptr() as *mut *mut c_void,
+            extra: std::ptr::null_mut(),
+        },
+    )
+}
+
+entry!(
+    fn cuGraphKernelNodeGetParams(node: Handle, out: *mut CUDA_KERNEL_NODE_PARAMS_v1) {
+        with_state(|_, st| {
+            let (g, i) = node_at(st, node)?;
+            kernel_node_params(
+                &st.graphs.get(&g).ok_or(CUDA_ERROR_INVALID_VALUE)?.nodes[i],
+                out,
+            )
+        })
+    }
+);
+
+entry!(
+    fn cuGraphKernelNodeGetParams_v2(node: Handle, out: *mut CUDA_KERNEL_NODE_PARAMS) {
+        // The v1 record is a prefix of v2's; v2's own members (context, kernel) stay as given.
+        with_state(|_, st| {
+            let (g, i) = node_at(st, node)?;
+            kernel_node_params(
+                &st.graphs.get(&g).ok_or(CUDA_ERROR_INVALID_VALUE)?.nodes[i],
+                out.cast(),
+            )
+        })
+    }
+);
+
+/// `cuGraphExecKernelNodeSetParams`: the executable graph's copy of the node takes the new
+/// parameters ("the node must be a kernel node of the graph the executable was instantiated
+/// from, and the function's context must not change"); the graph itself is unchanged.
+fn exec_set_kernel(exec: Handle, node: Handle, p: *const CUDA_KERNEL_NODE_PARAMS_v1) -> CuResult {
+    let p = get(p)?;
+    with_state(|_, st| {
+        let (_, i) = node_at(st, node)?;
+        let kind = kernel_node(st, &p)?;
+        let e = st
+            .execs
+            .get_mut(&id(exec))
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        match e.nodes.get_mut(i) {
+            Some(slot @ NodeKind::Kernel { .. }) => {
+                *slot = kind;
+                Ok(())
+            }
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
+        }
+    })
+}
+
+entry!(
+    fn cuGraphExecKernelNodeSetParams(
+        exec: Handle,
+        node: Handle,
+        p: *const CUDA_KERNEL_NODE_PARAMS_v1,
+    ) {
+        exec_set_kernel(exec, node, p)
+    }
+);
+
+entry!(
+    fn cuGraphExecKernelNodeSetParams_v2(
+        exec: Handle,
+        node: Handle,
+        p: *const CUDA_KERNEL_NODE_PARAMS,
+    ) {
+        exec_set_kernel(exec, node, p.cast())
     }
 );

@@ -3,7 +3,7 @@
 
 use crate::api_graph::capture_node;
 use crate::ffi::*;
-use crate::state::{NodeKind, State, with_state};
+use crate::state::{KernelLaunch, NodeKind, State, with_state};
 use gpushare_sim_wire::Op;
 use std::ffi::{c_uint, c_void};
 
@@ -51,7 +51,54 @@ pub fn kernel_arg0(
         let p0 = get(params as *const *const u64)?;
         return get(p0).map(Some);
     }
-    // `extra` is a list of (key, value) pointers ending with CU_LAUNCH_PARAM_END.
+    let (buf, size) = extra_buffer(extra)?;
+    if size < 8 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    get(buf as *const u64).map(Some)
+}
+
+/// A copy of a launch's arguments, one block per parameter, from `kernelParams` or from an
+/// `extra` parameter buffer (laid out as `cuFuncGetParamInfo` reports).
+pub fn copy_args(
+    st: &State,
+    function: u64,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CuResult<Vec<Box<[u8]>>> {
+    let f = st
+        .functions
+        .get(&function)
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    if f.params.is_empty() {
+        return Ok(Vec::new());
+    }
+    if !params.is_null() {
+        let ptrs = slice(params as *const *const u8, f.params.len())?;
+        return ptrs
+            .iter()
+            .zip(&f.params)
+            .map(|(&p, &size)| Ok(slice(p, size)?.into()))
+            .collect();
+    }
+    let (buf, size) = extra_buffer(extra)?;
+    (0..f.params.len())
+        .map(|i| {
+            let (off, len) = f.param_info(i).expect("parameter in range");
+            if off + len > size {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            Ok(slice(buf.wrapping_add(off), len)?.into())
+        })
+        .collect()
+}
+
+/// The parameter buffer of an `extra` list of (key, value) pointers ending with
+/// `CU_LAUNCH_PARAM_END`, and its size.
+fn extra_buffer(extra: *mut *mut c_void) -> CuResult<(*const u8, usize)> {
+    if extra.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
     let (mut buf, mut size) = (std::ptr::null::<u8>(), 0usize);
     let mut i = 0;
     loop {
@@ -69,19 +116,21 @@ pub fn kernel_arg0(
         }
         i += 2;
     }
-    if buf.is_null() || size < 8 {
+    if buf.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    get(buf as *const u64).map(Some)
+    Ok((buf, size))
 }
 
 /// Queue one kernel on a stream (or into the graph the stream is capturing).
+#[allow(clippy::too_many_arguments)] // the launch as the driver API takes it
 pub fn launch(
     stream: Handle,
     per_thread: bool,
     function: Handle,
     grid: [u32; 3],
     block: [u32; 3],
+    shared: u32,
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CuResult {
@@ -90,8 +139,17 @@ pub fn launch(
         let s = st.resolve_stream(&d.client, stream, per_thread)?;
         let function = id(function);
         let arg0 = kernel_arg0(st, function, params, extra)?;
-        if capture_node(st, s, NodeKind::Kernel { function, arg0 })? {
-            return Ok(());
+        if st.streams.get(&s).is_some_and(|x| x.capture.is_some()) {
+            let args = copy_args(st, function, params, extra)?;
+            let launch = Box::new(KernelLaunch::new(grid, block, shared, args));
+            let node = NodeKind::Kernel {
+                function,
+                arg0,
+                launch,
+            };
+            if capture_node(st, s, node)? {
+                return Ok(());
+            }
         }
         st.submit(&d.client, s, Op::Kernel { function, arg0 }, &[])
             .map(|_| ())
@@ -106,12 +164,12 @@ entry_pt!(cuLaunchKernel / cuLaunchKernel_ptsz, |pt| fn(
     bx: c_uint,
     by: c_uint,
     bz: c_uint,
-    _shared: c_uint,
+    shared: c_uint,
     stream: Handle,
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) {
-    launch(stream, pt, f, [gx, gy, gz], [bx, by, bz], params, extra)
+    launch(stream, pt, f, [gx, gy, gz], [bx, by, bz], shared, params, extra)
 });
 
 entry_pt!(cuLaunchKernelEx / cuLaunchKernelEx_ptsz, |pt| fn(
@@ -122,7 +180,7 @@ entry_pt!(cuLaunchKernelEx / cuLaunchKernelEx_ptsz, |pt| fn(
 ) {
     let c = get(config)?;
     let (grid, block) = ([c.gridDimX, c.gridDimY, c.gridDimZ], [c.blockDimX, c.blockDimY, c.blockDimZ]);
-    launch(c.hStream, pt, f, grid, block, params, extra)
+    launch(c.hStream, pt, f, grid, block, c.sharedMemBytes, params, extra)
 });
 
 entry_pt!(cuLaunchCooperativeKernel / cuLaunchCooperativeKernel_ptsz, |pt| fn(
@@ -133,11 +191,11 @@ entry_pt!(cuLaunchCooperativeKernel / cuLaunchCooperativeKernel_ptsz, |pt| fn(
     bx: c_uint,
     by: c_uint,
     bz: c_uint,
-    _shared: c_uint,
+    shared: c_uint,
     stream: Handle,
     params: *mut *mut c_void,
 ) {
-    launch(stream, pt, f, [gx, gy, gz], [bx, by, bz], params, std::ptr::null_mut())
+    launch(stream, pt, f, [gx, gy, gz], [bx, by, bz], shared, params, std::ptr::null_mut())
 });
 
 entry!(
@@ -157,6 +215,7 @@ entry!(
                 l.function,
                 [l.gridDimX, l.gridDimY, l.gridDimZ],
                 [l.blockDimX, l.blockDimY, l.blockDimZ],
+                l.sharedMemBytes,
                 l.kernelParams,
                 std::ptr::null_mut(),
             )?;

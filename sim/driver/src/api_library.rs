@@ -2,6 +2,14 @@
 //! (`CUkernel`). A library's image becomes one module, shared by every context; a `CUkernel` is
 //! the id of that module's function, so it is accepted wherever a `CUfunction` is (launches,
 //! graph nodes, attributes), as the driver documents, and `cuKernelGetFunction` returns it.
+//!
+//! Libraries load lazily by default, as the driver documents for `cuLibraryLoadData` ("If the
+//! environment variables are set to LAZY, library is not immediately loaded onto all existent
+//! contexts and will only be loaded when a function is needed for that context, such as a kernel
+//! launch"; lazy loading is the default on Linux since CUDA 12.2, `CUDA_MODULE_LOADING=EAGER`
+//! turns it off). So a library whose image holds nothing the device runs (a fat binary of
+//! cubins for newer GPUs only, as cuBLAS ships many) loads, and what needs its code (its
+//! kernels, its module) answers `CUDA_ERROR_NO_BINARY_FOR_GPU`; loaded eagerly, the load fails.
 
 use crate::api_module::{
     create_module, function_attribute, param_info, read_image_file, set_function_attribute, unload,
@@ -12,18 +20,36 @@ use crate::image::{self, ModuleInfo};
 use crate::state::{State, driver, with_state};
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
-/// Make a library of `info`.
-fn create_library(out: *mut Handle, info: ModuleInfo) -> CuResult {
+/// Make a library of an image's description; an image with nothing for the device makes a
+/// library whose code is never loadable, if loading is lazy.
+fn create_library(out: *mut Handle, info: CuResult<ModuleInfo>) -> CuResult {
     if out.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    let info = match info {
+        Err(CUDA_ERROR_NO_BINARY_FOR_GPU) if lazy_loading() => Err(CUDA_ERROR_NO_BINARY_FOR_GPU),
+        Err(e) => return Err(e),
+        Ok(info) => Ok(info),
+    };
     let lib = driver()?.lock().new_id();
-    let module = create_module(info, Some(lib))?;
+    let module = match info {
+        Ok(info) => Ok(create_module(info, Some(lib))?),
+        Err(e) => Err(e),
+    };
     with_state(|_, st| {
         st.libraries.insert(lib, module);
         Ok(())
     })?;
     put(out, handle(lib))
+}
+
+/// Whether modules load lazily: `CUDA_MODULE_LOADING` is `LAZY` or unset (the default since
+/// CUDA 12.2), not `EAGER`.
+pub fn lazy_loading() -> bool {
+    static LAZY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LAZY.get_or_init(|| {
+        std::env::var("CUDA_MODULE_LOADING").map_or(true, |v| !v.eq_ignore_ascii_case("EAGER"))
+    })
 }
 
 entry!(
@@ -38,7 +64,7 @@ entry!(
         _n_lib: c_uint,
     ) {
         driver()?;
-        create_library(out, image::load_at(code)?)
+        create_library(out, image::load_at(code))
     }
 );
 
@@ -54,24 +80,26 @@ entry!(
         _n_lib: c_uint,
     ) {
         driver()?;
-        create_library(out, read_image_file(path)?)
+        create_library(out, read_image_file(path))
     }
 );
 
-/// The module of a library.
+/// The module of a library (its loading error if nothing in it runs on the device).
 fn library_module(st: &State, lib: Handle) -> CuResult<u64> {
     st.libraries
         .get(&id(lib))
         .copied()
-        .ok_or(CUDA_ERROR_INVALID_HANDLE)
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?
 }
 
 entry!(
     fn cuLibraryUnload(lib: Handle) {
         with_state(|_, st| {
-            let module = library_module(st, lib)?;
-            st.libraries.remove(&id(lib));
-            unload(st, module)
+            let module = st
+                .libraries
+                .remove(&id(lib))
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            module.map_or(Ok(()), |m| unload(st, m))
         })
     }
 );

@@ -141,7 +141,13 @@ fn allocate(size: usize, kind: AllocKind) -> CuResult<u64> {
     };
     let charged = (size as u64).div_ceil(CHARGE_ALIGN) * CHARGE_ALIGN;
     charge(d, device, charged)?;
-    let addr = match map(size, true) {
+    // Device memory another process may map (cuIpcGetMemHandle); managed memory is the
+    // process's own.
+    let shared = match kind {
+        AllocKind::Device => crate::api_ipc::map_shared(size),
+        _ => None,
+    };
+    let addr = match shared.map_or_else(|| map(size, true), Ok) {
         Ok(a) => a,
         Err(e) => {
             uncharge(d, device, charged)?;
@@ -154,6 +160,7 @@ fn allocate(size: usize, kind: AllocKind) -> CuResult<u64> {
         device,
         charged,
         kind,
+        arena: shared.is_some(),
     };
     d.lock().allocs.insert(addr, alloc);
     Ok(addr)
@@ -174,7 +181,12 @@ fn release(ptr: u64) -> CuResult {
     };
     // Forgotten before the address can be mapped again for another allocation.
     let pooled = pools().of.remove(&ptr);
-    unmap(ptr, a.mapped);
+    if a.arena {
+        crate::api_ipc::forget_export(ptr);
+        crate::api_ipc::unmap_shared(ptr, a.mapped);
+    } else {
+        unmap(ptr, a.mapped);
+    }
     match pooled {
         Some((pool, bytes)) => back_to_pool(d, pool, bytes),
         None => uncharge(d, a.device, a.charged),
@@ -378,6 +390,7 @@ fn pool_allocate(size: usize, pool: Option<u64>) -> CuResult<u64> {
         device,
         charged,
         kind: AllocKind::Device,
+        arena: false,
     };
     d.lock().allocs.insert(addr, alloc);
     Ok(addr)
@@ -763,8 +776,14 @@ fn pointer_attribute(
         8 => put(data as *mut c_uint, (kind == AllocKind::Managed) as c_uint),
         // DEVICE_ORDINAL
         9 => put(data as *mut i32, device as i32),
-        // IS_LEGACY_CUDA_IPC_CAPABLE
-        10 => put(data as *mut c_uint, 0),
+        // IS_LEGACY_CUDA_IPC_CAPABLE: cuMemAlloc memory (cuIpcGetMemHandle takes it)
+        10 => {
+            let capable = st
+                .allocs
+                .get(&base)
+                .is_some_and(|a| crate::api_ipc::in_arena(base, a));
+            put(data as *mut c_uint, capable as c_uint)
+        }
         // RANGE_START_ADDR, RANGE_SIZE
         11 => put(data as *mut u64, base),
         12 => put(data as *mut usize, size),
@@ -842,7 +861,7 @@ enum Dir {
 
 /// Error unless `[ptr, ptr + len)` is memory the device addresses: an allocation of this
 /// process or (mapped) page-locked host memory.
-fn check_dev(st: &State, ptr: u64, len: usize) -> CuResult {
+pub fn check_dev(st: &State, ptr: u64, len: usize) -> CuResult {
     st.device_range(ptr, len)
         .map(|_| ())
         .ok_or(CUDA_ERROR_INVALID_VALUE)
@@ -1216,6 +1235,10 @@ struct Physical {
     bytes: u64,
     refs: u32,
     mappings: u32,
+    /// Handle types it may be exported as (`requestedHandleTypes`).
+    shareable: CUmemAllocationHandleType,
+    /// Imported from another process's export: its memory is charged to the exporter.
+    imported: bool,
 }
 
 #[derive(Default)]
@@ -1240,6 +1263,8 @@ fn new_physical(d: &Driver, device: Option<u32>, bytes: u64) -> u64 {
         bytes,
         refs: 1,
         mappings: 0,
+        shareable: CU_MEM_HANDLE_TYPE_NONE,
+        imported: false,
     };
     vmm().physical.insert(h, p);
     h
@@ -1250,7 +1275,10 @@ fn free_if_unused(d: &Driver, v: &mut Vmm, h: u64) -> CuResult {
     match v.physical.get(&h) {
         Some(p) if p.refs == 0 && p.mappings == 0 => {
             let p = v.physical.remove(&h).expect("present");
-            p.device.map_or(Ok(()), |dev| uncharge(d, dev, p.bytes))
+            match p.device {
+                Some(dev) if !p.imported => uncharge(d, dev, p.bytes),
+                _ => Ok(()),
+            }
         }
         _ => Ok(()),
     }
@@ -1300,9 +1328,89 @@ entry!(
             charge(d, dev, size as u64)?;
         }
         let h = new_physical(d, device, size as u64);
+        if let Some(physical) = vmm().physical.get_mut(&h) {
+            physical.shareable = p.requestedHandleTypes;
+        }
         put(out, h).inspect_err(|_| {
             let _ = release_handle(h);
         })
+    }
+);
+
+// Exported handles. A POSIX file descriptor names the allocation (a small record in a memfd:
+// its device and size) so that another process can import it, as the driver documents; the
+// imported handle maps memory of the exporter's size, charged once, to the exporter. Its bytes
+// are not the exporter's: simulated device memory is each process's own host memory.
+
+/// The record an exported descriptor holds.
+const EXPORT_MAGIC: &[u8; 8] = b"GSVMMEXP";
+
+entry!(
+    fn cuMemExportToShareableHandle(
+        out: *mut c_void,
+        h: u64,
+        handle_type: CUmemAllocationHandleType,
+        flags: u64,
+    ) {
+        let (device, bytes) = {
+            let v = vmm();
+            let p = v.physical.get(&h).filter(|p| p.refs > 0);
+            let p = p.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+            // Only a type requested at cuMemCreate can be exported.
+            if flags != 0 || p.shareable & handle_type == 0 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+                return Err(CUDA_ERROR_NOT_SUPPORTED);
+            }
+            (p.device.ok_or(CUDA_ERROR_INVALID_VALUE)?, p.bytes)
+        };
+        let mut record = EXPORT_MAGIC.to_vec();
+        record.extend_from_slice(&device.to_le_bytes());
+        record.extend_from_slice(&bytes.to_le_bytes());
+        // SAFETY: memfd_create with a valid name; the descriptor is handed to the caller.
+        let fd = unsafe { libc::memfd_create(c"gpushare-sim-vmm".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // SAFETY: writes the record from a live buffer to the descriptor just created.
+        let written = unsafe { libc::write(fd, record.as_ptr().cast(), record.len()) };
+        if written != record.len() as isize {
+            // SAFETY: the descriptor is ours and not handed out.
+            unsafe { libc::close(fd) };
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        put(out.cast::<libc::c_int>(), fd)
+    }
+);
+
+entry!(
+    fn cuMemImportFromShareableHandle(
+        out: *mut u64,
+        os_handle: *mut c_void,
+        handle_type: CUmemAllocationHandleType,
+    ) {
+        if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        // "the file descriptor ... cast to void *".
+        let fd = os_handle as usize as libc::c_int;
+        let mut record = [0u8; 20];
+        // SAFETY: reads into a live buffer of its length from the caller's descriptor.
+        let n = unsafe { libc::pread(fd, record.as_mut_ptr().cast(), record.len(), 0) };
+        if n != record.len() as isize || &record[..8] != EXPORT_MAGIC {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let device = u32::from_le_bytes(record[8..12].try_into().expect("4 bytes"));
+        let bytes = u64::from_le_bytes(record[12..20].try_into().expect("8 bytes"));
+        let d = driver()?;
+        let device = d.check_device(device as CUdevice)?;
+        let h = new_physical(d, Some(device), bytes);
+        if let Some(p) = vmm().physical.get_mut(&h) {
+            p.imported = true;
+            p.shareable = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
+        put(out, h)
     }
 );
 
@@ -1350,7 +1458,7 @@ entry!(
         with_state(|_, st| {
             if st
                 .find_alloc(ptr, size)
-                .is_some_and(|(_, a)| a.kind == AllocKind::Device)
+                .is_some_and(|(_, a)| a.kind == AllocKind::Mapped)
             {
                 return Err(CUDA_ERROR_INVALID_VALUE); // still mapped
             }
@@ -1396,7 +1504,8 @@ entry!(
                     mapped: 0,
                     device,
                     charged: 0,
-                    kind: AllocKind::Device,
+                    kind: AllocKind::Mapped,
+                    arena: false,
                 },
             );
             Ok(())
@@ -1450,10 +1559,29 @@ entry!(
 
 entry!(
     fn cuMemSetAccess(ptr: CUdeviceptr, size: usize, _desc: *const c_void, count: usize) {
-        if count == 0 {
+        if count == 0 || size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        with_state(|_, st| check_dev(st, ptr, size))
+        // The range must be mapped throughout; it may span several mappings back to back (the
+        // caching allocator of PyTorch grants access to a whole segment at once).
+        let end = ptr
+            .checked_add(size as u64)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let v = vmm();
+        let mut at = match v.mappings.range(..=ptr).next_back() {
+            Some((&b, &(s, _))) if b + s as u64 > ptr => b + s as u64,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        for (&b, &(s, _)) in v.mappings.range(ptr + 1..end) {
+            if b != at {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            at = b + s as u64;
+        }
+        if at < end {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(())
     }
 );
 

@@ -3,6 +3,7 @@
 
 use crate::ffi::*;
 use crate::image::{self, ModuleInfo};
+use crate::occupancy;
 use crate::state::{Alloc, AllocKind, Function, Module, State, with_state};
 use gpushare_sim_wire::Request;
 use std::collections::HashMap;
@@ -50,6 +51,7 @@ pub fn create_module(info: ModuleInfo, library: Option<u64>) -> CuResult<u64> {
                     device,
                     charged: 0,
                     kind: AllocKind::Global,
+                    arena: false,
                 },
             );
             globals.insert(name, (addr, size));
@@ -340,17 +342,47 @@ entry!(
 );
 
 entry!(
+    fn cuModuleGetLoadingMode(mode: *mut CUmoduleLoadingMode) {
+        put(
+            mode,
+            if crate::api_library::lazy_loading() {
+                CU_MODULE_LAZY_LOADING
+            } else {
+                CU_MODULE_EAGER_LOADING
+            },
+        )
+    }
+);
+
+/// What bounds a kernel's occupancy, from its attributes.
+fn kernel_limits(func: &Function) -> CuResult<occupancy::KernelLimits> {
+    let attr = |a| function_attribute(func, a).map(|v| v.max(0) as u32);
+    Ok(occupancy::KernelLimits {
+        registers_per_thread: attr(CU_FUNC_ATTRIBUTE_NUM_REGS)?,
+        static_shared: attr(CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
+        max_dynamic_shared: attr(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)?,
+        max_threads_per_block: attr(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
+    })
+}
+
+/// Blocks of `block` threads of `f` that fit on one SM.
+fn blocks_per_sm(f: Handle, block: c_int, dynamic: usize) -> CuResult<c_int> {
+    let k = with_function(f, kernel_limits)?;
+    if block <= 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let dynamic = u32::try_from(dynamic).unwrap_or(u32::MAX);
+    Ok(occupancy::blocks_per_sm(&k, block as u32, dynamic) as c_int)
+}
+
+entry!(
     fn cuOccupancyMaxActiveBlocksPerMultiprocessor(
         n: *mut c_int,
         f: Handle,
         block: c_int,
-        _smem: usize,
+        smem: usize,
     ) {
-        with_function(f, |_| Ok(()))?;
-        if block <= 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        put(n, (2048 / block).min(32))
+        put(n, blocks_per_sm(f, block, smem)?)
     }
 );
 
@@ -359,29 +391,156 @@ entry!(
         n: *mut c_int,
         f: Handle,
         block: c_int,
-        _smem: usize,
+        smem: usize,
         _flags: c_uint,
     ) {
-        with_function(f, |_| Ok(()))?;
-        if block <= 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        put(n, (2048 / block).min(32))
+        put(n, blocks_per_sm(f, block, smem)?)
     }
 );
+
+/// The block size (a multiple of the warp, at most `limit`) with the most resident threads per
+/// SM, and the grid that fills the GPU with it: `cuOccupancyMaxPotentialBlockSize`'s answer.
+fn potential_block_size(
+    min_grid: *mut c_int,
+    block: *mut c_int,
+    f: Handle,
+    smem_of: CUoccupancyB2DSize,
+    smem: usize,
+    limit: c_int,
+) -> CuResult {
+    let k = with_function(f, kernel_limits)?;
+    let most = if limit > 0 {
+        (limit as u32).min(k.max_threads_per_block)
+    } else {
+        k.max_threads_per_block
+    };
+    let mut best = (0u32, 0u32); // (threads per SM, block)
+    for b in (32..=most).step_by(32) {
+        let dynamic = match smem_of {
+            // SAFETY: the caller's callback, documented to map a block size to its dynamic
+            // shared memory.
+            Some(cb) => unsafe { cb(b as c_int) },
+            None => smem,
+        };
+        let blocks = occupancy::blocks_per_sm(&k, b, u32::try_from(dynamic).unwrap_or(u32::MAX));
+        if blocks * b >= best.0 {
+            best = (blocks * b, b);
+        }
+    }
+    let (threads, b) = best;
+    put(min_grid, (132 * threads / b.max(1)) as c_int)?;
+    put(block, b as c_int)
+}
 
 entry!(
     fn cuOccupancyMaxPotentialBlockSize(
         min_grid: *mut c_int,
         block: *mut c_int,
         f: Handle,
-        _smem_fn: CUoccupancyB2DSize,
-        _smem: usize,
+        smem_of: CUoccupancyB2DSize,
+        smem: usize,
         limit: c_int,
     ) {
-        with_function(f, |_| Ok(()))?;
-        let b = if limit > 0 { limit.min(1024) } else { 1024 };
-        put(min_grid, 132 * (2048 / b).min(32))?;
-        put(block, b)
+        potential_block_size(min_grid, block, f, smem_of, smem, limit)
+    }
+);
+
+entry!(
+    fn cuOccupancyMaxPotentialBlockSizeWithFlags(
+        min_grid: *mut c_int,
+        block: *mut c_int,
+        f: Handle,
+        smem_of: CUoccupancyB2DSize,
+        smem: usize,
+        limit: c_int,
+        _flags: c_uint,
+    ) {
+        potential_block_size(min_grid, block, f, smem_of, smem, limit)
+    }
+);
+
+entry!(
+    fn cuOccupancyAvailableDynamicSMemPerBlock(
+        size: *mut usize,
+        f: Handle,
+        blocks: c_int,
+        block: c_int,
+    ) {
+        let k = with_function(f, kernel_limits)?;
+        if blocks <= 0 || block <= 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        put(
+            size,
+            occupancy::available_dynamic_shared(&k, blocks as u32, block as u32) as usize,
+        )
+    }
+);
+
+/// The cluster shape of a launch: its `CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`, else the
+/// kernel's required cluster size; with the largest cluster size the kernel allows.
+fn cluster_of(f: Handle, config: *const CUlaunchConfig) -> CuResult<(u32, u32, u32, u32)> {
+    let c = get(config)?;
+    let attrs = slice(c.attrs as *const LaunchAttribute, c.numAttrs as usize)?;
+    let given = attrs
+        .iter()
+        .find(|a| a.id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+        .map(|a| a.value[0] * a.value[1] * a.value[2]);
+    with_function(f, |func| {
+        let attr = |a| function_attribute(func, a).map(|v| v.max(0) as u32);
+        let required = attr(CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH)?
+            * attr(CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT)?.max(1)
+            * attr(CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH)?.max(1);
+        let size = match (given, required) {
+            (Some(g), r) if r == 0 || g == r => g,
+            (None, r) if r > 0 => r,
+            // "Without required sizes, the cluster size must be specified in config".
+            _ => return Err(CUDA_ERROR_INVALID_CLUSTER_SIZE),
+        };
+        let most = if attr(CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)? != 0 {
+            occupancy::NON_PORTABLE_CLUSTER
+        } else {
+            occupancy::PORTABLE_CLUSTER
+        };
+        let block = c.blockDimX * c.blockDimY * c.blockDimZ;
+        Ok((size, most, block, c.sharedMemBytes))
+    })
+}
+
+entry!(
+    fn cuOccupancyMaxActiveClusters(n: *mut c_int, f: Handle, config: *const CUlaunchConfig) {
+        let (size, most, block, dynamic) = cluster_of(f, config)?;
+        if size == 0 || size > most {
+            return Err(CUDA_ERROR_INVALID_CLUSTER_SIZE);
+        }
+        let k = with_function(f, kernel_limits)?;
+        put(
+            n,
+            occupancy::max_active_clusters(&k, block, dynamic, size) as c_int,
+        )
+    }
+);
+
+entry!(
+    fn cuOccupancyMaxPotentialClusterSize(
+        size: *mut c_int,
+        f: Handle,
+        config: *const CUlaunchConfig,
+    ) {
+        let c = get(config)?;
+        let most = with_function(f, |func| {
+            let np = function_attribute(func, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)?;
+            let k = kernel_limits(func)?;
+            let block = c.blockDimX * c.blockDimY * c.blockDimZ;
+            if occupancy::blocks_per_sm(&k, block, c.sharedMemBytes) == 0 {
+                return Ok(0);
+            }
+            Ok(if np != 0 {
+                occupancy::NON_PORTABLE_CLUSTER
+            } else {
+                occupancy::PORTABLE_CLUSTER
+            })
+        })?;
+        put(size, most as c_int)
     }
 );

@@ -114,12 +114,12 @@ entry_pt!(cuStreamWaitEvent / cuStreamWaitEvent_ptsz, |pt| fn(h: Handle, event: 
             }
             return Ok(());
         }
-        let record = ev.record;
+        let wait = crate::api_event::wait_op(ev);
         if capture_node(st, s, NodeKind::EventWait { event: id(event) })? {
             return Ok(());
         }
-        if let Some(r) = record {
-            st.submit(&d.client, s, Op::Marker, &[r])?;
+        if let Some((op, deps)) = wait {
+            st.submit(&d.client, s, op, &deps)?;
         }
         Ok(())
     })
@@ -149,10 +149,19 @@ entry_pt!(cuStreamGetCtx / cuStreamGetCtx_ptsz, |pt| fn(h: Handle, ctx: *mut Han
 entry_pt!(cuStreamGetCtx_v2 / cuStreamGetCtx_v2_ptsz, |pt| fn(h: Handle, ctx: *mut Handle, green: *mut Handle) {
     with_state(|d, st| {
         let s = st.resolve_stream(&d.client, h, pt)?;
-        put(ctx, handle(st.streams[&s].ctx))?;
-        // No green contexts on the simulated device.
+        let c = st.streams[&s].ctx;
+        // A green context's stream: "the green context in pGreenCtx and the primary context of
+        // the associated device in pCtx"; a regular context's: it, and NULL.
+        let (regular, g) = match crate::api_green::green_of(st, c) {
+            Some(g) => {
+                let device = st.contexts[&c].device as usize;
+                (st.primary[device].ctx.unwrap_or(0), g)
+            }
+            None => (c, 0),
+        };
+        put(ctx, handle(regular))?;
         if !green.is_null() {
-            put(green, std::ptr::null_mut())?;
+            put(green, handle(g))?;
         }
         Ok(())
     })

@@ -208,6 +208,16 @@ impl Client {
         }
     }
 
+    /// The latest record of shared event `event` (by any process): its completion time once
+    /// it has completed (0 if there is none), `None` while pending; `wait` blocks until then.
+    pub fn shared_event_status(&self, event: u64, wait: bool) -> CuResult<Option<u64>> {
+        match self.call(|req| Request::SharedEventStatus { req, event, wait })? {
+            Reply::Done { end_ns, .. } => Ok(Some(end_ns)),
+            Reply::Status { ends, .. } => Ok(ends.first().copied().flatten()),
+            _ => Err(CUDA_ERROR_UNKNOWN),
+        }
+    }
+
     /// Completion time of each op, `None` while pending.
     pub fn query(&self, ops: Vec<wire::OpRef>) -> CuResult<Vec<Option<u64>>> {
         match self.call(|req| Request::Query { req, ops })? {
@@ -232,7 +242,8 @@ fn reply_req(r: &Reply) -> Option<u64> {
         | Reply::Status { req, .. }
         | Reply::Alloc { req, .. }
         | Reply::MemInfo { req, .. }
-        | Reply::Checkpoint { req, .. } => Some(*req),
+        | Reply::Checkpoint { req, .. }
+        | Reply::SharedEvent { req, .. } => Some(*req),
         Reply::Error { req, .. } => *req,
         Reply::Hello { .. } | Reply::RunHostFunc { .. } | Reply::CheckpointCall { .. } => None,
     }

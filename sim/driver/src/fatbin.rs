@@ -30,6 +30,53 @@ pub enum Entry {
     Elf { arch: u32, image: Vec<u8> },
 }
 
+/// How an entry's payload is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compression {
+    None,
+    Lz4,
+    Zstd,
+}
+
+/// An entry as its header describes it, its payload still as stored: reading a container
+/// decompresses nothing, so a library of hundreds of entries for other architectures costs
+/// only the one the device runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Stored<'a> {
+    kind: u16,
+    arch: u32,
+    compression: Compression,
+    /// The payload as stored (compressed or not).
+    data: &'a [u8],
+    /// Its size once expanded (compressed entries).
+    uncompressed: usize,
+}
+
+impl Stored<'_> {
+    /// The entry's content, decompressed.
+    pub fn expand(&self) -> Result<Entry, ImageError> {
+        let bad = |what: &str| ImageError::Malformed(format!("fatbin: {what}"));
+        let content = match self.compression {
+            Compression::None => self.data.to_vec(),
+            Compression::Lz4 => {
+                lz4_block(self.data, self.uncompressed).ok_or_else(|| bad("corrupt LZ4 entry"))?
+            }
+            Compression::Zstd => zstd_frame(self.data, self.uncompressed)
+                .ok_or_else(|| bad("corrupt Zstandard entry"))?,
+        };
+        Ok(match self.kind {
+            KIND_PTX => Entry::Ptx {
+                arch: self.arch,
+                text: content,
+            },
+            _ => Entry::Elf {
+                arch: self.arch,
+                image: content,
+            },
+        })
+    }
+}
+
 fn u16_at(b: &[u8], off: usize) -> Option<u16> {
     Some(u16::from_le_bytes(b.get(off..off + 2)?.try_into().ok()?))
 }
@@ -46,8 +93,9 @@ pub fn container_len(header: &[u8]) -> Option<usize> {
     usize::try_from(u64::from(u16_at(header, 6)?) + u64_at(header, 8)?).ok()
 }
 
-/// Every entry of the containers in `b` (one or several back to back; trailing padding ignored).
-pub fn entries(mut b: &[u8]) -> Result<Vec<Entry>, ImageError> {
+/// The PTX and cubin entries of the containers in `b` (one or several back to back; trailing
+/// padding ignored), read from their headers only.
+pub fn entries(mut b: &[u8]) -> Result<Vec<Stored<'_>>, ImageError> {
     let bad = |what: &str| ImageError::Malformed(format!("fatbin: {what}"));
     let mut out = Vec::new();
     while b.len() >= 16 && u32_at(b, 0) == Some(MAGIC) {
@@ -71,26 +119,22 @@ pub fn entries(mut b: &[u8]) -> Result<Vec<Entry>, ImageError> {
             let data = files
                 .get(hsize..hsize + span)
                 .ok_or_else(|| bad("truncated entry"))?;
-            let content = if flags & FLAG_LZ4 != 0 {
-                lz4_block(&data[..compressed.min(data.len())], uncompressed)
-                    .ok_or_else(|| bad("corrupt LZ4 entry"))?
+            let (compression, data) = if flags & FLAG_LZ4 != 0 {
+                (Compression::Lz4, &data[..compressed.min(data.len())])
             } else if flags & FLAG_ZSTD != 0 {
-                return Err(ImageError::Unsupported(
-                    "Zstandard-compressed fatbin entries",
-                ));
+                (Compression::Zstd, &data[..compressed.min(data.len())])
             } else {
-                data[..payload].to_vec()
+                (Compression::None, &data[..payload])
             };
-            match kind {
-                KIND_PTX => out.push(Entry::Ptx {
+            // Other kinds (e.g. LTO IR) are not for the driver.
+            if kind == KIND_PTX || kind == KIND_ELF {
+                out.push(Stored {
+                    kind,
                     arch,
-                    text: content,
-                }),
-                KIND_ELF => out.push(Entry::Elf {
-                    arch,
-                    image: content,
-                }),
-                _ => {} // other kinds (e.g. LTO IR) are not for the driver
+                    compression,
+                    data,
+                    uncompressed,
+                });
             }
             files = &files[hsize + span..];
         }
@@ -102,25 +146,31 @@ pub fn entries(mut b: &[u8]) -> Result<Vec<Entry>, ImageError> {
     Ok(out)
 }
 
-/// The entry the device runs: a cubin of its architecture, else the newest PTX not newer than it.
-pub fn select(entries: Vec<Entry>) -> Result<Entry, ImageError> {
-    let mut best_ptx: Option<Entry> = None;
-    for e in entries {
-        match e {
-            Entry::Elf { arch, .. } if arch == DEVICE_ARCH => return Ok(e),
-            Entry::Ptx { arch, .. } if arch <= DEVICE_ARCH => {
-                let newer = match &best_ptx {
-                    Some(Entry::Ptx { arch: a, .. }) => arch > *a,
-                    _ => true,
-                };
-                if newer {
-                    best_ptx = Some(e);
-                }
-            }
-            _ => {}
-        }
-    }
-    best_ptx.ok_or(ImageError::NoBinaryForGpu)
+/// The entry the device runs: a cubin of its architecture, else the newest PTX not newer than
+/// it. Only that entry is decompressed.
+pub fn select(entries: &[Stored]) -> Result<Entry, ImageError> {
+    let cubin = entries
+        .iter()
+        .find(|e| e.kind == KIND_ELF && e.arch == DEVICE_ARCH);
+    let ptx = || {
+        entries
+            .iter()
+            .filter(|e| e.kind == KIND_PTX && e.arch <= DEVICE_ARCH)
+            .max_by_key(|e| e.arch)
+    };
+    cubin
+        .or_else(ptx)
+        .ok_or(ImageError::NoBinaryForGpu)?
+        .expand()
+}
+
+/// Decompress one Zstandard frame of `expected` bytes.
+fn zstd_frame(src: &[u8], expected: usize) -> Option<Vec<u8>> {
+    use std::io::Read;
+    let mut decoder = ruzstd::decoding::StreamingDecoder::new(src).ok()?;
+    let mut out = Vec::with_capacity(expected);
+    decoder.read_to_end(&mut out).ok()?;
+    (expected == 0 || out.len() == expected).then_some(out)
 }
 
 /// Decompress one LZ4 block (the block format, without frame) of `expected` bytes.
@@ -166,30 +216,43 @@ pub fn lz4_block(src: &[u8], expected: usize) -> Option<Vec<u8>> {
     (expected == 0 || out.len() == expected).then_some(out)
 }
 
-/// One entry for [`build`]: kind, SM architecture, payload, and, if LZ4-compressed, the
-/// compressed bytes with the uncompressed size (the payload is then ignored).
+/// How a test entry is stored: as is, or compressed (the compressed bytes and the size they
+/// expand to).
 #[cfg(test)]
-pub type TestEntry<'a> = (u16, u32, &'a [u8], Option<(&'a [u8], usize)>);
+#[derive(Clone, Copy)]
+pub enum Packed<'a> {
+    Plain,
+    Lz4(&'a [u8], usize),
+    Zstd(&'a [u8], usize),
+}
+
+/// One entry for [`build`]: kind, SM architecture, payload (ignored when compressed), storage.
+#[cfg(test)]
+pub type TestEntry<'a> = (u16, u32, &'a [u8], Packed<'a>);
 
 /// Build a container from entries (for tests, and to describe the layout by example).
 #[cfg(test)]
 pub fn build(entries: &[TestEntry]) -> Vec<u8> {
     let mut files = Vec::new();
-    for &(kind, arch, payload, lz4) in entries {
+    for &(kind, arch, payload, packed) in entries {
         let mut h = [0u8; 64];
         h[0..2].copy_from_slice(&kind.to_le_bytes());
         h[2..4].copy_from_slice(&0x101u16.to_le_bytes());
         h[4..8].copy_from_slice(&64u32.to_le_bytes());
         h[28..32].copy_from_slice(&arch.to_le_bytes());
-        let body = match lz4 {
-            Some((compressed, size)) => {
+        let body = match packed {
+            Packed::Lz4(compressed, size) | Packed::Zstd(compressed, size) => {
+                let flag = match packed {
+                    Packed::Lz4(..) => FLAG_LZ4,
+                    _ => FLAG_ZSTD,
+                };
                 h[8..12].copy_from_slice(&(compressed.len() as u32).to_le_bytes());
                 h[16..20].copy_from_slice(&(compressed.len() as u32).to_le_bytes());
-                h[40..48].copy_from_slice(&(FLAG_LZ4 | 0x11).to_le_bytes());
+                h[40..48].copy_from_slice(&(flag | 0x11).to_le_bytes());
                 h[56..64].copy_from_slice(&(size as u64).to_le_bytes());
                 compressed
             }
-            None => {
+            Packed::Plain => {
                 h[8..12].copy_from_slice(&(payload.len() as u32).to_le_bytes());
                 h[40..48].copy_from_slice(&0x11u64.to_le_bytes());
                 payload
@@ -210,6 +273,10 @@ pub fn build(entries: &[TestEntry]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pick(img: &[u8]) -> Result<Entry, ImageError> {
+        select(&entries(img)?)
+    }
 
     #[test]
     fn lz4_literals_matches_and_overlapping_copies() {
@@ -232,54 +299,88 @@ mod tests {
 
     #[test]
     fn picks_the_device_cubin_else_the_newest_usable_ptx() {
+        let plain = Packed::Plain;
         let img = build(&[
-            (KIND_ELF, 80, b"sm80", None),
-            (KIND_PTX, 80, b"ptx80", None),
-            (KIND_ELF, 90, b"sm90", None),
+            (KIND_ELF, 80, b"sm80", plain),
+            (KIND_PTX, 80, b"ptx80", plain),
+            (KIND_ELF, 90, b"sm90", plain),
         ]);
-        let e = entries(&img).unwrap();
-        assert_eq!(e.len(), 3);
+        assert_eq!(entries(&img).unwrap().len(), 3);
         assert_eq!(
-            select(e).unwrap(),
+            pick(&img).unwrap(),
             Entry::Elf {
                 arch: 90,
                 image: b"sm90".to_vec()
             }
         );
         let img = build(&[
-            (KIND_PTX, 70, b"ptx70", None),
-            (KIND_ELF, 80, b"sm80", None),
-            (KIND_PTX, 86, b"ptx86", None),
-            (KIND_PTX, 100, b"ptx100", None),
+            (KIND_PTX, 70, b"ptx70", plain),
+            (KIND_ELF, 80, b"sm80", plain),
+            (KIND_PTX, 86, b"ptx86", plain),
+            (KIND_PTX, 100, b"ptx100", plain),
         ]);
         assert_eq!(
-            select(entries(&img).unwrap()).unwrap(),
+            pick(&img).unwrap(),
             Entry::Ptx {
                 arch: 86,
                 text: b"ptx86".to_vec()
             }
         );
-        let img = build(&[(KIND_ELF, 100, b"sm100", None)]);
-        assert_eq!(
-            select(entries(&img).unwrap()),
-            Err(ImageError::NoBinaryForGpu)
-        );
+        let img = build(&[(KIND_ELF, 100, b"sm100", plain)]);
+        assert_eq!(pick(&img), Err(ImageError::NoBinaryForGpu));
     }
 
     #[test]
     fn compressed_entries_are_expanded() {
         let src = [0x35, b'a', b'b', b'c', 3, 0, 0x30, b'x', b'y', b'z'];
-        let img = build(&[(KIND_PTX, 90, b"", Some((&src, 15)))]);
+        let img = build(&[(KIND_PTX, 90, b"", Packed::Lz4(&src, 15))]);
         assert_eq!(container_len(&img), Some(img.len()));
         assert_eq!(
-            entries(&img).unwrap(),
-            vec![Entry::Ptx {
+            pick(&img).unwrap(),
+            Entry::Ptx {
                 arch: 90,
                 text: b"abcabcabcabcxyz".to_vec()
-            }]
+            }
         );
         let mut broken = img.clone();
         broken.truncate(img.len() - 3);
         assert!(entries(&broken).is_err());
+
+        let cubin = b"a cubin for sm_90, a cubin for sm_90, a cubin for sm_90".repeat(20);
+        let packed = ruzstd::encoding::compress_to_vec(
+            &cubin[..],
+            ruzstd::encoding::CompressionLevel::Fastest,
+        );
+        let img = build(&[(KIND_ELF, 90, b"", Packed::Zstd(&packed, cubin.len()))]);
+        assert_eq!(
+            pick(&img).unwrap(),
+            Entry::Elf {
+                arch: 90,
+                image: cubin.clone()
+            }
+        );
+        let img = build(&[(KIND_ELF, 90, b"", Packed::Zstd(&packed[..10], cubin.len()))]);
+        assert!(matches!(pick(&img), Err(ImageError::Malformed(_))));
+    }
+
+    /// As the CUDA 12.8+ libraries ship them: entries for newer architectures compressed with
+    /// Zstandard, the device's own with LZ4. Only the chosen entry is expanded, so entries the
+    /// device does not run load even when this reader could not expand them.
+    #[test]
+    fn only_the_chosen_entry_is_decompressed() {
+        let src = [0x35, b'a', b'b', b'c', 3, 0, 0x30, b'x', b'y', b'z'];
+        let garbage = [0xde, 0xad, 0xbe, 0xef];
+        let img = build(&[
+            (KIND_ELF, 100, b"", Packed::Zstd(&garbage, 4096)),
+            (KIND_ELF, 90, b"", Packed::Lz4(&src, 15)),
+            (KIND_ELF, 120, b"", Packed::Zstd(&garbage, 4096)),
+        ]);
+        assert_eq!(
+            pick(&img).unwrap(),
+            Entry::Elf {
+                arch: 90,
+                image: b"abcabcabcabcxyz".to_vec()
+            }
+        );
     }
 }

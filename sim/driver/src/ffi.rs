@@ -8,6 +8,18 @@ use std::ffi::{CStr, c_char, c_void};
 
 pub use gpushare_cuda_abi::types::*;
 
+/// `CUlaunchAttribute` as cuda.h declares it: the attribute's id, padding to 8 bytes, then the
+/// 64-byte `CUlaunchAttributeValue` union, read here as words (a cluster dimension is its first
+/// three: x, y, z).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct LaunchAttribute {
+    pub id: CUlaunchAttributeID,
+    _pad: u32,
+    pub value: [u32; 16],
+}
+const _: () = assert!(std::mem::size_of::<LaunchAttribute>() == 72);
+
 /// Opaque handles: our object ids, cast to pointers.
 pub type Handle = *mut c_void;
 

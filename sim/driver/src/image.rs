@@ -95,7 +95,7 @@ pub fn parse(b: &[u8]) -> Result<ModuleInfo, ImageError> {
         .get(..4)
         .map(|m| u32::from_le_bytes(m.try_into().expect("4 bytes")))
     {
-        Some(fatbin::MAGIC) => match fatbin::select(fatbin::entries(b)?)? {
+        Some(fatbin::MAGIC) => match fatbin::select(&fatbin::entries(b)?)? {
             fatbin::Entry::Elf { image, .. } => elf::parse(&image),
             fatbin::Entry::Ptx { text, .. } => parse_ptx(&text),
         },
@@ -209,7 +209,10 @@ mod tests {
             load_at(cubin.as_ptr().cast()).unwrap().kernels,
             from_ptx.kernels
         );
-        let fat = fatbin::build(&[(1, 90, PTX.as_bytes(), None), (2, 80, b"old", None)]);
+        let fat = fatbin::build(&[
+            (1, 90, PTX.as_bytes(), fatbin::Packed::Plain),
+            (2, 80, b"old", fatbin::Packed::Plain),
+        ]);
         assert_eq!(
             load_at(fat.as_ptr().cast()).unwrap().kernels,
             from_ptx.kernels

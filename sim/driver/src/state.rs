@@ -144,6 +144,21 @@ pub struct Context {
     pub legacy: u64,
     /// Every stream of the context, the legacy one included.
     pub streams: Vec<u64>,
+    /// Limits set with cuCtxSetLimit: (limit, value).
+    pub limits: Vec<(CUlimit, usize)>,
+    /// Contexts whose memory this one may access (cuCtxEnablePeerAccess).
+    pub peers: Vec<u64>,
+    /// Work every later op of the context waits for (cuGreenCtxWaitEvent): per stream, the
+    /// latest record waited for.
+    pub waits: Vec<OpRef>,
+}
+
+/// A green context (`cuGreenCtxCreate`): its own context (what `cuCtxFromGreenCtx` returns)
+/// on `device`, provisioned with `sms` of the device's SMs.
+pub struct Green {
+    pub ctx: u64,
+    pub device: u32,
+    pub sms: u32,
 }
 
 pub struct Stream {
@@ -194,6 +209,10 @@ pub struct Event {
     pub done_ns: Option<u64>,
     /// Recorded while capturing: the capture, with the nodes a waiter must follow as its deps.
     pub captured: Option<Capture>,
+    /// Shared with other processes (an IPC event): its id on the device, whose latest record,
+    /// by whichever process, is what waits and queries see. `exported`: this process shared it.
+    pub shared: Option<u64>,
+    pub exported: bool,
 }
 
 pub struct Module {
@@ -257,10 +276,15 @@ pub type ContextStorageDtor =
 /// What a device pointer range is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum AllocKind {
+    /// `cuMemAlloc` / `cuMemAllocPitch` and stream-ordered allocations.
     Device,
     Managed,
     /// Backing of a module `.global`; not counted against capacity.
     Global,
+    /// A range of a physical allocation mapped with `cuMemMap`.
+    Mapped,
+    /// Another process's allocation, opened with `cuIpcOpenMemHandle`.
+    Imported,
 }
 
 pub struct Alloc {
@@ -269,6 +293,8 @@ pub struct Alloc {
     pub device: u32,
     pub charged: u64,
     pub kind: AllocKind,
+    /// Lives in the process's shared arena (`api_ipc`): another process may map it.
+    pub arena: bool,
 }
 
 /// One node of a graph. Graphs run their nodes one after another on the launch stream (a
@@ -279,6 +305,7 @@ pub enum NodeKind {
     Kernel {
         function: u64,
         arg0: Option<u64>,
+        launch: Box<KernelLaunch>,
     },
     Memset {
         dst: u64,
@@ -300,6 +327,38 @@ pub enum NodeKind {
     EventWait {
         event: u64,
     },
+}
+
+/// A kernel node's launch, kept as `cuGraphKernelNodeGetParams` returns it: its shape and a
+/// copy of its arguments ("kernel parameters are copied when the node is created").
+#[derive(Debug)]
+pub struct KernelLaunch {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared: u32,
+    /// Each argument's bytes (heap blocks that do not move with the node).
+    pub args: Vec<Box<[u8]>>,
+    /// The addresses of `args`, the `kernelParams` array handed out.
+    pub arg_ptrs: Box<[usize]>,
+}
+
+impl KernelLaunch {
+    pub fn new(grid: [u32; 3], block: [u32; 3], shared: u32, args: Vec<Box<[u8]>>) -> Self {
+        let arg_ptrs = args.iter().map(|a| a.as_ptr() as usize).collect();
+        KernelLaunch {
+            grid,
+            block,
+            shared,
+            args,
+            arg_ptrs,
+        }
+    }
+}
+
+impl Clone for KernelLaunch {
+    fn clone(&self) -> Self {
+        KernelLaunch::new(self.grid, self.block, self.shared, self.args.clone())
+    }
 }
 
 #[derive(Default)]
@@ -337,8 +396,9 @@ pub struct State {
     next_event_slot: u32,
     pub modules: HashMap<u64, Module>,
     pub functions: HashMap<u64, Function>,
-    /// Loaded libraries: library → its module.
-    pub libraries: HashMap<u64, u64>,
+    /// Loaded libraries: library → its module, or, for a library whose image has nothing the
+    /// device runs, the error its loading gives once something of it is needed (lazy loading).
+    pub libraries: HashMap<u64, CuResult<u64>>,
     /// Link states of cuLinkCreate: their images so far, and the last completed output.
     pub links: HashMap<u64, crate::api_link::LinkState>,
     /// Context-local storage: (context, key) → value.
@@ -346,6 +406,10 @@ pub struct State {
     pub graphs: HashMap<u64, Graph>,
     pub execs: HashMap<u64, Exec>,
     pub user_objects: HashMap<u64, UserObject>,
+    /// Green contexts by handle, and the resource descriptors made for them: descriptor →
+    /// (device, SMs).
+    pub greens: HashMap<u64, Green>,
+    pub resource_descs: HashMap<u64, (u32, u32)>,
     /// Graph node handles: id → (graph, index).
     pub graph_nodes: HashMap<u64, (u64, usize)>,
     pub allocs: BTreeMap<u64, Alloc>,
@@ -398,6 +462,8 @@ impl State {
             graphs: HashMap::new(),
             execs: HashMap::new(),
             user_objects: HashMap::new(),
+            greens: HashMap::new(),
+            resource_descs: HashMap::new(),
             graph_nodes: HashMap::new(),
             allocs: BTreeMap::new(),
             pinned: BTreeMap::new(),
@@ -448,6 +514,9 @@ impl State {
                 flags,
                 legacy: 0,
                 streams: Vec::new(),
+                limits: Vec::new(),
+                peers: Vec::new(),
+                waits: Vec::new(),
             },
         );
         let legacy = self.create_stream(client, ctx, 0, 0, true)?;
@@ -576,10 +645,12 @@ impl State {
         Ok(s)
     }
 
-    /// The implicit dependencies of new work on `stream`: the legacy default stream waits for
-    /// every blocking stream of its context, and blocking streams wait for the legacy stream.
+    /// The implicit dependencies of new work on `stream`: what its context was made to wait for,
+    /// and the legacy default stream waits for every blocking stream of its context, and
+    /// blocking streams wait for the legacy stream.
     fn implicit_deps(&self, stream: u64, out: &mut Vec<OpRef>) {
         let s = &self.streams[&stream];
+        out.extend_from_slice(&self.contexts[&s.ctx].waits);
         if s.flags & CU_STREAM_NON_BLOCKING != 0 {
             return;
         }

@@ -12,7 +12,7 @@ mod board;
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change; checked in [`Request::Hello`].
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Environment variable naming the device socket, set by `gpushare-sim run`.
 pub const SOCKET_ENV: &str = "GPUSHARE_SIM_SOCKET";
@@ -36,6 +36,16 @@ pub enum Op {
     /// Host function: the device asks the client to run it ([`Reply::RunHostFunc`]) and the
     /// stream waits until the client answers with [`Request::HostFuncDone`].
     HostFunc,
+    /// A record of an event shared between processes ([`Request::ShareEvent`]): as
+    /// [`Op::Event`], and it becomes the shared event's latest record, whoever made it.
+    SharedEvent {
+        slot: u32,
+        generation: u64,
+        event: u64,
+    },
+    /// Zero-duration marker that also waits for the latest record of shared event `event`
+    /// made before it, by any process (none yet: no wait).
+    WaitShared { event: u64 },
 }
 
 /// Client → device.
@@ -98,6 +108,28 @@ pub enum Request {
     MemInfo {
         req: u64,
         device: u32,
+    },
+    /// Share an event with other processes (an IPC event); `record` is its latest record so
+    /// far. Reply [`Reply::SharedEvent`] with the id other processes open it by.
+    ShareEvent {
+        req: u64,
+        record: Option<OpRef>,
+    },
+    /// Open a shared event: reply [`Reply::SharedEvent`] if it exists, else an error.
+    OpenSharedEvent {
+        req: u64,
+        event: u64,
+    },
+    /// The sharing process destroyed its event: no more opens.
+    UnshareEvent {
+        event: u64,
+    },
+    /// The latest record of a shared event, by any process: reply [`Reply::Status`] with its
+    /// completion at once, or, with `wait`, [`Reply::Done`] once it has completed.
+    SharedEventStatus {
+        req: u64,
+        event: u64,
+        wait: bool,
     },
     /// A checkpoint call (`cuCheckpointProcess*`) on process `pid`: the device relays it to
     /// that process's driver ([`Reply::CheckpointCall`]) and answers with
@@ -199,6 +231,11 @@ pub enum Reply {
     RunHostFunc {
         stream: u64,
         seq: u64,
+    },
+    /// The id of a shared event.
+    SharedEvent {
+        req: u64,
+        event: u64,
     },
     /// The answer to [`Request::Checkpoint`]: a `CUresult`, and the state or thread id asked
     /// for.
@@ -308,6 +345,33 @@ mod tests {
                 result: 0,
                 value: 2,
             },
+            Request::ShareEvent {
+                req: 7,
+                record: Some((3, 10)),
+            },
+            Request::OpenSharedEvent { req: 8, event: 1 },
+            Request::UnshareEvent { event: 1 },
+            Request::SharedEventStatus {
+                req: 9,
+                event: 1,
+                wait: true,
+            },
+            Request::Submit {
+                stream: 3,
+                seq: 13,
+                deps: vec![],
+                op: Op::SharedEvent {
+                    slot: 2,
+                    generation: 6,
+                    event: 1,
+                },
+            },
+            Request::Submit {
+                stream: 3,
+                seq: 14,
+                deps: vec![],
+                op: Op::WaitShared { event: 1 },
+            },
         ];
         fuzz::frames(31, &samples, 150_000, |_| {}).assert_exercised(150_000);
     }
@@ -351,6 +415,7 @@ mod tests {
                 id: 1,
                 call: CheckpointCall::GetState,
             },
+            Reply::SharedEvent { req: 6, event: 1 },
             Reply::Error {
                 req: Some(1),
                 message: "no".into(),

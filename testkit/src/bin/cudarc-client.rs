@@ -718,8 +718,8 @@ fn launch_latency(device: usize, n: u64) -> Res<Value> {
     // the same driver function: the one the application resolves (dynamic linker, dlsym: where
     // an interposer such as gpushare's hook answers) and the driver's own, past any
     // interposition. Timed in blocks of each route, paired and in alternating order: each
-    // figure is the median block, so a pause of the whole machine (this VM stops for
-    // milliseconds every few seconds) does not land in it, and the ratio of the routes is the
+    // figure is the median block, so a pause of the whole machine (a virtual machine may stop
+    // for milliseconds every few seconds) does not land in it, and the ratio of the routes is the
     // median of the pairs' ratios, both measured under the same conditions.
     const BLOCK: u64 = 500;
     type LaunchFn = unsafe extern "C" fn(

@@ -710,3 +710,58 @@ fn a_kernel_waits_for_an_event_recorded_on_another_gpu() {
     let r = trace.iter().find(|r| r.device == 0).unwrap();
     assert_eq!((r.start_ns, r.end_ns), (3 * MS, 4 * MS));
 }
+
+/// An event shared between processes (IPC): a wait on it in one process follows its latest
+/// record made before the wait, by whichever process; a later record does not move an earlier
+/// wait; it goes with its sharer.
+#[test]
+fn a_shared_event_orders_work_across_processes() {
+    let mut m = model(true);
+    client(&mut m, 1, 0);
+    client(&mut m, 2, 1);
+    let shared = |slot, event| Op::SharedEvent {
+        slot,
+        generation: 1,
+        event,
+    };
+    let event = m.share_event(1, None);
+    assert!(m.shared_event_exists(event));
+    assert_eq!(m.shared_record(event), None, "no record yet");
+    // Nothing recorded: a wait is satisfied at once.
+    m.submit(0, (2, 1), 1, &[], &Op::WaitShared { event })
+        .unwrap();
+    m.advance(0);
+    assert_eq!(m.completion((2, 1), 1), Some(0));
+    // Process 1 records after 10 ms of work; process 2 waits, then records after 3 ms of its
+    // own; process 1 then waits for that.
+    spin(&mut m, 0, 1, 1, 1, 10 * MS);
+    m.submit(0, (1, 1), 2, &[], &shared(0, event)).unwrap();
+    m.submit(0, (2, 1), 2, &[], &Op::WaitShared { event })
+        .unwrap();
+    spin(&mut m, 0, 2, 1, 3, 3 * MS);
+    m.submit(0, (2, 1), 4, &[], &shared(7, event)).unwrap();
+    m.submit(0, (1, 1), 3, &[], &Op::WaitShared { event })
+        .unwrap();
+    m.advance(100 * MS);
+    assert_eq!(
+        m.completion((2, 1), 2),
+        Some(10 * MS),
+        "waits for process 1"
+    );
+    assert_eq!(m.completion((2, 1), 4), Some(13 * MS));
+    assert_eq!(
+        m.completion((1, 1), 3),
+        Some(13 * MS),
+        "waits for process 2"
+    );
+    assert_eq!(m.shared_record(event), Some(((2, 1), 4)));
+    // Only the sharer unshares it; its exit does too.
+    m.unshare_event(2, event);
+    assert!(m.shared_event_exists(event));
+    let other = m.share_event(1, Some((1, 2)));
+    assert_eq!(m.shared_record(other), Some(((1, 1), 2)));
+    m.unshare_event(1, event);
+    assert!(!m.shared_event_exists(event));
+    m.disconnect(1, 100 * MS);
+    assert!(!m.shared_event_exists(other));
+}

@@ -1,0 +1,413 @@
+//! `gpushare-extender` on three nodes of stand-ins, called as kube-scheduler calls it: each
+//! node the simulated GPU(s), the real `gpushare-scheduler` and `gpushare-device-manager` with
+//! their metrics endpoints, a fake kubelet and PodResources; one fake API server holding the
+//! pods and each node's `gpushare-node` pod (whose named metrics ports the extender scrapes);
+//! the real extender binary; the extender API's JSON (`filter` → `prioritize` → `bind`) over
+//! HTTP; tenants in kubelet-style cgroups holding real (simulated) GPU memory.
+
+use crate::apiserver::{FakeApiServer, Kind};
+use crate::cluster::{
+    Cgroup, Driver, Manager, Pod, agent_command_on, cgroups_usable, container_process, free_port,
+    fxhash, kubelet_admits,
+};
+use crate::kubelet::{FakeKubelet, FakePodResources};
+use gpushare_device_manager::inventory::RESOURCE;
+use gpushare_testkit::harness::target_dir;
+use gpushare_testkit::node::{Node, Spin, Tenant};
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// One node: its GPUs, scheduler and device manager, kubelet stand-ins, and the units its
+/// kubelet assigned so far.
+struct GpuNode {
+    node: Node,
+    kubelet: FakeKubelet,
+    podres: FakePodResources,
+    _manager: Manager,
+    used: BTreeSet<String>,
+}
+
+impl GpuNode {
+    /// Everything up, the plugin registered, the node's `gpushare-node` pod in the API server.
+    async fn start(name: &str, gpus: u32, api: &FakeApiServer) -> GpuNode {
+        let mut node = Node::device_only_with(&["--gpus", &gpus.to_string(), "--memory", "8GiB"]);
+        let admin_socket = node.tmp.path().join("admin/admin.sock");
+        let scheduler_metrics = free_port();
+        node.start_scheduler_with(
+            false,
+            &[
+                "--admin-socket",
+                admin_socket.to_str().unwrap(),
+                "--metrics",
+                &format!("127.0.0.1:{scheduler_metrics}"),
+            ],
+        );
+        let kubeconfig = api.kubeconfig(node.tmp.path());
+        let kubelet = FakeKubelet::start(&node.tmp.path().join("device-plugins"));
+        let podres = FakePodResources::start(&node.tmp.path().join("pod-resources.sock"));
+        let manager_metrics = free_port();
+        let log = node.tmp.path().join("manager.log");
+        let mut cmd = agent_command_on(
+            name,
+            &node,
+            "gpushare-device-manager",
+            &admin_socket,
+            &kubeconfig,
+            &log,
+        );
+        cmd.arg("--device-plugin-dir")
+            .arg(&kubelet.dir)
+            .arg("--pod-resources-socket")
+            .arg(&podres.socket)
+            .arg("--metrics")
+            .arg(format!("127.0.0.1:{manager_metrics}"));
+        let manager = Manager::spawn(cmd, log);
+        kubelet.wait_registrations(1, Duration::from_secs(30)).await;
+        api.create_pod(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("gpushare-node-{name}"), "namespace": "gpushare-system",
+                "labels": {"app.kubernetes.io/name": "gpushare-node"}},
+            "spec": {"nodeName": name, "containers": [{"name": "gpushare", "image": "gpushare:0.1.0",
+                "ports": [{"name": "metrics", "containerPort": scheduler_metrics},
+                          {"name": "dm-metrics", "containerPort": manager_metrics}]}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1"}
+        }));
+        GpuNode {
+            node,
+            kubelet,
+            podres,
+            _manager: manager,
+            used: BTreeSet::new(),
+        }
+    }
+
+    /// The node's GPUs (UUIDs), as its device plugin advertises them.
+    async fn gpus(&self) -> Vec<String> {
+        let mut plugin = self.kubelet.plugin().await;
+        let ids: BTreeSet<String> = crate::kubelet::devices(&mut plugin)
+            .await
+            .iter()
+            .filter_map(|d| d.id.split_once("::").map(|(g, _)| g.to_string()))
+            .collect();
+        ids.into_iter().collect()
+    }
+
+    /// The kubelet admits pod `name` (bound here): the device manager's preferred units,
+    /// `Allocate`, the assignment, the container's ID.
+    async fn admit(&mut self, api: &FakeApiServer, name: &str, units: u32) -> Pod {
+        kubelet_admits(
+            api,
+            &self.kubelet,
+            &self.podres,
+            &mut self.used,
+            name,
+            units,
+        )
+        .await
+    }
+
+    /// A process of `pod`'s container holding `mib` MiB of GPU memory (idle otherwise) until
+    /// it is dropped.
+    fn hold(&self, pod: &Pod, cg: &Cgroup, mib: usize) -> Tenant {
+        let args = Spin::for_ms(1.0, 600_000.0)
+            .idle_ms(100.0)
+            .alloc_mib(mib)
+            .args();
+        self.node
+            .spawn(container_process(&self.node, pod, cg, &args))
+    }
+
+    fn manager_log(&self) -> String {
+        std::fs::read_to_string(self.node.tmp.path().join("manager.log")).unwrap_or_default()
+    }
+}
+
+/// Units of `pod` on one GPU: its UUID.
+fn gpu_of(pod: &Pod) -> String {
+    let gpus: BTreeSet<&str> = pod
+        .devices
+        .iter()
+        .filter_map(|d| d.split_once("::").map(|(g, _)| g))
+        .collect();
+    assert_eq!(gpus.len(), 1, "units from several GPUs: {:?}", pod.devices);
+    gpus.into_iter().next().unwrap().to_string()
+}
+
+/// A pod for the `gpushare` scheduler, not yet bound: one container `main` asking for
+/// `units`, with a memory cap.
+fn new_pod(api: &FakeApiServer, name: &str, units: u32, memory: &str) -> Value {
+    let uid = format!("{:08x}-1d2c-4b6a-8e0f-5a4b3c2d1e0f", fxhash(name) as u32);
+    api.create(
+        Kind::Pod,
+        json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "uid": uid,
+                "annotations": {"gpushare.io/gpu-memory": memory}},
+            "spec": {"schedulerName": "gpushare", "containers": [{"name": "main", "image": "cuda-app",
+                "resources": {"limits": {RESOURCE: units.to_string()}}}]},
+            "status": {"phase": "Pending"}
+        }),
+    )
+}
+
+fn pod_of(api: &FakeApiServer, name: &str) -> Value {
+    api.list(Kind::Pod, "default")
+        .into_iter()
+        .find(|p| p["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no pod {name}"))
+}
+
+/// The extender process and kube-scheduler's side of its HTTP API.
+struct Extender {
+    addr: SocketAddr,
+    _process: Manager,
+}
+
+impl Extender {
+    /// `gpushare-extender serve --policy predicted ARGS…`, listening.
+    fn start(kubeconfig: &std::path::Path, log: &std::path::Path, args: &[&str]) -> Extender {
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let err = std::fs::File::create(log).unwrap();
+        let mut cmd = Command::new(target_dir().join("gpushare-extender"));
+        cmd.args([
+            "serve",
+            "--policy",
+            "predicted",
+            "--listen",
+            &addr.to_string(),
+        ])
+        .args(["--scrape-interval", "200ms", "--stale-after", "5s"])
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .env("GPUSHARE_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(err);
+        let process = Manager::spawn(cmd, log.to_path_buf());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(addr).is_err() {
+            assert!(Instant::now() < deadline, "the extender did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Extender {
+            addr,
+            _process: process,
+        }
+    }
+
+    /// `METHOD path` with a JSON body (POST) or none (GET): status and body.
+    async fn call(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let mut s = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            self.addr,
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.unwrap();
+        let text = String::from_utf8_lossy(&out).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        (status, body.to_string())
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> Value {
+        let (status, text) = self.call("POST", path, Some(body)).await;
+        assert_eq!(status, 200, "{path}: {text}");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"))
+    }
+
+    /// `POST /filter` as kube-scheduler sends it with `nodeCacheCapable: true`: the nodes kept
+    /// and the others with why.
+    async fn filter(&self, pod: &Value, nodes: &[&str]) -> (Vec<String>, BTreeMap<String, String>) {
+        let r = self
+            .post("/filter", &json!({"pod": pod, "nodenames": nodes}))
+            .await;
+        assert!(r["error"].as_str().unwrap_or("").is_empty(), "{r}");
+        let kept = serde_json::from_value(r["nodenames"].clone()).unwrap_or_default();
+        let failed = serde_json::from_value(r["failedNodes"].clone()).unwrap_or_default();
+        (kept, failed)
+    }
+
+    /// What kube-scheduler does with the extender for `pod` among `nodes`: filter,
+    /// prioritize the nodes kept, the highest score (the first of equals), bind. The node.
+    async fn schedule(&self, pod: &Value, nodes: &[&str]) -> String {
+        let (kept, failed) = self.filter(pod, nodes).await;
+        assert!(!kept.is_empty(), "no node kept: {failed:?}");
+        let scores = self
+            .post("/prioritize", &json!({"pod": pod, "nodenames": kept}))
+            .await;
+        let mut best: Option<(i64, String)> = None;
+        for s in scores.as_array().unwrap() {
+            let (host, score) = (s["host"].as_str().unwrap(), s["score"].as_i64().unwrap());
+            if best.as_ref().is_none_or(|(b, _)| score > *b) {
+                best = Some((score, host.to_string()));
+            }
+        }
+        let node = best.expect("prioritize answered no node").1;
+        let m = &pod["metadata"];
+        let r = self
+            .post(
+                "/bind",
+                &json!({"podName": m["name"], "podNamespace": m["namespace"],
+                    "podUID": m["uid"], "node": node}),
+            )
+            .await;
+        assert!(r["error"].as_str().unwrap_or("").is_empty(), "bind: {r}");
+        node
+    }
+}
+
+/// Poll `f` every 100 ms until it returns `Some` (at most `timeout`); `what` says what was
+/// awaited when it does not.
+async fn until<T, F: std::future::Future<Output = Result<T, String>>>(
+    timeout: Duration,
+    what: &str,
+    mut f: impl FnMut() -> F,
+) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match f().await {
+            Ok(v) => return v,
+            Err(last) => assert!(
+                Instant::now() < deadline,
+                "{what}: not within {timeout:?}; last: {last}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Placement follows what pods really use, on three nodes: a node whose GPUs' caps are
+/// committed but whose tenants use little is refused while their use is unknown, then kept
+/// and ranked above an empty node (`predicted`); the bind records the GPU on the pod and binds
+/// it in the API server; the device manager hands out units of the recorded GPU (not its own
+/// binpack choice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
+    if let Err(why) = cgroups_usable() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let api = FakeApiServer::start().await;
+    let mut a = GpuNode::start("node-a", 2, &api).await;
+    let _b = GpuNode::start("node-b", 1, &api).await;
+    let _c = GpuNode::start("node-c", 1, &api).await;
+    let nodes = ["node-a", "node-b", "node-c"];
+    let tmp = tempfile::tempdir().unwrap();
+    let kubeconfig = api.kubeconfig(tmp.path());
+    let ext = Extender::start(&kubeconfig, &tmp.path().join("extender.log"), &[]);
+    // Every node's metrics read: a small pod may go anywhere.
+    let probe = new_pod(&api, "probe", 10, "1Gi");
+    for e in [&ext] {
+        until(
+            Duration::from_secs(30),
+            "all three nodes readable",
+            || async {
+                let (kept, failed) = e.filter(&probe, &nodes).await;
+                (kept.len() == 3).then_some(()).ok_or(format!("{failed:?}"))
+            },
+        )
+        .await;
+    }
+    api.delete_pod("default", "probe");
+
+    // x (50 units, 7 GiB cap) and y (30 units, 6 GiB cap) on node-a (kube-scheduler's own
+    // filters left only node-a): y cannot share x's GPU by caps, so it gets the other one,
+    // which the device manager's own binpack choice (the fuller GPU by units) would not give.
+    let gpus = a.gpus().await;
+    assert_eq!(gpus.len(), 2);
+    let x = new_pod(&api, "x", 50, "7Gi");
+    assert_eq!(ext.schedule(&x, &["node-a"]).await, "node-a");
+    let gx = pod_of(&api, "x")["metadata"]["annotations"]["gpushare.io/gpu"]
+        .as_str()
+        .expect("the chosen GPU recorded on x")
+        .to_string();
+    assert!(gpus.contains(&gx), "{gx} is not a GPU of node-a: {gpus:?}");
+    // The kubelet learns of the bound pod through its watch, as the device manager does.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let px = a.admit(&api, "x", 50).await;
+    assert_eq!(gpu_of(&px), gx, "{}", a.manager_log());
+    let y = new_pod(&api, "y", 30, "6Gi");
+    assert_eq!(ext.schedule(&y, &["node-a"]).await, "node-a");
+    let gy = pod_of(&api, "y")["metadata"]["annotations"]["gpushare.io/gpu"]
+        .as_str()
+        .expect("the chosen GPU recorded on y")
+        .to_string();
+    assert_ne!(gy, gx, "y's cap does not fit beside x's");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let py = a.admit(&api, "y", 30).await;
+    assert_eq!(
+        gpu_of(&py),
+        gy,
+        "the device manager did not follow the recorded GPU\n{}",
+        a.manager_log()
+    );
+
+    // x uses 6 GiB of its 7, y 1 GiB of its 6.
+    let cg_x = Cgroup::make(Driver::SystemdV2, &px.uid, &px.container_id);
+    let cg_y = Cgroup::make(Driver::SystemdV2, &py.uid, &py.container_id);
+    let _hold_x = a.hold(&px, &cg_x, 6 * 1024);
+    let _hold_y = a.hold(&py, &cg_y, 1024);
+
+    // p: 30 units, 4 GiB. By caps node-a is full (7 + 4 and 6 + 4 of 8 GiB): refused while the
+    // tenants' use is not yet known.
+    let p = new_pod(&api, "p", 30, "4Gi");
+    let (kept, failed) = ext.filter(&p, &["node-a"]).await;
+    assert!(kept.is_empty(), "node-a kept before its use was measured");
+    assert!(failed["node-a"].contains("predicted policy"), "{failed:?}");
+    // Once their use has settled (20 s flat), node-a is kept, and ranked above the empty
+    // node-b: the best fit by what is really used.
+    let settled = Instant::now();
+    for e in [&ext] {
+        until(
+            Duration::from_secs(60),
+            "node-a kept by measured use",
+            || async {
+                let (kept, failed) = e.filter(&p, &["node-a"]).await;
+                (kept == ["node-a"])
+                    .then_some(())
+                    .ok_or(format!("{failed:?}"))
+            },
+        )
+        .await;
+        eprintln!(
+            "node-a kept for p {:.1} s after its tenants started",
+            settled.elapsed().as_secs_f64()
+        );
+    }
+    let scores = ext
+        .post(
+            "/prioritize",
+            &json!({"pod": p, "nodenames": ["node-a", "node-b"]}),
+        )
+        .await;
+    assert!(
+        scores[0]["score"].as_i64() > scores[1]["score"].as_i64(),
+        "{scores}"
+    );
+    assert_eq!(ext.schedule(&p, &nodes).await, "node-a");
+    let p_gpu = pod_of(&api, "p")["metadata"]["annotations"]["gpushare.io/gpu"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(p_gpu, gy, "x's GPU holds 6 of 8 GiB");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pp = a.admit(&api, "p", 30).await;
+    assert_eq!(
+        gpu_of(&pp),
+        gy,
+        "binpack alone would have chosen x's fuller GPU\n{}",
+        a.manager_log()
+    );
+}

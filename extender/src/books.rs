@@ -1,0 +1,738 @@
+//! The extender's books: per node, per GPU, the units committed, the memory caps and each
+//! pod's memory in use over time. Rebuilt at every question from what the API server says
+//! (which pods are bound where, their units, caps and chosen GPUs) and what each node's
+//! gpushare reports (its GPUs, the units its kubelet assigned, where each pod's memory is and
+//! how much), never from the extender's own memory alone: its only state of its own is what it
+//! observed of each pod's use (for `predicted`), the GPUs' use over time (for `seed`), and the
+//! bindings it made that the API server has not shown yet.
+//!
+//! Pure: the I/O shell (`serve.rs`) feeds it and asks it.
+
+use crate::policy::{self, Demand, Fit, GpuBook, Learner, Observed, Policy, SeedWindow, Tenant};
+use crate::report::NodeReport;
+use k8s_openapi::api::core::v1::Pod;
+use std::collections::{BTreeMap, VecDeque};
+
+pub const RESOURCE: &str = "gpushare.io/gpu-share";
+/// The GPU(s) the extender chose, by UUID (comma-separated for whole GPUs); the device
+/// manager hands the pod units of exactly these.
+pub const GPU_ANNOTATION: &str = "gpushare.io/gpu";
+pub const MEMORY_ANNOTATION: &str = "gpushare.io/gpu-memory";
+pub const UNITS_PER_GPU: u32 = 100;
+/// How long the GPUs' use is kept for `seed` (its window runs from the last placement).
+const SERIES_KEEP_S: f64 = 3600.0;
+
+/// What the books need of a pod.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodInfo {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    pub node: Option<String>,
+    pub units: u32,
+    /// `gpushare.io/gpu-memory`, when valid.
+    pub memory: Option<u64>,
+    /// `gpushare.io/gpu`, as written.
+    pub gpus: Vec<String>,
+    /// Ended, or being deleted: its memory is free for the next pod at once.
+    pub gone: bool,
+}
+
+/// The pod's units of `gpushare.io/gpu-share` (limits, else requests, summed over its
+/// containers); `None` when it asks for none.
+pub fn pod_info(p: &Pod) -> Result<Option<PodInfo>, String> {
+    let spec = p.spec.as_ref().ok_or("pod without a spec")?;
+    let mut units: u64 = 0;
+    for c in &spec.containers {
+        let r = c.resources.as_ref();
+        let q = r
+            .and_then(|r| r.limits.as_ref())
+            .and_then(|l| l.get(RESOURCE))
+            .or_else(|| {
+                r.and_then(|r| r.requests.as_ref())
+                    .and_then(|l| l.get(RESOURCE))
+            });
+        if let Some(q) = q {
+            let n: u64 = q.0.trim().parse().map_err(|_| {
+                format!(
+                    "container {:?} asks for {RESOURCE} {:?}: write a whole number of units",
+                    c.name, q.0
+                )
+            })?;
+            units += n;
+        }
+    }
+    if units == 0 {
+        return Ok(None);
+    }
+    let units = u32::try_from(units)
+        .ok()
+        .filter(|u| *u <= 64 * UNITS_PER_GPU)
+        .ok_or_else(|| format!("{units} units of {RESOURCE} is more than any node has"))?;
+    let m = &p.metadata;
+    let ann = m.annotations.clone().unwrap_or_default();
+    let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+    Ok(Some(PodInfo {
+        uid: m.uid.clone().unwrap_or_default(),
+        namespace: m.namespace.clone().unwrap_or_else(|| "default".into()),
+        name: m.name.clone().unwrap_or_default(),
+        node: spec.node_name.clone().filter(|n| !n.is_empty()),
+        units,
+        memory: ann
+            .get(MEMORY_ANNOTATION)
+            .and_then(|v| gpushare_units::parse_quantity(v).ok()),
+        gpus: ann
+            .get(GPU_ANNOTATION)
+            .map(|v| {
+                v.split(',')
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default(),
+        gone: m.deletion_timestamp.is_some() || matches!(phase, Some("Succeeded" | "Failed")),
+    }))
+}
+
+impl PodInfo {
+    /// Whole GPUs it needs (0: a share of one), or why it cannot be placed.
+    pub fn whole_gpus(&self) -> Result<u32, String> {
+        if self.units <= UNITS_PER_GPU {
+            Ok(0)
+        } else if self.units.is_multiple_of(UNITS_PER_GPU) {
+            Ok(self.units / UNITS_PER_GPU)
+        } else {
+            Err(format!(
+                "{} units of {RESOURCE}: above {UNITS_PER_GPU} a pod must ask for whole GPUs (a multiple of {UNITS_PER_GPU})",
+                self.units
+            ))
+        }
+    }
+
+    /// Its memory cap on a GPU of `memory`: the annotation, else its units' share; at most
+    /// the GPU's memory (as the device manager sets it).
+    pub fn cap_on(&self, memory: u64, whole: bool) -> u64 {
+        if whole {
+            return memory;
+        }
+        self.memory
+            .unwrap_or(memory / u64::from(UNITS_PER_GPU) * u64::from(self.units))
+            .min(memory)
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct NodeState {
+    report: Option<NodeReport>,
+    at: f64,
+    error: Option<String>,
+}
+
+/// A binding the extender made that the API server has not shown yet.
+#[derive(Debug, Clone)]
+struct Assumed {
+    pod: PodInfo,
+    node: String,
+    gpus: Vec<String>,
+}
+
+/// What the extender counts (its `/metrics`).
+#[derive(Debug, Clone, Default)]
+pub struct Counters {
+    /// Per node: scrapes that failed.
+    pub scrape_failures: BTreeMap<String, u64>,
+    /// Per node: times it was not chosen because its metrics could not be read.
+    pub unreadable: BTreeMap<String, u64>,
+    pub bindings: u64,
+    pub binding_errors: u64,
+    pub bad_requests: u64,
+}
+
+/// The books.
+pub struct Books {
+    pub policy: Policy,
+    /// A node whose last good report is older than this is not chosen (seconds).
+    pub stale_after: f64,
+    nodes: BTreeMap<String, NodeState>,
+    pods: BTreeMap<String, PodInfo>,
+    observed: BTreeMap<String, Observed>,
+    learner: Learner,
+    series: BTreeMap<String, VecDeque<(f64, f64)>>,
+    last_placement: Option<f64>,
+    assumed: BTreeMap<String, Assumed>,
+    pub counters: Counters,
+}
+
+/// Where one pod would go on one node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    pub gpus: Vec<String>,
+    pub score: f64,
+}
+
+impl Books {
+    pub fn new(policy: Policy, stale_after: f64) -> Books {
+        Books {
+            policy,
+            stale_after,
+            nodes: BTreeMap::new(),
+            pods: BTreeMap::new(),
+            observed: BTreeMap::new(),
+            learner: Learner::default(),
+            series: BTreeMap::new(),
+            last_placement: None,
+            assumed: BTreeMap::new(),
+            counters: Counters::default(),
+        }
+    }
+
+    /// The API server's pods, whole (after a list).
+    pub fn set_pods(&mut self, pods: Vec<PodInfo>) {
+        self.pods = pods.into_iter().map(|p| (p.uid.clone(), p)).collect();
+        self.forget_seen();
+    }
+
+    pub fn upsert_pod(&mut self, p: PodInfo) {
+        self.pods.insert(p.uid.clone(), p);
+        self.forget_seen();
+    }
+
+    pub fn remove_pod(&mut self, uid: &str) {
+        self.pods.remove(uid);
+        self.assumed.remove(uid);
+        self.observed.remove(uid);
+    }
+
+    /// Bindings now visible in the API server need no assuming.
+    fn forget_seen(&mut self) {
+        let pods = &self.pods;
+        self.assumed.retain(|uid, a| {
+            pods.get(uid)
+                .is_none_or(|p| p.node.as_ref() != Some(&a.node))
+        });
+        self.observed.retain(|uid, _| pods.contains_key(uid));
+    }
+
+    /// A node's report (or why it could not be read) at `now`.
+    pub fn node_report(&mut self, node: &str, report: Result<NodeReport, String>, now: f64) {
+        let report = report.and_then(|r| r.check().map(|_| r));
+        let state = self.nodes.entry(node.to_string()).or_default();
+        match report {
+            Err(e) => {
+                *self
+                    .counters
+                    .scrape_failures
+                    .entry(node.to_string())
+                    .or_default() += 1;
+                state.error = Some(e);
+            }
+            Ok(r) => {
+                let by_name: BTreeMap<(&str, &str), &str> = self
+                    .pods
+                    .values()
+                    .map(|p| ((p.namespace.as_str(), p.name.as_str()), p.uid.as_str()))
+                    .collect();
+                let mut totals: BTreeMap<&str, f64> = BTreeMap::new();
+                for ((gpu, ns, pod), u) in &r.pods {
+                    *totals.entry(gpu.as_str()).or_default() += u.used as f64;
+                    if let Some(uid) = by_name.get(&(ns.as_str(), pod.as_str())) {
+                        self.observed
+                            .entry(uid.to_string())
+                            .or_insert_with(|| Observed::new(now))
+                            .observe(u.used, now, &mut self.learner);
+                    }
+                }
+                for gpu in r.gpus.keys() {
+                    let s = self.series.entry(gpu.clone()).or_default();
+                    s.push_back((now, totals.get(gpu.as_str()).copied().unwrap_or(0.0)));
+                    while s.front().is_some_and(|(t, _)| now - t > SERIES_KEEP_S) {
+                        s.pop_front();
+                    }
+                }
+                state.report = Some(r);
+                state.at = now;
+                state.error = None;
+            }
+        }
+    }
+
+    /// The node's GPUs as books at `now`, or why the node cannot be judged.
+    pub fn gpus_of(&self, node: &str, now: f64) -> Result<Vec<(String, GpuBook)>, String> {
+        let state = self.nodes.get(node).ok_or_else(|| {
+            format!("no gpushare metrics known for node {node} (is gpushare-node running there?)")
+        })?;
+        if let Some(e) = &state.error {
+            return Err(format!("metrics of node {node} unreadable: {e}"));
+        }
+        let report = state
+            .report
+            .as_ref()
+            .ok_or_else(|| format!("no metrics read from node {node} yet"))?;
+        if now - state.at > self.stale_after {
+            return Err(format!(
+                "metrics of node {node} are {:.0} s old",
+                now - state.at
+            ));
+        }
+        // Where each pod of the node is: the node's own report, else the chosen GPU.
+        let mut located: BTreeMap<(&str, &str), Vec<&str>> = BTreeMap::new();
+        for (gpu, ns, pod) in report.pods.keys() {
+            located
+                .entry((ns.as_str(), pod.as_str()))
+                .or_default()
+                .push(gpu.as_str());
+        }
+        let mut books: BTreeMap<&str, GpuBook> = report
+            .gpus
+            .iter()
+            .filter(|(_, g)| g.units > 0)
+            .map(|(uuid, g)| {
+                (
+                    uuid.as_str(),
+                    GpuBook {
+                        memory: g.memory,
+                        units: g.units,
+                        tenants: Vec::new(),
+                    },
+                )
+            })
+            .collect();
+        let bound = self
+            .pods
+            .values()
+            .filter(|p| p.node.as_deref() == Some(node))
+            .map(|p| (p, &p.gpus))
+            .chain(
+                self.assumed
+                    .values()
+                    .filter(|a| a.node == node)
+                    .map(|a| (&a.pod, &a.gpus)),
+            );
+        // Units of pods being deleted: the kubelet may still count them, the books do not.
+        let mut leaving: BTreeMap<&str, u32> = BTreeMap::new();
+        for (p, chosen) in bound {
+            let gpus: Vec<&str> = match located.get(&(p.namespace.as_str(), p.name.as_str())) {
+                Some(g) => g.clone(),
+                None => chosen.iter().map(String::as_str).collect(),
+            };
+            let whole = gpus.len() > 1 || p.units > UNITS_PER_GPU;
+            for g in gpus {
+                let Some(book) = books.get_mut(g) else {
+                    continue;
+                };
+                if p.gone {
+                    *leaving.entry(g).or_default() += if whole { book.units } else { p.units };
+                    continue;
+                }
+                book.tenants.push(Tenant {
+                    units: if whole { book.units } else { p.units },
+                    cap: p.cap_on(book.memory, whole),
+                    peak: None,
+                    observed: self
+                        .observed
+                        .get(&p.uid)
+                        .cloned()
+                        .unwrap_or_else(|| Observed::new(now)),
+                });
+            }
+        }
+        // Units the kubelet assigned that no known pod accounts for (pods placed by the
+        // device manager's own choice before their scheduler group exists): at their share of
+        // the memory, as new pods.
+        for (uuid, g) in &report.gpus {
+            if let Some(book) = books.get_mut(uuid.as_str()) {
+                let known = book.units_used() + leaving.get(uuid.as_str()).copied().unwrap_or(0);
+                if g.allocated > known {
+                    let units = g.allocated - known;
+                    book.tenants.push(Tenant {
+                        units,
+                        cap: book.memory / u64::from(book.units.max(1)) * u64::from(units),
+                        peak: None,
+                        observed: Observed::new(now),
+                    });
+                }
+            }
+        }
+        Ok(books.into_iter().map(|(u, b)| (u.to_string(), b)).collect())
+    }
+
+    fn seed_samples(&self, gpu: &str, now: f64) -> Vec<f64> {
+        let last = self.last_placement.unwrap_or(f64::NEG_INFINITY);
+        let start = if now - last >= 20.0 { last } else { now - 20.0 };
+        self.series
+            .get(gpu)
+            .map(|s| {
+                s.iter()
+                    .filter(|(t, _)| *t >= start)
+                    .map(|(_, v)| *v)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The best GPU(s) of `node` for `pod` at `now`, or why none.
+    pub fn choose(&self, pod: &PodInfo, node: &str, now: f64) -> Result<Choice, String> {
+        if self.policy == Policy::Seed
+            && let Some(l) = self.last_placement
+            && now - l < policy::SEED_PAUSE_S
+        {
+            return Err(format!(
+                "the seed policy places one pod per {} s",
+                policy::SEED_PAUSE_S
+            ));
+        }
+        let whole = match pod.whole_gpus()? {
+            0 if self.policy == Policy::WholeGpu => 1,
+            n => n,
+        };
+        let books = self.gpus_of(node, now)?;
+        if books.is_empty() {
+            return Err(format!("node {node} has no healthy GPU"));
+        }
+        if whole > 0 {
+            let free: Vec<String> = books
+                .iter()
+                .filter(|(_, b)| b.tenants.is_empty())
+                .map(|(u, _)| u.clone())
+                .take(whole as usize)
+                .collect();
+            return if free.len() == whole as usize {
+                Ok(Choice {
+                    gpus: free,
+                    score: 1.0,
+                })
+            } else {
+                Err(format!(
+                    "{whole} whole GPU(s) asked, {} free on node {node}",
+                    free.len()
+                ))
+            };
+        }
+        let mut best: Option<(Fit, &str)> = None;
+        let mut why = Vec::new();
+        for (uuid, book) in &books {
+            let demand = Demand {
+                units: pod.units,
+                cap: pod.cap_on(book.memory, false),
+                peak: None,
+            };
+            let samples;
+            let window = if self.policy == Policy::Seed {
+                samples = self.seed_samples(uuid, now);
+                Some(SeedWindow { used: &samples })
+            } else {
+                None
+            };
+            match policy::admit(
+                self.policy,
+                book,
+                &demand,
+                now,
+                &self.learner,
+                window.as_ref(),
+            ) {
+                Ok(fit) => {
+                    let better = best.as_ref().is_none_or(|(b, _)| match self.policy {
+                        Policy::Requests => fit.free_memory < b.free_memory,
+                        _ => fit.score() > b.score(),
+                    });
+                    if better {
+                        best = Some((fit, uuid));
+                    }
+                }
+                Err(e) => why.push(format!("{uuid}: {e}")),
+            }
+        }
+        match best {
+            Some((fit, uuid)) => Ok(Choice {
+                gpus: vec![uuid.to_string()],
+                score: fit.score(),
+            }),
+            None => Err(format!(
+                "no GPU of node {node} can take the pod ({})",
+                why.join("; ")
+            )),
+        }
+    }
+
+    /// Filter: the nodes kept, and the others with why.
+    pub fn filter(
+        &mut self,
+        pod: &PodInfo,
+        nodes: &[String],
+        now: f64,
+    ) -> (Vec<String>, BTreeMap<String, String>) {
+        let (mut ok, mut failed) = (Vec::new(), BTreeMap::new());
+        for n in nodes {
+            match self.choose(pod, n, now) {
+                Ok(_) => ok.push(n.clone()),
+                Err(e) => {
+                    if self.gpus_of(n, now).is_err() {
+                        *self.counters.unreadable.entry(n.clone()).or_default() += 1;
+                    }
+                    failed.insert(n.clone(), e);
+                }
+            }
+        }
+        (ok, failed)
+    }
+
+    /// Prioritize: 0–10 per node. `requests` and `whole-gpu` leave ranking to kube-scheduler
+    /// (0 everywhere); `seed` ranks at random, as published.
+    pub fn prioritize(&self, pod: &PodInfo, nodes: &[String], now: f64) -> Vec<(String, i64)> {
+        nodes
+            .iter()
+            .map(|n| {
+                let score = match self.choose(pod, n, now) {
+                    Ok(c) if self.policy.ranks_nodes() => (c.score * 10.0).round() as i64,
+                    Ok(_) if self.policy == Policy::Seed => {
+                        let h = n
+                            .bytes()
+                            .chain(pod.uid.bytes())
+                            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+                            });
+                        (h % 11) as i64
+                    }
+                    _ => 0,
+                };
+                (n.clone(), score)
+            })
+            .collect()
+    }
+
+    /// A binding made: counted in the books until the API server shows it.
+    pub fn bound(&mut self, pod: &PodInfo, node: &str, gpus: Vec<String>, now: f64) {
+        let mut p = pod.clone();
+        p.node = Some(node.to_string());
+        p.gpus = gpus.clone();
+        self.observed.insert(p.uid.clone(), Observed::new(now));
+        self.assumed.insert(
+            p.uid.clone(),
+            Assumed {
+                pod: p,
+                node: node.to_string(),
+                gpus,
+            },
+        );
+        self.last_placement = Some(now);
+        self.counters.bindings += 1;
+    }
+
+    /// A pod by namespace and name.
+    pub fn pod(&self, namespace: &str, name: &str) -> Option<&PodInfo> {
+        self.pods
+            .values()
+            .find(|p| p.namespace == namespace && p.name == name)
+    }
+
+    /// Every node the books heard of (from reports or bound pods).
+    pub fn known_nodes(&self) -> std::collections::BTreeSet<String> {
+        self.nodes
+            .keys()
+            .cloned()
+            .chain(self.pods.values().filter_map(|p| p.node.clone()))
+            .collect()
+    }
+
+    pub fn learner(&self) -> &Learner {
+        &self.learner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{GpuReport, PodUse};
+
+    const GIB: u64 = 1 << 30;
+
+    fn report(gpus: &[(&str, u32)], pods: &[(&str, &str, u64)]) -> NodeReport {
+        NodeReport {
+            gpus: gpus
+                .iter()
+                .map(|(u, alloc)| {
+                    (
+                        u.to_string(),
+                        GpuReport {
+                            memory: 8 * GIB,
+                            units: 100,
+                            allocated: *alloc,
+                        },
+                    )
+                })
+                .collect(),
+            pods: pods
+                .iter()
+                .map(|(g, p, used)| {
+                    (
+                        (g.to_string(), "default".to_string(), p.to_string()),
+                        PodUse {
+                            used: *used,
+                            cap: None,
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    fn pod(name: &str, units: u32, node: Option<&str>, gpus: &[&str]) -> PodInfo {
+        PodInfo {
+            uid: format!("uid-{name}"),
+            namespace: "default".into(),
+            name: name.into(),
+            node: node.map(str::to_string),
+            units,
+            memory: None,
+            gpus: gpus.iter().map(|s| s.to_string()).collect(),
+            gone: false,
+        }
+    }
+
+    #[test]
+    fn a_fragmented_node_is_filtered_out_and_a_fitting_one_kept() {
+        let mut b = Books::new(Policy::Requests, 10.0);
+        b.set_pods(vec![
+            pod("a", 40, Some("n1"), &["GPU-a"]),
+            pod("b", 40, Some("n1"), &["GPU-b"]),
+        ]);
+        b.node_report("n1", Ok(report(&[("GPU-a", 40), ("GPU-b", 40)], &[])), 0.0);
+        b.node_report("n2", Ok(report(&[("GPU-c", 0), ("GPU-d", 0)], &[])), 0.0);
+        let p = pod("new", 80, None, &[]);
+        let (ok, failed) = b.filter(&p, &["n1".into(), "n2".into()], 1.0);
+        assert_eq!(ok, vec!["n2".to_string()]);
+        assert!(failed["n1"].contains("60 of 100 units free"), "{failed:?}");
+    }
+
+    #[test]
+    fn a_deleted_pods_memory_is_free_at_once() {
+        let mut b = Books::new(Policy::Requests, 10.0);
+        let mut big = pod("big", 90, Some("n1"), &["GPU-a"]);
+        b.set_pods(vec![big.clone()]);
+        b.node_report(
+            "n1",
+            Ok(report(&[("GPU-a", 90)], &[("GPU-a", "big", GIB)])),
+            0.0,
+        );
+        let p = pod("next", 50, None, &[]);
+        assert!(b.choose(&p, "n1", 1.0).is_err());
+        // Deleted in the API server; the node still reports its units and memory for a while.
+        big.gone = true;
+        b.upsert_pod(big);
+        assert_eq!(b.choose(&p, "n1", 1.0).unwrap().gpus, vec!["GPU-a"]);
+        // Once gone from the API server too.
+        b.remove_pod("uid-big");
+        b.node_report("n1", Ok(report(&[("GPU-a", 90)], &[])), 2.0);
+        assert!(
+            b.choose(&p, "n1", 2.0).is_err(),
+            "units the kubelet still holds, unexplained"
+        );
+        b.node_report("n1", Ok(report(&[("GPU-a", 0)], &[])), 3.0);
+        assert_eq!(b.choose(&p, "n1", 3.0).unwrap().gpus, vec!["GPU-a"]);
+    }
+
+    #[test]
+    fn unreadable_or_stale_metrics_keep_a_node_out_and_are_counted() {
+        let mut b = Books::new(Policy::Predicted, 5.0);
+        let p = pod("new", 10, None, &[]);
+        b.node_report("n1", Ok(report(&[("GPU-a", 0)], &[])), 0.0);
+        b.node_report("n2", Err("connection refused".into()), 0.0);
+        let nodes = ["n1".to_string(), "n2".to_string(), "n3".to_string()];
+        let (ok, failed) = b.filter(&p, &nodes, 1.0);
+        assert_eq!(ok, vec!["n1".to_string()]);
+        assert!(failed["n2"].contains("connection refused"));
+        assert!(failed["n3"].contains("no gpushare metrics known"));
+        assert_eq!(b.counters.unreadable["n2"], 1);
+        assert_eq!(b.counters.scrape_failures["n2"], 1);
+        let (ok, failed) = b.filter(&p, &nodes[..1], 7.0);
+        assert!(ok.is_empty());
+        assert!(failed["n1"].contains("s old"), "{failed:?}");
+        // A report that lacks the GPUs' memory is as unreadable.
+        let mut r = report(&[("GPU-a", 0)], &[]);
+        r.gpus.get_mut("GPU-a").unwrap().memory = 0;
+        b.node_report("n1", Ok(r), 8.0);
+        assert!(
+            b.choose(&p, "n1", 8.0)
+                .unwrap_err()
+                .contains("no memory size")
+        );
+    }
+
+    #[test]
+    fn measured_use_that_grows_keeps_a_node_from_new_pods_under_predicted() {
+        let mut b = Books::new(Policy::Predicted, 10.0);
+        let mut a = pod("a", 30, Some("n1"), &["GPU-a"]);
+        a.memory = Some(6 * GIB);
+        b.set_pods(vec![a]);
+        let mut next = pod("next", 30, None, &[]);
+        next.memory = Some(3 * GIB);
+        for s in 0..=30 {
+            b.node_report(
+                "n1",
+                Ok(report(&[("GPU-a", 30)], &[("GPU-a", "a", GIB)])),
+                s as f64,
+            );
+        }
+        // Settled at 1 GiB: 3 GiB more fits on the 8 GiB GPU although caps sum to 9.
+        assert!(b.choose(&next, "n1", 30.0).is_ok());
+        // Its use grows to 6 GiB: a misprediction, and the node is full again.
+        b.node_report(
+            "n1",
+            Ok(report(&[("GPU-a", 30)], &[("GPU-a", "a", 6 * GIB)])),
+            31.0,
+        );
+        assert!(b.choose(&next, "n1", 31.0).is_err());
+        assert_eq!(b.learner().mispredictions, 1);
+    }
+
+    #[test]
+    fn the_chosen_gpu_is_booked_until_the_api_server_shows_the_binding() {
+        let mut b = Books::new(Policy::Requests, 10.0);
+        b.node_report("n1", Ok(report(&[("GPU-a", 0), ("GPU-b", 0)], &[])), 0.0);
+        let p = pod("p", 60, None, &[]);
+        let c = b.choose(&p, "n1", 0.0).unwrap();
+        b.bound(&p, "n1", c.gpus.clone(), 0.0);
+        let q = pod("q", 60, None, &[]);
+        let other = b.choose(&q, "n1", 0.0).unwrap();
+        assert_ne!(other.gpus, c.gpus, "the first binding is in the books");
+        // The API server shows it: no longer assumed, still booked.
+        b.upsert_pod(pod("p", 60, Some("n1"), &[&c.gpus[0]]));
+        assert_ne!(b.choose(&q, "n1", 0.0).unwrap().gpus, c.gpus);
+    }
+
+    #[test]
+    fn pod_units_and_annotations_are_read_safely() {
+        let mk = |units: &str, ann: serde_json::Value| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "ns", "uid": "u", "annotations": ann},
+                "spec": {"containers": [{"name": "c", "resources": {"limits": {RESOURCE: units}}}]}
+            }))
+            .unwrap()
+        };
+        let p = pod_info(&mk(
+            "30",
+            serde_json::json!({MEMORY_ANNOTATION: "2Gi", GPU_ANNOTATION: "GPU-a, "}),
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (p.units, p.memory, p.gpus.clone()),
+            (30, Some(2 * GIB), vec!["GPU-a".to_string()])
+        );
+        let p = pod_info(&mk("30", serde_json::json!({MEMORY_ANNOTATION: "lots"})))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            p.memory, None,
+            "an invalid cap falls back to the units' share"
+        );
+        assert_eq!(p.cap_on(8 * GIB, false), 8 * GIB / 100 * 30);
+        assert!(pod_info(&mk("thirty", serde_json::json!({}))).is_err());
+        assert_eq!(pod_info(&mk("0", serde_json::json!({}))).unwrap(), None);
+        let p = pod_info(&mk("150", serde_json::json!({})))
+            .unwrap()
+            .unwrap();
+        assert!(p.whole_gpus().unwrap_err().contains("whole GPUs"));
+    }
+}

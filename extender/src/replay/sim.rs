@@ -1,0 +1,637 @@
+//! One replay run in virtual time, one-second steps, deterministic for a seed: pods arrive,
+//! are placed by the policy's own code ([`crate::policy::admit`] on books kept as the extender
+//! keeps them), run their measured memory profiles, and fail with out-of-memory when the GPU's
+//! memory would be exceeded (restarting on their GPU after the kubelet's back-off).
+//!
+//! Placement follows the deployed pipeline: kube-scheduler tries pending pods in arrival order
+//! (a pod refused is tried again after a back-off of 1, 2, 4, 8, then 10 s, or at the next step
+//! after a pod ends or fails anywhere); among the nodes the extender keeps, it takes the one the
+//! extender ranks highest (`oracle`, `predicted`: 0–10, the best fit of a GPU there), then the
+//! least allocated CPU and memory (its own default), then one at random. `requests` and
+//! `whole-gpu` leave the ranking to kube-scheduler; `requests` binds to the GPU with the least
+//! memory left (Alibaba's extender). `seed` follows its own scheduler: largest request first,
+//! a random GPU that passes its test, one placement per 6 s.
+
+use crate::policy::{self, Demand, Fit, GpuBook, Learner, Observed, Policy, SeedWindow, Tenant};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use std::sync::Arc;
+
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    /// CPU (milli) and memory (MiB) allocatable; 0: not constrained.
+    pub cpu: u64,
+    pub mem: u64,
+    pub gpus: usize,
+    pub gpu_memory: u64,
+}
+
+/// A pod's memory cap.
+#[derive(Debug, Clone, Copy)]
+pub enum Cap {
+    Fixed(u64),
+    /// Units / 100 of the memory of the GPU it lands on.
+    OfGpu(u32),
+}
+
+#[derive(Debug, Clone)]
+pub struct JobSpec {
+    pub arrival: u64,
+    pub cpu: u64,
+    pub mem: u64,
+    /// Whole GPUs it needs (0: `units` of one GPU).
+    pub whole: u32,
+    pub units: u32,
+    pub cap: Cap,
+    /// Memory use per second of running (MiB); the last value holds past the end.
+    pub shape: Arc<Vec<u32>>,
+    /// `Some(f)`: the shape scaled to a peak of f × the cap; `None`: as it is.
+    pub peak_of_cap: Option<f64>,
+    /// GPU utilisation while running (0..1).
+    pub util: f64,
+    /// `Some(s)`: the pod holds its GPU for the whole replay (it would hold it `s` seconds);
+    /// `None`: it ends when its shape does.
+    pub held: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub nodes: Vec<NodeSpec>,
+    pub jobs: Vec<JobSpec>,
+    pub slowdown: f64,
+    /// `Some(t)`: stop at t; `None`: when every pod has ended.
+    pub end: Option<u64>,
+}
+
+/// One run's figures.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Outcome {
+    pub pending_mean_s: f64,
+    pub pending_p99_s: f64,
+    pub jct_p99_s: f64,
+    pub memory_used_frac: f64,
+    pub gpu_busy_frac: f64,
+    pub oom: f64,
+    pub unallocated_gpus_peak: f64,
+}
+
+/// A GPU's memory in use, kept as the points where it changed.
+#[derive(Debug, Default)]
+struct Series {
+    points: Vec<(u64, u64)>,
+}
+
+impl Series {
+    fn record(&mut self, t: u64, v: u64) {
+        if self.points.last().is_none_or(|&(_, last)| last != v) {
+            self.points.push((t, v));
+        }
+    }
+
+    /// One sample a second over [from, to].
+    fn samples(&self, from: u64, to: u64) -> Vec<f64> {
+        let mut out = Vec::with_capacity((to - from + 1) as usize);
+        let mut i = self.points.partition_point(|&(t, _)| t <= from);
+        let mut v = if i == 0 { 0 } else { self.points[i - 1].1 };
+        for t in from..=to {
+            while i < self.points.len() && self.points[i].0 <= t {
+                v = self.points[i].1;
+                i += 1;
+            }
+            out.push(v as f64);
+        }
+        out
+    }
+
+    /// Forget what lies before `t` (keeping the value at `t`).
+    fn forget_before(&mut self, t: u64) {
+        let i = self.points.partition_point(|&(p, _)| p <= t);
+        if i > 1 {
+            self.points.drain(..i - 1);
+        }
+    }
+}
+
+struct Gpu {
+    node: usize,
+    book: GpuBook,
+    /// Jobs in the same order as `book.tenants`.
+    jobs: Vec<usize>,
+    series: Series,
+}
+
+#[derive(Debug, Clone, Default)]
+struct JobState {
+    placed: Option<u64>,
+    ended: Option<u64>,
+    gpus: Vec<usize>,
+    progress: f64,
+    /// In back-off after an out-of-memory failure until then.
+    restart_at: Option<u64>,
+    restarts: u32,
+    /// Its use per GPU now (MiB).
+    using: u64,
+    /// When kube-scheduler tries it next, and how often it was refused.
+    retry_at: u64,
+    refusals: u32,
+}
+
+struct Node {
+    cpu_used: u64,
+    mem_used: u64,
+    /// The most free units on one of its GPUs, and its GPUs with no pod (skips full nodes).
+    most_free: u32,
+    empty: usize,
+}
+
+fn cap_on(cap: Cap, gpu_memory: u64) -> u64 {
+    match cap {
+        Cap::Fixed(c) => c,
+        Cap::OfGpu(units) => gpu_memory * u64::from(units) / 100,
+    }
+}
+
+fn use_at(job: &JobSpec, progress: f64, cap: u64) -> u64 {
+    let s = &job.shape;
+    let i = (progress as usize).min(s.len() - 1);
+    let raw = u64::from(s[i]);
+    match job.peak_of_cap {
+        None => raw,
+        Some(f) => {
+            let top = u64::from(*s.iter().max().unwrap_or(&1)).max(1);
+            (raw as f64 / top as f64 * f * cap as f64) as u64
+        }
+    }
+}
+
+fn peak_of(job: &JobSpec, cap: u64) -> u64 {
+    match job.peak_of_cap {
+        None => u64::from(*job.shape.iter().max().unwrap_or(&0)),
+        Some(f) => (f * cap as f64) as u64,
+    }
+}
+
+/// The kubelet's back-off before restarting a failed container.
+fn restart_backoff(restarts: u32) -> u64 {
+    (10u64 << (restarts.saturating_sub(1)).min(5)).min(300)
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let rank = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+pub struct Sim<'a> {
+    spec: &'a Spec,
+    policy: Policy,
+    gpus: Vec<Gpu>,
+    nodes: Vec<Node>,
+    node_gpus: Vec<std::ops::Range<usize>>,
+    jobs: Vec<JobState>,
+    learner: Learner,
+    rng: StdRng,
+    last_placement: Option<u64>,
+    oom: u64,
+    pending: Vec<usize>,
+    running: Vec<usize>,
+}
+
+impl<'a> Sim<'a> {
+    pub fn new(spec: &'a Spec, policy: Policy, seed: u64) -> Sim<'a> {
+        let mut gpus = Vec::new();
+        let mut node_gpus = Vec::new();
+        for (n, node) in spec.nodes.iter().enumerate() {
+            let start = gpus.len();
+            for _ in 0..node.gpus {
+                gpus.push(Gpu {
+                    node: n,
+                    book: GpuBook {
+                        memory: node.gpu_memory,
+                        units: 100,
+                        tenants: Vec::new(),
+                    },
+                    jobs: Vec::new(),
+                    series: Series::default(),
+                });
+            }
+            node_gpus.push(start..gpus.len());
+        }
+        Sim {
+            spec,
+            policy,
+            nodes: spec
+                .nodes
+                .iter()
+                .map(|n| Node {
+                    cpu_used: 0,
+                    mem_used: 0,
+                    most_free: if n.gpus > 0 { 100 } else { 0 },
+                    empty: n.gpus,
+                })
+                .collect(),
+            gpus,
+            node_gpus,
+            jobs: vec![JobState::default(); spec.jobs.len()],
+            learner: Learner::default(),
+            rng: StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15),
+            last_placement: None,
+            oom: 0,
+            pending: Vec::new(),
+            running: Vec::new(),
+        }
+    }
+
+    pub fn run(mut self) -> Outcome {
+        let spec = self.spec;
+        let total_memory: u64 = self.gpus.iter().map(|g| g.book.memory).sum();
+        let (mut mem_sum, mut busy_sum, mut frag_peak) = (0.0f64, 0.0f64, 0.0f64);
+        let mut next_arrival = 0;
+        let mut t = 0u64;
+        let limit = spec
+            .end
+            .unwrap_or_else(|| spec.jobs.last().map_or(0, |j| j.arrival) + 1_000_000);
+        loop {
+            while next_arrival < spec.jobs.len() && spec.jobs[next_arrival].arrival <= t {
+                self.jobs[next_arrival].retry_at = t;
+                self.pending.push(next_arrival);
+                next_arrival += 1;
+            }
+            let ended_or_failed = self.advance(t);
+            if ended_or_failed {
+                for &j in &self.pending {
+                    self.jobs[j].retry_at = self.jobs[j].retry_at.min(t);
+                }
+            }
+            // The state during second t.
+            let (mut used, mut busy, mut frag) = (0u64, 0.0f64, 0.0f64);
+            for g in &self.gpus {
+                let u: u64 = g.jobs.iter().map(|&j| self.jobs[j].using).sum();
+                used += u;
+                let util: f64 = g
+                    .jobs
+                    .iter()
+                    .filter(|&&j| self.jobs[j].restart_at.is_none())
+                    .map(|&j| spec.jobs[j].util)
+                    .sum();
+                busy += util.min(1.0);
+                let alloc = g.book.units_used();
+                if alloc > 0 && alloc < g.book.units {
+                    frag += f64::from(g.book.units - alloc) / f64::from(g.book.units);
+                }
+            }
+            mem_sum += used as f64 / total_memory.max(1) as f64;
+            busy_sum += busy / self.gpus.len().max(1) as f64;
+            frag_peak = frag_peak.max(frag);
+            self.schedule(t);
+            t += 1;
+            let done = next_arrival == spec.jobs.len()
+                && self.pending.is_empty()
+                && self.running.is_empty();
+            if t >= limit || (spec.end.is_none() && done) {
+                break;
+            }
+        }
+        let end = t;
+        let (mut pending, mut jct) = (Vec::new(), Vec::new());
+        for (j, s) in spec.jobs.iter().zip(&self.jobs) {
+            if j.arrival >= end {
+                continue;
+            }
+            let waited = s.placed.unwrap_or(end) - j.arrival;
+            pending.push(waited as f64);
+            jct.push(match j.held {
+                Some(h) => (waited + h) as f64,
+                None => (s.ended.unwrap_or(end) - j.arrival) as f64,
+            });
+        }
+        Outcome {
+            pending_mean_s: pending.iter().sum::<f64>() / pending.len().max(1) as f64,
+            pending_p99_s: percentile(&mut pending, 0.99),
+            jct_p99_s: percentile(&mut jct, 0.99),
+            memory_used_frac: mem_sum / end.max(1) as f64,
+            gpu_busy_frac: busy_sum / end.max(1) as f64,
+            oom: self.oom as f64,
+            unallocated_gpus_peak: frag_peak,
+        }
+    }
+
+    /// Second `t` of every running pod: progress, memory, ends, out-of-memory failures, and
+    /// the books' observations. Whether a pod ended or failed.
+    fn advance(&mut self, t: u64) -> bool {
+        let spec = self.spec;
+        let mut changed = false;
+        let mut still = Vec::with_capacity(self.running.len());
+        let running = std::mem::take(&mut self.running);
+        for &j in &running {
+            let s = &mut self.jobs[j];
+            if let Some(r) = s.restart_at {
+                if t < r {
+                    still.push(j);
+                    continue;
+                }
+                s.restart_at = None;
+                s.progress = 0.0;
+            }
+            let sharing = self.gpus[s.gpus[0]].jobs.len();
+            s.progress += 1.0 / (1.0 + spec.slowdown * (sharing.saturating_sub(1)) as f64);
+            let job = &spec.jobs[j];
+            if job.held.is_none() && s.progress >= job.shape.len() as f64 {
+                s.ended = Some(t + 1);
+                s.using = 0;
+                let gpus = std::mem::take(&mut s.gpus);
+                let ni = self.gpus[gpus[0]].node;
+                let n = &mut self.nodes[ni];
+                for g in gpus {
+                    let gpu = &mut self.gpus[g];
+                    let i = gpu.jobs.iter().position(|&x| x == j).expect("on its GPU");
+                    gpu.jobs.remove(i);
+                    gpu.book.tenants.remove(i);
+                }
+                n.cpu_used -= job.cpu;
+                n.mem_used -= job.mem;
+                self.refresh_node(ni);
+                changed = true;
+            } else {
+                still.push(j);
+            }
+        }
+        self.running = still;
+        // New use, and failures where a GPU would be over its memory or a pod over its cap.
+        let mut grew: Vec<(usize, u64)> = Vec::new();
+        for &j in &self.running {
+            let s = &self.jobs[j];
+            if s.restart_at.is_some() {
+                continue;
+            }
+            let gpu = &self.gpus[s.gpus[0]];
+            let cap = cap_on(spec.jobs[j].cap, gpu.book.memory);
+            grew.push((j, use_at(&spec.jobs[j], s.progress, cap)));
+        }
+        for &(j, u) in &grew {
+            self.jobs[j].using = u;
+        }
+        for g in 0..self.gpus.len() {
+            let gpu = &self.gpus[g];
+            if gpu.jobs.is_empty() {
+                continue;
+            }
+            let mut used: u64 = gpu.jobs.iter().map(|&j| self.jobs[j].using).sum();
+            if used > gpu.book.memory {
+                // The pods whose allocations came last fail: those that grew the most.
+                let mut victims: Vec<usize> = gpu.jobs.clone();
+                victims.sort_by_key(|&j| std::cmp::Reverse(self.jobs[j].using));
+                for j in victims {
+                    if used <= self.gpus[g].book.memory {
+                        break;
+                    }
+                    let s = &mut self.jobs[j];
+                    if s.restart_at.is_some() || s.using == 0 {
+                        continue;
+                    }
+                    used -= s.using;
+                    s.using = 0;
+                    s.restarts += 1;
+                    s.restart_at = Some(t + restart_backoff(s.restarts));
+                    self.oom += 1;
+                    changed = true;
+                }
+            }
+        }
+        // The books see each pod's use (as a scrape each second would) and the GPU's total.
+        for g in &mut self.gpus {
+            let mut total = 0;
+            for (k, &j) in g.jobs.iter().enumerate() {
+                let u = self.jobs[j].using;
+                total += u;
+                g.book.tenants[k]
+                    .observed
+                    .observe(u, t as f64, &mut self.learner);
+            }
+            if self.policy == Policy::Seed {
+                g.series.record(t, total);
+            }
+        }
+        changed
+    }
+
+    fn window_start(&self, t: u64) -> u64 {
+        let last = self.last_placement.unwrap_or(0);
+        if t - last.min(t) >= 20 {
+            last
+        } else {
+            t.saturating_sub(20)
+        }
+    }
+
+    fn schedule(&mut self, t: u64) {
+        if self.policy == Policy::Seed {
+            self.schedule_seed(t);
+            return;
+        }
+        let mut order = std::mem::take(&mut self.pending);
+        let mut left = Vec::with_capacity(order.len());
+        for j in order.drain(..) {
+            if self.jobs[j].retry_at > t {
+                left.push(j);
+                continue;
+            }
+            match self.place(j, t) {
+                Some(gpus) => self.bind(j, gpus, t),
+                None => {
+                    let s = &mut self.jobs[j];
+                    s.refusals += 1;
+                    s.retry_at = t + (1u64 << (s.refusals - 1).min(4)).min(10);
+                    left.push(j);
+                }
+            }
+        }
+        self.pending = left;
+    }
+
+    /// The seed's loop: at most one placement per pause, largest request first.
+    fn schedule_seed(&mut self, t: u64) {
+        if self
+            .last_placement
+            .is_some_and(|l| (t as f64) < l as f64 + policy::SEED_PAUSE_S)
+        {
+            return;
+        }
+        let spec = self.spec;
+        let mut order = self.pending.clone();
+        order.sort_by_key(|&j| (std::cmp::Reverse(spec.jobs[j].units), spec.jobs[j].arrival));
+        let start = self.window_start(t);
+        for g in &mut self.gpus {
+            g.series.forget_before(start);
+        }
+        for j in order {
+            if let Some(gpus) = self.place(j, t) {
+                self.pending.retain(|&x| x != j);
+                self.bind(j, gpus, t);
+                self.last_placement = Some(t);
+                return;
+            }
+        }
+    }
+
+    fn refresh_node(&mut self, n: usize) {
+        let range = self.node_gpus[n].clone();
+        let node = &mut self.nodes[n];
+        node.most_free = 0;
+        node.empty = 0;
+        for g in range {
+            let b = &self.gpus[g].book;
+            node.most_free = node.most_free.max(b.units - b.units_used().min(b.units));
+            node.empty += usize::from(b.tenants.is_empty());
+        }
+    }
+
+    fn node_fits(&self, n: usize, job: &JobSpec) -> bool {
+        let (spec, used) = (&self.spec.nodes[n], &self.nodes[n]);
+        (spec.cpu == 0 || used.cpu_used + job.cpu <= spec.cpu)
+            && (spec.mem == 0 || used.mem_used + job.mem <= spec.mem)
+    }
+
+    /// kube-scheduler's default node score: least allocated CPU and memory, 0–100.
+    fn least_allocated(&self, n: usize, job: &JobSpec) -> u64 {
+        let (spec, used) = (&self.spec.nodes[n], &self.nodes[n]);
+        let part = |cap: u64, used: u64| {
+            (cap.saturating_sub(used) * 100)
+                .checked_div(cap)
+                .unwrap_or(100)
+        };
+        (part(spec.cpu, used.cpu_used + job.cpu) + part(spec.mem, used.mem_used + job.mem)) / 2
+    }
+
+    fn demand(&self, j: usize, g: usize) -> Demand {
+        let job = &self.spec.jobs[j];
+        let memory = self.gpus[g].book.memory;
+        let cap = cap_on(job.cap, memory);
+        Demand {
+            units: job.units,
+            cap,
+            peak: Some(peak_of(job, cap)),
+        }
+    }
+
+    fn admit(&self, j: usize, g: usize, t: u64) -> Option<Fit> {
+        let d = self.demand(j, g);
+        let now = t as f64;
+        let samples;
+        let window = if self.policy == Policy::Seed {
+            samples = self.gpus[g].series.samples(self.window_start(t), t);
+            Some(SeedWindow { used: &samples })
+        } else {
+            None
+        };
+        policy::admit(
+            self.policy,
+            &self.gpus[g].book,
+            &d,
+            now,
+            &self.learner,
+            window.as_ref(),
+        )
+        .ok()
+    }
+
+    /// Where pod `j` goes now, if anywhere: its GPUs.
+    fn place(&mut self, j: usize, t: u64) -> Option<Vec<usize>> {
+        let job = &self.spec.jobs[j];
+        let whole = if job.whole > 0 {
+            job.whole as usize
+        } else if self.policy == Policy::WholeGpu {
+            1
+        } else {
+            0
+        };
+        // (extender rank, kube-scheduler score, random, GPUs)
+        let mut best: Option<(u64, u64, u64, Vec<usize>)> = None;
+        let seed_order = self.policy == Policy::Seed;
+        for n in 0..self.nodes.len() {
+            let room = if whole > 0 {
+                self.nodes[n].empty >= whole
+            } else {
+                self.nodes[n].most_free >= job.units
+            };
+            if !room || !self.node_fits(n, job) {
+                continue;
+            }
+            let range = self.node_gpus[n].clone();
+            let choice: Option<(u64, Vec<usize>)> = if whole > 0 {
+                let free: Vec<usize> = range
+                    .filter(|&g| self.gpus[g].book.tenants.is_empty())
+                    .take(whole)
+                    .collect();
+                (free.len() == whole).then_some((0, free))
+            } else {
+                let mut pick: Option<(Fit, usize)> = None;
+                for g in range {
+                    if let Some(fit) = self.admit(j, g, t) {
+                        let better = match &pick {
+                            None => true,
+                            Some((f, _)) => match self.policy {
+                                Policy::Requests => fit.free_memory < f.free_memory,
+                                _ => fit.score() > f.score(),
+                            },
+                        };
+                        if better {
+                            pick = Some((fit, g));
+                        }
+                    }
+                }
+                pick.map(|(fit, g)| {
+                    let rank = if self.policy.ranks_nodes() {
+                        (fit.score() * 10.0).round() as u64
+                    } else {
+                        0
+                    };
+                    (rank, vec![g])
+                })
+            };
+            let Some((rank, gpus)) = choice else {
+                continue;
+            };
+            let kube = if seed_order {
+                0
+            } else {
+                self.least_allocated(n, job)
+            };
+            let key = (rank, kube, self.rng.random::<u64>(), gpus);
+            if best
+                .as_ref()
+                .is_none_or(|b| (key.0, key.1, key.2) > (b.0, b.1, b.2))
+            {
+                best = Some(key);
+            }
+        }
+        best.map(|b| b.3)
+    }
+
+    fn bind(&mut self, j: usize, gpus: Vec<usize>, t: u64) {
+        let job = &self.spec.jobs[j];
+        let n = self.gpus[gpus[0]].node;
+        self.nodes[n].cpu_used += job.cpu;
+        self.nodes[n].mem_used += job.mem;
+        let whole = gpus.len() > 1 || job.whole > 0 || self.policy == Policy::WholeGpu;
+        for &g in &gpus {
+            let d = self.demand(j, g);
+            let gpu = &mut self.gpus[g];
+            gpu.jobs.push(j);
+            gpu.book.tenants.push(Tenant {
+                units: if whole { gpu.book.units } else { d.units },
+                cap: if whole { gpu.book.memory } else { d.cap },
+                peak: d.peak,
+                observed: Observed::new(t as f64),
+            });
+        }
+        self.refresh_node(n);
+        let s = &mut self.jobs[j];
+        s.placed = Some(t);
+        s.gpus = gpus;
+        self.running.push(j);
+    }
+}

@@ -1,0 +1,724 @@
+//! `gpushare-extender serve`: the I/O shell around [`Books`]. A watch of the API server's pods
+//! (the pods asking for `gpushare.io/gpu-share`, and the `gpushare-node` pods whose metrics
+//! ports are scraped), a loop reading every node's metrics (directly, or from Prometheus), and
+//! the extender's HTTP API as kube-scheduler calls it: `POST /filter`, `/prioritize`, `/bind`
+//! under the configured prefix, plus `GET /metrics` and `/healthz`.
+
+use crate::api::{BindingArgs, BindingResult, ExtenderArgs, FilterResult, HostPriority};
+use crate::books::{self, Books, GPU_ANNOTATION, PodInfo};
+use crate::policy::Policy;
+use crate::report::{self, NodeReport};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Where kube-scheduler reaches the extender.
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0:12345")]
+    pub listen: SocketAddr,
+    /// How the memory left on a GPU is judged.
+    #[arg(long, value_enum, default_value = "predicted")]
+    pub policy: Policy,
+    /// Read the nodes' series from this Prometheus server instead of from the nodes.
+    #[arg(long, value_name = "URL")]
+    pub prometheus: Option<String>,
+    /// The label that names the node on the series in Prometheus.
+    #[arg(long, value_name = "LABEL", default_value = "node")]
+    pub prometheus_node_label: String,
+    /// How often the nodes' metrics are read.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = duration)]
+    pub scrape_interval: Duration,
+    /// A node whose metrics are older than this is not chosen.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = duration)]
+    pub stale_after: Duration,
+    /// The label selector of gpushare's node pods (their named ports are scraped).
+    #[arg(
+        long,
+        value_name = "SELECTOR",
+        default_value = "app.kubernetes.io/name=gpushare-node"
+    )]
+    pub node_pods: String,
+    /// Names of the node pods' container ports that serve gpushare's metrics.
+    #[arg(
+        long,
+        value_name = "NAME,…",
+        default_value = "metrics,dm-metrics",
+        value_delimiter = ','
+    )]
+    pub metrics_ports: Vec<String>,
+    /// Kubeconfig file for the API server [default: in-cluster config, else $KUBECONFIG].
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    gpushare_units::parse_duration_ns(s).map(Duration::from_nanos)
+}
+
+/// What the handlers and loops share.
+pub struct Shared {
+    pub books: Mutex<Books>,
+    /// Per node: its metrics endpoints (from the node pods).
+    endpoints: Mutex<BTreeMap<String, Vec<String>>>,
+    start: Instant,
+    client: Option<kube::Client>,
+}
+
+impl Shared {
+    pub fn new(books: Books, client: Option<kube::Client>) -> Shared {
+        Shared {
+            books: Mutex::new(books),
+            endpoints: Mutex::new(BTreeMap::new()),
+            start: Instant::now(),
+            client,
+        }
+    }
+
+    pub fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    fn books(&self) -> std::sync::MutexGuard<'_, Books> {
+        self.books.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The extender's routes, under `prefix` (`/` or e.g. `/gpushare`).
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/filter", post(filter))
+        .route("/prioritize", post(prioritize))
+        .route("/bind", post(bind))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .with_state(shared)
+}
+
+fn json<T: serde::Serialize>(v: &T) -> Response {
+    (
+        [("content-type", "application/json")],
+        serde_json::to_vec(v).unwrap_or_default(),
+    )
+        .into_response()
+}
+
+fn bad_request(shared: &Shared, what: &str, e: impl std::fmt::Display) -> Response {
+    shared.books().counters.bad_requests += 1;
+    tracing::warn!("malformed {what} request: {e}");
+    (
+        StatusCode::BAD_REQUEST,
+        format!("malformed {what} request: {e}"),
+    )
+        .into_response()
+}
+
+/// The pod and candidate node names of a filter or prioritize call.
+fn parse_args(body: &[u8]) -> Result<(ExtenderArgs, Option<PodInfo>, Vec<String>), String> {
+    let args: ExtenderArgs = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let info = books::pod_info(&args.pod)?;
+    let names = args.node_names();
+    Ok((args, info, names))
+}
+
+async fn filter(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let (args, info, names) = match parse_args(&body) {
+        Ok(v) => v,
+        Err(e) if e.contains("units") => {
+            // A pod that can never be placed: every node fails, with the reason.
+            let failed = names_of(&body)
+                .into_iter()
+                .map(|n| (n, e.clone()))
+                .collect();
+            return json(&FilterResult {
+                failed_nodes: failed,
+                ..Default::default()
+            });
+        }
+        Err(e) => return bad_request(&shared, "filter", e),
+    };
+    let Some(pod) = info else {
+        // Not ours: every node is fine.
+        return json(&FilterResult::keep(&args, names, BTreeMap::new()));
+    };
+    let now = shared.now();
+    let (ok, failed) = shared.books().filter(&pod, &names, now);
+    for (n, why) in &failed {
+        tracing::info!(pod = %format!("{}/{}", pod.namespace, pod.name), node = %n, "not kept: {why}");
+    }
+    json(&FilterResult::keep(&args, ok, failed))
+}
+
+/// Node names of a request that failed to parse as a pod (for per-node failures).
+fn names_of(body: &[u8]) -> Vec<String> {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| {
+            let names = v["nodenames"].as_array().cloned().or_else(|| {
+                v["nodes"]["items"].as_array().map(|items| {
+                    items
+                        .iter()
+                        .map(|n| n["metadata"]["name"].clone())
+                        .collect()
+                })
+            })?;
+            Some(
+                names
+                    .iter()
+                    .filter_map(|n| n.as_str().map(str::to_string))
+                    .collect(),
+            )
+        })
+        .unwrap_or_default()
+}
+
+async fn prioritize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let (_, info, names) = match parse_args(&body) {
+        Ok(v) => v,
+        Err(e) => return bad_request(&shared, "prioritize", e),
+    };
+    let scores: Vec<HostPriority> = match info {
+        None => names
+            .into_iter()
+            .map(|host| HostPriority { host, score: 0 })
+            .collect(),
+        Some(pod) => {
+            let now = shared.now();
+            shared
+                .books()
+                .prioritize(&pod, &names, now)
+                .into_iter()
+                .map(|(host, score)| HostPriority { host, score })
+                .collect()
+        }
+    };
+    json(&scores)
+}
+
+async fn bind(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let args: BindingArgs = match serde_json::from_slice(&body) {
+        Ok(a) => a,
+        Err(e) => return bad_request(&shared, "bind", e),
+    };
+    let result = do_bind(&shared, &args).await;
+    if let Err(e) = &result {
+        shared.books().counters.binding_errors += 1;
+        tracing::warn!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), node = %args.node, "not bound: {e}");
+    }
+    json(&BindingResult {
+        error: result.err().unwrap_or_default(),
+    })
+}
+
+async fn do_bind(shared: &Shared, a: &BindingArgs) -> Result<(), String> {
+    if a.pod_name.is_empty() || a.node.is_empty() {
+        return Err("a binding needs podName and node".into());
+    }
+    let client = shared
+        .client
+        .clone()
+        .ok_or("no API server connection: cannot bind")?;
+    let ns = if a.pod_namespace.is_empty() {
+        "default"
+    } else {
+        &a.pod_namespace
+    };
+    let pods: Api<Pod> = Api::namespaced(client, ns);
+    let pod = pods
+        .get(&a.pod_name)
+        .await
+        .map_err(|e| format!("cannot read pod {ns}/{}: {e}", a.pod_name))?;
+    if !a.pod_uid.is_empty() && pod.metadata.uid.as_deref() != Some(a.pod_uid.as_str()) {
+        return Err(format!(
+            "pod {ns}/{} is not the pod {} kube-scheduler placed (it was recreated): not bound",
+            a.pod_name, a.pod_uid
+        ));
+    }
+    if let Some(n) = pod.spec.as_ref().and_then(|s| s.node_name.as_ref())
+        && !n.is_empty()
+    {
+        return Err(format!(
+            "pod {ns}/{} is already bound to node {n}",
+            a.pod_name
+        ));
+    }
+    let gpus = match books::pod_info(&pod)? {
+        None => Vec::new(),
+        Some(info) => {
+            let now = shared.now();
+            let books = shared.books();
+            // A GPU written on the pod beforehand is kept only where it is on this node and
+            // can take the pod; otherwise the extender's own choice replaces it.
+            let chosen = books.choose(&info, &a.node, now)?;
+            if !info.gpus.is_empty() && info.gpus != chosen.gpus {
+                tracing::warn!(pod = %format!("{ns}/{}", a.pod_name), "{GPU_ANNOTATION}={} replaced by {} (the extender chooses the GPU)", info.gpus.join(","), chosen.gpus.join(","));
+            }
+            chosen.gpus
+        }
+    };
+    if !gpus.is_empty() {
+        let patch =
+            serde_json::json!({"metadata": {"annotations": {GPU_ANNOTATION: gpus.join(",")}}});
+        pods.patch(&a.pod_name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|e| format!("cannot record the chosen GPU on {ns}/{}: {e}", a.pod_name))?;
+    }
+    let binding = serde_json::json!({
+        "apiVersion": "v1", "kind": "Binding",
+        "metadata": {"name": a.pod_name, "namespace": ns},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": a.node}
+    });
+    pods.create_subresource::<_, serde_json::Value>(
+        "binding",
+        &a.pod_name,
+        &PostParams::default(),
+        &binding,
+    )
+    .await
+    .map_err(|e| format!("cannot bind {ns}/{} to {}: {e}", a.pod_name, a.node))?;
+    if !gpus.is_empty()
+        && let Some(info) = books::pod_info(&pod)?
+    {
+        let now = shared.now();
+        shared.books().bound(&info, &a.node, gpus.clone(), now);
+    }
+    tracing::info!(pod = %format!("{ns}/{}", a.pod_name), node = %a.node, gpus = %gpus.join(","), "bound");
+    Ok(())
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let b = shared.books();
+    let c = &b.counters;
+    let mut out = String::new();
+    let mut family = |name: &str, help: &str, rows: Vec<(String, f64)>| {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n"));
+        for (labels, v) in rows {
+            out.push_str(&format!("{name}{labels} {v}\n"));
+        }
+    };
+    let per_node = |m: &BTreeMap<String, u64>| {
+        m.iter()
+            .map(|(n, v)| {
+                (
+                    format!("{{node=\"{}\"}}", n.replace(['"', '\\'], "'")),
+                    *v as f64,
+                )
+            })
+            .collect()
+    };
+    family(
+        "gpushare_extender_scrape_failures_total",
+        "Reads of a node's metrics that failed.",
+        per_node(&c.scrape_failures),
+    );
+    family(
+        "gpushare_extender_unreadable_node_total",
+        "Times a node was not kept because its metrics could not be read.",
+        per_node(&c.unreadable),
+    );
+    family(
+        "gpushare_extender_bindings_total",
+        "Pods bound.",
+        vec![(String::new(), c.bindings as f64)],
+    );
+    family(
+        "gpushare_extender_binding_errors_total",
+        "Bindings refused or failed.",
+        vec![(String::new(), c.binding_errors as f64)],
+    );
+    family(
+        "gpushare_extender_bad_requests_total",
+        "Requests that were not valid extender calls.",
+        vec![(String::new(), c.bad_requests as f64)],
+    );
+    family(
+        "gpushare_extender_mispredictions_total",
+        "Pods whose use grew past what the predicted policy believed.",
+        vec![(String::new(), b.learner().mispredictions as f64)],
+    );
+    out.into_response()
+}
+
+/// An HTTP client for metrics pages and Prometheus.
+type Http = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Empty<Bytes>,
+>;
+
+fn http() -> Http {
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http()
+}
+
+/// `GET url` within `timeout`: the body, or why not.
+async fn get_text(client: &Http, url: &str, timeout: Duration) -> Result<String, String> {
+    let uri: hyper::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    let fetch = async {
+        let resp = client.get(uri).await.map_err(|e| format!("{url}: {e}"))?;
+        let status = resp.status();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("{url}: {e}"))?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(format!("{url}: HTTP {status}"));
+        }
+        String::from_utf8(body.to_vec()).map_err(|_| format!("{url}: not UTF-8"))
+    };
+    tokio::time::timeout(timeout, fetch)
+        .await
+        .map_err(|_| format!("{url}: no answer within {timeout:?}"))?
+}
+
+/// Endpoints of a gpushare node pod: `http://<podIP>:<port>/metrics` for its named ports.
+fn endpoints_of(p: &Pod, names: &[String]) -> Option<(String, Vec<String>)> {
+    let node = p.spec.as_ref()?.node_name.clone()?;
+    let ip = p.status.as_ref()?.pod_ip.clone()?;
+    let ports: Vec<String> = p
+        .spec
+        .as_ref()?
+        .containers
+        .iter()
+        .flat_map(|c| c.ports.iter().flatten())
+        .filter(|port| port.name.as_ref().is_some_and(|n| names.contains(n)))
+        .map(|port| format!("http://{ip}:{}/metrics", port.container_port))
+        .collect();
+    (!ports.is_empty()).then_some((node, ports))
+}
+
+fn matches_selector(p: &Pod, selector: &str) -> bool {
+    let labels = p.metadata.labels.clone().unwrap_or_default();
+    selector
+        .split(',')
+        .filter(|t| !t.trim().is_empty())
+        .all(|term| match term.split_once('=') {
+            Some((k, v)) => labels.get(k.trim()).map(String::as_str) == Some(v.trim()),
+            None => labels.contains_key(term.trim()),
+        })
+}
+
+/// Follow the API server's pods into the books (relisting when the watch breaks).
+async fn watch_pods(shared: Arc<Shared>, client: kube::Client, args: ServeArgs) {
+    let api: Api<Pod> = Api::all(client);
+    // A relist in progress: the pods asking for units, and the nodes' metrics endpoints.
+    type Relist = (Vec<PodInfo>, BTreeMap<String, Vec<String>>);
+    let mut pending: Option<Relist> = None;
+    let mut stream = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .boxed();
+    while let Some(ev) = stream.next().await {
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                tracing::warn!("pod watch: {e}");
+                continue;
+            }
+        };
+        let info = |p: &Pod| match books::pod_info(p) {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::debug!("pod {:?}: {e}", p.metadata.name);
+                None
+            }
+        };
+        match ev {
+            watcher::Event::Init => pending = Some((Vec::new(), BTreeMap::new())),
+            watcher::Event::InitApply(p) => {
+                if let Some((pods, eps)) = pending.as_mut() {
+                    pods.extend(info(&p));
+                    if matches_selector(&p, &args.node_pods)
+                        && let Some((n, e)) = endpoints_of(&p, &args.metrics_ports)
+                    {
+                        eps.insert(n, e);
+                    }
+                }
+            }
+            watcher::Event::InitDone => {
+                if let Some((pods, eps)) = pending.take() {
+                    shared.books().set_pods(pods);
+                    *shared.endpoints.lock().unwrap_or_else(|e| e.into_inner()) = eps;
+                }
+            }
+            watcher::Event::Apply(p) => {
+                match info(&p) {
+                    Some(i) => shared.books().upsert_pod(i),
+                    None => {
+                        if let Some(uid) = &p.metadata.uid {
+                            shared.books().remove_pod(uid);
+                        }
+                    }
+                }
+                if matches_selector(&p, &args.node_pods)
+                    && let Some((n, e)) = endpoints_of(&p, &args.metrics_ports)
+                {
+                    shared
+                        .endpoints
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(n, e);
+                }
+            }
+            watcher::Event::Delete(p) => {
+                if let Some(uid) = &p.metadata.uid {
+                    shared.books().remove_pod(uid);
+                }
+                if matches_selector(&p, &args.node_pods)
+                    && let Some(n) = p.spec.as_ref().and_then(|s| s.node_name.as_ref())
+                {
+                    shared
+                        .endpoints
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(n);
+                }
+            }
+        }
+    }
+}
+
+/// Read every node's metrics every `scrape_interval`.
+async fn scrape_loop(shared: Arc<Shared>, args: ServeArgs) {
+    let client = http();
+    let timeout = args.scrape_interval.max(Duration::from_millis(500));
+    let mut tick = tokio::time::interval(args.scrape_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let reports: Vec<(String, Result<NodeReport, String>)> = match &args.prometheus {
+            Some(url) => {
+                from_prometheus(&client, url, &args.prometheus_node_label, &shared, timeout).await
+            }
+            None => {
+                let eps = shared
+                    .endpoints
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                let reads = eps.into_iter().map(|(node, urls)| {
+                    let client = client.clone();
+                    async move {
+                        let mut r = NodeReport::default();
+                        for u in &urls {
+                            match get_text(&client, u, timeout)
+                                .await
+                                .and_then(|t| report::parse_text(&t))
+                            {
+                                Ok(x) => r.merge(x),
+                                Err(e) => return (node, Err(e)),
+                            }
+                        }
+                        (node, Ok(r))
+                    }
+                });
+                futures::future::join_all(reads).await
+            }
+        };
+        let now = shared.now();
+        let mut books = shared.books();
+        for (node, r) in reports {
+            if let Err(e) = &r {
+                tracing::warn!(node = %node, "metrics unreadable: {e}");
+            }
+            books.node_report(&node, r, now);
+        }
+    }
+}
+
+async fn from_prometheus(
+    client: &Http,
+    base: &str,
+    node_label: &str,
+    shared: &Shared,
+    timeout: Duration,
+) -> Vec<(String, Result<NodeReport, String>)> {
+    let query: String = report::selector()
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let url = format!("{}/api/v1/query?query={query}", base.trim_end_matches('/'));
+    let known: BTreeSet<String> = shared.books().known_nodes();
+    match get_text(client, &url, timeout)
+        .await
+        .and_then(|body| report::parse_prometheus(&body, node_label))
+    {
+        Ok(mut by_node) => {
+            let mut out: Vec<(String, Result<NodeReport, String>)> = Vec::new();
+            for n in known {
+                if !by_node.contains_key(&n) {
+                    out.push((
+                        n.clone(),
+                        Err(format!(
+                            "no gpushare series for node {n} in Prometheus (label {node_label})"
+                        )),
+                    ));
+                }
+            }
+            out.extend(
+                std::mem::take(&mut by_node)
+                    .into_iter()
+                    .map(|(n, r)| (n, Ok(r))),
+            );
+            out
+        }
+        Err(e) => known.into_iter().map(|n| (n, Err(e.clone()))).collect(),
+    }
+}
+
+/// Run the extender until the process is killed.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::infer().await.map_err(|e| {
+            anyhow::anyhow!("no API server configuration ({e}); pass --kubeconfig FILE")
+        })?,
+    };
+    let client = kube::Client::try_from(config)?;
+    let books = Books::new(args.policy, args.stale_after.as_secs_f64());
+    let shared = Arc::new(Shared::new(books, Some(client.clone())));
+    tokio::spawn(watch_pods(shared.clone(), client, args.clone()));
+    tokio::spawn(scrape_loop(shared.clone(), args.clone()));
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot listen on {}: {e}; pick another --listen address",
+                args.listen
+            )
+        })?;
+    tracing::info!(addr = %args.listen, policy = args.policy.name(), source = args.prometheus.as_deref().unwrap_or("the nodes"), "serving");
+    axum::serve(listener, router(shared)).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::{GpuReport, NodeReport};
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    fn shared() -> Arc<Shared> {
+        let mut books = Books::new(Policy::Predicted, 10.0);
+        let mut r = NodeReport::default();
+        r.gpus.insert(
+            "GPU-a".into(),
+            GpuReport {
+                memory: 8 << 30,
+                units: 100,
+                allocated: 0,
+            },
+        );
+        books.node_report("n1", Ok(r), 0.0);
+        books.node_report("n2", Err("connection refused".into()), 0.0);
+        Arc::new(Shared::new(books, None))
+    }
+
+    async fn call(s: &Arc<Shared>, path: &str, body: &str) -> (StatusCode, String) {
+        let resp = router(s.clone())
+            .oneshot(
+                Request::post(path)
+                    .header("content-type", "application/json")
+                    .body(Body::from(body.to_string()))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn args(units: &str, nodes: &[&str]) -> String {
+        serde_json::json!({
+            "pod": {"metadata": {"name": "p", "namespace": "default", "uid": "u1"},
+                "spec": {"containers": [{"name": "main",
+                    "resources": {"limits": {"gpushare.io/gpu-share": units}}}]}},
+            "nodenames": nodes
+        })
+        .to_string()
+    }
+
+    #[tokio::test]
+    async fn filter_keeps_fitting_nodes_and_says_why_of_the_others() {
+        let s = shared();
+        let (st, body) = call(&s, "/filter", &args("30", &["n1", "n2", "n3"])).await;
+        assert_eq!(st, StatusCode::OK);
+        let r: FilterResult = serde_json::from_str(&body).unwrap();
+        assert_eq!(r.nodenames, Some(vec!["n1".to_string()]));
+        assert!(
+            r.failed_nodes["n2"].contains("connection refused"),
+            "{body}"
+        );
+        assert!(
+            r.failed_nodes["n3"].contains("no gpushare metrics"),
+            "{body}"
+        );
+        assert_eq!(s.books().counters.unreadable["n2"], 1);
+        let (_, body) = call(&s, "/prioritize", &args("30", &["n1", "n2"])).await;
+        let p: Vec<HostPriority> = serde_json::from_str(&body).unwrap();
+        assert!(p[0].score > 0 && p[1].score == 0, "{body}");
+    }
+
+    #[tokio::test]
+    async fn bad_requests_are_refused_clearly_and_counted() {
+        let s = shared();
+        for (path, body) in [
+            ("/filter", "{"),
+            ("/filter", r#"{"nodenames": ["n1"]}"#),
+            ("/prioritize", "[]"),
+            ("/bind", r#"{"podName": 3}"#),
+        ] {
+            let (st, text) = call(&s, path, body).await;
+            assert_eq!(st, StatusCode::BAD_REQUEST, "{path} {body}: {text}");
+            assert!(text.contains("malformed"), "{text}");
+        }
+        assert_eq!(s.books().counters.bad_requests, 4);
+        // Units that can never be placed: every node fails, with the reason.
+        let (st, body) = call(&s, "/filter", &args("150", &["n1"])).await;
+        assert_eq!(st, StatusCode::OK);
+        assert!(body.contains("whole GPUs"), "{body}");
+        let (_, body) = call(&s, "/filter", &args("many", &["n1"])).await;
+        assert!(body.contains("whole number of units"), "{body}");
+        // A pod that asks for no units passes everywhere.
+        let (_, body) = call(&s, "/filter", &args("0", &["n1", "n9"])).await;
+        let r: FilterResult = serde_json::from_str(&body).unwrap();
+        assert_eq!(r.nodenames.unwrap().len(), 2);
+        // A binding without an API server, or without a node, is an error, not a panic.
+        let (st, body) = call(
+            &s,
+            "/bind",
+            r#"{"podName": "p", "podNamespace": "default", "podUID": "u1", "node": "n1"}"#,
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK);
+        assert!(body.contains("no API server"), "{body}");
+        let (_, body) = call(&s, "/bind", r#"{"podName": "p", "node": ""}"#).await;
+        assert!(body.contains("needs podName and node"), "{body}");
+        assert_eq!(s.books().counters.binding_errors, 2);
+    }
+}
