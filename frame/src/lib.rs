@@ -171,7 +171,10 @@ mod tests {
         let mut r = &wire[..];
         let mut buf = Vec::new();
         assert_eq!(recv::<u32>(&mut r, &mut buf).unwrap(), Some(1));
-        assert_eq!(recv::<String>(&mut r, &mut buf).unwrap(), Some("two".into()));
+        assert_eq!(
+            recv::<String>(&mut r, &mut buf).unwrap(),
+            Some("two".into())
+        );
         assert_eq!(recv::<u64>(&mut r, &mut buf).unwrap(), Some(3));
         assert_eq!(recv::<u64>(&mut r, &mut buf).unwrap(), None);
         encode(&4u32, &mut backlog).unwrap();

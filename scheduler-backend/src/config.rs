@@ -15,7 +15,7 @@
 //! [overcommit]        # GPU memory beyond the card (memory_overcommit > 1, a top-level key)
 //! wait = "1s"         # an allocation that does not fit waits this long (or as long as a swap
 //!                     # would take) for memory others free, then a group is swapped out
-//! max_wait = "2m"     # the longest an allocation waits at all; then it fails (at most 10m)
+//! max_wait = "120s"   # the longest an allocation waits at all; then it fails (at most 600s)
 //! window = "60s"      # a swapped-out group with work is back at least once per window
 //! memory_turn = "10s" # a group back in (or made room for) is not swapped out for this long
 //! retry_after = "10s" # a group whose checkpoint timed out is not chosen again for this long

@@ -250,6 +250,33 @@ fn a_process_holding_managed_memory_is_refused_and_stays_locked() {
     );
 }
 
+/// A process that exported device memory (`cuIpcGetMemHandle`): the real driver (580.159.04,
+/// H200) checkpointed and restored it like any other, and so does the simulator: its memory is
+/// free while checkpointed and comes back, bytes and address.
+#[test]
+fn a_process_that_exported_ipc_memory_is_checkpointed_like_any_other() {
+    let bytes = 64 * MIB;
+    let (lines, out) = run(&[], &["ipc", &bytes.to_string()]);
+    assert_eq!(
+        num(line(&lines, "target", "ipc_export", &out), "result"),
+        SUCCESS,
+        "{}",
+        describe(&out)
+    );
+    expect(&lines, "checkpoint", SUCCESS, CHECKPOINTED, &out);
+    let free = |name| num(step(&lines, name, &out), "free");
+    assert!(
+        free("free_after_checkpoint") >= free("free_before") + bytes as i64,
+        "{}",
+        describe(&out)
+    );
+    expect(&lines, "restore", SUCCESS, LOCKED, &out);
+    expect(&lines, "unlock", SUCCESS, RUNNING, &out);
+    let after = line(&lines, "target", "after", &out);
+    assert_eq!(after["intact"], true, "{}", describe(&out));
+    assert_eq!(after["same_address"], true, "{}", describe(&out));
+}
+
 /// Pitched, stream-ordered (pool) and virtual-memory (`cuMemCreate` + `cuMemMap`) allocations
 /// all come back, bytes and addresses, and all their memory is released while checkpointed.
 #[test]

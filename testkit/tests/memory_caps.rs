@@ -1121,21 +1121,37 @@ fn two_processes_share_the_whole_cap_through_their_leases() {
 /// second's 1200 MiB, within its cap, does not fit beside it: it waits in the allocation call,
 /// the scheduler swaps the first group to host memory (the driver's checkpoint API), and the
 /// allocation succeeds — never `CUDA_ERROR_OUT_OF_MEMORY`. Once the second is done and gone,
-/// the first is restored and finds every byte it wrote.
+/// the first is restored and finds every byte it wrote. Fail-open (the default): the wait,
+/// far past the liveness bound, is the one the scheduler announced (`MemWait`), so the hook
+/// does not take the scheduler for unresponsive and allocate alone.
 #[test]
 fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu_is_full() {
+    wait_for_a_swap("open");
+}
+
+/// As above with `GPUSHARE_FAIL=closed`: the hook waits for the announced answer too.
+#[test]
+fn a_fail_closed_allocation_waits_for_a_swap_as_announced() {
+    wait_for_a_swap("closed");
+}
+
+fn wait_for_a_swap(fail: &str) {
+    /// The hook's default liveness bound (the default quota plus grace).
+    const LIVENESS_NS: u64 = 40_000_000;
     let mut node = Node::device_only_with(&["--memory", "2GiB"]);
     node.scheduler_log_filter = "warn,gpushare_scheduler::node::overcommit=info".into();
     node.start_scheduler(&["--memory-overcommit", "2"]);
     let exe = node.compile_c("mem_tool.c", true);
     let keep = |group: &str, seed: &str| {
-        Proc::spawn(in_group(
+        let mut cmd = in_group(
             &node,
             group,
             Some("1500MiB"),
             &exe,
             &["keep", &(1200 * MIB).to_string(), seed],
-        ))
+        );
+        cmd.env("GPUSHARE_FAIL", fail);
+        Proc::spawn(cmd)
     };
     let mut first = keep("first", "1");
     let got = first.expect_json("alloc", RUN);
@@ -1151,6 +1167,11 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
         0,
         "1200 MiB within a 1500 MiB cap on a GPU another group filled: {got}\n{}",
         node.scheduler_log()
+    );
+    // A swap costs 0.1 s and more at the simulated driver's rates: the answer came after it.
+    assert!(
+        u(&got, "wait_ns") > LIVENESS_NS,
+        "the allocation did not wait for the swap: {got}"
     );
     second.expect_json("filled", RUN);
     assert!(
