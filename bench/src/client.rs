@@ -17,7 +17,9 @@ pub struct ClientResult {
     pub start_ns: Option<u64>,
     pub end_ns: Option<u64>,
     pub latency_p50_ms: Option<f64>,
+    pub latency_p90_ms: Option<f64>,
     pub latency_p99_ms: Option<f64>,
+    pub latency_p999_ms: Option<f64>,
     /// latency: when each request arrived (CLOCK_MONOTONIC ns).
     pub arrivals_ns: Option<Vec<u64>>,
 }
@@ -46,7 +48,9 @@ impl ClientResult {
     pub fn latency(&self) -> Option<Latency> {
         Some(Latency {
             p50_ms: self.latency_p50_ms?,
+            p90_ms: self.latency_p90_ms?,
             p99_ms: self.latency_p99_ms?,
+            p999_ms: self.latency_p999_ms?,
             requests: self.requests?,
         })
     }
@@ -72,7 +76,7 @@ mod tests {
         let spin = ClientResult::last_in(b"noise\n{\"kernels\": 500, \"wall_ms\": 1000.0}\n");
         assert_eq!(spin.and_then(|r| r.throughput()), Some(500.0));
         let lat = ClientResult::last_in(
-            br#"{"requests": 40, "kernels_per_request": 4, "start_ns": 0, "end_ns": 2000000000, "latency_p50_ms": 1.5, "latency_p99_ms": 3.0}"#,
+            br#"{"requests": 40, "kernels_per_request": 4, "start_ns": 0, "end_ns": 2000000000, "latency_p50_ms": 1.5, "latency_p90_ms": 2.0, "latency_p99_ms": 3.0, "latency_p999_ms": 4.0}"#,
         )
         .unwrap();
         assert_eq!(lat.throughput(), Some(80.0));
@@ -80,7 +84,9 @@ mod tests {
             lat.latency(),
             Some(Latency {
                 p50_ms: 1.5,
+                p90_ms: 2.0,
                 p99_ms: 3.0,
+                p999_ms: 4.0,
                 requests: 40
             })
         );

@@ -29,7 +29,15 @@ fn num(x: Option<f64>, d: usize) -> String {
 fn latency(l: Option<&LatencySpread>) -> String {
     l.map_or_else(
         || "–".into(),
-        |l| format!("{}/{}", spread(&l.p50_ms, 1), spread(&l.p99_ms, 1)),
+        |l| {
+            format!(
+                "{}/{}/{}/{}",
+                spread(&l.p50_ms, 1),
+                spread(&l.p90_ms, 1),
+                spread(&l.p99_ms, 1),
+                spread(&l.p999_ms, 1)
+            )
+        },
     )
 }
 
@@ -132,18 +140,28 @@ pub fn render(r: &Report) -> String {
 fn scenario(o: &mut String, sc: &ScenarioReport) {
     let _ = writeln!(
         o,
-        "\n## {}\n\n{}\n\n| tenant | workload | gpu | request | limit | weight | target | achieved | abs err | max window err | native achieved | kernels/s | native kernels/s | alone kernels/s | vs alone | latency p50/p99 ms (gpushare · native · alone) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "\n## {}\n\n{}\n\n| tenant | workload | gpu | request | limit | weight | target | achieved | abs err | max window err | native achieved | kernels/s | native kernels/s | alone kernels/s | vs alone | latency p50/p90/p99/p99.9 ms (gpushare · native · alone) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         sc.name, sc.description
     );
     for t in &sc.tenants {
         let lat = if t.latency.is_some() {
+            // The tail against the same tenant alone: the figure a latency class is judged by.
+            let p99_vs_alone = match (t.latency, t.alone_latency) {
+                (Some(l), Some(a)) if a.p99_ms > 0.0 => {
+                    format!("; p99 {:.2}× alone", l.p99_ms.median / a.p99_ms)
+                }
+                _ => String::new(),
+            };
             format!(
-                "{} · {} · {}",
+                "{} · {} · {}{p99_vs_alone}",
                 latency(t.latency.as_ref()),
                 latency(t.baseline_latency.as_ref()),
                 t.alone_latency.map_or_else(
                     || "–".into(),
-                    |l| format!("{:.1}/{:.1}", l.p50_ms, l.p99_ms)
+                    |l| format!(
+                        "{:.1}/{:.1}/{:.1}/{:.1}",
+                        l.p50_ms, l.p90_ms, l.p99_ms, l.p999_ms
+                    )
                 )
             )
         } else {

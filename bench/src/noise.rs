@@ -21,6 +21,8 @@
 //! disturbance and die with the benchmark (`PR_SET_PDEATHSIG`). Signals go through pidfds, so a process
 //! that has exited and been reaped is never confused with a new one with the same pid.
 
+use rand::{RngExt as _, SeedableRng as _};
+use rand_xoshiro::SplitMix64;
 use serde::{Deserialize, Serialize};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::{Child, Command, Stdio};
@@ -88,33 +90,7 @@ impl NoiseRecord {
     }
 }
 
-/// A small seeded generator (SplitMix64): the same seed, the same numbers, on every platform
-/// and version.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
-    }
-
-    /// Uniform in `[0, 1)`.
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: usize) -> usize {
-        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
-    }
-}
-
-/// SplitMix64's finaliser.
+/// SplitMix64's finaliser: a 64-bit hash, here to derive a run's seed from a label.
 fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -139,9 +115,12 @@ pub struct Stall {
 }
 
 /// The endless sequence of stalls for `victims` processes under `params`, from `seed`.
+///
+/// The draws come from SplitMix64 seeded with the seed itself: a fixed algorithm, so a seed
+/// names the same stalls on every platform and release.
 #[derive(Debug, Clone)]
 pub struct StallSchedule {
-    rng: Rng,
+    rng: SplitMix64,
     mean_interval_s: f64,
     min_s: f64,
     max_s: f64,
@@ -152,7 +131,7 @@ impl StallSchedule {
     pub fn new(seed: u64, params: &NoiseParams, victims: usize) -> StallSchedule {
         assert!(victims > 0, "a stall schedule needs a process to stall");
         StallSchedule {
-            rng: Rng::new(seed),
+            rng: SplitMix64::seed_from_u64(seed),
             mean_interval_s: params.stall_mean_interval_ms / 1e3,
             min_s: params.stall_min_ms / 1e3,
             max_s: params.stall_max_ms / 1e3,
@@ -165,10 +144,11 @@ impl Iterator for StallSchedule {
     type Item = Stall;
 
     fn next(&mut self) -> Option<Stall> {
-        // 1 − u lies in (0, 1]: its logarithm is finite.
-        let delay = -self.mean_interval_s * (1.0 - self.rng.unit()).ln();
-        let victim = self.rng.below(self.victims);
-        let duration = self.min_s + (self.max_s - self.min_s) * self.rng.unit();
+        // u lies in [0, 1), 1 − u in (0, 1]: its logarithm is finite.
+        let u: f64 = self.rng.random();
+        let delay = -self.mean_interval_s * (1.0 - u).ln();
+        let victim = self.rng.random_range(0..self.victims as u64) as usize;
+        let duration = self.min_s + (self.max_s - self.min_s) * self.rng.random::<f64>();
         Some(Stall {
             delay: Duration::from_secs_f64(delay),
             victim,
@@ -433,6 +413,25 @@ mod tests {
         assert_eq!(run_seed(1, "x/gpushare/1"), run_seed(1, "x/gpushare/1"));
         assert_ne!(run_seed(1, "x/gpushare/1"), run_seed(1, "x/gpushare/2"));
         assert_ne!(run_seed(1, "x/gpushare/1"), run_seed(2, "x/gpushare/1"));
+    }
+
+    /// A seed names the same stalls whatever the version of the crates that provide the
+    /// generator and its sampling.
+    #[test]
+    fn a_seed_names_fixed_stalls() {
+        let p = params(50.0, 0.1, 5.0);
+        let first: Vec<(u128, usize, u128)> = StallSchedule::new(7, &p, 3)
+            .take(3)
+            .map(|s| (s.delay.as_nanos(), s.victim, s.duration.as_nanos()))
+            .collect();
+        assert_eq!(
+            first,
+            [
+                (24_700_863, 0, 4_513_727),
+                (43_725_095, 1, 1_322_214),
+                (31_551_173, 0, 757_866)
+            ]
+        );
     }
 
     #[test]

@@ -202,7 +202,10 @@ pub struct TenantReport {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Latency {
     pub p50_ms: f64,
+    pub p90_ms: f64,
     pub p99_ms: f64,
+    /// With fewer than 1000 requests, the slowest.
+    pub p999_ms: f64,
     pub requests: u64,
 }
 
@@ -210,7 +213,9 @@ pub struct Latency {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LatencySpread {
     pub p50_ms: Spread,
+    pub p90_ms: Spread,
     pub p99_ms: Spread,
+    pub p999_ms: Spread,
 }
 
 impl LatencySpread {
@@ -219,7 +224,9 @@ impl LatencySpread {
         let all: Vec<Latency> = runs.iter().copied().collect::<Option<_>>()?;
         Some(LatencySpread {
             p50_ms: Spread::of(all.iter().map(|l| l.p50_ms), 2)?,
+            p90_ms: Spread::of(all.iter().map(|l| l.p90_ms), 2)?,
             p99_ms: Spread::of(all.iter().map(|l| l.p99_ms), 2)?,
+            p999_ms: Spread::of(all.iter().map(|l| l.p999_ms), 2)?,
         })
     }
 }
@@ -382,7 +389,9 @@ mod tests {
         let l = |p50| {
             Some(Latency {
                 p50_ms: p50,
+                p90_ms: 1.5 * p50,
                 p99_ms: 2.0 * p50,
+                p999_ms: 3.0 * p50,
                 requests: 10,
             })
         };

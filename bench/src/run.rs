@@ -10,6 +10,7 @@ use crate::report::{FLOOD_SAMPLE_MS, FloodRun, round};
 use crate::scenario::Scenario;
 use crate::settings::{Settings, Source};
 use anyhow::{Context, bail};
+use gpushare_policy::GroupClass;
 use gpushare_testkit::flood::{self, Flood, FloodSpec, Watch, Watched};
 use gpushare_testkit::harness::target_dir;
 use gpushare_testkit::node::{Node, Tenant};
@@ -116,7 +117,13 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         args.extend(t.client_args(duration_ms, k as u64 + 1));
         let cmd = match mode {
             Mode::Gpushare => {
-                node.tenant_command(&t.name, t.request, t.limit, t.weight, &client, &args)
+                let mut c =
+                    node.tenant_command(&t.name, t.request, t.limit, t.weight, &client, &args);
+                if t.class == GroupClass::Latency {
+                    // What `gpushare run --latency` sets for the hook.
+                    c.env("GPUSHARE_CLASS", "latency");
+                }
+                c
             }
             Mode::Native => {
                 let mut c = node.command(&client);

@@ -14,6 +14,7 @@
 //! request = 0.5
 //! limit = 1.0
 //! weight = 1.0
+//! class = "standard"  # or "latency": the group's scheduling class (docs/latency.md)
 //! gpu = 0
 //! count = 1           # replicate: tenants NAME-0 … NAME-(count-1)
 //! expect = 0.5        # optional: the target share worked out by hand (nominal demand);
@@ -31,6 +32,7 @@
 
 use crate::expected;
 use anyhow::{Context, bail};
+use gpushare_policy::GroupClass;
 use gpushare_testkit::flood::FloodSpec;
 use gpushare_testkit::trace::Window;
 use serde::Deserialize;
@@ -109,6 +111,9 @@ pub struct TenantSpec {
     pub limit: f64,
     #[serde(default = "one")]
     pub weight: f64,
+    /// The group's scheduling class (`gpushare run --latency` for `"latency"`).
+    #[serde(default)]
+    pub class: GroupClass,
     #[serde(default)]
     pub gpu: u32,
     #[serde(default = "default_count")]
@@ -225,6 +230,7 @@ fn check_params(t: &TenantSpec) -> Result<(), String> {
         request: t.request,
         limit: t.limit,
         weight: t.weight,
+        class: t.class,
     };
     params.validate()?;
     if let Some(e) = t.expect

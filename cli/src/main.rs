@@ -44,6 +44,10 @@ enum Cmd {
         /// GPU memory cap, e.g. 4GiB (with --group).
         #[arg(long, value_parser = gpushare_units::parse_size)]
         memory: Option<u64>,
+        /// The latency class: a request server whose tail latency matters; the others keep
+        /// little work queued and hand it the GPU at their next kernel (with --group).
+        #[arg(long, requires = "group")]
+        latency: bool,
         #[arg(last = true, required = true, value_name = "CMD")]
         cmd: Vec<String>,
     },
@@ -72,6 +76,10 @@ enum Cmd {
         /// GPU memory cap on each GPU, e.g. 4GiB.
         #[arg(long, value_parser = gpushare_units::parse_size)]
         memory: Option<u64>,
+        /// The latency class: a request server whose tail latency matters (`gpushare run
+        /// --latency`).
+        #[arg(long)]
+        latency: bool,
         /// Preferred GPUs, most preferred first, e.g. 0,2.
         #[arg(long, value_delimiter = ',')]
         prefer: Vec<u32>,
@@ -220,6 +228,7 @@ fn main() -> ExitCode {
             limit,
             weight,
             memory,
+            latency,
             cmd,
         } => (|| -> anyhow::Result<ExitCode> {
             let hook = hook_path()?;
@@ -244,6 +253,9 @@ fn main() -> ExitCode {
                 if let Some(m) = memory {
                     c.env("GPUSHARE_MEMORY", m.to_string());
                 }
+                if latency {
+                    c.env("GPUSHARE_CLASS", "latency");
+                }
             }
             let err = c.exec();
             bail!("cannot run {:?}: {err}", cmd[0])
@@ -262,6 +274,7 @@ fn main() -> ExitCode {
             share,
             limit,
             memory,
+            latency,
             prefer,
             wait_mode,
             priority,
@@ -279,6 +292,7 @@ fn main() -> ExitCode {
                     share: share.unwrap_or(d.share),
                     limit: limit.unwrap_or(d.limit),
                     memory,
+                    latency,
                     prefer,
                     wait_mode: wait_mode.unwrap_or(d.wait_mode),
                     priority: priority.unwrap_or(d.priority),

@@ -64,10 +64,16 @@ pub fn render(r: &Report) -> String {
                 Some(cap) => format!("{:.0}/{:.0}", mib(x.memory_used), mib(cap)),
                 None => format!("{:.0}", mib(x.memory_used)),
             };
+            // The latency class is marked after the name.
+            let name = if x.latency {
+                format!("{} (latency)", x.name)
+            } else {
+                x.name.clone()
+            };
             let _ = writeln!(
                 out,
                 "  {:<16} {:>7.2} {:>6.2} {:>6.2} {:>7.3} {:>8.3} {:>9.3} {:>7} {:>6} {:>8} {:>9} {:>17}  {}",
-                x.name,
+                name,
                 x.effective_request,
                 x.limit,
                 x.weight,

@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | `gpushare.io/gpu-limit` | hard cap, `"0.6"` or `"60%"`, in (0, 1]; below the units' share it lowers the guarantee to itself | no cap (limit 1) |
 //! | `gpushare.io/gpu-weight` | weight for spare time, a number > 0 (at most 1000) | 1 |
+//! | `gpushare.io/gpu-class` | `"latency"` for a request server whose tail latency matters, or `"standard"` | standard |
 //! | `gpushare.io/gpu-memory` | memory cap, a quantity (`"4Gi"`, `"512Mi"`, `"2G"`) > 0 | units/100 × the GPU's memory; above the GPU's memory: the GPU's memory |
 //!
 //! Each applies to every gpushare container of the pod; `<annotation>.<container>` (e.g.
@@ -15,6 +16,7 @@ use std::collections::BTreeMap;
 pub const LIMIT: &str = "gpushare.io/gpu-limit";
 pub const WEIGHT: &str = "gpushare.io/gpu-weight";
 pub const MEMORY: &str = "gpushare.io/gpu-memory";
+pub const CLASS: &str = "gpushare.io/gpu-class";
 
 /// Largest weight accepted.
 pub const MAX_WEIGHT: f64 = 1000.0;
@@ -25,6 +27,8 @@ pub struct Quota {
     pub limit: Option<f64>,
     pub weight: Option<f64>,
     pub memory: Option<u64>,
+    /// The latency class (`gpushare.io/gpu-class: latency`).
+    pub latency: bool,
 }
 
 /// An annotation that could not be used as written.
@@ -53,14 +57,11 @@ pub fn quota(
     container: &str,
     problems: &mut Vec<Problem>,
 ) -> Quota {
-    let pick = |base: &str| -> Option<(String, &String)> {
-        let own = format!("{base}.{container}");
-        annotations
-            .get(&own)
-            .map(|v| (own, v))
-            .or_else(|| annotations.get(base).map(|v| (base.to_string(), v)))
+    let pick = |base: &str| pick(annotations, base, container);
+    let mut q = Quota {
+        latency: latency_class(annotations, container, problems),
+        ..Quota::default()
     };
-    let mut q = Quota::default();
     if let Some((key, v)) = pick(LIMIT) {
         match parse_fraction(v) {
             Ok(l) => q.limit = Some(l),
@@ -111,6 +112,50 @@ pub fn parse_fraction(v: &str) -> Result<f64, String> {
         Ok(x)
     } else {
         Err(bad())
+    }
+}
+
+/// The annotation `base` for `container`: its own (`base.container`) or the pod's, as written.
+fn pick<'a>(
+    annotations: &'a BTreeMap<String, String>,
+    base: &str,
+    container: &str,
+) -> Option<(String, &'a String)> {
+    let own = format!("{base}.{container}");
+    annotations
+        .get(&own)
+        .map(|v| (own, v))
+        .or_else(|| annotations.get(base).map(|v| (base.to_string(), v)))
+}
+
+/// Whether `container` is in the latency class (`gpushare.io/gpu-class`); an invalid value is
+/// a problem and leaves it standard.
+pub fn latency_class(
+    annotations: &BTreeMap<String, String>,
+    container: &str,
+    problems: &mut Vec<Problem>,
+) -> bool {
+    let Some((key, v)) = pick(annotations, CLASS, container) else {
+        return false;
+    };
+    parse_class(v).unwrap_or_else(|e| {
+        problems.push(Problem::new(
+            &key,
+            v,
+            format!("{e}; using the standard class until it is fixed"),
+        ));
+        false
+    })
+}
+
+/// A class: `"latency"` → true, `"standard"` → false.
+pub fn parse_class(v: &str) -> Result<bool, String> {
+    match v.trim() {
+        "latency" => Ok(true),
+        "standard" => Ok(false),
+        _ => Err(format!(
+            "{v:?} is not a class: write \"latency\" for a request server whose tail latency matters, or \"standard\""
+        )),
     }
 }
 
@@ -168,7 +213,8 @@ mod tests {
             Quota {
                 limit: Some(0.5),
                 weight: None,
-                memory: Some(2 << 30)
+                memory: Some(2 << 30),
+                latency: false,
             }
         );
         assert_eq!(p.len(), 1);
@@ -176,6 +222,23 @@ mod tests {
         assert!(p[0].message.contains("weight 1"), "{}", p[0].message);
         let worker = quota(&a, "worker", &mut Vec::new());
         assert_eq!(worker.limit, Some(0.2));
+    }
+
+    #[test]
+    fn the_class_annotation_sets_the_latency_class_or_is_explained() {
+        let a = BTreeMap::from([
+            (CLASS.to_string(), "latency".to_string()),
+            (
+                "gpushare.io/gpu-class.batch".to_string(),
+                "fast".to_string(),
+            ),
+        ]);
+        let mut p = Vec::new();
+        assert!(quota(&a, "server", &mut p).latency);
+        assert!(p.is_empty());
+        assert!(!quota(&a, "batch", &mut p).latency);
+        assert_eq!(p.len(), 1);
+        assert!(p[0].message.contains("\"latency\""), "{}", p[0].message);
     }
 
     /// Annotation values as users mistype them: each parser accepts only its range.

@@ -171,6 +171,7 @@ fn group_of(
         limit: q.limit.unwrap_or(1.0),
         weight: q.weight.unwrap_or(1.0),
         memory,
+        latency: q.latency,
     };
     Some(group(
         pod,
@@ -191,6 +192,8 @@ pub struct Policy {
     pub weight: f64,
     /// Memory cap in bytes.
     pub memory: u64,
+    /// The latency class.
+    pub latency: bool,
 }
 
 /// The scheduler group of `container` of `pod` on `gpus`. A cap below the share wins: the
@@ -208,6 +211,7 @@ pub fn group(pod: &PodView, container: &str, gpus: Vec<String>, p: &Policy) -> P
         limit: p.limit,
         weight: p.weight,
         memory: Some(p.memory),
+        latency: p.latency,
     }
 }
 

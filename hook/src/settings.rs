@@ -51,6 +51,7 @@ impl Settings {
             limit: num("GPUSHARE_LIMIT", 1.0),
             weight: num("GPUSHARE_WEIGHT", 1.0),
             memory: var("GPUSHARE_MEMORY").and_then(|m| gpushare_units::parse_size(&m).ok()),
+            latency: var("GPUSHARE_CLASS").as_deref() == Some("latency"),
         });
         let fail = match var("GPUSHARE_FAIL").as_deref() {
             Some("closed") => FailPolicy::Closed,

@@ -173,7 +173,7 @@ impl Policy {
                     GroupParams {
                         request: g.guarantee,
                         limit: g.guarantee,
-                        weight: g.params.weight,
+                        ..g.params
                     }
                 }
             })

@@ -82,6 +82,12 @@
 //!    its turn a quota at a time. When another group asks, the turn ends a `min_quota_ns` later (or
 //!    at its deadline before the extension, if later; less by `docs/scheduling.md#preemption`),
 //!    announced as a cut-short turn.
+//! 10. **Latency class.** (`docs/latency.md`) While a group of [`GroupClass::Latency`] is
+//!    connected, every other group's turns keep at most
+//!    [`PolicyConfig::latency_queue_budget_ns`] of work queued. When it comes back with work it is
+//!    served unless it is ahead of the holder by a minimum quota, and the holder's turn ends an
+//!    eighth of a minimum quota after its start at the earliest: its client stops at its next
+//!    kernel. What it uses is charged and capped like any other group's time.
 //!
 //! # Memory
 //!
@@ -103,7 +109,7 @@ mod tests;
 #[cfg(test)]
 mod virtual_time;
 
-pub use params::{GroupParams, PolicyConfig};
+pub use params::{GroupClass, GroupParams, PolicyConfig};
 pub use status::{GpuStatus, GroupStatus};
 pub use turn::TurnUse;
 pub use water_fill::{effective_requests, water_fill};

@@ -1,6 +1,6 @@
 //! A group's share parameters and the policy's timing parameters, validated in one place.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A group's share parameters on one GPU (docs/scheduling.md#targets).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -11,6 +11,45 @@ pub struct GroupParams {
     pub limit: f64,
     /// Relative weight for splitting spare time, > 0 (default 1).
     pub weight: f64,
+    /// How its turns are handed out: see [`GroupClass`].
+    pub class: GroupClass,
+}
+
+/// A group's scheduling class. Either way its GPU time is charged and capped alike: the class
+/// changes when a group gets the GPU, never how much.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GroupClass {
+    /// Turns of a quota, handed over at their deadlines (training, batch work).
+    #[default]
+    Standard,
+    /// Short requests judged by their tail latency (an inference server): while such a group
+    /// is connected the other groups keep little work queued, and when it asks for the GPU the
+    /// holder's turn ends at its next kernel (see [`PolicyConfig::latency_queue_budget_ns`]).
+    Latency,
+}
+
+impl GroupClass {
+    /// Parses a class name (`"standard"` or `"latency"`); the error lists the names.
+    pub fn parse(s: &str) -> Result<GroupClass, String> {
+        match s {
+            "standard" => Ok(GroupClass::Standard),
+            "latency" => Ok(GroupClass::Latency),
+            _ => Err(format!(
+                "unknown class {s:?}: write \"latency\" for a request server whose tail latency \
+                 matters, or \"standard\" (the default)"
+            )),
+        }
+    }
+
+    /// `Latency` if `latency`, else `Standard`.
+    pub fn latency_if(latency: bool) -> GroupClass {
+        if latency {
+            GroupClass::Latency
+        } else {
+            GroupClass::Standard
+        }
+    }
 }
 
 impl Default for GroupParams {
@@ -20,6 +59,7 @@ impl Default for GroupParams {
             request: 0.0,
             limit: 1.0,
             weight: 1.0,
+            class: GroupClass::Standard,
         }
     }
 }
@@ -133,6 +173,13 @@ impl PolicyConfig {
         } else {
             (quota_ns / 4).clamp(100_000, 5_000_000)
         }
+    }
+
+    /// How much GPU work the holder of a turn may keep queued while a latency-class group is
+    /// connected (it waits behind that work when it asks): an eighth of the minimum quota, 0.1
+    /// to 0.5 ms.
+    pub(super) fn latency_queue_budget_ns(&self) -> u64 {
+        (self.min_quota_ns / 8).clamp(100_000, 500_000)
     }
 
     /// Bucket depth of a capped group: two quotas.

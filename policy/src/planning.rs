@@ -4,7 +4,7 @@
 //! `docs/scheduling.md#extension`).
 
 use crate::turn::Turn;
-use crate::{ClientId, Decision, Policy};
+use crate::{ClientId, Decision, GroupClass, Policy};
 
 /// A group that came back from an absence, or went idle, this recently is taken to come back
 /// and cut turns short (the others' turns get the shorter queue budget).
@@ -251,7 +251,11 @@ impl Policy {
         let token = self.next_token;
         self.next_token += 1;
         let start_ns = p.at.max(now);
-        let queue_budget_ns = (self.cfg).queue_budget_ns(p.quota_ns, self.may_be_cut(&name, now));
+        let mut queue_budget_ns =
+            (self.cfg).queue_budget_ns(p.quota_ns, self.may_be_cut(&name, now));
+        if self.latency_group_besides(&name) {
+            queue_budget_ns = queue_budget_ns.min(self.cfg.latency_queue_budget_ns());
+        }
         let turn = Turn {
             client: p.client,
             group: name,
@@ -297,6 +301,14 @@ impl Policy {
                 || *n != name
                     && !g.clients.is_empty()
                     && (g.held_back || recent(g.returned_at) || !g.wants() && recent(g.last_active))
+        })
+    }
+
+    /// Whether a latency-class group other than `name` is connected: it may ask at any time,
+    /// and then waits behind the work a turn of `name` keeps queued.
+    pub(crate) fn latency_group_besides(&self, name: &str) -> bool {
+        self.groups.iter().any(|(n, g)| {
+            n != name && g.params.class == GroupClass::Latency && !g.clients.is_empty()
         })
     }
 
@@ -355,7 +367,11 @@ impl Policy {
         if !g.eligible(now, depth, thr) {
             return;
         }
-        let (credit, gave_back_at) = (g.credit, g.gave_back_at);
+        let (credit, gave_back_at, latency) = (
+            g.credit,
+            g.gave_back_at,
+            g.params.class == GroupClass::Latency,
+        );
         let turn = match self.next.as_mut() {
             Some(n) => n,
             None => match self.current.as_mut() {
@@ -372,14 +388,22 @@ impl Policy {
         let held = now.saturating_sub(turn.start_ns);
         let settled = hg.credit + turn.applied as f64 - held as f64;
         // Owed more than the holder by a minimum quota at least (not for a tie: a handoff
-        // costs both a little).
-        if credit - settled <= min_quota as f64 {
+        // costs both a little). A latency-class group is served unless it is ahead of the
+        // holder by a minimum quota: its requests wait for no turn, and what it takes is
+        // charged, so once ahead it waits like any other group.
+        let margin = if latency {
+            -(min_quota as f64)
+        } else {
+            min_quota as f64
+        };
+        if credit - settled <= margin {
             return;
         }
         // A turn the group gave its own turn back to is taken back sooner: a request server
         // with requests queued returns as soon as its synchronisation does, and waiting out
-        // the minimum quota there would delay each queued request by it.
-        let floor = if gave_back_at == turn.start_ns {
+        // the minimum quota there would delay each queued request by it. A latency-class
+        // group takes any turn back that soon: the holder stops at its next kernel.
+        let floor = if latency || gave_back_at == turn.start_ns {
             self.cfg.take_back_ns()
         } else {
             min_quota

@@ -10,6 +10,7 @@ fn gp(request: f64, limit: f64, weight: f64) -> GroupParams {
         request,
         limit,
         weight,
+        ..GroupParams::default()
     }
 }
 
@@ -1699,4 +1700,198 @@ fn small_shares_take_short_turns_and_hold_within_a_point_per_second() {
     eprintln!("16 x 1/16: worst 1 s window {worst:.4}");
     assert!(worst <= 0.0105, "{worst}");
     assert!(sim.utilisation(WARMUP, end) >= 0.999);
+}
+
+/// A request server (4 ms of work per request, 21 ms between: 16 % of the GPU) of `class`,
+/// requesting 0.25 (at most `limit`) up to `limit`, beside `trainers` trainers that always have
+/// work and request nothing, for 60 s: the simulator, the server's work share and the trainers'
+/// after warm-up.
+fn server_beside_trainers(
+    class: GroupClass,
+    limit: f64,
+    trainers: usize,
+    seed: u64,
+) -> (Sim, f64, f64) {
+    let end = 60 * S;
+    let server = GroupParams {
+        class,
+        ..gp(limit.min(0.25), limit, 1.0)
+    };
+    let names: Vec<String> = (0..trainers).map(|k| format!("trainer{k}")).collect();
+    let mut groups = vec![("server", server)];
+    groups.extend(names.iter().map(|n| (n.as_str(), gp(0.0, 1.0, 1.0))));
+    let mut tenants = vec![Tenant::new(
+        0,
+        Demand::Short {
+            use_ns: 4 * MS,
+            think_ns: 21 * MS,
+        },
+    )];
+    tenants.extend((1..=trainers).map(|g| Tenant::new(g, Demand::Busy)));
+    let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, seed);
+    // Waits are measured once its guarantee is banked.
+    sim.run_until(WARMUP);
+    sim.stats.max_wait_ns = vec![0; trainers + 1];
+    sim.run_until(end);
+    let s = sim.work_share(0, WARMUP, end);
+    let t: f64 = (1..=trainers).map(|g| sim.work_share(g, WARMUP, end)).sum();
+    let budget = (1..=trainers)
+        .map(|i| sim.stats.max_queue_budget_ns[i])
+        .max();
+    eprintln!(
+        "{class:?} server (limit {limit}) beside {trainers} trainers: server {s:.4}, trainers \
+         {t:.4}, server's wait mean {:.3} ms, max {:.3} ms, trainers' largest queue budget \
+         {:.2} ms",
+        sim.mean_wait_ns(0) / 1e6,
+        sim.stats.max_wait_ns[0] as f64 / 1e6,
+        budget.unwrap_or(0) as f64 / 1e6,
+    );
+    (sim, s, t)
+}
+
+#[test]
+fn a_latency_group_beside_two_trainers_is_served_at_once_and_charged() {
+    let (sim, s, t) = server_beside_trainers(GroupClass::Latency, 1.0, 2, 3);
+    assert!(sim.stats.max_wait_ns[0] <= sim.policy.config().take_back_ns());
+    // It gets what it uses, and the trainers all the rest.
+    assert!((s - 0.16).abs() <= 0.01, "{s}");
+    assert!(s + t >= 0.995, "{s} + {t}");
+}
+
+#[test]
+fn the_holder_keeps_little_work_queued_while_a_latency_group_is_connected() {
+    let (sim, ..) = server_beside_trainers(GroupClass::Latency, 1.0, 1, 5);
+    let budget = sim.policy.config().latency_queue_budget_ns();
+    assert!(budget <= 500_000);
+    assert!(
+        sim.stats.max_queue_budget_ns[1] <= budget,
+        "{}",
+        sim.stats.max_queue_budget_ns[1]
+    );
+}
+
+#[test]
+fn a_standard_server_keeps_the_usual_queue_budgets() {
+    let (sim, s, _) = server_beside_trainers(GroupClass::Standard, 1.0, 1, 5);
+    let cfg = sim.policy.config().clone();
+    assert!(sim.stats.max_queue_budget_ns[1] > cfg.latency_queue_budget_ns());
+    assert!((s - 0.16).abs() <= 0.01, "{s}");
+}
+
+#[test]
+fn a_latency_group_cannot_take_more_than_its_limit() {
+    // It would use 16 %; capped at 8 % it gets 8 % however it is served.
+    let (sim, s, t) = server_beside_trainers(GroupClass::Latency, 0.08, 1, 9);
+    let held = sim.held_share(0, WARMUP, sim.now);
+    assert!(held <= 0.08 + 0.005, "{held}");
+    assert!(s <= 0.08 + 0.005, "{s}");
+    assert!(t >= 0.9, "{t}");
+}
+
+#[test]
+fn a_latency_group_asking_all_the_time_gets_its_share_and_no_more() {
+    // Back-to-back requests that fill the GPU: the class does not buy time, the share of
+    // each of the two equal groups holds over every second.
+    let end = 60 * S;
+    let server = GroupParams {
+        class: GroupClass::Latency,
+        ..gp(0.5, 1.0, 1.0)
+    };
+    let groups = [("server", server), ("trainer", gp(0.5, 1.0, 1.0))];
+    let tenants = vec![
+        Tenant::new(
+            0,
+            Demand::Short {
+                use_ns: 3 * MS,
+                think_ns: MS / 2,
+            },
+        ),
+        Tenant::new(1, Demand::Busy),
+    ];
+    let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 21);
+    sim.run_until(end);
+    let (worst, lo, hi) = window_error(&sim, 1, 0.5, S, end);
+    eprintln!("trainer beside a saturating latency group: 1 s shares {lo:.4}..{hi:.4}");
+    assert!(worst <= 0.02, "trainer's share off by {worst}");
+    assert!(sim.work_share(1, WARMUP, end) >= 0.49);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases()))]
+
+    /// Random mixes in which one group declares the latency class: the busy groups still get
+    /// their guarantees, every group stays within its limit, the GPU is never left idle while
+    /// an uncapped group waits, and nobody is revoked.
+    #[test]
+    fn random_mixes_with_a_latency_group_keep_guarantees_and_caps(
+        mut mix in arb_mix(0..4),
+        pick in any::<prop::sample::Index>(),
+    ) {
+        let end = 40 * S;
+        let warm = 4 * S;
+        let l = pick.index(mix.params.len());
+        mix.params[l].class = GroupClass::Latency;
+        let sim = run_mix(&mix, end);
+        let eff = effective_requests(&mix.params);
+        for (g, p) in mix.params.iter().enumerate() {
+            let held = sim.held_share(g, warm, end);
+            if mix.kinds[g] == 0 {
+                prop_assert!(held >= eff[g] - 0.02,
+                    "busy group {g} {p:?}: {held} < request {}", eff[g]);
+            }
+            prop_assert!(held <= p.limit + 0.02, "group {g} {p:?}: {held} above its limit");
+        }
+        prop_assert_eq!(sim.stats.idle_with_uncapped_waiter_ns, 0);
+        prop_assert!(sim.stats.idle_with_capped_waiter_below_limit_ns <= end / 1000,
+            "idle below the limit for {} ns", sim.stats.idle_with_capped_waiter_below_limit_ns);
+        prop_assert_eq!(sim.stats.revocations, 0);
+    }
+}
+
+/// Group `g`'s held share over every window of `win` from `from`, a second apart, ending by
+/// `to`.
+fn held_windows(sim: &Sim, g: usize, win: u64, from: u64, to: u64) -> Vec<f64> {
+    (0..)
+        .map(|k| from + k * S)
+        .take_while(|a| a + win <= to)
+        .map(|a| sim.held_share(g, a, a + win))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases()))]
+
+    /// Declaring the latency class buys no GPU time: in random mixes where one group (of any
+    /// demand, request and cap) declares it, every group stays within its limit and every busy
+    /// group keeps its guarantee over every 4 s window, as they do when the same mix runs all
+    /// standard. The margin is what the fair-share bounds allow in a window: a group's credit
+    /// and bucket swing by at most `2·quota + grace` (three quotas here) plus a turn.
+    #[test]
+    fn a_latency_group_gains_no_share_over_any_window(
+        mut mix in arb_mix(0..4),
+        pick in any::<prop::sample::Index>(),
+    ) {
+        let (end, warm, win) = (40 * S, 4 * S, 4 * S);
+        let l = pick.index(mix.params.len());
+        let standard = run_mix(&mix, end);
+        mix.params[l].class = GroupClass::Latency;
+        let latency = run_mix(&mix, end);
+        let margin = (4 * mix.quota_ms * MS) as f64 / win as f64 + 0.01;
+        let eff = effective_requests(&mix.params);
+        for (run, sim) in [("standard", &standard), ("latency", &latency)] {
+            for (g, p) in mix.params.iter().enumerate() {
+                let w = held_windows(sim, g, win, warm, end);
+                let hi = w.iter().copied().fold(0.0, f64::max);
+                prop_assert!(hi <= p.limit + margin,
+                    "{run} run, group {g} {p:?} (latency group {l}): {hi} in a window, above \
+                     its limit by more than {margin}");
+                if mix.kinds[g] == 0 {
+                    let lo = w.iter().copied().fold(1.0, f64::min);
+                    prop_assert!(lo >= eff[g] - margin,
+                        "{run} run, busy group {g} {p:?} (latency group {l}): {lo} in a window, \
+                         below its guarantee {} by more than {margin}", eff[g]);
+                }
+            }
+        }
+    }
 }

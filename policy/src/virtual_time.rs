@@ -11,7 +11,7 @@
 //! the policy never grants a turn overlapping another, never grants a client that does not want
 //! one, and never leaves the GPU without a turn while a group without a cap waits.
 
-use super::{ClientId, Decision, GroupParams, Policy, PolicyConfig, TurnUse};
+use super::{ClientId, Decision, GroupClass, GroupParams, Policy, PolicyConfig, TurnUse};
 use rand_xoshiro::SplitMix64;
 use rand_xoshiro::rand_core::{Rng as _, SeedableRng};
 use std::cmp::Reverse;
@@ -166,6 +166,8 @@ pub struct Stats {
     /// Per tenant, total time between asking and its turn starting, and the number of waits.
     pub total_wait_ns: Vec<u64>,
     pub waits_of: Vec<u64>,
+    /// Per tenant, the largest queue budget it was granted.
+    pub max_queue_budget_ns: Vec<u64>,
     /// Policy calls made.
     pub calls: u64,
 }
@@ -266,6 +268,7 @@ impl Sim {
                 max_wait_ns: vec![0; n],
                 total_wait_ns: vec![0; n],
                 waits_of: vec![0; n],
+                max_queue_budget_ns: vec![0; n],
                 ..Stats::default()
             },
         };
@@ -695,6 +698,8 @@ impl Sim {
                     let i = (client - 1) as usize;
                     assert!(!self.gone[i], "granted a client that is gone");
                     assert!((100_000..=5_000_000).contains(&queue_budget_ns));
+                    let budget = &mut self.stats.max_queue_budget_ns[i];
+                    *budget = (*budget).max(queue_budget_ns);
                     assert!(quota_ns >= self.policy.config().min_quota_ns);
                     assert_eq!(deadline_ns, start_ns + quota_ns);
                     assert!(start_ns >= self.now, "a turn granted in the past");
@@ -735,11 +740,14 @@ impl Sim {
                         .filter(|&(o, _)| o != g)
                         .filter_map(|(_, y)| *y)
                         .collect();
+                    // A latency-class group takes any turn back as soon.
+                    let latency_besides = (self.groups.iter().enumerate())
+                        .any(|(o, (_, p))| o != g && p.class == GroupClass::Latency);
                     self.stats.shortened += 1;
                     self.set_deadline(i, token, deadline_ns, |start| {
                         let at_a_yield =
                             (yields.iter()).any(|&y| y <= start && start <= y + cfg.min_quota_ns);
-                        let floor = if at_a_yield {
+                        let floor = if at_a_yield || latency_besides {
                             cfg.take_back_ns()
                         } else {
                             cfg.min_quota_ns

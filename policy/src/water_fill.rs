@@ -82,6 +82,7 @@ mod tests {
             request,
             limit,
             weight,
+            ..GroupParams::default()
         }
     }
 

@@ -12,7 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
-pub const ADMIN_PROTOCOL_VERSION: u32 = 1;
+pub const ADMIN_PROTOCOL_VERSION: u32 = 2;
 
 /// One container's policy: it becomes the scheduler group `namespace/pod/container`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -35,6 +35,8 @@ pub struct PodGroup {
     pub weight: f64,
     /// Memory cap in bytes on each of its GPUs (`None`: uncapped).
     pub memory: Option<u64>,
+    /// The latency class (annotation `gpushare.io/gpu-class: latency`).
+    pub latency: bool,
 }
 
 /// The key of a [`PodGroup`]: pod UID and container name.
@@ -145,6 +147,7 @@ mod tests {
             limit: 0.6,
             weight: 2.0,
             memory: Some(2 << 30),
+            latency: false,
         }
     }
 

@@ -12,7 +12,7 @@ pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
 /// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
@@ -37,6 +37,9 @@ pub struct GroupSpec {
     pub weight: f64,
     /// Memory cap in bytes, if any.
     pub memory: Option<u64>,
+    /// The latency class (`gpushare run --latency`): a request server whose tail latency
+    /// matters.
+    pub latency: bool,
 }
 
 /// What a process measured of one of its turns.
@@ -183,6 +186,7 @@ mod tests {
                     limit: 1.0,
                     weight: 1.0,
                     memory: Some(4 << 30),
+                    latency: false,
                 }),
             },
             ClientMsg::Hello {
@@ -243,6 +247,7 @@ mod tests {
             request: 0.3,
             limit: 0.6,
             weight: 2.0,
+            latency: false,
             effective_request: 0.3,
             target_share: 0.6,
             achieved_share: 0.59,

@@ -84,6 +84,9 @@ pub struct GroupReport {
     pub request: f64,
     pub limit: f64,
     pub weight: f64,
+    /// The latency class ([`crate::GroupSpec::latency`]).
+    #[serde(default)]
+    pub latency: bool,
     pub effective_request: f64,
     pub target_share: f64,
     pub achieved_share: f64,

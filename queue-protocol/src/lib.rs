@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-pub const QUEUE_PROTOCOL_VERSION: u32 = 1;
+pub const QUEUE_PROTOCOL_VERSION: u32 = 2;
 /// Environment variable naming the queue's socket.
 pub const QUEUE_SOCKET_ENV: &str = "GPUSHARE_QUEUE_SOCKET";
 /// Where the queue listens when `GPUSHARE_QUEUE_SOCKET` is not set.
@@ -73,6 +73,10 @@ pub struct Demand {
     pub limit: f64,
     /// GPU memory cap on each GPU, bytes.
     pub memory: Option<u64>,
+    /// The latency class (`gpushare run --latency`): a request server whose tail latency
+    /// matters. (Absent from job records written before the class existed: standard.)
+    #[serde(default)]
+    pub latency: bool,
     /// Preferred GPUs (indices), most preferred first.
     pub prefer: Vec<u32>,
     pub wait_mode: WaitMode,
@@ -85,13 +89,15 @@ pub struct Demand {
 }
 
 impl Default for Demand {
-    /// One whole GPU, anywhere, no memory cap, priority 0, no timeout, no retry.
+    /// One whole GPU, anywhere, no memory cap, the standard class, priority 0, no timeout, no
+    /// retry.
     fn default() -> Self {
         Demand {
             gpus: 1,
             share: 1.0,
             limit: 1.0,
             memory: None,
+            latency: false,
             prefer: Vec::new(),
             wait_mode: WaitMode::Schedule,
             priority: 0,
@@ -313,6 +319,23 @@ mod tests {
     use super::*;
     use gpushare_frame::fuzz;
 
+    /// Job records kept from before the latency class read as standard.
+    #[test]
+    fn a_demand_without_the_class_is_standard() {
+        let d: Demand = serde_json::from_str(
+            r#"{"gpus": 1, "share": 0.5, "limit": 1.0, "memory": null, "prefer": [],
+                "wait_mode": "schedule", "priority": 0, "timeout_ns": null, "retries": 0}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            d,
+            Demand {
+                share: 0.5,
+                ..Demand::default()
+            }
+        );
+    }
+
     #[test]
     fn responses_round_trip_and_hostile_ones_are_rejected() {
         let job = JobView {
@@ -327,6 +350,7 @@ mod tests {
                 share: 0.5,
                 limit: 0.8,
                 memory: Some(4 << 30),
+                latency: true,
                 prefer: vec![1, 0],
                 wait_mode: WaitMode::Queue,
                 priority: -2,

@@ -375,6 +375,7 @@ impl Core {
             request: d.share,
             limit: d.limit,
             weight: 1.0,
+            ..Default::default()
         }
         .validate()
         .map_err(|e| SubmitError::Invalid(format!("--share/--limit: {e}")))?;

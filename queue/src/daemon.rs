@@ -2,7 +2,7 @@
 //! the jobs' processes and the clock; every decision comes from the core.
 //!
 //! A job runs as `gpushare-queue shim … -- gpushare run --group gpushare-job-ID --request R
-//! --limit L [--memory M] -- CMD…`. The shim (a small supervisor, root) starts the job in its
+//! --limit L [--memory M] [--latency] -- CMD…`. The shim (a small supervisor, root) starts the job in its
 //! own process group as the submitting user and writes the job's exit status to a file when it
 //! ends; it does not depend on the daemon, so a daemon killed mid-run finds every run again when
 //! it restarts: still running (its shim alive), finished (its exit file) or lost (neither).
@@ -351,12 +351,15 @@ fn start(
         .iter()
         .filter_map(|&g| st.gpus.get(g as usize).map(|g| g.uuid.clone()))
         .collect();
-    let memory = st.core.job(id).and_then(|j| j.demand.memory);
+    let (memory, latency) = st
+        .core
+        .job(id)
+        .map_or((None, false), |j| (j.demand.memory, j.demand.latency));
     let Some(meta) = st.meta.get_mut(&id) else {
         tracing::error!(job = id, "no record of the job to start");
         return;
     };
-    match spawn(sh, meta, id, run, &uuids, share, limit, memory) {
+    match spawn(sh, meta, id, run, &uuids, share, limit, memory, latency) {
         Ok((child, pid)) => {
             tracing::info!(job = id, run, pid, ?gpus, share, "started");
             meta.shim_pid = Some(child.id());
@@ -389,6 +392,7 @@ fn spawn(
     share: f64,
     limit: f64,
     memory: Option<u64>,
+    latency: bool,
 ) -> Result<(Child, u32), String> {
     let user = sys::user_by_uid(meta.uid)
         .ok_or_else(|| format!("uid {} is not in the user database", meta.uid))?;
@@ -432,6 +436,9 @@ fn spawn(
         .args(["--limit", &limit.to_string()]);
     if let Some(m) = memory {
         c.args(["--memory", &m.to_string()]);
+    }
+    if latency {
+        c.arg("--latency");
     }
     c.arg("--")
         .args(&meta.cmd)
@@ -971,6 +978,7 @@ mod tests {
             request,
             limit: 1.0,
             weight: 1.0,
+            latency: false,
             effective_request: request,
             target_share: 0.0,
             achieved_share: 0.0,

@@ -48,6 +48,9 @@ pub struct HttpSubmission {
     pub limit: Option<f64>,
     /// A size, e.g. `"4GiB"`.
     pub memory: Option<String>,
+    /// The latency class (`true`: a request server whose tail latency matters).
+    #[serde(default)]
+    pub latency: bool,
     #[serde(default)]
     pub prefer: Vec<u32>,
     /// `"queue"` or `"schedule"`.
@@ -74,6 +77,7 @@ impl HttpSubmission {
                 .map(gpushare_units::parse_size)
                 .transpose()
                 .map_err(|e| format!("memory: {e}"))?,
+            latency: self.latency,
             prefer: self.prefer,
             wait_mode: self
                 .wait_mode
@@ -361,6 +365,9 @@ mod tests {
         assert_eq!(s.demand.memory, Some(4 << 30));
         assert_eq!(s.demand.timeout_ns, Some(90_000_000_000));
         assert_eq!(s.demand.wait_mode, WaitMode::Queue);
+        assert!(!s.demand.latency);
+        let s = parse(r#"{"cmd": ["serve"], "latency": true}"#).unwrap();
+        assert!(s.demand.latency);
     }
 
     #[test]

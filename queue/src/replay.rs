@@ -258,6 +258,7 @@ fn rates(tasks: &[Task], gpus: u32) -> BTreeMap<usize, f64> {
                 request: tasks[i].share,
                 limit: tasks[i].limit,
                 weight: 1.0,
+                ..GroupParams::default()
             })
             .collect();
         for (&i, share) in here.iter().zip(water_fill(&params)) {

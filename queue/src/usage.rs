@@ -213,6 +213,7 @@ mod tests {
             request: 0.5,
             limit: 1.0,
             weight: 1.0,
+            latency: false,
             effective_request: 0.5,
             target_share: 0.5,
             achieved_share: 0.25,

@@ -34,12 +34,13 @@
 //! request = 0.3                  # guaranteed share of GPU time
 //! limit = 0.6                    # hard cap (default 1.0)
 //! weight = 1.0                   # share of spare time (default 1)
+//! class = "standard"             # "latency" for a request server (see docs/latency.md)
 //! memory = "4GiB"                # GPU memory cap (optional)
 //! ```
 
 use crate::identity::Peer;
 use gpushare_policy::overcommit;
-use gpushare_policy::{GroupParams, PolicyConfig};
+use gpushare_policy::{GroupClass, GroupParams, PolicyConfig};
 use serde::Deserialize;
 use std::path::Path;
 
@@ -99,6 +100,7 @@ struct RawGroup {
     limit: f64,
     #[serde(default = "one")]
     weight: f64,
+    class: Option<String>,
     memory: Option<String>,
 }
 
@@ -263,10 +265,15 @@ impl Config {
             if groups.iter().any(|x: &GroupConfig| x.name == g.name) {
                 return Err(format!("group {:?} is defined twice", g.name));
             }
+            let class = match &g.class {
+                Some(c) => GroupClass::parse(c).map_err(|e| format!("group {:?}: {e}", g.name))?,
+                None => GroupClass::Standard,
+            };
             let params = GroupParams {
                 request: g.request,
                 limit: g.limit,
                 weight: g.weight,
+                class,
             };
             params
                 .validate()
@@ -377,7 +384,8 @@ weight = 2
             GroupParams {
                 request: 0.3,
                 limit: 0.6,
-                weight: 1.0
+                weight: 1.0,
+                class: GroupClass::Standard,
             }
         );
         assert_eq!(c.groups[0].memory, Some(4 << 30));
@@ -464,5 +472,13 @@ weight = 2
                 .unwrap_err()
                 .contains("quantum")
         );
+        let e = Config::parse("[[group]]\nname = \"serve\"\nclass = \"fast\"").unwrap_err();
+        assert!(e.contains("serve") && e.contains("\"latency\""), "{e}");
+    }
+
+    #[test]
+    fn a_group_may_declare_the_latency_class() {
+        let c = Config::parse("[[group]]\nname = \"serve\"\nclass = \"latency\"").unwrap();
+        assert_eq!(c.groups[0].params.class, GroupClass::Latency);
     }
 }

@@ -7,7 +7,7 @@
 //! them disconnects ([`PodTable::client_left`]); new processes of it are refused.
 
 use crate::identity::PodIdentity;
-use gpushare_policy::GroupParams;
+use gpushare_policy::{GroupClass, GroupParams};
 use gpushare_protocol::GpuUuid;
 use gpushare_protocol::admin::{AdminRequest, ContainerKey, PodGroup, parse_gpu_uuid};
 use gpushare_protocol::status::{PodReport, uuid_string};
@@ -235,6 +235,7 @@ fn params(g: &PodGroup) -> GroupParams {
         request: g.request,
         limit: g.limit,
         weight: g.weight,
+        class: GroupClass::latency_if(g.latency),
     }
 }
 
@@ -288,6 +289,7 @@ mod tests {
             limit: 1.0,
             weight: 1.0,
             memory: None,
+            latency: false,
         }
     }
 
@@ -316,7 +318,8 @@ mod tests {
                 params: GroupParams {
                     request: 0.3,
                     limit: 1.0,
-                    weight: 1.0
+                    weight: 1.0,
+                    class: GroupClass::Standard,
                 },
                 memory: None
             }]

@@ -232,6 +232,7 @@ fn declared_groups_need_dev_mode() {
         limit: 1.0,
         weight: 1.0,
         memory: None,
+        latency: false,
     };
     gpushare_protocol::send(
         &mut s,

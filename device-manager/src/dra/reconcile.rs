@@ -71,11 +71,28 @@ pub fn desired(pods: &[PodView], prepared: &[PreparedClaim], units_per_gpu: u32)
             continue;
         };
         let n = users[claim.uid.as_str()];
+        let mut class_problems = Vec::new();
+        let latency =
+            crate::annotations::latency_class(&pod.annotations, container, &mut class_problems);
+        for p in class_problems {
+            out.problems.push(Warning {
+                object: Object {
+                    api_version: "v1",
+                    kind: "Pod",
+                    namespace: pod.namespace.clone(),
+                    name: pod.name.clone(),
+                    uid: pod.uid.clone(),
+                },
+                reason: "InvalidGpushareAnnotation",
+                message: format!("{}: {}", p.annotation, p.message),
+            });
+        }
         let policy = Policy {
             share: f64::from(claim.share_units) / f64::from(units_per_gpu.max(1)) / f64::from(n),
             limit: claim.limit,
             weight: claim.weight,
             memory: claim.memory / u64::from(n),
+            latency,
         };
         let g = group(pod, container, claim.gpus(), &policy);
         out.groups.insert(g.key(), g);

@@ -2,7 +2,7 @@
 //! node's state on the event loop, published for the other threads.
 
 use super::{Effect, Node, STATUS_REUSE_NS};
-use gpushare_policy::ClientId;
+use gpushare_policy::{ClientId, GroupClass};
 use gpushare_protocol::admin::GpuUsage;
 use gpushare_protocol::status::{
     ClientReport, GpuReport, GroupReport, LoopLatency, PodLabels, Report, uuid_string,
@@ -90,6 +90,7 @@ impl Node {
                             request: g.params.request,
                             limit: g.params.limit,
                             weight: g.params.weight,
+                            latency: g.params.class == GroupClass::Latency,
                             effective_request: g.effective_request,
                             target_share: g.target_share,
                             // Clamp float noise (and a negative zero) from the usage window.

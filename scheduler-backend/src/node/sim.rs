@@ -678,6 +678,7 @@ pub fn pod_group(i: u8) -> PodGroup {
         limit: 1.0,
         weight: 1.0,
         memory: Some(256 * MIB),
+        latency: false,
     }
 }
 
@@ -828,6 +829,7 @@ impl World {
                     limit: 1.0,
                     weight: 1.0,
                     memory: Some(300 * MIB),
+                    latency: false,
                 });
                 self.hello(c, spec);
             }
@@ -898,10 +900,9 @@ impl World {
                         }),
                         again: what % 8 < 4,
                     },
-                    // Never the current version, whatever it is: a second Hello, or a first
-                    // one of another version.
+                    // Never this protocol's version, whatever its number.
                     2 => ClientMsg::Hello {
-                        version: PROTOCOL_VERSION + 1 + u32::from(what),
+                        version: u32::from(what) + PROTOCOL_VERSION + 1,
                         declared: None,
                     },
                     // Frees more than it holds (when no reservation of its is under way, whose
@@ -1027,7 +1028,7 @@ fn random_lives_reach_every_path() {
         total.unjournaled += s.unjournaled;
     }
     eprintln!("{total:?}");
-    assert!(total.grants > 200 && total.welcomed > 300, "{total:?}");
+    assert!(total.grants > 200 && total.welcomed >= 400, "{total:?}");
     assert!(total.pods_admitted > 0 && total.refused > 0, "{total:?}");
     assert!(total.closed_by_node > 0 && total.restarts > 0, "{total:?}");
     assert!(

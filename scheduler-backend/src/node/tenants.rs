@@ -4,7 +4,7 @@
 
 use super::{ConnId, Node};
 use crate::identity::Peer;
-use gpushare_policy::{ClientId, Decision, GroupParams, Policy, TurnUse};
+use gpushare_policy::{ClientId, Decision, GroupClass, GroupParams, Policy, TurnUse};
 use gpushare_protocol::status::uuid_string;
 use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
 use std::collections::HashMap;
@@ -133,6 +133,7 @@ impl Node {
                     request: spec.request,
                     limit: spec.limit,
                     weight: spec.weight,
+                    class: GroupClass::latency_if(spec.latency),
                 };
                 params.validate().map_err(|reason| {
                     format!("invalid parameters for group {:?}: {reason}", spec.name)

@@ -571,6 +571,7 @@ fn client_msgs() -> Vec<ClientMsg> {
                 limit: 1.0,
                 weight: 2.0,
                 memory: Some(1 << 30),
+                latency: false,
             }),
         },
         ClientMsg::Acquire { gpu: GPU },

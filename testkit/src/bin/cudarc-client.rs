@@ -16,6 +16,8 @@ use gpushare_testkit::direct;
 use gpushare_testkit::ptx::{SPIN_KERNEL, SPIN_PTX, TOUCH_KERNEL};
 use gpushare_testkit::timeline::Timeline;
 use gpushare_testkit::trace;
+use rand::{RngExt as _, SeedableRng as _};
+use rand_xoshiro::SplitMix64;
 use serde_json::{Value, json};
 use std::ffi::c_void;
 use std::path::Path;
@@ -82,7 +84,7 @@ enum Cmd {
     },
     /// Requests arriving at random (Poisson, RATE_HZ per second) for DURATION_MS; each request
     /// is KERNELS spin kernels of MS each and a synchronisation. Prints the latency (arrival to
-    /// completion, queueing included) p50/p99 in ms.
+    /// completion, queueing included) p50/p90/p99/p99.9 in ms.
     Latency {
         /// Mean request arrival rate, per second.
         #[arg(long)]
@@ -641,14 +643,9 @@ fn latency_cmd(
     spin(&stream, &spin_f, 1_000)?;
     stream.synchronize().at("cuStreamSynchronize (warm-up)")?;
     let mut tl = anchor_timeline(timeline_to, &ctx, &stream, device)?;
-    // xorshift64*: exponential inter-arrival times without a dependency.
-    let mut state = seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut uniform = move || {
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        ((state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
+    // Exponential inter-arrival times from a fixed algorithm: a seed names the same arrivals on
+    // every platform and release.
+    let mut rng = SplitMix64::seed_from_u64(seed);
     let start_ns = monotonic_ns();
     let t0 = Instant::now();
     let end = std::time::Duration::from_secs_f64(duration_ms / 1e3);
@@ -656,7 +653,9 @@ fn latency_cmd(
     let mut lat_ms = Vec::new();
     let mut arrivals_ns = Vec::new();
     loop {
-        next += std::time::Duration::from_secs_f64(-uniform().ln() / rate_hz);
+        // 1 − u lies in (0, 1]: its logarithm is finite.
+        let u: f64 = rng.random();
+        next += std::time::Duration::from_secs_f64(-(1.0 - u).ln() / rate_hz);
         if next >= end {
             break;
         }
@@ -694,7 +693,9 @@ fn latency_cmd(
         "end_ns": monotonic_ns(),
         "latency_mean_ms": mean,
         "latency_p50_ms": quantile(&sorted, 0.50),
+        "latency_p90_ms": quantile(&sorted, 0.90),
         "latency_p99_ms": quantile(&sorted, 0.99),
+        "latency_p999_ms": quantile(&sorted, 0.999),
         "latency_max_ms": sorted.last().copied().unwrap_or(0.0),
         "arrivals_ns": arrivals_ns,
         "latencies_ms": lat_ms,
