@@ -582,6 +582,10 @@ STRUCTS = {
     "CUmemPoolProps": "simulator (cuMemPoolCreate: where the pool lives)",
     "CUDA_MEMCPY2D": "simulator (cuMemcpy2D*: both sides of a 2D copy)",
     "CUuuid": "hook and simulator (device UUIDs, export tables)",
+    "CUcheckpointLockArgs": "simulator (cuCheckpointProcessLock: the timeout, reserved fields)",
+    "CUcheckpointCheckpointArgs": "simulator (cuCheckpointProcessCheckpoint: reserved fields)",
+    "CUcheckpointRestoreArgs": "simulator (cuCheckpointProcessRestore: reserved fields)",
+    "CUcheckpointUnlockArgs": "simulator (cuCheckpointProcessUnlock: reserved fields)",
 }
 
 # Declarations the wheel's headers use but do not contain, as C text, each

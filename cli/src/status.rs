@@ -46,9 +46,20 @@ pub fn render(r: &Report) -> String {
             "PREEMPTED",
             "MEMORY(MiB)"
         );
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        if let Some(m) = &g.physical {
+            let _ = writeln!(
+                out,
+                "  memory: {:.0} MiB used, {:.0} free of {:.0}; {:.0} swapped to host memory (caps may sum to {}x)",
+                mib(m.used),
+                mib(m.free),
+                mib(m.total),
+                mib(m.swapped),
+                m.overcommit
+            );
+        }
         for x in &g.groups {
             let pids: Vec<String> = x.pids.iter().map(u32::to_string).collect();
-            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
             let memory = match x.memory_cap {
                 Some(cap) => format!("{:.0}/{:.0}", mib(x.memory_used), mib(cap)),
                 None => format!("{:.0}", mib(x.memory_used)),
@@ -76,6 +87,19 @@ pub fn render(r: &Report) -> String {
                 memory,
                 pids.join(",")
             );
+        }
+        for x in &g.groups {
+            if x.memory_swapped > 0 {
+                let _ = writeln!(
+                    out,
+                    "  {}: {:.0} MiB swapped to host memory",
+                    x.name,
+                    mib(x.memory_swapped)
+                );
+            }
+            if let Some(why) = &x.memory_refused {
+                let _ = writeln!(out, "  {}: last allocation refused: {why}", x.name);
+            }
         }
     }
     if !r.pods.is_empty() {

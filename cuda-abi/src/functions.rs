@@ -32,17 +32,17 @@ pub type PFN_cuArrayGetPlane = unsafe extern "C" fn(pPlaneArray: *mut CUarray, h
 /// `cuArrayGetSparseProperties(CUDA_ARRAY_SPARSE_PROPERTIES *sparseProperties, CUarray array)`
 pub type PFN_cuArrayGetSparseProperties = unsafe extern "C" fn(sparseProperties: *mut c_void, array: CUarray) -> CUresult;
 /// `cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)`
-pub type PFN_cuCheckpointProcessCheckpoint = unsafe extern "C" fn(pid: c_int, args: *mut c_void) -> CUresult;
+pub type PFN_cuCheckpointProcessCheckpoint = unsafe extern "C" fn(pid: c_int, args: *mut CUcheckpointCheckpointArgs) -> CUresult;
 /// `cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)`
 pub type PFN_cuCheckpointProcessGetRestoreThreadId = unsafe extern "C" fn(pid: c_int, tid: *mut c_int) -> CUresult;
 /// `cuCheckpointProcessGetState(int pid, CUprocessState *state)`
 pub type PFN_cuCheckpointProcessGetState = unsafe extern "C" fn(pid: c_int, state: *mut CUprocessState) -> CUresult;
 /// `cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)`
-pub type PFN_cuCheckpointProcessLock = unsafe extern "C" fn(pid: c_int, args: *mut c_void) -> CUresult;
+pub type PFN_cuCheckpointProcessLock = unsafe extern "C" fn(pid: c_int, args: *mut CUcheckpointLockArgs) -> CUresult;
 /// `cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)`
-pub type PFN_cuCheckpointProcessRestore = unsafe extern "C" fn(pid: c_int, args: *mut c_void) -> CUresult;
+pub type PFN_cuCheckpointProcessRestore = unsafe extern "C" fn(pid: c_int, args: *mut CUcheckpointRestoreArgs) -> CUresult;
 /// `cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)`
-pub type PFN_cuCheckpointProcessUnlock = unsafe extern "C" fn(pid: c_int, args: *mut c_void) -> CUresult;
+pub type PFN_cuCheckpointProcessUnlock = unsafe extern "C" fn(pid: c_int, args: *mut CUcheckpointUnlockArgs) -> CUresult;
 /// `cuCoredumpGetAttribute(CUcoredumpSettings attrib, void* value, size_t *size)`
 pub type PFN_cuCoredumpGetAttribute = unsafe extern "C" fn(attrib: CUcoredumpSettings, value: *mut c_void, size: *mut usize) -> CUresult;
 /// `cuCoredumpGetAttributeGlobal(CUcoredumpSettings attrib, void *value, size_t *size)`

@@ -1355,6 +1355,62 @@ const _: () = {
     assert!(core::mem::offset_of!(CUDA_MEMSET_NODE_PARAMS_v1, height) == 32);
 };
 
+/// `struct CUcheckpointCheckpointArgs_st`; read by the simulator (cuCheckpointProcessCheckpoint: reserved fields).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUcheckpointCheckpointArgs {
+    pub reserved: [cuuint64_t; 8],
+}
+
+const _: () = {
+    assert!(size_of::<CUcheckpointCheckpointArgs>() == 64);
+    assert!(align_of::<CUcheckpointCheckpointArgs>() == 8);
+    assert!(core::mem::offset_of!(CUcheckpointCheckpointArgs, reserved) == 0);
+};
+
+/// `struct CUcheckpointLockArgs_st`; read by the simulator (cuCheckpointProcessLock: the timeout, reserved fields).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUcheckpointLockArgs {
+    pub timeoutMs: c_uint,
+    pub reserved0: c_uint,
+    pub reserved1: [cuuint64_t; 7],
+}
+
+const _: () = {
+    assert!(size_of::<CUcheckpointLockArgs>() == 64);
+    assert!(align_of::<CUcheckpointLockArgs>() == 8);
+    assert!(core::mem::offset_of!(CUcheckpointLockArgs, timeoutMs) == 0);
+    assert!(core::mem::offset_of!(CUcheckpointLockArgs, reserved0) == 4);
+    assert!(core::mem::offset_of!(CUcheckpointLockArgs, reserved1) == 8);
+};
+
+/// `struct CUcheckpointRestoreArgs_st`; read by the simulator (cuCheckpointProcessRestore: reserved fields).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUcheckpointRestoreArgs {
+    pub reserved: [cuuint64_t; 8],
+}
+
+const _: () = {
+    assert!(size_of::<CUcheckpointRestoreArgs>() == 64);
+    assert!(align_of::<CUcheckpointRestoreArgs>() == 8);
+    assert!(core::mem::offset_of!(CUcheckpointRestoreArgs, reserved) == 0);
+};
+
+/// `struct CUcheckpointUnlockArgs_st`; read by the simulator (cuCheckpointProcessUnlock: reserved fields).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUcheckpointUnlockArgs {
+    pub reserved: [cuuint64_t; 8],
+}
+
+const _: () = {
+    assert!(size_of::<CUcheckpointUnlockArgs>() == 64);
+    assert!(align_of::<CUcheckpointUnlockArgs>() == 8);
+    assert!(core::mem::offset_of!(CUcheckpointUnlockArgs, reserved) == 0);
+};
+
 /// `struct CUipcEventHandle_st`; passed by value, or part of a record that is.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -1598,6 +1654,20 @@ pub(crate) static LAYOUTS: &[(&str, usize, usize, &[(&str, usize)])] = &[
         ("elementSize", 20),
         ("width", 24),
         ("height", 32),
+    ]),
+    ("CUcheckpointCheckpointArgs", 64, 8, &[
+        ("reserved", 0),
+    ]),
+    ("CUcheckpointLockArgs", 64, 8, &[
+        ("timeoutMs", 0),
+        ("reserved0", 4),
+        ("reserved1", 8),
+    ]),
+    ("CUcheckpointRestoreArgs", 64, 8, &[
+        ("reserved", 0),
+    ]),
+    ("CUcheckpointUnlockArgs", 64, 8, &[
+        ("reserved", 0),
     ]),
     ("CUipcEventHandle_v1", 64, 1, &[
         ("reserved", 0),

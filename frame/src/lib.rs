@@ -27,17 +27,27 @@ pub enum WireError {
 /// Serialise `msg` as one frame into `buf` (cleared first), ready for a single `write_all`.
 pub fn encode<T: Serialize>(msg: &T, buf: &mut Vec<u8>) -> Result<(), WireError> {
     buf.clear();
+    append(msg, buf)
+}
+
+/// Serialise `msg` as one frame after what `buf` already holds (frames queued behind others,
+/// or the unsent rest of one); on an error `buf` is as it was.
+pub fn append<T: Serialize>(msg: &T, buf: &mut Vec<u8>) -> Result<(), WireError> {
+    let start = buf.len();
     buf.extend_from_slice(&[0; 4]);
-    let body = postcard::to_extend(msg, std::mem::take(buf))?;
-    *buf = body;
-    let len = buf.len() - 4;
+    if let Err(e) = postcard::to_io(msg, &mut *buf) {
+        buf.truncate(start);
+        return Err(e.into());
+    }
+    let len = buf.len() - start - 4;
     if len > MAX_FRAME {
+        buf.truncate(start);
         return Err(WireError::TooLarge {
             len,
             max: MAX_FRAME,
         });
     }
-    buf[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    buf[start..start + 4].copy_from_slice(&(len as u32).to_le_bytes());
     Ok(())
 }
 
@@ -144,6 +154,31 @@ mod tests {
             Some((1, "two".into()))
         );
         assert_eq!(recv::<(u32, String)>(&mut r, &mut buf).unwrap(), None);
+    }
+
+    /// Frames appended behind one another (and behind the unsent rest of one) all come out,
+    /// in order; `encode` starts afresh.
+    #[test]
+    fn appended_frames_queue_behind_what_the_buffer_holds() {
+        let mut queued = Vec::new();
+        encode(&1u32, &mut queued).unwrap();
+        let unsent = queued.split_off(2);
+        let mut wire = queued;
+        let mut backlog = unsent;
+        append(&"two".to_string(), &mut backlog).unwrap();
+        append(&3u64, &mut backlog).unwrap();
+        wire.extend_from_slice(&backlog);
+        let mut r = &wire[..];
+        let mut buf = Vec::new();
+        assert_eq!(recv::<u32>(&mut r, &mut buf).unwrap(), Some(1));
+        assert_eq!(
+            recv::<String>(&mut r, &mut buf).unwrap(),
+            Some("two".into())
+        );
+        assert_eq!(recv::<u64>(&mut r, &mut buf).unwrap(), Some(3));
+        assert_eq!(recv::<u64>(&mut r, &mut buf).unwrap(), None);
+        encode(&4u32, &mut backlog).unwrap();
+        assert_eq!(recv::<u32>(&mut &backlog[..], &mut buf).unwrap(), Some(4));
     }
 
     #[test]

@@ -162,12 +162,20 @@ pub fn answered_again(h: &Hook) {
 pub fn greet(h: &Hook, send: &mut dyn FnMut(&[ClientMsg])) {
     let mut leases: Vec<MutexGuard<'_, Lease>> =
         (0..h.memory.gpus()).map(|g| h.memory.lease(g)).collect();
-    let greeting: Vec<ClientMsg> = (leases.iter_mut().enumerate())
-        .map(|(gpu, lease)| ClientMsg::MemSync {
-            gpu: h.gates[gpu].uuid,
+    let mut greeting: Vec<ClientMsg> = Vec::with_capacity(2 * leases.len());
+    for (gpu, lease) in leases.iter_mut().enumerate() {
+        let uuid = h.gates[gpu].uuid;
+        if h.gpu_memory[gpu] > 0 {
+            greeting.push(ClientMsg::MemTotal {
+                gpu: uuid,
+                bytes: h.gpu_memory[gpu],
+            });
+        }
+        greeting.push(ClientMsg::MemSync {
+            gpu: uuid,
             bytes: lease.stated(),
-        })
-        .collect();
+        });
+    }
     send(&greeting);
 }
 
@@ -203,7 +211,13 @@ pub fn query(h: &'static Hook, gpu: usize) -> Option<(Option<u64>, u64)> {
     } else {
         ANSWER_TIMEOUT
     };
-    match pending.wait(timeout) {
+    // Under memory overcommit the scheduler may say the reservation waits for memory (others
+    // freeing it, or being swapped to host memory): then its answer comes within its bound.
+    let mut answer = pending.wait(timeout);
+    if let Ok(ServerMsg::MemWait { max_wait_ns, .. }) = answer {
+        answer = pending.wait(Duration::from_nanos(max_wait_ns) + ANSWER_TIMEOUT);
+    }
+    match answer {
         Ok(ServerMsg::Memory { cap, used, .. }) => {
             learn_cap(h, gpu, cap, used);
             Some((cap, used))
@@ -365,7 +379,13 @@ fn ask(h: &Hook, gpu: usize, a: &Ask) -> Answer {
     } else {
         ANSWER_TIMEOUT
     };
-    match pending.wait(timeout) {
+    // Under memory overcommit the scheduler may say the reservation waits for memory (others
+    // freeing it, or being swapped to host memory): then its answer comes within its bound.
+    let mut answer = pending.wait(timeout);
+    if let Ok(ServerMsg::MemWait { max_wait_ns, .. }) = answer {
+        answer = pending.wait(Duration::from_nanos(max_wait_ns) + ANSWER_TIMEOUT);
+    }
+    match answer {
         Ok(ServerMsg::Memory {
             granted,
             cap,

@@ -63,6 +63,15 @@ pub fn device_uuid(dev: usize) -> Option<[u8; 16]> {
     (unsafe { get(&mut uuid, dev as i32) } == CUDA_SUCCESS).then(|| uuid.bytes.map(|b| b as u8))
 }
 
+/// Device `dev`'s memory in all, as the driver says (the hook's own `cuDeviceTotalMem_v2`
+/// would report the group's cap).
+pub fn device_total_memory(dev: usize) -> Option<u64> {
+    let get = real::cuDeviceTotalMem_v2()?;
+    let mut bytes = 0usize;
+    // SAFETY: real driver entry point with a valid out-pointer and device ordinal.
+    (unsafe { get(&mut bytes, dev as i32) } == CUDA_SUCCESS).then_some(bytes as u64)
+}
+
 /// The device of the calling thread's current context.
 pub fn current_device() -> Option<usize> {
     let get = real::cuCtxGetDevice()?;

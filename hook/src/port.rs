@@ -316,7 +316,7 @@ impl Port {
                 backlog: Vec::new(),
             };
             for msg in greeting {
-                let _ = gpushare_protocol::encode(msg, &mut w.backlog);
+                let _ = gpushare_protocol::append(msg, &mut w.backlog);
             }
             if w.flush().is_ok() {
                 *self.writer() = Some(w);
@@ -368,7 +368,7 @@ impl Port {
         let Some(writer) = w.as_mut() else {
             return false;
         };
-        if gpushare_protocol::encode(msg, &mut writer.backlog).is_ok() && writer.flush().is_ok() {
+        if gpushare_protocol::append(msg, &mut writer.backlog).is_ok() && writer.flush().is_ok() {
             return true;
         }
         // Given up: the reader sees the connection end, and a new one is made.
@@ -383,7 +383,8 @@ impl Port {
     /// [`Pending::wait`]. `None` when the scheduler is not there to ask.
     pub fn request(&self, make: impl FnOnce(u64) -> ClientMsg) -> Option<Pending<'_>> {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = sync_channel(1);
+        // Room for a `MemWait` before the answer.
+        let (tx, rx) = sync_channel(2);
         self.pending().insert(req, tx);
         let pending = Pending {
             port: self,
@@ -419,6 +420,11 @@ impl Port {
                 ServerMsg::Memory { req, .. } => {
                     if let Some(tx) = self.pending().remove(&req) {
                         let _ = tx.send(msg);
+                    }
+                }
+                ServerMsg::MemWait { req, .. } => {
+                    if let Some(tx) = self.pending().get(&req) {
+                        let _ = tx.try_send(msg);
                     }
                 }
                 ServerMsg::Welcome { .. } | ServerMsg::Status { .. } => {}

@@ -20,6 +20,8 @@ pub struct Hook {
     pub port: &'static Port,
     /// Memory this process holds per GPU, by allocation (pointer or handle), and its leases.
     pub memory: Books,
+    /// What each gate's GPU holds in all (0: the driver would not say), told to the scheduler.
+    pub gpu_memory: Vec<u64>,
 }
 
 static HOOK: AtomicPtr<Hook> = AtomicPtr::new(std::ptr::null_mut());
@@ -93,11 +95,15 @@ impl Hook {
             })
             .collect::<Option<Vec<_>>>()?;
         let memory = Books::new(gates.len(), settings.lease_max);
+        let gpu_memory = (0..gates.len())
+            .map(|d| driver::device_total_memory(d).unwrap_or(0))
+            .collect();
         Some(Hook {
             settings,
             gates,
             port,
             memory,
+            gpu_memory,
         })
     }
 
@@ -150,7 +156,7 @@ impl Hook {
 impl Inbox for Hook {
     /// A restarted scheduler learns what this process holds on every GPU (nothing, too: its
     /// journal may remember more): its whole lease, spare included, since the process may
-    /// allocate the spare without asking again.
+    /// allocate the spare without asking again; and how much memory each GPU has.
     fn greet(&self, send: &mut dyn FnMut(&[ClientMsg])) {
         crate::charges::greet(self, send);
     }

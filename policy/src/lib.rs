@@ -88,9 +88,16 @@
 //!     served unless it is ahead of the holder by a minimum quota, and the holder's turn ends an
 //!     eighth of a minimum quota after its start at the earliest: its client stops at its next
 //!     kernel. What it uses is charged and capped like any other group's time.
+//!
+//! # Memory
+//!
+//! [`overcommit`] is the node's memory counterpart, as pure: which allocation is granted, which
+//! waits, which group is swapped to host memory and when it comes back, when the groups' memory
+//! caps on a GPU promise more than it holds.
 
 mod credit;
 mod group;
+pub mod overcommit;
 mod params;
 mod planning;
 mod status;

@@ -6,13 +6,18 @@
 //! Identity is not in these messages: the scheduler takes it from the socket (`SO_PEERCRED`,
 //! `/proc/<pid>/cgroup`). A declared group is honoured only when the daemon runs with `--dev`.
 
-pub use gpushare_frame::{FrameBuf, MAX_FRAME, WireError, encode, recv, send};
+pub use gpushare_frame::{FrameBuf, MAX_FRAME, WireError, append, encode, recv, send};
 
 pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
+
+/// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
+/// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
+/// for that answer a little longer.
+pub const MAX_MEMORY_WAIT_NS: u64 = 600_000_000_000;
 
 /// Environment variable naming the scheduler socket.
 pub const SOCKET_ENV: &str = "GPUSHARE_SOCKET";
@@ -86,6 +91,9 @@ pub enum ClientMsg {
     /// unanswered past its [`ServerMsg::Welcome`] `liveness_ns` (the process decided meanwhile
     /// on its own). The books take its word for it.
     MemSync { gpu: GpuUuid, bytes: u64 },
+    /// How much memory `gpu` has in all (the driver's `cuDeviceTotalMem_v2`), sent with
+    /// [`ClientMsg::MemSync`] after Hello: the scheduler's physical books of that GPU.
+    MemTotal { gpu: GpuUuid, bytes: u64 },
     /// Is the scheduler there? Answered at once with [`ServerMsg::Alive`] for the same GPU: a
     /// process waiting for a turn on `gpu` asks when it has heard nothing for a while.
     Probe { gpu: GpuUuid },
@@ -135,6 +143,13 @@ pub enum ServerMsg {
         cap: Option<u64>,
         used: u64,
         journaled: bool,
+    },
+    /// Reservation `req` waits for memory on its GPU (memory overcommit: the GPU is full, and
+    /// others free memory or are swapped to host memory for it): its answer comes within
+    /// `max_wait_ns`.
+    MemWait {
+        req: u64,
+        max_wait_ns: u64,
     },
     /// `fatal`: the connection is closed after this message.
     Error {
@@ -211,6 +226,10 @@ mod tests {
             },
             ClientMsg::MemQuery { req: 2, gpu: GPU },
             ClientMsg::MemSync { gpu: GPU, bytes: 5 },
+            ClientMsg::MemTotal {
+                gpu: GPU,
+                bytes: 80 << 30,
+            },
             ClientMsg::Probe { gpu: GPU },
         ]
     }
@@ -243,6 +262,8 @@ mod tests {
             memory_used: 1 << 30,
             memory_cap: Some(4 << 30),
             memory_reservations: 5,
+            memory_swapped: 1 << 20,
+            memory_refused: Some("why".into()),
             pod: Some(PodLabels {
                 namespace: "ns".into(),
                 pod: "train".into(),
@@ -259,6 +280,13 @@ mod tests {
                 }),
                 waiting: vec![],
                 groups: vec![group],
+                physical: Some(status::PhysicalMemory {
+                    total: 80 << 30,
+                    used: 60 << 30,
+                    free: 20 << 30,
+                    swapped: 30 << 30,
+                    overcommit: 1.5,
+                }),
             }],
             pods: vec![PodReport {
                 namespace: "ns".into(),

@@ -54,6 +54,22 @@ pub struct GpuReport {
     pub holder: Option<ClientReport>,
     pub waiting: Vec<ClientReport>,
     pub groups: Vec<GroupReport>,
+    /// The GPU's physical memory, under memory overcommit (once a hook told its size).
+    pub physical: Option<PhysicalMemory>,
+}
+
+/// A GPU's physical memory under memory overcommit: what its processes hold there against
+/// what it has, and what swapped-out groups hold in host memory.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PhysicalMemory {
+    pub total: u64,
+    /// Held by processes whose memory is on the GPU (resident or mid-swap).
+    pub used: u64,
+    pub free: u64,
+    /// Held in host memory by swapped-out processes.
+    pub swapped: u64,
+    /// How far the groups' caps may sum past `total` (`memory_overcommit`).
+    pub overcommit: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -89,6 +105,11 @@ pub struct GroupReport {
     /// Memory reservations (round trips) its processes asked for on this GPU since the daemon
     /// started, granted or not.
     pub memory_reservations: u64,
+    /// Of `memory_used`, bytes swapped to host memory (or on their way out or in) under memory
+    /// overcommit; 0: resident.
+    pub memory_swapped: u64,
+    /// Why the group's last allocation within its cap was refused under memory overcommit.
+    pub memory_refused: Option<String>,
     /// Set when the group is a Kubernetes container.
     pub pod: Option<PodLabels>,
 }

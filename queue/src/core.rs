@@ -10,7 +10,10 @@
 //! use (the scheduler's books) is under `memory_threshold` of its capacity, (c) the job's memory
 //! fits beside what is in use and what running jobs may still take up to their caps, and (d) the
 //! shares guaranteed there (the queue's jobs and the scheduler's other groups) leave room for
-//! its share. Preferred GPUs (`prefer`) are taken first; in wait mode `queue` a job waits for
+//! its share. With `memory_overcommit` R above 1, (b) and (c) count R times the GPU's capacity:
+//! the caps may promise more than the GPU holds, and the scheduler (run with the same
+//! overcommitment) makes the jobs wait or swaps them to host memory rather than fail them when
+//! they use it all at once. Preferred GPUs (`prefer`) are taken first; in wait mode `queue` a job waits for
 //! them, in `schedule` it takes any GPU that can take it when they cannot.
 //!
 //! Order. Queued jobs are considered highest priority first, and each that can be placed now
@@ -96,10 +99,14 @@ pub struct QueueConfig {
     pub alpha: f64,
     pub beta: f64,
     pub gamma: f64,
+    /// The jobs' memory caps on a GPU may sum to this many times its capacity (1: no more
+    /// than it holds).
+    pub memory_overcommit: f64,
 }
 
 impl Default for QueueConfig {
-    /// `aging` with α = 10000, β = γ = 1, no job limit, memory threshold 0.9.
+    /// `aging` with α = 10000, β = γ = 1, no job limit, memory threshold 0.9, no memory
+    /// overcommitment.
     fn default() -> Self {
         QueueConfig {
             policy: Policy::Aging,
@@ -108,6 +115,7 @@ impl Default for QueueConfig {
             alpha: 10_000.0,
             beta: 1.0,
             gamma: 1.0,
+            memory_overcommit: 1.0,
         }
     }
 }
@@ -122,6 +130,12 @@ impl QueueConfig {
         }
         if self.max_jobs_per_gpu == Some(0) {
             return Err("max jobs per GPU must be at least 1".into());
+        }
+        if !(self.memory_overcommit.is_finite() && self.memory_overcommit >= 1.0) {
+            return Err(format!(
+                "memory overcommit {} must be a number >= 1 (1: caps hold no more than the GPU)",
+                self.memory_overcommit
+            ));
         }
         for (name, v) in [
             ("alpha", self.alpha),
@@ -687,7 +701,8 @@ impl Core {
     /// Whether GPU `g` can take a job of demand `d`, apart from the shares.
     fn has_room(&self, g: u32, d: &Demand, max_jobs: Option<u32>) -> bool {
         let load = &self.loads[g as usize];
-        let total = self.gpus[g as usize].memory;
+        // What the caps may promise on this GPU.
+        let total = (self.gpus[g as usize].memory as f64 * self.cfg.memory_overcommit) as u64;
         let jobs = self.on_gpu(g).count() as u32;
         if max_jobs.is_some_and(|m| jobs >= m) {
             return false;

@@ -993,6 +993,8 @@ mod tests {
             memory_used: memory,
             memory_cap: None,
             memory_reservations: 0,
+            memory_swapped: 0,
+            memory_refused: None,
             pod: None,
         }
     }
@@ -1027,6 +1029,7 @@ mod tests {
                     group("training", 0.3, 20, vec![2]),
                     group("gone", 0.4, 0, vec![]),
                 ],
+                physical: None,
             }],
         };
         let loads = loads_from(&gpus, &r);

@@ -1,7 +1,9 @@
 //! gpushare's node job queue.
 //!
 //! - [`core`]: the scheduling core (pure, virtual time): policies, placement, timeouts.
-//! - [`replay`]: the aging paper's experiment through the core, in virtual time.
+//! - [`replay`]: the aging paper's experiment through the core, in virtual time;
+//!   [`memory_replay`]: jobs whose memory grows and shrinks, with caps held to the GPU or
+//!   overcommitted (waits and swaps by the overcommit core of `gpushare-policy`).
 //! - [`daemon`]: `gpushare-queue serve`, the I/O shell: socket, jobs' processes, clock;
 //!   [`db`] its SQLite state, [`http`] its HTTP API and [`web`] page, [`usage`] the last
 //!   minutes of the GPUs' use that the page plots, [`shim`] the supervisor of each run, [`gpus`]
@@ -12,6 +14,7 @@ pub mod daemon;
 pub mod db;
 pub mod gpus;
 pub mod http;
+pub mod memory_replay;
 pub mod replay;
 pub mod shim;
 pub mod sys;

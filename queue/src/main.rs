@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 use gpushare_queue::core::{Policy, QueueConfig};
 use gpushare_queue::daemon::{ServeOptions, serve};
+use gpushare_queue::memory_replay::{MemoryReplayParams, SwapCost, replay as memory_replay};
 use gpushare_queue::replay::{ReplayParams, parse_range, replay};
 use gpushare_queue::shim::{ShimArgs, shim};
 use std::net::SocketAddr;
@@ -33,6 +34,15 @@ fn fraction(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
         _ => Err(format!("{s:?} is not a fraction in (0, 1], e.g. 0.9")),
+    }
+}
+
+fn overcommit(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f.is_finite() && f >= 1.0 => Ok(f),
+        _ => Err(format!(
+            "{s:?} is not a ratio >= 1 (e.g. 1.5: caps may sum to 1.5 times a GPU's memory)"
+        )),
     }
 }
 
@@ -85,6 +95,11 @@ enum Cmd {
         /// A GPU whose memory in use (the scheduler's books) reaches this fraction takes no job.
         #[arg(long, value_name = "F", default_value = "0.9", value_parser = fraction)]
         memory_threshold: f64,
+        /// Jobs' memory caps on a GPU may sum to R times its memory (run the scheduler with
+        /// the same --memory-overcommit, so that it swaps jobs to host memory rather than fail
+        /// them when they use it all at once).
+        #[arg(long, value_name = "R", default_value = "1", value_parser = overcommit)]
+        memory_overcommit: f64,
         /// α of P = α·p − β·T − γ·t (aging, shares).
         #[arg(long, default_value = "10000", value_parser = weight)]
         alpha: f64,
@@ -129,34 +144,101 @@ enum Cmd {
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
     },
-    /// The short-task experiment (Poisson arrivals, log-uniform runtimes, timeout = runtime,
-    /// one GPU per job) in virtual time; prints mean_response_s and mean_finish_s.
+    /// The queue in virtual time. `--workload short-tasks`: the aging paper's experiment
+    /// (Poisson arrivals, log-uniform runtimes, timeout = runtime, one whole GPU per job);
+    /// prints mean_response_s and mean_finish_s. `--workload memory`: jobs whose memory grows
+    /// and shrinks, with caps held to the GPU and overcommitted (--memory-overcommit R):
+    /// completion time, memory utilisation, swaps and their cost, out-of-memory errors.
     Replay {
+        /// short-tasks or memory.
+        #[arg(long, default_value = "short-tasks", value_parser = ["short-tasks", "memory"])]
+        workload: String,
         /// fifo, sjf, aging or shares.
         #[arg(long, value_parser = str::parse::<Policy>)]
         policy: Policy,
         /// Number of GPUs.
         #[arg(long, default_value_t = 1)]
         gpus: u32,
-        /// Jobs per draw.
-        #[arg(long, default_value_t = 20)]
-        jobs: u32,
-        /// Mean time between arrivals (e.g. 25s).
-        #[arg(long, default_value = "25s", value_parser = seconds)]
-        mean_interarrival: f64,
-        /// log10 of the runtime in seconds is uniform on A:B.
-        #[arg(long, default_value = "1:3", value_parser = parse_range)]
-        runtime_log10: (f64, f64),
-        /// Number of random draws (seeds 0..S), averaged.
-        #[arg(long, default_value_t = 100)]
-        seeds: u32,
+        /// Jobs per draw [default: 20 short tasks, 40 memory jobs].
+        #[arg(long)]
+        jobs: Option<u32>,
+        /// Mean time between arrivals [default: 25s short tasks, 240s memory jobs].
+        #[arg(long, value_parser = seconds)]
+        mean_interarrival: Option<f64>,
+        /// log10 of the runtime in seconds is uniform on A:B [default: 1:3 short tasks, 2:3
+        /// memory jobs].
+        #[arg(long, value_parser = parse_range)]
+        runtime_log10: Option<(f64, f64)>,
+        /// Number of random draws (seeds 0..S), averaged [default: 100 short tasks, 20 memory].
+        #[arg(long)]
+        seeds: Option<u32>,
         /// As `serve --max-jobs-per-gpu`.
         #[arg(long)]
         max_jobs_per_gpu: Option<u32>,
+        /// Memory jobs: their caps may sum to R times each GPU's memory [default: 2].
+        #[arg(long, value_name = "R", value_parser = overcommit)]
+        memory_overcommit: Option<f64>,
+        /// Memory jobs: the fraction of a GPU's time one can use alone is uniform on A:B
+        /// [default: 0.3:0.7].
+        #[arg(long, value_name = "A:B", value_parser = parse_range)]
+        gpu_demand: Option<(f64, f64)>,
+        /// Memory jobs: how fast a checkpoint moves a job's memory to host memory [default:
+        /// 1.5GB/s].
+        #[arg(long, value_name = "RATE", value_parser = gpushare_units::parse_rate)]
+        checkpoint_bandwidth: Option<u64>,
+        /// Memory jobs: how fast a restore moves it back [default: 4.4GB/s].
+        #[arg(long, value_name = "RATE", value_parser = gpushare_units::parse_rate)]
+        restore_bandwidth: Option<u64>,
+        /// Memory jobs: fixed cost of each checkpoint and restore [default: 100ms].
+        #[arg(long, value_name = "D", value_parser = seconds)]
+        checkpoint_latency: Option<f64>,
         /// One JSON object (with per-seed figures) instead of text.
         #[arg(long)]
         json: bool,
     },
+}
+
+/// `replay --workload memory`.
+fn replay_memory(p: &MemoryReplayParams, json: bool) -> anyhow::Result<()> {
+    p.validate().map_err(anyhow::Error::msg)?;
+    let r = memory_replay(p);
+    if json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "policy {}  gpus {}  jobs {}  seeds {}  gpu demand {}:{}",
+        r.policy, r.gpus, r.jobs, r.seeds, r.gpu_demand.0, r.gpu_demand.1
+    );
+    println!(
+        "{:>22} {:>14} {:>12} {:>10} {:>10} {:>10} {:>10} {:>6}",
+        "caps", "completion_s", "memory_util", "gpu_util", "swap_outs", "swap_GiB", "swap_s", "OOM"
+    );
+    for m in [&r.static_caps, &r.overcommitted] {
+        println!(
+            "{:>22} {:>14.1} {:>12.3} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>6}",
+            format!(
+                "{} x GPU (peaks {:.2}x)",
+                m.memory_overcommit, m.max_peaks_over_memory
+            ),
+            m.mean_completion_s,
+            m.memory_utilisation,
+            m.gpu_utilisation,
+            m.swap_outs,
+            m.swapped_gib,
+            m.swap_seconds,
+            m.out_of_memory
+        );
+    }
+    let (lo, hi) = r.reduction_range();
+    println!(
+        "completion {:+.1} % (draws {:+.1} to {:+.1} %), memory utilisation {:+.1} %",
+        -100.0 * r.completion_reduction,
+        -100.0 * hi,
+        -100.0 * lo,
+        100.0 * r.memory_utilisation_gain
+    );
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -198,6 +280,7 @@ fn main() -> ExitCode {
             policy,
             max_jobs_per_gpu,
             memory_threshold,
+            memory_overcommit,
             alpha,
             beta,
             gamma,
@@ -228,10 +311,52 @@ fn main() -> ExitCode {
                     alpha,
                     beta,
                     gamma,
+                    memory_overcommit,
                 },
             };
             serve(opts, gpus)
         })(),
+        Cmd::Replay {
+            workload,
+            policy,
+            gpus,
+            jobs,
+            mean_interarrival,
+            runtime_log10,
+            seeds,
+            max_jobs_per_gpu,
+            memory_overcommit,
+            gpu_demand,
+            checkpoint_bandwidth,
+            restore_bandwidth,
+            checkpoint_latency,
+            json,
+        } if workload == "memory" => {
+            let d = MemoryReplayParams::new(policy, memory_overcommit.unwrap_or(2.0));
+            let p = MemoryReplayParams {
+                gpus,
+                jobs: jobs.unwrap_or(d.jobs),
+                mean_interarrival_s: mean_interarrival.unwrap_or(d.mean_interarrival_s),
+                runtime_log10: runtime_log10.unwrap_or(d.runtime_log10),
+                seeds: seeds.unwrap_or(d.seeds),
+                gpu_demand: gpu_demand.unwrap_or(d.gpu_demand),
+                swap: SwapCost {
+                    latency_s: checkpoint_latency.unwrap_or(d.swap.latency_s),
+                    checkpoint_bytes_per_s: checkpoint_bandwidth
+                        .map_or(d.swap.checkpoint_bytes_per_s, |b| b as f64),
+                    restore_bytes_per_s: restore_bandwidth
+                        .map_or(d.swap.restore_bytes_per_s, |b| b as f64),
+                },
+                ..d
+            };
+            if max_jobs_per_gpu.is_some() {
+                Err(anyhow::anyhow!(
+                    "--max-jobs-per-gpu is for --workload short-tasks; memory jobs are limited by their caps"
+                ))
+            } else {
+                replay_memory(&p, json)
+            }
+        }
         Cmd::Replay {
             policy,
             gpus,
@@ -240,16 +365,32 @@ fn main() -> ExitCode {
             runtime_log10,
             seeds,
             max_jobs_per_gpu,
+            memory_overcommit,
+            gpu_demand,
+            checkpoint_bandwidth,
+            restore_bandwidth,
+            checkpoint_latency,
             json,
+            ..
         } => (|| -> anyhow::Result<()> {
+            let memory_flags = memory_overcommit.is_some()
+                || gpu_demand.is_some()
+                || checkpoint_bandwidth.is_some()
+                || restore_bandwidth.is_some()
+                || checkpoint_latency.is_some();
+            if memory_flags {
+                anyhow::bail!(
+                    "--memory-overcommit, --gpu-demand and the checkpoint flags are for --workload memory"
+                );
+            }
+            let d = ReplayParams::paper(policy, gpus, 100);
             let p = ReplayParams {
-                policy,
-                gpus,
-                jobs,
-                mean_interarrival_s: mean_interarrival,
-                runtime_log10,
-                seeds,
+                jobs: jobs.unwrap_or(d.jobs),
+                mean_interarrival_s: mean_interarrival.unwrap_or(d.mean_interarrival_s),
+                runtime_log10: runtime_log10.unwrap_or(d.runtime_log10),
+                seeds: seeds.unwrap_or(d.seeds),
                 max_jobs_per_gpu,
+                ..d
             };
             p.validate().map_err(anyhow::Error::msg)?;
             let r = replay(&p);

@@ -2,6 +2,8 @@
 //! the groups with their shares and the processes that belong to them.
 //!
 //! ```toml
+//! memory_overcommit = 1.5 # memory caps on a GPU may sum to 1.5x its memory (default 1)
+//!
 //! [scheduler]
 //! quota = "20ms"      # token length
 //! min_quota = "2ms"   # shortest turn, and how long a turn cut short still lasts (an eighth
@@ -9,6 +11,15 @@
 //! grace = "20ms"      # a turn unreported by its end + grace is revoked
 //! window = "5s"       # window of the achieved shares in `gpushare status`
 //! grant_ahead = "5ms" # the next turn is granted this long before the current one ends
+//!
+//! [overcommit]        # GPU memory beyond the card (memory_overcommit > 1, a top-level key)
+//! wait = "1s"         # an allocation that does not fit waits this long (or as long as a swap
+//!                     # would take) for memory others free, then a group is swapped out
+//! max_wait = "120s"   # the longest an allocation waits at all; then it fails (at most 600s)
+//! window = "60s"      # a swapped-out group with work is back at least once per window
+//! memory_turn = "10s" # a group back in (or made room for) is not swapped out for this long
+//! retry_after = "10s" # a group whose checkpoint timed out is not chosen again for this long
+//! lock_timeout = "5s" # a checkpoint's lock waits this long for the group's submitted work
 //!
 //! [connections]       # the tenant socket's bounds (a flood costs memory, never fairness)
 //! max = 4096          # connections in total; more are closed at once
@@ -28,6 +39,7 @@
 //! ```
 
 use crate::identity::Peer;
+use gpushare_policy::overcommit;
 use gpushare_policy::{GroupClass, GroupParams, PolicyConfig};
 use serde::Deserialize;
 use std::path::Path;
@@ -61,6 +73,17 @@ struct RawConnections {
     hello_timeout: Option<String>,
 }
 
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawOvercommit {
+    wait: Option<String>,
+    max_wait: Option<String>,
+    window: Option<String>,
+    memory_turn: Option<String>,
+    retry_after: Option<String>,
+    lock_timeout: Option<String>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawGroup {
@@ -88,8 +111,11 @@ fn one() -> f64 {
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
+    memory_overcommit: Option<f64>,
     #[serde(default)]
     scheduler: RawScheduler,
+    #[serde(default)]
+    overcommit: RawOvercommit,
     #[serde(default)]
     connections: RawConnections,
     #[serde(default)]
@@ -139,11 +165,45 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// How memory beyond the card is handled (`[overcommit]`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OvercommitConfig {
+    /// The overcommit core's waits, windows and memory turns.
+    pub params: overcommit::Params,
+    /// How long a checkpoint's lock waits for the victim's submitted work.
+    pub lock_timeout_ms: u32,
+}
+
+impl Default for OvercommitConfig {
+    fn default() -> Self {
+        OvercommitConfig {
+            params: overcommit::Params::default(),
+            lock_timeout_ms: 5_000,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Config {
     pub policy: PolicyConfig,
     pub connections: ConnectionLimits,
     pub groups: Vec<GroupConfig>,
+    /// How far the memory caps on a GPU may sum past its memory (`None`: as
+    /// `--memory-overcommit` says, else 1).
+    pub memory_overcommit: Option<f64>,
+    pub overcommit: OvercommitConfig,
+}
+
+/// A `memory_overcommit` ratio: at least 1, finite.
+pub fn overcommit_ratio(r: f64) -> Result<f64, String> {
+    if r.is_finite() && r >= 1.0 {
+        Ok(r)
+    } else {
+        Err(format!(
+            "memory_overcommit must be a ratio of at least 1 (1: caps may not promise more than \
+             a GPU holds), not {r}"
+        ))
+    }
 }
 
 impl Config {
@@ -198,6 +258,8 @@ impl Config {
         if connections.max == 0 || connections.max_per_uid == 0 {
             return Err("connections: max and max_per_uid must be at least 1".into());
         }
+        let memory_overcommit = raw.memory_overcommit.map(overcommit_ratio).transpose()?;
+        let overcommit = parse_overcommit(&raw.overcommit)?;
         let mut groups = Vec::new();
         for g in raw.group {
             if groups.iter().any(|x: &GroupConfig| x.name == g.name) {
@@ -236,6 +298,8 @@ impl Config {
             policy,
             connections,
             groups,
+            memory_overcommit,
+            overcommit,
         })
     }
 
@@ -243,6 +307,37 @@ impl Config {
     pub fn group_for(&self, peer: &Peer) -> Option<&GroupConfig> {
         self.groups.iter().find(|g| g.matches(peer))
     }
+}
+
+fn parse_overcommit(raw: &RawOvercommit) -> Result<OvercommitConfig, String> {
+    let mut c = OvercommitConfig::default();
+    let dur = |v: &Option<String>, key: &str, into: &mut u64| -> Result<(), String> {
+        if let Some(s) = v {
+            *into = gpushare_units::parse_duration_ns(s)
+                .map_err(|e| format!("overcommit.{key}: {e}"))?;
+        }
+        Ok(())
+    };
+    let p = &mut c.params;
+    dur(&raw.wait, "wait", &mut p.alloc_wait_ns)?;
+    dur(&raw.max_wait, "max_wait", &mut p.max_wait_ns)?;
+    dur(&raw.window, "window", &mut p.window_ns)?;
+    dur(&raw.memory_turn, "memory_turn", &mut p.memory_turn_ns)?;
+    dur(&raw.retry_after, "retry_after", &mut p.retry_after_ns)?;
+    let mut lock = u64::from(c.lock_timeout_ms) * 1_000_000;
+    dur(&raw.lock_timeout, "lock_timeout", &mut lock)?;
+    c.lock_timeout_ms = u32::try_from(lock / 1_000_000)
+        .map_err(|_| "overcommit.lock_timeout: too long".to_string())?;
+    if c.params.max_wait_ns > gpushare_protocol::MAX_MEMORY_WAIT_NS {
+        return Err(format!(
+            "overcommit.max_wait: at most {} s (the hook waits no longer for an answer)",
+            gpushare_protocol::MAX_MEMORY_WAIT_NS / 1_000_000_000
+        ));
+    }
+    if c.params.window_ns == 0 {
+        return Err("overcommit.window must be longer than 0".into());
+    }
+    Ok(c)
 }
 
 #[cfg(test)]
@@ -340,6 +435,23 @@ weight = 2
                 );
             }
         }
+    }
+
+    #[test]
+    fn overcommit_keys_parse_and_bad_ones_are_explained() {
+        let c = Config::parse(
+            "memory_overcommit = 1.5\n[overcommit]\nwait = \"2s\"\nmax_wait = \"30s\"\nlock_timeout = \"1s\"",
+        )
+        .unwrap();
+        assert_eq!(c.memory_overcommit, Some(1.5));
+        assert_eq!(c.overcommit.params.alloc_wait_ns, 2_000_000_000);
+        assert_eq!(c.overcommit.params.max_wait_ns, 30_000_000_000);
+        assert_eq!(c.overcommit.lock_timeout_ms, 1_000);
+        assert_eq!(Config::parse("").unwrap().memory_overcommit, None);
+        let e = Config::parse("memory_overcommit = 0.5").unwrap_err();
+        assert!(e.contains("at least 1"), "{e}");
+        let e = Config::parse("[overcommit]\nmax_wait = \"1h\"").unwrap_err();
+        assert!(e.contains("max_wait"), "{e}");
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub struct DaemonOptions {
     pub admin_socket: Option<PathBuf>,
     /// The memory books' journal ([`crate::journal`]).
     pub books: PathBuf,
+    /// `--memory-overcommit`: the ratio where the configuration sets no `memory_overcommit`.
+    pub memory_overcommit: Option<f64>,
 }
 
 /// Run the daemon until the process is killed.
@@ -51,6 +53,7 @@ pub fn run(opts: DaemonOptions) -> anyhow::Result<()> {
             config,
             dev: opts.dev,
             restored,
+            memory_overcommit: opts.memory_overcommit,
         },
         gpushare_units::monotonic_ns(),
     );

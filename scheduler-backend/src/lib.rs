@@ -3,12 +3,13 @@
 //! ([`gpushare_policy`]), the memory books ([`memory`]) and the Kubernetes containers
 //! ([`pods`]). Around it, the shell: the event loop that owns the core and serves the tenant
 //! socket ([`server`]), the threads that do what may block ([`workers`]: the books' journal
-//! [`journal`], peer identity from `/proc` [`identity`], the [`census`] of GPU processes, the
-//! [`config`] file), the admin socket ([`admin`]) and the Prometheus endpoint ([`metrics`],
+//! [`journal`], peer identity from `/proc` [`identity`], the [`census`] of GPU processes,
+//! swaps to host memory through the driver's [`checkpoint`] API, the [`config`] file), the admin socket ([`admin`]) and the Prometheus endpoint ([`metrics`],
 //! [`prometheus`]), wired by [`daemon`]. Other threads reach the loop through its [`inbox`].
 
 pub mod admin;
 pub mod census;
+pub mod checkpoint;
 pub mod config;
 pub mod daemon;
 pub mod identity;

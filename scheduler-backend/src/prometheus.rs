@@ -172,6 +172,8 @@ mod tests {
             memory_used: 10,
             memory_cap: None,
             memory_reservations: 0,
+            memory_swapped: 0,
+            memory_refused: None,
             pod: None,
         };
         let mut p = g.clone();
@@ -188,6 +190,7 @@ mod tests {
                 holder: None,
                 waiting: vec![],
                 groups: vec![g, p],
+                physical: None,
             }],
             pods: vec![],
             unhooked: vec![Unhooked {

@@ -11,9 +11,10 @@
 //! against its deadline, a ready socket against the poll that reported it, a post against when
 //! it was posted — and tells the node, which reports it.
 
+use crate::checkpoint::Job;
 use crate::identity::Credentials;
 use crate::inbox::{Letter, Post, Published};
-use crate::node::{ConnId, Effect, Input, Node};
+use crate::node::{ConnId, Effect, Input, Node, SwapOutFailure};
 use crate::throttle::Throttle;
 use crate::workers::{Lookup, Workers};
 use gpushare_protocol::admin::AdminReply;
@@ -203,6 +204,8 @@ impl Server {
     /// Carry out what the node decided.
     fn apply(&mut self) {
         let mut unwritten = None;
+        // Swaps the swapper thread, gone, will never answer.
+        let mut swaps_lost = Vec::new();
         for effect in self.node.take_effects() {
             match effect {
                 Effect::Send { conn, msg } => self.send(conn, &msg),
@@ -235,6 +238,28 @@ impl Server {
                     }
                 }
                 Effect::Publish(report) => self.published.store(report),
+                Effect::SwapOut {
+                    swap,
+                    pids,
+                    lock_timeout_ms,
+                } => {
+                    let job = Job::Out {
+                        swap,
+                        pids,
+                        lock_timeout_ms,
+                    };
+                    if self.workers.swaps.send(job).is_err() {
+                        swaps_lost.push(Input::SwappedOut {
+                            swap,
+                            outcome: Err(SwapOutFailure::Refused),
+                        });
+                    }
+                }
+                Effect::SwapIn { swap, pids } => {
+                    if self.workers.swaps.send(Job::In { swap, pids }).is_err() {
+                        swaps_lost.push(Input::SwappedIn { swap, ok: false });
+                    }
+                }
             }
         }
         if let Some(seq) = unwritten {
@@ -242,6 +267,10 @@ impl Server {
                 seq,
                 written: false,
             });
+        }
+        for input in swaps_lost {
+            tracing::error!("the swapper thread is gone");
+            self.handle(input);
         }
     }
 

@@ -1,7 +1,8 @@
 //! The work that may block, each on a thread of its own so that the event loop never waits for
 //! a file or for `/proc`: writing the memory journal, reading who a peer is and whether
-//! processes still run, taking the census of GPU processes, and watching the files (the
-//! tenant socket's path, the configuration). Each does what the node asked ([`crate::node::Effect`]) and posts the outcome back
+//! processes still run, taking the census of GPU processes, swapping processes' GPU memory to
+//! host memory and back ([`crate::checkpoint`]), and watching the files (the tenant socket's
+//! path, the configuration). Each does what the node asked ([`crate::node::Effect`]) and posts the outcome back
 //! to the loop's inbox as an input.
 
 use crate::config::Config;
@@ -30,10 +31,13 @@ pub struct Workers {
     pub lookups: Sender<Lookup>,
     /// Census requests: the pids of the connected clients.
     pub census: Sender<Vec<u32>>,
+    /// Swaps to host memory and back ([`crate::checkpoint`]).
+    pub swaps: Sender<crate::checkpoint::Job>,
 }
 
 impl Workers {
-    /// Start the journal writer (on `journal`), the `/proc` reader and the census taker.
+    /// Start the journal writer (on `journal`), the `/proc` reader, the census taker and the
+    /// swapper.
     pub fn spawn(journal: Journal, inbox: &Inbox) -> std::io::Result<Workers> {
         let (journal_tx, rx) = channel();
         let i = inbox.clone();
@@ -44,10 +48,12 @@ impl Workers {
         let (census, rx) = channel();
         let i = inbox.clone();
         spawn("census", move || take_census(rx, i))?;
+        let swaps = crate::checkpoint::spawn(inbox.clone())?;
         Ok(Workers {
             journal: journal_tx,
             lookups,
             census,
+            swaps,
         })
     }
 }

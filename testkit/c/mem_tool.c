@@ -50,6 +50,11 @@
  *                               synchronisation down to the threshold, trims, maxSize, current
  *                               pools, destruction with live allocations, high watermarks,
  *                               each allocation's pool); prints {"pool_api":"PASS"}
+ *   mem_tool keep BYTES SEED    cuMemAlloc_v2(BYTES) (however long it blocks), printing
+ *                               {"alloc":RESULT,"wait_ns":…,"pid":…}; on success fills it with
+ *                               a pattern of SEED and prints {"filled":BYTES}, then waits:
+ *                               SIGUSR1 checks every byte, prints {"intact":true|false}, frees
+ *                               and exits
  *   mem_tool fork-hold BYTES    cuMemAlloc_v2(BYTES), then fork a child that never uses CUDA
  *                               (stdio on /dev/null; exits on SIGUSR1, or after 120 s); prints
  *                               {"held":BYTES,"child":PID} and exits without freeing */
@@ -65,6 +70,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "pattern.h"
 
 static CUdevice dev;
 static volatile sig_atomic_t release_now;
@@ -253,6 +259,7 @@ int main(int argc, char **argv) {
         fprintf(stderr,
                 "usage: %s info | hold BYTES | hold-later BYTES | try BYTES RETRY_MS | bench N BYTES | vmm BYTES | "
                 "vmm-host BYTES DEV | many N BYTES RETRY_MS KEEP | pool BYTES THRESHOLD | pool-api | "
+                "keep BYTES SEED | "
                 "fork-hold BYTES\n",
                 argv[0]);
         return 2;
@@ -276,6 +283,27 @@ int main(int argc, char **argv) {
         unsigned long long t1 = now_ns();
         printf("{\"freed\":%zu,\"free_ns\":%llu}\n", bytes, t1 - t0);
         print_info("after_free");
+    } else if (strcmp(cmd, "keep") == 0 && argc == 4) {
+        size_t bytes = strtoull(argv[2], NULL, 10);
+        uint64_t seed = strtoull(argv[3], NULL, 10);
+        release_on_usr1();
+        setup();
+        CUdeviceptr p = 0;
+        unsigned long long t0 = now_ns();
+        CUresult r = cuMemAlloc_v2(&p, bytes);
+        printf("{\"alloc\":%d,\"wait_ns\":%llu,\"pid\":%d}\n", r, now_ns() - t0, (int)getpid());
+        fflush(stdout);
+        if (r != CUDA_SUCCESS)
+            return 1;
+        fill(p, bytes, seed);
+        printf("{\"filled\":%zu}\n", bytes);
+        fflush(stdout);
+        while (!release_now)
+            usleep(1000);
+        int ok = intact(p, bytes, seed);
+        printf("{\"intact\":%s}\n", ok ? "true" : "false");
+        fflush(stdout);
+        CK(cuMemFree_v2(p));
     } else if (strcmp(cmd, "hold-later") == 0 && argc == 3) {
         size_t bytes = strtoull(argv[2], NULL, 10);
         release_on_usr1();

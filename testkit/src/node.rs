@@ -156,6 +156,10 @@ impl Node {
         if dev {
             c.arg("--dev");
         }
+        // The simulated driver too: the scheduler swaps tenants to host memory through it.
+        for (k, v) in &self.sim_env {
+            c.env(k, v);
+        }
         let child = c
             .args(args)
             .arg("--socket")

@@ -3,10 +3,12 @@
 //! against libcuda (`c/mem_*.c`) and the cudarc client.
 //!
 //! Every tenant runs as `gpushare run --group G --memory CAP -- PROGRAM`; the simulated device
-//! has 80 GiB, so every out-of-memory seen here comes from the cap, not from the device.
+//! has 80 GiB, so every out-of-memory seen here comes from the cap, not from the device — but
+//! in the last test, where caps overcommit a 2 GiB device and no allocation within its cap
+//! may fail.
 
 use gpushare_testkit::harness::{describe, json_lines, output_with_timeout, target_dir};
-use gpushare_testkit::node::{Node, monotonic_ns};
+use gpushare_testkit::node::{Node, group_in, monotonic_ns};
 use serde_json::Value;
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
@@ -1112,6 +1114,88 @@ fn two_processes_share_the_whole_cap_through_their_leases() {
         .status_group("halves")
         .expect("group halves in gpushare status");
     assert_eq!(u(&g, "memory_used"), 0, "after both exited: {g}");
+}
+
+/// GPU memory beyond the card: two groups capped at 1500 MiB on a simulated GPU of 2 GiB, under
+/// `gpushare-scheduler --memory-overcommit 2`. The first allocates 1200 MiB and fills it; the
+/// second's 1200 MiB, within its cap, does not fit beside it: it waits in the allocation call,
+/// the scheduler swaps the first group to host memory (the driver's checkpoint API), and the
+/// allocation succeeds — never `CUDA_ERROR_OUT_OF_MEMORY`. Once the second is done and gone,
+/// the first is restored and finds every byte it wrote. Fail-open (the default): the wait,
+/// far past the liveness bound, is the one the scheduler announced (`MemWait`), so the hook
+/// does not take the scheduler for unresponsive and allocate alone.
+#[test]
+fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu_is_full() {
+    /// The hook's default liveness bound (the default quota plus grace).
+    const LIVENESS_NS: u64 = 40_000_000;
+    let mut node = Node::device_only_with(&["--memory", "2GiB"]);
+    node.scheduler_log_filter = "warn,gpushare_scheduler::node::overcommit=info".into();
+    node.start_scheduler(&["--memory-overcommit", "2"]);
+    let exe = node.compile_c("mem_tool.c", true);
+    let keep = |group: &str, seed: &str| {
+        let mut cmd = in_group(
+            &node,
+            group,
+            Some("1500MiB"),
+            &exe,
+            &["keep", &(1200 * MIB).to_string(), seed],
+        );
+        cmd.env("GPUSHARE_FAIL", "open");
+        Proc::spawn(cmd)
+    };
+    let mut first = keep("first", "1");
+    let got = first.expect_json("alloc", RUN);
+    assert_eq!(i(&got, "alloc"), 0, "1200 MiB on an empty 2 GiB GPU: {got}");
+    first.expect_json("filled", RUN);
+
+    let mut second = keep("second", "2");
+    let got = second.expect_json("alloc", RUN);
+    let waited_s = u(&got, "wait_ns") as f64 / 1e9;
+    eprintln!("the second group's 1200 MiB came after {waited_s:.2} s");
+    assert_eq!(
+        i(&got, "alloc"),
+        0,
+        "1200 MiB within a 1500 MiB cap on a GPU another group filled: {got}\n{}",
+        node.scheduler_log()
+    );
+    // A swap costs 0.1 s and more at the simulated driver's rates: the answer came after it.
+    assert!(
+        u(&got, "wait_ns") > LIVENESS_NS,
+        "the allocation did not wait for the swap: {got}"
+    );
+    second.expect_json("filled", RUN);
+    assert!(
+        node.scheduler_log().contains("swapping out to host memory"),
+        "the second allocation was served without a swap?\n{}",
+        node.scheduler_log()
+    );
+    // While it is out, `gpushare status` says so.
+    let status = node.status_json().expect("gpushare status --json");
+    let first_group = group_in(&status, "first").expect("the first group in the status");
+    assert!(
+        u(first_group, "memory_swapped") >= 1200 * MIB,
+        "{first_group}"
+    );
+    let physical = &status["gpus"][0]["physical"];
+    assert_eq!(u(physical, "total"), 2 * GIB, "{physical}");
+    assert!(u(physical, "swapped") >= 1200 * MIB, "{physical}");
+    second.signal(libc::SIGUSR1);
+    let v = second.expect_json("intact", RUN);
+    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
+    let (status, err) = second.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+
+    // The second gone, the first comes back and reads what it wrote.
+    first.signal(libc::SIGUSR1);
+    let v = first.expect_json("intact", RUN);
+    assert_eq!(
+        v["intact"], true,
+        "the first group's bytes after a swap to host memory and back: {v}"
+    );
+    let (status, err) = first.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "first: {err}");
+    let log = node.scheduler_log();
+    assert!(log.contains("restoring from host memory"), "{log}");
 }
 
 /// The scheduler stopped (`SIGSTOP`) while a connected fail-open process allocates 256 MiB of a

@@ -52,6 +52,18 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     to_u64((n * mult as f64).round(), s)
 }
 
+/// Parse a transfer rate in bytes per second: a size (as [`parse_size`] reads it) per second,
+/// above zero, e.g. `25GB/s` or `512MiB/s`.
+pub fn parse_rate(s: &str) -> Result<u64, String> {
+    let Some(size) = s.trim().strip_suffix("/s") else {
+        return Err(format!("{s:?} is not a rate; use e.g. 25GB/s"));
+    };
+    match parse_size(size)? {
+        0 => Err(format!("{s:?} is not above zero")),
+        n => Ok(n),
+    }
+}
+
 /// `x` as a `u64`, or an error where a cast would saturate (a huge value is a typo, not a cap).
 fn to_u64(x: f64, s: &str) -> Result<u64, String> {
     if x < u64::MAX as f64 {
@@ -151,6 +163,15 @@ mod tests {
         assert_eq!(parse_size("2GB"), Ok(2_000_000_000));
         assert!(parse_size("12 parsecs").is_err());
         assert!(parse_size("GiB").is_err());
+    }
+
+    #[test]
+    fn rates() {
+        assert_eq!(parse_rate("25GB/s"), Ok(25_000_000_000));
+        assert_eq!(parse_rate("512MiB/s"), Ok(512 << 20));
+        assert!(parse_rate("25GB").is_err(), "a size is not a rate");
+        assert!(parse_rate("0GB/s").is_err());
+        assert!(parse_rate("fast/s").is_err());
     }
 
     #[test]

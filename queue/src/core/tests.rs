@@ -193,6 +193,55 @@ fn memory_caps_must_fit() {
 }
 
 #[test]
+fn with_memory_overcommit_the_caps_may_sum_past_the_gpu() {
+    let mut c = Core::new(
+        QueueConfig {
+            policy: Policy::Fifo,
+            memory_overcommit: 2.0,
+            ..QueueConfig::default()
+        },
+        vec![Gpu { memory: 80 * GIB }],
+    );
+    let d = |gib| Demand {
+        share: 0.2,
+        memory: Some(gib * GIB),
+        ..Demand::default()
+    };
+    for _ in 0..5 {
+        c.submit(d(40), 0).unwrap();
+    }
+    c.tick(0);
+    assert_eq!(
+        started(&mut c),
+        vec![1, 2, 3, 4],
+        "4 × 40 GiB caps in 2 × 80 GiB"
+    );
+    c.cancel(4, S).unwrap();
+    c.job_exited(4, Exit::Signal(libc::SIGKILL), S).unwrap();
+    c.submit(d(10), S).unwrap();
+    // The memory threshold counts the promise too: 145 GiB in use of 160 is past 0.9 of it.
+    let load = |foreign| GpuLoad {
+        foreign_memory: foreign * GIB,
+        job_memory: (1..=3).map(|j| (j, 40 * GIB)).collect(),
+        ..GpuLoad::default()
+    };
+    c.gpu_state(vec![load(25)], S);
+    c.tick(S);
+    assert!(started(&mut c).is_empty());
+    c.gpu_state(vec![load(20)], 2 * S);
+    c.tick(2 * S);
+    assert_eq!(started(&mut c), vec![6]);
+    assert!(
+        QueueConfig {
+            memory_overcommit: 0.5,
+            ..QueueConfig::default()
+        }
+        .validate()
+        .is_err()
+    );
+}
+
+#[test]
 fn max_jobs_per_gpu() {
     let mut c = Core::new(
         QueueConfig {

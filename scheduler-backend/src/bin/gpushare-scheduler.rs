@@ -34,6 +34,17 @@ struct Cli {
     /// `.books` appended]. Keep it on tmpfs beside the socket.
     #[arg(long, value_name = "FILE")]
     books: Option<PathBuf>,
+    /// Let the GPU memory caps of the groups on a GPU sum to RATIO times its memory: an
+    /// allocation within its cap that does not fit waits for memory, then another group is
+    /// swapped to host memory for it (the driver's checkpoint API). 1: caps may not promise
+    /// more than a GPU holds. The config's `memory_overcommit` wins over this.
+    #[arg(long, value_name = "RATIO", value_parser = ratio)]
+    memory_overcommit: Option<f64>,
+}
+
+fn ratio(s: &str) -> Result<f64, String> {
+    let r: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    gpushare_scheduler::config::overcommit_ratio(r)
 }
 
 fn main() -> ExitCode {
@@ -67,6 +78,7 @@ fn main() -> ExitCode {
         dev: cli.dev,
         metrics: cli.metrics,
         admin_socket: cli.admin_socket,
+        memory_overcommit: cli.memory_overcommit,
     }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -189,6 +189,7 @@ impl Node {
         for (client, process) in self.memory.holders() {
             if alive.get(&process) == Some(&Some(false)) {
                 self.memory.forget_client(client);
+                self.exit_physical(client, now);
             }
         }
         let grace_over = now

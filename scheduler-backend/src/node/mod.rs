@@ -27,6 +27,7 @@
 mod admin;
 mod books;
 mod conns;
+mod overcommit;
 mod report;
 mod tenants;
 
@@ -50,6 +51,8 @@ use std::sync::Arc;
 
 pub use admin::POD_WAIT;
 pub use books::FLUSH_EVERY;
+pub use gpushare_policy::overcommit::SwapOutFailure;
+pub use overcommit::Settings as OvercommitSettings;
 pub use report::usage;
 
 /// A connection, as the shell numbers it (never reused). A connection admitted as a client is
@@ -99,6 +102,13 @@ pub enum Input {
     /// failed (logged by the writer): the books in memory are still right, and the replies that
     /// waited for the write go out saying the reservation is not journaled.
     Persisted { seq: u64, written: bool },
+    /// The checkpoint of [`Effect::SwapOut`] `swap` ended.
+    SwappedOut {
+        swap: u64,
+        outcome: Result<(), SwapOutFailure>,
+    },
+    /// The restore of [`Effect::SwapIn`] `swap` ended (`ok: false`: its memory is gone).
+    SwappedIn { swap: u64, ok: bool },
 }
 
 /// What the shell must do, in order.
@@ -124,6 +134,17 @@ pub enum Effect {
     AdminReply { token: u64, reply: AdminReply },
     /// A fresh report for the other threads to read.
     Publish(Arc<Report>),
+    /// Move these processes' GPU memory to host memory, off the event loop: lock each (its
+    /// submitted work drains, waiting at most `lock_timeout_ms`), then checkpoint each; on
+    /// a failure, put back what was done. Answer [`Input::SwappedOut`] with `swap`.
+    SwapOut {
+        swap: u64,
+        pids: Vec<u32>,
+        lock_timeout_ms: u32,
+    },
+    /// Restore these processes' GPU memory and unlock them, off the event loop: answer
+    /// [`Input::SwappedIn`] with `swap`.
+    SwapIn { swap: u64, pids: Vec<u32> },
 }
 
 /// What the node starts from.
@@ -133,6 +154,9 @@ pub struct NodeOptions {
     pub dev: bool,
     /// The holdings the journal kept from the previous daemon (of processes still alive).
     pub restored: Vec<Holding>,
+    /// `--memory-overcommit`: the ratio when the configuration does not set
+    /// `memory_overcommit`.
+    pub memory_overcommit: Option<f64>,
 }
 
 pub struct Node {
@@ -149,6 +173,10 @@ pub struct Node {
     /// GPU processes of the node with no connection here, at the last census.
     unhooked: Vec<Unhooked>,
     books: books::Books,
+    /// Memory beyond the card: the physical books, waits and swaps.
+    overcommit: overcommit::State,
+    /// `--memory-overcommit`, below the configuration's `memory_overcommit`.
+    memory_overcommit: Option<f64>,
     /// The last report built, and when.
     report: (u64, Arc<Report>),
     /// Whether an input other than a question came since the last report was built.
@@ -173,6 +201,8 @@ impl Node {
             memory.set_cap(&g.name, g.memory);
         }
         memory.adopt(opts.restored);
+        let overcommit =
+            overcommit::State::new(overcommit_settings(&opts.config, opts.memory_overcommit));
         let mut node = Node {
             config: opts.config,
             dev: opts.dev,
@@ -184,6 +214,8 @@ impl Node {
             pods: PodTable::default(),
             unhooked: Vec::new(),
             books: books::Books::new(now),
+            overcommit,
+            memory_overcommit: opts.memory_overcommit,
             report: (0, Arc::new(report::empty())),
             report_stale: true,
             latency: Histogram::default(),
@@ -221,6 +253,8 @@ impl Node {
             Input::Census(found) => self.census(found, now),
             Input::Liveness(alive) => self.liveness(alive, now),
             Input::Persisted { seq, written } => self.persisted(seq, written, now),
+            Input::SwappedOut { swap, outcome } => self.swapped_out(swap, outcome, now),
+            Input::SwappedIn { swap, ok } => self.swapped_in(swap, ok, now),
         }
         self.settle(now);
     }
@@ -241,6 +275,7 @@ impl Node {
             .chain(self.conns.next_deadline())
             .chain(self.books.next_timeout())
             .chain(self.census_at)
+            .chain(self.overcommit_wakeup())
             .chain([self.report.0.saturating_add(PUBLISH_EVERY_NS)])
             .min()
     }
@@ -273,6 +308,7 @@ impl Node {
                 p.tick(now);
             }
         }
+        self.tick_overcommit(now);
         self.collect_decisions(now);
         if self.census_at.is_some_and(|at| at <= now) {
             self.census_at = None;
@@ -304,6 +340,10 @@ impl Node {
             self.set_group(&g.name, g.params);
             self.memory.set_cap(&g.name, g.memory);
         }
+        let settings = overcommit_settings(&cfg, self.memory_overcommit);
+        if settings != self.overcommit.settings() {
+            self.set_overcommit(settings, now);
+        }
         self.config = cfg;
         tracing::info!("configuration applied");
     }
@@ -326,5 +366,14 @@ impl Node {
     /// Close `conn` after what was queued for it.
     fn close(&mut self, conn: ConnId) {
         (self.books).route(conn, Effect::Close { conn }, &mut self.effects);
+    }
+}
+
+/// The overcommit settings of `config`, its ratio defaulting to `--memory-overcommit`.
+fn overcommit_settings(config: &Config, flag: Option<f64>) -> overcommit::Settings {
+    overcommit::Settings {
+        ratio: config.memory_overcommit.or(flag).unwrap_or(1.0),
+        params: config.overcommit.params,
+        lock_timeout_ms: config.overcommit.lock_timeout_ms,
     }
 }

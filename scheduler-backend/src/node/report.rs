@@ -112,9 +112,12 @@ impl Node {
                             memory_used: self.memory.used(&g.name, uuid),
                             memory_cap: self.memory.cap(&g.name),
                             memory_reservations: self.memory.reservations(&g.name, uuid),
+                            memory_swapped: self.overcommit.swapped(&g.name, uuid),
+                            memory_refused: self.overcommit.refusals.get(&g.name).cloned(),
                             pod: self.pod_labels(&g.name),
                         })
                         .collect(),
+                    physical: self.overcommit.physical(uuid),
                 }
             })
             .collect();

@@ -128,6 +128,9 @@ pub struct World {
     next_admin: u64,
     pub config: Config,
     pub dev: bool,
+    /// The swaps the node asked for, in order: (swap, pids, out (false: in)); a test answers
+    /// them with [`Input::SwappedOut`] and [`Input::SwappedIn`].
+    pub swaps: Vec<(u64, Vec<u32>, bool)>,
 }
 
 impl World {
@@ -139,6 +142,7 @@ impl World {
                 config: config.clone(),
                 dev,
                 restored: Vec::new(),
+                memory_overcommit: None,
             },
             now,
         );
@@ -161,6 +165,7 @@ impl World {
             next_admin: 0,
             config,
             dev,
+            swaps: Vec::new(),
         };
         w.effects();
         w
@@ -217,6 +222,8 @@ impl World {
                     assert!(self.admin_replies.insert(token, reply).is_none());
                 }
                 Effect::Publish(r) => self.published = r,
+                Effect::SwapOut { swap, pids, .. } => self.swaps.push((swap, pids, true)),
+                Effect::SwapIn { swap, pids } => self.swaps.push((swap, pids, false)),
             }
         }
         for conn in resumed {
@@ -551,6 +558,7 @@ impl World {
                 config: self.config.clone(),
                 dev: self.dev,
                 restored,
+                memory_overcommit: None,
             },
             self.now,
         );

@@ -177,6 +177,7 @@ impl Node {
 
     /// Client `id` is gone: everything it held is released at once.
     pub(super) fn disconnect(&mut self, id: ClientId, now: u64) {
+        self.exit_physical(id, now);
         let gone = self.clients.remove(id);
         self.memory.forget_client(id);
         for p in self.policies.values_mut() {
@@ -219,6 +220,9 @@ impl Node {
                 if let Some(Err(e)) = r {
                     self.refuse(id, e.to_string());
                 }
+                if let Some(group) = self.clients.get(id).and_then(|c| c.group.clone()) {
+                    self.group_pending(&group, again, now);
+                }
             }
             ClientMsg::MemReserve { req, gpu, bytes } => self.reserve(id, req, gpu, bytes, now),
             ClientMsg::MemQuery { req, gpu } => {
@@ -234,13 +238,18 @@ impl Node {
                     self.send(id, answer);
                 }
             }
-            ClientMsg::MemFree { gpu, bytes } => self.memory.free(id, gpu, bytes),
+            ClientMsg::MemFree { gpu, bytes } => {
+                self.memory.free(id, gpu, bytes);
+                self.free_physical(id, gpu, bytes, now);
+            }
+            ClientMsg::MemTotal { gpu, bytes } => self.gpu_memory(gpu, bytes, now),
             ClientMsg::MemSync { gpu, bytes } => {
                 if let Some(group) = self.group_of(id, now) {
                     if bytes > 0 {
                         self.policy_for(gpu); // so `gpushare status` shows the GPU
                     }
                     self.memory.sync(id, &group, gpu, bytes);
+                    self.restate_physical(id, &group, gpu, bytes, now);
                 }
             }
             ClientMsg::Status => {
@@ -253,7 +262,7 @@ impl Node {
 
     /// A fatal error for client `id`: the connection is closed after it, and what the client
     /// held is released.
-    fn fatal(&mut self, id: ClientId, message: String, now: u64) {
+    pub(super) fn fatal(&mut self, id: ClientId, message: String, now: u64) {
         let error = ServerMsg::Error {
             message,
             fatal: true,
@@ -284,6 +293,7 @@ impl Node {
         if let Err(e) = policy.acquire(id, now) {
             self.refuse(id, e.to_string());
         }
+        self.group_pending(&group, true, now);
     }
 
     /// Reserve `bytes` on `gpu` for client `id`: the answer waits for the books that hold
@@ -302,7 +312,10 @@ impl Node {
             journaled: true,
         };
         if u.granted && bytes > 0 {
-            self.books.after_persist(id, answer);
+            // Within the cap; under overcommit, the memory must be on the GPU too.
+            if let Some(answer) = self.reserve_physical(id, &group, gpu, bytes, answer, now) {
+                self.books.after_persist(id, answer);
+            }
         } else {
             self.send(id, answer);
         }

@@ -645,6 +645,7 @@ fn dev_node() -> (Node, ConnId, u64) {
             config,
             dev: true,
             restored: Vec::new(),
+            memory_overcommit: None,
         },
         now,
     );
@@ -791,4 +792,118 @@ fn hostile_configs_are_rejected_or_applied_without_panicking() {
         true
     })
     .assert_exercised(n);
+}
+
+/// Groups `a` (cap 1 GiB) and `b` (512 MiB) under `memory_overcommit = 2` on a GPU of 1 GiB,
+/// its memory told by a hook; `extra` goes into `[overcommit]`. The clients of `a` and `b`.
+fn overcommitted(extra: &str) -> (World, ConnId, ConnId) {
+    let config =
+        format!("memory_overcommit = 2\n[overcommit]\nwait = \"100ms\"\n{extra}\n{CONFIG}");
+    let mut w = World::new(&config, false);
+    let a = client_a(&mut w);
+    let b = w.connect(1001, None);
+    w.complete_all();
+    w.hello(b, None);
+    w.send(
+        a,
+        ClientMsg::MemTotal {
+            gpu: GPU,
+            bytes: 1024 * MIB,
+        },
+    );
+    reserve(&mut w, a, 900);
+    w.complete_all();
+    assert!(matches!(
+        last(&w, a),
+        Some(ServerMsg::Memory { granted: true, .. })
+    ));
+    (w, a, b)
+}
+
+fn granted(w: &World, c: ConnId, req: u64) -> Option<bool> {
+    w.tenants[&c].received.iter().find_map(|m| match m {
+        ServerMsg::Memory {
+            req: r, granted, ..
+        } if *r == req => Some(*granted),
+        _ => None,
+    })
+}
+
+#[test]
+fn under_overcommit_a_reservation_that_does_not_fit_waits_then_another_group_is_swapped_out() {
+    let (mut w, a, b) = overcommitted("");
+    let pid_a = w.tenants[&a].peer.pid;
+    // 400 MiB within b's cap, but 900 + 400 MiB do not fit in 1 GiB: no answer yet.
+    let req = reserve(&mut w, b, 400);
+    w.complete_all();
+    assert_eq!(granted(&w, b, req), None, "waits");
+    assert!(w.swaps.is_empty());
+    // It waits as long as a swap of its bytes would take (0.1 s + 400 MiB at 1.5 GB/s), then
+    // a's processes are swapped out.
+    w.advance(400 * MS);
+    assert_eq!(w.swaps, vec![(1, vec![pid_a], true)]);
+    w.input(Input::SwappedOut {
+        swap: 1,
+        outcome: Ok(()),
+    });
+    w.complete_all();
+    assert_eq!(granted(&w, b, req), Some(true), "granted once a is out");
+    // b frees its memory: nothing waits, so a comes back.
+    w.send(
+        b,
+        ClientMsg::MemFree {
+            gpu: GPU,
+            bytes: 400 * MIB,
+        },
+    );
+    assert_eq!(w.swaps.last(), Some(&(1, vec![pid_a], false)));
+    w.input(Input::SwappedIn { swap: 1, ok: true });
+    w.settle();
+    w.check_settled();
+}
+
+#[test]
+fn under_overcommit_a_wait_is_bounded_and_its_refusal_says_why_and_frees_the_cap() {
+    let (mut w, _a, b) = overcommitted("max_wait = \"2s\"");
+    let req = reserve(&mut w, b, 400);
+    w.advance(400 * MS);
+    assert_eq!(w.swaps.len(), 1);
+    // The only victim's checkpoint times out: it cools down longer than the bound.
+    w.input(Input::SwappedOut {
+        swap: 1,
+        outcome: Err(SwapOutFailure::TimedOut),
+    });
+    w.advance(1500 * MS);
+    assert_eq!(granted(&w, b, req), None, "still within the bound");
+    w.advance(100 * MS);
+    assert_eq!(granted(&w, b, req), Some(false), "refused at the bound");
+    let said = w.tenants[&b].received.iter().any(|m| {
+        matches!(m, ServerMsg::Error { message, fatal: false }
+            if message.contains("did not come free") && message.contains("max_wait"))
+    });
+    assert!(said, "{:?}", w.tenants[&b].received);
+    // Its reservation no longer counts against b's cap.
+    let q = w.req(b);
+    w.send(b, ClientMsg::MemQuery { req: q, gpu: GPU });
+    assert!(matches!(
+        last(&w, b),
+        Some(ServerMsg::Memory { used: 0, .. })
+    ));
+}
+
+#[test]
+fn without_overcommit_the_gpus_memory_is_not_checked() {
+    let mut w = World::new(CONFIG, false);
+    let a = client_a(&mut w);
+    w.send(
+        a,
+        ClientMsg::MemTotal {
+            gpu: GPU,
+            bytes: 100 * MIB,
+        },
+    );
+    let req = reserve(&mut w, a, 900);
+    w.complete_all();
+    assert_eq!(granted(&w, a, req), Some(true));
+    assert!(w.swaps.is_empty());
 }

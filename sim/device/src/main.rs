@@ -5,7 +5,7 @@ use clap::{Args, Parser, Subcommand};
 use gpushare_sim_device::model::ModelConfig;
 use gpushare_sim_device::server::{Server, ServerConfig};
 use gpushare_sim_device::trace::Trace;
-use gpushare_units::{parse_duration_ns, parse_size};
+use gpushare_units::{parse_duration_ns, parse_rate, parse_size};
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -73,6 +73,16 @@ struct DeviceArgs {
     /// Write the device-side trace (JSON Lines, one object per kernel or preempted slice).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// How fast a checkpoint (cuCheckpointProcessCheckpoint) moves a process's device memory
+    /// to host memory.
+    #[arg(long, default_value = "1.5GB/s", value_parser = parse_rate)]
+    checkpoint_bandwidth: u64,
+    /// How fast a restore (cuCheckpointProcessRestore) moves it back.
+    #[arg(long, default_value = "4.4GB/s", value_parser = parse_rate)]
+    restore_bandwidth: u64,
+    /// Fixed cost of each checkpoint and restore, on top of its bytes.
+    #[arg(long, default_value = "100ms", value_parser = parse_duration_ns)]
+    checkpoint_latency: u64,
     /// Device socket path (default: a fresh one in the temporary directory).
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
@@ -150,6 +160,11 @@ fn prepare(device: &DeviceArgs) -> anyhow::Result<(RunDir, Server)> {
         model,
         socket,
         trace: device.trace.clone(),
+        swap: gpushare_sim_wire::SwapCost {
+            latency_ns: device.checkpoint_latency,
+            checkpoint_bytes_per_s: device.checkpoint_bandwidth,
+            restore_bytes_per_s: device.restore_bandwidth,
+        },
     })?;
     Ok((run_dir, server))
 }

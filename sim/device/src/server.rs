@@ -4,7 +4,10 @@
 
 use crate::model::{ConnId, Key, Model, ModelConfig, SubmitError};
 use crate::trace::Record;
-use gpushare_sim_wire::{self as wire, DeviceInfo, EventBoard, PROTOCOL_VERSION, Reply, Request};
+use gpushare_sim_wire::{
+    self as wire, CheckpointCall, DeviceInfo, EventBoard, PROTOCOL_VERSION, Reply, Request,
+    SwapCost,
+};
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Write};
@@ -21,12 +24,21 @@ pub struct ServerConfig {
     pub model: ModelConfig,
     pub socket: PathBuf,
     pub trace: Option<PathBuf>,
+    /// What a checkpoint or restore of a process's memory costs on each GPU.
+    pub swap: SwapCost,
 }
 
 struct Waiter {
     conn: ConnId,
     req: u64,
     ops: Vec<(Key, u64)>,
+}
+
+/// A checkpoint call relayed to its target: who asked, under which request id, of whom.
+struct Relay {
+    asker: ConnId,
+    req: u64,
+    target: ConnId,
 }
 
 /// Event board slots per client: live event objects a process may have.
@@ -39,6 +51,12 @@ struct State {
     boards: HashMap<ConnId, (EventBoard, PathBuf)>,
     /// Each client's user, from the socket (its event board is made for that user).
     uids: HashMap<ConnId, u32>,
+    /// Each client's process id as the device sees it (from the socket, else its `Hello`):
+    /// what a checkpoint call names its target by.
+    pids: HashMap<ConnId, u32>,
+    /// Checkpoint calls waiting for their target's answer, by relay id.
+    relays: HashMap<u64, Relay>,
+    next_relay: u64,
     waiters: Vec<Waiter>,
     trace: Option<BufWriter<File>>,
     next_conn: ConnId,
@@ -78,13 +96,16 @@ impl Server {
             })?)),
             None => None,
         };
-        let devices = device_infos(&cfg.model.device_memory);
+        let devices = device_infos(&cfg.model.device_memory, cfg.swap);
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 model: Model::new(cfg.model),
                 writers: HashMap::new(),
                 boards: HashMap::new(),
                 uids: HashMap::new(),
+                pids: HashMap::new(),
+                relays: HashMap::new(),
+                next_relay: 1,
                 waiters: Vec::new(),
                 trace,
                 next_conn: 1,
@@ -145,7 +166,7 @@ fn lock(shared: &Shared) -> MutexGuard<'_, State> {
 }
 
 /// Static identity of each simulated GPU (an H100-class part, as the attribute table says).
-fn device_infos(memory: &[u64]) -> Vec<DeviceInfo> {
+fn device_infos(memory: &[u64], swap: SwapCost) -> Vec<DeviceInfo> {
     memory
         .iter()
         .enumerate()
@@ -157,6 +178,7 @@ fn device_infos(memory: &[u64]) -> Vec<DeviceInfo> {
                 uuid,
                 total_memory,
                 pci_bus: 0x18 + i as u32,
+                swap,
             }
         })
         .collect()
@@ -178,6 +200,7 @@ fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
             st.writers.insert(conn, Arc::new(Mutex::new(writer)));
             if let Ok(peer) = gpushare_frame::peer_credentials(&stream) {
                 st.uids.insert(conn, peer.uid);
+                st.pids.insert(conn, peer.pid as u32);
             }
             conn
         };
@@ -222,6 +245,8 @@ fn client_loop(conn: ConnId, stream: UnixStream, shared: Arc<Shared>) {
         st.model.disconnect(conn, now);
         st.writers.remove(&conn);
         st.uids.remove(&conn);
+        st.pids.remove(&conn);
+        drop_relays(&mut st, conn, &mut out);
         if let Some((_, path)) = st.boards.remove(&conn) {
             let _ = std::fs::remove_file(path);
         }
@@ -260,6 +285,7 @@ fn handle(st: &mut State, shared: &Shared, conn: ConnId, req: Request, now: u64,
                 }
             };
             m.connect(conn, pid);
+            st.pids.entry(conn).or_insert(pid);
             out.push((
                 conn,
                 Reply::Hello {
@@ -366,7 +392,71 @@ fn handle(st: &mut State, shared: &Shared, conn: ConnId, req: Request, now: u64,
                 ));
             }
         }
+        Request::Checkpoint { req, pid, call } => relay(st, conn, req, pid, call, out),
+        Request::CheckpointDone { id, result, value } => {
+            if st.relays.get(&id).is_some_and(|r| r.target == conn) {
+                let r = st.relays.remove(&id).expect("present");
+                out.push((
+                    r.asker,
+                    Reply::Checkpoint {
+                        req: r.req,
+                        result,
+                        value,
+                    },
+                ));
+            }
+        }
     }
+}
+
+/// Pass a checkpoint call on to the process `pid` names, or refuse it if no such process
+/// uses the simulated GPUs.
+fn relay(
+    st: &mut State,
+    asker: ConnId,
+    req: u64,
+    pid: u32,
+    call: CheckpointCall,
+    out: &mut Outbox,
+) {
+    let target = st
+        .pids
+        .iter()
+        .find(|&(c, &p)| p == pid && st.boards.contains_key(c))
+        .map(|(&c, _)| c);
+    let Some(target) = target else {
+        let message = format!("no process {pid} uses the simulated GPUs");
+        out.push((
+            asker,
+            Reply::Error {
+                req: Some(req),
+                message,
+            },
+        ));
+        return;
+    };
+    let id = st.next_relay;
+    st.next_relay += 1;
+    st.relays.insert(id, Relay { asker, req, target });
+    out.push((target, Reply::CheckpointCall { id, call }));
+}
+
+/// Client `conn` is gone: the calls relayed to it fail, the answers to its own calls are
+/// dropped.
+fn drop_relays(st: &mut State, conn: ConnId, out: &mut Outbox) {
+    st.relays.retain(|_, r| {
+        if r.target == conn {
+            let message = "the process exited during the checkpoint call".to_string();
+            out.push((
+                r.asker,
+                Reply::Error {
+                    req: Some(r.req),
+                    message,
+                },
+            ));
+        }
+        r.target != conn && r.asker != conn
+    });
 }
 
 /// Advance the model to `now` and collect everything that became due.
@@ -495,12 +585,22 @@ mod tests {
     fn shared() -> Shared {
         let model = ModelConfig::default();
         Shared {
-            devices: device_infos(&model.device_memory),
+            devices: device_infos(
+                &model.device_memory,
+                SwapCost {
+                    latency_ns: 0,
+                    checkpoint_bytes_per_s: 1,
+                    restore_bytes_per_s: 1,
+                },
+            ),
             state: Mutex::new(State {
                 model: Model::new(model),
                 writers: HashMap::new(),
                 boards: HashMap::new(),
                 uids: HashMap::new(),
+                pids: HashMap::new(),
+                relays: HashMap::new(),
+                next_relay: 1,
                 waiters: Vec::new(),
                 trace: None,
                 next_conn: 1,
@@ -570,6 +670,16 @@ mod tests {
                 bytes: 1 << 30,
             },
             Request::MemInfo { req: 4, device: 0 },
+            Request::Checkpoint {
+                req: 5,
+                pid: 7,
+                call: CheckpointCall::Lock { timeout_ms: 10 },
+            },
+            Request::CheckpointDone {
+                id: 1,
+                result: 0,
+                value: 1,
+            },
             Request::DestroyStream { stream: 2 },
             Request::DestroyContext { ctx: 1 },
         ];

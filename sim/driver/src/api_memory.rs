@@ -17,6 +17,7 @@ use crate::state::{Alloc, AllocKind, Driver, NodeKind, Pinned, State, driver, wi
 use gpushare_cuda_abi::arrays::mipmapped_bytes;
 use gpushare_sim_wire::{Reply, Request};
 use std::ffi::{c_uint, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Allocation granularity charged against the device's capacity.
 const CHARGE_ALIGN: u64 = 512;
@@ -25,13 +26,13 @@ const PITCH_ALIGN: usize = 512;
 /// Granularity of cuMemCreate / cuMemMap (2 MiB, as the driver reports).
 const VMM_GRANULARITY: usize = 2 << 20;
 
-fn page_round(size: usize) -> usize {
+pub fn page_round(size: usize) -> usize {
     let page = 4096;
     size.div_ceil(page) * page
 }
 
 /// Map `size` bytes of zeroed, lazily backed memory, `PROT_NONE` unless `access`.
-fn map(size: usize, access: bool) -> CuResult<u64> {
+pub fn map(size: usize, access: bool) -> CuResult<u64> {
     let prot = if access {
         libc::PROT_READ | libc::PROT_WRITE
     } else {
@@ -56,28 +57,75 @@ fn map(size: usize, access: bool) -> CuResult<u64> {
     }
 }
 
-fn unmap(addr: u64, size: usize) {
+pub fn unmap(addr: u64, size: usize) {
     // SAFETY: `addr..addr+size` is a mapping this module created and no longer hands out.
     unsafe { libc::munmap(addr as *mut c_void, page_round(size)) };
 }
 
-/// Reserve `bytes` of the device's capacity in the device process.
-fn charge(d: &Driver, device: u32, bytes: u64) -> CuResult {
-    let device = d.client.physical(device);
-    match d.client.call(|req| Request::Alloc { req, device, bytes })? {
+/// Bytes of each GPU's capacity this process holds (by the device process's index of the GPU;
+/// the simulator has at most 64): what a checkpoint gives back and a restore takes again.
+static CHARGED: [AtomicU64; 64] = [const { AtomicU64::new(0) }; 64];
+
+/// What this process holds of each GPU's capacity: (device process's index, bytes).
+pub fn charged() -> Vec<(u32, u64)> {
+    (0..CHARGED.len() as u32)
+        .map(|i| (i, CHARGED[i as usize].load(Ordering::Relaxed)))
+        .filter(|&(_, b)| b > 0)
+        .collect()
+}
+
+/// Reserve `bytes` of the capacity of the GPU the device process calls `physical`.
+fn charge_physical(d: &Driver, physical: u32, bytes: u64) -> CuResult {
+    let slot = CHARGED
+        .get(physical as usize)
+        .ok_or(CUDA_ERROR_INVALID_DEVICE)?;
+    reserve_physical(d, physical, bytes)?;
+    slot.fetch_add(bytes, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Give back `bytes` of the capacity of the GPU the device process calls `physical`.
+fn uncharge_physical(d: &Driver, physical: u32, bytes: u64) -> CuResult {
+    if let Some(slot) = CHARGED.get(physical as usize) {
+        let _ = slot.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+            Some(b.saturating_sub(bytes))
+        });
+    }
+    release_physical(d, physical, bytes)
+}
+
+/// Take `bytes` of a GPU's capacity in the device process without counting them as this
+/// process's allocations (a restore takes back what [`charged`] still counts).
+pub fn reserve_physical(d: &Driver, physical: u32, bytes: u64) -> CuResult {
+    match d.client.call(|req| Request::Alloc {
+        req,
+        device: physical,
+        bytes,
+    })? {
         Reply::Alloc { ok: true, .. } => Ok(()),
         _ => Err(CUDA_ERROR_OUT_OF_MEMORY),
     }
 }
 
-fn uncharge(d: &Driver, device: u32, bytes: u64) -> CuResult {
+/// Give `bytes` of a GPU's capacity back in the device process without uncounting them (a
+/// checkpoint releases what [`charged`] goes on counting).
+pub fn release_physical(d: &Driver, physical: u32, bytes: u64) -> CuResult {
     if bytes == 0 {
         return Ok(());
     }
     d.client.send(&Request::Free {
-        device: d.client.physical(device),
+        device: physical,
         bytes,
     })
+}
+
+/// Reserve `bytes` of the capacity of this process's GPU `device` in the device process.
+fn charge(d: &Driver, device: u32, bytes: u64) -> CuResult {
+    charge_physical(d, d.client.physical(device), bytes)
+}
+
+fn uncharge(d: &Driver, device: u32, bytes: u64) -> CuResult {
+    uncharge_physical(d, d.client.physical(device), bytes)
 }
 
 /// Allocate device (or managed) memory on the current context's device.

@@ -97,9 +97,10 @@ impl Client {
         };
         let (host_tx, host_rx) = channel();
         let pending = client.pending.clone();
+        let answers = client.writer.clone();
         std::thread::Builder::new()
             .name("sim-driver-rx".into())
-            .spawn(move || read_loop(reader, pending, host_tx))
+            .spawn(move || read_loop(reader, pending, host_tx, answers))
             .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
         let calls = client.host_calls.clone();
         let writer = client.writer.clone();
@@ -123,6 +124,13 @@ impl Client {
         self.physical[device as usize]
     }
 
+    /// What a checkpoint or restore costs on the GPU the device process calls `physical`, if
+    /// this process sees it.
+    pub fn swap_cost(&self, physical: u32) -> Option<wire::SwapCost> {
+        let ordinal = self.physical.iter().position(|&p| p == physical)?;
+        Some(self.devices[ordinal].swap)
+    }
+
     /// Send without waiting for an answer.
     pub fn send(&self, msg: &Request) -> CuResult {
         send_on(&self.writer, msg)
@@ -130,6 +138,16 @@ impl Client {
 
     /// Send a request built around a fresh request id and block until its reply.
     pub fn call(&self, make: impl FnOnce(u64) -> Request) -> CuResult<Reply> {
+        self.call_until(make, None)?.ok_or(CUDA_ERROR_UNKNOWN)
+    }
+
+    /// [`call`](Client::call), giving up at `deadline` (`None`: never): `Ok(None)` then (a
+    /// reply arriving later is dropped).
+    pub fn call_until(
+        &self,
+        make: impl FnOnce(u64) -> Request,
+        deadline: Option<std::time::Instant>,
+    ) -> CuResult<Option<Reply>> {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = channel();
         self.pending
@@ -143,11 +161,40 @@ impl Client {
                 .remove(&req);
             return Err(e);
         }
-        match rx.recv() {
-            Ok(Reply::Error { .. }) => Err(CUDA_ERROR_INVALID_VALUE),
-            Ok(reply) => Ok(reply),
-            Err(_) => Err(CUDA_ERROR_DEVICE_UNAVAILABLE),
+        let reply = match deadline {
+            None => rx.recv().map_err(|_| CUDA_ERROR_DEVICE_UNAVAILABLE)?,
+            Some(at) => {
+                match rx.recv_timeout(at.saturating_duration_since(std::time::Instant::now())) {
+                    Ok(r) => r,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                        self.pending
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .remove(&req);
+                        return Ok(None);
+                    }
+                    Err(_) => return Err(CUDA_ERROR_DEVICE_UNAVAILABLE),
+                }
+            }
+        };
+        match reply {
+            Reply::Error { .. } => Err(CUDA_ERROR_INVALID_VALUE),
+            reply => Ok(Some(reply)),
         }
+    }
+
+    /// Block until every op has completed or `deadline` passed; whether they completed.
+    pub fn wait_until(
+        &self,
+        ops: Vec<wire::OpRef>,
+        deadline: Option<std::time::Instant>,
+    ) -> CuResult<bool> {
+        if ops.is_empty() {
+            return Ok(true);
+        }
+        Ok(self
+            .call_until(|req| Request::Wait { req, ops }, deadline)?
+            .is_some())
     }
 
     /// Block until every op has completed; returns the latest completion time.
@@ -195,21 +242,34 @@ fn reply_req(r: &Reply) -> Option<u64> {
         | Reply::Status { req, .. }
         | Reply::Alloc { req, .. }
         | Reply::MemInfo { req, .. }
+        | Reply::Checkpoint { req, .. }
         | Reply::SharedEvent { req, .. } => Some(*req),
         Reply::Error { req, .. } => *req,
-        Reply::Hello { .. } | Reply::RunHostFunc { .. } => None,
+        Reply::Hello { .. } | Reply::RunHostFunc { .. } | Reply::CheckpointCall { .. } => None,
     }
 }
 
+/// Receives the device's messages: replies go to their callers, host functions to their
+/// thread, checkpoint calls on this process to [`crate::checkpoint`] (this thread is the
+/// process's restore thread, `cuCheckpointProcessGetRestoreThreadId`).
 fn read_loop(
     mut stream: UnixStream,
     pending: Arc<Mutex<HashMap<u64, Sender<Reply>>>>,
     host_tx: Sender<(u64, u64)>,
+    answers: Writer,
 ) {
+    crate::checkpoint::this_is_the_restore_thread();
     let mut buf = Vec::new();
     while let Ok(Some(reply)) = wire::recv::<Reply>(&mut stream, &mut buf) {
         if let Reply::RunHostFunc { stream, seq } = reply {
             let _ = host_tx.send((stream, seq));
+            continue;
+        }
+        if let Reply::CheckpointCall { id, call } = reply {
+            let answers = answers.clone();
+            crate::checkpoint::on_call(call, move |result, value| {
+                let _ = send_on(&answers, &Request::CheckpointDone { id, result, value });
+            });
             continue;
         }
         if let Some(req) = reply_req(&reply) {
@@ -305,6 +365,11 @@ mod tests {
                     uuid,
                     total_memory: 1 << 30,
                     pci_bus: i,
+                    swap: gpushare_sim_wire::SwapCost {
+                        latency_ns: 0,
+                        checkpoint_bytes_per_s: 1,
+                        restore_bytes_per_s: 1,
+                    },
                 }
             })
             .collect()

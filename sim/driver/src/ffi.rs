@@ -47,7 +47,9 @@ pub fn tracing_calls() -> bool {
 }
 
 /// [`guard`] for the exported entry point `name`, traced when `GPUSHARE_SIM_TRACE` is set.
-pub fn entry_point(name: &str, f: impl FnOnce() -> CuResult) -> CUresult {
+/// A `gated` entry point waits while a checkpoint holds the process locked.
+pub fn entry_point(name: &str, gated: bool, f: impl FnOnce() -> CuResult) -> CUresult {
+    let _pass = gated.then(crate::checkpoint::Pass::enter);
     let r = guard(f);
     if tracing_calls() {
         eprintln!("gpushare-sim libcuda: {name} -> {r}");
@@ -63,11 +65,33 @@ macro_rules! entry {
         $(#[$m])*
         #[unsafe(no_mangle)]
         pub extern "C" fn $name($($arg: $ty),*) -> $crate::ffi::CUresult {
-            $crate::ffi::entry_point(stringify!($name), || -> $crate::ffi::CuResult { $body })
+            const GATED: bool = $crate::ffi::gated(stringify!($name));
+            $crate::ffi::entry_point(stringify!($name), GATED, || -> $crate::ffi::CuResult { $body })
         }
         // The entry point has the type cuda.h gives the symbol, or the driver does not build.
         const _: gpushare_cuda_abi::pfn::$name = $name;
     };
+}
+
+/// Whether entry point `name` waits while a checkpoint holds the process locked: every one but
+/// the checkpoint calls (a locked process may still act on others) and the error names.
+pub const fn gated(name: &str) -> bool {
+    !(starts_with(name, "cuCheckpoint") || starts_with(name, "cuGetError"))
+}
+
+const fn starts_with(s: &str, prefix: &str) -> bool {
+    let (s, p) = (s.as_bytes(), prefix.as_bytes());
+    if s.len() < p.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < p.len() {
+        if s[i] != p[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
 }
 
 /// Export a stream-ordered entry point twice: legacy default stream semantics under `$legacy`

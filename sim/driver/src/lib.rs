@@ -5,11 +5,13 @@
 //!
 //! Layout: [`ffi`] holds the C types and the `entry!` export macros; [`client`] the connection
 //! to the device; [`state`] the process's driver objects; the `api_*` modules the exported
-//! entry points by area; [`image`] reads module images ([`ptx`] text, [`elf`] cubins,
+//! entry points by area; [`checkpoint`] this process as the target of another's checkpoint
+//! calls; [`image`] reads module images ([`ptx`] text, [`elf`] cubins,
 //! [`fatbin`] containers).
 
 #[macro_use]
 mod ffi;
+mod api_checkpoint;
 mod api_context;
 mod api_device;
 mod api_event;
@@ -27,6 +29,7 @@ mod api_multicast;
 mod api_proc_address;
 mod api_stream;
 mod api_tensor_map;
+mod checkpoint;
 mod client;
 mod elf;
 mod fatbin;

@@ -12,7 +12,7 @@ mod board;
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change; checked in [`Request::Hello`].
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Environment variable naming the device socket, set by `gpushare-sim run`.
 pub const SOCKET_ENV: &str = "GPUSHARE_SIM_SOCKET";
@@ -131,6 +131,36 @@ pub enum Request {
         event: u64,
         wait: bool,
     },
+    /// A checkpoint call (`cuCheckpointProcess*`) on process `pid`: the device relays it to
+    /// that process's driver ([`Reply::CheckpointCall`]) and answers with
+    /// [`Reply::Checkpoint`].
+    Checkpoint {
+        req: u64,
+        pid: u32,
+        call: CheckpointCall,
+    },
+    /// A target's answer to the relayed checkpoint call `id`: a `CUresult`, and the state or
+    /// thread id the call returns.
+    CheckpointDone {
+        id: u64,
+        result: u32,
+        value: u64,
+    },
+}
+
+/// One of the driver's checkpoint calls, as a controlling process makes it on a target process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CheckpointCall {
+    /// Block the target's further driver calls and wait for its submitted work; give up after
+    /// `timeout_ms` (0: no limit).
+    Lock {
+        timeout_ms: u32,
+    },
+    Checkpoint,
+    Restore,
+    Unlock,
+    GetState,
+    GetRestoreThreadId,
 }
 
 /// Static description of one simulated GPU.
@@ -140,6 +170,33 @@ pub struct DeviceInfo {
     pub uuid: [u8; 16],
     pub total_memory: u64,
     pub pci_bus: u32,
+    /// What moving a process's memory to host memory and back costs on this GPU.
+    pub swap: SwapCost,
+}
+
+/// How long a checkpoint (device to host memory) or a restore (host to device) of a process's
+/// memory takes: `latency_ns`, then its bytes at the rate of that direction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SwapCost {
+    pub latency_ns: u64,
+    pub checkpoint_bytes_per_s: u64,
+    pub restore_bytes_per_s: u64,
+}
+
+impl SwapCost {
+    /// Nanoseconds a checkpoint of `bytes` takes.
+    pub fn checkpoint_ns(&self, bytes: u64) -> u64 {
+        self.latency_ns + transfer_ns(bytes, self.checkpoint_bytes_per_s)
+    }
+
+    /// Nanoseconds a restore of `bytes` takes.
+    pub fn restore_ns(&self, bytes: u64) -> u64 {
+        self.latency_ns + transfer_ns(bytes, self.restore_bytes_per_s)
+    }
+}
+
+fn transfer_ns(bytes: u64, per_s: u64) -> u64 {
+    (bytes as u128 * 1_000_000_000 / per_s.max(1) as u128).min(u64::MAX as u128) as u64
 }
 
 /// Device → client.
@@ -179,6 +236,19 @@ pub enum Reply {
     SharedEvent {
         req: u64,
         event: u64,
+    },
+    /// The answer to [`Request::Checkpoint`]: a `CUresult`, and the state or thread id asked
+    /// for.
+    Checkpoint {
+        req: u64,
+        result: u32,
+        value: u64,
+    },
+    /// Carry out checkpoint call `id` on this process, then answer with
+    /// [`Request::CheckpointDone`].
+    CheckpointCall {
+        id: u64,
+        call: CheckpointCall,
     },
     /// The device refused a request (unknown stream, bad version…); `message` says why.
     Error {
@@ -260,14 +330,29 @@ mod tests {
                 bytes: 1 << 30,
             },
             Request::MemInfo { req: 4, device: 0 },
-            Request::ShareEvent {
+            Request::Checkpoint {
                 req: 5,
+                pid: 4242,
+                call: CheckpointCall::Lock { timeout_ms: 500 },
+            },
+            Request::Checkpoint {
+                req: 6,
+                pid: 4242,
+                call: CheckpointCall::Restore,
+            },
+            Request::CheckpointDone {
+                id: 1,
+                result: 0,
+                value: 2,
+            },
+            Request::ShareEvent {
+                req: 7,
                 record: Some((3, 10)),
             },
-            Request::OpenSharedEvent { req: 6, event: 1 },
+            Request::OpenSharedEvent { req: 8, event: 1 },
             Request::UnshareEvent { event: 1 },
             Request::SharedEventStatus {
-                req: 7,
+                req: 9,
                 event: 1,
                 wait: true,
             },
@@ -300,6 +385,11 @@ mod tests {
                     uuid: *b"gpushare-sim-gpu",
                     total_memory: 80 << 30,
                     pci_bus: 0x18,
+                    swap: SwapCost {
+                        latency_ns: 100_000_000,
+                        checkpoint_bytes_per_s: 1_500_000_000,
+                        restore_bytes_per_s: 4_400_000_000,
+                    },
                 }],
                 event_board: "/tmp/sim.sock.events-1".into(),
                 event_slots: 4096,
@@ -316,7 +406,16 @@ mod tests {
                 total: 2,
             },
             Reply::RunHostFunc { stream: 3, seq: 11 },
-            Reply::SharedEvent { req: 5, event: 1 },
+            Reply::Checkpoint {
+                req: 5,
+                result: 401,
+                value: 0,
+            },
+            Reply::CheckpointCall {
+                id: 1,
+                call: CheckpointCall::GetState,
+            },
+            Reply::SharedEvent { req: 6, event: 1 },
             Reply::Error {
                 req: Some(1),
                 message: "no".into(),

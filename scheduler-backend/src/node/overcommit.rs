@@ -1,0 +1,395 @@
+//! GPU memory beyond the card: the node's side of the overcommit core
+//! ([`gpushare_policy::overcommit`]). The caps of the groups on a GPU may sum past its memory
+//! (`memory_overcommit` > 1); a reservation within its group's cap then also goes to the core,
+//! which keeps the physical books of each GPU (its memory, told by the hooks) and answers at
+//! once, after a wait, after swapping another group to host memory, or with a refusal that
+//! says why. This module numbers the core's GPUs, groups and requests, holds each waiting
+//! reservation's answer, and turns the core's effects into the node's: replies, and the
+//! checkpoints and restores the shell carries out ([`Effect::SwapOut`], [`Effect::SwapIn`]).
+//!
+//! A process is the core's [`ProcessId`] by its client id (one connection per process).
+
+use super::{Effect, Node};
+use gpushare_policy::ClientId;
+use gpushare_policy::overcommit::{
+    self as core, GroupId, Overcommit, ProcessId, RequestId, Residence, SwapId, SwapOutFailure,
+};
+use gpushare_protocol::status::PhysicalMemory;
+use gpushare_protocol::status::uuid_string;
+use gpushare_protocol::{GpuUuid, ServerMsg};
+use std::collections::BTreeMap;
+
+/// What the overcommit core needs from the configuration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Settings {
+    /// How far the caps on a GPU may sum past its memory; 1: not at all, and the core stays
+    /// out of the way.
+    pub ratio: f64,
+    pub params: core::Params,
+    /// How long a checkpoint's lock waits for the victim's submitted work.
+    pub lock_timeout_ms: u32,
+}
+
+/// A reservation the core has not answered yet.
+struct Ask {
+    client: ClientId,
+    req: u64,
+    gpu: GpuUuid,
+    bytes: u64,
+    cap: Option<u64>,
+}
+
+pub(super) struct State {
+    settings: Settings,
+    core: Overcommit,
+    /// The core's GPU numbers: index into this.
+    gpus: Vec<GpuUuid>,
+    /// The memory each GPU has, as its hooks said (absent: not known yet, not checked).
+    capacity: BTreeMap<GpuUuid, u64>,
+    groups: BTreeMap<String, GroupId>,
+    asks: BTreeMap<RequestId, Ask>,
+    next_req: u64,
+    /// When the core next needs a tick.
+    wake_at: Option<u64>,
+    /// Why each group's last allocation was refused, for the report.
+    pub refusals: BTreeMap<String, String>,
+}
+
+impl State {
+    pub fn new(settings: Settings) -> State {
+        State {
+            settings,
+            core: Overcommit::new(settings.params, Vec::new()),
+            gpus: Vec::new(),
+            capacity: BTreeMap::new(),
+            groups: BTreeMap::new(),
+            asks: BTreeMap::new(),
+            next_req: 1,
+            wake_at: None,
+            refusals: BTreeMap::new(),
+        }
+    }
+
+    pub fn settings(&self) -> Settings {
+        self.settings
+    }
+
+    /// Whether reservations on `gpu` go through the core.
+    fn checks(&self, gpu: &GpuUuid) -> bool {
+        self.settings.ratio > 1.0 && self.capacity.contains_key(gpu)
+    }
+
+    fn gpu_index(&mut self, gpu: GpuUuid) -> usize {
+        match self.gpus.iter().position(|g| *g == gpu) {
+            Some(i) => i,
+            None => {
+                self.gpus.push(gpu);
+                self.gpus.len() - 1
+            }
+        }
+    }
+
+    fn group_id(&mut self, name: &str) -> GroupId {
+        let next = GroupId(self.groups.len() as u64);
+        *self.groups.entry(name.to_string()).or_insert(next)
+    }
+
+    fn group_name(&self, id: GroupId) -> &str {
+        (self.groups.iter())
+            .find(|(_, g)| **g == id)
+            .map_or("?", |(n, _)| n.as_str())
+    }
+}
+
+impl State {
+    /// `gpu`'s physical memory, if the core checks it.
+    pub fn physical(&self, gpu: &GpuUuid) -> Option<PhysicalMemory> {
+        let i = self.gpus.iter().position(|g| g == gpu)?;
+        if !self.checks(gpu) {
+            return None;
+        }
+        let b = self.core.books(i);
+        Some(PhysicalMemory {
+            total: b.capacity,
+            used: b.used,
+            free: b.capacity.saturating_sub(b.used),
+            swapped: b.swapped,
+            overcommit: self.settings.ratio,
+        })
+    }
+
+    /// Bytes of `group` on `gpu` that are not resident: swapped out, or on their way.
+    pub fn swapped(&self, group: &str, gpu: &GpuUuid) -> u64 {
+        let (Some(id), Some(i)) = (
+            self.groups.get(group),
+            self.gpus.iter().position(|g| g == gpu),
+        ) else {
+            return 0;
+        };
+        (self.core.swaps().into_iter())
+            .filter(|s| s.1 == *id)
+            .flat_map(|s| s.3)
+            .filter_map(|p| self.core.process(p, i))
+            .filter(|(r, _)| *r != Residence::Resident)
+            .map(|(_, b)| b)
+            .sum()
+    }
+}
+
+impl Node {
+    /// The configuration's overcommit settings (ratio, waits, windows) apply from now.
+    pub(super) fn set_overcommit(&mut self, settings: Settings, now: u64) {
+        let s = &mut self.overcommit;
+        s.settings = settings;
+        let effects = s.core.set_params(now, settings.params);
+        self.carry_out(effects, now);
+    }
+
+    /// A hook says how much memory `gpu` has.
+    pub(super) fn gpu_memory(&mut self, gpu: GpuUuid, bytes: u64, now: u64) {
+        let s = &mut self.overcommit;
+        if s.capacity.get(&gpu) == Some(&bytes) {
+            return;
+        }
+        s.capacity.insert(gpu, bytes);
+        let i = s.gpu_index(gpu);
+        let effects = s.core.set_capacity(now, i, bytes);
+        tracing::info!(gpu = %uuid_string(&gpu), mib = bytes >> 20, "GPU memory");
+        self.carry_out(effects, now);
+    }
+
+    /// Client `client` of `group` reserved `bytes` on `gpu` within its cap (`answer` granted
+    /// it): sent once the memory is there too. Returns the answer back when the core does not
+    /// check `gpu` (nothing to wait for).
+    pub(super) fn reserve_physical(
+        &mut self,
+        client: ClientId,
+        group: &str,
+        gpu: GpuUuid,
+        bytes: u64,
+        answer: ServerMsg,
+        now: u64,
+    ) -> Option<ServerMsg> {
+        let s = &mut self.overcommit;
+        if !s.checks(&gpu) {
+            return Some(answer);
+        }
+        let ServerMsg::Memory { req, cap, .. } = answer else {
+            return Some(answer);
+        };
+        let weight = self.groups.get(group).map_or(1.0, |p| p.weight);
+        let (g, i) = (s.group_id(group), s.gpu_index(gpu));
+        let rank = core::GroupRank {
+            priority: 0,
+            weight,
+        };
+        s.core.set_group(g, rank);
+        s.core.attach(ProcessId(client), g);
+        let id = RequestId(s.next_req);
+        s.next_req += 1;
+        s.asks.insert(
+            id,
+            Ask {
+                client,
+                req,
+                gpu,
+                bytes,
+                cap,
+            },
+        );
+        let effects = s.core.request(now, id, ProcessId(client), i, bytes);
+        self.carry_out(effects, now);
+        if self.overcommit.asks.contains_key(&id) {
+            // It waits: the process is told so at once, and for how long at most.
+            let max_wait_ns = self.overcommit.settings.params.max_wait_ns;
+            self.send(client, ServerMsg::MemWait { req, max_wait_ns });
+        }
+        None
+    }
+
+    /// Client `client` of `group` states what it holds on `gpu` (after reconnecting).
+    pub(super) fn restate_physical(
+        &mut self,
+        client: ClientId,
+        group: &str,
+        gpu: GpuUuid,
+        bytes: u64,
+        now: u64,
+    ) {
+        if self.overcommit.settings.ratio <= 1.0 {
+            return;
+        }
+        let s = &mut self.overcommit;
+        let (g, i) = (s.group_id(group), s.gpu_index(gpu));
+        s.core.attach(ProcessId(client), g);
+        let effects = s.core.restate(now, ProcessId(client), i, bytes);
+        self.carry_out(effects, now);
+    }
+
+    /// Client `client` freed `bytes` on `gpu`.
+    pub(super) fn free_physical(&mut self, client: ClientId, gpu: GpuUuid, bytes: u64, now: u64) {
+        let s = &mut self.overcommit;
+        let Some(i) = s.gpus.iter().position(|g| *g == gpu) else {
+            return;
+        };
+        let effects = s.core.free(now, ProcessId(client), i, bytes);
+        self.carry_out(effects, now);
+    }
+
+    /// Client `client` is gone: its memory, on the GPU or in host memory, and its waits.
+    pub(super) fn exit_physical(&mut self, client: ClientId, now: u64) {
+        let s = &mut self.overcommit;
+        s.asks.retain(|_, a| a.client != client);
+        let effects = s.core.exit(now, ProcessId(client));
+        self.carry_out(effects, now);
+    }
+
+    /// Whether group `group` has work waiting (a swapped-out group then wants to come back),
+    /// and that it ran.
+    pub(super) fn group_pending(&mut self, group: &str, pending: bool, now: u64) {
+        let s = &mut self.overcommit;
+        let Some(&g) = s.groups.get(group) else {
+            return;
+        };
+        s.core.ran(g, now);
+        let effects = s.core.set_pending(now, g, pending);
+        self.carry_out(effects, now);
+    }
+
+    /// The checkpoint of `swap` ended.
+    pub(super) fn swapped_out(&mut self, swap: u64, outcome: Result<(), SwapOutFailure>, now: u64) {
+        if let Err(e) = outcome {
+            tracing::warn!(
+                swap,
+                "swap-out failed ({e:?}): choosing another victim or waiting"
+            );
+        }
+        let effects = self.overcommit.core.swapped_out(now, SwapId(swap), outcome);
+        self.carry_out(effects, now);
+    }
+
+    /// The restore of `swap` ended.
+    pub(super) fn swapped_in(&mut self, swap: u64, ok: bool, now: u64) {
+        let effects = self.overcommit.core.swapped_in(now, SwapId(swap), ok);
+        self.carry_out(effects, now);
+    }
+
+    /// Time passed: waits may have run out.
+    pub(super) fn tick_overcommit(&mut self, now: u64) {
+        if self.overcommit.wake_at.is_some_and(|at| at <= now) {
+            let effects = self.overcommit.core.tick(now);
+            self.carry_out(effects, now);
+        }
+    }
+
+    /// When the core next needs a tick.
+    pub(super) fn overcommit_wakeup(&self) -> Option<u64> {
+        self.overcommit.wake_at
+    }
+
+    fn pids(&self, processes: &[ProcessId]) -> Vec<u32> {
+        (processes.iter())
+            .filter_map(|p| self.clients.get(p.0).map(|c| c.pid))
+            .collect()
+    }
+
+    /// What the core decided, as replies and work for the shell.
+    fn carry_out(&mut self, effects: Vec<core::Effect>, now: u64) {
+        for e in effects {
+            match e {
+                core::Effect::Grant(r) => {
+                    if let Some(a) = self.overcommit.asks.remove(&r) {
+                        let used = self.memory_used(a.client, &a.gpu);
+                        let answer = ServerMsg::Memory {
+                            req: a.req,
+                            granted: true,
+                            cap: a.cap,
+                            used,
+                            journaled: true,
+                        };
+                        self.books.after_persist(a.client, answer);
+                    }
+                }
+                core::Effect::Refuse(r, why) => {
+                    let Some(a) = self.overcommit.asks.remove(&r) else {
+                        continue;
+                    };
+                    self.memory.free(a.client, a.gpu, a.bytes);
+                    let group = self.clients.get(a.client).and_then(|c| c.group.as_deref());
+                    let message = format!(
+                        "out of GPU memory on {}: {} MiB within the group's cap refused: {why}",
+                        uuid_string(&a.gpu),
+                        a.bytes.div_ceil(1 << 20)
+                    );
+                    tracing::warn!(client = a.client, group = ?group, "{message}");
+                    if let Some(g) = group {
+                        self.overcommit
+                            .refusals
+                            .insert(g.to_string(), message.clone());
+                    }
+                    self.send(
+                        a.client,
+                        ServerMsg::Error {
+                            message,
+                            fatal: false,
+                        },
+                    );
+                    let used = self.memory_used(a.client, &a.gpu);
+                    self.send(
+                        a.client,
+                        ServerMsg::Memory {
+                            req: a.req,
+                            granted: false,
+                            cap: a.cap,
+                            used,
+                            journaled: true,
+                        },
+                    );
+                }
+                core::Effect::SwapOut {
+                    swap,
+                    group,
+                    gpu,
+                    processes,
+                } => {
+                    let pids = self.pids(&processes);
+                    let name = self.overcommit.group_name(group).to_string();
+                    let gpu = self.overcommit.gpus.get(gpu).copied().unwrap_or_default();
+                    tracing::info!(swap = swap.0, group = %name, gpu = %uuid_string(&gpu), ?pids, "swapping out to host memory");
+                    let lock_timeout_ms = self.overcommit.settings.lock_timeout_ms;
+                    self.effects.push(Effect::SwapOut {
+                        swap: swap.0,
+                        pids,
+                        lock_timeout_ms,
+                    });
+                }
+                core::Effect::SwapIn {
+                    swap,
+                    group,
+                    processes,
+                } => {
+                    let pids = self.pids(&processes);
+                    let name = self.overcommit.group_name(group);
+                    tracing::info!(swap = swap.0, group = %name, ?pids, "restoring from host memory");
+                    self.effects.push(Effect::SwapIn { swap: swap.0, pids });
+                }
+                core::Effect::Lost { processes, .. } => {
+                    for p in processes {
+                        let message = "this process's GPU memory could not be restored after \
+                                       a swap to host memory: restart it"
+                            .to_string();
+                        self.fatal(p.0, message, now);
+                    }
+                }
+            }
+        }
+        self.overcommit.wake_at = self.overcommit.core.next_wakeup(now);
+    }
+
+    /// What `client`'s group uses on `gpu` (for a reservation's answer).
+    fn memory_used(&self, client: ClientId, gpu: &GpuUuid) -> u64 {
+        (self.clients.get(client))
+            .and_then(|c| c.group.as_deref())
+            .map_or(0, |g| self.memory.used(g, gpu))
+    }
+}
