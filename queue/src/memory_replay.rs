@@ -531,6 +531,7 @@ fn rates(jobs: &[Job], oc: &Overcommit, gpus: u32) -> BTreeMap<usize, f64> {
                 request: 0.0,
                 limit: jobs[i].demand,
                 weight: 1.0,
+                ..GroupParams::default()
             })
             .collect();
         for (&i, share) in here.iter().zip(water_fill(&params)) {

@@ -249,6 +249,8 @@ mod tests {
             memory_used,
             memory_cap: None,
             memory_reservations: 0,
+            memory_swapped: 0,
+            memory_refused: None,
             pod: None,
         }
     }
@@ -264,6 +266,7 @@ mod tests {
                 holder: None,
                 waiting: vec![],
                 groups,
+                physical: None,
             }],
         }
     }
