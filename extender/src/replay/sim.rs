@@ -12,9 +12,7 @@
 //! memory left (Alibaba's extender). `seed` follows its own scheduler: largest request first,
 //! a random GPU that passes its test, one placement per 6 s.
 
-use crate::policy::{
-    self, Demand, Fit, GpuBook, Kind, Learner, Observed, Policy, SeedWindow, Tenant,
-};
+use crate::policy::{self, Demand, Fit, GpuBook, Learner, Observed, Policy, SeedWindow, Tenant};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use std::sync::Arc;
@@ -54,9 +52,6 @@ pub struct JobSpec {
     /// `Some(s)`: the pod holds its GPU for the whole replay (it would hold it `s` seconds);
     /// `None`: it ends when its shape does.
     pub held: Option<u64>,
-    /// Pods of one kind are the same program asking the same (`predicted` learns from them);
-    /// `None`: unlike any other.
-    pub kind: Option<Kind>,
 }
 
 #[derive(Debug, Clone)]
@@ -519,7 +514,6 @@ impl<'a> Sim<'a> {
             units: job.units,
             cap,
             peak: Some(peak_of(job, cap)),
-            kind: job.kind,
         }
     }
 
@@ -631,7 +625,7 @@ impl<'a> Sim<'a> {
                 units: if whole { gpu.book.units } else { d.units },
                 cap: if whole { gpu.book.memory } else { d.cap },
                 peak: d.peak,
-                observed: Observed::new(t as f64, job.kind),
+                observed: Observed::new(t as f64),
             });
         }
         self.refresh_node(n);

@@ -143,7 +143,6 @@ pub fn build(w: Workload, seed: u64, overprov_pct: u32, cluster: (usize, usize))
                         peak_of_cap: None,
                         util: e.util,
                         held: None,
-                        kind: Some(0),
                     });
                     t += rng.random_range(20..=40u64);
                 }
@@ -192,7 +191,6 @@ pub fn build(w: Workload, seed: u64, overprov_pct: u32, cluster: (usize, usize))
                     peak_of_cap: Some(peak),
                     util: f64::from(units) / 100.0,
                     held: Some(held),
-                    kind: None,
                 });
             }
             let end = jobs.len() as u64 + OPENB_TAIL_S;
