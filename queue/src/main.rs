@@ -325,14 +325,7 @@ fn main() -> ExitCode {
             cmd,
         });
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("GPUSHARE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    gpushare_logging::init("info", std::io::stderr);
     let result = match cli.cmd {
         Cmd::Shim { .. } => unreachable!("handled above"),
         Cmd::Serve {
