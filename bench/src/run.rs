@@ -144,12 +144,26 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         args.extend(t.client_args(duration_ms, k as u64 + 1));
         let cmd = match mode {
             Mode::Gpushare => {
-                let mut c =
-                    node.tenant_command(&t.name, t.request, t.limit, t.weight, &client, &args);
+                // As a user starts it: `gpushare run --group … [--latency] -- client …`.
+                let (r, l, w) = (
+                    t.request.to_string(),
+                    t.limit.to_string(),
+                    t.weight.to_string(),
+                );
+                let mut run_args = vec![
+                    "--group",
+                    &t.name,
+                    "--request",
+                    &r,
+                    "--limit",
+                    &l,
+                    "--weight",
+                    &w,
+                ];
                 if t.class == GroupClass::Latency {
-                    // What `gpushare run --latency` sets for the hook.
-                    c.env("GPUSHARE_CLASS", "latency");
+                    run_args.push("--latency");
                 }
+                let mut c = node.run_command(&run_args, &client, &args);
                 if let Some(s) = &starved {
                     s.tenant(&mut c);
                 }
