@@ -245,7 +245,11 @@ impl Policy {
     /// predecessor's first half).
     pub(crate) fn grant_ahead_ns(&self) -> u64 {
         let ahead = self.cfg.grant_ahead_ns;
-        ahead.max(ahead.saturating_add(self.late_ns).min(self.cfg.quota_ns / 2))
+        ahead.max(
+            ahead
+                .saturating_add(self.late_ns)
+                .min(self.cfg.quota_ns / 2),
+        )
     }
 
     /// Hot reload of the timing parameters. Turns granted keep their deadlines; buckets and

@@ -748,9 +748,11 @@ fn a_late_scheduler_grants_turns_earlier_by_its_lateness() {
         let plan_at = 20 * MS - ahead;
         assert_eq!(p.next_wakeup(0), Some(plan_at), "late by {late} ns");
         p.tick(plan_at - 1);
-        assert!(!p.take_decisions().iter().any(
-            |d| matches!(d, Decision::Grant { client: 2, .. })
-        ));
+        assert!(
+            !p.take_decisions()
+                .iter()
+                .any(|d| matches!(d, Decision::Grant { client: 2, .. }))
+        );
         p.tick(plan_at);
         let granted = p.take_decisions();
         assert!(

@@ -97,10 +97,18 @@ mod tests {
         let mut r = Recent::default();
         assert_eq!(r.record(3 * MS, 1_000 * MS), 3 * MS);
         assert_eq!(r.record(MS, 1_500 * MS), 3 * MS);
-        assert_eq!(r.record(0, 2_100 * MS), 3 * MS, "the span before still counts");
+        assert_eq!(
+            r.record(0, 2_100 * MS),
+            3 * MS,
+            "the span before still counts"
+        );
         assert_eq!(r.record(0, 3_200 * MS), 0, "two spans on: forgotten");
         assert_eq!(r.record(7 * MS, 3_300 * MS), 7 * MS);
-        assert_eq!(r.record(0, 9_000 * MS), 0, "a long quiet: forgotten at once");
+        assert_eq!(
+            r.record(0, 9_000 * MS),
+            0,
+            "a long quiet: forgotten at once"
+        );
     }
 
     #[test]
