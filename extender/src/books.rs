@@ -8,7 +8,9 @@
 //!
 //! Pure: the I/O shell (`serve.rs`) feeds it and asks it.
 
-use crate::policy::{self, Demand, Fit, GpuBook, Learner, Observed, Policy, SeedWindow, Tenant};
+use crate::policy::{
+    self, Demand, Fit, GpuBook, Kind, Learner, Observed, Policy, SeedWindow, Tenant,
+};
 use crate::report::NodeReport;
 use k8s_openapi::api::core::v1::Pod;
 use std::collections::{BTreeMap, VecDeque};
@@ -36,6 +38,16 @@ pub struct PodInfo {
     pub gpus: Vec<String>,
     /// Ended, or being deleted: its memory is free for the next pod at once.
     pub gone: bool,
+    /// Its namespace, container images, units and memory annotation (hashed): `predicted`
+    /// expects pods of one kind to use alike.
+    pub kind: Kind,
+}
+
+/// FNV-1a: a hash that is the same in every process and run.
+fn fnv(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 /// The pod's units of `gpushare.io/gpu-share` (limits, else requests, summed over its
@@ -72,9 +84,21 @@ pub fn pod_info(p: &Pod) -> Result<Option<PodInfo>, String> {
     let m = &p.metadata;
     let ann = m.annotations.clone().unwrap_or_default();
     let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+    let namespace = m.namespace.clone().unwrap_or_else(|| "default".into());
+    let images = spec
+        .containers
+        .iter()
+        .map(|c| c.image.as_deref().unwrap_or(""));
+    let kind = fnv(std::iter::once(namespace.as_str())
+        .chain(images)
+        .chain([
+            units.to_string().as_str(),
+            ann.get(MEMORY_ANNOTATION).map_or("", String::as_str),
+        ])
+        .flat_map(|s| s.bytes().chain([0])));
     Ok(Some(PodInfo {
         uid: m.uid.clone().unwrap_or_default(),
-        namespace: m.namespace.clone().unwrap_or_else(|| "default".into()),
+        namespace,
         name: m.name.clone().unwrap_or_default(),
         node: spec.node_name.clone().filter(|n| !n.is_empty()),
         units,
@@ -91,6 +115,7 @@ pub fn pod_info(p: &Pod) -> Result<Option<PodInfo>, String> {
             })
             .unwrap_or_default(),
         gone: m.deletion_timestamp.is_some() || matches!(phase, Some("Succeeded" | "Failed")),
+        kind,
     }))
 }
 
@@ -227,18 +252,18 @@ impl Books {
                 state.error = Some(e);
             }
             Ok(r) => {
-                let by_name: BTreeMap<(&str, &str), &str> = self
+                let by_name: BTreeMap<(&str, &str), &PodInfo> = self
                     .pods
                     .values()
-                    .map(|p| ((p.namespace.as_str(), p.name.as_str()), p.uid.as_str()))
+                    .map(|p| ((p.namespace.as_str(), p.name.as_str()), p))
                     .collect();
                 let mut totals: BTreeMap<&str, f64> = BTreeMap::new();
                 for ((gpu, ns, pod), u) in &r.pods {
                     *totals.entry(gpu.as_str()).or_default() += u.used as f64;
-                    if let Some(uid) = by_name.get(&(ns.as_str(), pod.as_str())) {
+                    if let Some(p) = by_name.get(&(ns.as_str(), pod.as_str())) {
                         self.observed
-                            .entry(uid.to_string())
-                            .or_insert_with(|| Observed::new(now))
+                            .entry(p.uid.clone())
+                            .or_insert_with(|| Observed::new(now, Some(p.kind)))
                             .observe(u.used, now, &mut self.learner);
                     }
                 }
@@ -332,7 +357,7 @@ impl Books {
                         .observed
                         .get(&p.uid)
                         .cloned()
-                        .unwrap_or_else(|| Observed::new(now)),
+                        .unwrap_or_else(|| Observed::new(now, Some(p.kind))),
                 });
             }
         }
@@ -348,7 +373,7 @@ impl Books {
                         units,
                         cap: book.memory / u64::from(book.units.max(1)) * u64::from(units),
                         peak: None,
-                        observed: Observed::new(now),
+                        observed: Observed::new(now, None),
                     });
                 }
             }
@@ -415,6 +440,7 @@ impl Books {
                 units: pod.units,
                 cap: pod.cap_on(book.memory, false),
                 peak: None,
+                kind: Some(pod.kind),
             };
             let samples;
             let window = if self.policy == Policy::Seed {
@@ -486,13 +512,7 @@ impl Books {
                 let score = match self.choose(pod, n, now) {
                     Ok(c) if self.policy.ranks_nodes() => (c.score * 10.0).round() as i64,
                     Ok(_) if self.policy == Policy::Seed => {
-                        let h = n
-                            .bytes()
-                            .chain(pod.uid.bytes())
-                            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-                            });
-                        (h % 11) as i64
+                        (fnv(n.bytes().chain(pod.uid.bytes())) % 11) as i64
                     }
                     _ => 0,
                 };
@@ -506,7 +526,8 @@ impl Books {
         let mut p = pod.clone();
         p.node = Some(node.to_string());
         p.gpus = gpus.clone();
-        self.observed.insert(p.uid.clone(), Observed::new(now));
+        self.observed
+            .insert(p.uid.clone(), Observed::new(now, Some(p.kind)));
         self.assumed.insert(
             p.uid.clone(),
             Assumed {
@@ -587,6 +608,7 @@ mod tests {
             memory: None,
             gpus: gpus.iter().map(|s| s.to_string()).collect(),
             gone: false,
+            kind: fnv(name.bytes()),
         }
     }
 

@@ -561,7 +561,7 @@ async fn from_prometheus(
         .await
         .and_then(|body| report::parse_prometheus(&body, node_label))
     {
-        Ok(mut by_node) => {
+        Ok(by_node) => {
             let mut out: Vec<(String, Result<NodeReport, String>)> = Vec::new();
             for n in known {
                 if !by_node.contains_key(&n) {
@@ -573,11 +573,7 @@ async fn from_prometheus(
                     ));
                 }
             }
-            out.extend(
-                std::mem::take(&mut by_node)
-                    .into_iter()
-                    .map(|(n, r)| (n, Ok(r))),
-            );
+            out.extend(by_node);
             out
         }
         Err(e) => known.into_iter().map(|n| (n, Err(e.clone()))).collect(),
