@@ -81,9 +81,10 @@ impl Observed {
         }
     }
 
-    /// Whether the use has been flat (not above its peak) for [`SETTLE_S`].
+    /// Whether the use has been flat (not above its peak) for [`SETTLE_S`]. A pod never seen
+    /// holding memory has not settled: its GPU work has not begun (it may still be loading).
     pub fn settled(&self, now: f64) -> bool {
-        now - self.grew_at >= SETTLE_S && now - self.placed_at >= SETTLE_S
+        self.peak > 0 && now - self.grew_at >= SETTLE_S && now - self.placed_at >= SETTLE_S
     }
 
     /// Take in a sample of the pod's use. A pod found above what `predicted` counted it at
@@ -93,7 +94,7 @@ impl Observed {
     pub fn observe(&mut self, used: u64, now: f64, learner: &mut Learner) {
         if used > self.peak {
             let settled = self.settled(now);
-            let believed = if settled && self.peak > 0 {
+            let believed = if settled {
                 Some(self.peak)
             } else if !settled && !self.beyond_kind {
                 self.kind.and_then(|k| learner.kinds.get(&k).copied())
@@ -389,6 +390,18 @@ mod tests {
         assert!((l.margin - 0.2).abs() < 1e-9, "{}", l.margin);
         assert_eq!(t.estimate(Policy::Predicted, 32.0, &l), 24_000);
         assert_eq!(t.estimate(Policy::Predicted, 51.0, &l), 10_080);
+    }
+
+    #[test]
+    fn a_pod_not_yet_seen_holding_memory_counts_at_its_cap_however_long_it_ran() {
+        let mut l = Learner::default();
+        let mut t = tenant(10, 24_000, 0.0);
+        t.observed.kind = Some(3);
+        for s in 0..=60 {
+            t.observed.observe(0, s as f64, &mut l);
+        }
+        assert_eq!(t.estimate(Policy::Predicted, 60.0, &l), 24_000);
+        assert_eq!(l.of_kind(Some(3)), None, "its kind learns nothing from it");
     }
 
     #[test]

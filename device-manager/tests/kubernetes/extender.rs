@@ -409,8 +409,8 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
         .expect("the chosen GPU recorded on x")
         .to_string();
     assert!(gpus.contains(&gx), "{gx} is not a GPU of node-a: {gpus:?}");
-    // The kubelet learns of the bound pod through its watch, as the device manager does.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The kubelet admits it at once: the device manager finds the recorded GPU even if its
+    // own pod watch has not shown the binding yet.
     let px = a.admit(&api, "x", 50).await;
     assert_eq!(gpu_of(&px), gx, "{}", a.manager_log());
     let y = new_pod(&api, "y", 30, "6Gi");
@@ -420,7 +420,6 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
         .expect("the chosen GPU recorded on y")
         .to_string();
     assert_ne!(gy, gx, "y's cap does not fit beside x's");
-    tokio::time::sleep(Duration::from_millis(500)).await;
     let py = a.admit(&api, "y", 30).await;
     assert_eq!(
         gpu_of(&py),
@@ -479,7 +478,6 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
         .unwrap()
         .to_string();
     assert_eq!(p_gpu, gy, "x's GPU holds 6 of 8 GiB");
-    tokio::time::sleep(Duration::from_millis(500)).await;
     let pp = a.admit(&api, "p", 30).await;
     assert_eq!(
         gpu_of(&pp),
@@ -609,7 +607,8 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
         "x's GPU free for the next pod {} ms after its deletion",
         deleted.elapsed().as_millis()
     );
-    // Gone from the API server, its GPU stays free.
+    // Gone from the API server while its kubelet still counts its units (PodResources still
+    // lists x, as a kubelet does for a moment), its GPU stays free.
     api.delete_pod("default", "x");
     assert_eq!(ext.schedule(&r_pod, &nodes).await, "node-a");
     assert_eq!(
