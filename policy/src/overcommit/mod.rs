@@ -18,7 +18,8 @@
 //!    free). Waiting
 //!    demands (allocations, and swapped-out groups that want to run) are served in the order
 //!    they arose, each as soon as it fits; a later, smaller one that fits goes first rather
-//!    than leave the memory idle.
+//!    than leave the memory idle, but never into memory owed to a demand whose wait ran out
+//!    (room is being made for that one: the victims must not come straight back into it).
 //! 3. **Swap out** when a wait runs out: the fewest groups, in order of preference, whose
 //!    memory on that GPU makes room (counting what swaps under way will free). A *victim* is
 //!    never the asker's group, never a group with memory the driver cannot checkpoint (managed
@@ -365,6 +366,8 @@ struct Swap {
     out_since: Nanos,
     /// When its checkpoint or restore started.
     started: Nanos,
+    /// Victims were swapped out to bring it back (rule 5): the memory they free is its.
+    room_made: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -374,6 +377,8 @@ struct Wait {
     gpu: Gpu,
     bytes: Bytes,
     since: Nanos,
+    /// Victims were swapped out for it (rule 3): the memory they free is its.
+    room_made: bool,
 }
 
 /// Counters for metrics.
@@ -524,6 +529,7 @@ impl Overcommit {
             gpu,
             bytes,
             since: now,
+            room_made: false,
         });
         let effects = self.step(now);
         if self.waits.iter().any(|w| w.req == req) {
@@ -850,7 +856,9 @@ impl Overcommit {
     }
 
     /// Rule 2 and 5: serve the demands that fit, oldest first; then restore groups that do not
-    /// want to run, on GPUs where nothing waits.
+    /// want to run, on GPUs where nothing waits. A younger demand never takes memory victims
+    /// were swapped out to free for an older one: else that room goes to whoever fits first,
+    /// the victims come straight back, and the older one waits for ever.
     fn serve(&mut self, now: Nanos, effects: &mut Vec<Effect>) {
         enum Demand {
             Alloc(usize),
@@ -873,19 +881,39 @@ impl Overcommit {
         }
         demands.sort_by_key(|d| (d.0, d.1));
         let mut granted: BTreeSet<usize> = BTreeSet::new();
+        // Bytes per GPU owed to demands that room is being made for.
+        let mut owed: BTreeMap<Gpu, Bytes> = BTreeMap::new();
         for (_, _, d) in demands {
             match d {
                 Demand::Alloc(i) => {
                     let w = &self.waits[i];
-                    if w.bytes <= self.free_on(w.gpu) {
+                    let owed_here = owed.get(&w.gpu).copied().unwrap_or(0);
+                    if w.bytes <= self.free_on(w.gpu).saturating_sub(owed_here) {
                         let (process, gpu, bytes, req) = (w.process, w.gpu, w.bytes, w.req);
                         let p = self.processes.get_mut(&process).expect("resident");
                         *p.held.entry(gpu).or_default() += bytes;
                         granted.insert(i);
                         effects.push(Effect::Grant(req));
+                    } else if w.room_made {
+                        let group = self.processes[&w.process].group;
+                        if self.could_fit(group, w.gpu, w.bytes) {
+                            *owed.entry(w.gpu).or_default() += w.bytes;
+                        }
                     }
                 }
-                Demand::Restore(id) => self.restore_if_it_fits(now, id, effects),
+                Demand::Restore(id) => {
+                    if !self.restore_if_it_fits(now, id, &owed, effects)
+                        && self.swaps[&id].room_made
+                    {
+                        let (group, need) =
+                            (self.swaps[&id].group, self.swap_bytes(&self.swaps[&id]));
+                        if need.iter().all(|(&g, &b)| self.could_fit(group, g, b)) {
+                            for (g, b) in need {
+                                *owed.entry(g).or_default() += b;
+                            }
+                        }
+                    }
+                }
             }
         }
         let mut i = 0;
@@ -904,19 +932,26 @@ impl Overcommit {
             let bytes = self.swap_bytes(&self.swaps[&id]);
             let contested = self.waits.iter().any(|w| bytes.contains_key(&w.gpu));
             if !contested {
-                self.restore_if_it_fits(now, id, effects);
+                self.restore_if_it_fits(now, id, &owed, effects);
             }
         }
     }
 
-    fn restore_if_it_fits(&mut self, now: Nanos, id: SwapId, effects: &mut Vec<Effect>) {
+    /// Start restoring swap `id` if its memory fits beside what is `owed` to others; whether
+    /// it started.
+    fn restore_if_it_fits(
+        &mut self,
+        now: Nanos,
+        id: SwapId,
+        owed: &BTreeMap<Gpu, Bytes>,
+        effects: &mut Vec<Effect>,
+    ) -> bool {
         let s = &self.swaps[&id];
-        let fits = self
-            .swap_bytes(s)
-            .iter()
-            .all(|(&g, &b)| b <= self.free_on(g));
+        let fits = self.swap_bytes(s).iter().all(|(&g, &b)| {
+            b <= (self.free_on(g)).saturating_sub(owed.get(&g).copied().unwrap_or(0))
+        });
         if !fits {
-            return;
+            return false;
         }
         let s = self.swaps.get_mut(&id).expect("present");
         s.state = SwapState::SwappingIn;
@@ -933,6 +968,7 @@ impl Overcommit {
             group,
             processes,
         });
+        true
     }
 
     /// Rule 2's bound: an allocation that waited [`Params::max_wait_ns`] is refused.
@@ -982,7 +1018,12 @@ impl Overcommit {
                     };
                     let group = self.processes[&w.process].group;
                     match self.make_room(now, group, &BTreeMap::from([(w.gpu, w.bytes)]), effects) {
-                        Room::Made | Room::Later => {}
+                        Room::Made => {
+                            if let Some(w) = self.waits.iter_mut().find(|w| w.req == req) {
+                                w.room_made = true;
+                            }
+                        }
+                        Room::Later => {}
                         Room::Never(refusal) => {
                             self.waits.retain(|x| x.req != req);
                             self.counters.refusals += 1;
@@ -999,7 +1040,9 @@ impl Overcommit {
                     }
                     let (group, need) = (s.group, self.swap_bytes(s));
                     // A group that can never fit again waits until others leave.
-                    let _ = self.make_room(now, group, &need, effects);
+                    if let Room::Made = self.make_room(now, group, &need, effects) {
+                        self.swaps.get_mut(&id).expect("present").room_made = true;
+                    }
                 }
             }
         }
@@ -1017,13 +1060,11 @@ impl Overcommit {
         let mut chosen: Vec<(GroupId, Gpu)> = Vec::new();
         let mut later = false;
         for (&gpu, &bytes) in need {
-            let capacity = self.capacity.get(gpu).copied().unwrap_or(0);
-            let (own, unswappable) = self.fixed_on(gpu, asker);
-            let fixed = own + unswappable.iter().map(|u| u.2).sum::<Bytes>();
-            if bytes > capacity.saturating_sub(fixed) {
+            if !self.could_fit(asker, gpu, bytes) {
+                let (own, unswappable) = self.fixed_on(gpu, asker);
                 return Room::Never(Refusal::NeverFits {
                     bytes,
-                    capacity,
+                    capacity: self.capacity.get(gpu).copied().unwrap_or(0),
                     own,
                     unswappable,
                 });
@@ -1076,6 +1117,15 @@ impl Overcommit {
             g.protected_until = g.protected_until.max(now + turn);
         }
         if later { Room::Later } else { Room::Made }
+    }
+
+    /// Rule 4: whether `bytes` more for `group` on `gpu` could fit with every group that may
+    /// be swapped out gone (a demand that never fits is owed nothing: it would block the rest).
+    fn could_fit(&self, group: GroupId, gpu: Gpu, bytes: Bytes) -> bool {
+        let capacity = self.capacity.get(gpu).copied().unwrap_or(0);
+        let (own, unswappable) = self.fixed_on(gpu, group);
+        let fixed = own + unswappable.iter().map(|u| u.2).sum::<Bytes>();
+        bytes <= capacity.saturating_sub(fixed)
     }
 
     /// What `asker`'s group holds on `gpu`, and what groups that can never be victims hold
@@ -1181,6 +1231,7 @@ impl Overcommit {
                 wanted_since: None,
                 out_since: now,
                 started: now,
+                room_made: false,
             },
         );
         self.counters.swap_outs += 1;

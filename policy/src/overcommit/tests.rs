@@ -867,3 +867,62 @@ fn waits_and_memory_turns_follow_what_swaps_cost() {
     assert_eq!(o.next_wakeup(14 * S), Some(28 * S));
     assert_eq!(swap_outs(&o.tick(28 * S)), vec![(SwapId(2), GroupId(1))]);
 }
+
+/// Swaps started to make room for the oldest allocation free memory for it, not for the
+/// victims to come straight back into: three groups that each hold a part of the GPU and each
+/// ask for half of it finish, one after the other (swaps cost nothing here, so a victim's
+/// memory comes free and "fits" again in the same instant).
+#[test]
+fn room_made_by_swaps_goes_to_the_demand_it_was_made_for() {
+    let program = |first: Bytes, hold: Nanos| Program {
+        phases: vec![(first, hold, false), (3 * GIB, 100 * MS, false)],
+        unswappable: false,
+    };
+    let mix = Mix {
+        capacity: 6 * GIB,
+        programs: vec![
+            program(3 * GIB / 2, 1400 * MS),
+            program(2 * GIB, 400 * MS),
+            program(2 * GIB, 100 * MS),
+        ],
+        swap_fixed: 0,
+        swap_per_gib: 0,
+        timeout_every: 0,
+    };
+    let seen = replay(&mix, params()).expect("replay");
+    assert_eq!(seen.finished, 3, "{seen:?}");
+    assert_eq!(seen.refused, 0, "{seen:?}");
+}
+
+/// A swapped-out group that can never come back while an unswappable one holds the GPU is
+/// owed no memory: the unswappable group's own small allocation is granted, it finishes, and
+/// then the other comes back.
+#[test]
+fn a_demand_that_can_never_fit_holds_no_memory_back() {
+    let mix = Mix {
+        capacity: 7 * GIB,
+        programs: vec![
+            Program {
+                phases: vec![
+                    (3 * GIB, 1400 * MS, false),
+                    (2 * GIB, 3100 * MS, false),
+                    (GIB / 2, 100 * MS, false),
+                ],
+                unswappable: true,
+            },
+            Program {
+                phases: vec![(5 * GIB / 2, 2100 * MS, false)],
+                unswappable: false,
+            },
+            Program {
+                phases: vec![(2 * GIB, 100 * MS, true), (5 * GIB / 2, 1600 * MS, false)],
+                unswappable: false,
+            },
+        ],
+        swap_fixed: 121 * MS,
+        swap_per_gib: 64 * MS,
+        timeout_every: 1,
+    };
+    let seen = replay(&mix, params()).expect("replay");
+    assert_eq!(seen.finished, 3, "{seen:?}");
+}
