@@ -13,7 +13,7 @@ use crate::policy::{
 };
 use crate::report::NodeReport;
 use k8s_openapi::api::core::v1::Pod;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 pub const RESOURCE: &str = "gpushare.io/gpu-share";
 /// The GPU(s) the extender chose, by UUID (comma-separated for whole GPUs); the device
@@ -181,6 +181,8 @@ pub struct Counters {
     pub bindings: u64,
     pub binding_errors: u64,
     pub bad_requests: u64,
+    /// Pods whose `gpushare.io/gpu` annotation their node's report contradicted.
+    pub annotation_conflicts: u64,
 }
 
 /// The books.
@@ -196,6 +198,10 @@ pub struct Books {
     last_placement: Option<f64>,
     assumed: BTreeMap<String, Assumed>,
     departed: BTreeMap<String, Departed>,
+    /// Pods whose annotation the node's report contradicts, told once each.
+    conflicts: BTreeSet<String>,
+    /// What the shell should log (drained by [`Books::take_warnings`]).
+    warnings: Vec<String>,
     pub counters: Counters,
 }
 
@@ -227,6 +233,13 @@ impl Placed {
     }
 }
 
+/// Where a pod bound to a node is.
+struct Located<'a> {
+    gpus: Vec<&'a str>,
+    /// Found there in the node's report (else: where its annotation says).
+    in_report: bool,
+}
+
 /// Where one pod would go on one node.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
@@ -247,6 +260,8 @@ impl Books {
             last_placement: None,
             assumed: BTreeMap::new(),
             departed: BTreeMap::new(),
+            conflicts: BTreeSet::new(),
+            warnings: Vec::new(),
             counters: Counters::default(),
         }
     }
@@ -299,6 +314,7 @@ impl Books {
                 .is_none_or(|p| p.node.as_ref() != Some(&a.node))
         });
         self.observed.retain(|uid, _| pods.contains_key(uid));
+        self.conflicts.retain(|uid| pods.contains_key(uid));
     }
 
     /// A node's report (or why it could not be read) at `now`.
@@ -314,19 +330,52 @@ impl Books {
                 self.nodes.entry(node.to_string()).or_default().error = Some(e);
             }
             Ok(r) => {
-                let by_name: BTreeMap<(&str, &str), &PodInfo> = self
-                    .pods
-                    .values()
-                    .map(|p| ((p.namespace.as_str(), p.name.as_str()), p))
-                    .collect();
+                // Each report of a pod's use goes to the pod bound here that is there (by
+                // UID: a namesake being deleted is another pod), summed over its GPUs.
                 let mut totals: BTreeMap<&str, f64> = BTreeMap::new();
-                for ((gpu, ns, pod), u) in &r.pods {
+                for ((gpu, _, _), u) in &r.pods {
                     *totals.entry(gpu.as_str()).or_default() += u.used as f64;
-                    if let Some(p) = by_name.get(&(ns.as_str(), pod.as_str())) {
-                        self.observed
-                            .entry(p.uid.clone())
-                            .or_insert_with(|| Observed::new(now, Some(p.kind)))
-                            .observe(u.used, now, &mut self.learner);
+                }
+                let mut uses: Vec<(String, Kind, u64)> = Vec::new();
+                let mut conflicts: Vec<(String, String)> = Vec::new();
+                for (p, at) in self.locate(node, &r) {
+                    if p.gone || !at.in_report {
+                        continue;
+                    }
+                    let used = at
+                        .gpus
+                        .iter()
+                        .filter_map(|g| {
+                            r.pods
+                                .get(&(g.to_string(), p.namespace.clone(), p.name.clone()))
+                        })
+                        .map(|u| u.used)
+                        .sum();
+                    uses.push((p.uid.clone(), p.kind, used));
+                    if !p.gpus.is_empty() && at.gpus.iter().any(|g| !p.gpus.iter().any(|a| a == g))
+                    {
+                        conflicts.push((
+                            p.uid.clone(),
+                            format!(
+                                "pod {}/{} has {GPU_ANNOTATION}={} but node {node} reports its memory on {}: the books follow the node",
+                                p.namespace,
+                                p.name,
+                                p.gpus.join(","),
+                                at.gpus.join(",")
+                            ),
+                        ));
+                    }
+                }
+                for (uid, kind, used) in uses {
+                    self.observed
+                        .entry(uid)
+                        .or_insert_with(|| Observed::new(now, Some(kind)))
+                        .observe(used, now, &mut self.learner);
+                }
+                for (uid, why) in conflicts {
+                    if self.conflicts.insert(uid) {
+                        self.counters.annotation_conflicts += 1;
+                        self.warnings.push(why);
                     }
                 }
                 for gpu in r.gpus.keys() {
@@ -398,14 +447,6 @@ impl Books {
     /// The node's healthy GPUs with the pods the API server (and the extender's own bindings)
     /// place there, by `report` at `now`.
     fn placed(&self, node: &str, report: &NodeReport, now: f64) -> Placed {
-        // Where each pod of the node is: the node's own report, else the chosen GPU.
-        let mut located: BTreeMap<(&str, &str), Vec<&str>> = BTreeMap::new();
-        for (gpu, ns, pod) in report.pods.keys() {
-            located
-                .entry((ns.as_str(), pod.as_str()))
-                .or_default()
-                .push(gpu.as_str());
-        }
         let mut placed = Placed {
             books: report
                 .gpus
@@ -425,20 +466,9 @@ impl Books {
             leaving: BTreeMap::new(),
             departed: BTreeMap::new(),
         };
-        let on_node = |p: &&PodInfo| p.node.as_deref() == Some(node);
-        let bound = self
-            .pods
-            .values()
-            .filter(on_node)
-            .chain(self.assumed.values().map(|a| &a.pod).filter(on_node))
-            .chain(self.departed.values().map(|d| &d.pod).filter(on_node));
-        for p in bound {
-            let gpus: Vec<&str> = match located.get(&(p.namespace.as_str(), p.name.as_str())) {
-                Some(g) => g.clone(),
-                None => p.gpus.iter().map(String::as_str).collect(),
-            };
-            let whole = gpus.len() > 1 || p.units > UNITS_PER_GPU;
-            for g in gpus {
+        for (p, at) in self.locate(node, report) {
+            let whole = at.gpus.len() > 1 || p.units > UNITS_PER_GPU;
+            for g in at.gpus {
                 let Some(book) = placed.books.get_mut(g) else {
                     continue;
                 };
@@ -466,6 +496,89 @@ impl Books {
             }
         }
         placed
+    }
+
+    /// Every pod bound (or assumed bound, or departed) to `node`, with the GPUs it is on. The
+    /// node's report wins over the `gpushare.io/gpu` annotation: a pod's memory is where the
+    /// report finds it (the device manager falls back to its own choice when the recorded GPU
+    /// cannot take the pod); a pod not in the report yet is where its annotation says. The
+    /// report names pods by namespace and name, so namesakes — a pod deleted and recreated
+    /// under its name while the old one still holds its GPU — share the GPUs reported under
+    /// that name: each takes those its annotation names, the one not leaving the others.
+    fn locate<'a>(&'a self, node: &str, report: &'a NodeReport) -> Vec<(&'a PodInfo, Located<'a>)> {
+        let on_node = |p: &&PodInfo| p.node.as_deref() == Some(node);
+        let mut by_name: BTreeMap<(&str, &str), Vec<&PodInfo>> = BTreeMap::new();
+        for p in self
+            .pods
+            .values()
+            .filter(on_node)
+            .chain(self.assumed.values().map(|a| &a.pod).filter(on_node))
+            .chain(self.departed.values().map(|d| &d.pod).filter(on_node))
+        {
+            by_name
+                .entry((p.namespace.as_str(), p.name.as_str()))
+                .or_default()
+                .push(p);
+        }
+        let mut out = Vec::new();
+        for ((ns, name), pods) in by_name {
+            let reported: Vec<&str> = report
+                .pods
+                .keys()
+                .filter(|(_, n, p)| n == ns && p == name)
+                .map(|(g, _, _)| g.as_str())
+                .collect();
+            let annotated =
+                |p: &'a PodInfo| -> Vec<&'a str> { p.gpus.iter().map(String::as_str).collect() };
+            if let [p] = pods[..] {
+                let at = if reported.is_empty() {
+                    Located {
+                        gpus: annotated(p),
+                        in_report: false,
+                    }
+                } else {
+                    Located {
+                        gpus: reported,
+                        in_report: true,
+                    }
+                };
+                out.push((p, at));
+                continue;
+            }
+            let claimed = |p: &PodInfo| -> Vec<&'a str> {
+                reported
+                    .iter()
+                    .copied()
+                    .filter(|g| p.gpus.iter().any(|a| a == g))
+                    .collect()
+            };
+            let unclaimed: Vec<&str> = reported
+                .iter()
+                .copied()
+                .filter(|g| !pods.iter().any(|p| p.gpus.iter().any(|a| a == g)))
+                .collect();
+            for p in pods {
+                let mine = claimed(p);
+                let at = if !mine.is_empty() {
+                    Located {
+                        gpus: mine,
+                        in_report: true,
+                    }
+                } else if !p.gone && !unclaimed.is_empty() {
+                    Located {
+                        gpus: unclaimed.clone(),
+                        in_report: true,
+                    }
+                } else {
+                    Located {
+                        gpus: annotated(p),
+                        in_report: false,
+                    }
+                };
+                out.push((p, at));
+            }
+        }
+        out
     }
 
     fn seed_samples(&self, gpu: &str, now: f64) -> Vec<f64> {
@@ -642,6 +755,11 @@ impl Books {
             .collect()
     }
 
+    /// Warnings found since the last call, for the log.
+    pub fn take_warnings(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.warnings)
+    }
+
     pub fn learner(&self) -> &Learner {
         &self.learner
     }
@@ -777,6 +895,133 @@ mod tests {
         b.remove_pod("uid-big", 1.0);
         b.node_report("n1", Ok(report(&[("GPU-a", 90)], &[])), 1.0);
         assert!(b.choose(&pod("next", 50, None, &[]), "n1", 1.0).is_ok());
+    }
+
+    #[test]
+    fn a_pod_recreated_under_its_name_is_another_pod() {
+        let mut b = Books::new(Policy::Requests, 100.0);
+        let mut old = pod("w", 60, Some("n1"), &["GPU-a"]);
+        old.uid = "uid-w-old".into();
+        b.set_pods(vec![old, pod("v", 30, Some("n1"), &["GPU-b"])], 0.0);
+        let lingering = |new_w: Option<u64>| {
+            let mut pods = vec![("GPU-a", "w", 2 * GIB)];
+            pods.extend(new_w.map(|u| ("GPU-b", "w", u)));
+            report(
+                &[
+                    ("GPU-a", 60),
+                    ("GPU-b", if new_w.is_some() { 90 } else { 30 }),
+                ],
+                &pods,
+            )
+        };
+        b.node_report("n1", Ok(lingering(None)), 0.0);
+        // Force-deleted: gone from the API server while its process still holds 2 GiB and its
+        // kubelet still counts its units; a new pod of the same name follows at once.
+        b.remove_pod("uid-w-old", 1.0);
+        let new = pod("w", 60, None, &[]);
+        b.upsert_pod(new.clone());
+        b.node_report("n1", Ok(lingering(None)), 1.0);
+        assert!(
+            !b.observed.contains_key("uid-w"),
+            "the old pod's use taken for the new one's"
+        );
+        let c = b.choose(&new, "n1", 1.0).unwrap();
+        assert_eq!(c.gpus, vec!["GPU-b"], "best fit beside v: {c:?}");
+        b.bound(&new, "n1", c.gpus.clone(), 1.0);
+        b.upsert_pod(pod("w", 60, Some("n1"), &["GPU-b"]));
+        // The node reports both under the name w: the old one's on GPU-a, the new one's on
+        // GPU-b. The new pod is one share on GPU-b (not a whole GPU on each), and GPU-a is
+        // free for the next pod.
+        for t in 2..=4 {
+            b.node_report("n1", Ok(lingering(Some(GIB))), t as f64);
+        }
+        let books: BTreeMap<String, GpuBook> = b.gpus_of("n1", 4.0).unwrap().into_iter().collect();
+        assert!(books["GPU-a"].tenants.is_empty(), "{:?}", books["GPU-a"]);
+        assert_eq!(books["GPU-b"].units_used(), 90);
+        assert_eq!(b.observed["uid-w"].peak, GIB, "only the new pod's own use");
+        let z = pod("z", 30, None, &[]);
+        assert_eq!(b.choose(&z, "n1", 4.0).unwrap().gpus, vec!["GPU-a"]);
+        // The old process ends and the kubelet lets go: nothing changes for the new pod.
+        b.node_report(
+            "n1",
+            Ok(report(
+                &[("GPU-a", 0), ("GPU-b", 90)],
+                &[("GPU-b", "w", GIB)],
+            )),
+            5.0,
+        );
+        assert!(b.departed.is_empty());
+        assert_eq!(b.choose(&z, "n1", 5.0).unwrap().gpus, vec!["GPU-a"]);
+        assert!(b.take_warnings().is_empty());
+    }
+
+    #[test]
+    fn a_gpu_annotation_the_node_contradicts_is_counted_where_the_node_says_and_told_once() {
+        let mut b = Books::new(Policy::Requests, 100.0);
+        // p was recorded on GPU-a, but the node reports its units and memory on GPU-b (the
+        // device manager's own choice: the recorded GPU could not take it).
+        b.set_pods(vec![pod("p", 60, Some("n1"), &["GPU-a"])], 0.0);
+        let r = report(&[("GPU-a", 0), ("GPU-b", 60)], &[("GPU-b", "p", GIB)]);
+        b.node_report("n1", Ok(r.clone()), 0.0);
+        let books: BTreeMap<String, GpuBook> = b.gpus_of("n1", 0.0).unwrap().into_iter().collect();
+        assert!(books["GPU-a"].tenants.is_empty(), "counted where annotated");
+        assert_eq!(books["GPU-b"].units_used(), 60);
+        let w = b.take_warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("gpushare.io/gpu=GPU-a") && w[0].contains("on GPU-b"),
+            "{w:?}"
+        );
+        b.node_report("n1", Ok(r), 1.0);
+        assert!(b.take_warnings().is_empty(), "told once");
+        assert_eq!(b.counters.annotation_conflicts, 1);
+        assert_eq!(
+            b.choose(&pod("q", 100, None, &[]), "n1", 1.0).unwrap().gpus,
+            vec!["GPU-a"]
+        );
+        // A pod recorded on a GPU its node does not have, not yet holding memory: its units,
+        // wherever the kubelet assigned them, count there as unexplained.
+        b.upsert_pod(pod("s", 30, Some("n1"), &["GPU-gone"]));
+        b.node_report(
+            "n1",
+            Ok(report(
+                &[("GPU-a", 30), ("GPU-b", 60)],
+                &[("GPU-b", "p", GIB)],
+            )),
+            2.0,
+        );
+        let err = b.choose(&pod("q", 80, None, &[]), "n1", 2.0).unwrap_err();
+        assert!(err.contains("70 of 100 units free"), "{err}");
+    }
+
+    #[test]
+    fn a_restarted_extender_counts_no_pod_removed_before_it_started() {
+        // Fresh books: the API server's list has k, not r (removed while the extender was
+        // down), though r's kubelet still counts its 40 units and its process its memory.
+        let mut b = Books::new(Policy::Predicted, 100.0);
+        b.set_pods(vec![pod("k", 50, Some("n1"), &["GPU-a"])], 0.0);
+        b.node_report(
+            "n1",
+            Ok(report(
+                &[("GPU-a", 90)],
+                &[("GPU-a", "k", GIB), ("GPU-a", "r", GIB)],
+            )),
+            0.0,
+        );
+        assert!(!b.observed.contains_key("uid-r"));
+        let next = pod("next", 50, None, &[]);
+        let err = b.choose(&next, "n1", 0.0).unwrap_err();
+        assert!(
+            err.contains("10 of 100 units free"),
+            "held by the node: {err}"
+        );
+        // The node lets go of r: counted no more.
+        b.node_report(
+            "n1",
+            Ok(report(&[("GPU-a", 50)], &[("GPU-a", "k", GIB)])),
+            1.0,
+        );
+        assert_eq!(b.choose(&next, "n1", 1.0).unwrap().gpus, vec!["GPU-a"]);
     }
 
     #[test]

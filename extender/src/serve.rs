@@ -16,7 +16,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use http_body_util::BodyExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -256,16 +257,24 @@ async fn do_bind(shared: &Shared, a: &BindingArgs) -> Result<(), String> {
             a.pod_name
         ));
     }
+    let mut replaced = None;
     let gpus = match books::pod_info(&pod)? {
         None => Vec::new(),
         Some(info) => {
             let now = shared.now();
             let books = shared.books();
-            // A GPU written on the pod beforehand is kept only where it is on this node and
-            // can take the pod; otherwise the extender's own choice replaces it.
+            // The annotation is the extender's to write: one written on the pod beforehand
+            // that its choice contradicts is replaced, and the pod gets a Warning event.
             let chosen = books.choose(&info, &a.node, now)?;
             if !info.gpus.is_empty() && info.gpus != chosen.gpus {
-                tracing::warn!(pod = %format!("{ns}/{}", a.pod_name), "{GPU_ANNOTATION}={} replaced by {} (the extender chooses the GPU)", info.gpus.join(","), chosen.gpus.join(","));
+                let why = format!(
+                    "{GPU_ANNOTATION}={} replaced by {} on node {}: the extender chooses the GPU",
+                    info.gpus.join(","),
+                    chosen.gpus.join(","),
+                    a.node
+                );
+                tracing::warn!(pod = %format!("{ns}/{}", a.pod_name), "{why}");
+                replaced = Some(why);
             }
             chosen.gpus
         }
@@ -297,7 +306,60 @@ async fn do_bind(shared: &Shared, a: &BindingArgs) -> Result<(), String> {
         shared.books().bound(&info, &a.node, gpus.clone(), now);
     }
     tracing::info!(pod = %format!("{ns}/{}", a.pod_name), node = %a.node, gpus = %gpus.join(","), "bound");
+    if let Some(why) = replaced {
+        warn_event(client, &pod, "GpuAnnotationReplaced", why);
+    }
     Ok(())
+}
+
+/// Post a `Warning` event on `pod` (`kubectl describe pod` shows it), without waiting: the
+/// binding is made whether or not the API server takes it.
+fn warn_event(client: kube::Client, pod: &Pod, reason: &'static str, message: String) {
+    let m = &pod.metadata;
+    let ns = m.namespace.clone().unwrap_or_else(|| "default".into());
+    let now =
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());
+    let event = Event {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("{}.", m.name.clone().unwrap_or_default())),
+            namespace: Some(ns.clone()),
+            ..Default::default()
+        },
+        involved_object: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Pod".into()),
+            name: m.name.clone(),
+            namespace: Some(ns.clone()),
+            uid: m.uid.clone(),
+            ..Default::default()
+        },
+        reason: Some(reason.into()),
+        message: Some(message),
+        type_: Some("Warning".into()),
+        source: Some(EventSource {
+            component: Some("gpushare-extender".into()),
+            host: None,
+        }),
+        reporting_component: Some("gpushare.io/extender".into()),
+        first_timestamp: Some(now.clone()),
+        last_timestamp: Some(now),
+        count: Some(1),
+        ..Default::default()
+    };
+    tokio::spawn(async move {
+        let api: Api<Event> = Api::namespaced(client, &ns);
+        let posted = tokio::time::timeout(
+            Duration::from_secs(10),
+            api.create(&PostParams::default(), &event),
+        )
+        .await;
+        if !matches!(posted, Ok(Ok(_))) {
+            tracing::warn!(
+                "cannot post the {reason} event on pod {ns}/{:?}",
+                event.involved_object.name
+            );
+        }
+    });
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
@@ -344,6 +406,11 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
         "gpushare_extender_bad_requests_total",
         "Requests that were not valid extender calls.",
         vec![(String::new(), c.bad_requests as f64)],
+    );
+    family(
+        "gpushare_extender_gpu_annotation_conflicts_total",
+        "Pods whose gpushare.io/gpu annotation their node's report contradicted (the books follow the node).",
+        vec![(String::new(), c.annotation_conflicts as f64)],
     );
     family(
         "gpushare_extender_mispredictions_total",
@@ -535,6 +602,9 @@ async fn scrape_loop(shared: Arc<Shared>, args: ServeArgs) {
                 tracing::warn!(node = %node, "metrics unreadable: {e}");
             }
             books.node_report(&node, r, now);
+        }
+        for w in books.take_warnings() {
+            tracing::warn!("{w}");
         }
     }
 }

@@ -148,12 +148,23 @@ fn gpu_of(pod: &Pod) -> String {
 /// `units`, with a memory cap.
 fn new_pod(api: &FakeApiServer, name: &str, units: u32, memory: &str) -> Value {
     let uid = format!("{:08x}-1d2c-4b6a-8e0f-5a4b3c2d1e0f", fxhash(name) as u32);
+    pod_with(
+        api,
+        name,
+        &uid,
+        units,
+        json!({"gpushare.io/gpu-memory": memory}),
+    )
+}
+
+/// As [`new_pod`], with its UID and annotations given.
+fn pod_with(api: &FakeApiServer, name: &str, uid: &str, units: u32, annotations: Value) -> Value {
     api.create(
         Kind::Pod,
         json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "default", "uid": uid,
-                "annotations": {"gpushare.io/gpu-memory": memory}},
+                "annotations": annotations},
             "spec": {"schedulerName": "gpushare", "containers": [{"name": "main", "image": "cuda-app",
                 "resources": {"limits": {RESOURCE: units.to_string()}}}]},
             "status": {"phase": "Pending"}
@@ -615,4 +626,198 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
         pod_of(&api, "r")["metadata"]["annotations"]["gpushare.io/gpu"],
         json!(gx)
     );
+}
+
+/// The recorded GPU of pod `name`.
+fn recorded_gpu(api: &FakeApiServer, name: &str) -> String {
+    pod_of(api, name)["metadata"]["annotations"]["gpushare.io/gpu"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no GPU recorded on {name}"))
+        .to_string()
+}
+
+/// Pods that are not what the books last saw: a pod force-deleted and recreated under its
+/// name (another UID) is another pod, placed afresh on the units the old one left, and a
+/// binding meant for the old one is refused; a `gpushare.io/gpu` annotation written before
+/// the binding is replaced by the extender's choice, with a Warning event, and one edited
+/// afterwards to contradict where the node reports the pod is told (logged, counted) while
+/// the books follow the node; a pod removed while the extender was down is not counted once
+/// it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_extender_tells_recreated_pods_apart_follows_the_node_and_forgets_pods_removed_while_down()
+ {
+    if let Err(why) = cgroups_usable() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let api = FakeApiServer::start().await;
+    let mut a = GpuNode::start("node-a", 2, &api).await;
+    let gpus = a.gpus().await;
+    assert_eq!(gpus.len(), 2);
+    let tmp = tempfile::tempdir().unwrap();
+    let kubeconfig = api.kubeconfig(tmp.path());
+    let log = tmp.path().join("extender.log");
+    let mut ext = Extender::start(&kubeconfig, &log, &[]);
+    let probe = new_pod(&api, "probe", 10, "1Gi");
+    until(Duration::from_secs(30), "node-a readable", || async {
+        let (kept, failed) = ext.filter(&probe, &["node-a"]).await;
+        (kept == ["node-a"])
+            .then_some(())
+            .ok_or(format!("{failed:?}"))
+    })
+    .await;
+    api.delete_pod("default", "probe");
+
+    // w (60 units) on node-a, holding 2 GiB.
+    let old_uid = "0ld00000-1d2c-4b6a-8e0f-5a4b3c2d1e0f";
+    let w = pod_with(
+        &api,
+        "w",
+        old_uid,
+        60,
+        json!({"gpushare.io/gpu-memory": "4Gi"}),
+    );
+    assert_eq!(ext.schedule(&w, &["node-a"]).await, "node-a");
+    let g_old = recorded_gpu(&api, "w");
+    let pw = a.admit(&api, "w", 60).await;
+    assert_eq!(gpu_of(&pw), g_old);
+    let cg_w = Cgroup::make(Driver::SystemdV2, &pw.uid, &pw.container_id);
+    let hold_w = a.hold(&pw, &cg_w, 2 * 1024);
+    // The other GPU takes 60 units no more once x (50) is there.
+    let x = new_pod(&api, "x", 50, "3Gi");
+    assert_eq!(ext.schedule(&x, &["node-a"]).await, "node-a");
+    let g_x = recorded_gpu(&api, "x");
+    assert_ne!(g_x, g_old, "60 + 50 units do not share a GPU");
+    let px = a.admit(&api, "x", 50).await;
+    assert_eq!(gpu_of(&px), g_x);
+
+    // w is force-deleted (gone from the API server at once, its process still running) and
+    // created again under its name with another UID: the new w is placed afresh, on the
+    // units the old one leaves, and a binding meant for the old one is refused.
+    api.delete_pod("default", "w");
+    let new_uid = "9e300000-1d2c-4b6a-8e0f-5a4b3c2d1e0f";
+    let w2 = pod_with(
+        &api,
+        "w",
+        new_uid,
+        60,
+        json!({"gpushare.io/gpu-memory": "4Gi"}),
+    );
+    let r = ext
+        .post(
+            "/bind",
+            &json!({"podName": "w", "podNamespace": "default", "podUID": old_uid, "node": "node-a"}),
+        )
+        .await;
+    assert!(
+        r["error"].as_str().unwrap_or("").contains("recreated"),
+        "{r}"
+    );
+    let (kept, failed) = ext.filter(&w2, &["node-a"]).await;
+    assert_eq!(
+        kept,
+        ["node-a"],
+        "the old w's units are not free: {failed:?}"
+    );
+    assert_eq!(ext.schedule(&w2, &["node-a"]).await, "node-a");
+    assert_eq!(
+        recorded_gpu(&api, "w"),
+        g_old,
+        "the only GPU with 60 units free"
+    );
+    // The kubelet lets go of the old w's units before it admits the new one (as a kubelet
+    // reclaims the devices of pods no longer active), and its container ends.
+    a.podres.forget("default", "w");
+    a.used.retain(|d| !pw.devices.contains(d));
+    drop(hold_w);
+    let pw2 = a.admit(&api, "w", 60).await;
+    assert_eq!(gpu_of(&pw2), g_old, "{}", a.manager_log());
+    assert_ne!(pw2.uid, pw.uid);
+    // Counted once, as one share: 40 units left on its GPU, 50 on x's.
+    let y = new_pod(&api, "y", 45, "1Gi");
+    let (kept, failed) = ext.filter(&y, &["node-a"]).await;
+    assert_eq!(kept, ["node-a"], "{failed:?}");
+    let z = new_pod(&api, "z", 55, "1Gi");
+    let (kept, failed) = ext.filter(&z, &["node-a"]).await;
+    assert!(kept.is_empty(), "55 units fit no GPU");
+    assert!(failed["node-a"].contains("units free"), "{failed:?}");
+    api.delete_pod("default", "z");
+
+    // y was written to go on w's GPU beforehand: the extender's choice (x's GPU, the only
+    // one with 45 units free) replaces it, with a Warning event on y.
+    api.update_pod("default", "y", |p| {
+        p["metadata"]["annotations"]["gpushare.io/gpu"] = json!(g_old);
+    });
+    let y = pod_of(&api, "y");
+    assert_eq!(ext.schedule(&y, &["node-a"]).await, "node-a");
+    assert_eq!(recorded_gpu(&api, "y"), g_x);
+    let event = until(
+        Duration::from_secs(10),
+        "the Warning event on y",
+        || async {
+            api.events("default")
+                .into_iter()
+                .find(|e| e["reason"] == "GpuAnnotationReplaced")
+                .ok_or("none yet".to_string())
+        },
+    )
+    .await;
+    assert_eq!(event["involvedObject"]["name"], "y", "{event}");
+    assert_eq!(event["type"], "Warning", "{event}");
+    assert!(event["message"].as_str().unwrap().contains(&g_x), "{event}");
+    let py = a.admit(&api, "y", 45).await;
+    assert_eq!(gpu_of(&py), g_x, "{}", a.manager_log());
+    // Then y's annotation is edited to name w's GPU: the node reports y's memory on x's GPU,
+    // and that is what the books follow (told and counted once).
+    let cg_y = Cgroup::make(Driver::SystemdV2, &py.uid, &py.container_id);
+    let _hold_y = a.hold(&py, &cg_y, 512);
+    api.update_pod("default", "y", |p| {
+        p["metadata"]["annotations"]["gpushare.io/gpu"] = json!(g_old);
+    });
+    until(
+        Duration::from_secs(20),
+        "the contradiction counted",
+        || async {
+            let m = ext.metrics().await;
+            m.contains("gpushare_extender_gpu_annotation_conflicts_total 1\n")
+                .then_some(())
+                .ok_or(m)
+        },
+    )
+    .await;
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.contains(&format!("reports its memory on {g_x}")),
+        "{logged}"
+    );
+    // 40 units left on w's GPU, as before: y is not counted there.
+    let v = new_pod(&api, "v", 40, "1Gi");
+    let (kept, failed) = ext.filter(&v, &["node-a"]).await;
+    assert_eq!(kept, ["node-a"], "{failed:?}");
+    api.delete_pod("default", "v");
+
+    // The extender stops; meanwhile x is removed (from the API server and its kubelet).
+    // Back, it rebuilds its books from the API server and the node: x is not counted, so
+    // 55 units fit beside y on x's GPU, and 60 fit nowhere.
+    drop(ext);
+    api.delete_pod("default", "x");
+    a.podres.forget("default", "x");
+    a.used.retain(|d| !px.devices.contains(d));
+    ext = Extender::start(&kubeconfig, &tmp.path().join("extender-2.log"), &[]);
+    let big = new_pod(&api, "big", 55, "1Gi");
+    until(
+        Duration::from_secs(30),
+        "the restarted extender keeps node-a for 55 units",
+        || async {
+            let (kept, failed) = ext.filter(&big, &["node-a"]).await;
+            (kept == ["node-a"])
+                .then_some(())
+                .ok_or(format!("{failed:?}"))
+        },
+    )
+    .await;
+    let bigger = new_pod(&api, "bigger", 60, "1Gi");
+    let (kept, failed) = ext.filter(&bigger, &["node-a"]).await;
+    assert!(kept.is_empty(), "w 60 and y 45 leave 40 and 55 units");
+    assert!(failed["node-a"].contains("units free"), "{failed:?}");
 }
