@@ -56,7 +56,7 @@ fn main() -> ExitCode {
             } else {
                 let (o, lo, hi) = (&summary.median, &summary.min, &summary.max);
                 println!(
-                    "{} {} overprov {}%: pending mean {:.1} s ({:.1}–{:.1}), p99 {:.1} s; completion p99 {:.1} s ({:.1}–{:.1}); memory used {:.3}; GPU busy {:.3}; out-of-memory {} ({}–{}); unallocated GPU fragments at peak {:.2} ({:.2}–{:.2}) (medians of {} seeds, smallest–largest in brackets)",
+                    "{} {} overprov {}%: pending mean {:.1} s ({:.1}–{:.1}), p99 {:.1} s; completion p99 {:.1} s ({:.1}–{:.1}); memory used {:.3}; GPU busy {:.3}; out-of-memory {} ({}–{}); unallocated GPU fragments at peak {:.2} ({:.2}–{:.2}); never placed {} ({}–{}) (medians of {} seeds, smallest–largest in brackets)",
                     a.policy.name(),
                     a.workload.to_possible_value_name(),
                     a.overprov,
@@ -75,6 +75,9 @@ fn main() -> ExitCode {
                     o.unallocated_gpus_peak,
                     lo.unallocated_gpus_peak,
                     hi.unallocated_gpus_peak,
+                    o.unplaced,
+                    lo.unplaced,
+                    hi.unplaced,
                     a.seeds
                 );
             }

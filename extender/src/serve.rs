@@ -238,7 +238,7 @@ async fn do_bind(shared: &Shared, a: &BindingArgs) -> Result<(), String> {
     } else {
         &a.pod_namespace
     };
-    let pods: Api<Pod> = Api::namespaced(client, ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let pod = pods
         .get(&a.pod_name)
         .await

@@ -81,6 +81,7 @@ pub fn run(a: &ReplayArgs) -> Summary {
             gpu_busy_frac: m(|o| o.gpu_busy_frac),
             oom: m(|o| o.oom),
             unallocated_gpus_peak: m(|o| o.unallocated_gpus_peak),
+            unplaced: m(|o| o.unplaced),
         }
     };
     Summary {

@@ -78,6 +78,8 @@ pub struct Outcome {
     pub gpu_busy_frac: f64,
     pub oom: f64,
     pub unallocated_gpus_peak: f64,
+    /// Pods submitted but never placed by the end of the replay.
+    pub unplaced: f64,
 }
 
 /// A GPU's memory in use, kept as the points where it changed.
@@ -301,10 +303,13 @@ impl<'a> Sim<'a> {
             }
         }
         let end = t;
-        let (mut pending, mut jct) = (Vec::new(), Vec::new());
+        let (mut pending, mut jct, mut unplaced) = (Vec::new(), Vec::new(), 0);
         for (j, s) in spec.jobs.iter().zip(&self.jobs) {
             if j.arrival >= end {
                 continue;
+            }
+            if s.placed.is_none() {
+                unplaced += 1;
             }
             let waited = s.placed.unwrap_or(end) - j.arrival;
             pending.push(waited as f64);
@@ -321,6 +326,7 @@ impl<'a> Sim<'a> {
             gpu_busy_frac: busy_sum / end.max(1) as f64,
             oom: self.oom as f64,
             unallocated_gpus_peak: frag_peak,
+            unplaced: f64::from(unplaced),
         }
     }
 
