@@ -240,6 +240,21 @@ struct Located<'a> {
     in_report: bool,
 }
 
+/// `reported` if not empty, else `annotated` (not in the report).
+fn located<'a>(reported: Vec<&'a str>, annotated: Vec<&'a str>) -> Located<'a> {
+    if reported.is_empty() {
+        Located {
+            gpus: annotated,
+            in_report: false,
+        }
+    } else {
+        Located {
+            gpus: reported,
+            in_report: true,
+        }
+    }
+}
+
 /// Where one pod would go on one node.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
@@ -504,7 +519,8 @@ impl Books {
     /// cannot take the pod); a pod not in the report yet is where its annotation says. The
     /// report names pods by namespace and name, so namesakes — a pod deleted and recreated
     /// under its name while the old one still holds its GPU — share the GPUs reported under
-    /// that name: each takes those its annotation names, the one not leaving the others.
+    /// that name: the leaving one takes those its annotation names, the other the rest (or,
+    /// with none left, those its own annotation names).
     fn locate<'a>(&'a self, node: &str, report: &'a NodeReport) -> Vec<(&'a PodInfo, Located<'a>)> {
         let on_node = |p: &&PodInfo| p.node.as_deref() == Some(node);
         let mut by_name: BTreeMap<(&str, &str), Vec<&PodInfo>> = BTreeMap::new();
@@ -531,48 +547,37 @@ impl Books {
             let annotated =
                 |p: &'a PodInfo| -> Vec<&'a str> { p.gpus.iter().map(String::as_str).collect() };
             if let [p] = pods[..] {
-                let at = if reported.is_empty() {
-                    Located {
-                        gpus: annotated(p),
-                        in_report: false,
-                    }
-                } else {
-                    Located {
-                        gpus: reported,
-                        in_report: true,
-                    }
-                };
-                out.push((p, at));
+                out.push((p, located(reported, annotated(p))));
                 continue;
             }
-            let claimed = |p: &PodInfo| -> Vec<&'a str> {
+            let annotated_in_report = |p: &PodInfo| -> Vec<&'a str> {
                 reported
                     .iter()
                     .copied()
                     .filter(|g| p.gpus.iter().any(|a| a == g))
                     .collect()
             };
-            let unclaimed: Vec<&str> = reported
+            // The leaving ones first: on the reported GPUs their annotations name.
+            let mut leaving_on: Vec<&str> = Vec::new();
+            for p in pods.iter().copied().filter(|p| p.gone) {
+                let mine = annotated_in_report(p);
+                leaving_on.extend(&mine);
+                out.push((p, located(mine, annotated(p))));
+            }
+            // The others on the rest (the device manager may have put one elsewhere than its
+            // annotation says), else beside a leaving namesake where annotated.
+            let rest: Vec<&str> = reported
                 .iter()
                 .copied()
-                .filter(|g| !pods.iter().any(|p| p.gpus.iter().any(|a| a == g)))
+                .filter(|g| !leaving_on.contains(g))
                 .collect();
-            for p in pods {
-                let mine = claimed(p);
-                let at = if !mine.is_empty() {
-                    Located {
-                        gpus: mine,
-                        in_report: true,
-                    }
-                } else if !p.gone && !unclaimed.is_empty() {
-                    Located {
-                        gpus: unclaimed.clone(),
-                        in_report: true,
-                    }
+            for p in pods.iter().copied().filter(|p| !p.gone) {
+                let at = if rest.is_empty() {
+                    located(annotated_in_report(p), annotated(p))
                 } else {
                     Located {
-                        gpus: annotated(p),
-                        in_report: false,
+                        gpus: rest.clone(),
+                        in_report: true,
                     }
                 };
                 out.push((p, at));
@@ -953,6 +958,31 @@ mod tests {
         assert!(b.departed.is_empty());
         assert_eq!(b.choose(&z, "n1", 5.0).unwrap().gpus, vec!["GPU-a"]);
         assert!(b.take_warnings().is_empty());
+    }
+
+    #[test]
+    fn a_recreated_pod_the_node_placed_elsewhere_than_recorded_is_found_there() {
+        let mut b = Books::new(Policy::Requests, 100.0);
+        let mut old = pod("w", 60, Some("n1"), &["GPU-a"]);
+        old.uid = "uid-w-old".into();
+        b.set_pods(vec![old], 0.0);
+        b.remove_pod("uid-w-old", 1.0);
+        // The new w was recorded on GPU-a too, but the kubelet still held the old one's units
+        // there: the device manager gave it GPU-b's.
+        b.upsert_pod(pod("w", 60, Some("n1"), &["GPU-a"]));
+        b.node_report(
+            "n1",
+            Ok(report(
+                &[("GPU-a", 60), ("GPU-b", 60)],
+                &[("GPU-a", "w", 2 * GIB), ("GPU-b", "w", GIB)],
+            )),
+            2.0,
+        );
+        let books: BTreeMap<String, GpuBook> = b.gpus_of("n1", 2.0).unwrap().into_iter().collect();
+        assert!(books["GPU-a"].tenants.is_empty(), "{:?}", books["GPU-a"]);
+        assert_eq!(books["GPU-b"].units_used(), 60);
+        assert_eq!(b.observed["uid-w"].peak, GIB);
+        assert_eq!(b.counters.annotation_conflicts, 1, "recorded on GPU-a");
     }
 
     #[test]
