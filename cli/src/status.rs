@@ -214,6 +214,7 @@ mod tests {
                 sum_s: 0.01,
                 max_s: 0.004,
             },
+            memory_swaps: Default::default(),
         };
         let table = render(&r);
         assert!(

@@ -12,7 +12,7 @@ pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
 /// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
@@ -286,6 +286,7 @@ mod tests {
                     free: 20 << 30,
                     swapped: 30 << 30,
                     overcommit: 1.5,
+                    waiting: 1,
                 }),
             }],
             pods: vec![PodReport {
@@ -313,6 +314,14 @@ mod tests {
                 count: 6,
                 sum_s: 0.004,
                 max_s: 0.002,
+            },
+            memory_swaps: status::SwapCounters {
+                swap_outs: 2,
+                swap_ins: 1,
+                swap_out_failures: 1,
+                restores_failed: 0,
+                allocation_waits: 3,
+                allocations_refused: 1,
             },
         }
     }

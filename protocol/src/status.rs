@@ -18,6 +18,26 @@ pub struct Report {
     pub unhooked: Vec<Unhooked>,
     /// How late the daemon's event loop handled what was due, since it started.
     pub event_loop: LoopLatency,
+    /// Memory overcommit's swaps, waits and refusals on the node since the daemon started.
+    pub memory_swaps: SwapCounters,
+}
+
+/// Memory overcommit's swaps, waits and refusals on the node since the daemon started.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SwapCounters {
+    /// Swap-outs begun: a group's memory on a GPU on its way to host memory (a failed one
+    /// counts here and in `swap_out_failures`).
+    pub swap_outs: u64,
+    /// Restores begun: a swapped group's memory on its way back to its GPU.
+    pub swap_ins: u64,
+    /// Swap-outs that failed (lock timed out, checkpoint refused): another victim was tried.
+    pub swap_out_failures: u64,
+    /// Restores that failed: the group's processes lost their device memory.
+    pub restores_failed: u64,
+    /// Allocations within their cap that did not fit the GPU and waited.
+    pub allocation_waits: u64,
+    /// Allocations within their cap refused for lack of physical memory.
+    pub allocations_refused: u64,
 }
 
 /// A Kubernetes container known to the scheduler through the admin socket.
@@ -70,6 +90,8 @@ pub struct PhysicalMemory {
     pub swapped: u64,
     /// How far the groups' caps may sum past `total` (`memory_overcommit`).
     pub overcommit: f64,
+    /// Allocations waiting for memory on this GPU now.
+    pub waiting: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -1020,6 +1020,7 @@ mod tests {
             pods: vec![],
             unhooked: vec![],
             event_loop: LoopLatency::default(),
+            memory_swaps: Default::default(),
             gpus: vec![GpuReport {
                 uuid: "GPU-b".into(),
                 holder: None,

@@ -261,6 +261,7 @@ mod tests {
             pods: vec![],
             unhooked: vec![],
             event_loop: LoopLatency::default(),
+            memory_swaps: Default::default(),
             gpus: vec![GpuReport {
                 uuid: uuid.into(),
                 holder: None,

@@ -1,7 +1,7 @@
 //! The scheduler's report in Prometheus text format, for its metrics endpoint
 //! ([`crate::metrics`]).
 
-use gpushare_protocol::status::{GroupReport, LoopLatency, Report};
+use gpushare_protocol::status::{GpuReport, GroupReport, LoopLatency, PhysicalMemory, Report};
 use std::fmt::Write;
 
 /// The report in Prometheus text format (`GET /metrics`), with DCGM-style `gpu` and `UUID`
@@ -14,7 +14,7 @@ pub fn render(r: &Report) -> String {
         &'static str,
         fn(&GroupReport) -> Option<f64>,
     );
-    let metrics: [Metric; 12] = [
+    let metrics: [Metric; 13] = [
         (
             "gpushare_group_request",
             "gauge",
@@ -87,6 +87,12 @@ pub fn render(r: &Report) -> String {
             "Memory reservations the group's processes waited for (small allocations come from their leases).",
             |g| Some(g.memory_reservations as f64),
         ),
+        (
+            "gpushare_group_memory_swapped_bytes",
+            "gauge",
+            "Of the group's GPU memory, bytes swapped to host memory (or on their way out or in) under memory overcommit.",
+            |g| Some(g.memory_swapped as f64),
+        ),
     ];
     let mut out = String::new();
     for (name, kind, help, value) in metrics {
@@ -117,8 +123,92 @@ pub fn render(r: &Report) -> String {
         out,
         "# HELP gpushare_unhooked_processes Processes using the GPU driver without gpushare's hook (ungated).\n# TYPE gpushare_unhooked_processes gauge\ngpushare_unhooked_processes {missing}"
     );
+    physical(&mut out, &r.gpus);
+    swaps(&mut out, r);
     event_loop(&mut out, &r.event_loop);
     out
+}
+
+/// Each GPU's physical books under memory overcommit (GPUs it does not check have none).
+fn physical(out: &mut String, gpus: &[GpuReport]) {
+    type Metric = (&'static str, &'static str, fn(&PhysicalMemory) -> f64);
+    let metrics: [Metric; 4] = [
+        (
+            "gpushare_gpu_memory_total_bytes",
+            "The GPU's memory, as its hooks told it.",
+            |m| m.total as f64,
+        ),
+        (
+            "gpushare_gpu_memory_used_bytes",
+            "GPU memory held by processes whose memory is on the GPU.",
+            |m| m.used as f64,
+        ),
+        (
+            "gpushare_gpu_memory_swapped_bytes",
+            "GPU memory of swapped-out processes, held in host memory.",
+            |m| m.swapped as f64,
+        ),
+        (
+            "gpushare_gpu_memory_allocations_waiting",
+            "Allocations within their cap waiting for memory on the GPU.",
+            |m| m.waiting as f64,
+        ),
+    ];
+    for (name, help, value) in metrics {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for (i, gpu) in gpus.iter().enumerate() {
+            if let Some(m) = &gpu.physical {
+                let _ = writeln!(
+                    out,
+                    "{name}{{gpu=\"{i}\",UUID=\"{}\"}} {}",
+                    gpu.uuid,
+                    value(m)
+                );
+            }
+        }
+    }
+}
+
+/// Memory overcommit's swaps, waits and refusals on the node.
+fn swaps(out: &mut String, r: &Report) {
+    let c = &r.memory_swaps;
+    for (name, help, v) in [
+        (
+            "gpushare_memory_swap_outs_total",
+            "Swap-outs begun (a group's memory on a GPU moved to host memory).",
+            c.swap_outs,
+        ),
+        (
+            "gpushare_memory_swap_ins_total",
+            "Restores begun (a swapped group's memory moved back to its GPU).",
+            c.swap_ins,
+        ),
+        (
+            "gpushare_memory_swap_out_failures_total",
+            "Swap-outs that failed (lock timed out, checkpoint refused).",
+            c.swap_out_failures,
+        ),
+        (
+            "gpushare_memory_restores_failed_total",
+            "Restores that failed: the group's processes lost their device memory.",
+            c.restores_failed,
+        ),
+        (
+            "gpushare_memory_allocation_waits_total",
+            "Allocations within their cap that did not fit the GPU and waited.",
+            c.allocation_waits,
+        ),
+        (
+            "gpushare_memory_allocations_refused_total",
+            "Allocations within their cap refused for lack of physical memory.",
+            c.allocations_refused,
+        ),
+    ] {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+        );
+    }
 }
 
 /// The event loop's lateness as a Prometheus histogram (cumulative buckets).
@@ -148,7 +238,7 @@ fn label(v: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpushare_protocol::status::{GpuReport, PodLabels, Unhooked};
+    use gpushare_protocol::status::{PodLabels, SwapCounters, Unhooked};
 
     #[test]
     fn prometheus_text() {
@@ -190,7 +280,14 @@ mod tests {
                 holder: None,
                 waiting: vec![],
                 groups: vec![g, p],
-                physical: None,
+                physical: Some(PhysicalMemory {
+                    total: 2048,
+                    used: 1536,
+                    free: 512,
+                    swapped: 1024,
+                    overcommit: 1.5,
+                    waiting: 1,
+                }),
             }],
             pods: vec![],
             unhooked: vec![Unhooked {
@@ -204,6 +301,14 @@ mod tests {
                 count: 7,
                 sum_s: 0.5,
                 max_s: 0.4,
+            },
+            memory_swaps: SwapCounters {
+                swap_outs: 3,
+                swap_ins: 2,
+                swap_out_failures: 1,
+                restores_failed: 0,
+                allocation_waits: 5,
+                allocations_refused: 1,
             },
         };
         let text = render(&r);
@@ -224,6 +329,17 @@ mod tests {
             "gpushare_event_loop_lateness_seconds_bucket{le=\"+Inf\"} 7",
             "gpushare_event_loop_lateness_seconds_sum 0.5",
             "gpushare_event_loop_lateness_seconds_count 7",
+            "gpushare_gpu_memory_used_bytes{gpu=\"0\",UUID=\"GPU-x\"} 1536",
+            "gpushare_gpu_memory_swapped_bytes{gpu=\"0\",UUID=\"GPU-x\"} 1024",
+            "gpushare_gpu_memory_allocations_waiting{gpu=\"0\",UUID=\"GPU-x\"} 1",
+            "# TYPE gpushare_memory_swap_outs_total counter",
+            "gpushare_memory_swap_outs_total 3",
+            "gpushare_memory_swap_ins_total 2",
+            "gpushare_memory_swap_out_failures_total 1",
+            "gpushare_memory_restores_failed_total 0",
+            "gpushare_memory_allocation_waits_total 5",
+            "gpushare_memory_allocations_refused_total 1",
+            "gpushare_group_memory_swapped_bytes{gpu=\"0\",UUID=\"GPU-x\",group=\"a\"} 0",
         ] {
             assert!(text.contains(&format!("{line}\n")), "{line} in {text}");
         }

@@ -14,8 +14,8 @@ use gpushare_policy::ClientId;
 use gpushare_policy::overcommit::{
     self as core, GroupId, Overcommit, ProcessId, RequestId, Residence, SwapId, SwapOutFailure,
 };
-use gpushare_protocol::status::PhysicalMemory;
 use gpushare_protocol::status::uuid_string;
+use gpushare_protocol::status::{PhysicalMemory, SwapCounters};
 use gpushare_protocol::{GpuUuid, ServerMsg};
 use std::collections::BTreeMap;
 
@@ -115,7 +115,21 @@ impl State {
             free: b.capacity.saturating_sub(b.used),
             swapped: b.swapped,
             overcommit: self.settings.ratio,
+            waiting: (self.core.waiting().iter()).filter(|w| w.2 == i).count() as u64,
         })
+    }
+
+    /// The core's swaps, waits and refusals since the daemon started.
+    pub fn counters(&self) -> SwapCounters {
+        let c = self.core.counters();
+        SwapCounters {
+            swap_outs: c.swap_outs,
+            swap_ins: c.swap_ins,
+            swap_out_failures: c.swap_out_failures,
+            restores_failed: c.lost,
+            allocation_waits: c.waits,
+            allocations_refused: c.refusals,
+        }
     }
 
     /// Bytes of `group` on `gpu` that are not resident: swapped out, or on their way.

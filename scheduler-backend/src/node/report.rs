@@ -5,7 +5,7 @@ use super::{Effect, Node, STATUS_REUSE_NS};
 use gpushare_policy::{ClientId, GroupClass};
 use gpushare_protocol::admin::GpuUsage;
 use gpushare_protocol::status::{
-    ClientReport, GpuReport, GroupReport, LoopLatency, PodLabels, Report, uuid_string,
+    ClientReport, GpuReport, GroupReport, LoopLatency, PodLabels, Report, SwapCounters, uuid_string,
 };
 use std::sync::Arc;
 
@@ -17,6 +17,7 @@ pub(super) fn empty() -> Report {
         pods: Vec::new(),
         unhooked: Vec::new(),
         event_loop: LoopLatency::default(),
+        memory_swaps: SwapCounters::default(),
     }
 }
 
@@ -127,6 +128,7 @@ impl Node {
             pods: self.pods.report(),
             unhooked: self.unhooked.clone(),
             event_loop: self.latency.report(),
+            memory_swaps: self.overcommit.counters(),
         }
     }
 }
