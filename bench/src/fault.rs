@@ -1,13 +1,14 @@
 //! Faults of the scheduler during a run with gpushare (a scenario's `[fault]`), and what they
 //! cost the tenants: stopped (`SIGSTOP`, a frozen cgroup or a debugger) for a while, killed
-//! (`kill -9`) and started again a while later, or starved of CPU for the whole run — in a cpu
+//! (`kill -9`) and started again a while later, starved of CPU for the whole run — in a cpu
 //! cgroup with a 50m request's weight beside one CPU hog per core, or under a hard 50m quota
-//! (5 ms per 100 ms).
+//! (5 ms per 100 ms) —, its socket's path removed (its directory replaced), or its memory
+//! journal's file system full while a process allocates.
 
-use crate::report::{FaultRun, round};
+use crate::report::{FaultRun, JournalRun, round};
 use anyhow::Context;
 use gpushare_testkit::cgroup::CpuCgroup;
-use gpushare_testkit::node::{Node, longest_without_kernel, monotonic_ns, shares_in};
+use gpushare_testkit::node::{Node, Tenant, longest_without_kernel, monotonic_ns, shares_in};
 use gpushare_testkit::trace::{Trace, Window};
 use serde::{Deserialize, Serialize};
 use std::process::{Child, Command, Stdio};
@@ -25,6 +26,13 @@ pub enum FaultKind {
     StarveRequest,
     /// The same under a hard 50m CPU quota.
     StarveQuota,
+    /// The tenant socket's path removed at `at_ms` (its directory replaced, as a remounted
+    /// host path): the window lasts until every tenant is listed by a `gpushare status` that
+    /// reached the scheduler through the path again.
+    ReplaceSocket,
+    /// The memory journal's file system (a 1 MiB tmpfs) full from `at_ms` for `for_ms`, while
+    /// a third process (fail-open) allocates 256 MiB.
+    JournalFull,
 }
 
 /// A scenario's `[fault]`.
@@ -44,6 +52,88 @@ impl FaultSpec {
     /// Whether the scheduler is starved for the whole run (rather than stopped or killed once).
     pub fn starves(&self) -> bool {
         matches!(self.kind, FaultKind::StarveRequest | FaultKind::StarveQuota)
+    }
+}
+
+/// A small file system for the scheduler's memory journal (a tmpfs mounted in the node's
+/// scratch directory, unmounted when dropped), to be filled.
+pub struct JournalFs {
+    dir: std::path::PathBuf,
+}
+
+/// The journal file system's size: the journal of a few processes takes a few hundred bytes.
+const JOURNAL_FS_SIZE: &str = "size=1m";
+/// The allocation made while the journal's file system is full.
+const JOURNAL_FULL_ALLOC_MIB: &str = "256";
+
+/// The `cudarc-client` arguments of the process that allocates while the journal is full: a
+/// few kernels holding [`JOURNAL_FULL_ALLOC_MIB`].
+pub fn journal_full_alloc_args() -> [&'static str; 9] {
+    [
+        "spin",
+        "--ms-per-kernel",
+        "1",
+        "--kernels",
+        "10",
+        "--sync-every",
+        "10",
+        "--alloc-mib",
+        JOURNAL_FULL_ALLOC_MIB,
+    ]
+}
+
+impl JournalFs {
+    /// Mount it in `node`'s scratch directory (needs root).
+    pub fn mount(node: &Node) -> anyhow::Result<JournalFs> {
+        let dir = node.tmp.path().join("journal-fs");
+        std::fs::create_dir_all(&dir)?;
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", JOURNAL_FS_SIZE, "tmpfs"])
+            .arg(&dir)
+            .output()
+            .context("cannot run mount")?;
+        anyhow::ensure!(
+            out.status.success(),
+            "the journal-full fault mounts a tmpfs for the scheduler's journal (needs root): {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        Ok(JournalFs { dir })
+    }
+
+    /// The journal's path in it (the scheduler's `--books`).
+    pub fn books(&self) -> std::path::PathBuf {
+        self.dir.join("books.json")
+    }
+
+    fn filler(&self) -> std::path::PathBuf {
+        self.dir.join("filler")
+    }
+
+    /// Fill it: a file written until the file system is full.
+    fn fill(&self) -> anyhow::Result<()> {
+        use std::io::Write;
+        let mut f = std::fs::File::create(self.filler())?;
+        let block = [0u8; 4096];
+        loop {
+            if let Err(e) = f.write_all(&block) {
+                anyhow::ensure!(
+                    e.raw_os_error() == Some(libc::ENOSPC),
+                    "cannot fill the journal's file system: {e}"
+                );
+                return Ok(());
+            }
+        }
+    }
+
+    /// Make room again.
+    fn empty(&self) {
+        let _ = std::fs::remove_file(self.filler());
+    }
+}
+
+impl Drop for JournalFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.dir).status();
     }
 }
 
@@ -132,16 +222,52 @@ impl Drop for Starved {
     }
 }
 
-/// Stop or kill `node`'s scheduler as `f` says, `f.at_ms` after `started` (ms of
-/// `CLOCK_MONOTONIC`), and bring it back `f.for_ms` later; the fault's window, and after a kill
-/// when every one of `pids` was connected to the new scheduler (ns after it started; `None`:
-/// not within 5 s).
+/// What a fault that strikes once did: its window, when every tenant was back (after a kill, ns
+/// after the new scheduler started; with the socket removed, ns after its removal), and for a
+/// full journal what became of the allocation.
+pub struct Struck {
+    pub window: Window,
+    pub back_ns: Option<u64>,
+    pub journal: Option<JournalRun>,
+}
+
+/// Whether every one of `pids` is connected, by `gpushare status` through `node`'s socket.
+fn all_connected(node: &Node, pids: &[u32]) -> bool {
+    let Ok(status) = node.status_json() else {
+        return false;
+    };
+    let connected: Vec<u64> = (status["gpus"].as_array().into_iter().flatten())
+        .flat_map(|g| g["groups"].as_array().into_iter().flatten())
+        .flat_map(|g| g["pids"].as_array().into_iter().flatten())
+        .filter_map(serde_json::Value::as_u64)
+        .collect();
+    pids.iter().all(|p| connected.contains(&u64::from(*p)))
+}
+
+/// Poll until every one of `pids` is connected, at most 5 s: when (`CLOCK_MONOTONIC` ns).
+fn wait_connected(node: &Node, pids: &[u32]) -> Option<u64> {
+    let deadline = monotonic_ns() + 5_000_000_000;
+    loop {
+        if all_connected(node, pids) {
+            return Some(monotonic_ns());
+        }
+        if monotonic_ns() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Strike `node`'s scheduler as `f` says, `f.at_ms` after `started` (ms of
+/// `CLOCK_MONOTONIC`), and bring it back `f.for_ms` later (for a full journal, `fs` is its file
+/// system, and `alloc` the command of the process that allocates meanwhile).
 pub fn strike(
     node: &mut Node,
     f: &FaultSpec,
     started_ns: u64,
     pids: &[u32],
-) -> anyhow::Result<(Window, Option<u64>)> {
+    journal: Option<(&JournalFs, Command)>,
+) -> anyhow::Result<Struck> {
     let at = started_ns + f.at_ms * 1_000_000;
     std::thread::sleep(Duration::from_nanos(at.saturating_sub(monotonic_ns())));
     let pid = node.scheduler_pid().context("no scheduler to strike")? as libc::pid_t;
@@ -153,31 +279,57 @@ pub fn strike(
             std::thread::sleep(Duration::from_millis(f.for_ms));
             let end = monotonic_ns();
             unsafe { libc::kill(pid, libc::SIGCONT) };
-            Ok((Window::new(start, end), None))
+            Ok(Struck {
+                window: Window::new(start, end),
+                back_ns: None,
+                journal: None,
+            })
         }
         FaultKind::Kill => {
             node.kill_scheduler();
             std::thread::sleep(Duration::from_millis(f.for_ms));
             let end = monotonic_ns();
             node.start_scheduler(&[]);
-            let deadline = end + 5_000_000_000;
-            let back = loop {
-                let status = node.status_json().unwrap_or_default();
-                let connected: Vec<u64> = (status["gpus"].as_array().into_iter().flatten())
-                    .flat_map(|g| g["groups"].as_array().into_iter().flatten())
-                    .flat_map(|g| g["pids"].as_array().into_iter().flatten())
-                    .filter_map(serde_json::Value::as_u64)
-                    .collect();
-                let now = monotonic_ns();
-                if pids.iter().all(|p| connected.contains(&u64::from(*p))) {
-                    break Some(now - end);
-                }
-                if now > deadline {
-                    break None;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            };
-            Ok((Window::new(start, end), back))
+            let back = wait_connected(node, pids).map(|at| at - end);
+            Ok(Struck {
+                window: Window::new(start, end),
+                back_ns: back,
+                journal: None,
+            })
+        }
+        FaultKind::ReplaceSocket => {
+            std::fs::remove_file(&node.sched_socket)
+                .context("cannot remove the scheduler's socket")?;
+            let end = wait_connected(node, pids)
+                .context("the tenants were not listed through the socket's path within 5 s")?;
+            Ok(Struck {
+                window: Window::new(start, end),
+                back_ns: Some(end - start),
+                journal: None,
+            })
+        }
+        FaultKind::JournalFull => {
+            let (fs, mut alloc) = journal.context("a full journal needs its file system")?;
+            fs.fill()?;
+            alloc.env("GPUSHARE_FAIL", "open");
+            let (out, killed) =
+                Tenant::spawn(alloc).finish_within(Duration::from_millis(f.for_ms.max(5_000)));
+            let rest = (start + f.for_ms * 1_000_000).saturating_sub(monotonic_ns());
+            std::thread::sleep(Duration::from_nanos(rest));
+            fs.empty();
+            let end = monotonic_ns();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            Ok(Struck {
+                window: Window::new(start, end),
+                back_ns: None,
+                journal: Some(JournalRun {
+                    allocated: !killed && out.status.success(),
+                    hook_said: stderr.contains("could not journal"),
+                    scheduler_said: node
+                        .scheduler_log()
+                        .contains("cannot write the memory journal"),
+                }),
+            })
         }
         FaultKind::StarveRequest | FaultKind::StarveQuota => {
             anyhow::bail!("a starved scheduler is starved for the whole run, not struck")
@@ -217,5 +369,6 @@ pub fn figures(
         drift_after: drift.map(|d| round(d, 4)),
         back_ms: None,
         throttled_periods: None,
+        journal: None,
     }
 }

@@ -257,6 +257,14 @@ fn scenario(o: &mut String, sc: &ScenarioReport) {
             ),
             FaultKind::StarveRequest => "The scheduler starved of CPU for every run with gpushare: a cpu cgroup with a 50m request's weight beside a CPU hog per core".to_string(),
             FaultKind::StarveQuota => "The scheduler under a hard 50m CPU quota (5 ms per 100 ms) for every run with gpushare, beside a CPU hog per core".to_string(),
+            FaultKind::ReplaceSocket => format!(
+                "The scheduler's socket removed (its directory replaced) {} ms into every run with gpushare, the window lasting until every tenant was listed through the path again",
+                f.fault.at_ms
+            ),
+            FaultKind::JournalFull => format!(
+                "The scheduler's memory journal on a full file system from {} ms into every run with gpushare for {} ms, while a third process (fail-open) allocated 256 MiB",
+                f.fault.at_ms, f.fault.for_ms
+            ),
         };
         let _ = write!(
             o,
@@ -272,14 +280,25 @@ fn scenario(o: &mut String, sc: &ScenarioReport) {
             );
         }
         if let Some(b) = &f.back_ms {
-            let _ = write!(
-                o,
-                "; every tenant on the new scheduler {} ms after its start",
-                spread(b, 1)
-            );
+            let back = match f.fault.kind {
+                FaultKind::ReplaceSocket => "listed through the path again",
+                _ => "on the new scheduler",
+            };
+            let since = match f.fault.kind {
+                FaultKind::ReplaceSocket => "the socket's removal",
+                _ => "its start",
+            };
+            let _ = write!(o, "; every tenant {back} {} ms after {since}", spread(b, 1));
         }
         if let Some(t) = &f.throttled {
             let _ = write!(o, "; throttled in {} of its periods", spread(t, 3));
+        }
+        if let Some(j) = &f.journal {
+            let _ = write!(
+                o,
+                "; the allocation succeeded in {} of {} runs, the process said it was not journaled in {}, the scheduler logged its failing journal in {}",
+                j.allocated, j.runs, j.hook_said, j.scheduler_said
+            );
         }
         let _ = writeln!(o, ".");
     }

@@ -336,6 +336,20 @@ pub struct FaultReport {
     /// Starved under a quota: the share of its 100 ms periods the scheduler was throttled in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throttled: Option<Spread>,
+    /// A full journal: in how many runs the allocation made meanwhile succeeded, the hook said
+    /// it was not journaled, and the scheduler logged that it cannot write its journal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<JournalReport>,
+}
+
+/// What became of the allocations made while the journal's file system was full, over the
+/// runs: how many runs had each outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalReport {
+    pub runs: usize,
+    pub allocated: usize,
+    pub hook_said: usize,
+    pub scheduler_said: usize,
 }
 
 impl FaultReport {
@@ -356,6 +370,16 @@ impl FaultReport {
                     .map(|(t, n)| t as f64 / n.max(1) as f64),
                 3,
             ),
+            journal: {
+                let j: Vec<JournalRun> = all.iter().filter_map(|f| f.journal).collect();
+                let count = |f: fn(&JournalRun) -> bool| j.iter().filter(|r| f(r)).count();
+                (!j.is_empty()).then(|| JournalReport {
+                    runs: j.len(),
+                    allocated: count(|r| r.allocated),
+                    hook_said: count(|r| r.hook_said),
+                    scheduler_said: count(|r| r.scheduler_said),
+                })
+            },
         })
     }
 }
@@ -373,12 +397,27 @@ pub struct FaultRun {
     /// Stop, kill: the largest |share − target| from a second after the window to the end.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drift_after: Option<f64>,
-    /// Kill: when every tenant was connected to the new scheduler, after it started.
+    /// Kill: when every tenant was connected to the new scheduler, after it started; socket
+    /// removed: when every tenant was listed through the path again, after the removal.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub back_ms: Option<f64>,
     /// Starved: the 100 ms periods the scheduler was throttled in, of those it ran in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throttled_periods: Option<(u64, u64)>,
+    /// A full journal: what became of the allocation made meanwhile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal: Option<JournalRun>,
+}
+
+/// What became of the allocation made while the journal's file system was full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalRun {
+    /// The allocating process (fail-open) ran to its end: its allocation succeeded.
+    pub allocated: bool,
+    /// It said on stderr that the reservation was not journaled.
+    pub hook_said: bool,
+    /// The scheduler logged that it cannot write its journal.
+    pub scheduler_said: bool,
 }
 
 /// The scheduler's event-loop lateness over a scenario's runs (ms).

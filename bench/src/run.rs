@@ -4,7 +4,7 @@
 use crate::analysis::{RunFigures, analyse};
 use crate::client::ClientResult;
 use crate::expected;
-use crate::fault::{self, FaultKind, FaultSpec, Starved};
+use crate::fault::{self, FaultKind, FaultSpec, JournalFs, Starved};
 use crate::noise::{self, Disturbance, NoiseRecord};
 use crate::report::{EventLoopRun, FLOOD_SAMPLE_MS, FaultRun, FloodRun, round};
 use crate::scenario::Scenario;
@@ -88,10 +88,21 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         node.scheduler_log_filter = crate::settings::SCHEDULER_LOG_FILTER.into();
     }
     let flood_spec = spec.flood.filter(|_| mode == Mode::Gpushare);
+    // A journal to fill: on a file system of its own (unmounted before the node goes).
+    let journal_fs = match spec.fault {
+        Some(f) if mode == Mode::Gpushare && f.kind == FaultKind::JournalFull => {
+            Some(JournalFs::mount(&node)?)
+        }
+        _ => None,
+    };
     if mode == Mode::Gpushare {
-        match flood_spec {
-            Some(f) => start_flooded_scheduler(&mut node, f)?,
-            None => node.start_scheduler(&[]),
+        match (flood_spec, &journal_fs) {
+            (Some(f), _) => start_flooded_scheduler(&mut node, f)?,
+            (None, Some(fs)) => {
+                let books = fs.books();
+                node.start_scheduler(&["--books", &books.to_string_lossy()]);
+            }
+            (None, None) => node.start_scheduler(&[]),
         }
     }
     // The flood from before the tenants start to after they end, and its watch.
@@ -144,12 +155,26 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         args.extend(t.client_args(duration_ms, k as u64 + 1));
         let cmd = match mode {
             Mode::Gpushare => {
-                let mut c =
-                    node.tenant_command(&t.name, t.request, t.limit, t.weight, &client, &args);
+                // As a user starts it: `gpushare run --group … [--latency] -- client …`.
+                let (r, l, w) = (
+                    t.request.to_string(),
+                    t.limit.to_string(),
+                    t.weight.to_string(),
+                );
+                let mut run_args = vec![
+                    "--group",
+                    &t.name,
+                    "--request",
+                    &r,
+                    "--limit",
+                    &l,
+                    "--weight",
+                    &w,
+                ];
                 if t.class == GroupClass::Latency {
-                    // What `gpushare run --latency` sets for the hook.
-                    c.env("GPUSHARE_CLASS", "latency");
+                    run_args.push("--latency");
                 }
+                let mut c = node.run_command(&run_args, &client, &args);
                 if let Some(s) = &starved {
                     s.tenant(&mut c);
                 }
@@ -191,7 +216,16 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
         None => None,
     };
     let struck = match fault {
-        Some(f) if !f.starves() => Some(fault::strike(&mut node, f, started_ns, &pids)?),
+        Some(f) if !f.starves() => {
+            // A full journal: a process of a third group allocates meanwhile (beyond its lease,
+            // so that it asks the scheduler).
+            let alloc = journal_fs.as_ref().map(|fs| {
+                let args = fault::journal_full_alloc_args();
+                let cmd = node.tenant_command("journal-full", 0.0, 1.0, 1.0, &client, &args);
+                (fs, cmd)
+            });
+            Some(fault::strike(&mut node, f, started_ns, &pids, alloc)?)
+        }
         _ => None,
     };
     let deadline = Duration::from_nanos(duration_ns) + Duration::from_secs(30);
@@ -307,15 +341,17 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
     let gpus: Vec<u32> = which.iter().map(|&i| sc.tenants[i].gpu).collect();
     let figures = analyse(&trace, &pids, &gpus, &targets);
     let fault = fault.map(|f| {
-        let (window, back) = match struck {
-            Some((w, back)) => (w, back),
+        let (window, back, journal) = match &struck {
+            Some(s) => (s.window, s.back_ns, s.journal),
             None => (
                 Window::new(figures.measure_ns.0, figures.measure_ns.1),
+                None,
                 None,
             ),
         };
         let mut run = fault::figures(&trace, &pids, &figures.target, window, !f.starves());
         run.back_ms = back.map(|ns| round(ns as f64 / 1e6, 1));
+        run.journal = journal;
         run.throttled_periods = throttled;
         run
     });

@@ -33,13 +33,15 @@
 //! kind = "stop"       # stop (SIGSTOP … SIGCONT) | kill (kill -9, then a new scheduler) |
 //!                     # starve-request (the whole run in a cpu cgroup with a 50m request's
 //!                     # weight beside a CPU hog per core) | starve-quota (the same, under a
-//!                     # hard 50m quota)
-//! at_ms = 1500        # stop, kill: when, after the tenants start
-//! for_ms = 3000       # stop, kill: for how long
+//!                     # hard 50m quota) | replace-socket (its socket's path removed) |
+//!                     # journal-full (its memory journal's file system full while a third
+//!                     # process allocates)
+//! at_ms = 1500        # stop, kill, replace-socket, journal-full: when, after the tenants start
+//! for_ms = 3000       # stop, kill, journal-full: for how long
 //! ```
 
 use crate::expected;
-use crate::fault::FaultSpec;
+use crate::fault::{FaultKind, FaultSpec};
 use anyhow::{Context, bail};
 use gpushare_policy::GroupClass;
 use gpushare_testkit::flood::FloodSpec;
@@ -181,7 +183,8 @@ impl Scenario {
         }
         if let Some(fault) = &f.fault
             && !fault.starves()
-            && (fault.for_ms == 0 || (fault.at_ms + fault.for_ms) * 1_000_000 >= duration_ns)
+            && ((fault.for_ms == 0 && fault.kind != FaultKind::ReplaceSocket)
+                || (fault.at_ms + fault.for_ms) * 1_000_000 >= duration_ns)
         {
             bail!("[fault]: {fault:?} must last (for_ms > 0) and end within the duration");
         }

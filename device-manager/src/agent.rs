@@ -84,14 +84,7 @@ pub fn main<F: Future<Output = anyhow::Result<()>>>(
     args: &AgentArgs,
     run: impl FnOnce() -> F,
 ) -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("GPUSHARE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    gpushare_logging::init("info", std::io::stderr);
     if args.list_gpus {
         return match crate::discovery::list_gpus() {
             Ok(gpus) => {

@@ -10,6 +10,7 @@
 //! Each applies to every gpushare container of the pod; `<annotation>.<container>` (e.g.
 //! `gpushare.io/gpu-limit.worker`) applies to that container only and takes precedence.
 
+use gpushare_policy::GroupClass;
 use gpushare_units::{parse_quantity, plain_number};
 use std::collections::BTreeMap;
 
@@ -138,25 +139,16 @@ pub fn latency_class(
     let Some((key, v)) = pick(annotations, CLASS, container) else {
         return false;
     };
-    parse_class(v).unwrap_or_else(|e| {
-        problems.push(Problem::new(
-            &key,
-            v,
-            format!("{e}; using the standard class until it is fixed"),
-        ));
-        false
-    })
-}
-
-/// A class: `"latency"` → true, `"standard"` → false.
-pub fn parse_class(v: &str) -> Result<bool, String> {
-    match v.trim() {
-        "latency" => Ok(true),
-        "standard" => Ok(false),
-        _ => Err(format!(
-            "{v:?} is not a class: write \"latency\" for a request server whose tail latency matters, or \"standard\""
-        )),
-    }
+    GroupClass::parse(v.trim())
+        .map(|c| c == GroupClass::Latency)
+        .unwrap_or_else(|e| {
+            problems.push(Problem::new(
+                &key,
+                v,
+                format!("{e}; using the standard class until it is fixed"),
+            ));
+            false
+        })
 }
 
 /// A weight: a number in (0, [`MAX_WEIGHT`]].

@@ -64,6 +64,9 @@ pub struct Shared {
     pods: Arc<Mutex<PodStore>>,
     /// The last assignments read from PodResources.
     assigned: Mutex<Vec<Assignment>>,
+    /// The API server, once connected: read afresh when the pod watch has not shown the pod
+    /// being admitted yet.
+    client: std::sync::OnceLock<kube::Client>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -97,7 +100,30 @@ impl Shared {
             _ => locked(&self.assigned).clone(),
         };
         let pods: Vec<_> = locked(&self.pods).pods.values().cloned().collect();
-        crate::allocation::recorded_choice(&pods, &assigned, size)
+        if let Some(gpus) = crate::allocation::recorded_choice(&pods, &assigned, size) {
+            return Some(gpus);
+        }
+        // The kubelet admits a pod as soon as its own watch shows it bound, which may be
+        // before this node's watch does: ask the API server for the node's pods afresh.
+        let client = self.client.get()?.clone();
+        let node = self.opts.agent.node();
+        let fresh =
+            tokio::time::timeout(Duration::from_secs(1), crate::podwatch::list(client, node)).await;
+        match fresh {
+            Ok(Ok(pods)) => crate::allocation::recorded_choice(&pods, &assigned, size),
+            Ok(Err(e)) => {
+                tracing::warn!(
+                    "cannot list this node's pods for the scheduler extender's choice: {e}"
+                );
+                None
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "listing this node's pods for the scheduler extender's choice took over 1 s"
+                );
+                None
+            }
+        }
     }
 
     pub fn registered(&self, took: Duration) {
@@ -181,6 +207,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         pods: store.clone(),
         assigned: Mutex::new(Vec::new()),
+        client: std::sync::OnceLock::new(),
     });
     shared.set_found(Ok(first));
     if let Some(addr) = shared.opts.metrics {
@@ -198,6 +225,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     tokio::spawn(crate::kubelet::run(shared.clone()));
     let client = match crate::podwatch::client(shared.opts.agent.kubeconfig.as_deref()).await {
         Ok(c) => {
+            let _ = shared.client.set(c.clone());
             let changed = Arc::new(Notify::new());
             tokio::spawn(crate::podwatch::run(
                 c.clone(),

@@ -165,6 +165,13 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
     Ok(kube::Client::try_from(config)?)
 }
 
+/// The node's pods now (one list), as the watch shows them.
+pub async fn list(client: kube::Client, node: &str) -> Result<Vec<PodView>, kube::Error> {
+    let api: Api<Pod> = Api::all(client);
+    let lp = kube::api::ListParams::default().fields(&format!("spec.nodeName={node}"));
+    Ok(api.list(&lp).await?.items.iter().filter_map(view).collect())
+}
+
 /// Watch the node's pods for ever (reconnecting with backoff), keeping `store` and poking
 /// `changed` whenever it changes.
 pub async fn run(

@@ -8,7 +8,9 @@
 //!
 //! Pure: the I/O shell (`serve.rs`) feeds it and asks it.
 
-use crate::policy::{self, Demand, Fit, GpuBook, Learner, Observed, Policy, SeedWindow, Tenant};
+use crate::policy::{
+    self, Demand, Fit, GpuBook, Kind, Learner, Observed, Policy, SeedWindow, Tenant,
+};
 use crate::report::NodeReport;
 use k8s_openapi::api::core::v1::Pod;
 use std::collections::{BTreeMap, VecDeque};
@@ -21,6 +23,9 @@ pub const MEMORY_ANNOTATION: &str = "gpushare.io/gpu-memory";
 pub const UNITS_PER_GPU: u32 = 100;
 /// How long the GPUs' use is kept for `seed` (its window runs from the last placement).
 const SERIES_KEEP_S: f64 = 3600.0;
+/// How long the units of a pod gone from the API server stay free while its node still counts
+/// them (its kubelet lets go of them within seconds); past this they count as unexplained.
+const DEPARTED_KEEP_S: f64 = 60.0;
 
 /// What the books need of a pod.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,6 +41,16 @@ pub struct PodInfo {
     pub gpus: Vec<String>,
     /// Ended, or being deleted: its memory is free for the next pod at once.
     pub gone: bool,
+    /// Its namespace, container images, units and memory annotation (hashed): `predicted`
+    /// expects pods of one kind to use alike.
+    pub kind: Kind,
+}
+
+/// FNV-1a: a hash that is the same in every process and run.
+fn fnv(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 /// The pod's units of `gpushare.io/gpu-share` (limits, else requests, summed over its
@@ -72,9 +87,21 @@ pub fn pod_info(p: &Pod) -> Result<Option<PodInfo>, String> {
     let m = &p.metadata;
     let ann = m.annotations.clone().unwrap_or_default();
     let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+    let namespace = m.namespace.clone().unwrap_or_else(|| "default".into());
+    let images = spec
+        .containers
+        .iter()
+        .map(|c| c.image.as_deref().unwrap_or(""));
+    let kind = fnv(std::iter::once(namespace.as_str())
+        .chain(images)
+        .chain([
+            units.to_string().as_str(),
+            ann.get(MEMORY_ANNOTATION).map_or("", String::as_str),
+        ])
+        .flat_map(|s| s.bytes().chain([0])));
     Ok(Some(PodInfo {
         uid: m.uid.clone().unwrap_or_default(),
-        namespace: m.namespace.clone().unwrap_or_else(|| "default".into()),
+        namespace,
         name: m.name.clone().unwrap_or_default(),
         node: spec.node_name.clone().filter(|n| !n.is_empty()),
         units,
@@ -91,6 +118,7 @@ pub fn pod_info(p: &Pod) -> Result<Option<PodInfo>, String> {
             })
             .unwrap_or_default(),
         gone: m.deletion_timestamp.is_some() || matches!(phase, Some("Succeeded" | "Failed")),
+        kind,
     }))
 }
 
@@ -133,7 +161,14 @@ struct NodeState {
 struct Assumed {
     pod: PodInfo,
     node: String,
-    gpus: Vec<String>,
+}
+
+/// A bound pod gone from the API server whose units its node may still count: free for the
+/// next pod, as they were while it was being deleted, until the node's report lets go of them.
+#[derive(Debug, Clone)]
+struct Departed {
+    pod: PodInfo,
+    at: f64,
 }
 
 /// What the extender counts (its `/metrics`).
@@ -160,7 +195,36 @@ pub struct Books {
     series: BTreeMap<String, VecDeque<(f64, f64)>>,
     last_placement: Option<f64>,
     assumed: BTreeMap<String, Assumed>,
+    departed: BTreeMap<String, Departed>,
     pub counters: Counters,
+}
+
+/// A node's GPUs with the pods known to be there.
+struct Placed {
+    books: BTreeMap<String, GpuBook>,
+    /// Per GPU: units of pods being deleted.
+    leaving: BTreeMap<String, u32>,
+    /// Per GPU: units of departed pods.
+    departed: BTreeMap<String, u32>,
+}
+
+impl Placed {
+    /// Units the node's kubelet assigned on `gpu` beyond the pods known there (and those
+    /// leaving it; departed ones too if `with_departed`).
+    fn unexplained(&self, gpu: &str, report: &NodeReport, with_departed: bool) -> u32 {
+        let credit = |m: &BTreeMap<String, u32>| m.get(gpu).copied().unwrap_or(0);
+        let known = self.books.get(gpu).map_or(0, GpuBook::units_used)
+            + credit(&self.leaving)
+            + if with_departed {
+                credit(&self.departed)
+            } else {
+                0
+            };
+        report
+            .gpus
+            .get(gpu)
+            .map_or(0, |g| g.allocated.saturating_sub(known))
+    }
 }
 
 /// Where one pod would go on one node.
@@ -182,25 +246,49 @@ impl Books {
             series: BTreeMap::new(),
             last_placement: None,
             assumed: BTreeMap::new(),
+            departed: BTreeMap::new(),
             counters: Counters::default(),
         }
     }
 
-    /// The API server's pods, whole (after a list).
-    pub fn set_pods(&mut self, pods: Vec<PodInfo>) {
-        self.pods = pods.into_iter().map(|p| (p.uid.clone(), p)).collect();
+    /// The API server's pods, whole (after a list) at `now`: bound pods no longer listed have
+    /// departed.
+    pub fn set_pods(&mut self, pods: Vec<PodInfo>, now: f64) {
+        let mut pods: BTreeMap<String, PodInfo> =
+            pods.into_iter().map(|p| (p.uid.clone(), p)).collect();
+        std::mem::swap(&mut self.pods, &mut pods);
+        let gone: Vec<PodInfo> = pods
+            .into_values()
+            .filter(|p| !self.pods.contains_key(&p.uid))
+            .collect();
+        for p in gone {
+            self.depart(&p.uid.clone(), Some(p), now);
+        }
         self.forget_seen();
     }
 
     pub fn upsert_pod(&mut self, p: PodInfo) {
+        self.departed.remove(&p.uid);
         self.pods.insert(p.uid.clone(), p);
         self.forget_seen();
     }
 
-    pub fn remove_pod(&mut self, uid: &str) {
-        self.pods.remove(uid);
-        self.assumed.remove(uid);
+    /// A pod gone from the API server at `now`.
+    pub fn remove_pod(&mut self, uid: &str, now: f64) {
+        let known = self.pods.remove(uid);
+        self.depart(uid, known, now);
+    }
+
+    /// Forget pod `uid` (last known as `known`), keeping its units free while its node still
+    /// counts them if it was bound (or assumed bound).
+    fn depart(&mut self, uid: &str, known: Option<PodInfo>, now: f64) {
+        let assumed = self.assumed.remove(uid).map(|a| a.pod);
         self.observed.remove(uid);
+        if let Some(mut pod) = known.filter(|p| p.node.is_some()).or(assumed) {
+            pod.gone = true;
+            self.departed
+                .insert(uid.to_string(), Departed { pod, at: now });
+        }
     }
 
     /// Bindings now visible in the API server need no assuming.
@@ -216,7 +304,6 @@ impl Books {
     /// A node's report (or why it could not be read) at `now`.
     pub fn node_report(&mut self, node: &str, report: Result<NodeReport, String>, now: f64) {
         let report = report.and_then(|r| r.check().map(|_| r));
-        let state = self.nodes.entry(node.to_string()).or_default();
         match report {
             Err(e) => {
                 *self
@@ -224,21 +311,21 @@ impl Books {
                     .scrape_failures
                     .entry(node.to_string())
                     .or_default() += 1;
-                state.error = Some(e);
+                self.nodes.entry(node.to_string()).or_default().error = Some(e);
             }
             Ok(r) => {
-                let by_name: BTreeMap<(&str, &str), &str> = self
+                let by_name: BTreeMap<(&str, &str), &PodInfo> = self
                     .pods
                     .values()
-                    .map(|p| ((p.namespace.as_str(), p.name.as_str()), p.uid.as_str()))
+                    .map(|p| ((p.namespace.as_str(), p.name.as_str()), p))
                     .collect();
                 let mut totals: BTreeMap<&str, f64> = BTreeMap::new();
                 for ((gpu, ns, pod), u) in &r.pods {
                     *totals.entry(gpu.as_str()).or_default() += u.used as f64;
-                    if let Some(uid) = by_name.get(&(ns.as_str(), pod.as_str())) {
+                    if let Some(p) = by_name.get(&(ns.as_str(), pod.as_str())) {
                         self.observed
-                            .entry(uid.to_string())
-                            .or_insert_with(|| Observed::new(now))
+                            .entry(p.uid.clone())
+                            .or_insert_with(|| Observed::new(now, Some(p.kind)))
                             .observe(u.used, now, &mut self.learner);
                     }
                 }
@@ -249,6 +336,18 @@ impl Books {
                         s.pop_front();
                     }
                 }
+                // Departed pods' units stay free only while the node still counts units that
+                // the pods known there do not explain.
+                let placed = self.placed(node, &r, now);
+                self.departed.retain(|_, d| {
+                    d.pod.node.as_deref() != Some(node)
+                        || (now - d.at <= DEPARTED_KEEP_S
+                            && placed
+                                .departed
+                                .keys()
+                                .any(|g| placed.unexplained(g, &r, false) > 0))
+                });
+                let state = self.nodes.entry(node.to_string()).or_default();
                 state.report = Some(r);
                 state.at = now;
                 state.error = None;
@@ -274,6 +373,31 @@ impl Books {
                 now - state.at
             ));
         }
+        let mut placed = self.placed(node, report, now);
+        // Units the kubelet assigned that no known pod accounts for (pods placed by the
+        // device manager's own choice before their scheduler group exists): at their share of
+        // the memory, as new pods.
+        let unexplained: Vec<u32> = placed
+            .books
+            .keys()
+            .map(|g| placed.unexplained(g, report, true))
+            .collect();
+        for ((_, book), units) in placed.books.iter_mut().zip(unexplained) {
+            if units > 0 {
+                book.tenants.push(Tenant {
+                    units,
+                    cap: book.memory / u64::from(book.units.max(1)) * u64::from(units),
+                    peak: None,
+                    observed: Observed::new(now, None),
+                });
+            }
+        }
+        Ok(placed.books.into_iter().collect())
+    }
+
+    /// The node's healthy GPUs with the pods the API server (and the extender's own bindings)
+    /// place there, by `report` at `now`.
+    fn placed(&self, node: &str, report: &NodeReport, now: f64) -> Placed {
         // Where each pod of the node is: the node's own report, else the chosen GPU.
         let mut located: BTreeMap<(&str, &str), Vec<&str>> = BTreeMap::new();
         for (gpu, ns, pod) in report.pods.keys() {
@@ -282,78 +406,66 @@ impl Books {
                 .or_default()
                 .push(gpu.as_str());
         }
-        let mut books: BTreeMap<&str, GpuBook> = report
-            .gpus
-            .iter()
-            .filter(|(_, g)| g.units > 0)
-            .map(|(uuid, g)| {
-                (
-                    uuid.as_str(),
-                    GpuBook {
-                        memory: g.memory,
-                        units: g.units,
-                        tenants: Vec::new(),
-                    },
-                )
-            })
-            .collect();
+        let mut placed = Placed {
+            books: report
+                .gpus
+                .iter()
+                .filter(|(_, g)| g.units > 0)
+                .map(|(uuid, g)| {
+                    (
+                        uuid.clone(),
+                        GpuBook {
+                            memory: g.memory,
+                            units: g.units,
+                            tenants: Vec::new(),
+                        },
+                    )
+                })
+                .collect(),
+            leaving: BTreeMap::new(),
+            departed: BTreeMap::new(),
+        };
+        let on_node = |p: &&PodInfo| p.node.as_deref() == Some(node);
         let bound = self
             .pods
             .values()
-            .filter(|p| p.node.as_deref() == Some(node))
-            .map(|p| (p, &p.gpus))
-            .chain(
-                self.assumed
-                    .values()
-                    .filter(|a| a.node == node)
-                    .map(|a| (&a.pod, &a.gpus)),
-            );
-        // Units of pods being deleted: the kubelet may still count them, the books do not.
-        let mut leaving: BTreeMap<&str, u32> = BTreeMap::new();
-        for (p, chosen) in bound {
+            .filter(on_node)
+            .chain(self.assumed.values().map(|a| &a.pod).filter(on_node))
+            .chain(self.departed.values().map(|d| &d.pod).filter(on_node));
+        for p in bound {
             let gpus: Vec<&str> = match located.get(&(p.namespace.as_str(), p.name.as_str())) {
                 Some(g) => g.clone(),
-                None => chosen.iter().map(String::as_str).collect(),
+                None => p.gpus.iter().map(String::as_str).collect(),
             };
             let whole = gpus.len() > 1 || p.units > UNITS_PER_GPU;
             for g in gpus {
-                let Some(book) = books.get_mut(g) else {
+                let Some(book) = placed.books.get_mut(g) else {
                     continue;
                 };
+                let units = if whole { book.units } else { p.units };
                 if p.gone {
-                    *leaving.entry(g).or_default() += if whole { book.units } else { p.units };
+                    // The kubelet may still count its units; the books do not.
+                    let credit = if self.departed.contains_key(&p.uid) {
+                        &mut placed.departed
+                    } else {
+                        &mut placed.leaving
+                    };
+                    *credit.entry(g.to_string()).or_default() += units;
                     continue;
                 }
                 book.tenants.push(Tenant {
-                    units: if whole { book.units } else { p.units },
+                    units,
                     cap: p.cap_on(book.memory, whole),
                     peak: None,
                     observed: self
                         .observed
                         .get(&p.uid)
                         .cloned()
-                        .unwrap_or_else(|| Observed::new(now)),
+                        .unwrap_or_else(|| Observed::new(now, Some(p.kind))),
                 });
             }
         }
-        // Units the kubelet assigned that no known pod accounts for (pods placed by the
-        // device manager's own choice before their scheduler group exists): at their share of
-        // the memory, as new pods.
-        for (uuid, g) in &report.gpus {
-            if let Some(book) = books.get_mut(uuid.as_str()) {
-                let known = book.units_used() + leaving.get(uuid.as_str()).copied().unwrap_or(0);
-                if g.allocated > known {
-                    let units = g.allocated - known;
-                    book.tenants.push(Tenant {
-                        units,
-                        cap: book.memory / u64::from(book.units.max(1)) * u64::from(units),
-                        peak: None,
-                        observed: Observed::new(now),
-                    });
-                }
-            }
-        }
-        Ok(books.into_iter().map(|(u, b)| (u.to_string(), b)).collect())
+        placed
     }
 
     fn seed_samples(&self, gpu: &str, now: f64) -> Vec<f64> {
@@ -415,6 +527,7 @@ impl Books {
                 units: pod.units,
                 cap: pod.cap_on(book.memory, false),
                 peak: None,
+                kind: Some(pod.kind),
             };
             let samples;
             let window = if self.policy == Policy::Seed {
@@ -486,13 +599,7 @@ impl Books {
                 let score = match self.choose(pod, n, now) {
                     Ok(c) if self.policy.ranks_nodes() => (c.score * 10.0).round() as i64,
                     Ok(_) if self.policy == Policy::Seed => {
-                        let h = n
-                            .bytes()
-                            .chain(pod.uid.bytes())
-                            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-                            });
-                        (h % 11) as i64
+                        (fnv(n.bytes().chain(pod.uid.bytes())) % 11) as i64
                     }
                     _ => 0,
                 };
@@ -505,14 +612,14 @@ impl Books {
     pub fn bound(&mut self, pod: &PodInfo, node: &str, gpus: Vec<String>, now: f64) {
         let mut p = pod.clone();
         p.node = Some(node.to_string());
-        p.gpus = gpus.clone();
-        self.observed.insert(p.uid.clone(), Observed::new(now));
+        p.gpus = gpus;
+        self.observed
+            .insert(p.uid.clone(), Observed::new(now, Some(p.kind)));
         self.assumed.insert(
             p.uid.clone(),
             Assumed {
                 pod: p,
                 node: node.to_string(),
-                gpus,
             },
         );
         self.last_placement = Some(now);
@@ -587,16 +694,20 @@ mod tests {
             memory: None,
             gpus: gpus.iter().map(|s| s.to_string()).collect(),
             gone: false,
+            kind: fnv(name.bytes()),
         }
     }
 
     #[test]
     fn a_fragmented_node_is_filtered_out_and_a_fitting_one_kept() {
         let mut b = Books::new(Policy::Requests, 10.0);
-        b.set_pods(vec![
-            pod("a", 40, Some("n1"), &["GPU-a"]),
-            pod("b", 40, Some("n1"), &["GPU-b"]),
-        ]);
+        b.set_pods(
+            vec![
+                pod("a", 40, Some("n1"), &["GPU-a"]),
+                pod("b", 40, Some("n1"), &["GPU-b"]),
+            ],
+            0.0,
+        );
         b.node_report("n1", Ok(report(&[("GPU-a", 40), ("GPU-b", 40)], &[])), 0.0);
         b.node_report("n2", Ok(report(&[("GPU-c", 0), ("GPU-d", 0)], &[])), 0.0);
         let p = pod("new", 80, None, &[]);
@@ -606,10 +717,10 @@ mod tests {
     }
 
     #[test]
-    fn a_deleted_pods_memory_is_free_at_once() {
-        let mut b = Books::new(Policy::Requests, 10.0);
+    fn a_deleted_pods_memory_is_free_at_once_and_stays_free() {
+        let mut b = Books::new(Policy::Requests, 100.0);
         let mut big = pod("big", 90, Some("n1"), &["GPU-a"]);
-        b.set_pods(vec![big.clone()]);
+        b.set_pods(vec![big.clone()], 0.0);
         b.node_report(
             "n1",
             Ok(report(&[("GPU-a", 90)], &[("GPU-a", "big", GIB)])),
@@ -621,15 +732,51 @@ mod tests {
         big.gone = true;
         b.upsert_pod(big);
         assert_eq!(b.choose(&p, "n1", 1.0).unwrap().gpus, vec!["GPU-a"]);
-        // Once gone from the API server too.
-        b.remove_pod("uid-big");
-        b.node_report("n1", Ok(report(&[("GPU-a", 90)], &[])), 2.0);
-        assert!(
-            b.choose(&p, "n1", 2.0).is_err(),
-            "units the kubelet still holds, unexplained"
+        // Gone from the API server before its kubelet lets go of its units: still free.
+        b.remove_pod("uid-big", 2.0);
+        b.node_report(
+            "n1",
+            Ok(report(&[("GPU-a", 90)], &[("GPU-a", "big", GIB)])),
+            2.0,
         );
+        assert_eq!(b.choose(&p, "n1", 2.0).unwrap().gpus, vec!["GPU-a"]);
+        // The kubelet lets go: nothing left to explain, and nothing credited any more, so units
+        // the kubelet assigns afterwards that no known pod explains count again.
         b.node_report("n1", Ok(report(&[("GPU-a", 0)], &[])), 3.0);
         assert_eq!(b.choose(&p, "n1", 3.0).unwrap().gpus, vec!["GPU-a"]);
+        b.node_report("n1", Ok(report(&[("GPU-a", 90)], &[])), 4.0);
+        assert!(
+            b.choose(&p, "n1", 4.0).is_err(),
+            "units the kubelet holds, unexplained"
+        );
+    }
+
+    #[test]
+    fn a_departed_pods_units_count_again_if_its_node_never_lets_go() {
+        let mut b = Books::new(Policy::Requests, 100.0);
+        b.set_pods(vec![pod("big", 90, Some("n1"), &["GPU-a"])], 0.0);
+        b.node_report("n1", Ok(report(&[("GPU-a", 90)], &[])), 0.0);
+        // Missing from a fresh list: departed.
+        b.set_pods(vec![], 1.0);
+        let p = pod("next", 50, None, &[]);
+        b.node_report("n1", Ok(report(&[("GPU-a", 90)], &[])), 1.0);
+        assert!(b.choose(&p, "n1", 1.0).is_ok());
+        let late = 1.0 + DEPARTED_KEEP_S + 1.0;
+        b.node_report("n1", Ok(report(&[("GPU-a", 90)], &[])), late);
+        assert!(b.choose(&p, "n1", late).is_err());
+    }
+
+    #[test]
+    fn a_pod_bound_by_the_extender_and_deleted_before_the_watch_shows_it_is_departed() {
+        let mut b = Books::new(Policy::Requests, 100.0);
+        b.node_report("n1", Ok(report(&[("GPU-a", 0)], &[])), 0.0);
+        let big = pod("big", 90, None, &[]);
+        let c = b.choose(&big, "n1", 0.0).unwrap();
+        b.bound(&big, "n1", c.gpus, 0.0);
+        // The kubelet admitted it; the watch shows only its deletion.
+        b.remove_pod("uid-big", 1.0);
+        b.node_report("n1", Ok(report(&[("GPU-a", 90)], &[])), 1.0);
+        assert!(b.choose(&pod("next", 50, None, &[]), "n1", 1.0).is_ok());
     }
 
     #[test]
@@ -664,7 +811,7 @@ mod tests {
         let mut b = Books::new(Policy::Predicted, 10.0);
         let mut a = pod("a", 30, Some("n1"), &["GPU-a"]);
         a.memory = Some(6 * GIB);
-        b.set_pods(vec![a]);
+        b.set_pods(vec![a], 0.0);
         let mut next = pod("next", 30, None, &[]);
         next.memory = Some(3 * GIB);
         for s in 0..=30 {

@@ -21,8 +21,8 @@ pub enum Policy {
     /// The resource-aware GPU scheduler this work builds on, as published: caps, else the
     /// GPU's measured use (80th percentile or an AR(1) forecast), one placement per 6 s.
     Seed,
-    /// gpushare's: each pod by its observed peak plus a learnt margin once its use has settled,
-    /// by its cap until then.
+    /// gpushare's: each pod by its observed peak plus a learnt margin once its use has settled;
+    /// until then by the settled peaks of pods of its kind plus that margin, else its cap.
     Predicted,
 }
 
@@ -52,6 +52,10 @@ pub const INITIAL_MARGIN: f64 = 0.05;
 /// The seed's pause after each placement.
 pub const SEED_PAUSE_S: f64 = 6.0;
 
+/// What a pod is an instance of, for `predicted`: pods of one kind (in the extender: one
+/// namespace, the same container images, units and memory cap) are expected to use alike.
+pub type Kind = u64;
+
 /// What the books saw of one pod's memory use.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Observed {
@@ -60,45 +64,70 @@ pub struct Observed {
     pub peak: u64,
     /// When the use last rose above the peak (the placement time before any sample).
     pub grew_at: f64,
+    pub kind: Option<Kind>,
+    /// It grew past what its kind predicted before it settled: it counts at its cap until
+    /// it settles.
+    pub beyond_kind: bool,
 }
 
 impl Observed {
-    pub fn new(placed_at: f64) -> Observed {
+    pub fn new(placed_at: f64, kind: Option<Kind>) -> Observed {
         Observed {
             placed_at,
             peak: 0,
             grew_at: placed_at,
+            kind,
+            beyond_kind: false,
         }
     }
 
-    /// Whether the use has been flat (not above its peak) for [`SETTLE_S`].
+    /// Whether the use has been flat (not above its peak) for [`SETTLE_S`]. A pod never seen
+    /// holding memory has not settled: its GPU work has not begun (it may still be loading).
     pub fn settled(&self, now: f64) -> bool {
-        now - self.grew_at >= SETTLE_S && now - self.placed_at >= SETTLE_S
+        self.peak > 0 && now - self.grew_at >= SETTLE_S && now - self.placed_at >= SETTLE_S
     }
 
-    /// Take in a sample of the pod's use. A settled pod found above its estimate is a
-    /// misprediction: the margin grows to cover it, and the pod counts at its cap again
-    /// until it settles anew.
+    /// Take in a sample of the pod's use. A pod found above what `predicted` counted it at
+    /// (a settled pod above its own peak with the margin, or a new one above its kind's) is a
+    /// misprediction: the margin grows to cover it, and the pod counts at its cap until it
+    /// settles anew. A settled pod's peak teaches its kind.
     pub fn observe(&mut self, used: u64, now: f64, learner: &mut Learner) {
         if used > self.peak {
-            if self.settled(now) && self.peak > 0 {
-                let estimate = (self.peak as f64 * (1.0 + learner.margin)).ceil();
-                if used as f64 > estimate {
-                    learner.mispredictions += 1;
-                    learner.margin = learner.margin.max(used as f64 / self.peak as f64 - 1.0);
-                }
+            let settled = self.settled(now);
+            let believed = if settled {
+                Some(self.peak)
+            } else if !settled && !self.beyond_kind {
+                self.kind.and_then(|k| learner.kinds.get(&k).copied())
+            } else {
+                None
+            };
+            if let Some(base) = believed
+                && used > learner.with_margin(base)
+            {
+                learner.mispredictions += 1;
+                learner.margin = learner.margin.max(used as f64 / base as f64 - 1.0);
+                self.beyond_kind = !settled;
             }
             self.peak = used;
             self.grew_at = now;
         }
+        if self.settled(now) {
+            self.beyond_kind = false;
+            if let Some(k) = self.kind {
+                let p = learner.kinds.entry(k).or_default();
+                *p = (*p).max(self.peak);
+            }
+        }
     }
 }
 
-/// The margin `predicted` adds to observed peaks: the largest relative misprediction seen.
+/// What `predicted` learnt: the margin it adds to observed peaks (the largest relative
+/// misprediction seen), and each kind's largest settled peak.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Learner {
     pub margin: f64,
     pub mispredictions: u64,
+    pub kinds: std::collections::BTreeMap<Kind, u64>,
 }
 
 impl Default for Learner {
@@ -106,7 +135,22 @@ impl Default for Learner {
         Learner {
             margin: INITIAL_MARGIN,
             mispredictions: 0,
+            kinds: Default::default(),
         }
+    }
+}
+
+impl Learner {
+    /// `peak` with the margin.
+    pub fn with_margin(&self, peak: u64) -> u64 {
+        (peak as f64 * (1.0 + self.margin)).ceil() as u64
+    }
+
+    /// What a pod of `kind` not yet settled is expected to use at most: its kind's largest
+    /// settled peak with the margin; `None` before any pod of its kind settled.
+    pub fn of_kind(&self, kind: Option<Kind>) -> Option<u64> {
+        kind.and_then(|k| self.kinds.get(&k))
+            .map(|&p| self.with_margin(p))
     }
 }
 
@@ -128,11 +172,15 @@ impl Tenant {
             Policy::WholeGpu | Policy::Requests | Policy::Seed => self.cap,
             Policy::Oracle => self.peak.unwrap_or(self.cap),
             Policy::Predicted => {
-                if self.observed.settled(now) {
-                    let with_margin = (self.observed.peak as f64 * (1.0 + learner.margin)).ceil();
-                    (with_margin as u64).min(self.cap)
-                } else {
+                let o = &self.observed;
+                if o.settled(now) {
+                    learner.with_margin(o.peak).min(self.cap)
+                } else if o.beyond_kind {
                     self.cap
+                } else {
+                    learner
+                        .of_kind(o.kind)
+                        .map_or(self.cap, |k| k.max(o.peak).min(self.cap))
                 }
             }
         }
@@ -168,6 +216,7 @@ pub struct Demand {
     pub cap: u64,
     /// Its true peak (the replay's `oracle` only).
     pub peak: Option<u64>,
+    pub kind: Option<Kind>,
 }
 
 /// How a GPU would be left by a placement (for ranking).
@@ -270,6 +319,9 @@ pub fn admit(
     let committed = gpu.committed(policy, now, learner);
     let asked = match policy {
         Policy::Oracle => demand.peak.unwrap_or(demand.cap),
+        Policy::Predicted => learner
+            .of_kind(demand.kind)
+            .map_or(demand.cap, |k| k.min(demand.cap)),
         _ => demand.cap,
     };
     let free = gpu.memory.saturating_sub(committed);
@@ -306,7 +358,7 @@ mod tests {
             units,
             cap,
             peak: None,
-            observed: Observed::new(placed),
+            observed: Observed::new(placed, None),
         }
     }
 
@@ -341,6 +393,18 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_not_yet_seen_holding_memory_counts_at_its_cap_however_long_it_ran() {
+        let mut l = Learner::default();
+        let mut t = tenant(10, 24_000, 0.0);
+        t.observed.kind = Some(3);
+        for s in 0..=60 {
+            t.observed.observe(0, s as f64, &mut l);
+        }
+        assert_eq!(t.estimate(Policy::Predicted, 60.0, &l), 24_000);
+        assert_eq!(l.of_kind(Some(3)), None, "its kind learns nothing from it");
+    }
+
+    #[test]
     fn each_policy_judges_memory_by_its_own_estimate() {
         let mut t = tenant(10, 24_000, 0.0);
         t.peak = Some(7_000);
@@ -353,6 +417,7 @@ mod tests {
             units: 10,
             cap: 20_000,
             peak: Some(7_000),
+            kind: None,
         };
         assert!(admit(Policy::Requests, &g, &d, 40.0, &l, None).is_err());
         assert!(admit(Policy::Oracle, &g, &d, 40.0, &l, None).is_ok());
@@ -373,6 +438,7 @@ mod tests {
             units: 40,
             cap: 1,
             peak: Some(1),
+            kind: None,
         };
         for p in [Policy::Requests, Policy::Oracle, Policy::Predicted] {
             let e = admit(p, &g, &d, 100.0, &Learner::default(), None).unwrap_err();
@@ -387,6 +453,7 @@ mod tests {
             units: 30,
             cap: 3_000,
             peak: None,
+            kind: None,
         };
         let empty = admit(Policy::Requests, &gpu(vec![]), &d, 0.0, &l, None).unwrap();
         let half = admit(
@@ -409,6 +476,58 @@ mod tests {
         .unwrap();
         assert!(half.score() > empty.score());
         assert!(exact.score() > half.score());
+    }
+
+    #[test]
+    fn a_new_pod_counts_as_its_kind_once_one_of_its_kind_has_settled() {
+        let mut l = Learner::default();
+        let kind = Some(7);
+        let mut first = tenant(10, 24_000, 0.0);
+        first.observed.kind = kind;
+        let d = Demand {
+            units: 10,
+            cap: 24_000,
+            peak: None,
+            kind,
+        };
+        // Nothing of its kind settled yet: a new pod needs its cap free.
+        let g = gpu(vec![first.clone()]);
+        assert!(admit(Policy::Predicted, &g, &d, 5.0, &l, None).is_err());
+        for s in 0..=30 {
+            first
+                .observed
+                .observe(if s < 5 { 500 } else { 7_000 }, s as f64, &mut l);
+        }
+        assert_eq!(l.of_kind(kind), Some(7_350));
+        assert_eq!(l.of_kind(Some(8)), None, "another kind learns nothing");
+        // Now a new pod of that kind counts at 7_350, settled or not: four fit on 32_000.
+        let mut tenants = vec![first];
+        for k in 1..4 {
+            let g = gpu(tenants.clone());
+            let fit = admit(Policy::Predicted, &g, &d, 31.0, &l, None).unwrap();
+            assert_eq!(fit.free_memory, 32_000 - 7_350 * (k + 1));
+            let mut t = tenant(10, 24_000, 31.0);
+            t.observed.kind = kind;
+            assert_eq!(t.estimate(Policy::Predicted, 31.0, &l), 7_350);
+            tenants.push(t);
+        }
+        assert!(admit(Policy::Predicted, &gpu(tenants.clone()), &d, 31.0, &l, None).is_err());
+        // One of them grows past its kind's estimate before settling: a misprediction; it
+        // counts at its cap until it settles, and the margin covers the error from then on.
+        tenants[3].observed.observe(8_400, 32.0, &mut l);
+        assert_eq!(l.mispredictions, 1);
+        assert!((l.margin - 0.2).abs() < 1e-9, "{}", l.margin);
+        assert_eq!(tenants[3].estimate(Policy::Predicted, 33.0, &l), 24_000);
+        assert_eq!(tenants[2].estimate(Policy::Predicted, 33.0, &l), 8_400);
+        for s in 33..=60 {
+            tenants[3].observed.observe(8_400, s as f64, &mut l);
+        }
+        assert_eq!(tenants[3].estimate(Policy::Predicted, 60.0, &l), 10_080);
+        assert_eq!(
+            l.of_kind(kind),
+            Some(10_080),
+            "the kind's peak rose with it"
+        );
     }
 
     proptest! {
@@ -435,7 +554,7 @@ mod tests {
             }
             let now = samples.len() as f64;
             let g = gpu(vec![t]);
-            let d = Demand { units: ask_units, cap: ask_cap, peak: None };
+            let d = Demand { units: ask_units, cap: ask_cap, peak: None, kind: None };
             for p in [Policy::Requests, Policy::Predicted] {
                 if let Ok(fit) = admit(p, &g, &d, now, &l, None) {
                     prop_assert!(g.units_used() + ask_units <= g.units);

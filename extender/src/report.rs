@@ -122,17 +122,22 @@ pub fn parse_text(text: &str) -> Result<NodeReport, String> {
     Ok(r)
 }
 
-/// A Prometheus selector for every series the extender reads.
+/// A Prometheus selector for every series the extender reads, and Prometheus' own `up` of
+/// each target (a node whose endpoint Prometheus cannot scrape is unreadable, not empty).
 pub fn selector() -> String {
-    format!("{{__name__=~\"{}\"}}", SERIES.join("|"))
+    format!("{{__name__=~\"{}|up\"}}", SERIES.join("|"))
 }
 
 /// Per node (the `node_label` of each series), the reports in a Prometheus instant-query
-/// answer (`/api/v1/query`).
+/// answer (`/api/v1/query`), or why the node cannot be read: a target of the job that exports
+/// its gpushare series is down (`up` 0). The pod's `namespace` and `pod` are read from
+/// `exported_namespace` / `exported_pod` where Prometheus renamed them (a scrape config that
+/// labels each target with the scraped pod's own namespace and name, as the usual Kubernetes
+/// ones do).
 pub fn parse_prometheus(
     body: &str,
     node_label: &str,
-) -> Result<BTreeMap<String, NodeReport>, String> {
+) -> Result<BTreeMap<String, Result<NodeReport, String>>, String> {
     let v: serde_json::Value =
         serde_json::from_str(body).map_err(|e| format!("Prometheus answered no JSON: {e}"))?;
     if v["status"] != "success" {
@@ -146,6 +151,9 @@ pub fn parse_prometheus(
         .as_array()
         .ok_or("Prometheus answered no result vector")?;
     let mut out: BTreeMap<String, NodeReport> = BTreeMap::new();
+    // Jobs that export gpushare series, and the targets down: (node, job, instance).
+    let mut jobs: std::collections::BTreeSet<&str> = Default::default();
+    let mut down: Vec<(&str, &str, &str)> = Vec::new();
     for r in results {
         let m = &r["metric"];
         let (Some(name), Some(node)) = (m["__name__"].as_str(), m[node_label].as_str()) else {
@@ -158,10 +166,36 @@ pub fn parse_prometheus(
         else {
             continue;
         };
-        let label = |k: &str| m[k].as_str().map(str::to_string);
+        let job = m["job"].as_str().unwrap_or("");
+        if name == "up" {
+            if value == 0.0 {
+                down.push((node, job, m["instance"].as_str().unwrap_or("?")));
+            }
+            continue;
+        }
+        jobs.insert(job);
+        let label = |k: &str| {
+            let exported = match k {
+                "namespace" | "pod" => m[format!("exported_{k}")].as_str(),
+                _ => None,
+            };
+            exported.or(m[k].as_str()).map(str::to_string)
+        };
         out.entry(node.to_string())
             .or_default()
             .add(name, &label, value);
+    }
+    let mut out: BTreeMap<String, Result<NodeReport, String>> =
+        out.into_iter().map(|(n, r)| (n, Ok(r))).collect();
+    for (node, job, instance) in down {
+        if jobs.contains(job) {
+            out.insert(
+                node.to_string(),
+                Err(format!(
+                    "Prometheus cannot scrape {instance} (job {job}: up is 0)"
+                )),
+            );
+        }
     }
     Ok(out)
 }
@@ -232,13 +266,42 @@ gpushare_group_memory_cap_bytes{gpu=\"0\",UUID=\"GPU-a\",group=\"default/p/main\
         ]}})
         .to_string();
         let r = parse_prometheus(&body, "node").unwrap();
-        assert_eq!(r["n1"].gpus["GPU-a"].memory, 1024);
-        assert_eq!(r["n2"].pods.len(), 1);
+        assert_eq!(r["n1"].as_ref().unwrap().gpus["GPU-a"].memory, 1024);
+        assert_eq!(r["n2"].as_ref().unwrap().pods.len(), 1);
         assert!(!r.contains_key("n3"), "a NaN sample is no sample");
         assert_eq!(r.len(), 2);
         let e = parse_prometheus(r#"{"status":"error","error":"bad query"}"#, "node").unwrap_err();
         assert!(e.contains("bad query"), "{e}");
         assert!(parse_prometheus("<html>", "node").is_err());
         assert!(selector().contains(POD_CAP));
+    }
+
+    #[test]
+    fn prometheus_target_labels_and_down_targets() {
+        let body = serde_json::json!({"status": "success", "data": {"resultType": "vector", "result": [
+            {"metric": {"__name__": ALLOCATABLE, "UUID": "GPU-a", "node": "n1", "job": "gpushare"}, "value": [1.0, "100"]},
+            {"metric": {"__name__": GPU_MEMORY, "UUID": "GPU-a", "node": "n1", "job": "gpushare"}, "value": [1.0, "1024"]},
+            {"metric": {"__name__": POD_USED, "UUID": "GPU-a", "node": "n1", "job": "gpushare",
+                "namespace": "gpushare-system", "pod": "gpushare-node-x",
+                "exported_namespace": "team", "exported_pod": "p"}, "value": [1.0, "7"]},
+            {"metric": {"__name__": "up", "node": "n1", "job": "gpushare", "instance": "a:1"}, "value": [1.0, "1"]},
+            {"metric": {"__name__": ALLOCATABLE, "UUID": "GPU-b", "node": "n2", "job": "gpushare"}, "value": [1.0, "100"]},
+            {"metric": {"__name__": "up", "node": "n2", "job": "gpushare", "instance": "b:2"}, "value": [1.0, "0"]},
+            {"metric": {"__name__": "up", "node": "n3", "job": "node-exporter", "instance": "c:3"}, "value": [1.0, "0"]}
+        ]}})
+        .to_string();
+        let r = parse_prometheus(&body, "node").unwrap();
+        let n1 = r["n1"].as_ref().unwrap();
+        assert_eq!(
+            n1.pods[&("GPU-a".into(), "team".into(), "p".into())].used,
+            7,
+            "the tenant's own namespace and pod, not the scraped pod's"
+        );
+        let e = r["n2"].as_ref().unwrap_err();
+        assert!(e.contains("b:2") && e.contains("up is 0"), "{e}");
+        assert!(
+            !r.contains_key("n3"),
+            "another job's targets are not gpushare's"
+        );
     }
 }

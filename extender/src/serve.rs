@@ -450,7 +450,7 @@ async fn watch_pods(shared: Arc<Shared>, client: kube::Client, args: ServeArgs) 
             }
             watcher::Event::InitDone => {
                 if let Some((pods, eps)) = pending.take() {
-                    shared.books().set_pods(pods);
+                    shared.books().set_pods(pods, shared.now());
                     *shared.endpoints.lock().unwrap_or_else(|e| e.into_inner()) = eps;
                 }
             }
@@ -459,7 +459,7 @@ async fn watch_pods(shared: Arc<Shared>, client: kube::Client, args: ServeArgs) 
                     Some(i) => shared.books().upsert_pod(i),
                     None => {
                         if let Some(uid) = &p.metadata.uid {
-                            shared.books().remove_pod(uid);
+                            shared.books().remove_pod(uid, shared.now());
                         }
                     }
                 }
@@ -475,7 +475,7 @@ async fn watch_pods(shared: Arc<Shared>, client: kube::Client, args: ServeArgs) 
             }
             watcher::Event::Delete(p) => {
                 if let Some(uid) = &p.metadata.uid {
-                    shared.books().remove_pod(uid);
+                    shared.books().remove_pod(uid, shared.now());
                 }
                 if matches_selector(&p, &args.node_pods)
                     && let Some(n) = p.spec.as_ref().and_then(|s| s.node_name.as_ref())
@@ -561,7 +561,7 @@ async fn from_prometheus(
         .await
         .and_then(|body| report::parse_prometheus(&body, node_label))
     {
-        Ok(mut by_node) => {
+        Ok(by_node) => {
             let mut out: Vec<(String, Result<NodeReport, String>)> = Vec::new();
             for n in known {
                 if !by_node.contains_key(&n) {
@@ -573,11 +573,7 @@ async fn from_prometheus(
                     ));
                 }
             }
-            out.extend(
-                std::mem::take(&mut by_node)
-                    .into_iter()
-                    .map(|(n, r)| (n, Ok(r))),
-            );
+            out.extend(by_node);
             out
         }
         Err(e) => known.into_iter().map(|n| (n, Err(e.clone()))).collect(),

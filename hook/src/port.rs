@@ -26,8 +26,12 @@ use std::time::Duration;
 const RECONNECT: Duration = Duration::from_millis(500);
 /// …and how long while nobody listens at its socket (a daemon killed or restarting): such an
 /// attempt costs no daemon anything, so a restarted one has its processes back within a turn
-/// of binding its socket.
+/// of binding its socket…
 const RECONNECT_ABSENT: Duration = Duration::from_millis(20);
+/// …for this long; a daemon gone longer (not restarting, or its node draining) is tried less and
+/// less often, the wait doubling up to [`RECONNECT`], so that a process does not wake 50 times a
+/// second for ever.
+const ABSENT_FAST: Duration = Duration::from_secs(2);
 /// How long the handshake waits for the scheduler's `Welcome` on the reader thread (it follows
 /// the scheduler's read of this process's `/proc` entries).
 const WELCOME_TIMEOUT: Duration = Duration::from_secs(5);
@@ -36,6 +40,36 @@ const WELCOME_TIMEOUT: Duration = Duration::from_secs(5);
 pub const FIRST_WELCOME_WAIT: Duration = Duration::from_millis(200);
 /// Bytes the scheduler may leave unread before the connection is given up (and made again).
 const MAX_BACKLOG: usize = 1 << 20;
+
+/// The waits between connection attempts.
+#[derive(Debug, Default)]
+struct Backoff {
+    /// How long nobody has listened at the socket, as the sum of the waits since (the attempts
+    /// themselves take next to nothing when nobody listens).
+    absent_for: Duration,
+    /// The last wait once past [`ABSENT_FAST`].
+    slow: Option<Duration>,
+}
+
+impl Backoff {
+    /// The wait before the next attempt; `absent`: nobody listened at the last one.
+    fn next(&mut self, absent: bool) -> Duration {
+        if !absent {
+            *self = Backoff::default();
+            return RECONNECT;
+        }
+        let wait = if self.absent_for < ABSENT_FAST {
+            RECONNECT_ABSENT
+        } else {
+            let doubled = self.slow.unwrap_or(RECONNECT_ABSENT) * 2;
+            let wait = doubled.min(RECONNECT);
+            self.slow = Some(wait);
+            wait
+        };
+        self.absent_for += wait;
+        wait
+    }
+}
 
 /// What the connection delivers.
 pub trait Inbox: Sync {
@@ -235,6 +269,7 @@ impl Port {
 
     /// Connect, read while connected, reconnect when lost, until refused.
     fn run(&'static self) {
+        let mut backoff = Backoff::default();
         loop {
             let mut absent = false;
             if let Some(r) = self.connect(&mut absent) {
@@ -243,7 +278,7 @@ impl Port {
             if self.is_refused() {
                 return;
             }
-            std::thread::sleep(if absent { RECONNECT_ABSENT } else { RECONNECT });
+            std::thread::sleep(backoff.next(absent));
         }
     }
 
@@ -459,5 +494,38 @@ impl Port {
                 unsafe { libc::close(n) };
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The waits of `n` attempts in a row at a socket nobody listens at.
+    fn absent_waits(b: &mut Backoff, n: usize) -> Vec<Duration> {
+        (0..n).map(|_| b.next(true)).collect()
+    }
+
+    #[test]
+    fn an_absent_scheduler_is_tried_every_20_ms_for_two_seconds_then_less_often() {
+        let mut b = Backoff::default();
+        let fast = absent_waits(&mut b, 100);
+        assert!(fast.iter().all(|&w| w == RECONNECT_ABSENT), "{fast:?}");
+        let ms = |w: &Vec<Duration>| w.iter().map(|d| d.as_millis()).collect::<Vec<_>>();
+        let slower = absent_waits(&mut b, 8);
+        assert_eq!(ms(&slower), [40, 80, 160, 320, 500, 500, 500, 500]);
+        // An hour gone: still tried every 0.5 s, so it rejoins within that once back.
+        let hour = absent_waits(&mut b, 7200);
+        assert!(hour.iter().all(|&w| w == RECONNECT), "{:?}", &hour[..3]);
+    }
+
+    #[test]
+    fn a_listening_scheduler_starts_the_fast_attempts_again() {
+        let mut b = Backoff::default();
+        absent_waits(&mut b, 200);
+        // Reached (it failed the handshake or the connection was lost later): 500 ms, then the
+        // fast attempts again if it is gone.
+        assert_eq!(b.next(false), RECONNECT);
+        assert_eq!(absent_waits(&mut b, 100), vec![RECONNECT_ABSENT; 100]);
     }
 }

@@ -201,6 +201,8 @@ pub struct Policy {
     /// When the first client asked for a turn: achieved shares are over at most the time
     /// since, so they are right from the first seconds.
     first_acquire: Option<u64>,
+    /// How late the scheduler has lately acted on its timers ([`Policy::set_lateness`]).
+    late_ns: u64,
 }
 
 impl Policy {
@@ -222,12 +224,32 @@ impl Policy {
             targets_dirty: false,
             decisions: Vec::new(),
             first_acquire: None,
+            late_ns: 0,
         }
     }
 
     /// The configuration in use.
     pub fn config(&self) -> &PolicyConfig {
         &self.cfg
+    }
+
+    /// How late the scheduler has lately acted on what was due (its event loop's recent
+    /// lateness, measured by the caller): a scheduler short of CPU decides and grants each turn
+    /// that much earlier, so that the grant still reaches the next holder before its start.
+    pub fn set_lateness(&mut self, late_ns: u64) {
+        self.late_ns = late_ns;
+    }
+
+    /// How long before its start a turn is granted: [`PolicyConfig::grant_ahead_ns`], plus
+    /// the recent lateness, up to half a quota (a turn is never decided before its
+    /// predecessor's first half).
+    pub(crate) fn grant_ahead_ns(&self) -> u64 {
+        let ahead = self.cfg.grant_ahead_ns;
+        ahead.max(
+            ahead
+                .saturating_add(self.late_ns)
+                .min(self.cfg.quota_ns / 2),
+        )
     }
 
     /// Hot reload of the timing parameters. Turns granted keep their deadlines; buckets and
@@ -547,7 +569,7 @@ impl Policy {
     /// refill. May be in the past (then tick at once); `None` when nothing is pending.
     pub fn next_wakeup(&self, _now: u64) -> Option<u64> {
         let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
-        let ahead = self.cfg.grant_ahead_ns;
+        let ahead = self.grant_ahead_ns();
         let mut at: Vec<u64> = Vec::new();
         // When a waiting group may start a turn at `start`, less the grant-ahead.
         let planning = |start: u64| {

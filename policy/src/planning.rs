@@ -128,7 +128,7 @@ impl Policy {
         }
         match &self.current {
             Some(c) => {
-                if now < c.deadline_ns.saturating_sub(self.cfg.grant_ahead_ns) {
+                if now < c.deadline_ns.saturating_sub(self.grant_ahead_ns()) {
                     return;
                 }
                 let (client, deadline, yielded) = (c.client, c.deadline_ns, c.yielded);
@@ -155,7 +155,7 @@ impl Policy {
         let Some((name, at)) = self.best_candidate(start) else {
             return;
         };
-        if at > start && at.saturating_sub(self.cfg.grant_ahead_ns) > now {
+        if at > start && at.saturating_sub(self.grant_ahead_ns()) > now {
             return; // planned later (next_wakeup says when)
         }
         // The turn's length depends on its group's target among the groups active now.

@@ -736,6 +736,35 @@ fn raising_a_limit_makes_a_waiting_group_eligible() {
     assert_eq!(p.holder(), Some((1, 2)));
 }
 
+/// A scheduler that acts late on its timers plans and grants each turn earlier by its
+/// lateness, never before its predecessor's first half.
+#[test]
+fn a_late_scheduler_grants_turns_earlier_by_its_lateness() {
+    for (late, ahead) in [(0, 5 * MS), (3 * MS, 8 * MS), (50 * MS, 10 * MS)] {
+        let mut p = a_and_b();
+        p.set_lateness(late);
+        p.acquire(1, 0).unwrap();
+        p.acquire(2, 0).unwrap();
+        let plan_at = 20 * MS - ahead;
+        assert_eq!(p.next_wakeup(0), Some(plan_at), "late by {late} ns");
+        p.tick(plan_at - 1);
+        assert!(
+            !p.take_decisions()
+                .iter()
+                .any(|d| matches!(d, Decision::Grant { client: 2, .. }))
+        );
+        p.tick(plan_at);
+        let granted = p.take_decisions();
+        assert!(
+            granted.iter().any(|d| matches!(
+                d,
+                Decision::Grant { client: 2, start_ns, .. } if *start_ns == 20 * MS
+            )),
+            "late by {late} ns: {granted:?}"
+        );
+    }
+}
+
 #[test]
 fn hot_reload_of_the_config_is_used_for_the_next_turn() {
     let mut p = policy(&[("a", GroupParams::default())]);

@@ -149,60 +149,88 @@ enum Cmd {
     /// prints mean_response_s and mean_finish_s. `--workload memory`: jobs whose memory grows
     /// and shrinks, with caps held to the GPU and overcommitted (--memory-overcommit R):
     /// completion time, memory utilisation, swaps and their cost, out-of-memory errors.
-    Replay {
-        /// short-tasks or memory.
-        #[arg(long, default_value = "short-tasks", value_parser = ["short-tasks", "memory"])]
-        workload: String,
-        /// fifo, sjf, aging or shares.
-        #[arg(long, value_parser = str::parse::<Policy>)]
-        policy: Policy,
-        /// Number of GPUs.
-        #[arg(long, default_value_t = 1)]
-        gpus: u32,
-        /// Jobs per draw [default: 20 short tasks, 40 memory jobs].
-        #[arg(long)]
-        jobs: Option<u32>,
-        /// Mean time between arrivals [default: 25s short tasks, 240s memory jobs].
-        #[arg(long, value_parser = seconds)]
-        mean_interarrival: Option<f64>,
-        /// log10 of the runtime in seconds is uniform on A:B [default: 1:3 short tasks, 2:3
-        /// memory jobs].
-        #[arg(long, value_parser = parse_range)]
-        runtime_log10: Option<(f64, f64)>,
-        /// Number of random draws (seeds 0..S), averaged [default: 100 short tasks, 20 memory].
-        #[arg(long)]
-        seeds: Option<u32>,
-        /// As `serve --max-jobs-per-gpu`.
-        #[arg(long)]
-        max_jobs_per_gpu: Option<u32>,
-        /// Memory jobs: their caps may sum to R times each GPU's memory [default: 2].
-        #[arg(long, value_name = "R", value_parser = overcommit)]
-        memory_overcommit: Option<f64>,
-        /// Memory jobs: the fraction of a GPU's time one can use alone is uniform on A:B
-        /// [default: 0.3:0.7].
-        #[arg(long, value_name = "A:B", value_parser = parse_range)]
-        gpu_demand: Option<(f64, f64)>,
-        /// Memory jobs: how fast a checkpoint moves a job's memory to host memory [default:
-        /// 1.5GB/s].
-        #[arg(long, value_name = "RATE", value_parser = gpushare_units::parse_rate)]
-        checkpoint_bandwidth: Option<u64>,
-        /// Memory jobs: how fast a restore moves it back [default: 4.4GB/s].
-        #[arg(long, value_name = "RATE", value_parser = gpushare_units::parse_rate)]
-        restore_bandwidth: Option<u64>,
-        /// Memory jobs: fixed cost of each checkpoint and restore [default: 100ms].
-        #[arg(long, value_name = "D", value_parser = seconds)]
-        checkpoint_latency: Option<f64>,
-        /// One JSON object (with per-seed figures) instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    Replay(ReplayArgs),
+}
+
+/// The flags of `replay`.
+#[derive(clap::Args)]
+struct ReplayArgs {
+    /// short-tasks or memory.
+    #[arg(long, default_value = "short-tasks", value_parser = ["short-tasks", "memory"])]
+    workload: String,
+    /// fifo, sjf, aging or shares.
+    #[arg(long, value_parser = str::parse::<Policy>)]
+    policy: Policy,
+    /// Number of GPUs.
+    #[arg(long, default_value_t = 1)]
+    gpus: u32,
+    /// Jobs per draw [default: 20 short tasks, 40 memory jobs].
+    #[arg(long)]
+    jobs: Option<u32>,
+    /// Mean time between arrivals [default: 25s short tasks, 240s memory jobs].
+    #[arg(long, value_parser = seconds)]
+    mean_interarrival: Option<f64>,
+    /// log10 of the runtime in seconds is uniform on A:B [default: 1:3 short tasks, 2:3
+    /// memory jobs].
+    #[arg(long, value_parser = parse_range)]
+    runtime_log10: Option<(f64, f64)>,
+    /// Number of random draws (seeds 0..S), averaged [default: 100 short tasks, 20 memory].
+    #[arg(long)]
+    seeds: Option<u32>,
+    /// As `serve --max-jobs-per-gpu`.
+    #[arg(long)]
+    max_jobs_per_gpu: Option<u32>,
+    /// Memory jobs: their caps may sum to R times each GPU's memory [default: 2].
+    #[arg(long, value_name = "R", value_parser = overcommit)]
+    memory_overcommit: Option<f64>,
+    /// Memory jobs: the fraction of a GPU's time one can use alone is uniform on A:B
+    /// [default: 0.3:0.7].
+    #[arg(long, value_name = "A:B", value_parser = parse_range)]
+    gpu_demand: Option<(f64, f64)>,
+    /// Memory jobs: how fast a checkpoint moves a job's memory to host memory [default:
+    /// 1.5GB/s].
+    #[arg(long, value_name = "RATE", value_parser = gpushare_units::parse_rate)]
+    checkpoint_bandwidth: Option<u64>,
+    /// Memory jobs: how fast a restore moves it back [default: 4.4GB/s].
+    #[arg(long, value_name = "RATE", value_parser = gpushare_units::parse_rate)]
+    restore_bandwidth: Option<u64>,
+    /// Memory jobs: fixed cost of each checkpoint and restore [default: 100ms].
+    #[arg(long, value_name = "D", value_parser = seconds)]
+    checkpoint_latency: Option<f64>,
+    /// One JSON object (with per-seed figures) instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 /// `replay --workload memory`.
-fn replay_memory(p: &MemoryReplayParams, json: bool) -> anyhow::Result<()> {
+fn replay_memory(a: ReplayArgs) -> anyhow::Result<()> {
+    if a.max_jobs_per_gpu.is_some() {
+        anyhow::bail!(
+            "--max-jobs-per-gpu is for --workload short-tasks; memory jobs are limited by their caps"
+        );
+    }
+    let d = MemoryReplayParams::new(a.policy, a.memory_overcommit.unwrap_or(2.0));
+    let p = MemoryReplayParams {
+        gpus: a.gpus,
+        jobs: a.jobs.unwrap_or(d.jobs),
+        mean_interarrival_s: a.mean_interarrival.unwrap_or(d.mean_interarrival_s),
+        runtime_log10: a.runtime_log10.unwrap_or(d.runtime_log10),
+        seeds: a.seeds.unwrap_or(d.seeds),
+        gpu_demand: a.gpu_demand.unwrap_or(d.gpu_demand),
+        swap: SwapCost {
+            latency_s: a.checkpoint_latency.unwrap_or(d.swap.latency_s),
+            checkpoint_bytes_per_s: a
+                .checkpoint_bandwidth
+                .map_or(d.swap.checkpoint_bytes_per_s, |b| b as f64),
+            restore_bytes_per_s: a
+                .restore_bandwidth
+                .map_or(d.swap.restore_bytes_per_s, |b| b as f64),
+        },
+        ..d
+    };
     p.validate().map_err(anyhow::Error::msg)?;
-    let r = memory_replay(p);
-    if json {
+    let r = memory_replay(&p);
+    if a.json {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
     }
@@ -241,6 +269,40 @@ fn replay_memory(p: &MemoryReplayParams, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `replay --workload short-tasks`.
+fn replay_short_tasks(a: ReplayArgs) -> anyhow::Result<()> {
+    let memory_flags = a.memory_overcommit.is_some()
+        || a.gpu_demand.is_some()
+        || a.checkpoint_bandwidth.is_some()
+        || a.restore_bandwidth.is_some()
+        || a.checkpoint_latency.is_some();
+    if memory_flags {
+        anyhow::bail!(
+            "--memory-overcommit, --gpu-demand and the checkpoint flags are for --workload memory"
+        );
+    }
+    let d = ReplayParams::paper(a.policy, a.gpus, 100);
+    let p = ReplayParams {
+        jobs: a.jobs.unwrap_or(d.jobs),
+        mean_interarrival_s: a.mean_interarrival.unwrap_or(d.mean_interarrival_s),
+        runtime_log10: a.runtime_log10.unwrap_or(d.runtime_log10),
+        seeds: a.seeds.unwrap_or(d.seeds),
+        max_jobs_per_gpu: a.max_jobs_per_gpu,
+        ..d
+    };
+    p.validate().map_err(anyhow::Error::msg)?;
+    let r = replay(&p);
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "policy {}  gpus {}  jobs {}  seeds {}\nmean_response_s {:.1}\nmean_finish_s {:.1}\ntimed_out {}",
+            r.policy, r.gpus, r.jobs, r.seeds, r.mean_response_s, r.mean_finish_s, r.timed_out
+        );
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Cmd::Shim {
@@ -263,14 +325,7 @@ fn main() -> ExitCode {
             cmd,
         });
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("GPUSHARE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    gpushare_logging::init("info", std::io::stderr);
     let result = match cli.cmd {
         Cmd::Shim { .. } => unreachable!("handled above"),
         Cmd::Serve {
@@ -316,100 +371,8 @@ fn main() -> ExitCode {
             };
             serve(opts, gpus)
         })(),
-        Cmd::Replay {
-            workload,
-            policy,
-            gpus,
-            jobs,
-            mean_interarrival,
-            runtime_log10,
-            seeds,
-            max_jobs_per_gpu,
-            memory_overcommit,
-            gpu_demand,
-            checkpoint_bandwidth,
-            restore_bandwidth,
-            checkpoint_latency,
-            json,
-        } if workload == "memory" => {
-            let d = MemoryReplayParams::new(policy, memory_overcommit.unwrap_or(2.0));
-            let p = MemoryReplayParams {
-                gpus,
-                jobs: jobs.unwrap_or(d.jobs),
-                mean_interarrival_s: mean_interarrival.unwrap_or(d.mean_interarrival_s),
-                runtime_log10: runtime_log10.unwrap_or(d.runtime_log10),
-                seeds: seeds.unwrap_or(d.seeds),
-                gpu_demand: gpu_demand.unwrap_or(d.gpu_demand),
-                swap: SwapCost {
-                    latency_s: checkpoint_latency.unwrap_or(d.swap.latency_s),
-                    checkpoint_bytes_per_s: checkpoint_bandwidth
-                        .map_or(d.swap.checkpoint_bytes_per_s, |b| b as f64),
-                    restore_bytes_per_s: restore_bandwidth
-                        .map_or(d.swap.restore_bytes_per_s, |b| b as f64),
-                },
-                ..d
-            };
-            if max_jobs_per_gpu.is_some() {
-                Err(anyhow::anyhow!(
-                    "--max-jobs-per-gpu is for --workload short-tasks; memory jobs are limited by their caps"
-                ))
-            } else {
-                replay_memory(&p, json)
-            }
-        }
-        Cmd::Replay {
-            policy,
-            gpus,
-            jobs,
-            mean_interarrival,
-            runtime_log10,
-            seeds,
-            max_jobs_per_gpu,
-            memory_overcommit,
-            gpu_demand,
-            checkpoint_bandwidth,
-            restore_bandwidth,
-            checkpoint_latency,
-            json,
-            ..
-        } => (|| -> anyhow::Result<()> {
-            let memory_flags = memory_overcommit.is_some()
-                || gpu_demand.is_some()
-                || checkpoint_bandwidth.is_some()
-                || restore_bandwidth.is_some()
-                || checkpoint_latency.is_some();
-            if memory_flags {
-                anyhow::bail!(
-                    "--memory-overcommit, --gpu-demand and the checkpoint flags are for --workload memory"
-                );
-            }
-            let d = ReplayParams::paper(policy, gpus, 100);
-            let p = ReplayParams {
-                jobs: jobs.unwrap_or(d.jobs),
-                mean_interarrival_s: mean_interarrival.unwrap_or(d.mean_interarrival_s),
-                runtime_log10: runtime_log10.unwrap_or(d.runtime_log10),
-                seeds: seeds.unwrap_or(d.seeds),
-                max_jobs_per_gpu,
-                ..d
-            };
-            p.validate().map_err(anyhow::Error::msg)?;
-            let r = replay(&p);
-            if json {
-                println!("{}", serde_json::to_string(&r)?);
-            } else {
-                println!(
-                    "policy {}  gpus {}  jobs {}  seeds {}\nmean_response_s {:.1}\nmean_finish_s {:.1}\ntimed_out {}",
-                    r.policy,
-                    r.gpus,
-                    r.jobs,
-                    r.seeds,
-                    r.mean_response_s,
-                    r.mean_finish_s,
-                    r.timed_out
-                );
-            }
-            Ok(())
-        })(),
+        Cmd::Replay(a) if a.workload == "memory" => replay_memory(a),
+        Cmd::Replay(a) => replay_short_tasks(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

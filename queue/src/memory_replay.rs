@@ -437,26 +437,16 @@ fn run_seed(p: &MemoryReplayParams, seed: u32, ratio: f64) -> ModeResult {
                     core.job_exited(j.id.expect("queued"), Exit::Code(1), now)
                         .expect("running");
                 }
-                Effect::SwapOut { swap, group, .. } => {
+                Effect::SwapOut { swap, group, .. } | Effect::SwapIn { swap, group, .. } => {
+                    let swap_out = matches!(e, Effect::SwapOut { .. });
                     let bytes = jobs[group.0 as usize].held;
-                    let took = p.swap.ns(bytes, true);
+                    let took = p.swap.ns(bytes, swap_out);
                     out.swapped_gib += bytes as f64 / GIB as f64;
                     out.swap_seconds += took as f64 / 1e9;
                     due.push(Due {
                         at: now + took,
                         swap,
-                        out: true,
-                    });
-                }
-                Effect::SwapIn { swap, group, .. } => {
-                    let bytes = jobs[group.0 as usize].held;
-                    let took = p.swap.ns(bytes, false);
-                    out.swapped_gib += bytes as f64 / GIB as f64;
-                    out.swap_seconds += took as f64 / 1e9;
-                    due.push(Due {
-                        at: now + took,
-                        swap,
-                        out: false,
+                        out: swap_out,
                     });
                 }
                 Effect::Lost { .. } => unreachable!("every restore succeeds here"),

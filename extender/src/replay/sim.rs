@@ -12,7 +12,9 @@
 //! memory left (Alibaba's extender). `seed` follows its own scheduler: largest request first,
 //! a random GPU that passes its test, one placement per 6 s.
 
-use crate::policy::{self, Demand, Fit, GpuBook, Learner, Observed, Policy, SeedWindow, Tenant};
+use crate::policy::{
+    self, Demand, Fit, GpuBook, Kind, Learner, Observed, Policy, SeedWindow, Tenant,
+};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use std::sync::Arc;
@@ -52,6 +54,9 @@ pub struct JobSpec {
     /// `Some(s)`: the pod holds its GPU for the whole replay (it would hold it `s` seconds);
     /// `None`: it ends when its shape does.
     pub held: Option<u64>,
+    /// Pods of one kind are the same program asking the same (`predicted` learns from them);
+    /// `None`: unlike any other.
+    pub kind: Option<Kind>,
 }
 
 #[derive(Debug, Clone)]
@@ -514,6 +519,7 @@ impl<'a> Sim<'a> {
             units: job.units,
             cap,
             peak: Some(peak_of(job, cap)),
+            kind: job.kind,
         }
     }
 
@@ -625,7 +631,7 @@ impl<'a> Sim<'a> {
                 units: if whole { gpu.book.units } else { d.units },
                 cap: if whole { gpu.book.memory } else { d.cap },
                 peak: d.peak,
-                observed: Observed::new(t as f64),
+                observed: Observed::new(t as f64, job.kind),
             });
         }
         self.refresh_node(n);

@@ -143,6 +143,7 @@ pub fn build(w: Workload, seed: u64, overprov_pct: u32, cluster: (usize, usize))
                         peak_of_cap: None,
                         util: e.util,
                         held: None,
+                        kind: Some(0),
                     });
                     t += rng.random_range(20..=40u64);
                 }
@@ -191,6 +192,7 @@ pub fn build(w: Workload, seed: u64, overprov_pct: u32, cluster: (usize, usize))
                     peak_of_cap: Some(peak),
                     util: f64::from(units) / 100.0,
                     held: Some(held),
+                    kind: None,
                 });
             }
             let end = jobs.len() as u64 + OPENB_TAIL_S;

@@ -52,14 +52,7 @@ fn main() -> ExitCode {
     // out through a thread of their own, and are dropped rather than block when stderr does
     // not keep up.
     let (log, _flushed_at_exit) = tracing_appender::non_blocking(std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("GPUSHARE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(log)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    gpushare_logging::init("info", log);
     let cli = Cli::parse();
     let socket = cli.socket.unwrap_or_else(|| {
         std::env::var_os(gpushare_protocol::SOCKET_ENV)

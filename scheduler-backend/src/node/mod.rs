@@ -38,7 +38,7 @@ mod tests;
 
 use crate::config::{Config, ConnectionLimits};
 use crate::identity::{Credentials, Peer};
-use crate::latency::Histogram;
+use crate::latency::{Histogram, Recent};
 use crate::memory::{Holding, MemoryBooks, ProcessId};
 use crate::pods::PodTable;
 use crate::throttle::Throttle;
@@ -183,6 +183,8 @@ pub struct Node {
     report_stale: bool,
     /// How late the event loop handled what was due.
     latency: Histogram,
+    /// How late it lately acted on its timers, and what the policies were last told of it.
+    recent_late: (Recent, u64),
     warnings: Throttle,
     /// When the next census is taken (`None` while one is under way).
     census_at: Option<u64>,
@@ -219,6 +221,7 @@ impl Node {
             report: (0, Arc::new(report::empty())),
             report_stale: true,
             latency: Histogram::default(),
+            recent_late: (Recent::default(), 0),
             warnings: Throttle::default(),
             census_at: Some(now),
             now,
@@ -290,6 +293,20 @@ impl Node {
     /// The event loop handled something `ns` after it was due (measured by the shell).
     pub fn note_lateness(&mut self, ns: u64) {
         self.latency.record(ns);
+    }
+
+    /// The event loop's timer fired `ns` late, at `now`: noted, and the policies grant turns
+    /// earlier by the worst of the last second or two ([`Policy::set_lateness`]), so that a
+    /// daemon short of CPU still gets each grant to its holder before the turn starts.
+    pub fn note_timer_lateness(&mut self, ns: u64, now: u64) {
+        self.note_lateness(ns);
+        let worst = self.recent_late.0.record(ns, now);
+        if worst != self.recent_late.1 {
+            self.recent_late.1 = worst;
+            for p in self.policies.values_mut() {
+                p.set_lateness(worst);
+            }
+        }
     }
 
     /// The tenant socket's bounds in force.

@@ -344,9 +344,10 @@ impl Node {
     /// The policy of `gpu`, created with every known group on first use.
     fn policy_for(&mut self, gpu: GpuUuid) -> &mut Policy {
         let cfg = self.config.policy.clone();
-        let (groups, pods) = (&self.groups, &self.pods);
+        let (groups, pods, late) = (&self.groups, &self.pods, self.recent_late.1);
         self.policies.entry(gpu).or_insert_with(|| {
             let mut p = Policy::new(cfg);
+            p.set_lateness(late);
             for (name, params) in groups.iter().filter(|(n, _)| pods.on_gpu(n, &gpu)) {
                 let _ = p.set_group(name, *params);
             }

@@ -533,6 +533,53 @@ fn the_loop_latency_the_shell_measures_is_reported() {
     assert_eq!(report.event_loop.max_s, 0.003);
 }
 
+/// A loop whose timers fire late grants the next turn earlier by that lateness (so that the
+/// grant, sent late, still reaches its holder before the turn starts), and on time again once
+/// the lateness is a couple of seconds old.
+#[test]
+fn a_late_loop_grants_the_next_turn_earlier_by_its_lateness() {
+    const STEP: u64 = 10_000;
+    // When b, waiting behind a, is granted its turn, after both asked; `late`: the loop's
+    // timer fired that late just before.
+    let granted_after = |late: u64, forgotten: bool| {
+        let mut w = World::new(CONFIG, false);
+        let a = client_a(&mut w);
+        let b = w.connect(1001, None);
+        w.complete_all();
+        w.hello(b, None);
+        let now = w.now;
+        w.node.note_timer_lateness(late, now);
+        if forgotten {
+            w.advance(3 * S);
+            let now = w.now;
+            w.node.note_timer_lateness(0, now);
+        }
+        w.send(a, ClientMsg::Acquire { gpu: GPU });
+        w.send(b, ClientMsg::Acquire { gpu: GPU });
+        let start = w.now;
+        let granted = |w: &World| {
+            (w.tenants[&b].received.iter()).any(|m| matches!(m, ServerMsg::Grant { .. }))
+        };
+        while !granted(&w) {
+            assert!(w.now < start + S, "b is never granted a turn");
+            w.advance(STEP);
+        }
+        w.now - start
+    };
+    let on_time = granted_after(0, false);
+    let late = granted_after(4 * MS, false);
+    assert!(
+        on_time.abs_diff(late + 4 * MS) <= STEP,
+        "granted {on_time} ns after asking on time, {late} ns when 4 ms late"
+    );
+    let much_later = granted_after(500 * MS, false);
+    assert!(
+        on_time.abs_diff(much_later + 5 * MS) <= STEP,
+        "at most half a quota ahead: {much_later} ns against {on_time} ns"
+    );
+    assert_eq!(granted_after(4 * MS, true), on_time, "forgotten");
+}
+
 #[test]
 fn a_connection_flood_costs_no_client_its_turn_or_its_answers() {
     let mut w = World::new(CONFIG, false);

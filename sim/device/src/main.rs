@@ -271,13 +271,7 @@ fn report(path: &Path) -> anyhow::Result<ExitCode> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("GPUSHARE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    gpushare_logging::init("warn", std::io::stderr);
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Run { device, cmd } => run(device, cmd),
