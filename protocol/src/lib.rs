@@ -263,6 +263,7 @@ mod tests {
             memory_cap: Some(4 << 30),
             memory_reservations: 5,
             memory_swapped: 1 << 20,
+            memory_state: status::MemoryState::SwappingIn,
             memory_refused: Some("why".into()),
             pod: Some(PodLabels {
                 namespace: "ns".into(),
@@ -308,20 +309,28 @@ mod tests {
                 command: "python3".into(),
                 hook_loaded: false,
             }],
-            event_loop: LoopLatency {
+            event_loop: Durations {
                 bounds_s: vec![0.001, 0.01],
                 counts: vec![5, 1, 0],
                 count: 6,
                 sum_s: 0.004,
                 max_s: 0.002,
             },
-            memory_swaps: status::SwapCounters {
+            memory_swaps: status::MemorySwaps {
                 swap_outs: 2,
                 swap_ins: 1,
                 swap_out_failures: 1,
-                restores_failed: 0,
+                swap_in_failures: 0,
                 allocation_waits: 3,
                 allocations_refused: 1,
+                swap_out_seconds: Durations {
+                    bounds_s: vec![1.0, 10.0],
+                    counts: vec![0, 1, 0],
+                    count: 1,
+                    sum_s: 2.5,
+                    max_s: 2.5,
+                },
+                ..Default::default()
             },
         }
     }

@@ -8,7 +8,7 @@
 //! may fail.
 
 use gpushare_testkit::harness::{describe, json_lines, output_with_timeout, target_dir};
-use gpushare_testkit::node::{Node, group_in, monotonic_ns};
+use gpushare_testkit::node::{Node, free_port, group_in, metrics_page, monotonic_ns};
 use serde_json::Value;
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
@@ -1123,14 +1123,18 @@ fn two_processes_share_the_whole_cap_through_their_leases() {
 /// allocation succeeds — never `CUDA_ERROR_OUT_OF_MEMORY`. Once the second is done and gone,
 /// the first is restored and finds every byte it wrote. Fail-open (the default): the wait,
 /// far past the liveness bound, is the one the scheduler announced (`MemWait`), so the hook
-/// does not take the scheduler for unresponsive and allocate alone.
+/// does not take the scheduler for unresponsive and allocate alone. While the first is out,
+/// `gpushare status` (text and `--json`) and `/metrics` show the GPU's physical books, where
+/// each group's memory is, the swap and the wait; once it is back, the restore.
 #[test]
 fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu_is_full() {
     /// The hook's default liveness bound (the default quota plus grace).
     const LIVENESS_NS: u64 = 40_000_000;
     let mut node = Node::device_only_with(&["--memory", "2GiB"]);
     node.scheduler_log_filter = "warn,gpushare_scheduler::node::overcommit=info".into();
-    node.start_scheduler(&["--memory-overcommit", "2"]);
+    let port = free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    node.start_scheduler(&["--memory-overcommit", "2", "--metrics", &metrics]);
     let exe = node.compile_c("mem_tool.c", true);
     let keep = |group: &str, seed: &str| {
         let mut cmd = in_group(
@@ -1171,14 +1175,20 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
     );
     // While it is out, `gpushare status` says so.
     let status = node.status_json().expect("gpushare status --json");
-    let first_group = group_in(&status, "first").expect("the first group in the status");
+    check_swapped_out(&status, waited_s);
+    let text = status_text(&node);
+    for line in [
+        "  first: memory swapped out, ",
+        "  second: memory resident\n",
+        "memory swaps: 1 out (0 failed; median ",
+    ] {
+        assert!(text.contains(line), "{line:?} in gpushare status:\n{text}");
+    }
     assert!(
-        u(first_group, "memory_swapped") >= 1200 * MIB,
-        "{first_group}"
+        text.contains("swapped to host memory (caps may sum to 2x); 0 allocation(s) waiting"),
+        "{text}"
     );
-    let physical = &status["gpus"][0]["physical"];
-    assert_eq!(u(physical, "total"), 2 * GIB, "{physical}");
-    assert!(u(physical, "swapped") >= 1200 * MIB, "{physical}");
+    check_swap_metrics(port);
     second.signal(libc::SIGUSR1);
     let v = second.expect_json("intact", RUN);
     assert_eq!(v["intact"], true, "the second group's bytes: {v}");
@@ -1196,6 +1206,104 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
     assert!(status.is_some_and(|s| s.success()), "first: {err}");
     let log = node.scheduler_log();
     assert!(log.contains("restoring from host memory"), "{log}");
+    // The first ran again, so the scheduler heard that the restore was done.
+    let swaps = &node.status_json().expect("gpushare status --json")["memory_swaps"];
+    assert_eq!(u(swaps, "swap_ins"), 1, "{swaps}");
+    assert_eq!(u(&swaps["swap_in_seconds"], "count"), 1, "{swaps}");
+    assert_eq!(u(swaps, "swap_in_failures"), 0, "{swaps}");
+}
+
+/// `gpushare status` as a person reads it.
+fn status_text(node: &Node) -> String {
+    let mut c = Command::new(target_dir().join("gpushare"));
+    c.arg("status").env("GPUSHARE_SOCKET", &node.sched_socket);
+    let out = output_with_timeout(c, Duration::from_secs(5));
+    assert!(out.status.success(), "gpushare status\n{}", describe(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `gpushare status --json` with group `first` swapped out of the 2 GiB GPU by group
+/// `second`, whose 1200 MiB allocation waited `waited_s` (as the process measured it).
+fn check_swapped_out(status: &Value, waited_s: f64) {
+    let first = group_in(status, "first").expect("the first group in the status");
+    let second = group_in(status, "second").expect("the second group in the status");
+    assert!(u(first, "memory_swapped") >= 1200 * MIB, "{first}");
+    assert_eq!(first["memory_state"], "swapped_out", "{first}");
+    assert_eq!(u(second, "memory_swapped"), 0, "{second}");
+    assert_eq!(second["memory_state"], "resident", "{second}");
+    let physical = &status["gpus"][0]["physical"];
+    let (total, used) = (u(physical, "total"), u(physical, "used"));
+    assert_eq!(total, 2 * GIB, "{physical}");
+    assert!(
+        (1200 * MIB..=total).contains(&used),
+        "the second's 1200 MiB on the GPU: {physical}"
+    );
+    assert_eq!(u(physical, "free"), total - used, "{physical}");
+    assert!(u(physical, "swapped") >= 1200 * MIB, "{physical}");
+    assert_eq!(physical["overcommit"], 2.0, "{physical}");
+    assert_eq!(u(physical, "waiting"), 0, "{physical}");
+    let swaps = &status["memory_swaps"];
+    assert_eq!(u(swaps, "swap_outs"), 1, "{swaps}");
+    assert_eq!(u(swaps, "swap_out_failures"), 0, "{swaps}");
+    assert_eq!(u(swaps, "swap_ins"), 0, "the first is still out: {swaps}");
+    assert!(u(swaps, "allocation_waits") >= 1, "{swaps}");
+    assert_eq!(u(swaps, "allocations_refused"), 0, "{swaps}");
+    // The checkpoint took the simulated driver's fixed 0.1 s at least; the scheduler saw the
+    // allocation wait within the process's own wait.
+    let out = &swaps["swap_out_seconds"];
+    assert_eq!(u(out, "count"), 1, "{swaps}");
+    assert!(out["sum_s"].as_f64().unwrap() >= 0.1, "{swaps}");
+    let wait = &swaps["allocation_wait_seconds"];
+    assert!(u(wait, "count") >= 1, "{swaps}");
+    let longest = wait["max_s"].as_f64().unwrap();
+    assert!(
+        longest >= out["sum_s"].as_f64().unwrap() && longest <= waited_s + 0.01,
+        "the scheduler's longest wait {longest} s: after the swap, within the process's {waited_s} s\n{swaps}"
+    );
+}
+
+/// `/metrics` at `port` with group `first` swapped out (published at least once a second).
+fn check_swap_metrics(port: u16) {
+    const SAMPLES: [&str; 5] = [
+        "gpushare_gpu_memory_total_bytes{gpu=\"0\",",
+        "gpushare_gpu_memory_overcommit_ratio{gpu=\"0\",",
+        "gpushare_memory_swap_outs_total 1\n",
+        "gpushare_memory_swap_out_duration_seconds_count 1\n",
+        "gpushare_memory_swap_ins_total 0\n",
+    ];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let swapped = |page: &str, metric: &str, labels: &str| -> u64 {
+        (page.lines())
+            .find(|l| l.starts_with(metric) && l.contains(labels))
+            .and_then(|l| l.rsplit_once(' '))
+            .and_then(|(_, v)| v.parse::<f64>().ok())
+            .map_or(0, |v| v as u64)
+    };
+    loop {
+        let page = metrics_page(port);
+        let group = swapped(
+            &page,
+            "gpushare_group_memory_swapped_bytes{",
+            "group=\"first\"",
+        );
+        let gpu = swapped(&page, "gpushare_gpu_memory_swapped_bytes{", "gpu=\"0\"");
+        if group >= 1200 * MIB && gpu >= 1200 * MIB && SAMPLES.iter().all(|s| page.contains(s)) {
+            assert!(
+                page.contains("gpushare_memory_allocation_wait_seconds_count "),
+                "{page}"
+            );
+            assert!(
+                !page.contains("gpushare_memory_allocation_wait_seconds_count 0\n"),
+                "{page}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/metrics did not show the swap within 5 s:\n{page}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The scheduler stopped (`SIGSTOP`) while a connected fail-open process allocates 256 MiB of a
