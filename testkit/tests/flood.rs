@@ -13,7 +13,7 @@ use gpushare_testkit::margins;
 use gpushare_testkit::node::{
     Node, Spin, Tenant, common_active_window, free_port, gaps_in, metrics_page, shares_in,
 };
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::time::{Duration, Instant};
 

@@ -1128,51 +1128,10 @@ fn two_processes_share_the_whole_cap_through_their_leases() {
 /// each group's memory is, the swap and the wait; once it is back, the restore.
 #[test]
 fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu_is_full() {
-    /// The hook's default liveness bound (the default quota plus grace).
-    const LIVENESS_NS: u64 = 40_000_000;
-    let mut node = Node::device_only_with(&["--memory", "2GiB"]);
-    node.scheduler_log_filter = "warn,gpushare_scheduler::node::overcommit=info".into();
     let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
-    node.start_scheduler(&["--memory-overcommit", "2", "--metrics", &metrics]);
-    let exe = node.compile_c("mem_tool.c", true);
-    let keep = |group: &str, seed: &str| {
-        let mut cmd = in_group(
-            &node,
-            group,
-            Some("1500MiB"),
-            &exe,
-            &["keep", &(1200 * MIB).to_string(), seed],
-        );
-        cmd.env("GPUSHARE_FAIL", "open");
-        Proc::spawn(cmd)
-    };
-    let mut first = keep("first", "1");
-    let got = first.expect_json("alloc", RUN);
-    assert_eq!(i(&got, "alloc"), 0, "1200 MiB on an empty 2 GiB GPU: {got}");
-    first.expect_json("filled", RUN);
-
-    let mut second = keep("second", "2");
-    let got = second.expect_json("alloc", RUN);
-    let waited_s = u(&got, "wait_ns") as f64 / 1e9;
-    eprintln!("the second group's 1200 MiB came after {waited_s:.2} s");
-    assert_eq!(
-        i(&got, "alloc"),
-        0,
-        "1200 MiB within a 1500 MiB cap on a GPU another group filled: {got}\n{}",
-        node.scheduler_log()
-    );
-    // A swap costs 0.1 s and more at the simulated driver's rates: the answer came after it.
-    assert!(
-        u(&got, "wait_ns") > LIVENESS_NS,
-        "the allocation did not wait for the swap: {got}"
-    );
-    second.expect_json("filled", RUN);
-    assert!(
-        node.scheduler_log().contains("swapping out to host memory"),
-        "the second allocation was served without a swap?\n{}",
-        node.scheduler_log()
-    );
+    let (node, exe) = overcommitted_node(&["--metrics", &metrics]);
+    let (mut first, mut second, waited_s) = second_swaps_first_out(&node, &exe);
     // While it is out, `gpushare status` says so.
     let status = node.status_json().expect("gpushare status --json");
     check_swapped_out(&status, waited_s);
@@ -1211,6 +1170,132 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
     assert_eq!(u(swaps, "swap_ins"), 1, "{swaps}");
     assert_eq!(u(&swaps["swap_in_seconds"], "count"), 1, "{swaps}");
     assert_eq!(u(swaps, "swap_in_failures"), 0, "{swaps}");
+}
+
+/// A 2 GiB simulated GPU, `gpushare-scheduler --memory-overcommit 2 ARGS…` logging its swaps,
+/// and the C client `mem_tool`.
+fn overcommitted_node(args: &[&str]) -> (Node, PathBuf) {
+    let mut node = Node::device_only_with(&["--memory", "2GiB"]);
+    node.scheduler_log_filter = "warn,gpushare_scheduler::node::overcommit=info".into();
+    let mut args = args.to_vec();
+    args.extend(["--memory-overcommit", "2"]);
+    node.start_scheduler(&args);
+    let exe = node.compile_c("mem_tool.c", true);
+    (node, exe)
+}
+
+/// `mem_tool keep 1200MiB SEED` in `group`, capped at 1500 MiB, fail-open.
+fn keep(node: &Node, exe: &Path, group: &str, seed: &str) -> Proc {
+    let mut cmd = in_group(
+        node,
+        group,
+        Some("1500MiB"),
+        exe,
+        &["keep", &(1200 * MIB).to_string(), seed],
+    );
+    cmd.env("GPUSHARE_FAIL", "open");
+    Proc::spawn(cmd)
+}
+
+/// Group `first` allocates 1200 MiB of the 2 GiB GPU and fills it; group `second`'s 1200 MiB
+/// then waits until `first` is swapped to host memory, and is granted. Both processes, and how
+/// long the second's allocation took as it measured it (s).
+fn second_swaps_first_out(node: &Node, exe: &Path) -> (Proc, Proc, f64) {
+    /// The hook's default liveness bound (the default quota plus grace).
+    const LIVENESS_NS: u64 = 40_000_000;
+    let mut first = keep(node, exe, "first", "1");
+    let got = first.expect_json("alloc", RUN);
+    assert_eq!(i(&got, "alloc"), 0, "1200 MiB on an empty 2 GiB GPU: {got}");
+    first.expect_json("filled", RUN);
+
+    let mut second = keep(node, exe, "second", "2");
+    let got = second.expect_json("alloc", RUN);
+    let waited_s = u(&got, "wait_ns") as f64 / 1e9;
+    eprintln!("the second group's 1200 MiB came after {waited_s:.2} s");
+    assert_eq!(
+        i(&got, "alloc"),
+        0,
+        "1200 MiB within a 1500 MiB cap on a GPU another group filled: {got}\n{}",
+        node.scheduler_log()
+    );
+    // A swap costs 0.1 s and more at the simulated driver's rates: the answer came after it.
+    assert!(
+        u(&got, "wait_ns") > LIVENESS_NS,
+        "the allocation did not wait for the swap: {got}"
+    );
+    second.expect_json("filled", RUN);
+    assert!(
+        node.scheduler_log().contains("swapping out to host memory"),
+        "the second allocation was served without a swap?\n{}",
+        node.scheduler_log()
+    );
+    (first, second, waited_s)
+}
+
+/// The first group, swapped out to host memory, is killed (`SIGKILL`) while out: its host copy
+/// goes with it and the scheduler frees its books: nothing is left in host memory, its group's
+/// cap is whole again (a new process of it gets 600 MiB of the free memory, 1200 + 600 MiB being
+/// past its 1500 MiB cap, and without another swap), the group that made it go out keeps every
+/// byte, nothing is restored, nothing fails.
+#[test]
+fn a_victim_killed_while_swapped_out_frees_its_books_and_nothing_else_breaks() {
+    let (mut node, exe) = overcommitted_node(&[]);
+    let (first, mut second, _) = second_swaps_first_out(&node, &exe);
+    let status = node.status_json().expect("gpushare status --json");
+    let g = group_in(&status, "first").expect("the first group in the status");
+    assert_eq!(g["memory_state"], "swapped_out", "{g}");
+
+    first.signal(libc::SIGKILL);
+    let (exited, _) = first.finish(RUN);
+    assert!(exited.is_some(), "the killed process did not exit");
+    // Its books go as its connection closes; 5 s is far beyond that on a loaded machine.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        let status = node.status_json().expect("gpushare status --json");
+        let physical = &status["gpus"][0]["physical"];
+        let first_used = group_in(&status, "first").map_or(0, |g| u(g, "memory_used"));
+        if u(physical, "swapped") == 0 && first_used == 0 {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "5 s after the kill, the swapped-out process is still on the books: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let physical = &status["gpus"][0]["physical"];
+    let second_used = u(group_in(&status, "second").expect("second"), "memory_used");
+    assert_eq!(u(physical, "used"), second_used, "{status}");
+    assert!(u(physical, "free") >= 600 * MIB, "{status}");
+
+    let got = try_alloc(&node, &exe, "first", "1500MiB", 600 * MIB, 0);
+    assert_eq!(
+        i(&got, "result"),
+        0,
+        "600 MiB for a new process of the killed one's group: {got}\n{}",
+        node.scheduler_log()
+    );
+    second.signal(libc::SIGUSR1);
+    let v = second.expect_json("intact", RUN);
+    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
+    let (exited, err) = second.finish(RUN);
+    assert!(exited.is_some_and(|s| s.success()), "second: {err}");
+
+    let status = node.status_json().expect("gpushare status --json");
+    let swaps = &status["memory_swaps"];
+    assert_eq!(u(swaps, "swap_outs"), 1, "no other swap: {swaps}");
+    assert_eq!(u(swaps, "swap_ins"), 0, "nothing to restore: {swaps}");
+    assert_eq!(u(swaps, "swap_in_failures"), 0, "{swaps}");
+    assert_eq!(u(swaps, "allocations_refused"), 0, "{swaps}");
+    let physical = &status["gpus"][0]["physical"];
+    assert_eq!(
+        (u(physical, "used"), u(physical, "swapped")),
+        (0, 0),
+        "everyone gone: {status}"
+    );
+    let log = node.scheduler_log();
+    assert!(!log.contains("restoring from host memory"), "{log}");
+    assert_eq!(node.scheduler_running(), Some(true), "{log}");
 }
 
 /// `gpushare status` as a person reads it.
