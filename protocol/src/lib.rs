@@ -124,13 +124,9 @@ pub enum ServerMsg {
     },
     /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
     /// or forget it if it has not started (withdrawn).
-    Revoke {
-        gpu: GpuUuid,
-        token: u64,
-    },
-    Status {
-        report: status::Report,
-    },
+    Revoke { gpu: GpuUuid, token: u64 },
+    /// Boxed: a report is far larger than any other message.
+    Status { report: Box<status::Report> },
     /// Answer to a reservation (`granted`) or query: the group's cap (`None`: uncapped) and
     /// what the group uses on that GPU, this reservation included.
     /// `journaled`: the reservation is on disk, so a restarted scheduler still counts it;
@@ -147,15 +143,9 @@ pub enum ServerMsg {
     /// Reservation `req` waits for memory on its GPU (memory overcommit: the GPU is full, and
     /// others free memory or are swapped to host memory for it): its answer comes within
     /// `max_wait_ns`.
-    MemWait {
-        req: u64,
-        max_wait_ns: u64,
-    },
+    MemWait { req: u64, max_wait_ns: u64 },
     /// `fatal`: the connection is closed after this message.
-    Error {
-        message: String,
-        fatal: bool,
-    },
+    Error { message: String, fatal: bool },
     /// Turn `token` (running or planned) now ends at `deadline_ns`: earlier (a group owed
     /// more is waiting) or later (its group is still the one to serve: keep going).
     Deadline {
@@ -164,9 +154,7 @@ pub enum ServerMsg {
         deadline_ns: u64,
     },
     /// The answer to [`ClientMsg::Probe`].
-    Alive {
-        gpu: GpuUuid,
-    },
+    Alive { gpu: GpuUuid },
 }
 
 #[cfg(test)]
@@ -350,7 +338,9 @@ mod tests {
                 queue_budget_ns: 2_500_000,
             },
             ServerMsg::Revoke { gpu: GPU, token: 9 },
-            ServerMsg::Status { report: report() },
+            ServerMsg::Status {
+                report: Box::new(report()),
+            },
             ServerMsg::Memory {
                 req: 1,
                 granted: true,

@@ -260,7 +260,7 @@ pub fn fetch(socket: &Path) -> Result<Report, StatusError> {
     let mut buf = Vec::new();
     loop {
         match crate::recv::<ServerMsg>(&mut s, &mut buf)? {
-            Some(ServerMsg::Status { report }) => return Ok(report),
+            Some(ServerMsg::Status { report }) => return Ok(*report),
             Some(ServerMsg::Error { message, .. }) => return Err(StatusError::Refused(message)),
             Some(_) => continue,
             None => return Err(StatusError::Closed),

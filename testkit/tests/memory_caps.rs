@@ -1156,7 +1156,12 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
 
     // The second gone, the first comes back and reads what it wrote.
     first.signal(libc::SIGUSR1);
-    let v = first.expect_json("intact", RUN);
+    let v = first.next_json("intact", RUN).unwrap_or_else(|why| {
+        panic!(
+            "the first group, restored: {why}\n--- scheduler ---\n{}",
+            node.scheduler_log()
+        )
+    });
     assert_eq!(
         v["intact"], true,
         "the first group's bytes after a swap to host memory and back: {v}"
@@ -1296,6 +1301,80 @@ fn a_victim_killed_while_swapped_out_frees_its_books_and_nothing_else_breaks() {
     let log = node.scheduler_log();
     assert!(!log.contains("restoring from host memory"), "{log}");
     assert_eq!(node.scheduler_running(), Some(true), "{log}");
+}
+
+/// Group `first` holds 16 MiB of managed (unified) memory besides its 1200 MiB, and the driver
+/// cannot checkpoint managed memory: when group `second`'s 1200 MiB needs room that only
+/// `first` could make, the scheduler's checkpoint is refused, `first` runs on (unlocked, every
+/// byte in place, managed ones too) and is never swapped out: the allocation is refused with
+/// the reason, and so is a later one of a third group, without another attempt.
+#[test]
+fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes() {
+    let (node, exe) = overcommitted_node(&[]);
+    let keep_with_managed = |group: &str, seed: &str, managed: u64| {
+        let mut cmd = in_group(
+            &node,
+            group,
+            Some("1500MiB"),
+            &exe,
+            &[
+                "keep",
+                &(1200 * MIB).to_string(),
+                seed,
+                &managed.to_string(),
+            ],
+        );
+        cmd.env("GPUSHARE_FAIL", "open");
+        Proc::spawn(cmd)
+    };
+    let mut first = keep_with_managed("first", "1", 16 * MIB);
+    let got = first.expect_json("alloc", RUN);
+    assert_eq!(
+        i(&got, "alloc"),
+        0,
+        "1200 MiB on a GPU with 16 MiB used: {got}"
+    );
+    first.expect_json("filled", RUN);
+
+    for (n, group) in ["second", "third"].into_iter().enumerate() {
+        let mut p = keep(&node, &exe, group, "2");
+        let got = p.expect_json("alloc", RUN);
+        assert_eq!(
+            i(&got, "alloc"),
+            OOM,
+            "{group}: 1200 MiB beside 1216 MiB that cannot be swapped out: {got}\n{}",
+            node.scheduler_log()
+        );
+        let (exited, _) = p.finish(RUN);
+        assert!(exited.is_some(), "{group} did not exit after its refusal");
+        let status = node.status_json().expect("gpushare status --json");
+        let swaps = &status["memory_swaps"];
+        assert_eq!(
+            (u(swaps, "swap_outs"), u(swaps, "swap_out_failures")),
+            (1, 1),
+            "one attempt, refused, after {} refusal(s): {swaps}",
+            n + 1
+        );
+        assert_eq!(u(swaps, "allocations_refused"), n as u64 + 1, "{swaps}");
+        let f = group_in(&status, "first").expect("the first group in the status");
+        assert_eq!(f["memory_state"], "resident", "{f}");
+        assert_eq!(u(f, "memory_swapped"), 0, "{f}");
+    }
+    let log = node.scheduler_log();
+    assert!(
+        log.contains("within the group's cap refused")
+            && log.contains("checkpoint the driver refused"),
+        "the refusal says why:\n{log}"
+    );
+    first.signal(libc::SIGUSR1);
+    let v = first.expect_json("intact", RUN);
+    assert_eq!(
+        v["intact"], true,
+        "the first group's bytes, managed ones too: {v}"
+    );
+    let (exited, err) = first.finish(RUN);
+    assert!(exited.is_some_and(|s| s.success()), "first: {err}");
+    assert!(!log.contains("restoring from host memory"), "{log}");
 }
 
 /// `gpushare status` as a person reads it.

@@ -446,7 +446,7 @@ fn status_reports_are_reused_for_a_moment_and_published_every_second() {
     let status = |w: &mut World| {
         w.send(c, ClientMsg::Status);
         match last(w, c) {
-            Some(ServerMsg::Status { report }) => report.clone(),
+            Some(ServerMsg::Status { report }) => Report::clone(report),
             other => panic!("{other:?}"),
         }
     };
@@ -881,7 +881,7 @@ fn granted(w: &World, c: ConnId, req: u64) -> Option<bool> {
 fn report(w: &mut World, c: ConnId) -> Report {
     w.send(c, ClientMsg::Status);
     match last(w, c) {
-        Some(ServerMsg::Status { report }) => report.clone(),
+        Some(ServerMsg::Status { report }) => Report::clone(report),
         other => panic!("{other:?}"),
     }
 }
