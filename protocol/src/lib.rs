@@ -12,7 +12,7 @@ pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
 /// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
@@ -124,13 +124,9 @@ pub enum ServerMsg {
     },
     /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
     /// or forget it if it has not started (withdrawn).
-    Revoke {
-        gpu: GpuUuid,
-        token: u64,
-    },
-    Status {
-        report: status::Report,
-    },
+    Revoke { gpu: GpuUuid, token: u64 },
+    /// Boxed: a report is far larger than any other message.
+    Status { report: Box<status::Report> },
     /// Answer to a reservation (`granted`) or query: the group's cap (`None`: uncapped) and
     /// what the group uses on that GPU, this reservation included.
     /// `journaled`: the reservation is on disk, so a restarted scheduler still counts it;
@@ -147,15 +143,9 @@ pub enum ServerMsg {
     /// Reservation `req` waits for memory on its GPU (memory overcommit: the GPU is full, and
     /// others free memory or are swapped to host memory for it): its answer comes within
     /// `max_wait_ns`.
-    MemWait {
-        req: u64,
-        max_wait_ns: u64,
-    },
+    MemWait { req: u64, max_wait_ns: u64 },
     /// `fatal`: the connection is closed after this message.
-    Error {
-        message: String,
-        fatal: bool,
-    },
+    Error { message: String, fatal: bool },
     /// Turn `token` (running or planned) now ends at `deadline_ns`: earlier (a group owed
     /// more is waiting) or later (its group is still the one to serve: keep going).
     Deadline {
@@ -164,9 +154,7 @@ pub enum ServerMsg {
         deadline_ns: u64,
     },
     /// The answer to [`ClientMsg::Probe`].
-    Alive {
-        gpu: GpuUuid,
-    },
+    Alive { gpu: GpuUuid },
 }
 
 #[cfg(test)]
@@ -263,6 +251,7 @@ mod tests {
             memory_cap: Some(4 << 30),
             memory_reservations: 5,
             memory_swapped: 1 << 20,
+            memory_state: status::MemoryState::SwappingIn,
             memory_refused: Some("why".into()),
             pod: Some(PodLabels {
                 namespace: "ns".into(),
@@ -286,6 +275,7 @@ mod tests {
                     free: 20 << 30,
                     swapped: 30 << 30,
                     overcommit: 1.5,
+                    waiting: 1,
                 }),
             }],
             pods: vec![PodReport {
@@ -307,12 +297,28 @@ mod tests {
                 command: "python3".into(),
                 hook_loaded: false,
             }],
-            event_loop: LoopLatency {
+            event_loop: Durations {
                 bounds_s: vec![0.001, 0.01],
                 counts: vec![5, 1, 0],
                 count: 6,
                 sum_s: 0.004,
                 max_s: 0.002,
+            },
+            memory_swaps: status::MemorySwaps {
+                swap_outs: 2,
+                swap_ins: 1,
+                swap_out_failures: 1,
+                swap_in_failures: 0,
+                allocation_waits: 3,
+                allocations_refused: 1,
+                swap_out_seconds: Durations {
+                    bounds_s: vec![1.0, 10.0],
+                    counts: vec![0, 1, 0],
+                    count: 1,
+                    sum_s: 2.5,
+                    max_s: 2.5,
+                },
+                ..Default::default()
             },
         }
     }
@@ -332,7 +338,9 @@ mod tests {
                 queue_budget_ns: 2_500_000,
             },
             ServerMsg::Revoke { gpu: GPU, token: 9 },
-            ServerMsg::Status { report: report() },
+            ServerMsg::Status {
+                report: Box::new(report()),
+            },
             ServerMsg::Memory {
                 req: 1,
                 granted: true,
