@@ -87,7 +87,10 @@
 //!     [`PolicyConfig::latency_queue_budget_ns`] of work queued. When it comes back with work it is
 //!     served unless it is ahead of the holder by a minimum quota, and the holder's turn ends an
 //!     eighth of a minimum quota after its start at the earliest: its client stops at its next
-//!     kernel. What it uses is charged and capped like any other group's time.
+//!     kernel. The turn that starts where its turn ends opens at its start
+//!     ([`Decision::Grant`]'s `open_at_start`), not ahead of it: its kernels queue behind the
+//!     request's, not beside them. What it uses is charged and capped like any other group's
+//!     time.
 //!
 //! # Memory
 //!
@@ -139,6 +142,10 @@ pub enum Decision {
         deadline_ns: u64,
         quota_ns: u64,
         queue_budget_ns: u64,
+        /// The turn starts where a latency-class group's work drains: its client launches
+        /// nothing before `start_ns` (kernels queued earlier would time-slice with that group's
+        /// last ones and delay its request), where it would otherwise launch a little ahead.
+        open_at_start: bool,
     },
     /// Stop at once: the turn ended without a report by its end + grace, or a planned turn was
     /// withdrawn (its client has no more work).
@@ -190,6 +197,9 @@ pub struct Policy {
     /// Where the last turn ended: no turn starts before (a yielded turn's work drains until
     /// then).
     busy_until: u64,
+    /// Where the last turn of a latency-class group ended: its work drains there, and the turn
+    /// that starts there opens no earlier.
+    latency_ended_at: u64,
     /// Recent handoffs awaiting their turns' reports (docs/scheduling.md#charges).
     handoffs: std::collections::VecDeque<Handoff>,
     next_token: u64,
@@ -217,6 +227,7 @@ impl Policy {
             next: None,
             ended: BTreeMap::new(),
             busy_until: 0,
+            latency_ended_at: 0,
             handoffs: std::collections::VecDeque::new(),
             next_token: 1,
             now: 0,
@@ -689,6 +700,9 @@ impl Policy {
             n.after_turn = true;
         }
         if let Some(g) = self.groups.get_mut(&t.group) {
+            if g.params.class == GroupClass::Latency {
+                self.latency_ended_at = at;
+            }
             g.turns = g.turns.saturating_sub(1);
             g.last_active = at;
             if !g.wants() {

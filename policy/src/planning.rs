@@ -36,9 +36,14 @@ impl Policy {
         if let Some(g) = self.groups.get_mut(&t.group) {
             g.draining_until = at + self.cfg.min_quota_ns / 4;
         }
+        let after_latency = self
+            .groups
+            .get(&t.group)
+            .is_some_and(|g| g.params.class == GroupClass::Latency);
         if let Some(n) = self.next.as_mut() {
             n.deadline_ns = at + n.quota_ns;
             n.start_ns = at;
+            n.open_at_start = after_latency;
             let moved = Decision::Grant {
                 client: n.client,
                 token: n.token,
@@ -46,6 +51,7 @@ impl Policy {
                 deadline_ns: n.deadline_ns,
                 quota_ns: n.quota_ns,
                 queue_budget_ns: n.queue_budget_ns,
+                open_at_start: n.open_at_start,
             };
             let token = n.token;
             self.move_handoff(token, at);
@@ -256,6 +262,7 @@ impl Policy {
         if self.latency_group_besides(&name) {
             queue_budget_ns = queue_budget_ns.min(self.cfg.latency_queue_budget_ns());
         }
+        let open_at_start = self.follows_latency(start_ns);
         let turn = Turn {
             client: p.client,
             group: name,
@@ -274,6 +281,7 @@ impl Policy {
             applied: p.quota_ns,
             recorded: 0,
             queue_budget_ns,
+            open_at_start,
         };
         self.decisions.push(Decision::Grant {
             client: p.client,
@@ -282,6 +290,7 @@ impl Policy {
             deadline_ns: turn.deadline_ns,
             quota_ns: p.quota_ns,
             queue_budget_ns,
+            open_at_start,
         });
         turn
     }
@@ -302,6 +311,22 @@ impl Policy {
                     && !g.clients.is_empty()
                     && (g.held_back || recent(g.returned_at) || !g.wants() && recent(g.last_active))
         })
+    }
+
+    /// Whether a turn starting at `start` starts where a latency-class group's turn ends (the
+    /// running one, or the last one to end): that group's last kernels drain there, and
+    /// kernels queued beside them would delay its request.
+    fn follows_latency(&self, start: u64) -> bool {
+        let latency = |group: &str| {
+            self.groups
+                .get(group)
+                .is_some_and(|g| g.params.class == GroupClass::Latency)
+        };
+        match &self.current {
+            Some(c) if c.deadline_ns <= start => latency(&c.group) && c.deadline_ns == start,
+            Some(_) => false,
+            None => self.latency_ended_at > 0 && self.latency_ended_at == start,
+        }
     }
 
     /// Whether a latency-class group other than `name` is connected: it may ask at any time,

@@ -33,6 +33,7 @@ fn grant_queueing(client: ClientId, token: u64, at: u64, queue_budget_ns: u64) -
         deadline_ns: at + 20 * MS,
         quota_ns: 20 * MS,
         queue_budget_ns,
+        open_at_start: false,
     }
 }
 
@@ -789,6 +790,7 @@ fn hot_reload_of_the_config_is_used_for_the_next_turn() {
             deadline_ns: 30 * MS,
             quota_ns: 10 * MS,
             queue_budget_ns: 2_500_000,
+            open_at_start: false,
         })
     );
     // Nonsense is made usable rather than wedging the GPU.
@@ -1805,6 +1807,17 @@ fn a_standard_server_keeps_the_usual_queue_budgets() {
     let cfg = sim.policy.config().clone();
     assert!(sim.stats.max_queue_budget_ns[1] > cfg.latency_queue_budget_ns());
     assert!((s - 0.16).abs() <= 0.01, "{s}");
+}
+
+/// The turns that follow a latency-class group's requests (where its work drains) open at
+/// their start; without the class no turn does.
+#[test]
+fn turns_after_a_latency_groups_requests_open_at_their_start() {
+    let (latency, ..) = server_beside_trainers(GroupClass::Latency, 1.0, 1, 5);
+    let (requests, after) = (latency.stats.waits_of[0], latency.stats.opening_at_start[1]);
+    assert!(after as f64 >= 0.9 * requests as f64, "{after} of {requests}");
+    let (standard, ..) = server_beside_trainers(GroupClass::Standard, 1.0, 1, 5);
+    assert_eq!(standard.stats.opening_at_start, vec![0, 0]);
 }
 
 #[test]

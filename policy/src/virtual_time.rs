@@ -168,6 +168,9 @@ pub struct Stats {
     pub waits_of: Vec<u64>,
     /// Per tenant, the largest queue budget it was granted.
     pub max_queue_budget_ns: Vec<u64>,
+    /// Per tenant, grants (and moves) of turns that open no earlier than their start, where a
+    /// latency-class group's work drains.
+    pub opening_at_start: Vec<u64>,
     /// Policy calls made.
     pub calls: u64,
 }
@@ -269,6 +272,7 @@ impl Sim {
                 total_wait_ns: vec![0; n],
                 waits_of: vec![0; n],
                 max_queue_budget_ns: vec![0; n],
+                opening_at_start: vec![0; n],
                 ..Stats::default()
             },
         };
@@ -694,8 +698,16 @@ impl Sim {
                     deadline_ns,
                     quota_ns,
                     queue_budget_ns,
+                    open_at_start,
                 } => {
                     let i = (client - 1) as usize;
+                    if open_at_start {
+                        assert!(
+                            (self.groups.iter()).any(|(_, p)| p.class == GroupClass::Latency),
+                            "a turn opening at its start without a latency-class group"
+                        );
+                        self.stats.opening_at_start[i] += 1;
+                    }
                     assert!(!self.gone[i], "granted a client that is gone");
                     assert!((100_000..=5_000_000).contains(&queue_budget_ns));
                     let budget = &mut self.stats.max_queue_budget_ns[i];

@@ -12,7 +12,7 @@ pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
 /// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
@@ -115,12 +115,16 @@ pub enum ServerMsg {
     /// last ones, and stops launching at `deadline_ns` on its own. Sent again with the same
     /// token when the start moves earlier (the turn before was given back). `queue_budget_ns`:
     /// how much GPU work the process may keep queued during it (its launches are paced to it).
+    /// `open_at_start`: the turn before is a latency-class group's, whose request completes
+    /// at `start_ns`: the process launches nothing before (the GPU would time-slice its
+    /// kernels with the request's last ones).
     Grant {
         gpu: GpuUuid,
         token: u64,
         start_ns: u64,
         deadline_ns: u64,
         queue_budget_ns: u64,
+        open_at_start: bool,
     },
     /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
     /// or forget it if it has not started (withdrawn).
@@ -330,6 +334,7 @@ mod tests {
                 start_ns: 1,
                 deadline_ns: 20_000_001,
                 queue_budget_ns: 2_500_000,
+                open_at_start: true,
             },
             ServerMsg::Revoke { gpu: GPU, token: 9 },
             ServerMsg::Status { report: report() },
