@@ -393,6 +393,10 @@ impl Policy {
         if !self.enqueue(client, now) {
             return Ok(());
         }
+        if returning {
+            self.note_return(&group, now);
+            self.take_back_linger(&group, now);
+        }
         if self.current.is_none() {
             // The GPU is free until a capped group's planned turn: served in between if it may.
             self.reclaim_gap(now);
@@ -442,8 +446,20 @@ impl Policy {
             // Never past its deadline: a yield does not lengthen a turn.
             let (deadline, group) = (self.current.as_ref())
                 .map_or((now, String::new()), |t| (t.deadline_ns, t.group.clone()));
-            let at = drained_ns.clamp(now, (now + self.cfg.min_quota_ns).min(deadline).max(now));
+            let drained =
+                drained_ns.clamp(now, (now + self.cfg.min_quota_ns).min(deadline).max(now));
+            let linger = self.groups.get(&group).is_some_and(|g| g.back_to_back);
+            let at = if linger {
+                (drained + self.cfg.latency_linger_ns())
+                    .min(deadline)
+                    .max(drained)
+            } else {
+                drained
+            };
             self.yield_current(at, now);
+            if linger && let Some(token) = self.next.as_ref().map(|n| n.token) {
+                self.hold_handoff(token, at);
+            }
             if let Some(g) = self.groups.get_mut(&group) {
                 g.gave_back_at = at;
             }

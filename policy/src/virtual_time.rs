@@ -151,6 +151,12 @@ pub struct Stats {
     /// Time the GPU ran no turn while a group with limit 1 waited (must stay 0 with tenants
     /// that open on time).
     pub idle_with_uncapped_waiter_ns: u64,
+    /// Time the GPU ran no turn while a group with limit 1 waited because a latency-class
+    /// group that gave its turn back keeps it a linger past its drain (docs/latency.md); it is
+    /// charged for it.
+    pub latency_linger_ns: u64,
+    /// Turns given back by latency-class groups.
+    pub latency_yields: u64,
     /// Time the GPU ran no turn while a capped group waited that was below its limit, i.e. had
     /// not been granted more than `limit · (t − s) + quota` over any trailing interval `(s, t]`
     /// (must stay 0).
@@ -208,6 +214,8 @@ pub struct Sim {
     /// (within a minimum quota) may be taken back sooner than a minimum quota
     /// (`docs/scheduling.md#preemption`).
     yielded_at: Vec<Option<u64>>,
+    /// Until when a latency-class group that gave its turn back may keep the GPU idle.
+    lingering_until: u64,
     pub stats: Stats,
 }
 
@@ -267,6 +275,7 @@ impl Sim {
             work: vec![Vec::new(); groups.len()],
             excess: vec![(0.0, 0); groups.len()],
             yielded_at: vec![None; groups.len()],
+            lingering_until: 0,
             stats: Stats {
                 max_wait_ns: vec![0; n],
                 total_wait_ns: vec![0; n],
@@ -367,6 +376,17 @@ impl Sim {
         }
     }
 
+    /// Tenant `i` gave its turn back, its work drained at `drained`.
+    fn yielded(&mut self, i: usize, drained: u64) {
+        let g = self.tenants[i].group;
+        self.yielded_at[g] = Some(self.now);
+        if self.groups[g].1.class == GroupClass::Latency {
+            self.stats.latency_yields += 1;
+            let until = drained + self.policy.config().latency_linger_ns();
+            self.lingering_until = self.lingering_until.max(until);
+        }
+    }
+
     /// Advances the clock to `t`, checking work conservation over the interval.
     fn integrate(&mut self, t: u64) {
         if t <= self.now {
@@ -391,7 +411,9 @@ impl Sim {
         self.stats.promised_ns += limits.min(1.0) * dt as f64;
         if self.running.iter().all(Option::is_none) {
             if uncapped_waiting {
-                self.stats.idle_with_uncapped_waiter_ns += dt;
+                let linger = self.lingering_until.saturating_sub(self.now).min(dt);
+                self.stats.latency_linger_ns += linger;
+                self.stats.idle_with_uncapped_waiter_ns += dt - linger;
             } else {
                 let below: Vec<usize> = (0..self.groups.len())
                     .filter(|&g| {
@@ -458,7 +480,7 @@ impl Sim {
                         self.policy
                             .yield_turn(client_of(i), token, self.now, self.now)
                             .expect("connected");
-                        self.yielded_at[self.tenants[i].group] = Some(self.now);
+                        self.yielded(i, self.now);
                         self.push(
                             self.now,
                             i,
@@ -639,7 +661,7 @@ impl Sim {
             self.policy
                 .yield_turn(client_of(i), r.token, last, now)
                 .expect("connected");
-            self.yielded_at[self.tenants[i].group] = Some(now);
+            self.yielded(i, last.max(now));
             if let Demand::Fraction { .. } = self.tenants[i].demand {
                 // More work at once: it asks again.
                 self.push(now, i, Ev::Acquire);

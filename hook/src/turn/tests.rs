@@ -137,7 +137,10 @@ fn a_turn_after_a_latency_request_opens_at_its_start() {
     assert_eq!(t.admit(MS, &mut w), Step::Wait { until_ns: 30 * MS });
     t.grant(1, 10 * MS, 30 * MS, BUDGET, true, 2 * MS);
     assert_eq!(t.admit(2 * MS, &mut w), Step::Wait { until_ns: 10 * MS });
-    assert_eq!(t.admit(10 * MS - 1, &mut w), Step::Wait { until_ns: 10 * MS });
+    assert_eq!(
+        t.admit(10 * MS - 1, &mut w),
+        Step::Wait { until_ns: 10 * MS }
+    );
     assert_eq!(t.admit(10 * MS, &mut w), Step::Opened);
     assert_eq!(t.gate_deadline(), 30 * MS);
 }
