@@ -87,10 +87,11 @@
 //!     [`PolicyConfig::latency_queue_budget_ns`] of work queued. When it comes back with work it is
 //!     served unless it is ahead of the holder by a minimum quota, and the holder's turn ends an
 //!     eighth of a minimum quota after its start at the earliest: its client stops at its next
-//!     kernel. The turn that starts where its turn ends opens at its start
-//!     ([`Decision::Grant`]'s `open_at_start`), not ahead of it: its kernels queue behind the
-//!     request's, not beside them. What it uses is charged and capped like any other group's
-//!     time.
+//!     kernel. A group whose requests come back to back (it asked again within a minimum quota
+//!     of giving its turn back) keeps the GPU a linger ([`PolicyConfig::latency_linger_ns`])
+//!     past its drain when it gives a turn back, charged to it; the turn after opens at its
+//!     start ([`Decision::Grant`]'s `open_at_start`), not ahead of it, and asking again within
+//!     the linger the group is served at once, the turn planned after it withdrawn. What it uses is charged and capped like any other group's time.
 //!
 //! # Memory
 //!
@@ -197,9 +198,9 @@ pub struct Policy {
     /// Where the last turn ended: no turn starts before (a yielded turn's work drains until
     /// then).
     busy_until: u64,
-    /// Where the last turn of a latency-class group ended: its work drains there, and the turn
-    /// that starts there opens no earlier.
-    latency_ended_at: u64,
+    /// Where the last linger of a latency-class group ends (docs/latency.md): the turn that
+    /// starts there opens no earlier.
+    linger_until: u64,
     /// Recent handoffs awaiting their turns' reports (docs/scheduling.md#charges).
     handoffs: std::collections::VecDeque<Handoff>,
     next_token: u64,
@@ -227,7 +228,7 @@ impl Policy {
             next: None,
             ended: BTreeMap::new(),
             busy_until: 0,
-            latency_ended_at: 0,
+            linger_until: 0,
             handoffs: std::collections::VecDeque::new(),
             next_token: 1,
             now: 0,
@@ -448,11 +449,16 @@ impl Policy {
                 .map_or((now, String::new()), |t| (t.deadline_ns, t.group.clone()));
             let drained =
                 drained_ns.clamp(now, (now + self.cfg.min_quota_ns).min(deadline).max(now));
-            let linger = self.groups.get(&group).is_some_and(|g| g.back_to_back);
+            // Not for a group whose cap would not let it take the GPU back.
+            let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
+            let linger = (self.groups.get(&group))
+                .is_some_and(|g| g.back_to_back && g.eligible(now, depth, thr));
             let at = if linger {
-                (drained + self.cfg.latency_linger_ns())
+                let at = (drained + self.cfg.latency_linger_ns())
                     .min(deadline)
-                    .max(drained)
+                    .max(drained);
+                self.linger_until = at;
+                at
             } else {
                 drained
             };
@@ -716,9 +722,6 @@ impl Policy {
             n.after_turn = true;
         }
         if let Some(g) = self.groups.get_mut(&t.group) {
-            if g.params.class == GroupClass::Latency {
-                self.latency_ended_at = at;
-            }
             g.turns = g.turns.saturating_sub(1);
             g.last_active = at;
             if !g.wants() {

@@ -183,10 +183,10 @@ impl PolicyConfig {
     }
 
     /// How long past its work's drain a latency-class group whose requests come back to back
-    /// keeps the GPU when it gives its turn back (docs/latency.md): the take-back time, an
-    /// eighth of the minimum quota, enough for its next request to be asked for.
+    /// keeps the GPU when it gives its turn back (docs/latency.md): a quarter of the minimum
+    /// quota (0.5 ms by default), enough for its next request to be asked for on a busy host.
     pub(super) fn latency_linger_ns(&self) -> u64 {
-        self.take_back_ns()
+        self.min_quota_ns / 4
     }
 
     /// Bucket depth of a capped group: two quotas.

@@ -36,14 +36,11 @@ impl Policy {
         if let Some(g) = self.groups.get_mut(&t.group) {
             g.draining_until = at + self.cfg.min_quota_ns / 4;
         }
-        let after_latency = self
-            .groups
-            .get(&t.group)
-            .is_some_and(|g| g.params.class == GroupClass::Latency);
+        let after_linger = self.linger_until > 0 && at == self.linger_until;
         if let Some(n) = self.next.as_mut() {
             n.deadline_ns = at + n.quota_ns;
             n.start_ns = at;
-            n.open_at_start = after_latency;
+            n.open_at_start = after_linger;
             let moved = Decision::Grant {
                 client: n.client,
                 token: n.token,
@@ -165,7 +162,6 @@ impl Policy {
             t.end_ns = Some(now);
         }
         self.busy_until = now;
-        self.latency_ended_at = now;
         if let Some(g) = self.groups.get_mut(group) {
             g.gave_back_at = 0;
         }
@@ -333,7 +329,8 @@ impl Policy {
         if self.latency_group_besides(&name) {
             queue_budget_ns = queue_budget_ns.min(self.cfg.latency_queue_budget_ns());
         }
-        let open_at_start = self.follows_latency(start_ns);
+        // The turn after a latency-class group's linger opens at its start (docs/latency.md).
+        let open_at_start = self.linger_until > 0 && start_ns == self.linger_until;
         let turn = Turn {
             client: p.client,
             group: name,
@@ -382,22 +379,6 @@ impl Policy {
                     && !g.clients.is_empty()
                     && (g.held_back || recent(g.returned_at) || !g.wants() && recent(g.last_active))
         })
-    }
-
-    /// Whether a turn starting at `start` starts where a latency-class group's turn ends (the
-    /// running one, or the last one to end): that group's last kernels drain there, and
-    /// kernels queued beside them would delay its request.
-    fn follows_latency(&self, start: u64) -> bool {
-        let latency = |group: &str| {
-            self.groups
-                .get(group)
-                .is_some_and(|g| g.params.class == GroupClass::Latency)
-        };
-        match &self.current {
-            Some(c) if c.deadline_ns <= start => latency(&c.group) && c.deadline_ns == start,
-            Some(_) => false,
-            None => self.latency_ended_at > 0 && self.latency_ended_at == start,
-        }
     }
 
     /// Whether a latency-class group other than `name` is connected: it may ask at any time,

@@ -410,10 +410,12 @@ impl Sim {
             .sum();
         self.stats.promised_ns += limits.min(1.0) * dt as f64;
         if self.running.iter().all(Option::is_none) {
+            // A latency-class group's linger is idle by design, charged to it.
+            let linger = self.lingering_until.saturating_sub(self.now).min(dt);
+            self.stats.latency_linger_ns += linger;
+            let dt = dt - linger;
             if uncapped_waiting {
-                let linger = self.lingering_until.saturating_sub(self.now).min(dt);
-                self.stats.latency_linger_ns += linger;
-                self.stats.idle_with_uncapped_waiter_ns += dt - linger;
+                self.stats.idle_with_uncapped_waiter_ns += dt;
             } else {
                 let below: Vec<usize> = (0..self.groups.len())
                     .filter(|&g| {
