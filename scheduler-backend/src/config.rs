@@ -20,6 +20,8 @@
 //! memory_turn = "10s" # a group back in (or made room for) is not swapped out for this long
 //! retry_after = "10s" # a group whose checkpoint timed out is not chosen again for this long
 //! lock_timeout = "5s" # a checkpoint's lock waits this long for the group's submitted work
+//! exit_release = "1s" # an exited process's memory counts as used this long (the driver
+//!                     # releases it some time after the exit)
 //!
 //! [connections]       # the tenant socket's bounds (a flood costs memory, never fairness)
 //! max = 4096          # connections in total; more are closed at once
@@ -82,6 +84,7 @@ struct RawOvercommit {
     memory_turn: Option<String>,
     retry_after: Option<String>,
     lock_timeout: Option<String>,
+    exit_release: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -324,6 +327,7 @@ fn parse_overcommit(raw: &RawOvercommit) -> Result<OvercommitConfig, String> {
     dur(&raw.window, "window", &mut p.window_ns)?;
     dur(&raw.memory_turn, "memory_turn", &mut p.memory_turn_ns)?;
     dur(&raw.retry_after, "retry_after", &mut p.retry_after_ns)?;
+    dur(&raw.exit_release, "exit_release", &mut p.exit_release_ns)?;
     let mut lock = u64::from(c.lock_timeout_ms) * 1_000_000;
     dur(&raw.lock_timeout, "lock_timeout", &mut lock)?;
     c.lock_timeout_ms = u32::try_from(lock / 1_000_000)
@@ -440,13 +444,14 @@ weight = 2
     #[test]
     fn overcommit_keys_parse_and_bad_ones_are_explained() {
         let c = Config::parse(
-            "memory_overcommit = 1.5\n[overcommit]\nwait = \"2s\"\nmax_wait = \"30s\"\nlock_timeout = \"1s\"",
+            "memory_overcommit = 1.5\n[overcommit]\nwait = \"2s\"\nmax_wait = \"30s\"\nlock_timeout = \"1s\"\nexit_release = \"250ms\"",
         )
         .unwrap();
         assert_eq!(c.memory_overcommit, Some(1.5));
         assert_eq!(c.overcommit.params.alloc_wait_ns, 2_000_000_000);
         assert_eq!(c.overcommit.params.max_wait_ns, 30_000_000_000);
         assert_eq!(c.overcommit.lock_timeout_ms, 1_000);
+        assert_eq!(c.overcommit.params.exit_release_ns, 250_000_000);
         assert_eq!(Config::parse("").unwrap().memory_overcommit, None);
         let e = Config::parse("memory_overcommit = 0.5").unwrap_err();
         assert!(e.contains("at least 1"), "{e}");

@@ -97,6 +97,10 @@ pub struct Params {
     pub max_wait_ns: Nanos,
     /// What a swap costs before any is seen (each one seen updates it).
     pub swap_cost: SwapCost,
+    /// An exited process's memory still counts as used this long: the driver releases it
+    /// asynchronously, and a restore that finds too little memory breaks the restored process
+    /// for good.
+    pub exit_release_ns: Nanos,
 }
 
 /// What moving memory to host memory and back costs: `latency_ns`, then the bytes at the rate
@@ -155,6 +159,7 @@ impl Default for Params {
             retry_after_ns: 10_000_000_000,
             max_wait_ns: 120_000_000_000,
             swap_cost: SwapCost::MEASURED,
+            exit_release_ns: 1_000_000_000,
         }
     }
 }
@@ -415,6 +420,8 @@ pub struct Overcommit {
     counters: Counters,
     /// What swaps cost, as last seen.
     cost: SwapCost,
+    /// Memory of exited processes the driver may not have released yet: (GPU, bytes, until).
+    releasing: Vec<(Gpu, Bytes, Nanos)>,
 }
 
 impl Overcommit {
@@ -430,6 +437,7 @@ impl Overcommit {
             next_swap: 1,
             counters: Counters::default(),
             cost: params.swap_cost,
+            releasing: Vec::new(),
         }
     }
 
@@ -575,7 +583,12 @@ impl Overcommit {
 
     /// The process exited: its memory is free, on the GPU or in host memory, and its waits end.
     pub fn exit(&mut self, now: Nanos, process: ProcessId) -> Vec<Effect> {
-        self.processes.remove(&process);
+        if let Some(p) = self.processes.remove(&process)
+            && p.occupies()
+        {
+            let until = now.saturating_add(self.params.exit_release_ns);
+            (self.releasing).extend(p.held.into_iter().map(|(g, b)| (g, b, until)));
+        }
         self.waits.retain(|w| w.process != process);
         self.swaps.retain(|_, s| {
             s.processes.retain(|&p| p != process);
@@ -701,6 +714,7 @@ impl Overcommit {
                 times.push(t + self.params.window_ns);
             }
         }
+        times.extend(self.releasing.iter().map(|r| r.2));
         if !self.waits.is_empty() || self.swaps.values().any(|s| s.wanted_since.is_some()) {
             for g in self.groups.values() {
                 times.extend([g.protected_until, g.cooldown_until]);
@@ -800,7 +814,8 @@ impl Overcommit {
         let used: Bytes = (self.processes.values())
             .filter(|p| p.occupies())
             .map(|p| p.on(gpu))
-            .sum();
+            .sum::<Bytes>()
+            + self.releasing_on(gpu);
         self.capacity
             .get(gpu)
             .copied()
@@ -808,13 +823,22 @@ impl Overcommit {
             .saturating_sub(used)
     }
 
-    /// Bytes on `gpu` that swaps under way will free.
+    /// Bytes on `gpu` that swaps under way and exited processes will free.
     fn freeing_on(&self, gpu: Gpu) -> Bytes {
         (self.swaps.values())
             .filter(|s| s.state == SwapState::SwappingOut)
             .flat_map(|s| &s.processes)
             .filter_map(|p| self.processes.get(p))
             .map(|p| p.on(gpu))
+            .sum::<Bytes>()
+            + self.releasing_on(gpu)
+    }
+
+    /// Bytes on `gpu` of exited processes that the driver may still be releasing.
+    fn releasing_on(&self, gpu: Gpu) -> Bytes {
+        (self.releasing.iter())
+            .filter(|r| r.0 == gpu)
+            .map(|r| r.1)
             .sum()
     }
 
@@ -831,6 +855,7 @@ impl Overcommit {
 
     fn step(&mut self, now: Nanos) -> Vec<Effect> {
         let mut effects = Vec::new();
+        self.releasing.retain(|r| r.2 > now);
         // Wanting is re-read every step: pending work comes and goes.
         let ids: Vec<SwapId> = self.swaps.keys().copied().collect();
         for id in ids {

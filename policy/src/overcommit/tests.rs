@@ -24,6 +24,7 @@ fn params() -> Params {
             checkpoint_bytes_per_s: 1e15,
             restore_bytes_per_s: 1e15,
         },
+        exit_release_ns: 50 * MS,
     }
 }
 
@@ -366,6 +367,33 @@ fn a_process_that_exits_while_swapped_out_frees_its_books() {
     assert!(swap_ins(&o.free(400 * MS, ProcessId(1), 0, 4 * GIB)).is_empty());
 }
 
+/// The driver releases an exited process's memory some time after the exit is seen; a restore
+/// that finds too little memory breaks the restored process for good, so the memory counts as
+/// used for [`Params::exit_release_ns`].
+#[test]
+fn memory_of_an_exited_process_is_used_until_the_driver_has_released_it() {
+    let mut o = node(10 * GIB, 3);
+    grant(&mut o, 0, 0, 8 * GIB);
+    o.request(0, RequestId(1), ProcessId(1), 0, 4 * GIB);
+    o.tick(100 * MS);
+    let e = o.swapped_out(200 * MS, SwapId(1), Ok(()));
+    assert_eq!(e, vec![Effect::Grant(RequestId(1))]);
+    o.set_pending(300 * MS, GroupId(0), true);
+    // Process 1 ends holding its 4 GiB: group 0's 8 GiB fit only once they are released.
+    let e = o.exit(1000 * MS, ProcessId(1));
+    assert!(swap_ins(&e).is_empty(), "restored at the exit: {e:?}");
+    assert_eq!(o.next_wakeup(1000 * MS), Some(1050 * MS));
+    assert!(swap_ins(&o.tick(1049 * MS)).is_empty());
+    // A 7 GiB allocation in the meantime (6 GiB free) waits too, and no victim is swapped out
+    // for memory that is on its way.
+    let e = o.request(1010 * MS, RequestId(2), ProcessId(2), 0, 7 * GIB);
+    assert!(e.is_empty(), "{e:?}");
+    assert!(swap_outs(&o.tick(1049 * MS)).is_empty());
+    // Released: the older demand, group 0's restore, goes first.
+    let e = o.tick(1050 * MS);
+    assert_eq!(swap_ins(&e), vec![(SwapId(1), GroupId(0))], "{e:?}");
+}
+
 #[test]
 fn a_failed_restore_loses_the_processes_and_refuses_their_waits() {
     let mut o = node(10 * GIB, 2);
@@ -492,6 +520,8 @@ struct World<'a> {
     protected_until: Vec<Nanos>,
     out_since: Vec<Option<Nanos>>,
     swaps_started: u64,
+    /// Memory of exited processes the driver has not released yet: (until, bytes).
+    releasing: Vec<(Nanos, Bytes)>,
     seen: Seen,
 }
 
@@ -588,16 +618,20 @@ impl World<'_> {
                 }
             }
         }
-        // The books never promise more than the GPU, and the processes never hold more on it.
+        // The books never promise more than the GPU, and the processes never hold more on it,
+        // counting what exited processes hold until the driver has released it.
         let b = o.books(0);
         prop_assert!(b.used <= b.capacity, "books over the GPU: {:?}", b);
-        let on_gpu: Bytes = (0..n)
-            .filter(|&i| {
-                o.process(ProcessId(i as u64), 0)
-                    .is_some_and(|(r, _)| !matches!(r, Residence::Out(_)))
-            })
-            .map(|i| self.held[i])
-            .sum();
+        self.releasing.retain(|r| r.0 > now);
+        let releasing: Bytes = self.releasing.iter().map(|r| r.1).sum();
+        let on_gpu: Bytes = releasing
+            + (0..n)
+                .filter(|&i| {
+                    o.process(ProcessId(i as u64), 0)
+                        .is_some_and(|(r, _)| !matches!(r, Residence::Out(_)))
+                })
+                .map(|i| self.held[i])
+                .sum::<Bytes>();
         prop_assert!(
             on_gpu <= self.mix.capacity,
             "allocated {} on {}",
@@ -605,6 +639,14 @@ impl World<'_> {
             self.mix.capacity
         );
         for i in exits {
+            if !matches!(
+                o.process(ProcessId(i as u64), 0),
+                Some((Residence::Out(_), _))
+            ) {
+                let until = now + self.p.exit_release_ns;
+                self.releasing
+                    .push((until, std::mem::take(&mut self.held[i])));
+            }
             self.held[i] = 0;
             let e = o.exit(now, ProcessId(i as u64));
             self.apply(o, now, e)?;
@@ -627,6 +669,7 @@ fn replay(mix: &Mix, p: Params) -> Result<Seen, TestCaseError> {
         protected_until: vec![0; n],
         out_since: vec![None; n],
         swaps_started: 0,
+        releasing: Vec::new(),
         seen: Seen::default(),
     };
     for (i, prog) in mix.programs.iter().enumerate() {
@@ -679,8 +722,9 @@ fn replay(mix: &Mix, p: Params) -> Result<Seen, TestCaseError> {
                     w.apply(&mut o, now, e)?;
                 }
                 Run::Hold(k, until) if resident && now >= until => {
+                    // A last phase that does not free exits holding its memory.
                     let last = k + 1 == mix.programs[i].phases.len();
-                    if mix.programs[i].phases[k].2 || last {
+                    if mix.programs[i].phases[k].2 {
                         let e = o.free(now, pid, 0, w.held[i]);
                         w.held[i] = 0;
                         w.apply(&mut o, now, e)?;
@@ -689,8 +733,13 @@ fn replay(mix: &Mix, p: Params) -> Result<Seen, TestCaseError> {
                     if last {
                         w.run[i] = Run::Done;
                         w.seen.finished += 1;
-                        let mut e = o.set_pending(now, group, false);
-                        e.extend(o.exit(now, pid));
+                        let e = o.set_pending(now, group, false);
+                        w.apply(&mut o, now, e)?;
+                        if w.held[i] > 0 {
+                            let until = now + w.p.exit_release_ns;
+                            w.releasing.push((until, std::mem::take(&mut w.held[i])));
+                        }
+                        let e = o.exit(now, pid);
                         w.apply(&mut o, now, e)?;
                     } else {
                         w.run[i] = Run::Ask(k + 1);
