@@ -58,9 +58,8 @@ pub struct Turn {
     /// Its deadline arrived already past (revoked, or cut short to now): no launch is admitted
     /// any more, the watcher closes it.
     pub stopped: bool,
-    /// It starts where a latency-class group's request completes: the gate opens at its start,
-    /// not a lead before (the GPU would time-slice kernels queued earlier with the request's
-    /// last ones).
+    /// A latency-class group keeps the GPU until its start and may take it back (the
+    /// scheduler then withdraws this turn): the gate opens at its start, not a lead before.
     pub open_at_start: bool,
     /// The gate closed for it: its work drains and is reported.
     pub closed: bool,

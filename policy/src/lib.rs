@@ -143,9 +143,9 @@ pub enum Decision {
         deadline_ns: u64,
         quota_ns: u64,
         queue_budget_ns: u64,
-        /// The turn starts where a latency-class group's work drains: its client launches
-        /// nothing before `start_ns` (kernels queued earlier would time-slice with that group's
-        /// last ones and delay its request), where it would otherwise launch a little ahead.
+        /// A latency-class group keeps the GPU until `start_ns` and may take it back (the turn
+        /// is then withdrawn): its client launches nothing before, where it would otherwise
+        /// launch a little ahead (docs/latency.md).
         open_at_start: bool,
     },
     /// Stop at once: the turn ended without a report by its end + grace, or a planned turn was

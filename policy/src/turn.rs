@@ -46,7 +46,7 @@ pub(super) struct Turn {
     pub recorded: u64,
     /// GPU work its client may keep queued.
     pub queue_budget_ns: u64,
-    /// It starts where a latency-class group's work drains: its client launches nothing before
+    /// It starts where a latency-class group's linger ends: its client launches nothing before
     /// its start.
     pub open_at_start: bool,
 }

@@ -115,9 +115,8 @@ pub enum ServerMsg {
     /// last ones, and stops launching at `deadline_ns` on its own. Sent again with the same
     /// token when the start moves earlier (the turn before was given back). `queue_budget_ns`:
     /// how much GPU work the process may keep queued during it (its launches are paced to it).
-    /// `open_at_start`: the turn before is a latency-class group's, whose request completes
-    /// at `start_ns`: the process launches nothing before (the GPU would time-slice its
-    /// kernels with the request's last ones).
+    /// `open_at_start`: a latency-class group keeps the GPU until `start_ns` for its next
+    /// request, and may take it back: the process launches nothing before.
     Grant {
         gpu: GpuUuid,
         token: u64,

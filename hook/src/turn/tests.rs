@@ -124,9 +124,9 @@ fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
     );
 }
 
-/// A turn that starts where a latency-class group's request completes opens at its start, not
-/// a lead before: kernels queued earlier would share the GPU with the request's last ones.
-/// Moved earlier (the request gave its turn back), it opens at the new start.
+/// A turn that starts where a latency-class group's linger ends opens at its start, not a
+/// lead before: that group may still take the GPU back. Moved earlier, it opens at the new
+/// start.
 #[test]
 fn a_turn_after_a_latency_request_opens_at_its_start() {
     let mut t = Turns::new(CFG, LIVENESS);
@@ -697,7 +697,7 @@ impl Rng {
 /// end before or after other events, synchronisations and disconnections. Invariants:
 /// - the fast path's deadline is non-zero only while a turn is open (or without limits);
 /// - nothing is admitted in a turn stopped, closed or not yet opened;
-/// - a turn that opens at its start (after a latency-class group's request) never opens
+/// - a turn that opens at its start (after a latency-class group's linger) never opens
 ///   before it;
 /// - every turn that opened is reported exactly once, with its first launch, after it opened;
 /// - an unopened turn is reported (unused) only when given back;
