@@ -128,7 +128,7 @@ fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
 /// lead before: that group may still take the GPU back. Moved earlier, it opens at the new
 /// start.
 #[test]
-fn a_turn_after_a_latency_request_opens_at_its_start() {
+fn a_turn_after_a_latency_linger_opens_at_its_start() {
     let mut t = Turns::new(CFG, LIVENESS);
     let mut w = Waiter::default();
     assert_eq!(t.admit(0, &mut w), Step::Ask);
