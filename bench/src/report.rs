@@ -6,7 +6,7 @@ use crate::analysis::RunSummary;
 use crate::fault::FaultSpec;
 use crate::noise::{NoiseParams, NoiseRecord};
 use crate::scenario::Workload;
-use gpushare_protocol::status::LoopLatency;
+use gpushare_protocol::status::Durations;
 use gpushare_testkit::flood::{FloodOutcome, FloodSpec};
 use serde::{Deserialize, Serialize};
 
@@ -456,7 +456,7 @@ pub struct EventLoopRun {
 impl EventLoopRun {
     /// From `gpushare status --json`'s `event_loop`.
     pub fn of(status: &serde_json::Value) -> Option<EventLoopRun> {
-        let l: LoopLatency = serde_json::from_value(status.get("event_loop")?.clone()).ok()?;
+        let l: Durations = serde_json::from_value(status.get("event_loop")?.clone()).ok()?;
         let q = |x| round(l.quantile(x).unwrap_or(0.0) * 1e3, 3);
         Some(EventLoopRun {
             events: l.count,

@@ -1,7 +1,7 @@
 //! The table `gpushare status` prints (and `gpushare top` refreshes) from the scheduler's
 //! report.
 
-use gpushare_protocol::status::{LoopLatency, PodReport, Report, Unhooked};
+use gpushare_protocol::status::{Durations, MemorySwaps, PodReport, Report, Unhooked};
 use std::fmt::Write;
 
 /// The human-readable table of `gpushare status`.
@@ -50,12 +50,13 @@ pub fn render(r: &Report) -> String {
         if let Some(m) = &g.physical {
             let _ = writeln!(
                 out,
-                "  memory: {:.0} MiB used, {:.0} free of {:.0}; {:.0} swapped to host memory (caps may sum to {}x)",
+                "  memory: {:.0} MiB used, {:.0} free of {:.0}; {:.0} swapped to host memory (caps may sum to {}x); {} allocation(s) waiting",
                 mib(m.used),
                 mib(m.free),
                 mib(m.total),
                 mib(m.swapped),
-                m.overcommit
+                m.overcommit,
+                m.waiting
             );
         }
         for x in &g.groups {
@@ -89,13 +90,13 @@ pub fn render(r: &Report) -> String {
             );
         }
         for x in &g.groups {
-            if x.memory_swapped > 0 {
-                let _ = writeln!(
-                    out,
-                    "  {}: {:.0} MiB swapped to host memory",
-                    x.name,
-                    mib(x.memory_swapped)
-                );
+            // Under overcommit, where each group's memory is.
+            if g.physical.is_some() || x.memory_swapped > 0 {
+                let _ = write!(out, "  {}: memory {}", x.name, x.memory_state.as_str());
+                if x.memory_swapped > 0 {
+                    let _ = write!(out, ", {:.0} MiB in host memory", mib(x.memory_swapped));
+                }
+                out.push('\n');
             }
             if let Some(why) = &x.memory_refused {
                 let _ = writeln!(out, "  {}: last allocation refused: {why}", x.name);
@@ -106,8 +107,30 @@ pub fn render(r: &Report) -> String {
         render_pods(&mut out, &r.pods);
     }
     render_unhooked(&mut out, &r.unhooked);
+    if r.gpus.iter().any(|g| g.physical.is_some()) || r.memory_swaps != MemorySwaps::default() {
+        render_swaps(&mut out, &r.memory_swaps);
+    }
     render_event_loop(&mut out, &r.event_loop);
     out
+}
+
+/// Memory overcommit's swaps and waits since the daemon started, in one line.
+fn render_swaps(out: &mut String, c: &MemorySwaps) {
+    let s = |d: &Durations, q: f64| d.quantile(q).map_or("-".into(), |s| format!("{s:.2} s"));
+    let _ = writeln!(
+        out,
+        "\nmemory swaps: {} out ({} failed; median {}), {} in ({} failed; median {}); {} allocation(s) waited (median {}, worst {:.2} s), {} refused",
+        c.swap_outs,
+        c.swap_out_failures,
+        s(&c.swap_out_seconds, 0.5),
+        c.swap_ins,
+        c.swap_in_failures,
+        s(&c.swap_in_seconds, 0.5),
+        c.allocation_waits,
+        s(&c.allocation_wait_seconds, 0.5),
+        c.allocation_wait_seconds.max_s,
+        c.allocations_refused
+    );
 }
 
 /// The warning about GPU processes without the hook's connection.
@@ -170,7 +193,7 @@ fn render_pods(out: &mut String, pods: &[PodReport]) {
 }
 
 /// How promptly the daemon's event loop served, in one line.
-fn render_event_loop(out: &mut String, l: &LoopLatency) {
+fn render_event_loop(out: &mut String, l: &Durations) {
     let ms = |q: f64| {
         l.quantile(q)
             .map_or("-".into(), |s| format!("{:.3}", s * 1e3))
@@ -207,13 +230,14 @@ mod tests {
                     hook_loaded: true,
                 },
             ],
-            event_loop: LoopLatency {
+            event_loop: Durations {
                 bounds_s: vec![0.0001, 0.001],
                 counts: vec![98, 1, 1],
                 count: 100,
                 sum_s: 0.01,
                 max_s: 0.004,
             },
+            memory_swaps: Default::default(),
         };
         let table = render(&r);
         assert!(
@@ -227,5 +251,87 @@ mod tests {
             ),
             "{table}"
         );
+    }
+
+    #[test]
+    fn under_overcommit_shows_the_gpus_books_each_groups_memory_and_the_swaps() {
+        use gpushare_protocol::status::{GpuReport, GroupReport, MemoryState, PhysicalMemory};
+        const MIB: u64 = 1 << 20;
+        let group = |name: &str, state: MemoryState, swapped: u64| GroupReport {
+            name: name.into(),
+            request: 0.0,
+            limit: 1.0,
+            weight: 1.0,
+            latency: false,
+            effective_request: 0.0,
+            target_share: 0.5,
+            achieved_share: 0.0,
+            busy_seconds: 0.0,
+            tokens: 0,
+            waits: 0,
+            overruns: 0,
+            revocations: 0,
+            preempted: 0,
+            pids: vec![],
+            active: true,
+            memory_used: 1200 * MIB,
+            memory_cap: Some(1500 * MIB),
+            memory_reservations: 1,
+            memory_swapped: swapped,
+            memory_state: state,
+            memory_refused: None,
+            pod: None,
+        };
+        let r = Report {
+            dev_mode: true,
+            gpus: vec![GpuReport {
+                uuid: "GPU-x".into(),
+                holder: None,
+                waiting: vec![],
+                groups: vec![
+                    group("first", MemoryState::SwappedOut, 1200 * MIB),
+                    group("second", MemoryState::Resident, 0),
+                ],
+                physical: Some(PhysicalMemory {
+                    total: 2048 * MIB,
+                    used: 1200 * MIB,
+                    free: 848 * MIB,
+                    swapped: 1200 * MIB,
+                    overcommit: 2.0,
+                    waiting: 0,
+                }),
+            }],
+            pods: vec![],
+            unhooked: vec![],
+            event_loop: Durations::default(),
+            memory_swaps: MemorySwaps {
+                swap_outs: 1,
+                allocation_waits: 1,
+                swap_out_seconds: Durations {
+                    bounds_s: vec![0.1, 1.0],
+                    counts: vec![0, 1, 0],
+                    count: 1,
+                    sum_s: 0.9,
+                    max_s: 0.9,
+                },
+                allocation_wait_seconds: Durations {
+                    bounds_s: vec![0.1, 1.0, 10.0],
+                    counts: vec![0, 0, 1, 0],
+                    count: 1,
+                    sum_s: 1.25,
+                    max_s: 1.25,
+                },
+                ..MemorySwaps::default()
+            },
+        };
+        let table = render(&r);
+        for line in [
+            "  memory: 1200 MiB used, 848 free of 2048; 1200 swapped to host memory (caps may sum to 2x); 0 allocation(s) waiting\n",
+            "  first: memory swapped out, 1200 MiB in host memory\n",
+            "  second: memory resident\n",
+            "memory swaps: 1 out (0 failed; median 0.90 s), 0 in (0 failed; median -); 1 allocation(s) waited (median 1.25 s, worst 1.25 s), 0 refused\n",
+        ] {
+            assert!(table.contains(line), "{line:?} in\n{table}");
+        }
     }
 }

@@ -127,13 +127,9 @@ pub enum ServerMsg {
     },
     /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
     /// or forget it if it has not started (withdrawn).
-    Revoke {
-        gpu: GpuUuid,
-        token: u64,
-    },
-    Status {
-        report: status::Report,
-    },
+    Revoke { gpu: GpuUuid, token: u64 },
+    /// Boxed: a report is far larger than any other message.
+    Status { report: Box<status::Report> },
     /// Answer to a reservation (`granted`) or query: the group's cap (`None`: uncapped) and
     /// what the group uses on that GPU, this reservation included.
     /// `journaled`: the reservation is on disk, so a restarted scheduler still counts it;
@@ -150,15 +146,9 @@ pub enum ServerMsg {
     /// Reservation `req` waits for memory on its GPU (memory overcommit: the GPU is full, and
     /// others free memory or are swapped to host memory for it): its answer comes within
     /// `max_wait_ns`.
-    MemWait {
-        req: u64,
-        max_wait_ns: u64,
-    },
+    MemWait { req: u64, max_wait_ns: u64 },
     /// `fatal`: the connection is closed after this message.
-    Error {
-        message: String,
-        fatal: bool,
-    },
+    Error { message: String, fatal: bool },
     /// Turn `token` (running or planned) now ends at `deadline_ns`: earlier (a group owed
     /// more is waiting) or later (its group is still the one to serve: keep going).
     Deadline {
@@ -167,9 +157,7 @@ pub enum ServerMsg {
         deadline_ns: u64,
     },
     /// The answer to [`ClientMsg::Probe`].
-    Alive {
-        gpu: GpuUuid,
-    },
+    Alive { gpu: GpuUuid },
 }
 
 #[cfg(test)]
@@ -266,6 +254,7 @@ mod tests {
             memory_cap: Some(4 << 30),
             memory_reservations: 5,
             memory_swapped: 1 << 20,
+            memory_state: status::MemoryState::SwappingIn,
             memory_refused: Some("why".into()),
             pod: Some(PodLabels {
                 namespace: "ns".into(),
@@ -289,6 +278,7 @@ mod tests {
                     free: 20 << 30,
                     swapped: 30 << 30,
                     overcommit: 1.5,
+                    waiting: 1,
                 }),
             }],
             pods: vec![PodReport {
@@ -310,12 +300,28 @@ mod tests {
                 command: "python3".into(),
                 hook_loaded: false,
             }],
-            event_loop: LoopLatency {
+            event_loop: Durations {
                 bounds_s: vec![0.001, 0.01],
                 counts: vec![5, 1, 0],
                 count: 6,
                 sum_s: 0.004,
                 max_s: 0.002,
+            },
+            memory_swaps: status::MemorySwaps {
+                swap_outs: 2,
+                swap_ins: 1,
+                swap_out_failures: 1,
+                swap_in_failures: 0,
+                allocation_waits: 3,
+                allocations_refused: 1,
+                swap_out_seconds: Durations {
+                    bounds_s: vec![1.0, 10.0],
+                    counts: vec![0, 1, 0],
+                    count: 1,
+                    sum_s: 2.5,
+                    max_s: 2.5,
+                },
+                ..Default::default()
             },
         }
     }
@@ -336,7 +342,9 @@ mod tests {
                 open_at_start: true,
             },
             ServerMsg::Revoke { gpu: GPU, token: 9 },
-            ServerMsg::Status { report: report() },
+            ServerMsg::Status {
+                report: Box::new(report()),
+            },
             ServerMsg::Memory {
                 req: 1,
                 granted: true,

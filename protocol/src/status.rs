@@ -17,7 +17,33 @@ pub struct Report {
     /// Processes of the node that use the GPU driver without a connection here: ungated.
     pub unhooked: Vec<Unhooked>,
     /// How late the daemon's event loop handled what was due, since it started.
-    pub event_loop: LoopLatency,
+    pub event_loop: Durations,
+    /// Memory overcommit's swaps, waits and refusals on the node since the daemon started.
+    pub memory_swaps: MemorySwaps,
+}
+
+/// Memory overcommit's swaps, waits and refusals on the node since the daemon started.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct MemorySwaps {
+    /// Swap-outs begun: a group's memory on a GPU on its way to host memory (a failed one
+    /// counts here and in `swap_out_failures`).
+    pub swap_outs: u64,
+    /// Restores begun: a swapped group's memory on its way back to its GPU.
+    pub swap_ins: u64,
+    /// Swap-outs that failed (lock timed out, checkpoint refused): another victim was tried.
+    pub swap_out_failures: u64,
+    /// Restores that failed: the group's processes lost their device memory.
+    pub swap_in_failures: u64,
+    /// Allocations within their cap that did not fit the GPU and waited.
+    pub allocation_waits: u64,
+    /// Allocations within their cap refused for lack of physical memory.
+    pub allocations_refused: u64,
+    /// How long the swap-outs that succeeded took, from the decision to the memory free.
+    pub swap_out_seconds: Durations,
+    /// How long the restores that succeeded took, from the decision to the group resumed.
+    pub swap_in_seconds: Durations,
+    /// How long the allocations that waited waited, until granted or refused.
+    pub allocation_wait_seconds: Durations,
 }
 
 /// A Kubernetes container known to the scheduler through the admin socket.
@@ -70,6 +96,35 @@ pub struct PhysicalMemory {
     pub swapped: u64,
     /// How far the groups' caps may sum past `total` (`memory_overcommit`).
     pub overcommit: f64,
+    /// Allocations waiting for memory on this GPU now.
+    pub waiting: u64,
+}
+
+/// Where a group's memory on a GPU is under memory overcommit.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryState {
+    /// On the GPU: the group runs.
+    #[default]
+    Resident,
+    /// Being checkpointed to host memory (its processes are locked).
+    SwappingOut,
+    /// In host memory: the group's processes are locked until it is restored.
+    SwappedOut,
+    /// Being restored to the GPU.
+    SwappingIn,
+}
+
+impl MemoryState {
+    /// As `gpushare status` prints it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryState::Resident => "resident",
+            MemoryState::SwappingOut => "swapping out",
+            MemoryState::SwappedOut => "swapped out",
+            MemoryState::SwappingIn => "swapping in",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -108,6 +163,9 @@ pub struct GroupReport {
     /// Of `memory_used`, bytes swapped to host memory (or on their way out or in) under memory
     /// overcommit; 0: resident.
     pub memory_swapped: u64,
+    /// Where the group's memory on this GPU is under memory overcommit.
+    #[serde(default)]
+    pub memory_state: MemoryState,
     /// Why the group's last allocation within its cap was refused under memory overcommit.
     pub memory_refused: Option<String>,
     /// Set when the group is a Kubernetes container.
@@ -124,13 +182,13 @@ pub struct Unhooked {
     pub hook_loaded: bool,
 }
 
-/// How late the event loop handled each thing it had to do, against when it was due: a timer
-/// against its deadline, a socket ready against the poll that reported it, another thread's
-/// request against when it was posted. A histogram: `counts[i]` events took at most
-/// `bounds_s[i]` seconds (and more than the bound before); the last count is of those beyond
-/// the last bound.
+/// A histogram of durations: `counts[i]` events took at most `bounds_s[i]` seconds (and more
+/// than the bound before); the last count is of those beyond the last bound. The event loop's
+/// lateness is one: how late it handled each thing it had to do, against when it was due (a
+/// timer against its deadline, a socket ready against the poll that reported it, another
+/// thread's request against when it was posted).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-pub struct LoopLatency {
+pub struct Durations {
     pub bounds_s: Vec<f64>,
     pub counts: Vec<u64>,
     /// Events counted, and their latencies summed (s).
@@ -140,7 +198,7 @@ pub struct LoopLatency {
     pub max_s: f64,
 }
 
-impl LoopLatency {
+impl Durations {
     /// The bound below which at least a fraction `q` of the events were handled (s): the upper
     /// bound of the bucket where the quantile falls, or the worst one seen beyond the last
     /// bound. `None` before the first event.
@@ -202,7 +260,7 @@ pub fn fetch(socket: &Path) -> Result<Report, StatusError> {
     let mut buf = Vec::new();
     loop {
         match crate::recv::<ServerMsg>(&mut s, &mut buf)? {
-            Some(ServerMsg::Status { report }) => return Ok(report),
+            Some(ServerMsg::Status { report }) => return Ok(*report),
             Some(ServerMsg::Error { message, .. }) => return Err(StatusError::Refused(message)),
             Some(_) => continue,
             None => return Err(StatusError::Closed),
@@ -216,10 +274,10 @@ mod tests {
 
     #[test]
     fn quantiles_are_bucket_bounds_capped_by_the_worst() {
-        let mut l = LoopLatency {
+        let mut l = Durations {
             bounds_s: vec![0.001, 0.01],
             counts: vec![0, 0, 0],
-            ..LoopLatency::default()
+            ..Durations::default()
         };
         assert_eq!(l.quantile(0.5), None, "nothing seen yet");
         l.counts = vec![90, 9, 1];

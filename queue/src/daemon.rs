@@ -970,7 +970,7 @@ fn stream_logs(sh: &Arc<Shared>, stream: &mut UnixStream, id: JobId, follow: boo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpushare_protocol::status::{GpuReport, GroupReport, LoopLatency};
+    use gpushare_protocol::status::{Durations, GpuReport, GroupReport};
 
     fn group(name: &str, request: f64, memory: u64, pids: Vec<u32>) -> GroupReport {
         GroupReport {
@@ -994,6 +994,7 @@ mod tests {
             memory_cap: None,
             memory_reservations: 0,
             memory_swapped: 0,
+            memory_state: Default::default(),
             memory_refused: None,
             pod: None,
         }
@@ -1019,7 +1020,8 @@ mod tests {
             dev_mode: true,
             pods: vec![],
             unhooked: vec![],
-            event_loop: LoopLatency::default(),
+            event_loop: Durations::default(),
+            memory_swaps: Default::default(),
             gpus: vec![GpuReport {
                 uuid: "GPU-b".into(),
                 holder: None,

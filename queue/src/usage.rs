@@ -214,7 +214,7 @@ pub struct GroupUsage {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpushare_protocol::status::{GroupReport, LoopLatency};
+    use gpushare_protocol::status::{Durations, GroupReport};
     use proptest::prelude::*;
 
     const S: u64 = 1_000_000_000;
@@ -250,6 +250,7 @@ mod tests {
             memory_cap: None,
             memory_reservations: 0,
             memory_swapped: 0,
+            memory_state: Default::default(),
             memory_refused: None,
             pod: None,
         }
@@ -260,7 +261,8 @@ mod tests {
             dev_mode: true,
             pods: vec![],
             unhooked: vec![],
-            event_loop: LoopLatency::default(),
+            event_loop: Durations::default(),
+            memory_swaps: Default::default(),
             gpus: vec![GpuReport {
                 uuid: uuid.into(),
                 holder: None,

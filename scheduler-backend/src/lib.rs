@@ -1,7 +1,7 @@
 //! gpushare's scheduler daemon. Its decisions are made by the node core ([`node`]): pure, no
 //! I/O, tested in virtual time, around the fair-share policy of each GPU
-//! ([`gpushare_policy`]), the memory books ([`memory`]) and the Kubernetes containers
-//! ([`pods`]). Around it, the shell: the event loop that owns the core and serves the tenant
+//! ([`gpushare_policy`]), the memory books ([`memory`]), the Kubernetes containers
+//! ([`pods`]) and the durations its report counts ([`histogram`], [`latency`]). Around it, the shell: the event loop that owns the core and serves the tenant
 //! socket ([`server`]), the threads that do what may block ([`workers`]: the books' journal
 //! [`journal`], peer identity from `/proc` [`identity`], the [`census`] of GPU processes,
 //! swaps to host memory through the driver's [`checkpoint`] API, the [`config`] file), the admin socket ([`admin`]) and the Prometheus endpoint ([`metrics`],
@@ -12,6 +12,7 @@ pub mod census;
 pub mod checkpoint;
 pub mod config;
 pub mod daemon;
+pub mod histogram;
 pub mod identity;
 pub mod inbox;
 pub mod journal;

@@ -87,7 +87,7 @@ fn status(sock: &Path) -> Report {
     assert!(matches!(next(&mut s), ServerMsg::Welcome { .. }));
     gpushare_protocol::send(&mut s, &ClientMsg::Status).unwrap();
     match next(&mut s) {
-        ServerMsg::Status { report } => report,
+        ServerMsg::Status { report } => *report,
         other => panic!("unexpected {other:?}"),
     }
 }

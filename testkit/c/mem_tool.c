@@ -50,11 +50,13 @@
  *                               synchronisation down to the threshold, trims, maxSize, current
  *                               pools, destruction with live allocations, high watermarks,
  *                               each allocation's pool); prints {"pool_api":"PASS"}
- *   mem_tool keep BYTES SEED    cuMemAlloc_v2(BYTES) (however long it blocks), printing
- *                               {"alloc":RESULT,"wait_ns":…,"pid":…}; on success fills it with
- *                               a pattern of SEED and prints {"filled":BYTES}, then waits:
- *                               SIGUSR1 checks every byte, prints {"intact":true|false}, frees
- *                               and exits
+ *   mem_tool keep BYTES SEED [MANAGED]
+ *                               with MANAGED: first cuMemAllocManaged(MANAGED), filled with a
+ *                               pattern of SEED + 1; then cuMemAlloc_v2(BYTES) (however long it
+ *                               blocks), printing {"alloc":RESULT,"wait_ns":…,"pid":…}; on
+ *                               success fills it with a pattern of SEED and prints
+ *                               {"filled":BYTES}, then waits: SIGUSR1 checks every byte (of
+ *                               both), prints {"intact":true|false}, frees and exits
  *   mem_tool fork-hold BYTES    cuMemAlloc_v2(BYTES), then fork a child that never uses CUDA
  *                               (stdio on /dev/null; exits on SIGUSR1, or after 120 s); prints
  *                               {"held":BYTES,"child":PID} and exits without freeing */
@@ -283,11 +285,17 @@ int main(int argc, char **argv) {
         unsigned long long t1 = now_ns();
         printf("{\"freed\":%zu,\"free_ns\":%llu}\n", bytes, t1 - t0);
         print_info("after_free");
-    } else if (strcmp(cmd, "keep") == 0 && argc == 4) {
+    } else if (strcmp(cmd, "keep") == 0 && (argc == 4 || argc == 5)) {
         size_t bytes = strtoull(argv[2], NULL, 10);
         uint64_t seed = strtoull(argv[3], NULL, 10);
+        size_t managed = argc == 5 ? strtoull(argv[4], NULL, 10) : 0;
         release_on_usr1();
         setup();
+        CUdeviceptr m = 0;
+        if (managed > 0) {
+            CK(cuMemAllocManaged(&m, managed, CU_MEM_ATTACH_GLOBAL));
+            fill(m, managed, seed + 1);
+        }
         CUdeviceptr p = 0;
         unsigned long long t0 = now_ns();
         CUresult r = cuMemAlloc_v2(&p, bytes);
@@ -300,10 +308,12 @@ int main(int argc, char **argv) {
         fflush(stdout);
         while (!release_now)
             usleep(1000);
-        int ok = intact(p, bytes, seed);
+        int ok = intact(p, bytes, seed) && (managed == 0 || intact(m, managed, seed + 1));
         printf("{\"intact\":%s}\n", ok ? "true" : "false");
         fflush(stdout);
         CK(cuMemFree_v2(p));
+        if (managed > 0)
+            CK(cuMemFree_v2(m));
     } else if (strcmp(cmd, "hold-later") == 0 && argc == 3) {
         size_t bytes = strtoull(argv[2], NULL, 10);
         release_on_usr1();

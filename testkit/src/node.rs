@@ -691,6 +691,25 @@ pub fn gaps_in(trace: &Trace, window: Window) -> Gaps {
     g
 }
 
+/// A TCP port on 127.0.0.1 free a moment ago (for a daemon's `--metrics 127.0.0.1:PORT`).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind a free port")
+        .port()
+}
+
+/// `GET /metrics` from 127.0.0.1:`port` (at most 5 s): the whole response, headers included.
+pub fn metrics_page(port: u16) -> String {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to /metrics");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).expect("read /metrics");
+    body
+}
+
 /// `gpushare status --json` against the scheduler socket `socket` (at most 5 s: it panics
 /// beyond).
 pub fn status_json_at(socket: &Path) -> Result<serde_json::Value, String> {

@@ -10,8 +10,10 @@
 use gpushare_testkit::flood::{Flood, FloodSpec, raise_open_files_limit, threads_of};
 use gpushare_testkit::harness::target_dir;
 use gpushare_testkit::margins;
-use gpushare_testkit::node::{Node, Spin, Tenant, common_active_window, gaps_in, shares_in};
-use std::io::{Read, Write};
+use gpushare_testkit::node::{
+    Node, Spin, Tenant, common_active_window, free_port, gaps_in, metrics_page, shares_in,
+};
+use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::time::{Duration, Instant};
 
@@ -49,15 +51,6 @@ fn peak_rss_mib(pid: u32) -> f64 {
     kib / 1024.0
 }
 
-fn get_metrics(port: u16) -> String {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to /metrics");
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).expect("read /metrics");
-    body
-}
-
 #[test]
 fn a_connection_flood_costs_neither_threads_nor_shares() {
     raise_open_files_limit(4096).unwrap_or_else(|e| panic!("this test: {e}"));
@@ -77,10 +70,7 @@ fn a_connection_flood_costs_neither_threads_nor_shares() {
          [[group]]\nname = \"b\"\ngids = [7002]\nrequest = 0.3\n",
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port();
+    let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
     let args = ["--config", config.to_str().unwrap(), "--metrics", &metrics];
     node.start_scheduler_with(!root, &args);
@@ -127,7 +117,7 @@ fn a_connection_flood_costs_neither_threads_nor_shares() {
         let status = status.unwrap_or_else(|e| panic!("gpushare status failed in the flood: {e}"));
         assert!(status["gpus"].is_array(), "{status}");
         let t = Instant::now();
-        let page = get_metrics(port);
+        let page = metrics_page(port);
         metrics_s.push(t.elapsed().as_secs_f64());
         assert!(page.starts_with("HTTP/1.0 200"), "{page}");
         std::thread::sleep(Duration::from_millis(250));
@@ -286,17 +276,14 @@ fn the_per_user_bound_counts_each_containers_root_apart() {
 #[test]
 fn stalled_scrapers_do_not_hold_the_metrics_page_up() {
     let mut node = Node::device_only();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port();
+    let port = free_port();
     node.start_scheduler_with(true, &["--metrics", &format!("127.0.0.1:{port}")]);
     let stalled: Vec<_> = (0..100)
         .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect"))
         .collect();
     std::thread::sleep(Duration::from_millis(50));
     let t0 = Instant::now();
-    let page = get_metrics(port);
+    let page = metrics_page(port);
     let waited = t0.elapsed();
     drop(stalled);
     eprintln!("/metrics behind 100 stalled scrapers: {waited:?}");

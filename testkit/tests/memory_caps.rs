@@ -8,7 +8,7 @@
 //! may fail.
 
 use gpushare_testkit::harness::{describe, json_lines, output_with_timeout, target_dir};
-use gpushare_testkit::node::{Node, group_in, monotonic_ns};
+use gpushare_testkit::node::{Node, free_port, group_in, metrics_page, monotonic_ns};
 use serde_json::Value;
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
@@ -1123,32 +1123,97 @@ fn two_processes_share_the_whole_cap_through_their_leases() {
 /// allocation succeeds — never `CUDA_ERROR_OUT_OF_MEMORY`. Once the second is done and gone,
 /// the first is restored and finds every byte it wrote. Fail-open (the default): the wait,
 /// far past the liveness bound, is the one the scheduler announced (`MemWait`), so the hook
-/// does not take the scheduler for unresponsive and allocate alone.
+/// does not take the scheduler for unresponsive and allocate alone. While the first is out,
+/// `gpushare status` (text and `--json`) and `/metrics` show the GPU's physical books, where
+/// each group's memory is, the swap and the wait; once it is back, the restore.
 #[test]
 fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu_is_full() {
-    /// The hook's default liveness bound (the default quota plus grace).
-    const LIVENESS_NS: u64 = 40_000_000;
+    let port = free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let (node, exe) = overcommitted_node(&["--metrics", &metrics]);
+    let (mut first, mut second, waited_s) = second_swaps_first_out(&node, &exe);
+    // While it is out, `gpushare status` says so.
+    let status = node.status_json().expect("gpushare status --json");
+    check_swapped_out(&status, waited_s);
+    let text = status_text(&node);
+    for line in [
+        "  first: memory swapped out, ",
+        "  second: memory resident\n",
+        "memory swaps: 1 out (0 failed; median ",
+    ] {
+        assert!(text.contains(line), "{line:?} in gpushare status:\n{text}");
+    }
+    assert!(
+        text.contains("swapped to host memory (caps may sum to 2x); 0 allocation(s) waiting"),
+        "{text}"
+    );
+    check_swap_metrics(port);
+    second.signal(libc::SIGUSR1);
+    let v = second.expect_json("intact", RUN);
+    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
+    let (status, err) = second.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+
+    // The second gone, the first comes back and reads what it wrote.
+    first.signal(libc::SIGUSR1);
+    let v = first.next_json("intact", RUN).unwrap_or_else(|why| {
+        panic!(
+            "the first group, restored: {why}\n--- scheduler ---\n{}",
+            node.scheduler_log()
+        )
+    });
+    assert_eq!(
+        v["intact"], true,
+        "the first group's bytes after a swap to host memory and back: {v}"
+    );
+    let (status, err) = first.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "first: {err}");
+    let log = node.scheduler_log();
+    assert!(log.contains("restoring from host memory"), "{log}");
+    // The first ran again, so the scheduler heard that the restore was done.
+    let swaps = &node.status_json().expect("gpushare status --json")["memory_swaps"];
+    assert_eq!(u(swaps, "swap_ins"), 1, "{swaps}");
+    assert_eq!(u(&swaps["swap_in_seconds"], "count"), 1, "{swaps}");
+    assert_eq!(u(swaps, "swap_in_failures"), 0, "{swaps}");
+}
+
+/// A 2 GiB simulated GPU, `gpushare-scheduler --memory-overcommit 2 ARGS…` logging its swaps,
+/// and the C client `mem_tool`.
+fn overcommitted_node(args: &[&str]) -> (Node, PathBuf) {
     let mut node = Node::device_only_with(&["--memory", "2GiB"]);
     node.scheduler_log_filter = "warn,gpushare_scheduler::node::overcommit=info".into();
-    node.start_scheduler(&["--memory-overcommit", "2"]);
+    let mut args = args.to_vec();
+    args.extend(["--memory-overcommit", "2"]);
+    node.start_scheduler(&args);
     let exe = node.compile_c("mem_tool.c", true);
-    let keep = |group: &str, seed: &str| {
-        let mut cmd = in_group(
-            &node,
-            group,
-            Some("1500MiB"),
-            &exe,
-            &["keep", &(1200 * MIB).to_string(), seed],
-        );
-        cmd.env("GPUSHARE_FAIL", "open");
-        Proc::spawn(cmd)
-    };
-    let mut first = keep("first", "1");
+    (node, exe)
+}
+
+/// `mem_tool keep 1200MiB SEED` in `group`, capped at 1500 MiB, fail-open.
+fn keep(node: &Node, exe: &Path, group: &str, seed: &str) -> Proc {
+    let mut cmd = in_group(
+        node,
+        group,
+        Some("1500MiB"),
+        exe,
+        &["keep", &(1200 * MIB).to_string(), seed],
+    );
+    cmd.env("GPUSHARE_FAIL", "open");
+    Proc::spawn(cmd)
+}
+
+/// Group `first` allocates 1200 MiB of the 2 GiB GPU and fills it; group `second`'s 1200 MiB
+/// then waits until `first` is swapped to host memory, and is granted. Both processes, and how
+/// long the second's allocation took as it measured it (s).
+fn second_swaps_first_out(node: &Node, exe: &Path) -> (Proc, Proc, f64) {
+    /// The hook's default liveness bound (the default quota plus grace).
+    const LIVENESS_NS: u64 = 40_000_000;
+    let mut first = keep(node, exe, "first", "1");
     let got = first.expect_json("alloc", RUN);
     assert_eq!(i(&got, "alloc"), 0, "1200 MiB on an empty 2 GiB GPU: {got}");
     first.expect_json("filled", RUN);
 
-    let mut second = keep("second", "2");
+    let mut second = keep(node, exe, "second", "2");
     let got = second.expect_json("alloc", RUN);
     let waited_s = u(&got, "wait_ns") as f64 / 1e9;
     eprintln!("the second group's 1200 MiB came after {waited_s:.2} s");
@@ -1169,33 +1234,240 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
         "the second allocation was served without a swap?\n{}",
         node.scheduler_log()
     );
-    // While it is out, `gpushare status` says so.
+    (first, second, waited_s)
+}
+
+/// The first group, swapped out to host memory, is killed (`SIGKILL`) while out: its host copy
+/// goes with it and the scheduler frees its books: nothing is left in host memory, its group's
+/// cap is whole again (a new process of it gets 600 MiB of the free memory, 1200 + 600 MiB being
+/// past its 1500 MiB cap, and without another swap), the group that made it go out keeps every
+/// byte, nothing is restored, nothing fails.
+#[test]
+fn a_victim_killed_while_swapped_out_frees_its_books_and_nothing_else_breaks() {
+    let (mut node, exe) = overcommitted_node(&[]);
+    let (first, mut second, _) = second_swaps_first_out(&node, &exe);
     let status = node.status_json().expect("gpushare status --json");
-    let first_group = group_in(&status, "first").expect("the first group in the status");
-    assert!(
-        u(first_group, "memory_swapped") >= 1200 * MIB,
-        "{first_group}"
-    );
+    let g = group_in(&status, "first").expect("the first group in the status");
+    assert_eq!(g["memory_state"], "swapped_out", "{g}");
+
+    first.signal(libc::SIGKILL);
+    let (exited, _) = first.finish(RUN);
+    assert!(exited.is_some(), "the killed process did not exit");
+    // Its books go as its connection closes; 5 s is far beyond that on a loaded machine.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        let status = node.status_json().expect("gpushare status --json");
+        let physical = &status["gpus"][0]["physical"];
+        let first_used = group_in(&status, "first").map_or(0, |g| u(g, "memory_used"));
+        if u(physical, "swapped") == 0 && first_used == 0 {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "5 s after the kill, the swapped-out process is still on the books: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
     let physical = &status["gpus"][0]["physical"];
-    assert_eq!(u(physical, "total"), 2 * GIB, "{physical}");
-    assert!(u(physical, "swapped") >= 1200 * MIB, "{physical}");
+    let second_used = u(group_in(&status, "second").expect("second"), "memory_used");
+    assert_eq!(u(physical, "used"), second_used, "{status}");
+    assert!(u(physical, "free") >= 600 * MIB, "{status}");
+
+    let got = try_alloc(&node, &exe, "first", "1500MiB", 600 * MIB, 0);
+    assert_eq!(
+        i(&got, "result"),
+        0,
+        "600 MiB for a new process of the killed one's group: {got}\n{}",
+        node.scheduler_log()
+    );
     second.signal(libc::SIGUSR1);
     let v = second.expect_json("intact", RUN);
     assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (status, err) = second.finish(RUN);
-    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+    let (exited, err) = second.finish(RUN);
+    assert!(exited.is_some_and(|s| s.success()), "second: {err}");
 
-    // The second gone, the first comes back and reads what it wrote.
+    let status = node.status_json().expect("gpushare status --json");
+    let swaps = &status["memory_swaps"];
+    assert_eq!(u(swaps, "swap_outs"), 1, "no other swap: {swaps}");
+    assert_eq!(u(swaps, "swap_ins"), 0, "nothing to restore: {swaps}");
+    assert_eq!(u(swaps, "swap_in_failures"), 0, "{swaps}");
+    assert_eq!(u(swaps, "allocations_refused"), 0, "{swaps}");
+    let physical = &status["gpus"][0]["physical"];
+    assert_eq!(
+        (u(physical, "used"), u(physical, "swapped")),
+        (0, 0),
+        "everyone gone: {status}"
+    );
+    let log = node.scheduler_log();
+    assert!(!log.contains("restoring from host memory"), "{log}");
+    assert_eq!(node.scheduler_running(), Some(true), "{log}");
+}
+
+/// Group `first` holds 16 MiB of managed (unified) memory besides its 1200 MiB, and the driver
+/// cannot checkpoint managed memory: when group `second`'s 1200 MiB needs room that only
+/// `first` could make, the scheduler's checkpoint is refused, `first` runs on (unlocked, every
+/// byte in place, managed ones too) and is never swapped out: the allocation is refused with
+/// the reason, and so is a later one of a third group, without another attempt.
+#[test]
+fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes() {
+    let (node, exe) = overcommitted_node(&[]);
+    let keep_with_managed = |group: &str, seed: &str, managed: u64| {
+        let mut cmd = in_group(
+            &node,
+            group,
+            Some("1500MiB"),
+            &exe,
+            &[
+                "keep",
+                &(1200 * MIB).to_string(),
+                seed,
+                &managed.to_string(),
+            ],
+        );
+        cmd.env("GPUSHARE_FAIL", "open");
+        Proc::spawn(cmd)
+    };
+    let mut first = keep_with_managed("first", "1", 16 * MIB);
+    let got = first.expect_json("alloc", RUN);
+    assert_eq!(
+        i(&got, "alloc"),
+        0,
+        "1200 MiB on a GPU with 16 MiB used: {got}"
+    );
+    first.expect_json("filled", RUN);
+
+    for (n, group) in ["second", "third"].into_iter().enumerate() {
+        let mut p = keep(&node, &exe, group, "2");
+        let got = p.expect_json("alloc", RUN);
+        assert_eq!(
+            i(&got, "alloc"),
+            OOM,
+            "{group}: 1200 MiB beside 1216 MiB that cannot be swapped out: {got}\n{}",
+            node.scheduler_log()
+        );
+        let (exited, _) = p.finish(RUN);
+        assert!(exited.is_some(), "{group} did not exit after its refusal");
+        let status = node.status_json().expect("gpushare status --json");
+        let swaps = &status["memory_swaps"];
+        assert_eq!(
+            (u(swaps, "swap_outs"), u(swaps, "swap_out_failures")),
+            (1, 1),
+            "one attempt, refused, after {} refusal(s): {swaps}",
+            n + 1
+        );
+        assert_eq!(u(swaps, "allocations_refused"), n as u64 + 1, "{swaps}");
+        let f = group_in(&status, "first").expect("the first group in the status");
+        assert_eq!(f["memory_state"], "resident", "{f}");
+        assert_eq!(u(f, "memory_swapped"), 0, "{f}");
+    }
+    let log = node.scheduler_log();
+    assert!(
+        log.contains("within the group's cap refused")
+            && log.contains("checkpoint the driver refused"),
+        "the refusal says why:\n{log}"
+    );
     first.signal(libc::SIGUSR1);
     let v = first.expect_json("intact", RUN);
     assert_eq!(
         v["intact"], true,
-        "the first group's bytes after a swap to host memory and back: {v}"
+        "the first group's bytes, managed ones too: {v}"
     );
-    let (status, err) = first.finish(RUN);
-    assert!(status.is_some_and(|s| s.success()), "first: {err}");
-    let log = node.scheduler_log();
-    assert!(log.contains("restoring from host memory"), "{log}");
+    let (exited, err) = first.finish(RUN);
+    assert!(exited.is_some_and(|s| s.success()), "first: {err}");
+    assert!(!log.contains("restoring from host memory"), "{log}");
+}
+
+/// `gpushare status` as a person reads it.
+fn status_text(node: &Node) -> String {
+    let mut c = Command::new(target_dir().join("gpushare"));
+    c.arg("status").env("GPUSHARE_SOCKET", &node.sched_socket);
+    let out = output_with_timeout(c, Duration::from_secs(5));
+    assert!(out.status.success(), "gpushare status\n{}", describe(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `gpushare status --json` with group `first` swapped out of the 2 GiB GPU by group
+/// `second`, whose 1200 MiB allocation waited `waited_s` (as the process measured it).
+fn check_swapped_out(status: &Value, waited_s: f64) {
+    let first = group_in(status, "first").expect("the first group in the status");
+    let second = group_in(status, "second").expect("the second group in the status");
+    assert!(u(first, "memory_swapped") >= 1200 * MIB, "{first}");
+    assert_eq!(first["memory_state"], "swapped_out", "{first}");
+    assert_eq!(u(second, "memory_swapped"), 0, "{second}");
+    assert_eq!(second["memory_state"], "resident", "{second}");
+    let physical = &status["gpus"][0]["physical"];
+    let (total, used) = (u(physical, "total"), u(physical, "used"));
+    assert_eq!(total, 2 * GIB, "{physical}");
+    assert!(
+        (1200 * MIB..=total).contains(&used),
+        "the second's 1200 MiB on the GPU: {physical}"
+    );
+    assert_eq!(u(physical, "free"), total - used, "{physical}");
+    assert!(u(physical, "swapped") >= 1200 * MIB, "{physical}");
+    assert_eq!(physical["overcommit"], 2.0, "{physical}");
+    assert_eq!(u(physical, "waiting"), 0, "{physical}");
+    let swaps = &status["memory_swaps"];
+    assert_eq!(u(swaps, "swap_outs"), 1, "{swaps}");
+    assert_eq!(u(swaps, "swap_out_failures"), 0, "{swaps}");
+    assert_eq!(u(swaps, "swap_ins"), 0, "the first is still out: {swaps}");
+    assert!(u(swaps, "allocation_waits") >= 1, "{swaps}");
+    assert_eq!(u(swaps, "allocations_refused"), 0, "{swaps}");
+    // The checkpoint took the simulated driver's fixed 0.1 s at least; the scheduler saw the
+    // allocation wait within the process's own wait.
+    let out = &swaps["swap_out_seconds"];
+    assert_eq!(u(out, "count"), 1, "{swaps}");
+    assert!(out["sum_s"].as_f64().unwrap() >= 0.1, "{swaps}");
+    let wait = &swaps["allocation_wait_seconds"];
+    assert!(u(wait, "count") >= 1, "{swaps}");
+    let longest = wait["max_s"].as_f64().unwrap();
+    assert!(
+        longest >= out["sum_s"].as_f64().unwrap() && longest <= waited_s + 0.01,
+        "the scheduler's longest wait {longest} s: after the swap, within the process's {waited_s} s\n{swaps}"
+    );
+}
+
+/// `/metrics` at `port` with group `first` swapped out (published at least once a second).
+fn check_swap_metrics(port: u16) {
+    const SAMPLES: [&str; 5] = [
+        "gpushare_gpu_memory_total_bytes{gpu=\"0\",",
+        "gpushare_gpu_memory_overcommit_ratio{gpu=\"0\",",
+        "gpushare_memory_swap_outs_total 1\n",
+        "gpushare_memory_swap_out_duration_seconds_count 1\n",
+        "gpushare_memory_swap_ins_total 0\n",
+    ];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let swapped = |page: &str, metric: &str, labels: &str| -> u64 {
+        (page.lines())
+            .find(|l| l.starts_with(metric) && l.contains(labels))
+            .and_then(|l| l.rsplit_once(' '))
+            .and_then(|(_, v)| v.parse::<f64>().ok())
+            .map_or(0, |v| v as u64)
+    };
+    loop {
+        let page = metrics_page(port);
+        let group = swapped(
+            &page,
+            "gpushare_group_memory_swapped_bytes{",
+            "group=\"first\"",
+        );
+        let gpu = swapped(&page, "gpushare_gpu_memory_swapped_bytes{", "gpu=\"0\"");
+        if group >= 1200 * MIB && gpu >= 1200 * MIB && SAMPLES.iter().all(|s| page.contains(s)) {
+            assert!(
+                page.contains("gpushare_memory_allocation_wait_seconds_count "),
+                "{page}"
+            );
+            assert!(
+                !page.contains("gpushare_memory_allocation_wait_seconds_count 0\n"),
+                "{page}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/metrics did not show the swap within 5 s:\n{page}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The scheduler stopped (`SIGSTOP`) while a connected fail-open process allocates 256 MiB of a

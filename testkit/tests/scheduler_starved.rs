@@ -12,7 +12,7 @@
 //! The test needs root and a cpu cgroup controller (v2, or v1 as on older hosts); without them
 //! it fails and says so.
 
-use gpushare_protocol::status::LoopLatency;
+use gpushare_protocol::status::Durations;
 use gpushare_testkit::cgroup::CpuCgroup;
 use gpushare_testkit::cpu;
 use gpushare_testkit::node::{Node, Spin, Tenant, shares_in};
@@ -168,7 +168,7 @@ fn starved(how: Starve) {
     let w = Window::new(start + WARMUP_NS, end - 50 * MS);
     let shares = shares_in(&trace, &pids, w);
     let busy = trace.utilization(0, w);
-    let lateness: LoopLatency =
+    let lateness: Durations =
         serde_json::from_value(status["event_loop"].clone()).expect("the report's event_loop");
     let q = |x: f64| lateness.quantile(x).unwrap_or(0.0) * 1e3;
     eprintln!(

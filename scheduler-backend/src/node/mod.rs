@@ -37,8 +37,9 @@ mod sim;
 mod tests;
 
 use crate::config::{Config, ConnectionLimits};
+use crate::histogram::Histogram;
 use crate::identity::{Credentials, Peer};
-use crate::latency::{Histogram, Recent};
+use crate::latency::{self, Recent};
 use crate::memory::{Holding, MemoryBooks, ProcessId};
 use crate::pods::PodTable;
 use crate::throttle::Throttle;
@@ -220,7 +221,7 @@ impl Node {
             memory_overcommit: opts.memory_overcommit,
             report: (0, Arc::new(report::empty())),
             report_stale: true,
-            latency: Histogram::default(),
+            latency: Histogram::new(&latency::BOUNDS_NS),
             recent_late: (Recent::default(), 0),
             warnings: Throttle::default(),
             census_at: Some(now),

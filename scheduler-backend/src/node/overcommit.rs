@@ -10,12 +10,12 @@
 //! A process is the core's [`ProcessId`] by its client id (one connection per process).
 
 use super::{Effect, Node};
+use crate::histogram::Histogram;
 use gpushare_policy::ClientId;
 use gpushare_policy::overcommit::{
     self as core, GroupId, Overcommit, ProcessId, RequestId, Residence, SwapId, SwapOutFailure,
 };
-use gpushare_protocol::status::PhysicalMemory;
-use gpushare_protocol::status::uuid_string;
+use gpushare_protocol::status::{MemoryState, MemorySwaps, PhysicalMemory, uuid_string};
 use gpushare_protocol::{GpuUuid, ServerMsg};
 use std::collections::BTreeMap;
 
@@ -30,6 +30,26 @@ pub struct Settings {
     pub lock_timeout_ms: u32,
 }
 
+/// Upper bounds of the buckets of swap and wait times, ns: 10 ms to 600 s (the longest an
+/// allocation may wait), in 1-2.5-5 steps.
+const DURATION_BOUNDS_NS: [u64; 15] = [
+    10_000_000,
+    25_000_000,
+    50_000_000,
+    100_000_000,
+    250_000_000,
+    500_000_000,
+    1_000_000_000,
+    2_500_000_000,
+    5_000_000_000,
+    10_000_000_000,
+    25_000_000_000,
+    50_000_000_000,
+    100_000_000_000,
+    250_000_000_000,
+    600_000_000_000,
+];
+
 /// A reservation the core has not answered yet.
 struct Ask {
     client: ClientId,
@@ -37,6 +57,18 @@ struct Ask {
     gpu: GpuUuid,
     bytes: u64,
     cap: Option<u64>,
+    /// When it was asked, and whether it waited (was not answered at once).
+    since: u64,
+    waited: bool,
+}
+
+/// How long swaps and waits took, for the report.
+struct Timings {
+    /// When each swap under way was decided (its checkpoint or its restore).
+    started: BTreeMap<SwapId, u64>,
+    swap_out: Histogram,
+    swap_in: Histogram,
+    wait: Histogram,
 }
 
 pub(super) struct State {
@@ -53,6 +85,7 @@ pub(super) struct State {
     wake_at: Option<u64>,
     /// Why each group's last allocation was refused, for the report.
     pub refusals: BTreeMap<String, String>,
+    timings: Timings,
 }
 
 impl State {
@@ -67,6 +100,12 @@ impl State {
             next_req: 1,
             wake_at: None,
             refusals: BTreeMap::new(),
+            timings: Timings {
+                started: BTreeMap::new(),
+                swap_out: Histogram::new(&DURATION_BOUNDS_NS),
+                swap_in: Histogram::new(&DURATION_BOUNDS_NS),
+                wait: Histogram::new(&DURATION_BOUNDS_NS),
+            },
         }
     }
 
@@ -94,6 +133,13 @@ impl State {
         *self.groups.entry(name.to_string()).or_insert(next)
     }
 
+    /// `ask` is answered at `now`: how long it waited, if it did.
+    fn waited(&mut self, ask: &Ask, now: u64) {
+        if ask.waited {
+            self.timings.wait.record(now.saturating_sub(ask.since));
+        }
+    }
+
     fn group_name(&self, id: GroupId) -> &str {
         (self.groups.iter())
             .find(|(_, g)| **g == id)
@@ -115,7 +161,41 @@ impl State {
             free: b.capacity.saturating_sub(b.used),
             swapped: b.swapped,
             overcommit: self.settings.ratio,
+            waiting: (self.core.waiting().iter()).filter(|w| w.2 == i).count() as u64,
         })
+    }
+
+    /// The core's swaps, waits and refusals since the daemon started, and how long they took.
+    pub fn swaps_report(&self) -> MemorySwaps {
+        let c = self.core.counters();
+        MemorySwaps {
+            swap_outs: c.swap_outs,
+            swap_ins: c.swap_ins,
+            swap_out_failures: c.swap_out_failures,
+            swap_in_failures: c.lost,
+            allocation_waits: c.waits,
+            allocations_refused: c.refusals,
+            swap_out_seconds: self.timings.swap_out.report(),
+            swap_in_seconds: self.timings.swap_in.report(),
+            allocation_wait_seconds: self.timings.wait.report(),
+        }
+    }
+
+    /// Where `group`'s memory is: a swap of it moves all its processes together.
+    pub fn memory_state(&self, group: &str) -> MemoryState {
+        let Some(id) = self.groups.get(group) else {
+            return MemoryState::Resident;
+        };
+        (self.core.swaps().into_iter())
+            .filter(|s| s.1 == *id)
+            .flat_map(|s| s.3.into_iter().map(move |p| (p, s.2)))
+            .find_map(|(p, gpu)| match self.core.process(p, gpu)?.0 {
+                Residence::SwappingOut(_) => Some(MemoryState::SwappingOut),
+                Residence::Out(_) => Some(MemoryState::SwappedOut),
+                Residence::SwappingIn(_) => Some(MemoryState::SwappingIn),
+                Residence::Resident | Residence::Lost => None,
+            })
+            .unwrap_or(MemoryState::Resident)
     }
 
     /// Bytes of `group` on `gpu` that are not resident: swapped out, or on their way.
@@ -195,12 +275,15 @@ impl Node {
                 gpu,
                 bytes,
                 cap,
+                since: now,
+                waited: false,
             },
         );
         let effects = s.core.request(now, id, ProcessId(client), i, bytes);
         self.carry_out(effects, now);
-        if self.overcommit.asks.contains_key(&id) {
+        if let Some(a) = self.overcommit.asks.get_mut(&id) {
             // It waits: the process is told so at once, and for how long at most.
+            a.waited = true;
             let max_wait_ns = self.overcommit.settings.params.max_wait_ns;
             self.send(client, ServerMsg::MemWait { req, max_wait_ns });
         }
@@ -258,11 +341,18 @@ impl Node {
 
     /// The checkpoint of `swap` ended.
     pub(super) fn swapped_out(&mut self, swap: u64, outcome: Result<(), SwapOutFailure>, now: u64) {
-        if let Err(e) = outcome {
-            tracing::warn!(
+        let t = &mut self.overcommit.timings;
+        let started = t.started.remove(&SwapId(swap));
+        match outcome {
+            Ok(()) => {
+                if let Some(at) = started {
+                    t.swap_out.record(now.saturating_sub(at));
+                }
+            }
+            Err(e) => tracing::warn!(
                 swap,
                 "swap-out failed ({e:?}): choosing another victim or waiting"
-            );
+            ),
         }
         let effects = self.overcommit.core.swapped_out(now, SwapId(swap), outcome);
         self.carry_out(effects, now);
@@ -270,6 +360,12 @@ impl Node {
 
     /// The restore of `swap` ended.
     pub(super) fn swapped_in(&mut self, swap: u64, ok: bool, now: u64) {
+        let t = &mut self.overcommit.timings;
+        if let Some(at) = t.started.remove(&SwapId(swap))
+            && ok
+        {
+            t.swap_in.record(now.saturating_sub(at));
+        }
         let effects = self.overcommit.core.swapped_in(now, SwapId(swap), ok);
         self.carry_out(effects, now);
     }
@@ -299,6 +395,7 @@ impl Node {
             match e {
                 core::Effect::Grant(r) => {
                     if let Some(a) = self.overcommit.asks.remove(&r) {
+                        self.overcommit.waited(&a, now);
                         let used = self.memory_used(a.client, &a.gpu);
                         let answer = ServerMsg::Memory {
                             req: a.req,
@@ -314,6 +411,7 @@ impl Node {
                     let Some(a) = self.overcommit.asks.remove(&r) else {
                         continue;
                     };
+                    self.overcommit.waited(&a, now);
                     self.memory.free(a.client, a.gpu, a.bytes);
                     let group = self.clients.get(a.client).and_then(|c| c.group.as_deref());
                     let message = format!(
@@ -357,6 +455,7 @@ impl Node {
                     let gpu = self.overcommit.gpus.get(gpu).copied().unwrap_or_default();
                     tracing::info!(swap = swap.0, group = %name, gpu = %uuid_string(&gpu), ?pids, "swapping out to host memory");
                     let lock_timeout_ms = self.overcommit.settings.lock_timeout_ms;
+                    self.overcommit.timings.started.insert(swap, now);
                     self.effects.push(Effect::SwapOut {
                         swap: swap.0,
                         pids,
@@ -371,6 +470,7 @@ impl Node {
                     let pids = self.pids(&processes);
                     let name = self.overcommit.group_name(group);
                     tracing::info!(swap = swap.0, group = %name, ?pids, "restoring from host memory");
+                    self.overcommit.timings.started.insert(swap, now);
                     self.effects.push(Effect::SwapIn { swap: swap.0, pids });
                 }
                 core::Effect::Lost { processes, .. } => {
@@ -383,7 +483,11 @@ impl Node {
                 }
             }
         }
-        self.overcommit.wake_at = self.overcommit.core.next_wakeup(now);
+        let s = &mut self.overcommit;
+        // Swaps the core dropped (every process of theirs exited) will not be timed.
+        let current: Vec<SwapId> = s.core.swaps().into_iter().map(|x| x.0).collect();
+        s.timings.started.retain(|id, _| current.contains(id));
+        s.wake_at = s.core.next_wakeup(now);
     }
 
     /// What `client`'s group uses on `gpu` (for a reservation's answer).

@@ -5,7 +5,7 @@ use super::{Effect, Node, STATUS_REUSE_NS};
 use gpushare_policy::{ClientId, GroupClass};
 use gpushare_protocol::admin::GpuUsage;
 use gpushare_protocol::status::{
-    ClientReport, GpuReport, GroupReport, LoopLatency, PodLabels, Report, uuid_string,
+    ClientReport, Durations, GpuReport, GroupReport, MemorySwaps, PodLabels, Report, uuid_string,
 };
 use std::sync::Arc;
 
@@ -16,7 +16,8 @@ pub(super) fn empty() -> Report {
         gpus: Vec::new(),
         pods: Vec::new(),
         unhooked: Vec::new(),
-        event_loop: LoopLatency::default(),
+        event_loop: Durations::default(),
+        memory_swaps: MemorySwaps::default(),
     }
 }
 
@@ -113,6 +114,7 @@ impl Node {
                             memory_cap: self.memory.cap(&g.name),
                             memory_reservations: self.memory.reservations(&g.name, uuid),
                             memory_swapped: self.overcommit.swapped(&g.name, uuid),
+                            memory_state: self.overcommit.memory_state(&g.name),
                             memory_refused: self.overcommit.refusals.get(&g.name).cloned(),
                             pod: self.pod_labels(&g.name),
                         })
@@ -127,6 +129,7 @@ impl Node {
             pods: self.pods.report(),
             unhooked: self.unhooked.clone(),
             event_loop: self.latency.report(),
+            memory_swaps: self.overcommit.swaps_report(),
         }
     }
 }

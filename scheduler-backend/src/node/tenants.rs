@@ -253,7 +253,7 @@ impl Node {
                 }
             }
             ClientMsg::Status => {
-                let report = self.fresh_report(now);
+                let report = Box::new(self.fresh_report(now));
                 self.send(id, ServerMsg::Status { report });
             }
             ClientMsg::Probe { gpu } => self.send(id, ServerMsg::Alive { gpu }),

@@ -4,6 +4,7 @@ use super::sim::{CONFIG, GPUS, MIB, MS, S, Work, World, pod_group, pod_identity}
 use super::*;
 use gpushare_frame::fuzz;
 use gpushare_protocol::admin::{AdminReply, ContainerKey, PodGroup};
+use gpushare_protocol::status::{GroupReport, MemoryState, Report};
 use gpushare_protocol::{GroupSpec, PROTOCOL_VERSION};
 
 const GPU: GpuUuid = GPUS[0];
@@ -445,7 +446,7 @@ fn status_reports_are_reused_for_a_moment_and_published_every_second() {
     let status = |w: &mut World| {
         w.send(c, ClientMsg::Status);
         match last(w, c) {
-            Some(ServerMsg::Status { report }) => report.clone(),
+            Some(ServerMsg::Status { report }) => Report::clone(report),
             other => panic!("{other:?}"),
         }
     };
@@ -876,26 +877,79 @@ fn granted(w: &World, c: ConnId, req: u64) -> Option<bool> {
     })
 }
 
+/// The report `c` is sent when it asks.
+fn report(w: &mut World, c: ConnId) -> Report {
+    w.send(c, ClientMsg::Status);
+    match last(w, c) {
+        Some(ServerMsg::Status { report }) => Report::clone(report),
+        other => panic!("{other:?}"),
+    }
+}
+
+fn group_report<'r>(r: &'r Report, name: &str) -> &'r GroupReport {
+    (r.gpus[0].groups.iter())
+        .find(|g| g.name == name)
+        .unwrap_or_else(|| panic!("no group {name} in {r:?}"))
+}
+
 #[test]
 fn under_overcommit_a_reservation_that_does_not_fit_waits_then_another_group_is_swapped_out() {
     let (mut w, a, b) = overcommitted("");
     let pid_a = w.tenants[&a].peer.pid;
+    // a asks for the reports: b's reservation waits for its answer, and answers come in order.
     // 400 MiB within b's cap, but 900 + 400 MiB do not fit in 1 GiB: no answer yet.
     let req = reserve(&mut w, b, 400);
     w.complete_all();
     assert_eq!(granted(&w, b, req), None, "waits");
     assert!(w.swaps.is_empty());
+    assert_eq!(
+        report(&mut w, a).gpus[0].physical.as_ref().unwrap().waiting,
+        1
+    );
     // It waits as long as a swap of its bytes would take (0.1 s + 400 MiB at 1.5 GB/s), then
     // a's processes are swapped out.
     w.advance(400 * MS);
     assert_eq!(w.swaps, vec![(1, vec![pid_a], true)]);
+    let r = report(&mut w, a);
+    assert_eq!(group_report(&r, "a").memory_state, MemoryState::SwappingOut);
+    assert_eq!(group_report(&r, "b").memory_state, MemoryState::Resident);
+    // The checkpoint ends at 0.7 s.
+    w.advance(300 * MS);
     w.input(Input::SwappedOut {
         swap: 1,
         outcome: Ok(()),
     });
     w.complete_all();
     assert_eq!(granted(&w, b, req), Some(true), "granted once a is out");
-    // b frees its memory: nothing waits, so a comes back.
+    let r = report(&mut w, a);
+    let ga = group_report(&r, "a");
+    assert_eq!(ga.memory_state, MemoryState::SwappedOut);
+    assert_eq!(ga.memory_swapped, 900 * MIB);
+    let physical = r.gpus[0].physical.as_ref().unwrap();
+    assert_eq!(
+        (
+            physical.used,
+            physical.free,
+            physical.swapped,
+            physical.waiting
+        ),
+        (400 * MIB, 624 * MIB, 900 * MIB, 0)
+    );
+    let s = &r.memory_swaps;
+    assert_eq!((s.swap_outs, s.swap_ins, s.allocation_waits), (1, 0, 1));
+    assert_eq!(s.swap_out_seconds.count, 1);
+    // From the decision, when the wait ran out (0.1 s + 400 MiB at 1.5 GB/s), to 0.7 s.
+    let decided_s = 0.1 + (400 * MIB) as f64 / 1.5e9;
+    assert!(
+        (s.swap_out_seconds.sum_s - (0.7 - decided_s)).abs() < 1e-6,
+        "{s:?}"
+    );
+    assert_eq!(s.allocation_wait_seconds.count, 1);
+    assert!(
+        (s.allocation_wait_seconds.sum_s - 0.7).abs() < 1e-6,
+        "from the reservation to the checkpoint's end: {s:?}"
+    );
+    // b frees its memory: nothing waits, so a comes back, in 200 ms.
     w.send(
         b,
         ClientMsg::MemFree {
@@ -904,7 +958,18 @@ fn under_overcommit_a_reservation_that_does_not_fit_waits_then_another_group_is_
         },
     );
     assert_eq!(w.swaps.last(), Some(&(1, vec![pid_a], false)));
+    assert_eq!(
+        group_report(&report(&mut w, a), "a").memory_state,
+        MemoryState::SwappingIn
+    );
+    w.advance(200 * MS);
     w.input(Input::SwappedIn { swap: 1, ok: true });
+    let r = report(&mut w, a);
+    assert_eq!(group_report(&r, "a").memory_state, MemoryState::Resident);
+    assert_eq!(group_report(&r, "a").memory_swapped, 0);
+    let s = &r.memory_swaps;
+    assert_eq!((s.swap_ins, s.swap_in_seconds.count), (1, 1));
+    assert!((s.swap_in_seconds.sum_s - 0.2).abs() < 1e-6, "{s:?}");
     w.settle();
     w.check_settled();
 }
