@@ -272,13 +272,21 @@ impl Gate {
 
     // --- the scheduler -------------------------------------------------------------------
 
-    pub fn on_grant(&self, token: u64, start_ns: u64, deadline_ns: u64, queue_budget_ns: u64) {
+    pub fn on_grant(
+        &self,
+        token: u64,
+        start_ns: u64,
+        deadline_ns: u64,
+        queue_budget_ns: u64,
+        open_at_start: bool,
+    ) {
         let mut g = self.lock();
         g.turns.grant(
             token,
             start_ns,
             deadline_ns,
             queue_budget_ns,
+            open_at_start,
             crate::now_ns(),
         );
         self.changed(&mut g);
@@ -713,7 +721,7 @@ mod tests {
             assert_eq!(g.turns.admit(now, &mut w), Step::Ask);
             g.turns.asked(true, now);
             g.turns
-                .grant(token, now, now + 3_600_000_000_000, 2_500_000, now);
+                .grant(token, now, now + 3_600_000_000_000, 2_500_000, false, now);
             assert_eq!(g.turns.admit(now, &mut w), Step::Opened);
             gate.apply(&mut g);
         }

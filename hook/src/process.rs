@@ -180,9 +180,10 @@ impl Inbox for Hook {
                 start_ns,
                 deadline_ns,
                 queue_budget_ns,
+                open_at_start,
             } => {
                 if let Some(g) = self.gate(&gpu) {
-                    g.on_grant(token, start_ns, deadline_ns, queue_budget_ns);
+                    g.on_grant(token, start_ns, deadline_ns, queue_budget_ns, open_at_start);
                 }
             }
             ServerMsg::Revoke { gpu, token } => {

@@ -58,6 +58,9 @@ pub struct Turn {
     /// Its deadline arrived already past (revoked, or cut short to now): no launch is admitted
     /// any more, the watcher closes it.
     pub stopped: bool,
+    /// A latency-class group keeps the GPU until its start and may take it back (the
+    /// scheduler then withdraws this turn): the gate opens at its start, not a lead before.
+    pub open_at_start: bool,
     /// The gate closed for it: its work drains and is reported.
     pub closed: bool,
 }
@@ -71,6 +74,7 @@ impl Turn {
             queue_budget_ns: queue_budget_within(budget_ns),
             opened_ns: None,
             stopped: false,
+            open_at_start: false,
             closed: false,
         }
     }
@@ -79,6 +83,7 @@ impl Turn {
         self.start_ns = moved.start_ns;
         self.deadline_ns = moved.deadline_ns;
         self.queue_budget_ns = moved.queue_budget_ns;
+        self.open_at_start = moved.open_at_start;
         self.stopped = false;
     }
 
@@ -333,7 +338,11 @@ impl Turns {
             Token::Unthrottled | Token::Ungated => Step::Admit,
             Token::Held(t) if t.is_open() => Step::Admit,
             Token::Held(t) if t.opened_ns.is_none() && !t.closed => {
-                let open_at = t.start_ns.saturating_sub(self.lead_ns());
+                let open_at = if t.open_at_start {
+                    t.start_ns
+                } else {
+                    t.start_ns.saturating_sub(self.lead_ns())
+                };
                 if now < open_at {
                     w.waited_for = Some(open_at);
                     return Step::Wait { until_ns: open_at };
@@ -471,14 +480,16 @@ impl Turns {
     // --- the scheduler -------------------------------------------------------------------
 
     /// A turn from `start_ns` to `deadline_ns`, usually ahead of its start, during which at
-    /// most `queue_budget_ns` of GPU work is kept queued; or a planned one moved (same token).
-    /// One nobody here wants is given straight back.
+    /// most `queue_budget_ns` of GPU work is kept queued, opening at its start if
+    /// `open_at_start` (else a lead before); or a planned one moved (same token). One nobody
+    /// here wants is given straight back.
     pub fn grant(
         &mut self,
         token: u64,
         start_ns: u64,
         deadline_ns: u64,
         queue_budget_ns: u64,
+        open_at_start: bool,
         now: u64,
     ) {
         let current = matches!(self.token, Token::Held(t) if t.token == token)
@@ -487,7 +498,10 @@ impl Turns {
         if token <= self.retired && !current {
             return;
         }
-        let turn = Turn::new(token, start_ns, deadline_ns, queue_budget_ns);
+        let turn = Turn {
+            open_at_start,
+            ..Turn::new(token, start_ns, deadline_ns, queue_budget_ns)
+        };
         match (&mut self.token, &mut self.next) {
             (Token::Held(t), _) if t.token == token => t.retime(turn),
             (_, Some(n)) if n.token == token => n.retime(turn),

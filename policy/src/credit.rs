@@ -20,6 +20,9 @@ pub(crate) struct Handoff {
     at: u64,
     last_ns: Option<u64>,
     first_ns: Option<u64>,
+    /// The turn before kept the GPU until then whatever it used (a latency-class group's
+    /// linger, docs/latency.md): the idle time up to it is its own.
+    held_until: u64,
 }
 
 impl Policy {
@@ -29,6 +32,20 @@ impl Policy {
         if let Some(h) = self.handoffs.iter_mut().find(|h| h.after.0 == token) {
             h.at = at;
         }
+    }
+
+    /// The turn before the planned turn `token` keeps the GPU until `until` (a latency-class
+    /// group's linger): the handoff into it charges that time to the turn before.
+    pub(crate) fn hold_handoff(&mut self, token: u64, until: u64) {
+        if let Some(h) = self.handoffs.iter_mut().find(|h| h.after.0 == token) {
+            h.held_until = until;
+        }
+    }
+
+    /// The planned turn `token` was withdrawn: it never runs, and no handoff into it divides
+    /// charges.
+    pub(crate) fn forget_handoff_into(&mut self, token: u64) {
+        self.handoffs.retain(|h| h.after.0 != token);
     }
 
     /// Notes the handoff a turn granted back to back starts with: the turn before it (the
@@ -58,6 +75,7 @@ impl Policy {
                 at: start_ns,
                 last_ns: None,
                 first_ns: None,
+                held_until: 0,
             });
         }
     }
@@ -71,7 +89,7 @@ impl Policy {
     pub(crate) fn note_handoffs(&mut self, token: u64, used: Option<TurnUse>, now: u64) {
         for h in self.handoffs.iter_mut() {
             if h.before.0 == token {
-                h.last_ns = used.map(|u| u.last_ns);
+                h.last_ns = used.map(|u| u.last_ns.max(h.held_until));
             }
             if h.after.0 == token {
                 h.first_ns = used.map(|u| u.first_ns);

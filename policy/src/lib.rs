@@ -87,7 +87,11 @@
 //!     [`PolicyConfig::latency_queue_budget_ns`] of work queued. When it comes back with work it is
 //!     served unless it is ahead of the holder by a minimum quota, and the holder's turn ends an
 //!     eighth of a minimum quota after its start at the earliest: its client stops at its next
-//!     kernel. What it uses is charged and capped like any other group's time.
+//!     kernel. A group whose requests come back to back (it asked again within a minimum quota
+//!     of giving its turn back) keeps the GPU a linger ([`PolicyConfig::latency_linger_ns`])
+//!     past its drain when it gives a turn back, charged to it; the turn after opens at its
+//!     start ([`Decision::Grant`]'s `open_at_start`), not ahead of it, and asking again within
+//!     the linger the group is served at once, the turn planned after it withdrawn. What it uses is charged and capped like any other group's time.
 //!
 //! # Memory
 //!
@@ -139,6 +143,10 @@ pub enum Decision {
         deadline_ns: u64,
         quota_ns: u64,
         queue_budget_ns: u64,
+        /// A latency-class group keeps the GPU until `start_ns` and may take it back (the turn
+        /// is then withdrawn): its client launches nothing before, where it would otherwise
+        /// launch a little ahead (docs/latency.md).
+        open_at_start: bool,
     },
     /// Stop at once: the turn ended without a report by its end + grace, or a planned turn was
     /// withdrawn (its client has no more work).
@@ -190,6 +198,9 @@ pub struct Policy {
     /// Where the last turn ended: no turn starts before (a yielded turn's work drains until
     /// then).
     busy_until: u64,
+    /// Where the last linger of a latency-class group ends (docs/latency.md): the turn that
+    /// starts there opens no earlier.
+    linger_until: u64,
     /// Recent handoffs awaiting their turns' reports (docs/scheduling.md#charges).
     handoffs: std::collections::VecDeque<Handoff>,
     next_token: u64,
@@ -217,6 +228,7 @@ impl Policy {
             next: None,
             ended: BTreeMap::new(),
             busy_until: 0,
+            linger_until: 0,
             handoffs: std::collections::VecDeque::new(),
             next_token: 1,
             now: 0,
@@ -382,6 +394,10 @@ impl Policy {
         if !self.enqueue(client, now) {
             return Ok(());
         }
+        if returning {
+            self.note_return(&group, now);
+            self.take_back_linger(&group, now);
+        }
         if self.current.is_none() {
             // The GPU is free until a capped group's planned turn: served in between if it may.
             self.reclaim_gap(now);
@@ -431,8 +447,25 @@ impl Policy {
             // Never past its deadline: a yield does not lengthen a turn.
             let (deadline, group) = (self.current.as_ref())
                 .map_or((now, String::new()), |t| (t.deadline_ns, t.group.clone()));
-            let at = drained_ns.clamp(now, (now + self.cfg.min_quota_ns).min(deadline).max(now));
+            let drained =
+                drained_ns.clamp(now, (now + self.cfg.min_quota_ns).min(deadline).max(now));
+            // Not for a group whose cap would not let it take the GPU back.
+            let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
+            let linger = (self.groups.get(&group))
+                .is_some_and(|g| g.back_to_back && g.eligible(now, depth, thr));
+            let at = if linger {
+                let at = (drained + self.cfg.latency_linger_ns())
+                    .min(deadline)
+                    .max(drained);
+                self.linger_until = at;
+                at
+            } else {
+                drained
+            };
             self.yield_current(at, now);
+            if linger && let Some(token) = self.next.as_ref().map(|n| n.token) {
+                self.hold_handoff(token, at);
+            }
             if let Some(g) = self.groups.get_mut(&group) {
                 g.gave_back_at = at;
             }

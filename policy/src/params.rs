@@ -182,6 +182,13 @@ impl PolicyConfig {
         (self.min_quota_ns / 8).clamp(100_000, 500_000)
     }
 
+    /// How long past its work's drain a latency-class group whose requests come back to back
+    /// keeps the GPU when it gives its turn back (docs/latency.md): a quarter of the minimum
+    /// quota (0.5 ms by default), enough for its next request to be asked for on a busy host.
+    pub(super) fn latency_linger_ns(&self) -> u64 {
+        self.min_quota_ns / 4
+    }
+
     /// Bucket depth of a capped group: two quotas.
     pub(super) fn bucket_depth(&self) -> f64 {
         2.0 * self.quota_ns as f64

@@ -36,9 +36,11 @@ impl Policy {
         if let Some(g) = self.groups.get_mut(&t.group) {
             g.draining_until = at + self.cfg.min_quota_ns / 4;
         }
+        let after_linger = self.linger_until > 0 && at == self.linger_until;
         if let Some(n) = self.next.as_mut() {
             n.deadline_ns = at + n.quota_ns;
             n.start_ns = at;
+            n.open_at_start = after_linger;
             let moved = Decision::Grant {
                 client: n.client,
                 token: n.token,
@@ -46,6 +48,7 @@ impl Policy {
                 deadline_ns: n.deadline_ns,
                 quota_ns: n.quota_ns,
                 queue_budget_ns: n.queue_budget_ns,
+                open_at_start: n.open_at_start,
             };
             let token = n.token;
             self.move_handoff(token, at);
@@ -87,6 +90,12 @@ impl Policy {
         {
             return;
         }
+        self.requeue_next(client, token, now);
+    }
+
+    /// Withdraws the planned turn `token` of `client` (told so) before it starts: its client
+    /// waits again, first in its group.
+    fn requeue_next(&mut self, client: ClientId, token: u64, now: u64) {
         self.withdraw_next(now);
         self.decisions.push(Decision::Revoke { client, token });
         let seq = self.seq;
@@ -101,12 +110,71 @@ impl Policy {
         }
     }
 
+    /// A latency-class group `group` is back with work at `now`: back to back if within a
+    /// minimum quota of where its last given-back turn ended (its next request was queued
+    /// behind the one that ended).
+    pub(crate) fn note_return(&mut self, group: &str, now: u64) {
+        let min_quota = self.cfg.min_quota_ns;
+        if let Some(g) = self.groups.get_mut(group)
+            && g.params.class == GroupClass::Latency
+        {
+            g.back_to_back = g.gave_back_at > 0 && now <= g.gave_back_at.saturating_add(min_quota);
+        }
+    }
+
+    /// A latency-class group `group` asks again before the turn planned after its given-back
+    /// one has started (docs/latency.md: it kept the GPU a moment past its drain for this): that
+    /// turn is withdrawn, its client waits again first in its group, and `group` is served at
+    /// once, unless it is ahead of that turn's group by a minimum quota (the rule it returns
+    /// by, `docs/scheduling.md#preemption`) or its cap holds it back. Its given-back turn ends
+    /// now.
+    pub(crate) fn take_back_linger(&mut self, group: &str, now: u64) {
+        let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
+        let min_quota = self.cfg.min_quota_ns as f64;
+        let Some(g) = self.groups.get(group) else {
+            return;
+        };
+        if g.params.class != GroupClass::Latency
+            || self.current.is_some()
+            || !g.eligible(now, depth, thr)
+        {
+            return;
+        }
+        let Some(n) = self
+            .next
+            .as_ref()
+            .filter(|n| n.group != group && n.start_ns > now && n.start_ns == g.gave_back_at)
+        else {
+            return;
+        };
+        let Some(ng) = self.groups.get(&n.group) else {
+            return;
+        };
+        // Its reservation returned, the planned turn's group is owed this much more.
+        if g.credit - (ng.credit + n.applied as f64) <= -min_quota {
+            return;
+        }
+        let (client, token, gave_back_at) = (n.client, n.token, n.start_ns);
+        self.requeue_next(client, token, now);
+        if let Some(t) =
+            (self.ended.values_mut()).find(|t| t.group == group && t.end_ns == Some(gave_back_at))
+        {
+            t.end_ns = Some(now);
+        }
+        self.busy_until = now;
+        if let Some(g) = self.groups.get_mut(group) {
+            g.gave_back_at = 0;
+        }
+        self.plan_group(group.to_string(), now, now, true, now);
+    }
+
     /// Drops the planned turn (its client no longer wants it, or is gone): its reservation is
     /// returned.
     pub(crate) fn withdraw_next(&mut self, now: u64) {
         let Some(t) = self.next.take() else {
             return;
         };
+        self.forget_handoff_into(t.token);
         let (lo, _) = self.cfg.credit_bounds();
         let (depth, window) = (self.cfg.bucket_depth(), self.cfg.window_ns);
         if let Some(g) = self.groups.get_mut(&t.group) {
@@ -158,6 +226,11 @@ impl Policy {
         if at > start && at.saturating_sub(self.grant_ahead_ns()) > now {
             return; // planned later (next_wakeup says when)
         }
+        self.plan_group(name, start, at, after_turn, now);
+    }
+
+    /// [`Policy::plan_at`] once group `name` is chosen to start at `at` (≥ `start`).
+    fn plan_group(&mut self, name: String, start: u64, at: u64, after_turn: bool, now: u64) {
         // The turn's length depends on its group's target among the groups active now.
         self.refresh_targets();
         let contested = self
@@ -256,6 +329,8 @@ impl Policy {
         if self.latency_group_besides(&name) {
             queue_budget_ns = queue_budget_ns.min(self.cfg.latency_queue_budget_ns());
         }
+        // The turn after a latency-class group's linger opens at its start (docs/latency.md).
+        let open_at_start = self.linger_until > 0 && start_ns == self.linger_until;
         let turn = Turn {
             client: p.client,
             group: name,
@@ -274,6 +349,7 @@ impl Policy {
             applied: p.quota_ns,
             recorded: 0,
             queue_budget_ns,
+            open_at_start,
         };
         self.decisions.push(Decision::Grant {
             client: p.client,
@@ -282,6 +358,7 @@ impl Policy {
             deadline_ns: turn.deadline_ns,
             quota_ns: p.quota_ns,
             queue_budget_ns,
+            open_at_start,
         });
         turn
     }

@@ -33,6 +33,7 @@ fn grant_queueing(client: ClientId, token: u64, at: u64, queue_budget_ns: u64) -
         deadline_ns: at + 20 * MS,
         quota_ns: 20 * MS,
         queue_budget_ns,
+        open_at_start: false,
     }
 }
 
@@ -789,6 +790,7 @@ fn hot_reload_of_the_config_is_used_for_the_next_turn() {
             deadline_ns: 30 * MS,
             quota_ns: 10 * MS,
             queue_budget_ns: 2_500_000,
+            open_at_start: false,
         })
     );
     // Nonsense is made usable rather than wedging the GPU.
@@ -1807,6 +1809,128 @@ fn a_standard_server_keeps_the_usual_queue_budgets() {
     assert!((s - 0.16).abs() <= 0.01, "{s}");
 }
 
+/// The token and start of the last grant to `client` among `ds`.
+fn granted(ds: &[Decision], client: ClientId) -> (u64, u64) {
+    ds.iter()
+        .rev()
+        .find_map(|d| match d {
+            Decision::Grant {
+                client: c,
+                token,
+                start_ns,
+                ..
+            } if *c == client => Some((*token, *start_ns)),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no grant to {client}: {ds:?}"))
+}
+
+/// A latency-class server whose requests come back to back (the next one asked for within a
+/// minimum quota of the last one's drain) keeps the GPU a linger past its drain when it gives
+/// its turn back; asking again within it, it is served at once, the trainer's planned turn
+/// withdrawn before it starts. The linger is the server's: the trainer's turn, when it comes,
+/// opens at its start.
+#[test]
+fn a_latency_group_back_to_back_keeps_the_gpu_a_linger_past_its_drain() {
+    let server = GroupParams {
+        class: GroupClass::Latency,
+        ..gp(0.5, 1.0, 1.0)
+    };
+    let mut p = policy(&[("server", server), ("train", gp(0.5, 1.0, 1.0))]);
+    p.connect(1, "server").unwrap();
+    p.connect(2, "train").unwrap();
+    let (take_back, linger) = (p.config().take_back_ns(), p.config().latency_linger_ns());
+    p.acquire(2, 0).unwrap();
+    run_to(&mut p, 0, 100 * MS);
+    // First request: the trainer's turn ends at once.
+    p.acquire(1, 100 * MS).unwrap();
+    let (s1, st1) = granted(&p.take_decisions(), 1);
+    assert_eq!(st1, 100 * MS);
+    p.tick(st1);
+    p.take_decisions();
+    // Its work drains 4 ms later; it came after an absence: given back at the drain.
+    let d1 = st1 + 4 * MS;
+    p.yield_turn(1, s1, d1, d1 - MS).unwrap();
+    let (t1, tst1) = granted(&p.take_decisions(), 2);
+    assert_eq!(tst1, d1, "no linger before a back-to-back return");
+    p.report(1, s1, used(st1, d1), false, d1).unwrap();
+    p.tick(d1);
+    p.take_decisions();
+    // The second request was queued behind the first: asked for 0.2 ms after the drain.
+    p.acquire(1, d1 + 200_000).unwrap();
+    let (s2, st2) = granted(&p.take_decisions(), 1);
+    assert_eq!(
+        st2,
+        d1 + take_back,
+        "the trainer's turn ends at its next kernel"
+    );
+    p.tick(st2);
+    p.report(2, t1, used(d1, st2), true, st2).unwrap();
+    p.take_decisions();
+    // Given back as it drains: back to back, so the trainer's turn starts a linger later.
+    let d2 = st2 + 4 * MS;
+    p.yield_turn(1, s2, d2, d2 - MS).unwrap();
+    let ds = p.take_decisions();
+    let (t2, tst2) = granted(&ds, 2);
+    assert_eq!(tst2, d2 + linger, "{ds:?}");
+    assert!(
+        ds.iter().any(|d| matches!(
+            d,
+            Decision::Grant {
+                client: 2,
+                open_at_start: true,
+                ..
+            }
+        )),
+        "{ds:?}"
+    );
+    p.report(1, s2, used(st2, d2), false, d2 + 50_000).unwrap();
+    p.take_decisions();
+    // The third request comes within the linger: served at once, the trainer's turn withdrawn
+    // and the trainer first in line after it.
+    let now = d2 + linger / 2;
+    p.acquire(1, now).unwrap();
+    let ds = p.take_decisions();
+    assert!(
+        ds.contains(&Decision::Revoke {
+            client: 2,
+            token: t2
+        }),
+        "{ds:?}"
+    );
+    let (s3, st3) = granted(&ds, 1);
+    assert_eq!(st3, now);
+    assert_eq!(p.holder(), Some((1, s3)));
+    p.yield_turn(1, s3, now + 4 * MS, now + 3 * MS).unwrap();
+    let (t3, tst3) = granted(&p.take_decisions(), 2);
+    assert_eq!(
+        tst3,
+        now + 4 * MS + linger,
+        "still back to back: a linger again"
+    );
+    // Late the next time: given back at its drain again.
+    p.report(1, s3, used(now, now + 4 * MS), false, now + 4 * MS)
+        .unwrap();
+    run_to(&mut p, now + 4 * MS, now + 30 * MS);
+    p.acquire(1, now + 30 * MS).unwrap();
+    let (s4, st4) = granted(&p.take_decisions(), 1);
+    p.tick(st4);
+    p.report(2, t3, used(tst3, st4), true, st4).unwrap();
+    p.take_decisions();
+    p.yield_turn(1, s4, st4 + 4 * MS, st4 + 3 * MS).unwrap();
+    let (_, tst4) = granted(&p.take_decisions(), 2);
+    assert_eq!(tst4, st4 + 4 * MS, "not back to back: no linger");
+}
+
+/// A latency-class group whose requests are far apart gives the GPU back at its drain, and
+/// the next holder launches ahead of its turn as usual: it never lingers.
+#[test]
+fn a_latency_group_with_requests_apart_never_lingers() {
+    let (latency, ..) = server_beside_trainers(GroupClass::Latency, 1.0, 1, 5);
+    assert_eq!(latency.stats.opening_at_start, vec![0, 0]);
+    assert_eq!(latency.stats.latency_linger_ns, 0);
+}
+
 #[test]
 fn a_latency_group_cannot_take_more_than_its_limit() {
     // It would use 16 %; capped at 8 % it gets 8 % however it is served.
@@ -1843,6 +1967,10 @@ fn a_latency_group_asking_all_the_time_gets_its_share_and_no_more() {
     eprintln!("trainer beside a saturating latency group: 1 s shares {lo:.4}..{hi:.4}");
     assert!(worst <= 0.02, "trainer's share off by {worst}");
     assert!(sim.work_share(1, WARMUP, end) >= 0.49);
+    // Its requests come back to back: it lingers, and the trainer's turns after open at their
+    // start.
+    assert!(sim.stats.latency_linger_ns > 0);
+    assert!(sim.stats.opening_at_start[1] > 0);
 }
 
 proptest! {
@@ -1870,7 +1998,11 @@ proptest! {
             }
             prop_assert!(held <= p.limit + 0.02, "group {g} {p:?}: {held} above its limit");
         }
+        // Idle only while the latency group keeps the GPU past its drain, a linger a yield.
         prop_assert_eq!(sim.stats.idle_with_uncapped_waiter_ns, 0);
+        let linger = sim.policy.config().latency_linger_ns();
+        prop_assert!(sim.stats.latency_linger_ns <= sim.stats.latency_yields * linger,
+            "{} ns lingering over {} yields", sim.stats.latency_linger_ns, sim.stats.latency_yields);
         prop_assert!(sim.stats.idle_with_capped_waiter_below_limit_ns <= end / 1000,
             "idle below the limit for {} ns", sim.stats.idle_with_capped_waiter_below_limit_ns);
         prop_assert_eq!(sim.stats.revocations, 0);

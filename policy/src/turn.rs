@@ -46,6 +46,9 @@ pub(super) struct Turn {
     pub recorded: u64,
     /// GPU work its client may keep queued.
     pub queue_budget_ns: u64,
+    /// It starts where a latency-class group's linger ends: its client launches nothing before
+    /// its start.
+    pub open_at_start: bool,
 }
 
 impl Turn {
@@ -112,6 +115,7 @@ mod tests {
             applied: 0,
             recorded: 0,
             queue_budget_ns: 2_500_000,
+            open_at_start: false,
         }
     }
 

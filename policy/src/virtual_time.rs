@@ -151,6 +151,12 @@ pub struct Stats {
     /// Time the GPU ran no turn while a group with limit 1 waited (must stay 0 with tenants
     /// that open on time).
     pub idle_with_uncapped_waiter_ns: u64,
+    /// Time the GPU ran no turn while a group with limit 1 waited because a latency-class
+    /// group that gave its turn back keeps it a linger past its drain (docs/latency.md); it is
+    /// charged for it.
+    pub latency_linger_ns: u64,
+    /// Turns given back by latency-class groups.
+    pub latency_yields: u64,
     /// Time the GPU ran no turn while a capped group waited that was below its limit, i.e. had
     /// not been granted more than `limit · (t − s) + quota` over any trailing interval `(s, t]`
     /// (must stay 0).
@@ -168,6 +174,9 @@ pub struct Stats {
     pub waits_of: Vec<u64>,
     /// Per tenant, the largest queue budget it was granted.
     pub max_queue_budget_ns: Vec<u64>,
+    /// Per tenant, grants (and moves) of turns that open no earlier than their start, where a
+    /// latency-class group's work drains.
+    pub opening_at_start: Vec<u64>,
     /// Policy calls made.
     pub calls: u64,
 }
@@ -205,6 +214,8 @@ pub struct Sim {
     /// (within a minimum quota) may be taken back sooner than a minimum quota
     /// (`docs/scheduling.md#preemption`).
     yielded_at: Vec<Option<u64>>,
+    /// Until when a latency-class group that gave its turn back may keep the GPU idle.
+    lingering_until: u64,
     pub stats: Stats,
 }
 
@@ -264,11 +275,13 @@ impl Sim {
             work: vec![Vec::new(); groups.len()],
             excess: vec![(0.0, 0); groups.len()],
             yielded_at: vec![None; groups.len()],
+            lingering_until: 0,
             stats: Stats {
                 max_wait_ns: vec![0; n],
                 total_wait_ns: vec![0; n],
                 waits_of: vec![0; n],
                 max_queue_budget_ns: vec![0; n],
+                opening_at_start: vec![0; n],
                 ..Stats::default()
             },
         };
@@ -363,6 +376,17 @@ impl Sim {
         }
     }
 
+    /// Tenant `i` gave its turn back, its work drained at `drained`.
+    fn yielded(&mut self, i: usize, drained: u64) {
+        let g = self.tenants[i].group;
+        self.yielded_at[g] = Some(self.now);
+        if self.groups[g].1.class == GroupClass::Latency {
+            self.stats.latency_yields += 1;
+            let until = drained + self.policy.config().latency_linger_ns();
+            self.lingering_until = self.lingering_until.max(until);
+        }
+    }
+
     /// Advances the clock to `t`, checking work conservation over the interval.
     fn integrate(&mut self, t: u64) {
         if t <= self.now {
@@ -386,6 +410,10 @@ impl Sim {
             .sum();
         self.stats.promised_ns += limits.min(1.0) * dt as f64;
         if self.running.iter().all(Option::is_none) {
+            // A latency-class group's linger is idle by design, charged to it.
+            let linger = self.lingering_until.saturating_sub(self.now).min(dt);
+            self.stats.latency_linger_ns += linger;
+            let dt = dt - linger;
             if uncapped_waiting {
                 self.stats.idle_with_uncapped_waiter_ns += dt;
             } else {
@@ -454,7 +482,7 @@ impl Sim {
                         self.policy
                             .yield_turn(client_of(i), token, self.now, self.now)
                             .expect("connected");
-                        self.yielded_at[self.tenants[i].group] = Some(self.now);
+                        self.yielded(i, self.now);
                         self.push(
                             self.now,
                             i,
@@ -635,7 +663,7 @@ impl Sim {
             self.policy
                 .yield_turn(client_of(i), r.token, last, now)
                 .expect("connected");
-            self.yielded_at[self.tenants[i].group] = Some(now);
+            self.yielded(i, last.max(now));
             if let Demand::Fraction { .. } = self.tenants[i].demand {
                 // More work at once: it asks again.
                 self.push(now, i, Ev::Acquire);
@@ -694,8 +722,16 @@ impl Sim {
                     deadline_ns,
                     quota_ns,
                     queue_budget_ns,
+                    open_at_start,
                 } => {
                     let i = (client - 1) as usize;
+                    if open_at_start {
+                        assert!(
+                            (self.groups.iter()).any(|(_, p)| p.class == GroupClass::Latency),
+                            "a turn opening at its start without a latency-class group"
+                        );
+                        self.stats.opening_at_start[i] += 1;
+                    }
                     assert!(!self.gone[i], "granted a client that is gone");
                     assert!((100_000..=5_000_000).contains(&queue_budget_ns));
                     let budget = &mut self.stats.max_queue_budget_ns[i];

@@ -115,12 +115,15 @@ pub enum ServerMsg {
     /// last ones, and stops launching at `deadline_ns` on its own. Sent again with the same
     /// token when the start moves earlier (the turn before was given back). `queue_budget_ns`:
     /// how much GPU work the process may keep queued during it (its launches are paced to it).
+    /// `open_at_start`: a latency-class group keeps the GPU until `start_ns` for its next
+    /// request, and may take it back: the process launches nothing before.
     Grant {
         gpu: GpuUuid,
         token: u64,
         start_ns: u64,
         deadline_ns: u64,
         queue_budget_ns: u64,
+        open_at_start: bool,
     },
     /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
     /// or forget it if it has not started (withdrawn).
@@ -336,6 +339,7 @@ mod tests {
                 start_ns: 1,
                 deadline_ns: 20_000_001,
                 queue_budget_ns: 2_500_000,
+                open_at_start: true,
             },
             ServerMsg::Revoke { gpu: GPU, token: 9 },
             ServerMsg::Status {

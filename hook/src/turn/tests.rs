@@ -40,7 +40,7 @@ fn holding(token: u64, start: u64) -> Turns {
     let mut t = Turns::new(CFG, LIVENESS);
     assert_eq!(t.admit(start - 10 * MS, &mut Waiter::default()), Step::Ask);
     t.asked(true, start - 10 * MS);
-    t.grant(token, start, start + 20 * MS, BUDGET, start - 5 * MS);
+    t.grant(token, start, start + 20 * MS, BUDGET, false, start - 5 * MS);
     assert_eq!(t.admit(start, &mut Waiter::default()), Step::Opened);
     assert_eq!(t.gate_deadline(), start + 20 * MS);
     assert!(t.take_said().is_empty());
@@ -83,7 +83,7 @@ fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
         },
         "looks again when a probe would be due"
     );
-    t.grant(1, 10 * MS, 30 * MS, BUDGET, MS);
+    t.grant(1, 10 * MS, 30 * MS, BUDGET, false, MS);
     assert_eq!(t.admit(MS, &mut w), Step::Wait { until_ns: 9 * MS });
     assert_eq!(t.gate_deadline(), 0);
     // Woke 0.5 ms late: opens, and the lead learns it.
@@ -124,11 +124,32 @@ fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
     );
 }
 
+/// A turn that starts where a latency-class group's linger ends opens at its start, not a
+/// lead before: that group may still take the GPU back. Moved earlier, it opens at the new
+/// start.
+#[test]
+fn a_turn_after_a_latency_linger_opens_at_its_start() {
+    let mut t = Turns::new(CFG, LIVENESS);
+    let mut w = Waiter::default();
+    assert_eq!(t.admit(0, &mut w), Step::Ask);
+    t.asked(true, 0);
+    t.grant(1, 30 * MS, 50 * MS, BUDGET, true, MS);
+    assert_eq!(t.admit(MS, &mut w), Step::Wait { until_ns: 30 * MS });
+    t.grant(1, 10 * MS, 30 * MS, BUDGET, true, 2 * MS);
+    assert_eq!(t.admit(2 * MS, &mut w), Step::Wait { until_ns: 10 * MS });
+    assert_eq!(
+        t.admit(10 * MS - 1, &mut w),
+        Step::Wait { until_ns: 10 * MS }
+    );
+    assert_eq!(t.admit(10 * MS, &mut w), Step::Opened);
+    assert_eq!(t.gate_deadline(), 30 * MS);
+}
+
 #[test]
 fn late_wake_ups_raise_the_lead_up_to_its_bound() {
     let mut t = holding(1, 100 * MS);
     close(&mut t, 121 * MS, true);
-    t.grant(2, 200 * MS, 220 * MS, BUDGET, 150 * MS);
+    t.grant(2, 200 * MS, 220 * MS, BUDGET, false, 150 * MS);
     let mut w = Waiter::default();
     assert_eq!(t.admit(150 * MS, &mut w), Step::Wait { until_ns: 199 * MS });
     assert_eq!(
@@ -138,7 +159,7 @@ fn late_wake_ups_raise_the_lead_up_to_its_bound() {
     );
     assert_eq!(t.lead_ns(), 1_700_000);
     close(&mut t, 221 * MS, true);
-    t.grant(3, 300 * MS, 320 * MS, BUDGET, 250 * MS);
+    t.grant(3, 300 * MS, 320 * MS, BUDGET, false, 250 * MS);
     let mut w = Waiter::default();
     let Step::Wait { until_ns } = t.admit(250 * MS, &mut w) else {
         panic!("waits for the opening")
@@ -184,7 +205,7 @@ fn a_turn_withdrawn_before_it_opened_is_asked_for_again() {
     let mut w = Waiter::default();
     assert_eq!(t.admit(0, &mut w), Step::Ask);
     t.asked(true, 0);
-    t.grant(3, 10 * MS, 30 * MS, BUDGET, 0);
+    t.grant(3, 10 * MS, 30 * MS, BUDGET, false, 0);
     t.revoke(3, MS);
     assert_eq!(t.token(), Token::None);
     assert_eq!(t.admit(MS, &mut w), Step::Ask);
@@ -253,7 +274,7 @@ fn a_yielded_turns_drain_is_bounded_from_the_yield() {
 fn a_grant_during_the_drain_is_the_next_turn() {
     let mut t = holding(4, 100 * MS);
     let turn = t.begin_close().unwrap();
-    t.grant(5, 125 * MS, 145 * MS, BUDGET, 120 * MS);
+    t.grant(5, 125 * MS, 145 * MS, BUDGET, false, 120 * MS);
     t.end_close(turn, 121 * MS, true);
     assert!(matches!(t.token(), Token::Held(n) if n.token == 5 && n.opened_ns.is_none()));
     assert_eq!(t.admit(124 * MS, &mut Waiter::default()), Step::Opened);
@@ -280,7 +301,7 @@ fn disconnection_during_the_drain_stands() {
 #[test]
 fn a_turn_nobody_wants_is_given_straight_back() {
     let mut t = Turns::new(CFG, LIVENESS);
-    t.grant(8, 10 * MS, 30 * MS, BUDGET, 5 * MS);
+    t.grant(8, 10 * MS, 30 * MS, BUDGET, false, 5 * MS);
     assert_eq!(
         t.take_said(),
         vec![
@@ -326,7 +347,7 @@ fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
     t.launcher_arrives(110 * MS, 10);
     assert_eq!(t.admit(110 * MS, &mut w), Step::Ask);
     t.asked(true, 110 * MS);
-    t.grant(2, 111 * MS, 131 * MS, BUDGET, 110 * MS);
+    t.grant(2, 111 * MS, 131 * MS, BUDGET, false, 110 * MS);
     assert_eq!(t.admit(111 * MS, &mut w), Step::Opened);
     assert!(t.before_sync(112 * MS, quiet(20)));
     assert!(
@@ -403,7 +424,7 @@ fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
     t.launcher_arrives(109 * MS, 10);
     assert_eq!(t.admit(109 * MS, &mut w), Step::Ask);
     t.asked(true, 109 * MS);
-    t.grant(2, 110 * MS, 130 * MS, BUDGET, 109 * MS);
+    t.grant(2, 110 * MS, 130 * MS, BUDGET, false, 109 * MS);
     assert_eq!(t.admit(110 * MS, &mut w), Step::Opened);
     assert!(
         !t.before_sync(112 * MS, quiet(20)),
@@ -414,7 +435,7 @@ fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
 #[test]
 fn back_to_back_turns_roll_over_without_closing() {
     let mut t = holding(1, 100 * MS);
-    t.grant(2, 120 * MS, 140 * MS, BUDGET, 115 * MS);
+    t.grant(2, 120 * MS, 140 * MS, BUDGET, false, 115 * MS);
     assert_eq!(
         t.watch(119 * MS, busy(), &mut || Some(MS)),
         Watch::At(120 * MS)
@@ -463,7 +484,7 @@ fn wait_for_turn(
     let mut probes = 0;
     while now <= until {
         if grant_at.is_some_and(|g| now >= g) && t.token() == Token::Requested {
-            t.grant(99, now, now + 20 * MS, BUDGET, now);
+            t.grant(99, now, now + 20 * MS, BUDGET, false, now);
         }
         match t.admit(now, &mut w) {
             Step::Ungated | Step::Admit | Step::Opened => return (Some(now), probes),
@@ -537,7 +558,7 @@ fn an_unanswered_probe_ungates_a_fail_open_waiter_within_the_bound() {
     assert_eq!(t.gate_deadline(), 0);
     assert!(!t.overdue(3 * S));
     assert_eq!(t.take_said(), vec![Say::Acquire]);
-    t.grant(5, 3 * S + MS, 3 * S + 21 * MS, BUDGET, 3 * S);
+    t.grant(5, 3 * S + MS, 3 * S + 21 * MS, BUDGET, false, 3 * S);
     assert_eq!(t.admit(3 * S + MS, &mut w), Step::Opened);
     // Only the turn it was granted since is ever reported.
     close(&mut t, 3 * S + 21 * MS, false);
@@ -554,7 +575,7 @@ fn a_grant_ends_an_ungated_spell() {
     wait_for_turn(&mut t, 0, S, |_| false, None);
     assert_eq!(t.token(), Token::Ungated);
     t.take_said();
-    t.grant(3, S, S + 20 * MS, BUDGET, S - MS);
+    t.grant(3, S, S + 20 * MS, BUDGET, false, S - MS);
     assert!(matches!(t.token(), Token::Held(_)));
     assert_eq!(t.gate_deadline(), 0, "closed until its start");
     assert!(t.take_said().is_empty());
@@ -676,6 +697,8 @@ impl Rng {
 /// end before or after other events, synchronisations and disconnections. Invariants:
 /// - the fast path's deadline is non-zero only while a turn is open (or without limits);
 /// - nothing is admitted in a turn stopped, closed or not yet opened;
+/// - a turn that opens at its start (after a latency-class group's linger) never opens
+///   before it;
 /// - every turn that opened is reported exactly once, with its first launch, after it opened;
 /// - an unopened turn is reported (unused) only when given back;
 /// - no report for a token this process never held.
@@ -705,6 +728,7 @@ fn random_interleavings_keep_every_invariant() {
                         start,
                         start + 1 + rng.below(20 * MS),
                         BUDGET,
+                        rng.below(2) == 0,
                         now,
                     );
                     granted.insert(next_token, start);
@@ -717,7 +741,8 @@ fn random_interleavings_keep_every_invariant() {
                         && let Some(&s) = granted.get(&token)
                     {
                         let start = s.min(now + rng.below(4 * MS));
-                        t.grant(token, start, start + 1 + rng.below(20 * MS), BUDGET, now);
+                        let end = start + 1 + rng.below(20 * MS);
+                        t.grant(token, start, end, BUDGET, rng.below(2) == 0, now);
                     }
                 }
                 3 => t.revoke(next_token.saturating_sub(1 + rng.below(3)), now),
@@ -743,6 +768,10 @@ fn random_interleavings_keep_every_invariant() {
                                 continue;
                             };
                             assert!(h.is_open(), "admitted outside an open turn: {h:?}");
+                            assert!(
+                                !(h.open_at_start && h.opened_ns == Some(now)) || now >= h.start_ns,
+                                "opened before the start of a turn opening at its start: {h:?}"
+                            );
                             if let Some(o) = h.opened_ns
                                 && opened.insert(h.token, o).is_none()
                             {

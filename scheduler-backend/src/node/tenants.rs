@@ -399,6 +399,7 @@ fn message_of(gpu: GpuUuid, d: Decision) -> (ClientId, ServerMsg) {
             deadline_ns,
             quota_ns: _,
             queue_budget_ns,
+            open_at_start,
         } => (
             client,
             ServerMsg::Grant {
@@ -407,6 +408,7 @@ fn message_of(gpu: GpuUuid, d: Decision) -> (ClientId, ServerMsg) {
                 start_ns,
                 deadline_ns,
                 queue_budget_ns,
+                open_at_start,
             },
         ),
         Decision::Revoke { client, token } => {
