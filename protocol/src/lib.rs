@@ -12,7 +12,7 @@ pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
 /// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
