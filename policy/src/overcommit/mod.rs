@@ -46,6 +46,13 @@
 //!    (a real driver never restores a process whose restore once failed); if one fails anyway,
 //!    its processes are [`Effect::Lost`]. A process that exits while swapped out takes its
 //!    host copy with it.
+//! 7. **Restart.** A daemon that restarts (after a crash or `kill -9`, perhaps mid-swap)
+//!    learns what processes hold from what they restate, not where their memory is: each
+//!    process that restates memory is asked of the driver ([`Overcommit::await_driver`]) and
+//!    is no victim until it answers ([`Overcommit::recover`]). One the driver holds
+//!    checkpointed is swapped out (its bytes in host memory, not on the GPU) and comes back by
+//!    rule 5; one it holds locked with its memory on the GPU is unlocked by the caller and
+//!    runs on. So a swap cut short is finished (restored when its memory fits) or undone.
 //!
 //! A swapped-out group gets no turns on the GPU; the time policy keeps its share for the
 //! windows in which it is resident (the daemon tells it which groups are resident).
@@ -326,6 +333,9 @@ struct Process {
     held: BTreeMap<Gpu, Bytes>,
     residence: Residence,
     unswappable: Option<Unswappable>,
+    /// Where its memory is is not known yet (the daemon restarted): not a victim until the
+    /// driver says ([`Overcommit::recover`]).
+    awaiting_driver: bool,
 }
 
 impl Process {
@@ -472,7 +482,58 @@ impl Overcommit {
             held: BTreeMap::new(),
             residence: Residence::Resident,
             unswappable: None,
+            awaiting_driver: false,
         });
+    }
+
+    /// The caller asks the driver where `process`'s memory is (it restated memory after the
+    /// daemon restarted): its group is no victim until [`recover`](Self::recover) says.
+    pub fn await_driver(&mut self, process: ProcessId) {
+        if let Some(p) = self.processes.get_mut(&process) {
+            p.awaiting_driver = true;
+        }
+    }
+
+    /// The driver says where `process`'s memory is (rule 7): `checkpointed`, in host memory
+    /// (a swap-out a previous daemon started, or a swap-in it did not finish), so the process
+    /// is swapped out, with the rest of its group's recovered processes, and restored when its
+    /// memory fits; else on the GPU (the caller unlocked it if it was locked), resident.
+    pub fn recover(&mut self, now: Nanos, process: ProcessId, checkpointed: bool) -> Vec<Effect> {
+        let Some(p) = self.processes.get_mut(&process) else {
+            return self.step(now);
+        };
+        p.awaiting_driver = false;
+        if !checkpointed || p.residence != Residence::Resident {
+            return self.step(now);
+        }
+        let group = p.group;
+        let gpu = (p.held.iter()).max_by_key(|(_, b)| **b).map_or(0, |(g, _)| *g);
+        let joined = (self.swaps.iter_mut())
+            .find(|(_, s)| s.group == group && s.state == SwapState::Out)
+            .map(|(&id, s)| {
+                s.processes.push(process);
+                id
+            });
+        let id = joined.unwrap_or_else(|| {
+            let id = SwapId(self.next_swap);
+            self.next_swap += 1;
+            self.swaps.insert(
+                id,
+                Swap {
+                    group,
+                    gpu,
+                    processes: vec![process],
+                    state: SwapState::Out,
+                    wanted_since: None,
+                    out_since: now,
+                    started: now,
+                    room_made: false,
+                },
+            );
+            id
+        });
+        self.processes.get_mut(&process).expect("present").residence = Residence::Out(id);
+        self.step(now)
     }
 
     /// The process holds memory the driver cannot checkpoint: its group is never a victim.
@@ -1217,7 +1278,10 @@ impl Overcommit {
             let on_gpu: Vec<&Process> = (self.processes.values())
                 .filter(|p| p.group == id && p.on(gpu) > 0 && p.occupies())
                 .collect();
-            if on_gpu.is_empty() || on_gpu.iter().any(|p| p.residence != Residence::Resident) {
+            if on_gpu.is_empty()
+                || on_gpu.iter().any(|p| p.residence != Residence::Resident)
+                || (self.processes.values()).any(|p| p.group == id && p.awaiting_driver)
+            {
                 continue;
             }
             c.push((id, on_gpu.iter().map(|p| p.on(gpu)).sum()));
