@@ -363,28 +363,41 @@ fn ask(h: &Hook, gpu: usize, a: &Ask) -> Answer {
         return no_answer();
     }
     let uuid = h.gates[gpu].uuid;
-    let pending = {
-        let _lease = h.memory.lease(gpu);
-        h.port.request(|req| ClientMsg::MemReserve {
-            req,
-            gpu: uuid,
-            bytes: a.ask,
-        })
+    // When the scheduler said the reservation waits for memory, the bound it gave.
+    let mut waits_until: Option<Instant> = None;
+    let answer = loop {
+        let pending = {
+            let _lease = h.memory.lease(gpu);
+            h.port.request(|req| ClientMsg::MemReserve {
+                req,
+                gpu: uuid,
+                bytes: a.ask,
+            })
+        };
+        let Some(pending) = pending else {
+            return no_answer();
+        };
+        let timeout = if open {
+            h.port.liveness()
+        } else {
+            ANSWER_TIMEOUT
+        };
+        // Under memory overcommit the scheduler may say the reservation waits for memory
+        // (others freeing it, or being swapped to host memory): then its answer comes within
+        // its bound.
+        let mut answer = pending.wait(timeout);
+        if let Ok(ServerMsg::MemWait { max_wait_ns, .. }) = answer {
+            waits_until.get_or_insert(Instant::now() + Duration::from_nanos(max_wait_ns));
+            answer = pending.wait(Duration::from_nanos(max_wait_ns) + ANSWER_TIMEOUT);
+        }
+        // The scheduler went away while the reservation waited for memory (a swap it began
+        // for it may still be under way): rather than race that swap to the GPU alone, the
+        // allocation waits for a scheduler again, within the bound it was given, and asks it.
+        match (answer, waits_until) {
+            (Err(NoAnswer::Gone), Some(until)) if reconnected_by(h, until) => continue,
+            (answer, _) => break answer,
+        }
     };
-    let Some(pending) = pending else {
-        return no_answer();
-    };
-    let timeout = if open {
-        h.port.liveness()
-    } else {
-        ANSWER_TIMEOUT
-    };
-    // Under memory overcommit the scheduler may say the reservation waits for memory (others
-    // freeing it, or being swapped to host memory): then its answer comes within its bound.
-    let mut answer = pending.wait(timeout);
-    if let Ok(ServerMsg::MemWait { max_wait_ns, .. }) = answer {
-        answer = pending.wait(Duration::from_nanos(max_wait_ns) + ANSWER_TIMEOUT);
-    }
     match answer {
         Ok(ServerMsg::Memory {
             granted,
@@ -422,6 +435,17 @@ fn ask(h: &Hook, gpu: usize, a: &Ask) -> Answer {
         }
         Err(NoAnswer::Gone) => no_answer(),
     }
+}
+
+/// Whether the hook is connected to a scheduler again by `until`.
+fn reconnected_by(h: &Hook, until: Instant) -> bool {
+    while !h.port.is_connected() {
+        if h.port.is_refused() || Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
 }
 
 /// The scheduler could not journal a reservation: said once per process on stderr.

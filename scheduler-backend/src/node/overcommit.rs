@@ -17,7 +17,7 @@ use gpushare_policy::overcommit::{
 };
 use gpushare_protocol::status::{MemoryState, MemorySwaps, PhysicalMemory, uuid_string};
 use gpushare_protocol::{GpuUuid, ServerMsg};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// What the overcommit core needs from the configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,6 +86,8 @@ pub(super) struct State {
     /// Why each group's last allocation was refused, for the report.
     pub refusals: BTreeMap<String, String>,
     timings: Timings,
+    /// Clients whose memory the driver was asked about ([`Effect::Settle`]).
+    settled: BTreeSet<ClientId>,
 }
 
 impl State {
@@ -106,6 +108,7 @@ impl State {
                 swap_in: Histogram::new(&DURATION_BOUNDS_NS),
                 wait: Histogram::new(&DURATION_BOUNDS_NS),
             },
+            settled: BTreeSet::new(),
         }
     }
 
@@ -305,7 +308,23 @@ impl Node {
         let s = &mut self.overcommit;
         let (g, i) = (s.group_id(group), s.gpu_index(gpu));
         s.core.attach(ProcessId(client), g);
-        let effects = s.core.restate(now, ProcessId(client), i, bytes);
+        // The memory it holds may be in host memory, or locked, by a swap a previous daemon
+        // began: the driver says (rule 7 of the core).
+        let pid = self.clients.get(client).map_or(0, |c| c.pid);
+        if bytes > 0 && pid != 0 && s.settled.insert(client) {
+            s.core.await_driver(ProcessId(client));
+            self.effects.push(Effect::Settle { client, pid });
+        }
+        let effects = self.overcommit.core.restate(now, ProcessId(client), i, bytes);
+        self.carry_out(effects, now);
+    }
+
+    /// The driver said where `client`'s memory is ([`Effect::Settle`]).
+    pub(super) fn settled(&mut self, client: ClientId, checkpointed: bool, now: u64) {
+        if checkpointed {
+            tracing::info!(client, "found in host memory after a restart: restored once its memory fits");
+        }
+        let effects = (self.overcommit.core).recover(now, ProcessId(client), checkpointed);
         self.carry_out(effects, now);
     }
 
@@ -323,6 +342,7 @@ impl Node {
     pub(super) fn exit_physical(&mut self, client: ClientId, now: u64) {
         let s = &mut self.overcommit;
         s.asks.retain(|_, a| a.client != client);
+        s.settled.remove(&client);
         let effects = s.core.exit(now, ProcessId(client));
         self.carry_out(effects, now);
     }
