@@ -363,6 +363,11 @@ fn ask(h: &Hook, gpu: usize, a: &Ask) -> Answer {
         return no_answer();
     }
     let uuid = h.gates[gpu].uuid;
+    let timeout = if open {
+        h.port.liveness()
+    } else {
+        ANSWER_TIMEOUT
+    };
     // When the scheduler said the reservation waits for memory, the bound it gave.
     let mut waits_until: Option<Instant> = None;
     let answer = loop {
@@ -377,15 +382,15 @@ fn ask(h: &Hook, gpu: usize, a: &Ask) -> Answer {
         let Some(pending) = pending else {
             return no_answer();
         };
-        let timeout = if open {
-            h.port.liveness()
-        } else {
-            ANSWER_TIMEOUT
-        };
         // Under memory overcommit the scheduler may say the reservation waits for memory
         // (others freeing it, or being swapped to host memory): then its answer comes within
         // its bound.
-        let mut answer = pending.wait(timeout);
+        // Asked again across a reconnection: the bound it was given still stands (the new
+        // scheduler may first read who this process is).
+        let first = waits_until.map_or(timeout, |until| {
+            until.saturating_duration_since(Instant::now()) + ANSWER_TIMEOUT
+        });
+        let mut answer = pending.wait(first);
         if let Ok(ServerMsg::MemWait { max_wait_ns, .. }) = answer {
             waits_until.get_or_insert(Instant::now() + Duration::from_nanos(max_wait_ns));
             answer = pending.wait(Duration::from_nanos(max_wait_ns) + ANSWER_TIMEOUT);

@@ -1304,10 +1304,12 @@ fn a_victim_killed_while_swapped_out_frees_its_books_and_nothing_else_breaks() {
 }
 
 /// How long a killed scheduler stays down before it is started again: past the simulated
-/// checkpoint or restore of 1200 MiB it was killed in the middle of (under a second), which
-/// the driver finishes without it. A restarted scheduler's physical books begin with what the
-/// reconnecting processes restate, and only then does it ask the driver where their memory is.
-const DOWN: Duration = Duration::from_secs(2);
+/// checkpoint or restore of 1200 MiB it was killed in the middle of (about a second, several
+/// on a loaded machine), which the driver finishes without it. A restarted scheduler's
+/// physical books begin with what the reconnecting processes restate: one that grants an
+/// allocation before the swapped process has reconnected counts on memory a checkpoint still
+/// under way has not freed yet.
+const DOWN: Duration = Duration::from_secs(5);
 
 /// Wait (at most [`RUN`]) until the scheduler's log says `what`.
 fn wait_log(node: &Node, what: &str) {
