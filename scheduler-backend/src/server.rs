@@ -261,7 +261,12 @@ impl Server {
                     }
                 }
                 Effect::Settle { client, pid } => {
-                    if self.workers.swaps.send(Job::Settle { client, pid }).is_err() {
+                    if self
+                        .workers
+                        .swaps
+                        .send(Job::Settle { client, pid })
+                        .is_err()
+                    {
                         swaps_lost.push(Input::Settled {
                             client,
                             checkpointed: false,

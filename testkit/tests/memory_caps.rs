@@ -1402,12 +1402,16 @@ fn a_scheduler_killed_mid_swap_out_finishes_the_swap_after_its_restart() {
     let held = |g: &str, key: &str| u(group_in(&status, g).expect("in the status"), key);
     assert_eq!(
         (u(physical, "used"), u(physical, "swapped")),
-        (held("second", "memory_used"), held("first", "memory_swapped")),
+        (
+            held("second", "memory_used"),
+            held("first", "memory_swapped")
+        ),
         "exact books after the restart: {status}"
     );
     assert!(u(physical, "swapped") >= 1200 * MIB, "{status}");
     assert!(
-        node.scheduler_log().contains("found in host memory after a restart"),
+        node.scheduler_log()
+            .contains("found in host memory after a restart"),
         "{}",
         node.scheduler_log()
     );

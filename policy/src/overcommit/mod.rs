@@ -507,7 +507,9 @@ impl Overcommit {
             return self.step(now);
         }
         let group = p.group;
-        let gpu = (p.held.iter()).max_by_key(|(_, b)| **b).map_or(0, |(g, _)| *g);
+        let gpu = (p.held.iter())
+            .max_by_key(|(_, b)| **b)
+            .map_or(0, |(g, _)| *g);
         let joined = (self.swaps.iter_mut())
             .find(|(_, s)| s.group == group && s.state == SwapState::Out)
             .map(|(&id, s)| {

@@ -320,7 +320,10 @@ fn after_a_restart_a_process_the_driver_holds_checkpointed_is_swapped_out_until_
     assert_eq!(o.books(0).used, 14 * GIB, "restated as they are");
     assert_eq!(o.request(0, RequestId(1), ProcessId(1), 0, 3 * GIB), vec![]);
     for t in [100 * MS, 500 * MS, 2 * S] {
-        assert!(swap_outs(&o.tick(t)).is_empty(), "no victim awaits the driver");
+        assert!(
+            swap_outs(&o.tick(t)).is_empty(),
+            "no victim awaits the driver"
+        );
     }
     let e = o.recover(2 * S, ProcessId(0), true);
     assert_eq!(e, vec![Effect::Grant(RequestId(1))], "{o:#?}");
@@ -368,7 +371,10 @@ fn recovered_processes_of_a_group_are_restored_together() {
         o.await_driver(ProcessId(p));
     }
     o.set_capacity(0, 0, 5 * GIB);
-    assert!(swap_ins(&o.recover(S, ProcessId(0), true)).is_empty(), "3 + 3 > 5 GiB on the GPU");
+    assert!(
+        swap_ins(&o.recover(S, ProcessId(0), true)).is_empty(),
+        "3 + 3 > 5 GiB on the GPU"
+    );
     let e = o.recover(S, ProcessId(1), true);
     assert_eq!(o.books(0).swapped, 6 * GIB, "{e:?}");
     let e = o.set_capacity(2 * S, 0, 10 * GIB);

@@ -315,14 +315,20 @@ impl Node {
             s.core.await_driver(ProcessId(client));
             self.effects.push(Effect::Settle { client, pid });
         }
-        let effects = self.overcommit.core.restate(now, ProcessId(client), i, bytes);
+        let effects = self
+            .overcommit
+            .core
+            .restate(now, ProcessId(client), i, bytes);
         self.carry_out(effects, now);
     }
 
     /// The driver said where `client`'s memory is ([`Effect::Settle`]).
     pub(super) fn settled(&mut self, client: ClientId, checkpointed: bool, now: u64) {
         if checkpointed {
-            tracing::info!(client, "found in host memory after a restart: restored once its memory fits");
+            tracing::info!(
+                client,
+                "found in host memory after a restart: restored once its memory fits"
+            );
         }
         let effects = (self.overcommit.core).recover(now, ProcessId(client), checkpointed);
         self.carry_out(effects, now);
