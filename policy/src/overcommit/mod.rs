@@ -644,6 +644,18 @@ impl Overcommit {
         self.step(now)
     }
 
+    /// The caller books `process`'s memory under another id now (it reconnected): it goes
+    /// without its memory being freed.
+    pub fn forget(&mut self, now: Nanos, process: ProcessId) -> Vec<Effect> {
+        self.processes.remove(&process);
+        self.waits.retain(|w| w.process != process);
+        self.swaps.retain(|_, s| {
+            s.processes.retain(|&p| p != process);
+            !s.processes.is_empty()
+        });
+        self.step(now)
+    }
+
     /// The process exited: its memory is free, on the GPU or in host memory, and its waits end.
     pub fn exit(&mut self, now: Nanos, process: ProcessId) -> Vec<Effect> {
         if let Some(p) = self.processes.remove(&process)

@@ -241,6 +241,7 @@ impl Node {
             now,
             effects: Vec::new(),
         };
+        node.follow_ghosts(now);
         node.publish(now);
         node.settle(now);
         node

@@ -7,7 +7,9 @@
 //! reservation's answer, and turns the core's effects into the node's: replies, and the
 //! checkpoints and restores the shell carries out ([`Effect::SwapOut`], [`Effect::SwapIn`]).
 //!
-//! A process is the core's [`ProcessId`] by its client id (one connection per process).
+//! A process is the core's [`ProcessId`] by its client id (one connection per process); a
+//! holding the memory journal restored, of a process not reconnected yet, by an id counted
+//! down from the top ([`Node::follow_ghosts`]).
 
 use super::{Effect, Node};
 use crate::histogram::Histogram;
@@ -88,6 +90,9 @@ pub(super) struct State {
     timings: Timings,
     /// Clients whose memory the driver was asked about ([`Effect::Settle`]).
     settled: BTreeSet<ClientId>,
+    /// The memory journal's holdings of processes not reconnected yet (the books' ghosts), as
+    /// the core's processes: numbered down from the top, no victims.
+    ghosts: BTreeMap<(crate::memory::ProcessId, GpuUuid), ProcessId>,
 }
 
 impl State {
@@ -109,6 +114,7 @@ impl State {
                 wait: Histogram::new(&DURATION_BOUNDS_NS),
             },
             settled: BTreeSet::new(),
+            ghosts: BTreeMap::new(),
         }
     }
 
@@ -319,6 +325,51 @@ impl Node {
             .overcommit
             .core
             .restate(now, ProcessId(client), i, bytes);
+        self.carry_out(effects, now);
+    }
+
+    /// The core's ghosts follow the books' (the memory journal's holdings of processes that
+    /// have not reconnected to a restarted daemon): what they hold on a GPU is taken there
+    /// until their process restates it (forgotten) or is found gone (freed). Without them, an
+    /// allocation asked before a swapped process has reconnected would be granted memory that
+    /// process still holds, or that a checkpoint under way has not freed yet.
+    pub(super) fn follow_ghosts(&mut self, now: u64) {
+        if self.overcommit.settings.ratio <= 1.0 {
+            return;
+        }
+        let books: Vec<_> = (self.memory.ghosts())
+            .map(|(p, gpu, group, bytes)| (p, gpu, group.to_string(), bytes))
+            .collect();
+        let mut effects = Vec::new();
+        let s = &mut self.overcommit;
+        for (p, gpu, group, bytes) in &books {
+            if s.ghosts.contains_key(&(*p, *gpu)) {
+                continue;
+            }
+            let id = ProcessId(
+                (s.ghosts.values())
+                    .map(|p| p.0)
+                    .min()
+                    .map_or(u64::MAX, |m| m - 1),
+            );
+            let (g, i) = (s.group_id(group), s.gpu_index(*gpu));
+            s.core.attach(id, g);
+            s.core.await_driver(id);
+            effects.extend(s.core.restate(now, id, i, *bytes));
+            s.ghosts.insert((*p, *gpu), id);
+        }
+        let gone: Vec<_> = (s.ghosts.iter())
+            .filter(|(k, _)| !books.iter().any(|b| (b.0, b.1) == **k))
+            .map(|(k, id)| (*k, *id))
+            .collect();
+        for ((p, gpu), id) in gone {
+            self.overcommit.ghosts.remove(&(p, gpu));
+            if self.memory.connected(&p) {
+                effects.extend(self.overcommit.core.forget(now, id));
+            } else {
+                effects.extend(self.overcommit.core.exit(now, id));
+            }
+        }
         self.carry_out(effects, now);
     }
 

@@ -250,6 +250,7 @@ impl Node {
                     }
                     self.memory.sync(id, &group, gpu, bytes);
                     self.restate_physical(id, &group, gpu, bytes, now);
+                    self.follow_ghosts(now);
                 }
             }
             ClientMsg::Status => {
