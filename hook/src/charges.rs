@@ -37,6 +37,7 @@ use crate::process::Hook;
 use crate::settings::FailPolicy;
 use gpushare_protocol::{ClientMsg, ServerMsg};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{MutexGuard, Once};
 use std::time::{Duration, Instant};
 
@@ -157,6 +158,18 @@ pub fn answered_again(h: &Hook) {
     }
 }
 
+/// The process made a managed allocation (said once, and again to each new connection).
+static MANAGED: AtomicBool = AtomicBool::new(false);
+
+/// The process is about to allocate managed memory: the scheduler learns it first, so that
+/// it never picks the process's group to swap to host memory (the driver would refuse).
+pub fn managed(h: &Hook) {
+    if !MANAGED.swap(true, Ordering::AcqRel) {
+        // Not connected: the greeting says it.
+        h.port.send(&ClientMsg::MemManaged);
+    }
+}
+
 /// What a new connection is told first: each lease's whole holding, spare included (the
 /// process may allocate the spare without asking again), under every lease's lock.
 pub fn greet(h: &Hook, send: &mut dyn FnMut(&[ClientMsg])) {
@@ -175,6 +188,9 @@ pub fn greet(h: &Hook, send: &mut dyn FnMut(&[ClientMsg])) {
             gpu: uuid,
             bytes: lease.stated(),
         });
+    }
+    if MANAGED.load(Ordering::Acquire) {
+        greeting.push(ClientMsg::MemManaged);
     }
     send(&greeting);
 }

@@ -1458,10 +1458,10 @@ fn a_scheduler_killed_mid_swap_in_finishes_the_restore_after_its_restart() {
 }
 
 /// Group `first` holds 16 MiB of managed (unified) memory besides its 1200 MiB, and the driver
-/// cannot checkpoint managed memory: when group `second`'s 1200 MiB needs room that only
-/// `first` could make, the scheduler's checkpoint is refused, `first` runs on (unlocked, every
-/// byte in place, managed ones too) and is never swapped out: the allocation is refused with
-/// the reason, and so is a later one of a third group, without another attempt.
+/// cannot checkpoint managed memory: its hook told the scheduler before allocating it, so when
+/// group `second`'s 1200 MiB needs room that only `first` could make, no checkpoint is even
+/// tried (no swap, no failure): the allocation is refused with the reason, naming the group,
+/// and so is a later one of a third group; `first` runs on with every byte, managed ones too.
 #[test]
 fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes() {
     let (node, exe) = overcommitted_node(&[]);
@@ -1505,8 +1505,8 @@ fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes(
         let swaps = &status["memory_swaps"];
         assert_eq!(
             (u(swaps, "swap_outs"), u(swaps, "swap_out_failures")),
-            (1, 1),
-            "one attempt, refused, after {} refusal(s): {swaps}",
+            (0, 0),
+            "never tried, after {} refusal(s): {swaps}",
             n + 1
         );
         assert_eq!(u(swaps, "allocations_refused"), n as u64 + 1, "{swaps}");
@@ -1517,7 +1517,8 @@ fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes(
     let log = node.scheduler_log();
     assert!(
         log.contains("within the group's cap refused")
-            && log.contains("checkpoint the driver refused"),
+            && log.contains("group \"first\" holds ")
+            && log.contains(" MiB of managed memory"),
         "the refusal says why:\n{log}"
     );
     first.signal(libc::SIGUSR1);

@@ -238,8 +238,20 @@ pub enum Refusal {
     Lost,
 }
 
-impl std::fmt::Display for Refusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl Refusal {
+    /// What to tell the asker, naming each group as `name` gives it (the core numbers them;
+    /// users know them by name).
+    pub fn describe(&self, name: &dyn Fn(GroupId) -> String) -> String {
+        let mut s = String::new();
+        self.write(&mut s, name).expect("writing to a String");
+        s
+    }
+
+    fn write(
+        &self,
+        f: &mut dyn std::fmt::Write,
+        name: &dyn Fn(GroupId) -> String,
+    ) -> std::fmt::Result {
         const MIB: Bytes = 1 << 20;
         match self {
             Refusal::NeverFits {
@@ -260,7 +272,7 @@ impl std::fmt::Display for Refusal {
                     write!(
                         f,
                         "; group {} holds {} MiB of {}",
-                        g.0,
+                        name(*g),
                         b / MIB,
                         why.as_str()
                     )?;

@@ -385,6 +385,18 @@ impl Node {
         self.carry_out(effects, now);
     }
 
+    /// Client `client` of `group` holds managed memory: its group is never a victim.
+    pub(super) fn managed_memory(&mut self, client: ClientId, group: &str, now: u64) {
+        if self.overcommit.settings.ratio <= 1.0 {
+            return;
+        }
+        let s = &mut self.overcommit;
+        let g = s.group_id(group);
+        s.core.attach(ProcessId(client), g);
+        let effects = (s.core).mark_unswappable(now, ProcessId(client), core::Unswappable::Managed);
+        self.carry_out(effects, now);
+    }
+
     /// Client `client` freed `bytes` on `gpu`.
     pub(super) fn free_physical(&mut self, client: ClientId, gpu: GpuUuid, bytes: u64, now: u64) {
         let s = &mut self.overcommit;
@@ -491,10 +503,13 @@ impl Node {
                     self.overcommit.waited(&a, now);
                     self.memory.free(a.client, a.gpu, a.bytes);
                     let group = self.clients.get(a.client).and_then(|c| c.group.as_deref());
+                    let s = &self.overcommit;
+                    let name = |g: core::GroupId| format!("{:?}", s.group_name(g));
                     let message = format!(
-                        "out of GPU memory on {}: {} MiB within the group's cap refused: {why}",
+                        "out of GPU memory on {}: {} MiB within the group's cap refused: {}",
                         uuid_string(&a.gpu),
-                        a.bytes.div_ceil(1 << 20)
+                        a.bytes.div_ceil(1 << 20),
+                        why.describe(&name)
                     );
                     tracing::warn!(client = a.client, group = ?group, "{message}");
                     if let Some(g) = group {
