@@ -100,7 +100,8 @@ fn an_allocation_waits_no_longer_than_the_bound_then_is_refused_saying_why() {
     let [Effect::Refuse(RequestId(1), r @ Refusal::WaitedTooLong { .. })] = e.as_slice() else {
         panic!("{e:?}");
     };
-    assert!(r.to_string().contains("within 0.5 s"), "{r}");
+    let text = r.describe(&|g| g.0.to_string());
+    assert!(text.contains("within 0.5 s"), "{text}");
     assert!(o.waiting().is_empty());
     assert_eq!(o.next_wakeup(500 * MS), None);
 }
@@ -162,9 +163,10 @@ fn the_asker_is_never_its_own_victim_and_a_request_that_can_never_fit_is_refused
         own: 7 * GIB,
         unswappable: vec![(GroupId(3), Unswappable::Managed, GIB)],
     }
-    .to_string();
+    .describe(&|g| format!("\"g{}\"", g.0));
     assert!(
-        text.contains("managed memory") && text.contains("lower the group's memory cap"),
+        text.contains("group \"g3\" holds 1024 MiB of managed memory")
+            && text.contains("lower the group's memory cap"),
         "{text}"
     );
 }
