@@ -14,7 +14,7 @@
 //!   launch waits for the oldest fence before it is submitted (never the launch call just
 //!   submitted: an application may record its own events right after each launch);
 //! - ending a turn: this GPU's own watcher thread closes the gate when the work queued would
-//!   run to the deadline (or gives an idle turn back), lets in-progress launches return, and
+//!   run to the deadline (or gives an idle turn back), lets the launch calls admitted return, and
 //!   has this GPU's drainer thread wait for the process's work. The wait is bounded: past the
 //!   deadline plus `GPUSHARE_DRAIN_GRACE` (a kernel waiting for a peer GPU, say) the turn is
 //!   reported anyway and the next one goes on; the drain settles in the background. No lock is
@@ -183,7 +183,7 @@ impl Gate {
     /// GPU time per launch the fences measure stays that of one kernel) on `stream`; returns once
     /// this process may use the GPU. Pair with [`Gate::leave`]. `None`: the scheduler refused
     /// this process, and the launch must not run.
-    #[inline]
+    #[inline(always)]
     pub fn enter(&'static self, stream: Option<(Stream, bool)>, kernels: u64) -> Option<Admission> {
         let key = queue::key_of(stream);
         let kernels = kernels.max(1);
@@ -236,6 +236,8 @@ impl Gate {
         }
     }
 
+    #[cold]
+    #[inline(never)]
     fn enter_slow(&'static self, key: u64, kernels: u64) -> Option<Admission> {
         self.threads.call_once(|| self.start_threads());
         if self.pace_due.load(Ordering::Relaxed) {
@@ -474,10 +476,10 @@ impl Gate {
         queue.queued_ns(now, tolerance_ns).map(|(tail, _)| tail)
     }
 
-    /// Close the gate for the held turn, let in-progress launches return, have this process's
-    /// GPU work drained (without the lock, bounded), and report the turn: its first launch and
-    /// when its work drained, and whether this process has more work (`busy`, or a launcher
-    /// waiting by then). `yield_at`: the turn is given back before its deadline (at that time),
+    /// Close the gate for the held turn, let the launch calls admitted return, have this
+    /// process's GPU work drained (without the lock, bounded), and report the turn: its first
+    /// launch and when its work drained, and whether this process has more work (`busy`, or a
+    /// launcher waiting by then). `yield_at`: the turn is given back before its deadline (at that time),
     /// with when its work should drain, so the next turn starts there.
     fn close(&self, mut g: MutexGuard<'_, Inner>, yield_at: Option<u64>, busy: bool) {
         let Some(turn) = g.turns.begin_close() else {
