@@ -90,10 +90,19 @@ fn median(mut runs: Vec<ClientResult>) -> Option<ClientResult> {
         p(|r| r.latency_p99_ms, &runs),
         p(|r| r.latency_p999_ms, &runs),
     );
-    runs.sort_by(|a, b| a.throughput().unwrap_or(0.0).total_cmp(&b.throughput().unwrap_or(0.0)));
+    runs.sort_by(|a, b| {
+        a.throughput()
+            .unwrap_or(0.0)
+            .total_cmp(&b.throughput().unwrap_or(0.0))
+    });
     let i = runs.len() / 2;
     let mut v = (i < runs.len()).then(|| runs.swap_remove(i))?;
-    (v.latency_p50_ms, v.latency_p90_ms, v.latency_p99_ms, v.latency_p999_ms) = (p50, p90, p99, p999);
+    (
+        v.latency_p50_ms,
+        v.latency_p90_ms,
+        v.latency_p99_ms,
+        v.latency_p999_ms,
+    ) = (p50, p90, p99, p999);
     Some(v)
 }
 

@@ -153,7 +153,10 @@ pub fn bench(out: &Path, s: &Settings) -> anyhow::Result<()> {
         gpu: s.gpu(),
         cases: reports,
     };
-    std::fs::write(out.join("tail.json"), serde_json::to_string_pretty(&report)?)?;
+    std::fs::write(
+        out.join("tail.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
     let md = markdown(&report);
     std::fs::write(out.join("tail.md"), &md)?;
     println!("{md}");
@@ -277,7 +280,8 @@ pub fn markdown(r: &TailReport) -> String {
                     .filter(|_| gpushare)
                     .map_or(String::new(), |x| format!("{x}×")),
                 match (c.trainer_share, c.trainer_target) {
-                    (Some(s), Some(t)) if gpushare => format!("{} [{}–{}] ({t})", s.median, s.min, s.max),
+                    (Some(s), Some(t)) if gpushare =>
+                        format!("{} [{}–{}] ({t})", s.median, s.min, s.max),
                     _ => String::new(),
                 },
                 c.utilisation

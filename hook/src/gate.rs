@@ -797,7 +797,10 @@ mod tests {
         let budget = gate.lock().turns.queue_budget().expect("turn held");
         assert_eq!(budget, 2_500_000.0, "an eighth of the 20 ms quota");
         gate.pace_due.store(true, Ordering::Relaxed);
-        assert!(gate.try_enter(0, 1).is_none(), "a wait is due: the slow path");
+        assert!(
+            gate.try_enter(0, 1).is_none(),
+            "a wait is due: the slow path"
+        );
         assert_eq!(gate.launches.load(Ordering::Relaxed), 0, "nothing admitted");
         gate.wait_for_queue();
         let a = gate.try_enter(0, 1).expect("the wait is over");
@@ -866,7 +869,10 @@ mod tests {
         }
         let graph = gate.try_enter(0, 3).expect("open");
         assert_eq!((graph.first, graph.last), (n + 1, n + 3));
-        assert!(!gate.activity(&mut gate.lock()).quiet, "a graph launch in the driver");
+        assert!(
+            !gate.activity(&mut gate.lock()).quiet,
+            "a graph launch in the driver"
+        );
         gate.leave(graph, None);
         assert_eq!(gate.launches.load(Ordering::Relaxed), n + 3);
         assert!(gate.activity(&mut gate.lock()).quiet, "every call returned");

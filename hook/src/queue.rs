@@ -514,7 +514,11 @@ mod tests {
             "the entry of 8192 launches before"
         );
         ring.admitted(6, 6, key_of(None));
-        assert_eq!(ring.get(6), Some(NO_STREAM), "admitted: its stream is known");
+        assert_eq!(
+            ring.get(6),
+            Some(NO_STREAM),
+            "admitted: its stream is known"
+        );
     }
 
     /// A drain waits for the calls admitted before the gate closed: the returned ones are

@@ -782,7 +782,9 @@ fn launch_latency(device: usize, n: u64) -> Res<Value> {
                 launch(direct_route)?;
             }
             times[direct_route as usize] = tb.elapsed().as_nanos() as f64 / len as f64;
-            stream.synchronize().at("cuStreamSynchronize (between blocks)")?;
+            stream
+                .synchronize()
+                .at("cuStreamSynchronize (between blocks)")?;
         }
         linked.push(times[0]);
         own.push(times[1]);
