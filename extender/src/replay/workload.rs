@@ -184,7 +184,9 @@ pub(crate) fn openb(w: Workload, seed: u64, every: usize) -> Spec {
         let e = &engines[rng.random_range(0..engines.len())];
         let peak = 0.2 + 0.8 * rng.random::<f64>();
         let shared = gpus == 1 && milli < 1000;
-        let units = if shared {
+        let units = if gpus == 0 {
+            0
+        } else if shared {
             milli.div_ceil(10).max(1)
         } else {
             100
@@ -235,7 +237,9 @@ mod tests {
         ] {
             let s = build(w, 0, 0, (1, 1));
             assert_eq!(s.jobs.len(), 8152);
-            assert!(s.jobs.iter().all(|j| j.units >= 1 && j.units <= 100));
+            assert!(s.jobs.iter().all(|j| j.units <= 100));
+            let cpu_only = s.jobs.iter().filter(|j| !j.asks_gpu()).count();
+            assert_eq!(cpu_only, 1088, "pods asking no GPU");
         }
     }
 
