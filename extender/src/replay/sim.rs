@@ -527,9 +527,11 @@ impl<'a> Sim<'a> {
         for g in seen {
             let gpu = &mut self.gpus[g];
             for (k, &j) in gpu.jobs.iter().enumerate() {
-                gpu.book.tenants[k]
-                    .observed
-                    .observe(self.jobs[j].using, t as f64, &mut self.learner);
+                gpu.book.tenants[k].observed.observe(
+                    self.jobs[j].using,
+                    t as f64,
+                    &mut self.learner,
+                );
             }
             if self.policy == Policy::Seed {
                 gpu.series.record(t, gpu.used);
@@ -548,7 +550,10 @@ impl<'a> Sim<'a> {
                 let o = &gpu.book.tenants[k].observed;
                 s.using <= o.peak && (o.settled(now) || o.peak == 0)
             };
-            !(job.held.is_some() && s.restart_at.is_none() && flat && s.gpus.iter().all(|&g| quiet(g)))
+            !(job.held.is_some()
+                && s.restart_at.is_none()
+                && flat
+                && s.gpus.iter().all(|&g| quiet(g)))
         });
         changed
     }
@@ -810,8 +815,15 @@ mod tests {
     /// 4 × 2, every 16th node and pod of each openb file), seeds 0..3: one line per run, its
     /// outcome as JSON.
     fn replays() -> Vec<String> {
-        let mut cases: Vec<(String, Box<dyn Fn(u64) -> Spec>)> = Vec::new();
-        for (c, o) in [((1, 1), 0), ((1, 1), 100), ((1, 1), 250), ((4, 2), 100), ((4, 2), 250)] {
+        type Build = Box<dyn Fn(u64) -> Spec>;
+        let mut cases: Vec<(String, Build)> = Vec::new();
+        for (c, o) in [
+            ((1, 1), 0),
+            ((1, 1), 100),
+            ((1, 1), 250),
+            ((4, 2), 100),
+            ((4, 2), 250),
+        ] {
             cases.push((
                 format!("seed002 {}x{} {o}%", c.0, c.1),
                 Box::new(move |s| workload::build(Workload::Seed002, s, o, c)),
@@ -873,7 +885,10 @@ mod tests {
             let o = Sim::new(&spec, p, 0).run();
             assert_eq!(o.unplaced, 1.0, "{p:?}: {o:?}");
             assert_eq!(o.unallocated_gpus_peak, 0.0, "{p:?}");
-            assert!(o.gpu_busy_frac > 0.9, "{p:?}: only the GPU pod counts: {o:?}");
+            assert!(
+                o.gpu_busy_frac > 0.9,
+                "{p:?}: only the GPU pod counts: {o:?}"
+            );
         }
     }
 
