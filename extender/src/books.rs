@@ -840,7 +840,10 @@ mod tests {
         // A node the books have never heard of is refused, by filter and by bind alike.
         let (ok, failed) = b.filter(&p, &["n9".into()], 1.0);
         assert!(ok.is_empty());
-        assert!(failed["n9"].contains("no gpushare metrics known"), "{failed:?}");
+        assert!(
+            failed["n9"].contains("no gpushare metrics known"),
+            "{failed:?}"
+        );
         let e = b.choose(&p, "n9", 1.0).unwrap_err();
         assert!(e.contains("no gpushare metrics known for node n9"), "{e}");
     }

@@ -10,7 +10,8 @@
 //!   [`SLOWDOWN_PER_NEIGHBOUR`]).
 //! - `openb-*`: the pods of Alibaba's `cluster-trace-gpu-v2023` on its GPU nodes, as its
 //!   simulator replays them: submitted in the file's order (one a second here) into an empty
-//!   cluster, none leaving, so the cluster fills to its peak. A pod's memory cap is its units'
+//!   cluster, none leaving, so the cluster fills to its peak; pods asking no GPU take CPU and
+//!   memory only. A pod's memory cap is its units'
 //!   share of the GPU's memory (gpushare's default); its use, an assumption the trace cannot
 //!   give, follows a measured engine's shape scaled to a peak of U(0.2, 1) of its cap.
 
