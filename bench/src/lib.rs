@@ -10,7 +10,8 @@
 //! - [`scenario`]: scenario files; [`expected`]: target shares (the benchmark's own
 //!   water-filling of the shares, independent of the scheduler's code);
 //! - [`run`]: one run of a scenario's tenants on a node; [`alone`]: tenants alone;
-//!   [`overhead`]: launch overhead; [`noise`]: the noisy-host mode; [`fault`]: a scenario's
+//!   [`overhead`]: launch overhead; [`tail`]: the latency tail table; [`noise`]: the
+//!   noisy-host mode; [`fault`]: a scenario's
 //!   fault of the scheduler (stopped, killed, starved of CPU);
 //! - [`analysis`]: figures from kernel records; [`client`]: what the tenants report;
 //! - [`report`]: the typed report; [`markdown`], [`svg`]: its renderings;
@@ -32,6 +33,7 @@ pub mod scenario;
 pub mod settings;
 pub mod suite;
 pub mod svg;
+pub mod tail;
 
 /// A progress line on stderr.
 pub fn progress(msg: impl AsRef<str>) {

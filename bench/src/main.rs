@@ -5,7 +5,7 @@ use clap::{Parser, Subcommand};
 use gpushare_bench::noise::{self, NoiseParams};
 use gpushare_bench::scenario::Scenario;
 use gpushare_bench::settings::{Settings, Source};
-use gpushare_bench::{progress, real_gpu, suite};
+use gpushare_bench::{progress, real_gpu, suite, tail};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -47,6 +47,17 @@ enum Cmd {
         /// Only scenarios whose name contains one of these (repeatable).
         #[arg(long)]
         only: Vec<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// The latency tail table: latency-class servers beside trainers over request rates and
+    /// kernel sizes, against native time-slicing and the server alone (docs/benchmarks.md).
+    Tail {
+        #[arg(long)]
+        out: PathBuf,
+        /// 3 s per run instead of 6.
+        #[arg(long)]
+        quick: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -201,6 +212,9 @@ fn main() -> ExitCode {
                 .collect();
             suite::bench(list, &out, &common.settings(quick, true)?)
         }),
+        Cmd::Tail { out, quick, common } => common
+            .settings(quick, false)
+            .and_then(|s| tail::bench(&out, &s)),
         Cmd::Hog { parent } => noise::hog(parent),
     };
     match r {

@@ -837,6 +837,15 @@ mod tests {
         let (ok, failed) = b.filter(&p, &["n1".into(), "n2".into()], 1.0);
         assert_eq!(ok, vec!["n2".to_string()]);
         assert!(failed["n1"].contains("60 of 100 units free"), "{failed:?}");
+        // A node the books have never heard of is refused, by filter and by bind alike.
+        let (ok, failed) = b.filter(&p, &["n9".into()], 1.0);
+        assert!(ok.is_empty());
+        assert!(
+            failed["n9"].contains("no gpushare metrics known"),
+            "{failed:?}"
+        );
+        let e = b.choose(&p, "n9", 1.0).unwrap_err();
+        assert!(e.contains("no gpushare metrics known for node n9"), "{e}");
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! The turn gate of one GPU in this process: the launch fast path, and the hands that carry
 //! out the turn state machine's decisions ([`crate::turn`]).
 //!
-//! Fast path ([`Gate::enter`]): check that no pacing wait is due, count the launch as in
-//! progress and check that the turn is open (no clock read: the watcher closes it near its
-//! deadline); on return ([`Gate::leave`]) count it and note its stream (for [`crate::queue`]).
+//! Fast path ([`Gate::enter`]): check that no pacing wait is due and that the turn is open (no
+//! clock read: the watcher closes it near its deadline), take the launch's number and note its
+//! stream (for [`crate::queue`]); on return ([`Gate::leave`]) mark its call returned. One atomic
+//! increment per launch, before the driver call (after it, an atomic read-modify-write would wait
+//! for the driver's stores to drain), no lock, no system call, no allocation.
 //! Everything else happens on the slow path, under the gate's mutex, through [`Turns`]:
 //! - waiting for a turn: a launcher asks for one, and opens the gate a lead before the
 //!   granted turn's start, so its first kernels queue behind the previous turn's last ones;
@@ -12,7 +14,7 @@
 //!   launch waits for the oldest fence before it is submitted (never the launch call just
 //!   submitted: an application may record its own events right after each launch);
 //! - ending a turn: this GPU's own watcher thread closes the gate when the work queued would
-//!   run to the deadline (or gives an idle turn back), lets in-progress launches return, and
+//!   run to the deadline (or gives an idle turn back), lets the launch calls admitted return, and
 //!   has this GPU's drainer thread wait for the process's work. The wait is bounded: past the
 //!   deadline plus `GPUSHARE_DRAIN_GRACE` (a kernel waiting for a peer GPU, say) the turn is
 //!   reported anyway and the next one goes on; the drain settles in the background. No lock is
@@ -22,7 +24,7 @@
 use crate::driver::{self, Handle, Stream};
 use crate::log::debug;
 use crate::port::Port;
-use crate::queue::{LaunchStreams, Queue};
+use crate::queue::{self, LaunchStreams, Queue};
 use crate::turn::{Activity, Say, Step, Turn, TurnConfig, Turns, UNLIMITED, Waiter, Watch, pacing};
 use gpushare_protocol::ClientMsg;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -34,30 +36,45 @@ struct Inner {
     queue: Queue,
     /// The contexts launched into (synchronised at a drain).
     ctxs: Vec<Handle>,
+    /// Every launch call up to this count has returned from the driver.
+    returned: u64,
 }
 
+/// An admitted launch (or graph launch): its launch numbers `first..=last`, its stream's key in
+/// [`LaunchStreams`], and whether a fence follows it (decided on admission, so that the return
+/// from the driver reads nothing the driver's work may have pushed out of the cache).
+#[derive(Debug, Clone, Copy)]
+pub struct Admission {
+    first: u64,
+    last: u64,
+    key: u64,
+    fence: bool,
+}
+
+/// The fields the fast path reads and writes come first, in one cache line of their own.
+#[repr(C, align(64))]
 pub struct Gate {
-    pub uuid: [u8; 16],
-    port: &'static Port,
-    drain_grace_ns: u64,
     /// Absolute CLOCK_MONOTONIC deadline of the open turn; 0 while the gate is closed.
     /// Launches are admitted while it is non-zero: the watcher clears it near the deadline.
     deadline: AtomicU64,
-    /// Launches between admission and return from the driver.
-    in_progress: AtomicU32,
-    /// Launchers waiting in `wait_for_queue` for their queued work: busy, not idle.
-    pacing: AtomicU32,
-    /// Launchers waiting for a turn: this process has work.
-    waiters: AtomicU32,
+    /// Launches admitted (each graph launch counts its kernels); the latest's number.
+    launches: AtomicU64,
+    next_pace: AtomicU64,
+    /// The stream of each recent launch (what a completed fence vouches for), and whether its
+    /// call has returned (what a drain waits for).
+    launch_streams: LaunchStreams,
     /// The last fence found more than half the queue budget queued: the next launch waits
     /// (takes the slow path) until it is not.
     pace_due: AtomicBool,
     /// A turn's work drains (the gate is closed for it).
     draining: AtomicBool,
-    launches: AtomicU64,
-    /// The stream of each recent launch (what a completed fence vouches for).
-    launch_streams: LaunchStreams,
-    next_pace: AtomicU64,
+    pub uuid: [u8; 16],
+    port: &'static Port,
+    drain_grace_ns: u64,
+    /// Launchers waiting in `wait_for_queue` for their queued work: busy, not idle.
+    pacing: AtomicU32,
+    /// Launchers waiting for a turn: this process has work.
+    waiters: AtomicU32,
     inner: Mutex<Inner>,
     changed: Condvar,
     /// Set to run the watcher before its period ends (a grant, a deadline moved).
@@ -79,7 +96,6 @@ impl Gate {
             port,
             drain_grace_ns,
             deadline: AtomicU64::new(0),
-            in_progress: AtomicU32::new(0),
             pacing: AtomicU32::new(0),
             waiters: AtomicU32::new(0),
             pace_due: AtomicBool::new(false),
@@ -91,6 +107,7 @@ impl Gate {
                 turns: Turns::new(cfg, liveness_ns),
                 queue: Queue::default(),
                 ctxs: Vec::new(),
+                returned: 0,
             }),
             changed: Condvar::new(),
             wake: (Mutex::new(false), Condvar::new()),
@@ -104,13 +121,19 @@ impl Gate {
     }
 
     /// What the counters say now.
-    fn activity(&self) -> Activity {
+    fn activity(&self, g: &mut Inner) -> Activity {
+        let launches = self.launches.load(Ordering::Acquire);
         Activity {
-            launches: self.launches.load(Ordering::Relaxed),
-            quiet: self.in_progress.load(Ordering::Acquire) == 0
-                && self.pacing.load(Ordering::Acquire) == 0,
+            launches,
+            quiet: self.all_returned(g, launches) && self.pacing.load(Ordering::Acquire) == 0,
             waiters: self.waiters.load(Ordering::Acquire),
         }
+    }
+
+    /// Whether every launch call up to number `n` has returned from the driver.
+    fn all_returned(&self, g: &mut Inner, n: u64) -> bool {
+        g.returned = self.launch_streams.returned_through(g.returned, n);
+        g.returned >= n
     }
 
     /// Carry out what the machine decided: the fast path's deadline, and what to tell the
@@ -156,59 +179,66 @@ impl Gate {
 
     // --- launches ------------------------------------------------------------------------
 
-    /// Admit one launch (returns once this process may use the GPU); pair with [`Gate::leave`].
-    /// `false`: the scheduler refused this process, and the launch must not run.
-    #[inline]
-    pub fn enter(&'static self) -> bool {
-        self.try_enter() || self.enter_slow()
+    /// Admit a launch of `kernels` kernels (a graph's count as that many launches, so that the
+    /// GPU time per launch the fences measure stays that of one kernel) on `stream`; returns once
+    /// this process may use the GPU. Pair with [`Gate::leave`]. `None`: the scheduler refused
+    /// this process, and the launch must not run.
+    #[inline(always)]
+    pub fn enter(&'static self, stream: Option<(Stream, bool)>, kernels: u64) -> Option<Admission> {
+        let key = queue::key_of(stream);
+        let kernels = kernels.max(1);
+        self.try_enter(key, kernels)
+            .or_else(|| self.enter_slow(key, kernels))
     }
 
     /// The fast path: admitted while a turn is open (or none is needed) and no pacing wait is
     /// due. The deadline is enforced by the watcher, which sleeps until it: a clock read per
     /// launch cost more than everything else here.
     #[inline]
-    fn try_enter(&self) -> bool {
-        if self.pace_due.load(Ordering::Relaxed) {
-            return false;
+    fn try_enter(&self, key: u64, kernels: u64) -> Option<Admission> {
+        if self.pace_due.load(Ordering::Relaxed) || self.deadline.load(Ordering::Relaxed) == 0 {
+            return None;
         }
-        // SeqCst with the drain's store and load: either the drain sees this launch in progress
-        // or this launch sees the turn gone (free on x86: the increment is a locked one).
-        self.in_progress.fetch_add(1, Ordering::SeqCst);
+        // SeqCst with the close's store of the deadline and load of the count: either the close
+        // counts this launch (and waits for its call to return) or this launch sees the turn
+        // gone.
+        let last = self.launches.fetch_add(kernels, Ordering::SeqCst) + kernels;
+        let a = self.admitted(last, kernels, key);
         if self.deadline.load(Ordering::SeqCst) != 0 {
-            return true;
+            return Some(a);
         }
-        self.in_progress.fetch_sub(1, Ordering::AcqRel);
-        false
+        self.launch_streams.withdrawn(a.first, a.last);
+        None
     }
 
-    /// The launch returned; every K launches, record a fence on `stream`.
+    /// Launches up to `last` are admitted, the last `kernels` of them this one's.
     #[inline]
-    pub fn leave(&self, stream: Option<(Stream, bool)>) {
-        let n = self.launches.fetch_add(1, Ordering::Relaxed) + 1;
-        // Before the launch stops counting as in progress: a drain, which waits for that, knows
-        // the stream of every launch.
-        let key = self.launch_streams.record(n, stream);
-        self.in_progress.fetch_sub(1, Ordering::AcqRel);
-        if n >= self.next_pace.load(Ordering::Relaxed)
+    fn admitted(&self, last: u64, kernels: u64, key: u64) -> Admission {
+        let a = Admission {
+            first: last + 1 - kernels,
+            last,
+            key,
+            fence: last >= self.next_pace.load(Ordering::Relaxed),
+        };
+        self.launch_streams.admitted(a.first, a.last, key);
+        a
+    }
+
+    /// The launch call returned (plain stores: no read-modify-write after the driver call); every
+    /// K launches, record a fence on `stream`.
+    #[inline]
+    pub fn leave(&self, a: Admission, stream: Option<(Stream, bool)>) {
+        self.launch_streams.returned(a.first, a.last, a.key);
+        if a.fence
             && let Some((stream, per_thread)) = stream
         {
-            self.fence(stream, per_thread, key, n);
+            self.fence(stream, per_thread, a.key, a.last);
         }
     }
 
-    /// A graph launch returned: [`Gate::leave`], counting it as `launches` launches (the graph's
-    /// kernels), so that the GPU time per launch the fences measure stays that of one kernel
-    /// whether kernels come one by one or in graphs.
-    pub fn leave_graph(&self, stream: Option<(Stream, bool)>, launches: u64) {
-        let extra = launches.saturating_sub(1);
-        let first = self.launches.fetch_add(extra, Ordering::Relaxed) + 1;
-        for n in first..first + extra {
-            self.launch_streams.record(n, stream);
-        }
-        self.leave(stream);
-    }
-
-    fn enter_slow(&'static self) -> bool {
+    #[cold]
+    #[inline(never)]
+    fn enter_slow(&'static self, key: u64, kernels: u64) -> Option<Admission> {
         self.threads.call_once(|| self.start_threads());
         if self.pace_due.load(Ordering::Relaxed) {
             self.wait_for_queue();
@@ -257,10 +287,11 @@ impl Gate {
             }
         };
         self.waiters.fetch_sub(1, Ordering::AcqRel);
-        if admitted {
-            self.in_progress.fetch_add(1, Ordering::AcqRel);
-        }
-        admitted
+        // Under the lock: a close, which takes it, counts this launch.
+        admitted.then(|| {
+            let last = self.launches.fetch_add(kernels, Ordering::SeqCst) + kernels;
+            self.admitted(last, kernels, key)
+        })
     }
 
     fn wait<'a>(&self, g: MutexGuard<'a, Inner>, d: Duration) -> MutexGuard<'a, Inner> {
@@ -408,7 +439,7 @@ impl Gate {
         let mut g = self.lock();
         // The clock is read under the lock: a launcher pacing may have held it a while.
         let now = crate::now_ns();
-        let a = self.activity();
+        let a = self.activity(&mut g);
         let Inner { turns, queue, .. } = &mut *g;
         let tolerance = turns.queue_budget().unwrap_or(0.0) as u64;
         let mut queued = || self.queued_now(queue, now, tolerance);
@@ -445,10 +476,10 @@ impl Gate {
         queue.queued_ns(now, tolerance_ns).map(|(tail, _)| tail)
     }
 
-    /// Close the gate for the held turn, let in-progress launches return, have this process's
-    /// GPU work drained (without the lock, bounded), and report the turn: its first launch and
-    /// when its work drained, and whether this process has more work (`busy`, or a launcher
-    /// waiting by then). `yield_at`: the turn is given back before its deadline (at that time),
+    /// Close the gate for the held turn, let the launch calls admitted return, have this
+    /// process's GPU work drained (without the lock, bounded), and report the turn: its first
+    /// launch and when its work drained, and whether this process has more work (`busy`, or a
+    /// launcher waiting by then). `yield_at`: the turn is given back before its deadline (at that time),
     /// with when its work should drain, so the next turn starts there.
     fn close(&self, mut g: MutexGuard<'_, Inner>, yield_at: Option<u64>, busy: bool) {
         let Some(turn) = g.turns.begin_close() else {
@@ -456,10 +487,11 @@ impl Gate {
         };
         self.deadline.store(0, Ordering::SeqCst);
         self.draining.store(true, Ordering::Release);
+        let admitted = self.launches.load(Ordering::SeqCst);
         let limit = turn.deadline_ns.max(crate::now_ns()) + self.drain_grace_ns;
-        // Launch calls in progress return (one stuck in the driver behind a waiting kernel is
-        // not waited for past the limit).
-        while self.in_progress.load(Ordering::SeqCst) != 0 && crate::now_ns() < limit {
+        // Launch calls admitted return (one stuck in the driver behind a waiting kernel is not
+        // waited for past the limit).
+        while !self.all_returned(&mut g, admitted) && crate::now_ns() < limit {
             std::thread::yield_now();
         }
         if let Some(now) = yield_at {
@@ -510,15 +542,25 @@ impl Gate {
     pub fn before_sync(&self) {
         let mut g = self.lock();
         let now = crate::now_ns();
-        if g.turns.before_sync(now, self.activity()) {
+        let a = self.activity(&mut g);
+        if g.turns.before_sync(now, a) {
             self.close(g, Some(now), false);
         }
     }
 
-    /// A synchronisation returned.
+    /// A synchronisation returned. The fences of the work it waited for have completed: taken in
+    /// now (a query each, no wait), so that the launches after it are not held for work already
+    /// done (a launch-bound loop would otherwise wait on a completed fence every few fences).
     pub fn after_sync(&self) {
         let n = self.launches.load(Ordering::Relaxed);
-        self.lock().turns.after_sync(crate::now_ns(), n);
+        let mut g = self.lock();
+        g.turns.after_sync(crate::now_ns(), n);
+        g.queue.complete_finished(n);
+        if let Some(budget) = g.turns.queue_budget()
+            && !g.queue.too_much(pacing(budget, 0.0).1)
+        {
+            self.pace_due.store(false, Ordering::Relaxed);
+        }
     }
 
     // --- pacing ----------------------------------------------------------------------------
@@ -561,8 +603,13 @@ impl Gate {
             .push_fence(&self.launch_streams, (event, ctx), key, n, now);
         g.turns.paced(n, now);
         let (k, wait_above) = pacing(budget, est.unwrap_or(0.0));
+        // Fences the GPU has passed already are taken in first (a query each, no wait): the
+        // next launch waits only for work still queued, not for the news that it ran.
         if g.queue.too_much(wait_above) {
-            self.pace_due.store(true, Ordering::Relaxed);
+            g.queue.complete_passed(n);
+            if g.queue.too_much(wait_above) {
+                self.pace_due.store(true, Ordering::Relaxed);
+            }
         }
         self.next_pace.store(n + k, Ordering::Relaxed);
     }
@@ -750,24 +797,29 @@ mod tests {
         let budget = gate.lock().turns.queue_budget().expect("turn held");
         assert_eq!(budget, 2_500_000.0, "an eighth of the 20 ms quota");
         gate.pace_due.store(true, Ordering::Relaxed);
-        assert!(!gate.try_enter(), "a wait is due: the slow path");
-        assert_eq!(gate.in_progress.load(Ordering::Relaxed), 0);
+        assert!(
+            gate.try_enter(0, 1).is_none(),
+            "a wait is due: the slow path"
+        );
+        assert_eq!(gate.launches.load(Ordering::Relaxed), 0, "nothing admitted");
         gate.wait_for_queue();
-        assert!(gate.try_enter(), "the wait is over");
-        gate.leave(None);
+        let a = gate.try_enter(0, 1).expect("the wait is over");
+        gate.leave(a, None);
     }
 
     #[test]
     fn a_deadline_already_past_stops_admission_at_once() {
         let gate = holding(7);
-        assert!(gate.try_enter());
-        gate.leave(None);
+        let a = gate.try_enter(0, 1).expect("open");
+        gate.leave(a, None);
         gate.on_deadline(8, 1);
-        assert!(gate.try_enter(), "another turn's deadline changes nothing");
-        gate.leave(None);
+        let a = gate
+            .try_enter(0, 1)
+            .expect("another turn's deadline changes nothing");
+        gate.leave(a, None);
         gate.on_revoke(7);
         assert!(
-            !gate.try_enter(),
+            gate.try_enter(0, 1).is_none(),
             "revoked: the next launch takes the slow path"
         );
     }
@@ -800,24 +852,51 @@ mod tests {
         assert_eq!(d.lock().done, 3, "one drain covers the earlier ones");
     }
 
-    /// The fast path admits launches while the turn is open and counts each (an in-progress
-    /// count and a deadline load going in, a launch count coming out), and sends a launch to the
-    /// slow path without a turn or once the turn was given back. Its cost is measured end to end
-    /// by `gpushare-bench` (launch overhead), not here.
+    /// The fast path admits launches while the turn is open and numbers each (a graph's
+    /// kernels count as launches), marks its call returned, and sends a launch to the slow path
+    /// without a turn or once the turn was given back. Its cost is measured end to end by
+    /// `gpushare-bench` (launch overhead), not here.
     #[test]
     fn fast_path_admits_while_the_turn_is_open() {
         let closed = Gate::new([0; 16], CFG, LIVENESS, 10_000_000, port());
-        assert!(!closed.try_enter(), "no turn: slow path");
+        assert!(closed.try_enter(0, 1).is_none(), "no turn: slow path");
         let gate = holding(1);
         gate.next_pace.store(u64::MAX, Ordering::Relaxed);
         let n = 100_000u64;
         for _ in 0..n {
-            assert!(gate.try_enter());
-            gate.leave(None);
+            let a = gate.try_enter(0, 1).expect("open");
+            gate.leave(a, None);
         }
-        assert_eq!(gate.launches.load(Ordering::Relaxed), n);
-        assert_eq!(gate.in_progress.load(Ordering::Relaxed), 0);
+        let graph = gate.try_enter(0, 3).expect("open");
+        assert_eq!((graph.first, graph.last), (n + 1, n + 3));
+        assert!(
+            !gate.activity(&mut gate.lock()).quiet,
+            "a graph launch in the driver"
+        );
+        gate.leave(graph, None);
+        assert_eq!(gate.launches.load(Ordering::Relaxed), n + 3);
+        assert!(gate.activity(&mut gate.lock()).quiet, "every call returned");
         gate.deadline.store(0, Ordering::Release);
-        assert!(!gate.try_enter(), "given back: slow path");
+        assert!(gate.try_enter(0, 1).is_none(), "given back: slow path");
+    }
+
+    /// A close waits for the launch calls admitted before the gate closed, and only for them;
+    /// an admission that finds the gate closed under it is withdrawn (no launch, nothing to
+    /// wait for).
+    #[test]
+    fn a_close_waits_for_the_calls_admitted_before_it() {
+        let gate = holding(1);
+        gate.next_pace.store(u64::MAX, Ordering::Relaxed);
+        let inside = gate.try_enter(0, 1).expect("open");
+        let mut g = gate.lock();
+        assert!(!gate.all_returned(&mut g, gate.launches.load(Ordering::SeqCst)));
+        gate.leave(inside, None);
+        assert!(gate.all_returned(&mut g, 1));
+        // Admitted as the gate closes: counted, then withdrawn.
+        let late = gate.launches.fetch_add(1, Ordering::SeqCst) + 1;
+        let a = gate.admitted(late, 1, 0);
+        assert!(!gate.all_returned(&mut g, late));
+        gate.launch_streams.withdrawn(a.first, a.last);
+        assert!(gate.all_returned(&mut g, late));
     }
 }

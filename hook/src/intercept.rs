@@ -55,15 +55,11 @@ fn gated_launches(
         }
         match current_gate() {
             Some(g) => {
-                if !g.enter() {
+                let Some(admitted) = g.enter(stream, launches) else {
                     return CUDA_ERROR_NOT_PERMITTED;
-                }
+                };
                 let r = launch();
-                if launches == 1 {
-                    g.leave(stream);
-                } else {
-                    g.leave_graph(stream, launches);
-                }
+                g.leave(admitted, stream);
                 r
             }
             None => launch(),

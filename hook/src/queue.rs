@@ -22,16 +22,23 @@ const MAX_STREAMS: usize = 32;
 /// The launches whose streams are remembered: more than the launches between two fences.
 const RING: usize = 8192;
 
-/// A ring entry: the stream key in the low 48 bits (user-space addresses), the launch count's
-/// low 16 bits above it, so that a reader tells a launch's entry from the one 8192 launches
-/// before it, and one not written yet.
+/// A ring entry: the stream key in the low 48 bits (user-space addresses), whether the launch
+/// call has returned (bit 48), and the launch count's low 15 bits above, so that a reader tells a
+/// launch's entry from the one 8192 launches before it, and one not written yet.
 const KEY_BITS: u32 = 48;
 const KEY_MASK: u64 = (1 << KEY_BITS) - 1;
+const RETURNED: u64 = 1 << KEY_BITS;
+const TAG_SHIFT: u32 = KEY_BITS + 1;
+const TAG_MASK: u64 = (1 << (64 - TAG_SHIFT)) - 1;
 
 /// The stream key of a launch that named no stream (a multi-device cooperative launch).
 const NO_STREAM: u64 = KEY_MASK;
 
-/// The stream of each recent launch, written by the launch fast path (one store, no lock).
+/// The key of an admission withdrawn (the turn ended as it was admitted): no launch was made.
+const VOID: u64 = KEY_MASK - 1;
+
+/// The stream of each recent launch and whether its call has returned, written by the launch
+/// fast path (a store on admission, one on return: no lock, no read-modify-write).
 pub struct LaunchStreams(Box<[AtomicU64]>);
 
 impl LaunchStreams {
@@ -39,21 +46,66 @@ impl LaunchStreams {
         LaunchStreams((0..RING).map(|_| AtomicU64::new(u64::MAX)).collect())
     }
 
-    /// Launch `n` went to `stream` (`per_thread`: through a `_ptsz` entry point); `None`: no
-    /// stream named. Returns the stream's key.
+    /// Launches `first..=last` were admitted, to be made on the stream of `key`.
     #[inline]
-    pub fn record(&self, n: u64, stream: Option<(StreamHandle, bool)>) -> u64 {
-        let key = stream.map_or(NO_STREAM, |(s, per_thread)| stream_key(s, per_thread));
-        self.0[n as usize % RING]
-            .store(key & KEY_MASK | (n & 0xffff) << KEY_BITS, Ordering::Release);
-        key
+    pub fn admitted(&self, first: u64, last: u64, key: u64) {
+        for n in first..=last {
+            self.slot(n).store(tag(n) | key, Ordering::Relaxed);
+        }
     }
 
-    /// The stream key of launch `n`, if it has been written.
-    fn get(&self, n: u64) -> Option<u64> {
-        let e = self.0[n as usize % RING].load(Ordering::Acquire);
-        (e >> KEY_BITS == n & 0xffff).then_some(e & KEY_MASK)
+    /// The calls of launches `first..=last` returned (`key` [`VOID`]: withdrawn, not made).
+    /// Release: what the driver did in them happens before a drain that sees this.
+    #[inline]
+    pub fn returned(&self, first: u64, last: u64, key: u64) {
+        for n in first..=last {
+            self.slot(n)
+                .store(tag(n) | RETURNED | key, Ordering::Release);
+        }
     }
+
+    /// Launches `first..=last` were withdrawn.
+    pub fn withdrawn(&self, first: u64, last: u64) {
+        self.returned(first, last, VOID);
+    }
+
+    /// The launch count after `from` up to which every launch's call has returned, looking no
+    /// further than `to`. Launches a whole ring older than `to` are taken as returned (their
+    /// entries were written over: 8192 launches admitted while one call was still in the driver).
+    pub fn returned_through(&self, from: u64, to: u64) -> u64 {
+        let mut m = from.max(to.saturating_sub(RING as u64));
+        while m < to {
+            let e = self.slot(m + 1).load(Ordering::Acquire);
+            if e >> TAG_SHIFT != (m + 1) & TAG_MASK || e & RETURNED == 0 {
+                break;
+            }
+            m += 1;
+        }
+        m
+    }
+
+    #[inline]
+    fn slot(&self, n: u64) -> &AtomicU64 {
+        &self.0[n as usize % RING]
+    }
+
+    /// The stream key of launch `n`, if it has been written ([`VOID`] if withdrawn).
+    fn get(&self, n: u64) -> Option<u64> {
+        let e = self.slot(n).load(Ordering::Acquire);
+        (e >> TAG_SHIFT == n & TAG_MASK).then_some(e & KEY_MASK)
+    }
+}
+
+#[inline]
+fn tag(n: u64) -> u64 {
+    (n & TAG_MASK) << TAG_SHIFT
+}
+
+/// The ring key of a launch on `stream` (`per_thread`: through a `_ptsz` entry point); `None`:
+/// no stream named.
+#[inline]
+pub fn key_of(stream: Option<(StreamHandle, bool)>) -> u64 {
+    stream.map_or(NO_STREAM, |(s, per_thread)| stream_key(s, per_thread))
 }
 
 /// A stream's identity: its handle; 0 for the legacy default stream (null through a plain
@@ -142,6 +194,9 @@ impl Queue {
                 return;
             };
             self.scanned += 1;
+            if key == VOID {
+                continue;
+            }
             let i = match last {
                 Some((k, i)) if k == key => i,
                 _ => match self.stream_index(key) {
@@ -312,12 +367,26 @@ impl Queue {
     /// Take in the fences that have completed, without waiting (`launched`: the launch count
     /// now); on several streams, in whatever order they completed.
     pub fn complete_finished(&mut self, launched: u64) {
+        self.complete_finished_of(self.fences.len(), launched);
+    }
+
+    /// [`Queue::complete_finished`] for the fences before the newest (just recorded, it has
+    /// hardly completed: not asked about).
+    pub fn complete_passed(&mut self, launched: u64) {
+        self.complete_finished_of(self.fences.len().saturating_sub(1), launched);
+    }
+
+    /// Take in those of the oldest `count` pending fences that have completed.
+    fn complete_finished_of(&mut self, mut count: usize, launched: u64) {
         let now = crate::now_ns();
         let mut i = 0;
-        while let Some(f) = self.fences.get(i) {
+        while i < count
+            && let Some(f) = self.fences.get(i)
+        {
             if driver::event_done(f.event) == Some(true) {
                 let f = self.fences.remove(i).expect("in range");
                 self.completed(f, launched, now);
+                count -= 1;
             } else {
                 i += 1;
             }
@@ -417,9 +486,8 @@ mod tests {
 
     /// Launches `from..=to` on stream `key`.
     fn launch(ring: &LaunchStreams, from: u64, to: u64, key: u64) {
-        for n in from..=to {
-            ring.record(n, Some((key as StreamHandle, false)));
-        }
+        ring.admitted(from, to, key);
+        ring.returned(from, to, key);
     }
 
     /// A fence on `key` after launch `n`, recorded at `at`.
@@ -445,8 +513,37 @@ mod tests {
             None,
             "the entry of 8192 launches before"
         );
-        ring.record(6, None);
-        assert_eq!(ring.get(6), Some(NO_STREAM));
+        ring.admitted(6, 6, key_of(None));
+        assert_eq!(
+            ring.get(6),
+            Some(NO_STREAM),
+            "admitted: its stream is known"
+        );
+    }
+
+    /// A drain waits for the calls admitted before the gate closed: the returned ones are
+    /// those up to the first still in the driver (or not written yet); a withdrawn admission
+    /// has returned and is no launch.
+    #[test]
+    fn the_ring_tells_which_launch_calls_have_returned() {
+        let ring = LaunchStreams::new();
+        ring.admitted(1, 3, A);
+        assert_eq!(ring.returned_through(0, 3), 0);
+        ring.returned(1, 1, A);
+        ring.returned(3, 3, A);
+        assert_eq!(ring.returned_through(0, 3), 1, "launch 2 is in the driver");
+        ring.withdrawn(2, 2);
+        assert_eq!(ring.returned_through(1, 3), 3);
+        assert_eq!(ring.returned_through(3, 5), 3, "4 and 5 not written yet");
+        let far = 10 + 2 * RING as u64;
+        assert_eq!(
+            ring.returned_through(3, far),
+            far - RING as u64,
+            "entries written over are taken as returned"
+        );
+        let mut q = Queue::default();
+        q.scan(&ring, 3);
+        assert_eq!(q.queued(), 2, "the withdrawn admission is no launch");
     }
 
     /// A per-thread default stream is the launching thread's own, however it is named.

@@ -10,7 +10,8 @@
 //!   [`SLOWDOWN_PER_NEIGHBOUR`]).
 //! - `openb-*`: the pods of Alibaba's `cluster-trace-gpu-v2023` on its GPU nodes, as its
 //!   simulator replays them: submitted in the file's order (one a second here) into an empty
-//!   cluster, none leaving, so the cluster fills to its peak. A pod's memory cap is its units'
+//!   cluster, none leaving, so the cluster fills to its peak; pods asking no GPU take CPU and
+//!   memory only. A pod's memory cap is its units'
 //!   share of the GPU's memory (gpushare's default); its use, an assumption the trace cannot
 //!   give, follows a measured engine's shape scaled to a peak of U(0.2, 1) of its cap.
 
@@ -120,10 +121,10 @@ fn openb_pods(w: Workload) -> &'static str {
 
 /// The workload `w` as seed `seed` draws it; `cluster` (nodes, GPUs per node) for `seed002`.
 pub fn build(w: Workload, seed: u64, overprov_pct: u32, cluster: (usize, usize)) -> Spec {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let engines = engines();
     match w {
         Workload::Seed002 => {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let engines = engines();
             let (nodes, gpus) = cluster;
             let request = (ENGINE_MIB as f64 * (1.0 + f64::from(overprov_pct) / 100.0)) as u64;
             let request = request.min(V100_MIB);
@@ -163,46 +164,54 @@ pub fn build(w: Workload, seed: u64, overprov_pct: u32, cluster: (usize, usize))
                 end: None,
             }
         }
-        _ => {
-            let mut jobs = Vec::new();
-            for (i, f) in csv_rows(openb_pods(w)).enumerate() {
-                let (cpu, mem, gpus, milli, held): (u64, u64, u32, u32, u64) = (
-                    f[0].parse().expect("cpu"),
-                    f[1].parse().expect("memory"),
-                    f[2].parse().expect("gpus"),
-                    f[3].parse().expect("gpu milli"),
-                    f[4].parse().expect("held"),
-                );
-                let e = &engines[rng.random_range(0..engines.len())];
-                let peak = 0.2 + 0.8 * rng.random::<f64>();
-                let shared = gpus == 1 && milli < 1000;
-                let units = if shared {
-                    milli.div_ceil(10).max(1)
-                } else {
-                    100
-                };
-                jobs.push(JobSpec {
-                    arrival: i as u64,
-                    cpu,
-                    mem,
-                    whole: if shared { 0 } else { gpus },
-                    units,
-                    cap: Cap::OfGpu(units),
-                    shape: Arc::new(e.mib.clone()),
-                    peak_of_cap: Some(peak),
-                    util: f64::from(units) / 100.0,
-                    held: Some(held),
-                    kind: None,
-                });
-            }
-            let end = jobs.len() as u64 + OPENB_TAIL_S;
-            Spec {
-                nodes: openb_nodes(),
-                jobs,
-                slowdown: 0.0,
-                end: Some(end),
-            }
-        }
+        _ => openb(w, seed, 1),
+    }
+}
+
+/// `w`'s pods on Alibaba's GPU nodes, keeping every `every`-th node and pod (1: the whole
+/// trace; more: a smaller cluster filled the same way, for tests), submitted one a second.
+pub(crate) fn openb(w: Workload, seed: u64, every: usize) -> Spec {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let engines = engines();
+    let mut jobs = Vec::new();
+    for f in csv_rows(openb_pods(w)).step_by(every) {
+        let (cpu, mem, gpus, milli, held): (u64, u64, u32, u32, u64) = (
+            f[0].parse().expect("cpu"),
+            f[1].parse().expect("memory"),
+            f[2].parse().expect("gpus"),
+            f[3].parse().expect("gpu milli"),
+            f[4].parse().expect("held"),
+        );
+        let e = &engines[rng.random_range(0..engines.len())];
+        let peak = 0.2 + 0.8 * rng.random::<f64>();
+        let shared = gpus == 1 && milli < 1000;
+        let units = if gpus == 0 {
+            0
+        } else if shared {
+            milli.div_ceil(10).max(1)
+        } else {
+            100
+        };
+        jobs.push(JobSpec {
+            arrival: jobs.len() as u64,
+            cpu,
+            mem,
+            whole: if shared { 0 } else { gpus },
+            units,
+            cap: Cap::OfGpu(units),
+            shape: Arc::new(e.mib.clone()),
+            peak_of_cap: Some(peak),
+            util: f64::from(units) / 100.0,
+            held: Some(held),
+            kind: None,
+        });
+    }
+    let end = jobs.len() as u64 + OPENB_TAIL_S;
+    Spec {
+        nodes: openb_nodes().into_iter().step_by(every).collect(),
+        jobs,
+        slowdown: 0.0,
+        end: Some(end),
     }
 }
 
@@ -229,7 +238,9 @@ mod tests {
         ] {
             let s = build(w, 0, 0, (1, 1));
             assert_eq!(s.jobs.len(), 8152);
-            assert!(s.jobs.iter().all(|j| j.units >= 1 && j.units <= 100));
+            assert!(s.jobs.iter().all(|j| j.units <= 100));
+            let cpu_only = s.jobs.iter().filter(|j| !j.asks_gpu()).count();
+            assert_eq!(cpu_only, 1088, "pods asking no GPU");
         }
     }
 

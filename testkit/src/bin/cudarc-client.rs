@@ -721,8 +721,11 @@ fn launch_latency(device: usize, n: u64) -> Res<Value> {
     // interposition. Timed in blocks of each route, paired and in alternating order: each
     // figure is the median block, so a pause of the whole machine (a virtual machine may stop
     // for milliseconds every few seconds) does not land in it, and the ratio of the routes is the
-    // median of the pairs' ratios, both measured under the same conditions.
-    const BLOCK: u64 = 500;
+    // median of the pairs' ratios, both measured under the same conditions. Each block starts
+    // with the stream idle (synchronised, untimed): the measure is the launch path while the
+    // GPU keeps up, and neither route inherits the kernels the other left queued (the hook would
+    // pace a queue that the driver's own entry built up).
+    const BLOCK: u64 = 100;
     type LaunchFn = unsafe extern "C" fn(
         sys::CUfunction,
         u32,
@@ -779,6 +782,9 @@ fn launch_latency(device: usize, n: u64) -> Res<Value> {
                 launch(direct_route)?;
             }
             times[direct_route as usize] = tb.elapsed().as_nanos() as f64 / len as f64;
+            stream
+                .synchronize()
+                .at("cuStreamSynchronize (between blocks)")?;
         }
         linked.push(times[0]);
         own.push(times[1]);
@@ -808,6 +814,8 @@ fn launch_latency(device: usize, n: u64) -> Res<Value> {
         "ns_per_launch": quantile(&linked, 0.5),
         "ns_per_launch_direct": quantile(&own, 0.5),
         "direct_over_linked": quantile(&ratios, 0.5),
+        "direct_over_linked_p25": quantile(&ratios, 0.25),
+        "direct_over_linked_p75": quantile(&ratios, 0.75),
         "ns_per_launch_mean": mean_ns,
         "ns_per_launch_builder": builder_ns,
         "final_sync_ms": drain_ms,
