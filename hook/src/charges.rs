@@ -37,6 +37,7 @@ use crate::process::Hook;
 use crate::settings::FailPolicy;
 use gpushare_protocol::{ClientMsg, ServerMsg};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{MutexGuard, Once};
 use std::time::{Duration, Instant};
 
@@ -157,6 +158,18 @@ pub fn answered_again(h: &Hook) {
     }
 }
 
+/// The process made a managed allocation (said once, and again to each new connection).
+static MANAGED: AtomicBool = AtomicBool::new(false);
+
+/// The process is about to allocate managed memory: the scheduler learns it first, so that
+/// it never picks the process's group to swap to host memory (the driver would refuse).
+pub fn managed(h: &Hook) {
+    if !MANAGED.swap(true, Ordering::AcqRel) {
+        // Not connected: the greeting says it.
+        h.port.send(&ClientMsg::MemManaged);
+    }
+}
+
 /// What a new connection is told first: each lease's whole holding, spare included (the
 /// process may allocate the spare without asking again), under every lease's lock.
 pub fn greet(h: &Hook, send: &mut dyn FnMut(&[ClientMsg])) {
@@ -175,6 +188,9 @@ pub fn greet(h: &Hook, send: &mut dyn FnMut(&[ClientMsg])) {
             gpu: uuid,
             bytes: lease.stated(),
         });
+    }
+    if MANAGED.load(Ordering::Acquire) {
+        greeting.push(ClientMsg::MemManaged);
     }
     send(&greeting);
 }
@@ -363,28 +379,46 @@ fn ask(h: &Hook, gpu: usize, a: &Ask) -> Answer {
         return no_answer();
     }
     let uuid = h.gates[gpu].uuid;
-    let pending = {
-        let _lease = h.memory.lease(gpu);
-        h.port.request(|req| ClientMsg::MemReserve {
-            req,
-            gpu: uuid,
-            bytes: a.ask,
-        })
-    };
-    let Some(pending) = pending else {
-        return no_answer();
-    };
     let timeout = if open {
         h.port.liveness()
     } else {
         ANSWER_TIMEOUT
     };
-    // Under memory overcommit the scheduler may say the reservation waits for memory (others
-    // freeing it, or being swapped to host memory): then its answer comes within its bound.
-    let mut answer = pending.wait(timeout);
-    if let Ok(ServerMsg::MemWait { max_wait_ns, .. }) = answer {
-        answer = pending.wait(Duration::from_nanos(max_wait_ns) + ANSWER_TIMEOUT);
-    }
+    // When the scheduler said the reservation waits for memory, the bound it gave.
+    let mut waits_until: Option<Instant> = None;
+    let answer = loop {
+        let pending = {
+            let _lease = h.memory.lease(gpu);
+            h.port.request(|req| ClientMsg::MemReserve {
+                req,
+                gpu: uuid,
+                bytes: a.ask,
+            })
+        };
+        let Some(pending) = pending else {
+            return no_answer();
+        };
+        // Under memory overcommit the scheduler may say the reservation waits for memory
+        // (others freeing it, or being swapped to host memory): then its answer comes within
+        // its bound.
+        // Asked again across a reconnection: the bound it was given still stands (the new
+        // scheduler may first read who this process is).
+        let first = waits_until.map_or(timeout, |until| {
+            until.saturating_duration_since(Instant::now()) + ANSWER_TIMEOUT
+        });
+        let mut answer = pending.wait(first);
+        if let Ok(ServerMsg::MemWait { max_wait_ns, .. }) = answer {
+            waits_until.get_or_insert(Instant::now() + Duration::from_nanos(max_wait_ns));
+            answer = pending.wait(Duration::from_nanos(max_wait_ns) + ANSWER_TIMEOUT);
+        }
+        // The scheduler went away while the reservation waited for memory (a swap it began
+        // for it may still be under way): rather than race that swap to the GPU alone, the
+        // allocation waits for a scheduler again, within the bound it was given, and asks it.
+        match (answer, waits_until) {
+            (Err(NoAnswer::Gone), Some(until)) if reconnected_by(h, until) => continue,
+            (answer, _) => break answer,
+        }
+    };
     match answer {
         Ok(ServerMsg::Memory {
             granted,
@@ -422,6 +456,17 @@ fn ask(h: &Hook, gpu: usize, a: &Ask) -> Answer {
         }
         Err(NoAnswer::Gone) => no_answer(),
     }
+}
+
+/// Whether the hook is connected to a scheduler again by `until`.
+fn reconnected_by(h: &Hook, until: Instant) -> bool {
+    while !h.port.is_connected() {
+        if h.port.is_refused() || Instant::now() >= until {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
 }
 
 /// The scheduler could not journal a reservation: said once per process on stderr.

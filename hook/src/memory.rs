@@ -201,7 +201,12 @@ pub extern "C" fn cuMemAllocManaged(dptr: *mut u64, size: usize, flags: u32) -> 
     allocate(
         None,
         Some(size),
-        || real::cuMemAllocManaged().map(|f| unsafe { f(dptr, size, flags) }),
+        || {
+            if let Some(h) = hook() {
+                charges::managed(h);
+            }
+            real::cuMemAllocManaged().map(|f| unsafe { f(dptr, size, flags) })
+        },
         || read(dptr).unwrap_or(0),
     )
 }

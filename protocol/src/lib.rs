@@ -12,7 +12,7 @@ pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
 /// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
@@ -94,6 +94,10 @@ pub enum ClientMsg {
     /// How much memory `gpu` has in all (the driver's `cuDeviceTotalMem_v2`), sent with
     /// [`ClientMsg::MemSync`] after Hello: the scheduler's physical books of that GPU.
     MemTotal { gpu: GpuUuid, bytes: u64 },
+    /// The process holds managed (unified) memory, which the driver cannot checkpoint: its
+    /// group is never swapped to host memory. Sent before its first managed allocation, and
+    /// after each (re)connection once it made one. No answer.
+    MemManaged,
     /// Is the scheduler there? Answered at once with [`ServerMsg::Alive`] for the same GPU: a
     /// process waiting for a turn on `gpu` asks when it has heard nothing for a while.
     Probe { gpu: GpuUuid },

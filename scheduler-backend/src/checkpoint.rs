@@ -1,6 +1,9 @@
 //! Swapping processes' GPU memory to host memory and back through the driver's checkpoint API
 //! (`cuCheckpointProcessLock / Checkpoint / Restore / Unlock`, CUDA 12.8+), on a thread of its
-//! own: a swap takes seconds, the event loop never waits for one. The daemon loads the driver
+//! own: a swap takes seconds, the event loop never waits for one. After a restart it also asks
+//! the driver where a reconnected process's memory is (`cuCheckpointProcessGetState`), since a
+//! previous daemon may have been killed mid-swap, and unlocks a process left locked with its
+//! memory on the GPU. The daemon loads the driver
 //! (`libcuda.so.1`) the first time it swaps; it runs with the host's pids (the DaemonSet's
 //! `hostPID`), which are the pids these calls take.
 
@@ -9,8 +12,9 @@ use crate::node::{Input, SwapOutFailure};
 use gpushare_cuda_abi::pfn;
 use gpushare_cuda_abi::result::{CUDA_ERROR_NOT_SUPPORTED, CUDA_SUCCESS};
 use gpushare_cuda_abi::types::{
-    CUcheckpointCheckpointArgs, CUcheckpointLockArgs, CUcheckpointRestoreArgs,
-    CUcheckpointUnlockArgs, CUresult,
+    CU_PROCESS_STATE_CHECKPOINTED, CU_PROCESS_STATE_LOCKED, CUcheckpointCheckpointArgs,
+    CUcheckpointLockArgs, CUcheckpointRestoreArgs, CUcheckpointUnlockArgs, CUprocessState,
+    CUresult,
 };
 use std::ffi::{CStr, c_void};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -25,6 +29,11 @@ pub enum Job {
     In {
         swap: u64,
         pids: Vec<u32>,
+    },
+    /// Where process `pid`'s memory is; unlocked if it is locked with its memory on the GPU.
+    Settle {
+        client: u64,
+        pid: u32,
     },
 }
 
@@ -53,6 +62,15 @@ fn run(rx: Receiver<Job>, inbox: Inbox) {
                 tracing::error!("cannot restore GPU memory: {e}");
                 Input::SwappedIn { swap, ok: false }
             }
+            // Without the driver nothing was swapped by this node.
+            (Job::Settle { client, .. }, Err(_)) => Input::Settled {
+                client,
+                checkpointed: false,
+            },
+            (Job::Settle { client, pid }, Ok(d)) => Input::Settled {
+                client,
+                checkpointed: d.settle(pid),
+            },
             (
                 Job::Out {
                     swap,
@@ -81,6 +99,7 @@ struct Driver {
     checkpoint: pfn::cuCheckpointProcessCheckpoint,
     restore: pfn::cuCheckpointProcessRestore,
     unlock: pfn::cuCheckpointProcessUnlock,
+    get_state: pfn::cuCheckpointProcessGetState,
 }
 
 impl Driver {
@@ -128,6 +147,9 @@ impl Driver {
                 unlock: std::mem::transmute::<*mut c_void, pfn::cuCheckpointProcessUnlock>(sym(
                     c"cuCheckpointProcessUnlock",
                 )?),
+                get_state: std::mem::transmute::<*mut c_void, pfn::cuCheckpointProcessGetState>(
+                    sym(c"cuCheckpointProcessGetState")?,
+                ),
             }
         };
         Ok(d)
@@ -171,12 +193,13 @@ impl Driver {
         Ok(())
     }
 
-    /// Restore every process, then unlock it; false if one could not be restored.
+    /// Restore every process, then unlock it; false if one could not be restored. One already
+    /// restored (by a restore a previous daemon began) is only unlocked.
     fn swap_in(&self, pids: &[u32]) -> bool {
         let mut ok = true;
         for &pid in pids {
             let r = self.restore_one(pid);
-            if r != CUDA_SUCCESS {
+            if r != CUDA_SUCCESS && self.state(pid) != Some(CU_PROCESS_STATE_LOCKED) {
                 tracing::error!(pid, "restore failed ({})", name(r));
                 ok = false;
                 continue;
@@ -184,6 +207,26 @@ impl Driver {
             self.unlock_all(&[pid]);
         }
         ok
+    }
+
+    /// Whether process `pid`'s memory is in host memory (checkpointed); one locked with its
+    /// memory on the GPU (a swap cut short before its checkpoint, or after its restore) is
+    /// unlocked. A checkpoint or restore a previous daemon began may still be under way in
+    /// the driver: it ends before the unlock, which then finds the process checkpointed.
+    fn settle(&self, pid: u32) -> bool {
+        if self.state(pid) == Some(CU_PROCESS_STATE_LOCKED) {
+            tracing::info!(pid, "unlocking a process a swap left locked");
+            self.unlock_all(&[pid]);
+        }
+        self.state(pid) == Some(CU_PROCESS_STATE_CHECKPOINTED)
+    }
+
+    /// The driver's state of process `pid` (`None`: it does not say).
+    fn state(&self, pid: u32) -> Option<CUprocessState> {
+        let mut state: CUprocessState = 0;
+        // SAFETY: the driver's entry point with a valid out-pointer.
+        let r = unsafe { (self.get_state)(pid as i32, &mut state) };
+        (r == CUDA_SUCCESS).then_some(state)
     }
 
     fn lock_one(&self, pid: u32, timeout_ms: u32) -> CUresult {

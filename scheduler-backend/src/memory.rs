@@ -214,6 +214,16 @@ impl MemoryBooks {
         p
     }
 
+    /// The ghost holdings: process, GPU, group, bytes.
+    pub fn ghosts(&self) -> impl Iterator<Item = (ProcessId, GpuUuid, &str, u64)> {
+        (self.ghosts.iter()).map(|((p, g), (grp, b))| (*p, *g, grp.as_str(), *b))
+    }
+
+    /// Whether a connected client is process `p`.
+    pub fn connected(&self, p: &ProcessId) -> bool {
+        self.processes.values().any(|x| x == p)
+    }
+
     /// Whether any ghost holding is left.
     pub fn has_ghosts(&self) -> bool {
         !self.ghosts.is_empty()

@@ -260,6 +260,19 @@ impl Server {
                         swaps_lost.push(Input::SwappedIn { swap, ok: false });
                     }
                 }
+                Effect::Settle { client, pid } => {
+                    if self
+                        .workers
+                        .swaps
+                        .send(Job::Settle { client, pid })
+                        .is_err()
+                    {
+                        swaps_lost.push(Input::Settled {
+                            client,
+                            checkpointed: false,
+                        });
+                    }
+                }
             }
         }
         if let Some(seq) = unwritten {

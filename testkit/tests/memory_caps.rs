@@ -1181,7 +1181,8 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
 /// and the C client `mem_tool`.
 fn overcommitted_node(args: &[&str]) -> (Node, PathBuf) {
     let mut node = Node::device_only_with(&["--memory", "2GiB"]);
-    node.scheduler_log_filter = "warn,gpushare_scheduler::node::overcommit=info".into();
+    node.scheduler_log_filter =
+        "warn,gpushare_scheduler::node::overcommit=info,gpushare_scheduler::checkpoint=info".into();
     let mut args = args.to_vec();
     args.extend(["--memory-overcommit", "2"]);
     node.start_scheduler(&args);
@@ -1303,11 +1304,164 @@ fn a_victim_killed_while_swapped_out_frees_its_books_and_nothing_else_breaks() {
     assert_eq!(node.scheduler_running(), Some(true), "{log}");
 }
 
+/// How long a killed scheduler stays down before it is started again: less than the
+/// simulated checkpoint or restore of 1200 MiB takes (about a second), so the new scheduler
+/// may find it still under way in the driver.
+const DOWN: Duration = Duration::from_millis(200);
+
+/// Wait (at most [`RUN`]) until the scheduler's log says `what`.
+fn wait_log(node: &Node, what: &str) {
+    let deadline = Instant::now() + RUN;
+    while !node.scheduler_log().contains(what) {
+        assert!(
+            Instant::now() < deadline,
+            "the scheduler never logged {what:?}\n{}",
+            node.scheduler_log()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Wait (at most [`RUN`]) until `gpushare status --json` passes `done`; that status.
+fn wait_status(node: &Node, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + RUN;
+    loop {
+        let status = node.status_json().expect("gpushare status --json");
+        if done(&status) {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: never seen\n{status}\n--- scheduler ---\n{}",
+            node.scheduler_log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Both groups end with every byte and the books empty.
+fn both_finish_intact(node: &Node, first: Proc, mut second: Proc) {
+    second.signal(libc::SIGUSR1);
+    let v = second.expect_json("intact", RUN);
+    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
+    let (status, err) = second.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+    let mut first = first;
+    first.signal(libc::SIGUSR1);
+    let v = first.next_json("intact", RUN).unwrap_or_else(|why| {
+        panic!(
+            "the first group after the restart: {why}\n--- scheduler ---\n{}",
+            node.scheduler_log()
+        )
+    });
+    assert_eq!(v["intact"], true, "the first group's bytes: {v}");
+    let (status, err) = first.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "first: {err}");
+    let status = wait_status(node, "the books empty once both exited", |s| {
+        let p = &s["gpus"][0]["physical"];
+        u(p, "used") == 0 && u(p, "swapped") == 0
+    });
+    let swaps = &status["memory_swaps"];
+    assert_eq!(u(swaps, "swap_in_failures"), 0, "{swaps}");
+    assert_eq!(u(swaps, "allocations_refused"), 0, "{swaps}");
+}
+
+/// The scheduler is killed (`SIGKILL`) while it swaps group `first` out for group `second`'s
+/// allocation, and started again: the second's allocation, which the scheduler had told to
+/// wait, asks the new one rather than race the swap to the GPU; the new scheduler finds the
+/// first checkpointed in the driver and books it in host memory, or locked (killed before
+/// the checkpoint; unlocked) or running (killed before it asked the driver anything), and
+/// swaps it out anew: either way the books are exact (the
+/// second's memory used, the first's swapped), the second is granted, and the first restored
+/// once the second is gone. Both keep every byte.
+#[test]
+fn a_scheduler_killed_mid_swap_out_finishes_the_swap_after_its_restart() {
+    let (mut node, exe) = overcommitted_node(&[]);
+    let mut first = keep(&node, &exe, "first", "1");
+    let got = first.expect_json("alloc", RUN);
+    assert_eq!(i(&got, "alloc"), 0, "1200 MiB on an empty 2 GiB GPU: {got}");
+    first.expect_json("filled", RUN);
+    let mut second = keep(&node, &exe, "second", "2");
+    wait_log(&node, "swapping out to host memory");
+    node.kill_scheduler();
+    std::thread::sleep(DOWN);
+    node.start_scheduler(&["--memory-overcommit", "2"]);
+
+    let got = second.expect_json("alloc", RUN);
+    assert_eq!(
+        i(&got, "alloc"),
+        0,
+        "1200 MiB within its cap, asked across the restart: {got}\n{}",
+        node.scheduler_log()
+    );
+    second.expect_json("filled", RUN);
+    let status = wait_status(&node, "the first found swapped out", |s| {
+        group_in(s, "first").is_some_and(|g| g["memory_state"] == "swapped_out")
+    });
+    let physical = &status["gpus"][0]["physical"];
+    let held = |g: &str, key: &str| u(group_in(&status, g).expect("in the status"), key);
+    assert_eq!(
+        (u(physical, "used"), u(physical, "swapped")),
+        (
+            held("second", "memory_used"),
+            held("first", "memory_swapped")
+        ),
+        "exact books after the restart: {status}"
+    );
+    assert!(u(physical, "swapped") >= 1200 * MIB, "{status}");
+    // Killed after its checkpoint, the swap is finished ("found in host memory after a
+    // restart"); killed during the lock, it is undone ("unlocking a process a swap left
+    // locked"); killed before its first call reached the driver, there is nothing to undo:
+    // in the last two, the new scheduler swaps the first out for the second anew.
+    let log = node.scheduler_log();
+    let found = log.contains("found in host memory after a restart");
+    let anew = log.matches("swapping out to host memory").count() == 2;
+    assert!(found != anew, "finished, or undone and made anew:\n{log}");
+    both_finish_intact(&node, first, second);
+}
+
+/// The scheduler is killed (`SIGKILL`) while it restores group `first` (swapped out for group
+/// `second`, which has exited), and started again: the new scheduler finds the first locked
+/// with its memory back on the GPU, or still in host memory, and unlocks it, or restores and
+/// unlocks it: it runs on with every byte.
+#[test]
+fn a_scheduler_killed_mid_swap_in_finishes_the_restore_after_its_restart() {
+    let (mut node, exe) = overcommitted_node(&[]);
+    let (first, second, _) = second_swaps_first_out(&node, &exe);
+    let mut second = second;
+    second.signal(libc::SIGUSR1);
+    let v = second.expect_json("intact", RUN);
+    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
+    let (status, err) = second.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+    wait_log(&node, "restoring from host memory");
+    node.kill_scheduler();
+    std::thread::sleep(DOWN);
+    node.start_scheduler(&["--memory-overcommit", "2"]);
+
+    let mut first = first;
+    first.signal(libc::SIGUSR1);
+    let v = first.next_json("intact", RUN).unwrap_or_else(|why| {
+        panic!(
+            "the first group after the restart: {why}\n--- scheduler ---\n{}",
+            node.scheduler_log()
+        )
+    });
+    assert_eq!(v["intact"], true, "the first group's bytes: {v}");
+    let status = wait_status(&node, "the first resident", |s| {
+        group_in(s, "first").is_some_and(|g| g["memory_state"] == "resident")
+            && u(&s["gpus"][0]["physical"], "used") == 1200 * MIB
+    });
+    assert_eq!(u(&status["gpus"][0]["physical"], "swapped"), 0, "{status}");
+    let (status, err) = first.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "first: {err}");
+}
+
 /// Group `first` holds 16 MiB of managed (unified) memory besides its 1200 MiB, and the driver
-/// cannot checkpoint managed memory: when group `second`'s 1200 MiB needs room that only
-/// `first` could make, the scheduler's checkpoint is refused, `first` runs on (unlocked, every
-/// byte in place, managed ones too) and is never swapped out: the allocation is refused with
-/// the reason, and so is a later one of a third group, without another attempt.
+/// cannot checkpoint managed memory: its hook told the scheduler before allocating it, so when
+/// group `second`'s 1200 MiB needs room that only `first` could make, no checkpoint is even
+/// tried (no swap, no failure): the allocation is refused with the reason, naming the group,
+/// and so is a later one of a third group; `first` runs on with every byte, managed ones too.
 #[test]
 fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes() {
     let (node, exe) = overcommitted_node(&[]);
@@ -1351,8 +1505,8 @@ fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes(
         let swaps = &status["memory_swaps"];
         assert_eq!(
             (u(swaps, "swap_outs"), u(swaps, "swap_out_failures")),
-            (1, 1),
-            "one attempt, refused, after {} refusal(s): {swaps}",
+            (0, 0),
+            "never tried, after {} refusal(s): {swaps}",
             n + 1
         );
         assert_eq!(u(swaps, "allocations_refused"), n as u64 + 1, "{swaps}");
@@ -1363,7 +1517,8 @@ fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes(
     let log = node.scheduler_log();
     assert!(
         log.contains("within the group's cap refused")
-            && log.contains("checkpoint the driver refused"),
+            && log.contains("group \"first\" holds ")
+            && log.contains(" MiB of managed memory"),
         "the refusal says why:\n{log}"
     );
     first.signal(libc::SIGUSR1);

@@ -46,6 +46,13 @@
 //!    (a real driver never restores a process whose restore once failed); if one fails anyway,
 //!    its processes are [`Effect::Lost`]. A process that exits while swapped out takes its
 //!    host copy with it.
+//! 7. **Restart.** A daemon that restarts (after a crash or `kill -9`, perhaps mid-swap)
+//!    learns what processes hold from what they restate, not where their memory is: each
+//!    process that restates memory is asked of the driver ([`Overcommit::await_driver`]) and
+//!    is no victim until it answers ([`Overcommit::recover`]). One the driver holds
+//!    checkpointed is swapped out (its bytes in host memory, not on the GPU) and comes back by
+//!    rule 5; one it holds locked with its memory on the GPU is unlocked by the caller and
+//!    runs on. So a swap cut short is finished (restored when its memory fits) or undone.
 //!
 //! A swapped-out group gets no turns on the GPU; the time policy keeps its share for the
 //! windows in which it is resident (the daemon tells it which groups are resident).
@@ -231,8 +238,20 @@ pub enum Refusal {
     Lost,
 }
 
-impl std::fmt::Display for Refusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl Refusal {
+    /// What to tell the asker, naming each group as `name` gives it (the core numbers them;
+    /// users know them by name).
+    pub fn describe(&self, name: &dyn Fn(GroupId) -> String) -> String {
+        let mut s = String::new();
+        self.write(&mut s, name).expect("writing to a String");
+        s
+    }
+
+    fn write(
+        &self,
+        f: &mut dyn std::fmt::Write,
+        name: &dyn Fn(GroupId) -> String,
+    ) -> std::fmt::Result {
         const MIB: Bytes = 1 << 20;
         match self {
             Refusal::NeverFits {
@@ -253,7 +272,7 @@ impl std::fmt::Display for Refusal {
                     write!(
                         f,
                         "; group {} holds {} MiB of {}",
-                        g.0,
+                        name(*g),
                         b / MIB,
                         why.as_str()
                     )?;
@@ -326,6 +345,9 @@ struct Process {
     held: BTreeMap<Gpu, Bytes>,
     residence: Residence,
     unswappable: Option<Unswappable>,
+    /// Where its memory is is not known yet (the daemon restarted): not a victim until the
+    /// driver says ([`Overcommit::recover`]).
+    awaiting_driver: bool,
 }
 
 impl Process {
@@ -472,7 +494,60 @@ impl Overcommit {
             held: BTreeMap::new(),
             residence: Residence::Resident,
             unswappable: None,
+            awaiting_driver: false,
         });
+    }
+
+    /// The caller asks the driver where `process`'s memory is (it restated memory after the
+    /// daemon restarted): its group is no victim until [`recover`](Self::recover) says.
+    pub fn await_driver(&mut self, process: ProcessId) {
+        if let Some(p) = self.processes.get_mut(&process) {
+            p.awaiting_driver = true;
+        }
+    }
+
+    /// The driver says where `process`'s memory is (rule 7): `checkpointed`, in host memory
+    /// (a swap-out a previous daemon started, or a swap-in it did not finish), so the process
+    /// is swapped out, with the rest of its group's recovered processes, and restored when its
+    /// memory fits; else on the GPU (the caller unlocked it if it was locked), resident.
+    pub fn recover(&mut self, now: Nanos, process: ProcessId, checkpointed: bool) -> Vec<Effect> {
+        let Some(p) = self.processes.get_mut(&process) else {
+            return self.step(now);
+        };
+        p.awaiting_driver = false;
+        if !checkpointed || p.residence != Residence::Resident {
+            return self.step(now);
+        }
+        let group = p.group;
+        let gpu = (p.held.iter())
+            .max_by_key(|(_, b)| **b)
+            .map_or(0, |(g, _)| *g);
+        let joined = (self.swaps.iter_mut())
+            .find(|(_, s)| s.group == group && s.state == SwapState::Out)
+            .map(|(&id, s)| {
+                s.processes.push(process);
+                id
+            });
+        let id = joined.unwrap_or_else(|| {
+            let id = SwapId(self.next_swap);
+            self.next_swap += 1;
+            self.swaps.insert(
+                id,
+                Swap {
+                    group,
+                    gpu,
+                    processes: vec![process],
+                    state: SwapState::Out,
+                    wanted_since: None,
+                    out_since: now,
+                    started: now,
+                    room_made: false,
+                },
+            );
+            id
+        });
+        self.processes.get_mut(&process).expect("present").residence = Residence::Out(id);
+        self.step(now)
     }
 
     /// The process holds memory the driver cannot checkpoint: its group is never a victim.
@@ -578,6 +653,18 @@ impl Overcommit {
     /// Request `req` is no longer wanted (its asker went away): it stops waiting.
     pub fn cancel(&mut self, now: Nanos, req: RequestId) -> Vec<Effect> {
         self.waits.retain(|w| w.req != req);
+        self.step(now)
+    }
+
+    /// The caller books `process`'s memory under another id now (it reconnected): it goes
+    /// without its memory being freed.
+    pub fn forget(&mut self, now: Nanos, process: ProcessId) -> Vec<Effect> {
+        self.processes.remove(&process);
+        self.waits.retain(|w| w.process != process);
+        self.swaps.retain(|_, s| {
+            s.processes.retain(|&p| p != process);
+            !s.processes.is_empty()
+        });
         self.step(now)
     }
 
@@ -1217,7 +1304,10 @@ impl Overcommit {
             let on_gpu: Vec<&Process> = (self.processes.values())
                 .filter(|p| p.group == id && p.on(gpu) > 0 && p.occupies())
                 .collect();
-            if on_gpu.is_empty() || on_gpu.iter().any(|p| p.residence != Residence::Resident) {
+            if on_gpu.is_empty()
+                || on_gpu.iter().any(|p| p.residence != Residence::Resident)
+                || (self.processes.values()).any(|p| p.group == id && p.awaiting_driver)
+            {
                 continue;
             }
             c.push((id, on_gpu.iter().map(|p| p.on(gpu)).sum()));

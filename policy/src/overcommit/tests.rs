@@ -100,7 +100,8 @@ fn an_allocation_waits_no_longer_than_the_bound_then_is_refused_saying_why() {
     let [Effect::Refuse(RequestId(1), r @ Refusal::WaitedTooLong { .. })] = e.as_slice() else {
         panic!("{e:?}");
     };
-    assert!(r.to_string().contains("within 0.5 s"), "{r}");
+    let text = r.describe(&|g| g.0.to_string());
+    assert!(text.contains("within 0.5 s"), "{text}");
     assert!(o.waiting().is_empty());
     assert_eq!(o.next_wakeup(500 * MS), None);
 }
@@ -162,9 +163,10 @@ fn the_asker_is_never_its_own_victim_and_a_request_that_can_never_fit_is_refused
         own: 7 * GIB,
         unswappable: vec![(GroupId(3), Unswappable::Managed, GIB)],
     }
-    .to_string();
+    .describe(&|g| format!("\"g{}\"", g.0));
     assert!(
-        text.contains("managed memory") && text.contains("lower the group's memory cap"),
+        text.contains("group \"g3\" holds 1024 MiB of managed memory")
+            && text.contains("lower the group's memory cap"),
         "{text}"
     );
 }
@@ -304,6 +306,86 @@ fn a_swapped_group_comes_back_as_soon_as_its_memory_fits() {
         o.process(ProcessId(0), 0),
         Some((Residence::Resident, 8 * GIB))
     );
+}
+
+/// A daemon restarted mid-swap: group 0's process restates 8 GiB but the driver holds it
+/// checkpointed, group 1's restates 6 GiB on the GPU. Until the driver answers, group 0 is no
+/// victim (its memory may be out already), so group 1's allocation waits past its wait without
+/// a swap; once the driver says checkpointed, the books hold group 0 in host memory, the
+/// allocation fits, and group 0 comes back as soon as its memory fits again, books exact.
+#[test]
+fn after_a_restart_a_process_the_driver_holds_checkpointed_is_swapped_out_until_it_fits() {
+    let mut o = node(10 * GIB, 2);
+    o.restate(0, ProcessId(0), 0, 8 * GIB);
+    o.await_driver(ProcessId(0));
+    o.restate(0, ProcessId(1), 0, 6 * GIB);
+    assert_eq!(o.books(0).used, 14 * GIB, "restated as they are");
+    assert_eq!(o.request(0, RequestId(1), ProcessId(1), 0, 3 * GIB), vec![]);
+    for t in [100 * MS, 500 * MS, 2 * S] {
+        assert!(
+            swap_outs(&o.tick(t)).is_empty(),
+            "no victim awaits the driver"
+        );
+    }
+    let e = o.recover(2 * S, ProcessId(0), true);
+    assert_eq!(e, vec![Effect::Grant(RequestId(1))], "{o:#?}");
+    assert_eq!(
+        (o.books(0).used, o.books(0).swapped),
+        (9 * GIB, 8 * GIB),
+        "group 0's bytes in host memory"
+    );
+    assert!(!o.resident(GroupId(0)));
+    assert_eq!(o.counters().swap_outs, 0, "no swap was started");
+    assert!(swap_ins(&o.free(3 * S, ProcessId(1), 0, 3 * GIB)).is_empty());
+    let e = o.free(4 * S, ProcessId(1), 0, 6 * GIB);
+    let swap = match swap_ins(&e)[..] {
+        [(swap, GroupId(0))] => swap,
+        _ => panic!("group 0 restored once it fits: {e:?}"),
+    };
+    o.swapped_in(5 * S, swap, true);
+    assert!(o.resident(GroupId(0)));
+    assert_eq!((o.books(0).used, o.books(0).swapped), (8 * GIB, 0));
+}
+
+/// A process the driver holds with its memory on the GPU (locked by a swap a previous daemon
+/// began, or restored by one it did not finish: the caller unlocked it) stays resident, and is
+/// a victim like any other once the driver has answered.
+#[test]
+fn after_a_restart_a_process_with_its_memory_on_the_gpu_runs_on_and_may_be_swapped_again() {
+    let mut o = node(10 * GIB, 2);
+    o.restate(0, ProcessId(0), 0, 8 * GIB);
+    o.await_driver(ProcessId(0));
+    assert_eq!(o.request(0, RequestId(1), ProcessId(1), 0, 4 * GIB), vec![]);
+    assert!(swap_outs(&o.tick(200 * MS)).is_empty());
+    let e = o.recover(300 * MS, ProcessId(0), false);
+    assert_eq!((o.books(0).used, o.books(0).swapped), (8 * GIB, 0), "{e:?}");
+    // Its wait long over, the asker has room made at once.
+    assert_eq!(swap_outs(&e), vec![(SwapId(1), GroupId(0))]);
+}
+
+/// Two processes of one group found checkpointed come back together, in one restore.
+#[test]
+fn recovered_processes_of_a_group_are_restored_together() {
+    let mut o = node(10 * GIB, 1);
+    o.attach(ProcessId(1), GroupId(0));
+    for p in [0, 1] {
+        o.restate(0, ProcessId(p), 0, 3 * GIB);
+        o.await_driver(ProcessId(p));
+    }
+    o.set_capacity(0, 0, 5 * GIB);
+    assert!(
+        swap_ins(&o.recover(S, ProcessId(0), true)).is_empty(),
+        "3 + 3 > 5 GiB on the GPU"
+    );
+    let e = o.recover(S, ProcessId(1), true);
+    assert_eq!(o.books(0).swapped, 6 * GIB, "{e:?}");
+    let e = o.set_capacity(2 * S, 0, 10 * GIB);
+    match &e[..] {
+        [Effect::SwapIn { processes, .. }] => {
+            assert_eq!(processes, &vec![ProcessId(0), ProcessId(1)])
+        }
+        _ => panic!("one restore of both: {e:?}"),
+    }
 }
 
 #[test]

@@ -202,6 +202,7 @@ impl Node {
             Some(None) => !grace_over,
             None => true,
         });
+        self.follow_ghosts(now);
         self.books.check_at = Some(now.saturating_add(LIVENESS_EVERY_NS));
     }
 }

@@ -110,6 +110,12 @@ pub enum Input {
     },
     /// The restore of [`Effect::SwapIn`] `swap` ended (`ok: false`: its memory is gone).
     SwappedIn { swap: u64, ok: bool },
+    /// Where the driver holds the memory of the process of [`Effect::Settle`] `client`:
+    /// `checkpointed`, in host memory; else on the GPU, the process running.
+    Settled {
+        client: gpushare_policy::ClientId,
+        checkpointed: bool,
+    },
 }
 
 /// What the shell must do, in order.
@@ -146,6 +152,13 @@ pub enum Effect {
     /// Restore these processes' GPU memory and unlock them, off the event loop: answer
     /// [`Input::SwappedIn`] with `swap`.
     SwapIn { swap: u64, pids: Vec<u32> },
+    /// Ask the driver where the memory of process `pid` (client `client`) is, off the event
+    /// loop, and unlock it if a swap left it locked with its memory on the GPU: answer
+    /// [`Input::Settled`].
+    Settle {
+        client: gpushare_policy::ClientId,
+        pid: u32,
+    },
 }
 
 /// What the node starts from.
@@ -228,6 +241,7 @@ impl Node {
             now,
             effects: Vec::new(),
         };
+        node.follow_ghosts(now);
         node.publish(now);
         node.settle(now);
         node
@@ -259,6 +273,10 @@ impl Node {
             Input::Persisted { seq, written } => self.persisted(seq, written, now),
             Input::SwappedOut { swap, outcome } => self.swapped_out(swap, outcome, now),
             Input::SwappedIn { swap, ok } => self.swapped_in(swap, ok, now),
+            Input::Settled {
+                client,
+                checkpointed,
+            } => self.settled(client, checkpointed, now),
         }
         self.settle(now);
     }

@@ -7,7 +7,9 @@
 //! reservation's answer, and turns the core's effects into the node's: replies, and the
 //! checkpoints and restores the shell carries out ([`Effect::SwapOut`], [`Effect::SwapIn`]).
 //!
-//! A process is the core's [`ProcessId`] by its client id (one connection per process).
+//! A process is the core's [`ProcessId`] by its client id (one connection per process); a
+//! holding the memory journal restored, of a process not reconnected yet, by an id counted
+//! down from the top ([`Node::follow_ghosts`]).
 
 use super::{Effect, Node};
 use crate::histogram::Histogram;
@@ -17,7 +19,7 @@ use gpushare_policy::overcommit::{
 };
 use gpushare_protocol::status::{MemoryState, MemorySwaps, PhysicalMemory, uuid_string};
 use gpushare_protocol::{GpuUuid, ServerMsg};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// What the overcommit core needs from the configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,6 +88,11 @@ pub(super) struct State {
     /// Why each group's last allocation was refused, for the report.
     pub refusals: BTreeMap<String, String>,
     timings: Timings,
+    /// Clients whose memory the driver was asked about ([`Effect::Settle`]).
+    settled: BTreeSet<ClientId>,
+    /// The memory journal's holdings of processes not reconnected yet (the books' ghosts), as
+    /// the core's processes: numbered down from the top, no victims.
+    ghosts: BTreeMap<(crate::memory::ProcessId, GpuUuid), ProcessId>,
 }
 
 impl State {
@@ -106,6 +113,8 @@ impl State {
                 swap_in: Histogram::new(&DURATION_BOUNDS_NS),
                 wait: Histogram::new(&DURATION_BOUNDS_NS),
             },
+            settled: BTreeSet::new(),
+            ghosts: BTreeMap::new(),
         }
     }
 
@@ -305,7 +314,86 @@ impl Node {
         let s = &mut self.overcommit;
         let (g, i) = (s.group_id(group), s.gpu_index(gpu));
         s.core.attach(ProcessId(client), g);
-        let effects = s.core.restate(now, ProcessId(client), i, bytes);
+        // The memory it holds may be in host memory, or locked, by a swap a previous daemon
+        // began: the driver says (rule 7 of the core).
+        let pid = self.clients.get(client).map_or(0, |c| c.pid);
+        if bytes > 0 && pid != 0 && s.settled.insert(client) {
+            s.core.await_driver(ProcessId(client));
+            self.effects.push(Effect::Settle { client, pid });
+        }
+        let effects = self
+            .overcommit
+            .core
+            .restate(now, ProcessId(client), i, bytes);
+        self.carry_out(effects, now);
+    }
+
+    /// The core's ghosts follow the books' (the memory journal's holdings of processes that
+    /// have not reconnected to a restarted daemon): what they hold on a GPU is taken there
+    /// until their process restates it (forgotten) or is found gone (freed). Without them, an
+    /// allocation asked before a swapped process has reconnected would be granted memory that
+    /// process still holds, or that a checkpoint under way has not freed yet.
+    pub(super) fn follow_ghosts(&mut self, now: u64) {
+        if self.overcommit.settings.ratio <= 1.0 {
+            return;
+        }
+        let books: Vec<_> = (self.memory.ghosts())
+            .map(|(p, gpu, group, bytes)| (p, gpu, group.to_string(), bytes))
+            .collect();
+        let mut effects = Vec::new();
+        let s = &mut self.overcommit;
+        for (p, gpu, group, bytes) in &books {
+            if s.ghosts.contains_key(&(*p, *gpu)) {
+                continue;
+            }
+            let id = ProcessId(
+                (s.ghosts.values())
+                    .map(|p| p.0)
+                    .min()
+                    .map_or(u64::MAX, |m| m - 1),
+            );
+            let (g, i) = (s.group_id(group), s.gpu_index(*gpu));
+            s.core.attach(id, g);
+            s.core.await_driver(id);
+            effects.extend(s.core.restate(now, id, i, *bytes));
+            s.ghosts.insert((*p, *gpu), id);
+        }
+        let gone: Vec<_> = (s.ghosts.iter())
+            .filter(|(k, _)| !books.iter().any(|b| (b.0, b.1) == **k))
+            .map(|(k, id)| (*k, *id))
+            .collect();
+        for ((p, gpu), id) in gone {
+            self.overcommit.ghosts.remove(&(p, gpu));
+            if self.memory.connected(&p) {
+                effects.extend(self.overcommit.core.forget(now, id));
+            } else {
+                effects.extend(self.overcommit.core.exit(now, id));
+            }
+        }
+        self.carry_out(effects, now);
+    }
+
+    /// The driver said where `client`'s memory is ([`Effect::Settle`]).
+    pub(super) fn settled(&mut self, client: ClientId, checkpointed: bool, now: u64) {
+        if checkpointed {
+            tracing::info!(
+                client,
+                "found in host memory after a restart: restored once its memory fits"
+            );
+        }
+        let effects = (self.overcommit.core).recover(now, ProcessId(client), checkpointed);
+        self.carry_out(effects, now);
+    }
+
+    /// Client `client` of `group` holds managed memory: its group is never a victim.
+    pub(super) fn managed_memory(&mut self, client: ClientId, group: &str, now: u64) {
+        if self.overcommit.settings.ratio <= 1.0 {
+            return;
+        }
+        let s = &mut self.overcommit;
+        let g = s.group_id(group);
+        s.core.attach(ProcessId(client), g);
+        let effects = (s.core).mark_unswappable(now, ProcessId(client), core::Unswappable::Managed);
         self.carry_out(effects, now);
     }
 
@@ -323,6 +411,7 @@ impl Node {
     pub(super) fn exit_physical(&mut self, client: ClientId, now: u64) {
         let s = &mut self.overcommit;
         s.asks.retain(|_, a| a.client != client);
+        s.settled.remove(&client);
         let effects = s.core.exit(now, ProcessId(client));
         self.carry_out(effects, now);
     }
@@ -414,10 +503,13 @@ impl Node {
                     self.overcommit.waited(&a, now);
                     self.memory.free(a.client, a.gpu, a.bytes);
                     let group = self.clients.get(a.client).and_then(|c| c.group.as_deref());
+                    let s = &self.overcommit;
+                    let name = |g: core::GroupId| format!("{:?}", s.group_name(g));
                     let message = format!(
-                        "out of GPU memory on {}: {} MiB within the group's cap refused: {why}",
+                        "out of GPU memory on {}: {} MiB within the group's cap refused: {}",
                         uuid_string(&a.gpu),
-                        a.bytes.div_ceil(1 << 20)
+                        a.bytes.div_ceil(1 << 20),
+                        why.describe(&name)
                     );
                     tracing::warn!(client = a.client, group = ?group, "{message}");
                     if let Some(g) = group {

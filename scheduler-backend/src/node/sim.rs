@@ -131,6 +131,9 @@ pub struct World {
     /// The swaps the node asked for, in order: (swap, pids, out (false: in)); a test answers
     /// them with [`Input::SwappedOut`] and [`Input::SwappedIn`].
     pub swaps: Vec<(u64, Vec<u32>, bool)>,
+    /// The processes the node asked the driver about ([`Effect::Settle`]): (client, pid); a
+    /// test answers them with [`Input::Settled`].
+    pub settles: Vec<(u64, u32)>,
 }
 
 impl World {
@@ -166,6 +169,7 @@ impl World {
             config,
             dev,
             swaps: Vec::new(),
+            settles: Vec::new(),
         };
         w.effects();
         w
@@ -224,6 +228,7 @@ impl World {
                 Effect::Publish(r) => self.published = r,
                 Effect::SwapOut { swap, pids, .. } => self.swaps.push((swap, pids, true)),
                 Effect::SwapIn { swap, pids } => self.swaps.push((swap, pids, false)),
+                Effect::Settle { client, pid } => self.settles.push((client, pid)),
             }
         }
         for conn in resumed {

@@ -243,6 +243,11 @@ impl Node {
                 self.free_physical(id, gpu, bytes, now);
             }
             ClientMsg::MemTotal { gpu, bytes } => self.gpu_memory(gpu, bytes, now),
+            ClientMsg::MemManaged => {
+                if let Some(group) = self.group_of(id, now) {
+                    self.managed_memory(id, &group, now);
+                }
+            }
             ClientMsg::MemSync { gpu, bytes } => {
                 if let Some(group) = self.group_of(id, now) {
                     if bytes > 0 {
@@ -250,6 +255,7 @@ impl Node {
                     }
                     self.memory.sync(id, &group, gpu, bytes);
                     self.restate_physical(id, &group, gpu, bytes, now);
+                    self.follow_ghosts(now);
                 }
             }
             ClientMsg::Status => {

@@ -1019,3 +1019,25 @@ fn without_overcommit_the_gpus_memory_is_not_checked() {
     assert_eq!(granted(&w, a, req), Some(true));
     assert!(w.swaps.is_empty());
 }
+
+#[test]
+fn under_overcommit_a_group_that_said_it_holds_managed_memory_is_never_swapped_out() {
+    let (mut w, a, b) = overcommitted("");
+    w.send(a, ClientMsg::MemManaged);
+    let req = reserve(&mut w, b, 400);
+    w.complete_all();
+    w.advance(400 * MS);
+    assert!(w.swaps.is_empty(), "no checkpoint tried: {:?}", w.swaps);
+    assert_eq!(
+        granted(&w, b, req),
+        Some(false),
+        "nothing else could make room"
+    );
+    let said = w.tenants[&b].received.iter().any(|m| {
+        matches!(m, ServerMsg::Error { message, fatal: false }
+            if message.contains("group \"a\" holds 900 MiB of managed memory"))
+    });
+    assert!(said, "{:?}", w.tenants[&b].received);
+    let s = report(&mut w, a).memory_swaps;
+    assert_eq!((s.swap_outs, s.swap_out_failures), (0, 0));
+}
