@@ -353,7 +353,10 @@ fn handle(st: &mut State, shared: &Shared, conn: ConnId, req: Request, now: u64,
             let ok = m.alloc(conn, device, bytes);
             out.push((conn, Reply::Alloc { req, ok }));
         }
-        Request::Free { device, bytes } => m.free(conn, device, bytes),
+        Request::Free { req, device, bytes } => {
+            m.free(conn, device, bytes);
+            out.push((conn, Reply::Freed { req }));
+        }
         Request::MemInfo { req, device } => match m.mem_info(device) {
             Some((free, total)) => out.push((conn, Reply::MemInfo { req, free, total })),
             None => out.push(err(Some(req), format!("no simulated device {device}"))),
@@ -666,6 +669,7 @@ mod tests {
                 bytes: 1 << 30,
             },
             Request::Free {
+                req: 6,
                 device: 0,
                 bytes: 1 << 30,
             },

@@ -113,10 +113,14 @@ pub fn release_physical(d: &Driver, physical: u32, bytes: u64) -> CuResult {
     if bytes == 0 {
         return Ok(());
     }
-    d.client.send(&Request::Free {
+    match d.client.call(|req| Request::Free {
+        req,
         device: physical,
         bytes,
-    })
+    })? {
+        Reply::Freed { .. } => Ok(()),
+        _ => Err(CUDA_ERROR_UNKNOWN),
+    }
 }
 
 /// Reserve `bytes` of the capacity of this process's GPU `device` in the device process.

@@ -241,6 +241,7 @@ fn reply_req(r: &Reply) -> Option<u64> {
         Reply::Done { req, .. }
         | Reply::Status { req, .. }
         | Reply::Alloc { req, .. }
+        | Reply::Freed { req }
         | Reply::MemInfo { req, .. }
         | Reply::Checkpoint { req, .. }
         | Reply::SharedEvent { req, .. } => Some(*req),

@@ -12,7 +12,7 @@ mod board;
 use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change; checked in [`Request::Hello`].
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Environment variable naming the device socket, set by `gpushare-sim run`.
 pub const SOCKET_ENV: &str = "GPUSHARE_SIM_SOCKET";
@@ -101,7 +101,10 @@ pub enum Request {
         device: u32,
         bytes: u64,
     },
+    /// Give device memory back; reply [`Reply::Freed`] once other processes can allocate it
+    /// (`cuMemFree` returns with the memory free, so a driver call must wait for it).
     Free {
+        req: u64,
         device: u32,
         bytes: u64,
     },
@@ -223,6 +226,10 @@ pub enum Reply {
         req: u64,
         ok: bool,
     },
+    /// The memory of [`Request::Free`] `req` is free on the device.
+    Freed {
+        req: u64,
+    },
     MemInfo {
         req: u64,
         free: u64,
@@ -326,6 +333,7 @@ mod tests {
                 bytes: 1 << 30,
             },
             Request::Free {
+                req: 4,
                 device: 0,
                 bytes: 1 << 30,
             },
