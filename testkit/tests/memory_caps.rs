@@ -1339,14 +1339,8 @@ fn wait_status(node: &Node, what: &str, done: impl Fn(&Value) -> bool) -> Value 
     }
 }
 
-/// Both groups end with every byte and the books empty.
-fn both_finish_intact(node: &Node, first: Proc, mut second: Proc) {
-    second.signal(libc::SIGUSR1);
-    let v = second.expect_json("intact", RUN);
-    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (status, err) = second.finish(RUN);
-    assert!(status.is_some_and(|s| s.success()), "second: {err}");
-    let mut first = first;
+/// The first group, told to check, reads back every byte it wrote before the restart.
+fn first_intact_after_restart(node: &Node, first: &mut Proc) {
     first.signal(libc::SIGUSR1);
     let v = first.next_json("intact", RUN).unwrap_or_else(|why| {
         panic!(
@@ -1355,6 +1349,17 @@ fn both_finish_intact(node: &Node, first: Proc, mut second: Proc) {
         )
     });
     assert_eq!(v["intact"], true, "the first group's bytes: {v}");
+}
+
+/// Both groups end with every byte and the books empty.
+fn both_finish_intact(node: &Node, first: Proc, mut second: Proc) {
+    second.signal(libc::SIGUSR1);
+    let v = second.expect_json("intact", RUN);
+    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
+    let (status, err) = second.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+    let mut first = first;
+    first_intact_after_restart(node, &mut first);
     let (status, err) = first.finish(RUN);
     assert!(status.is_some_and(|s| s.success()), "first: {err}");
     let status = wait_status(node, "the books empty once both exited", |s| {
@@ -1440,14 +1445,7 @@ fn a_scheduler_killed_mid_swap_in_finishes_the_restore_after_its_restart() {
     node.start_scheduler(&["--memory-overcommit", "2"]);
 
     let mut first = first;
-    first.signal(libc::SIGUSR1);
-    let v = first.next_json("intact", RUN).unwrap_or_else(|why| {
-        panic!(
-            "the first group after the restart: {why}\n--- scheduler ---\n{}",
-            node.scheduler_log()
-        )
-    });
-    assert_eq!(v["intact"], true, "the first group's bytes: {v}");
+    first_intact_after_restart(&node, &mut first);
     let status = wait_status(&node, "the first resident", |s| {
         group_in(s, "first").is_some_and(|g| g["memory_state"] == "resident")
             && u(&s["gpus"][0]["physical"], "used") == 1200 * MIB
