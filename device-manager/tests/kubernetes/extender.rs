@@ -713,12 +713,18 @@ async fn the_extender_tells_recreated_pods_apart_follows_the_node_and_forgets_po
         r["error"].as_str().unwrap_or("").contains("recreated"),
         "{r}"
     );
-    let (kept, failed) = ext.filter(&w2, &["node-a"]).await;
-    assert_eq!(
-        kept,
-        ["node-a"],
-        "the old w's units are not free: {failed:?}"
-    );
+    // The extender learns of the deletion from its watch, a moment after the API server.
+    until(
+        Duration::from_secs(30),
+        "the old w's units free",
+        || async {
+            let (kept, failed) = ext.filter(&w2, &["node-a"]).await;
+            (kept == ["node-a"])
+                .then_some(())
+                .ok_or(format!("{failed:?}"))
+        },
+    )
+    .await;
     assert_eq!(ext.schedule(&w2, &["node-a"]).await, "node-a");
     assert_eq!(
         recorded_gpu(&api, "w"),
