@@ -359,6 +359,16 @@ async fn until<T, F: std::future::Future<Output = Result<T, String>>>(
     }
 }
 
+/// Wait until `ext`'s filter keeps exactly `nodes` for `pod` (its books follow watches and
+/// scrapes a moment after the change).
+async fn until_kept(ext: &Extender, pod: &Value, nodes: &[&str], timeout: Duration, what: &str) {
+    until(timeout, what, || async {
+        let (kept, failed) = ext.filter(pod, nodes).await;
+        (kept == nodes).then_some(()).ok_or(format!("{failed:?}"))
+    })
+    .await
+}
+
 /// Placement follows what pods really use, on three nodes, judged alike by an extender
 /// scraping the nodes and one reading the same series from a real Prometheus server
 /// (`--prometheus`): a node whose GPUs' caps are committed but whose tenants use little is
@@ -457,15 +467,12 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
     // node-b: the best fit by what is really used.
     let settled = Instant::now();
     for e in [&ext, &prom] {
-        until(
+        until_kept(
+            e,
+            &p,
+            &["node-a"],
             Duration::from_secs(60),
             "node-a kept by measured use",
-            || async {
-                let (kept, failed) = e.filter(&p, &["node-a"]).await;
-                (kept == ["node-a"])
-                    .then_some(())
-                    .ok_or(format!("{failed:?}"))
-            },
         )
         .await;
         eprintln!(
@@ -607,12 +614,13 @@ async fn the_extender_places_pods_by_measured_use_on_three_nodes() {
         p["metadata"]["deletionTimestamp"] = json!("2030-01-01T00:00:00Z");
     });
     let deleted = Instant::now();
-    until(Duration::from_secs(5), "x's GPU free for r", || async {
-        let (kept, failed) = ext.filter(&r_pod, &["node-a"]).await;
-        (kept == ["node-a"])
-            .then_some(())
-            .ok_or(format!("{failed:?}"))
-    })
+    until_kept(
+        &ext,
+        &r_pod,
+        &["node-a"],
+        Duration::from_secs(5),
+        "x's GPU free for r",
+    )
     .await;
     eprintln!(
         "x's GPU free for the next pod {} ms after its deletion",
@@ -659,12 +667,13 @@ async fn the_extender_tells_recreated_pods_apart_follows_the_node_and_forgets_po
     let log = tmp.path().join("extender.log");
     let mut ext = Extender::start(&kubeconfig, &log, &[]);
     let probe = new_pod(&api, "probe", 10, "1Gi");
-    until(Duration::from_secs(30), "node-a readable", || async {
-        let (kept, failed) = ext.filter(&probe, &["node-a"]).await;
-        (kept == ["node-a"])
-            .then_some(())
-            .ok_or(format!("{failed:?}"))
-    })
+    until_kept(
+        &ext,
+        &probe,
+        &["node-a"],
+        Duration::from_secs(30),
+        "node-a readable",
+    )
     .await;
     api.delete_pod("default", "probe");
 
@@ -714,15 +723,12 @@ async fn the_extender_tells_recreated_pods_apart_follows_the_node_and_forgets_po
         "{r}"
     );
     // The extender learns of the deletion from its watch, a moment after the API server.
-    until(
+    until_kept(
+        &ext,
+        &w2,
+        &["node-a"],
         Duration::from_secs(30),
         "the old w's units free",
-        || async {
-            let (kept, failed) = ext.filter(&w2, &["node-a"]).await;
-            (kept == ["node-a"])
-                .then_some(())
-                .ok_or(format!("{failed:?}"))
-        },
     )
     .await;
     assert_eq!(ext.schedule(&w2, &["node-a"]).await, "node-a");
@@ -811,15 +817,12 @@ async fn the_extender_tells_recreated_pods_apart_follows_the_node_and_forgets_po
     a.used.retain(|d| !px.devices.contains(d));
     ext = Extender::start(&kubeconfig, &tmp.path().join("extender-2.log"), &[]);
     let big = new_pod(&api, "big", 55, "1Gi");
-    until(
+    until_kept(
+        &ext,
+        &big,
+        &["node-a"],
         Duration::from_secs(30),
         "the restarted extender keeps node-a for 55 units",
-        || async {
-            let (kept, failed) = ext.filter(&big, &["node-a"]).await;
-            (kept == ["node-a"])
-                .then_some(())
-                .ok_or(format!("{failed:?}"))
-        },
     )
     .await;
     let bigger = new_pod(&api, "bigger", 60, "1Gi");
