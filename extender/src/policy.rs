@@ -239,6 +239,61 @@ impl Fit {
     }
 }
 
+/// A node's room besides its GPUs' memory: its GPU units, CPU and memory, free of the total
+/// (CPU and memory as kube-scheduler books them: pods' requests against the node's
+/// allocatable; a total of 0: not constrained).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRoom {
+    pub units: u32,
+    pub units_free: u32,
+    pub cpu: u64,
+    pub cpu_free: u64,
+    pub mem: u64,
+    pub mem_free: u64,
+}
+
+impl NodeRoom {
+    /// The room left once a pod asking `units` of GPU, `cpu` and `mem` is placed.
+    pub fn taking(&self, units: u32, cpu: u64, mem: u64) -> NodeRoom {
+        NodeRoom {
+            units_free: self.units_free.saturating_sub(units),
+            cpu_free: self.cpu_free.saturating_sub(cpu),
+            mem_free: self.mem_free.saturating_sub(mem),
+            ..*self
+        }
+    }
+
+    /// GPUs' worth of free units the node lacks CPU or memory for, were later pods to ask
+    /// CPU and memory per GPU as the node offers them: its free share of units beyond its
+    /// free share of CPU (or memory, whichever is less).
+    pub fn stranded(&self) -> f64 {
+        let share = |free: u64, total: u64| {
+            if total == 0 {
+                1.0
+            } else {
+                free as f64 / total as f64
+            }
+        };
+        let units = share(self.units_free.into(), self.units.into());
+        let other = share(self.cpu_free, self.cpu).min(share(self.mem_free, self.mem));
+        (units - other).max(0.0) * f64::from(self.units) / 100.0
+    }
+}
+
+/// The extender's rank of a node, 0–10: how well its best GPU fits the pod ([`Fit::score`]),
+/// less the GPUs the placement would strand there for lack of CPU or memory ([`NodeRoom::stranded`],
+/// before → after), so that a pod asking much CPU or memory per unit of GPU goes where
+/// CPU and memory are to spare instead of leaving GPUs no later pod can use.
+pub fn rank(fit: &Fit, node: Option<(&NodeRoom, &NodeRoom)>) -> u64 {
+    let strands = node.map_or(0.0, |(before, after)| {
+        (after.stranded() - before.stranded()).max(0.0)
+    });
+    ((fit.score() - STRAND_WEIGHT * strands).max(0.0) * 10.0).round() as u64
+}
+
+/// How many points of [`Fit::score`] one GPU stranded costs.
+pub const STRAND_WEIGHT: f64 = 1.0;
+
 /// Inputs of the seed's check besides the books: the GPU's memory in use, one sample a second
 /// over the window since the last placement (at least 20 s).
 pub struct SeedWindow<'a> {

@@ -13,7 +13,7 @@
 //! a random GPU that passes its test, one placement per 6 s.
 
 use crate::policy::{
-    self, Demand, Fit, GpuBook, Kind, Learner, Observed, Policy, SeedWindow, Tenant,
+    self, Demand, Fit, GpuBook, Kind, Learner, NodeRoom, Observed, Policy, SeedWindow, Tenant,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -329,6 +329,10 @@ impl<'a> Sim<'a> {
     }
 
     pub fn run(mut self) -> Outcome {
+        self.run_in_place()
+    }
+
+    fn run_in_place(&mut self) -> Outcome {
         let spec = self.spec;
         let total_memory: u64 = self.gpus.iter().map(|g| g.book.memory).sum();
         let (mut mem_sum, mut busy_sum, mut frag_peak) = (0.0f64, 0.0f64, 0.0f64);
@@ -635,6 +639,24 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// Node `n`'s room as the extender ranks it.
+    fn room(&self, n: usize) -> NodeRoom {
+        let (spec, used) = (&self.spec.nodes[n], &self.nodes[n]);
+        let units_used: u32 = self.node_gpus[n]
+            .clone()
+            .map(|g| self.gpus[g].book.units_used())
+            .sum();
+        let units = 100 * spec.gpus as u32;
+        NodeRoom {
+            units,
+            units_free: units.saturating_sub(units_used),
+            cpu: spec.cpu,
+            cpu_free: spec.cpu.saturating_sub(used.cpu_used),
+            mem: spec.mem,
+            mem_free: spec.mem.saturating_sub(used.mem_used),
+        }
+    }
+
     fn node_fits(&self, n: usize, job: &JobSpec) -> bool {
         let (spec, used) = (&self.spec.nodes[n], &self.nodes[n]);
         (spec.cpu == 0 || used.cpu_used + job.cpu <= spec.cpu)
@@ -737,7 +759,9 @@ impl<'a> Sim<'a> {
                 }
                 pick.map(|(fit, g)| {
                     let rank = if self.policy.ranks_nodes() {
-                        (fit.score() * 10.0).round() as u64
+                        let before = self.room(n);
+                        let after = before.taking(job.units, job.cpu, job.mem);
+                        policy::rank(&fit, Some((&before, &after)))
                     } else {
                         0
                     };
@@ -889,6 +913,56 @@ mod tests {
                 o.gpu_busy_frac > 0.9,
                 "{p:?}: only the GPU pod counts: {o:?}"
             );
+        }
+    }
+
+    #[test]
+    fn diag() {
+        let seed: u64 = std::env::var("DIAG_SEED").map_or(0, |v| v.parse().unwrap());
+        let spec = workload::build(Workload::OpenbDefault, seed, 0, (1, 1));
+        let mut r = Sim::new(&spec, Policy::Requests, seed);
+        let ro = r.run_in_place();
+        let mut p = Sim::new(&spec, Policy::Predicted, seed);
+        let po = p.run_in_place();
+        eprintln!("requests {ro:?}\npredicted {po:?}");
+        let desc = |_s: &Sim, j: usize| {
+            let job = &spec.jobs[j];
+            format!("j{j} whole {} units {} cpu {} mem {}", job.whole, job.units, job.cpu, job.mem)
+        };
+        // Per node: free cpu, free mem, empty gpus, most_free.
+        let state = |s: &Sim, j: usize| {
+            let job = &spec.jobs[j];
+            let (mut gpu_ok, mut cpu_ok, mut both) = (0, 0, 0);
+            for n in 0..s.nodes.len() {
+                let g = if job.whole > 0 { s.nodes[n].empty >= job.whole as usize } else if job.units > 0 { s.nodes[n].most_free >= job.units } else { true };
+                let c = s.node_fits(n, job);
+                gpu_ok += usize::from(g); cpu_ok += usize::from(c); both += usize::from(g && c);
+            }
+            format!("nodes gpu-room {gpu_ok} cpu/mem-room {cpu_ok} both {both}")
+        };
+        let mut kinds = std::collections::BTreeMap::<String, (usize, usize)>::new();
+        for j in 0..spec.jobs.len() {
+            let (a, b) = (r.jobs[j].placed.is_some(), p.jobs[j].placed.is_some());
+            let job = &spec.jobs[j];
+            let k = format!("whole{} share{}", job.whole, job.units > 0 && job.whole == 0);
+            let e = kinds.entry(k).or_default();
+            if a && !b { e.0 += 1; eprintln!("P-only-unplaced {} | req: {} | pred: {}", desc(&p, j), state(&r, j), state(&p, j)); }
+            if !a && b { e.1 += 1; eprintln!("R-only-unplaced {} | req: {} | pred: {}", desc(&p, j), state(&r, j), state(&p, j)); }
+        }
+        eprintln!("{kinds:?}");
+        for (name, s) in [("requests", &r), ("predicted", &p)] {
+            let (mut cpu_free, mut mem_free, mut empty, mut partial_free, mut stranded_empty) = (0u64, 0u64, 0usize, 0u32, 0usize);
+            let mut by_empty = std::collections::BTreeMap::<usize, usize>::new();
+            for n in 0..s.nodes.len() {
+                let ns = &spec.nodes[n];
+                cpu_free += ns.cpu - s.nodes[n].cpu_used;
+                mem_free += ns.mem - s.nodes[n].mem_used;
+                empty += s.nodes[n].empty;
+                *by_empty.entry(s.nodes[n].empty).or_default() += 1;
+                for g in s.node_gpus[n].clone() { let u = s.gpus[g].book.units_used(); if u > 0 && u < 100 { partial_free += 100 - u; } }
+                if s.nodes[n].empty > 0 && (ns.cpu - s.nodes[n].cpu_used) < 8000 { stranded_empty += s.nodes[n].empty; }
+            }
+            eprintln!("{name}: cpu free {cpu_free} mem free {mem_free} empty gpus {empty} partial free units {partial_free} empty gpus on nodes with <8 cpu free {stranded_empty} nodes by empty gpus {by_empty:?}");
         }
     }
 
