@@ -205,13 +205,10 @@ pub extern "C" fn cuGraphLaunch_ptsz(exec: P, stream: P) -> CUresult {
 /// turn ends with the work being waited for, and telling it when the synchronisation returned.
 fn synced(sync: impl FnOnce() -> Option<CUresult>) -> CUresult {
     let run = || {
-        let gate = current_gate();
-        if let Some(g) = gate {
-            g.before_sync();
-        }
+        let gate = current_gate().map(|g| (g, g.before_sync()));
         let r = sync().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        if let Some(g) = gate {
-            g.after_sync();
+        if let Some((g, began)) = gate {
+            g.after_sync(began);
         }
         r
     };
