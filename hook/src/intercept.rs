@@ -34,13 +34,13 @@ fn current_gate() -> Option<&'static Gate> {
 /// Run a launch through the gate of the current GPU. Panics never cross into the caller. A
 /// launch into a stream being captured only adds a node to the capture's graph: it is neither
 /// gated nor fenced (the graph's launches are).
-#[inline]
+#[inline(always)]
 fn gated(stream: Option<(P, bool)>, launch: impl FnOnce() -> Option<CUresult>) -> CUresult {
     gated_launches(stream, 1, launch)
 }
 
 /// [`gated`] for a launch of `launches` kernels at once (a graph).
-#[inline]
+#[inline(always)]
 fn gated_launches(
     stream: Option<(P, bool)>,
     launches: u64,
