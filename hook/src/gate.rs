@@ -552,8 +552,10 @@ impl Gate {
     /// A synchronisation that began at `began` returned. The fences of the work it waited for
     /// have completed: taken in now (a query each, no wait), so that the launches after it are
     /// not held for work already done (a launch-bound loop would otherwise wait on a completed
-    /// fence every few fences). A wait longer than the queue budget shows the GPU time per
-    /// launch higher than the fences knew.
+    /// fence every few fences). The pacing keeps the work queued within the queue budget: a
+    /// wait of more than twice the budget (margin for a thread woken late, and for the previous
+    /// holder's last kernels at a turn's start) shows the GPU time per launch higher than the
+    /// fences knew.
     pub fn after_sync(&self, began: u64) {
         let n = self.launches.load(Ordering::Relaxed);
         let mut g = self.lock();
@@ -561,7 +563,7 @@ impl Gate {
         g.turns.after_sync(now, n);
         let budget = g.turns.queue_budget();
         if let Some(budget) = budget
-            && now.saturating_sub(began) as f64 > budget
+            && now.saturating_sub(began) as f64 > 2.0 * budget
         {
             g.queue.scan(&self.launch_streams, n);
             g.queue.waited(now.saturating_sub(began) as f64);
