@@ -256,6 +256,7 @@ mod tests {
             active: true,
             memory_used: 1 << 30,
             memory_cap: Some(4 << 30),
+            memory_clamped: None,
             memory_reservations: 5,
             memory_swapped: 1 << 20,
             memory_state: status::MemoryState::SwappingIn,

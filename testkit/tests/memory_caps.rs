@@ -1170,6 +1170,13 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
     assert!(status.is_some_and(|s| s.success()), "first: {err}");
     let log = node.scheduler_log();
     assert!(log.contains("restoring from host memory"), "{log}");
+    // No turns for the first while out, and turns again once back (it ran: it read its bytes).
+    for line in [
+        "no GPU turns while its memory is out",
+        "GPU turns again: its memory is back",
+    ] {
+        assert!(log.contains(line), "{line:?} in the scheduler's log:\n{log}");
+    }
     // The first ran again, so the scheduler heard that the restore was done.
     let swaps = &node.status_json().expect("gpushare status --json")["memory_swaps"];
     assert_eq!(u(swaps, "swap_ins"), 1, "{swaps}");
@@ -1528,6 +1535,52 @@ fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes(
     let (exited, err) = first.finish(RUN);
     assert!(exited.is_some_and(|s| s.success()), "first: {err}");
     assert!(!log.contains("restoring from host memory"), "{log}");
+}
+
+/// Caps may sum to 2 x the 2 GiB GPU: groups `first` and `second` keep their 1500 MiB caps,
+/// `third`, whose cap came last, gets the 1096 MiB left. Its process sees that cap
+/// (`cuMemGetInfo`), an allocation past it fails at once with `CUDA_ERROR_OUT_OF_MEMORY` and the
+/// reason (its `GPUSHARE_LOG=debug` output), the scheduler's log says so when the cap is set,
+/// and `gpushare status` (text and `--json`: `memory_cap`, `memory_clamped`) shows it.
+#[test]
+fn a_cap_past_what_the_gpu_may_promise_gets_what_is_left_and_says_so() {
+    let (node, exe) = overcommitted_node(&[]);
+    for group in ["first", "second"] {
+        let got = try_alloc(&node, &exe, group, "1500MiB", 1200 * MIB, 0);
+        assert_eq!(i(&got, "result"), 0, "{group}: {got}");
+    }
+    let mut cmd = in_group(
+        &node,
+        "third",
+        Some("1500MiB"),
+        &exe,
+        &["try", &(1200 * MIB).to_string(), "0"],
+    );
+    cmd.env("GPUSHARE_LOG", "debug");
+    let (lines, out) = run_ok(cmd);
+    let before = line_with(&lines, "before", &out);
+    assert_eq!(u(before, "total"), 1096 * MIB, "the clamped cap: {before}");
+    let got = line_with(&lines, "result", &out);
+    assert_eq!(i(got, "result"), OOM, "1200 MiB past a 1096 MiB cap: {got}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    let why = "group \"third\"'s memory cap of 1500 MiB is clamped to 1096 MiB on this GPU: the caps of the groups that came before it already promise 3000 of the 4096 MiB that memory_overcommit = 2 allows";
+    assert!(said.contains(why), "the process is told why:\n{said}");
+    let log = node.scheduler_log();
+    assert!(log.contains(why), "the scheduler's log says so:\n{log}");
+    let status = node.status_json().expect("gpushare status --json");
+    let third = group_in(&status, "third").expect("the third group in the status");
+    assert_eq!(
+        (u(third, "memory_cap"), u(third, "memory_clamped")),
+        (1096 * MIB, 1500 * MIB),
+        "{third}"
+    );
+    let first = group_in(&status, "first").expect("the first group in the status");
+    assert!(first["memory_clamped"].is_null(), "{first}");
+    let text = status_text(&node);
+    assert!(
+        text.contains("  third: memory cap clamped to 1096 MiB of the 1500 asked"),
+        "{text}"
+    );
 }
 
 /// `gpushare status` as a person reads it.

@@ -323,6 +323,12 @@ impl Node {
                 self.books.after_persist(id, answer);
             }
         } else {
+            if !u.granted
+                && let Some(message) = self.clamped_refusal(&group, &gpu, bytes)
+            {
+                tracing::debug!(client = id, group = %group, "{message}");
+                self.refuse(id, message);
+            }
             self.send(id, answer);
         }
     }
@@ -351,11 +357,15 @@ impl Node {
     fn policy_for(&mut self, gpu: GpuUuid) -> &mut Policy {
         let cfg = self.config.policy.clone();
         let (groups, pods, late) = (&self.groups, &self.pods, self.recent_late.1);
+        let (suspended, now) = (&self.overcommit.suspended, self.now);
         self.policies.entry(gpu).or_insert_with(|| {
             let mut p = Policy::new(cfg);
             p.set_lateness(late);
             for (name, params) in groups.iter().filter(|(n, _)| pods.on_gpu(n, &gpu)) {
                 let _ = p.set_group(name, *params);
+                if suspended.contains(name) {
+                    p.suspend(name, now);
+                }
             }
             p
         })
