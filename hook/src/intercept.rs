@@ -422,6 +422,9 @@ fn wrappers() -> [(&'static str, P); 57] {
         cuLaunchKernelEx => cuLaunchKernelEx,
         cuLaunchKernelEx_ptsz => cuLaunchKernelEx_ptsz,
         cuLaunchKernel_ptsz => cuLaunchKernel_ptsz,
+        cuIpcGetMemHandle => memory::cuIpcGetMemHandle,
+        cuIpcOpenMemHandle => memory::cuIpcOpenMemHandle,
+        cuIpcOpenMemHandle_v2 => memory::cuIpcOpenMemHandle_v2,
         cuMemAllocAsync => memory::cuMemAllocAsync,
         cuMemAllocAsync_ptsz => memory::cuMemAllocAsync_ptsz,
         cuMemAllocFromPoolAsync => memory::cuMemAllocFromPoolAsync,
@@ -798,6 +801,9 @@ mod tests {
             "cuMipmappedArrayDestroy",
             "cuMemGetInfo_v2",
             "cuDeviceTotalMem_v2",
+            "cuIpcGetMemHandle",
+            "cuIpcOpenMemHandle",
+            "cuIpcOpenMemHandle_v2",
         ];
         for n in names {
             assert!(wrapper(n.as_bytes()).is_some(), "{n} is not managed");

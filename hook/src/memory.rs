@@ -17,7 +17,7 @@ use gpushare_cuda_abi::result::{
 };
 use gpushare_cuda_abi::types::{
     CU_MEM_LOCATION_TYPE_DEVICE, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY3D_DESCRIPTOR,
-    CUmemAllocationProp, CUresult,
+    CUipcMemHandle, CUmemAllocationProp, CUresult,
 };
 use std::ffi::c_void;
 
@@ -209,6 +209,48 @@ pub extern "C" fn cuMemAllocManaged(dptr: *mut u64, size: usize, flags: u32) -> 
         },
         || read(dptr).unwrap_or(0),
     )
+}
+
+/// Exporting memory to another process: the scheduler learns it first (never a swap victim).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuIpcGetMemHandle(handle: *mut CUipcMemHandle, dptr: u64) -> CUresult {
+    let run = || {
+        if let Some(h) = hook() {
+            charges::ipc(h);
+        }
+        real::cuIpcGetMemHandle().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(handle, dptr) })
+    };
+    crate::guarded(run)
+}
+
+/// Opening another process's memory: the scheduler learns it first (never a swap victim).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuIpcOpenMemHandle(dptr: *mut u64, handle: CUipcMemHandle, flags: u32) -> CUresult {
+    let run = || {
+        if let Some(h) = hook() {
+            charges::ipc(h);
+        }
+        real::cuIpcOpenMemHandle()
+            .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(dptr, handle, flags) })
+    };
+    crate::guarded(run)
+}
+
+/// [`cuIpcOpenMemHandle`] by its CUDA 11 name.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuIpcOpenMemHandle_v2(
+    dptr: *mut u64,
+    handle: CUipcMemHandle,
+    flags: u32,
+) -> CUresult {
+    let run = || {
+        if let Some(h) = hook() {
+            charges::ipc(h);
+        }
+        real::cuIpcOpenMemHandle_v2()
+            .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(dptr, handle, flags) })
+    };
+    crate::guarded(run)
 }
 
 #[unsafe(no_mangle)]

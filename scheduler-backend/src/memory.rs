@@ -433,7 +433,14 @@ mod tests {
         let on_gpu = |g: &str, gpu: &GpuUuid| g != "c" || *gpu == other;
         assert!(m.caps_changed());
         let changed = m.promise_caps(&capacity, 1.0, on_gpu);
-        assert_eq!(changed, vec![("b".into(), GPU, 2 * GIB, GIB), ("b".into(), other, 2 * GIB, GIB)]);
+        assert_eq!(
+            changed,
+            vec![
+                ("b".into(), GPU, 2 * GIB, GIB),
+                ("b".into(), other, 2 * GIB, GIB),
+                ("c".into(), other, GIB, 0)
+            ]
+        );
         assert!(!m.caps_changed());
         assert_eq!(m.cap("b", &GPU), Some(GIB));
         assert_eq!(m.clamped("b", &GPU), Some((2 * GIB, GIB)));

@@ -1462,37 +1462,20 @@ fn a_scheduler_killed_mid_swap_in_finishes_the_restore_after_its_restart() {
     assert!(status.is_some_and(|s| s.success()), "first: {err}");
 }
 
-/// Group `first` holds 16 MiB of managed (unified) memory besides its 1200 MiB, and the driver
-/// cannot checkpoint managed memory: its hook told the scheduler before allocating it, so when
-/// group `second`'s 1200 MiB needs room that only `first` could make, no checkpoint is even
-/// tried (no swap, no failure): the allocation is refused with the reason, naming the group,
-/// and so is a later one of a third group; `first` runs on with every byte, managed ones too.
-#[test]
-fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes() {
+/// Group `first` holds memory the scheduler may not swap out besides its 1200 MiB (`tail`:
+/// the rest of its `mem_tool keep` arguments), and its hook told the scheduler before it made
+/// it: when group `second`'s 1200 MiB needs room that only `first` could make, no checkpoint is
+/// even tried (no swap, no failure): the allocation is refused with the reason (`why`), naming
+/// the group, and so is a later one of a third group; `first` runs on with every byte.
+fn a_group_that_may_not_be_swapped_out_runs_on_with_its_bytes(tail: &[&str], why: &str) {
     let (node, exe) = overcommitted_node(&[]);
-    let keep_with_managed = |group: &str, seed: &str, managed: u64| {
-        let mut cmd = in_group(
-            &node,
-            group,
-            Some("1500MiB"),
-            &exe,
-            &[
-                "keep",
-                &(1200 * MIB).to_string(),
-                seed,
-                &managed.to_string(),
-            ],
-        );
-        cmd.env("GPUSHARE_FAIL", "open");
-        Proc::spawn(cmd)
-    };
-    let mut first = keep_with_managed("first", "1", 16 * MIB);
+    let mut args = vec!["keep".to_string(), (1200 * MIB).to_string(), "1".into()];
+    args.extend(tail.iter().map(|a| a.to_string()));
+    let mut cmd = in_group(&node, "first", Some("1500MiB"), &exe, &args);
+    cmd.env("GPUSHARE_FAIL", "open");
+    let mut first = Proc::spawn(cmd);
     let got = first.expect_json("alloc", RUN);
-    assert_eq!(
-        i(&got, "alloc"),
-        0,
-        "1200 MiB on a GPU with 16 MiB used: {got}"
-    );
+    assert_eq!(i(&got, "alloc"), 0, "1200 MiB on a GPU with 16 MiB used at most: {got}");
     first.expect_json("filled", RUN);
 
     for (n, group) in ["second", "third"].into_iter().enumerate() {
@@ -1501,7 +1484,7 @@ fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes(
         assert_eq!(
             i(&got, "alloc"),
             OOM,
-            "{group}: 1200 MiB beside 1216 MiB that cannot be swapped out: {got}\n{}",
+            "{group}: 1200 MiB beside 1200 MiB or more that cannot be swapped out: {got}\n{}",
             node.scheduler_log()
         );
         let (exited, _) = p.finish(RUN);
@@ -1523,18 +1506,32 @@ fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes(
     assert!(
         log.contains("within the group's cap refused")
             && log.contains("group \"first\" holds ")
-            && log.contains(" MiB of managed memory"),
+            && log.contains(&format!(" MiB of {why}")),
         "the refusal says why:\n{log}"
     );
     first.signal(libc::SIGUSR1);
     let v = first.expect_json("intact", RUN);
-    assert_eq!(
-        v["intact"], true,
-        "the first group's bytes, managed ones too: {v}"
-    );
+    assert_eq!(v["intact"], true, "the first group's bytes: {v}");
     let (exited, err) = first.finish(RUN);
     assert!(exited.is_some_and(|s| s.success()), "first: {err}");
     assert!(!log.contains("restoring from host memory"), "{log}");
+}
+
+/// Managed (unified) memory, which the driver cannot checkpoint: 16 MiB of it, checked intact
+/// too.
+#[test]
+fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes() {
+    let managed = (16 * MIB).to_string();
+    a_group_that_may_not_be_swapped_out_runs_on_with_its_bytes(&[&managed], "managed memory");
+}
+
+/// Memory exported to other processes (`cuIpcGetMemHandle`): swapped out, they would lose it.
+#[test]
+fn a_group_sharing_memory_over_ipc_is_not_swapped_out_and_runs_on_with_its_bytes() {
+    a_group_that_may_not_be_swapped_out_runs_on_with_its_bytes(
+        &["0", "ipc"],
+        "memory shared with another process (IPC)",
+    );
 }
 
 /// Caps may sum to 2 x the 2 GiB GPU: groups `first` and `second` keep their 1500 MiB caps,

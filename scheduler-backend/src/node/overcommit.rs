@@ -452,15 +452,22 @@ impl Node {
         self.carry_out(effects, now);
     }
 
-    /// Client `client` of `group` holds managed memory: its group is never a victim.
-    pub(super) fn managed_memory(&mut self, client: ClientId, group: &str, now: u64) {
+    /// Client `client` of `group` holds memory the group cannot be swapped out with (managed
+    /// memory, or memory shared with another process): its group is never a victim.
+    pub(super) fn unswappable_memory(
+        &mut self,
+        client: ClientId,
+        group: &str,
+        why: core::Unswappable,
+        now: u64,
+    ) {
         if self.overcommit.settings.ratio <= 1.0 {
             return;
         }
         let s = &mut self.overcommit;
         let g = s.group_id(group);
         s.core.attach(ProcessId(client), g);
-        let effects = (s.core).mark_unswappable(now, ProcessId(client), core::Unswappable::Managed);
+        let effects = (s.core).mark_unswappable(now, ProcessId(client), why);
         self.carry_out(effects, now);
     }
 

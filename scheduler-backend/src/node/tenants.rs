@@ -4,6 +4,7 @@
 
 use super::{ConnId, Node};
 use crate::identity::Peer;
+use gpushare_policy::overcommit::Unswappable;
 use gpushare_policy::{ClientId, Decision, GroupClass, GroupParams, Policy, TurnUse};
 use gpushare_protocol::status::uuid_string;
 use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
@@ -243,9 +244,13 @@ impl Node {
                 self.free_physical(id, gpu, bytes, now);
             }
             ClientMsg::MemTotal { gpu, bytes } => self.gpu_memory(gpu, bytes, now),
-            ClientMsg::MemManaged => {
+            ClientMsg::MemManaged | ClientMsg::MemIpc => {
+                let why = match msg {
+                    ClientMsg::MemManaged => Unswappable::Managed,
+                    _ => Unswappable::Ipc,
+                };
                 if let Some(group) = self.group_of(id, now) {
-                    self.managed_memory(id, &group, now);
+                    self.unswappable_memory(id, &group, why, now);
                 }
             }
             ClientMsg::MemSync { gpu, bytes } => {

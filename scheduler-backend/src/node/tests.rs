@@ -1026,10 +1026,12 @@ fn without_overcommit_the_gpus_memory_is_not_checked() {
     assert!(w.swaps.is_empty());
 }
 
-#[test]
-fn under_overcommit_a_group_that_said_it_holds_managed_memory_is_never_swapped_out() {
+/// Group a says `said` (it holds memory it cannot be swapped out with): b's reservation that
+/// only a's memory could make room for is refused, naming a and `why`, and no checkpoint is
+/// tried.
+fn never_swapped_out_after(said: ClientMsg, why: &str) {
     let (mut w, a, b) = overcommitted("");
-    w.send(a, ClientMsg::MemManaged);
+    w.send(a, said);
     let req = reserve(&mut w, b, 400);
     w.complete_all();
     w.advance(400 * MS);
@@ -1041,11 +1043,24 @@ fn under_overcommit_a_group_that_said_it_holds_managed_memory_is_never_swapped_o
     );
     let said = w.tenants[&b].received.iter().any(|m| {
         matches!(m, ServerMsg::Error { message, fatal: false }
-            if message.contains("group \"a\" holds 900 MiB of managed memory"))
+            if message.contains(&format!("group \"a\" holds 900 MiB of {why}")))
     });
     assert!(said, "{:?}", w.tenants[&b].received);
     let s = report(&mut w, a).memory_swaps;
     assert_eq!((s.swap_outs, s.swap_out_failures), (0, 0));
+}
+
+#[test]
+fn under_overcommit_a_group_that_said_it_holds_managed_memory_is_never_swapped_out() {
+    never_swapped_out_after(ClientMsg::MemManaged, "managed memory");
+}
+
+#[test]
+fn under_overcommit_a_group_that_said_it_shares_memory_over_ipc_is_never_swapped_out() {
+    never_swapped_out_after(
+        ClientMsg::MemIpc,
+        "memory shared with another process (IPC)",
+    );
 }
 
 /// What `c`'s group may hold on the GPU, as a query answers.
@@ -1077,15 +1092,14 @@ fn caps_past_the_overcommit_ratio_leave_the_group_that_came_last_what_is_left() 
     );
     assert_eq!(cap_of(&mut w, a), Some(1024 * MIB), "the first keeps its cap");
     assert_eq!(cap_of(&mut w, b), Some(128 * MIB), "the last gets what is left");
-    let r = report(&mut w, a);
-    let (ga, gb) = (group_report(&r, "a"), group_report(&r, "b"));
-    assert_eq!((ga.memory_cap, ga.memory_clamped), (Some(1024 * MIB), None));
-    assert_eq!((gb.memory_cap, gb.memory_clamped), (Some(128 * MIB), Some(512 * MIB)));
-
     // Past the clamped cap, though within the one asked: refused, and told why.
     let req = reserve(&mut w, b, 200);
     w.complete_all();
     assert_eq!(granted(&w, b, req), Some(false));
+    let r = report(&mut w, a);
+    let (ga, gb) = (group_report(&r, "a"), group_report(&r, "b"));
+    assert_eq!((ga.memory_cap, ga.memory_clamped), (Some(1024 * MIB), None));
+    assert_eq!((gb.memory_cap, gb.memory_clamped), (Some(128 * MIB), Some(512 * MIB)));
     let said = w.tenants[&b].received.iter().any(|m| {
         matches!(m, ServerMsg::Error { message, fatal: false }
             if message.contains("group \"b\"'s memory cap of 512 MiB is clamped to 128 MiB")
