@@ -676,8 +676,8 @@ impl Policy {
         }
         if let Some(t) = self.current.as_ref().filter(|t| t.group == name) {
             let (client, token) = (t.client, t.token);
-            self.yield_current(now, now);
             self.decisions.push(Decision::Revoke { client, token });
+            self.yield_current(now, now);
         }
         self.plan(now);
         self.mark_held_back(now);

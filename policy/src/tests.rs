@@ -905,9 +905,11 @@ fn a_suspended_group_loses_its_turn_gets_none_and_is_served_once_resumed() {
         matches!(d[1], Decision::Grant { client: 2, start_ns, .. } if start_ns == 5 * MS),
         "{d:?}"
     );
-    // a asks again, b runs out of work after its turn: the GPU idles, and a gets nothing.
+    // a asks again, b runs out of work: the GPU idles, and a gets nothing.
     p.acquire(1, 6 * MS).unwrap();
-    let d = run_to(&mut p, 6 * MS, S);
+    p.yield_turn(2, 2, 10 * MS, 10 * MS).unwrap();
+    p.report(2, 2, used(5 * MS, 10 * MS), false, 10 * MS).unwrap();
+    let d = run_to(&mut p, 10 * MS, S);
     assert!(
         !d.iter().any(|x| matches!(x, Decision::Grant { client: 1, .. })),
         "{d:?}"
