@@ -16,8 +16,8 @@ use gpushare_cuda_abi::result::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
 };
 use gpushare_cuda_abi::types::{
-    CU_MEM_LOCATION_TYPE_DEVICE, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY3D_DESCRIPTOR,
-    CUipcMemHandle, CUmemAllocationProp, CUresult,
+    CU_MEM_LOCATION_TYPE_DEVICE, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY3D_DESCRIPTOR, CUipcMemHandle,
+    CUmemAllocationProp, CUresult,
 };
 use std::ffi::c_void;
 
@@ -225,13 +225,18 @@ pub extern "C" fn cuIpcGetMemHandle(handle: *mut CUipcMemHandle, dptr: u64) -> C
 
 /// Opening another process's memory: the scheduler learns it first (never a swap victim).
 #[unsafe(no_mangle)]
-pub extern "C" fn cuIpcOpenMemHandle(dptr: *mut u64, handle: CUipcMemHandle, flags: u32) -> CUresult {
+pub extern "C" fn cuIpcOpenMemHandle(
+    dptr: *mut u64,
+    handle: CUipcMemHandle,
+    flags: u32,
+) -> CUresult {
     let run = || {
         if let Some(h) = hook() {
             charges::ipc(h);
         }
-        real::cuIpcOpenMemHandle()
-            .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(dptr, handle, flags) })
+        real::cuIpcOpenMemHandle().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
+            f(dptr, handle, flags)
+        })
     };
     crate::guarded(run)
 }
@@ -247,8 +252,9 @@ pub extern "C" fn cuIpcOpenMemHandle_v2(
         if let Some(h) = hook() {
             charges::ipc(h);
         }
-        real::cuIpcOpenMemHandle_v2()
-            .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(dptr, handle, flags) })
+        real::cuIpcOpenMemHandle_v2().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
+            f(dptr, handle, flags)
+        })
     };
     crate::guarded(run)
 }

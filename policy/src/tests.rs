@@ -900,7 +900,14 @@ fn a_suspended_group_loses_its_turn_gets_none_and_is_served_once_resumed() {
     p.suspend("a", 5 * MS);
     assert!(p.suspended("a"));
     let d = p.take_decisions();
-    assert_eq!(d[0], Decision::Revoke { client: 1, token: 1 }, "{d:?}");
+    assert_eq!(
+        d[0],
+        Decision::Revoke {
+            client: 1,
+            token: 1
+        },
+        "{d:?}"
+    );
     assert!(
         matches!(d[1], Decision::Grant { client: 2, start_ns, .. } if start_ns == 5 * MS),
         "{d:?}"
@@ -908,10 +915,12 @@ fn a_suspended_group_loses_its_turn_gets_none_and_is_served_once_resumed() {
     // a asks again, b runs out of work: the GPU idles, and a gets nothing.
     p.acquire(1, 6 * MS).unwrap();
     p.yield_turn(2, 2, 10 * MS, 10 * MS).unwrap();
-    p.report(2, 2, used(5 * MS, 10 * MS), false, 10 * MS).unwrap();
+    p.report(2, 2, used(5 * MS, 10 * MS), false, 10 * MS)
+        .unwrap();
     let d = run_to(&mut p, 10 * MS, S);
     assert!(
-        !d.iter().any(|x| matches!(x, Decision::Grant { client: 1, .. })),
+        !d.iter()
+            .any(|x| matches!(x, Decision::Grant { client: 1, .. })),
         "{d:?}"
     );
     assert_eq!(p.status(S).holder, None);
@@ -949,7 +958,11 @@ fn a_turn_planned_for_a_group_as_it_is_suspended_is_withdrawn_and_its_client_wai
     assert!(st.waiting.contains(&1), "still waiting: {st:?}");
     p.resume("a", 30 * MS);
     let d = run_to(&mut p, 30 * MS, 60 * MS);
-    assert!(d.iter().any(|x| matches!(x, Decision::Grant { client: 1, .. })), "{d:?}");
+    assert!(
+        d.iter()
+            .any(|x| matches!(x, Decision::Grant { client: 1, .. })),
+        "{d:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -975,21 +988,41 @@ fn a_swapped_out_group_leaves_its_share_to_the_others_and_comes_back_to_it_unsta
     sim.run_until(back);
     sim.swap(0, false);
     sim.run_until(end);
-    assert_eq!(sim.work_share(0, out, back), 0.0, "a runs nothing while out");
-    assert_eq!(sim.held_share(0, out, back), 0.0, "a holds no turn while out");
+    assert_eq!(
+        sim.work_share(0, out, back),
+        0.0,
+        "a runs nothing while out"
+    );
+    assert_eq!(
+        sim.held_share(0, out, back),
+        0.0,
+        "a holds no turn while out"
+    );
     for (g, want) in [(1, 0.55), (2, 0.45)] {
         let w = sim.window_shares(g, S, S, out + S, back);
-        let (lo, hi) = (w.iter().cloned().fold(1.0, f64::min), w.iter().cloned().fold(0.0, f64::max));
+        let (lo, hi) = (
+            w.iter().cloned().fold(1.0, f64::min),
+            w.iter().cloned().fold(0.0, f64::max),
+        );
         eprintln!("a out: group {g} 1 s windows {lo:.4}..{hi:.4}");
-        assert!(lo >= want - 0.02 && hi <= want + 0.02, "group {g} while a is out: {lo}..{hi}");
+        assert!(
+            lo >= want - 0.02 && hi <= want + 0.02,
+            "group {g} while a is out: {lo}..{hi}"
+        );
     }
     let first = sim.work_share(0, back, back + 50 * MS);
     assert!(first > 0.0, "a runs within 50 ms of its return");
     for (g, want) in [(0, 0.5), (1, 0.3), (2, 0.2)] {
         let w = sim.window_shares(g, S, S, back, end);
-        let (lo, hi) = (w.iter().cloned().fold(1.0, f64::min), w.iter().cloned().fold(0.0, f64::max));
+        let (lo, hi) = (
+            w.iter().cloned().fold(1.0, f64::min),
+            w.iter().cloned().fold(0.0, f64::max),
+        );
         eprintln!("a back: group {g} 1 s windows {lo:.4}..{hi:.4}");
-        assert!(lo >= want - 0.02 && hi <= want + 0.02, "group {g} after a's return: {lo}..{hi}");
+        assert!(
+            lo >= want - 0.02 && hi <= want + 0.02,
+            "group {g} after a's return: {lo}..{hi}"
+        );
     }
     assert!(sim.utilisation(out, end) >= 0.999);
     assert_eq!(sim.stats.idle_with_uncapped_waiter_ns, 0);

@@ -444,8 +444,12 @@ weight = 2
     #[test]
     fn the_kubernetes_daemonsets_configuration_parses() {
         let yaml = include_str!("../../deploy/kubernetes/scheduler-config.yaml");
-        let (_, file) = yaml.split_once("scheduler.toml: |\n").expect("the file's key");
-        let toml: Vec<&str> = (file.lines()).map(|l| l.strip_prefix("    ").unwrap_or(l)).collect();
+        let (_, file) = yaml
+            .split_once("scheduler.toml: |\n")
+            .expect("the file's key");
+        let toml: Vec<&str> = (file.lines())
+            .map(|l| l.strip_prefix("    ").unwrap_or(l))
+            .collect();
         let c = Config::parse(&toml.join("\n")).unwrap();
         assert_eq!(c.memory_overcommit, Some(1.0));
     }

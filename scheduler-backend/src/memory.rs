@@ -116,9 +116,7 @@ impl MemoryBooks {
     ) -> Vec<(String, GpuUuid, u64, u64)> {
         let mut clamped = HashMap::new();
         for (gpu, &bytes) in capacity {
-            let groups: Vec<&String> = (self.cap_order.iter())
-                .filter(|g| on_gpu(g, gpu))
-                .collect();
+            let groups: Vec<&String> = (self.cap_order.iter()).filter(|g| on_gpu(g, gpu)).collect();
             let caps: Vec<u64> = groups.iter().map(|g| self.caps[*g]).collect();
             for (g, p) in groups.into_iter().zip(promise(&caps, bytes, ratio)) {
                 if p.clamped {
@@ -446,7 +444,10 @@ mod tests {
         assert_eq!(m.clamped("b", &GPU), Some((2 * GIB, GIB)));
         assert_eq!(m.cap("c", &other), Some(0), "nothing left for the last");
         assert_eq!(m.cap("a", &GPU), Some(3 * GIB));
-        assert!(!m.reserve(1, "b", GPU, GIB + 1).granted, "past the clamped cap");
+        assert!(
+            !m.reserve(1, "b", GPU, GIB + 1).granted,
+            "past the clamped cap"
+        );
         assert!(m.reserve(1, "b", GPU, GIB).granted);
         // a's cap raised: it keeps its place, before b.
         m.set_cap("a", Some(4 * GIB));
@@ -455,7 +456,10 @@ mod tests {
         // a's cap lifted: it no longer counts, and b has its whole cap back.
         m.set_cap("a", None);
         let changed = m.promise_caps(&capacity, 1.0, on_gpu);
-        assert!(changed.contains(&("b".into(), GPU, 2 * GIB, 2 * GIB)), "{changed:?}");
+        assert!(
+            changed.contains(&("b".into(), GPU, 2 * GIB, 2 * GIB)),
+            "{changed:?}"
+        );
         assert_eq!(m.clamped("b", &GPU), None);
         assert_eq!(m.cap("b", &GPU), Some(2 * GIB));
         assert_eq!(m.cap("c", &other), Some(GIB));

@@ -1175,7 +1175,10 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
         "no GPU turns while its memory is out",
         "GPU turns again: its memory is back",
     ] {
-        assert!(log.contains(line), "{line:?} in the scheduler's log:\n{log}");
+        assert!(
+            log.contains(line),
+            "{line:?} in the scheduler's log:\n{log}"
+        );
     }
     // The first ran again, so the scheduler heard that the restore was done.
     let swaps = &node.status_json().expect("gpushare status --json")["memory_swaps"];
@@ -1475,7 +1478,11 @@ fn a_group_that_may_not_be_swapped_out_runs_on_with_its_bytes(tail: &[&str], why
     cmd.env("GPUSHARE_FAIL", "open");
     let mut first = Proc::spawn(cmd);
     let got = first.expect_json("alloc", RUN);
-    assert_eq!(i(&got, "alloc"), 0, "1200 MiB on a GPU with 16 MiB used at most: {got}");
+    assert_eq!(
+        i(&got, "alloc"),
+        0,
+        "1200 MiB on a GPU with 16 MiB used at most: {got}"
+    );
     first.expect_json("filled", RUN);
 
     for (n, group) in ["second", "third"].into_iter().enumerate() {

@@ -296,7 +296,13 @@ impl Node {
             "out of GPU memory on {}: {} MiB past the group's cap refused: {}",
             uuid_string(gpu),
             bytes.div_ceil(1 << 20),
-            clamp_reason(group, asked, given, capacity, self.overcommit.settings.ratio)
+            clamp_reason(
+                group,
+                asked,
+                given,
+                capacity,
+                self.overcommit.settings.ratio
+            )
         ))
     }
 

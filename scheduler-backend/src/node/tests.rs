@@ -910,7 +910,10 @@ fn under_overcommit_a_reservation_that_does_not_fit_waits_then_another_group_is_
     // a's processes are swapped out.
     w.advance(400 * MS);
     assert_eq!(w.swaps, vec![(1, vec![pid_a], true)]);
-    assert!(w.node.policies[&GPU].suspended("a"), "no turns from the swap-out on");
+    assert!(
+        w.node.policies[&GPU].suspended("a"),
+        "no turns from the swap-out on"
+    );
     assert!(!w.node.policies[&GPU].suspended("b"));
     let r = report(&mut w, a);
     assert_eq!(group_report(&r, "a").memory_state, MemoryState::SwappingOut);
@@ -965,9 +968,15 @@ fn under_overcommit_a_reservation_that_does_not_fit_waits_then_another_group_is_
         MemoryState::SwappingIn
     );
     w.advance(200 * MS);
-    assert!(w.node.policies[&GPU].suspended("a"), "none while it comes back");
+    assert!(
+        w.node.policies[&GPU].suspended("a"),
+        "none while it comes back"
+    );
     w.input(Input::SwappedIn { swap: 1, ok: true });
-    assert!(!w.node.policies[&GPU].suspended("a"), "turns again once back");
+    assert!(
+        !w.node.policies[&GPU].suspended("a"),
+        "turns again once back"
+    );
     let r = report(&mut w, a);
     assert_eq!(group_report(&r, "a").memory_state, MemoryState::Resident);
     assert_eq!(group_report(&r, "a").memory_swapped, 0);
@@ -989,7 +998,10 @@ fn under_overcommit_a_wait_is_bounded_and_its_refusal_says_why_and_frees_the_cap
         swap: 1,
         outcome: Err(SwapOutFailure::TimedOut),
     });
-    assert!(!w.node.policies[&GPU].suspended("a"), "a failed swap-out: it runs on");
+    assert!(
+        !w.node.policies[&GPU].suspended("a"),
+        "a failed swap-out: it runs on"
+    );
     w.advance(1500 * MS);
     assert_eq!(granted(&w, b, req), None, "still within the bound");
     w.advance(100 * MS);
@@ -1082,7 +1094,11 @@ fn caps_past_the_overcommit_ratio_leave_the_group_that_came_last_what_is_left() 
     let b = w.connect(1001, None);
     w.complete_all();
     w.hello(b, None);
-    assert_eq!(cap_of(&mut w, b), Some(512 * MIB), "the GPU's memory not known yet");
+    assert_eq!(
+        cap_of(&mut w, b),
+        Some(512 * MIB),
+        "the GPU's memory not known yet"
+    );
     w.send(
         a,
         ClientMsg::MemTotal {
@@ -1090,8 +1106,16 @@ fn caps_past_the_overcommit_ratio_leave_the_group_that_came_last_what_is_left() 
             bytes: 768 * MIB,
         },
     );
-    assert_eq!(cap_of(&mut w, a), Some(1024 * MIB), "the first keeps its cap");
-    assert_eq!(cap_of(&mut w, b), Some(128 * MIB), "the last gets what is left");
+    assert_eq!(
+        cap_of(&mut w, a),
+        Some(1024 * MIB),
+        "the first keeps its cap"
+    );
+    assert_eq!(
+        cap_of(&mut w, b),
+        Some(128 * MIB),
+        "the last gets what is left"
+    );
     // Past the clamped cap, though within the one asked: refused, and told why.
     let req = reserve(&mut w, b, 200);
     w.complete_all();
@@ -1099,7 +1123,10 @@ fn caps_past_the_overcommit_ratio_leave_the_group_that_came_last_what_is_left() 
     let r = report(&mut w, a);
     let (ga, gb) = (group_report(&r, "a"), group_report(&r, "b"));
     assert_eq!((ga.memory_cap, ga.memory_clamped), (Some(1024 * MIB), None));
-    assert_eq!((gb.memory_cap, gb.memory_clamped), (Some(128 * MIB), Some(512 * MIB)));
+    assert_eq!(
+        (gb.memory_cap, gb.memory_clamped),
+        (Some(128 * MIB), Some(512 * MIB))
+    );
     let said = w.tenants[&b].received.iter().any(|m| {
         matches!(m, ServerMsg::Error { message, fatal: false }
             if message.contains("group \"b\"'s memory cap of 512 MiB is clamped to 128 MiB")
@@ -1113,7 +1140,11 @@ fn caps_past_the_overcommit_ratio_leave_the_group_that_came_last_what_is_left() 
     // A cap that changes keeps its place: a lowered to 768 MiB makes room for b's whole cap.
     w.reload(&config.replace("memory = \"1GiB\"", "memory = \"768MiB\""));
     assert_eq!(cap_of(&mut w, a), Some(768 * MIB));
-    assert_eq!(cap_of(&mut w, b), Some(384 * MIB), "still clamped, to what a leaves");
+    assert_eq!(
+        cap_of(&mut w, b),
+        Some(384 * MIB),
+        "still clamped, to what a leaves"
+    );
     // A higher ratio gives b its whole cap back.
     w.reload(&config.replace("1.5", "2"));
     assert_eq!(cap_of(&mut w, b), Some(512 * MIB));
@@ -1121,7 +1152,11 @@ fn caps_past_the_overcommit_ratio_leave_the_group_that_came_last_what_is_left() 
     assert_eq!(group_report(&r, "b").memory_clamped, None);
     // Without overcommit the caps promise at most the GPU: 1 GiB for a, none left for b.
     w.reload(CONFIG);
-    assert_eq!(cap_of(&mut w, a), Some(768 * MIB), "clamped to the GPU itself");
+    assert_eq!(
+        cap_of(&mut w, a),
+        Some(768 * MIB),
+        "clamped to the GPU itself"
+    );
     assert_eq!(cap_of(&mut w, b), Some(0));
     w.settle();
     w.check_settled();
