@@ -4,7 +4,8 @@
 //! Stream-ordered allocations are charged as their pool's reservation, which outlives their
 //! frees until the pool releases it.
 //! `cuMemGetInfo_v2` and `cuDeviceTotalMem_v2` report the cap and what is left of it, never
-//! more than the device really has.
+//! more than the device really has. Managed allocations and IPC exports and opens are told to
+//! the scheduler first: such memory keeps the process's group from being swapped out.
 
 use crate::books::{Held, Physical, Pooled};
 use crate::charges;
