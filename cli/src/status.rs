@@ -98,6 +98,15 @@ pub fn render(r: &Report) -> String {
                 }
                 out.push('\n');
             }
+            if let (Some(asked), Some(cap)) = (x.memory_clamped, x.memory_cap) {
+                let _ = writeln!(
+                    out,
+                    "  {}: memory cap clamped to {:.0} MiB of the {:.0} asked (the caps before it promise the rest that memory_overcommit allows)",
+                    x.name,
+                    mib(cap),
+                    mib(asked)
+                );
+            }
             if let Some(why) = &x.memory_refused {
                 let _ = writeln!(out, "  {}: last allocation refused: {why}", x.name);
             }
@@ -258,6 +267,7 @@ mod tests {
         use gpushare_protocol::status::{GpuReport, GroupReport, MemoryState, PhysicalMemory};
         const MIB: u64 = 1 << 20;
         let group = |name: &str, state: MemoryState, swapped: u64| GroupReport {
+            memory_clamped: (name == "second").then_some(2000 * MIB),
             name: name.into(),
             request: 0.0,
             limit: 1.0,
@@ -329,6 +339,7 @@ mod tests {
             "  memory: 1200 MiB used, 848 free of 2048; 1200 swapped to host memory (caps may sum to 2x); 0 allocation(s) waiting\n",
             "  first: memory swapped out, 1200 MiB in host memory\n",
             "  second: memory resident\n",
+            "  second: memory cap clamped to 1500 MiB of the 2000 asked (the caps before it promise the rest that memory_overcommit allows)\n",
             "memory swaps: 1 out (0 failed; median 0.90 s), 0 in (0 failed; median -); 1 allocation(s) waited (median 1.25 s, worst 1.25 s), 0 refused\n",
         ] {
             assert!(table.contains(line), "{line:?} in\n{table}");

@@ -160,13 +160,26 @@ pub fn answered_again(h: &Hook) {
 
 /// The process made a managed allocation (said once, and again to each new connection).
 static MANAGED: AtomicBool = AtomicBool::new(false);
+/// The process exported or opened IPC memory (said once, and again to each new connection).
+static IPC: AtomicBool = AtomicBool::new(false);
 
 /// The process is about to allocate managed memory: the scheduler learns it first, so that
 /// it never picks the process's group to swap to host memory (the driver would refuse).
 pub fn managed(h: &Hook) {
-    if !MANAGED.swap(true, Ordering::AcqRel) {
+    say_once(h, &MANAGED, ClientMsg::MemManaged);
+}
+
+/// The process is about to export or open memory shared with another process (CUDA IPC): the
+/// scheduler learns it first, so that it never swaps the process's group to host memory
+/// (the other process would lose the memory meanwhile).
+pub fn ipc(h: &Hook) {
+    say_once(h, &IPC, ClientMsg::MemIpc);
+}
+
+fn say_once(h: &Hook, said: &AtomicBool, msg: ClientMsg) {
+    if !said.swap(true, Ordering::AcqRel) {
         // Not connected: the greeting says it.
-        h.port.send(&ClientMsg::MemManaged);
+        h.port.send(&msg);
     }
 }
 
@@ -191,6 +204,9 @@ pub fn greet(h: &Hook, send: &mut dyn FnMut(&[ClientMsg])) {
     }
     if MANAGED.load(Ordering::Acquire) {
         greeting.push(ClientMsg::MemManaged);
+    }
+    if IPC.load(Ordering::Acquire) {
+        greeting.push(ClientMsg::MemIpc);
     }
     send(&greeting);
 }

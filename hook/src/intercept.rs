@@ -385,9 +385,10 @@ macro_rules! checked_wrappers {
     };
 }
 
-/// Managed symbols (launches, synchronisations, captures, allocations, frees, memory queries)
-/// and their wrappers, sorted by name: every `cu*` symbol this library exports.
-fn wrappers() -> [(&'static str, P); 57] {
+/// Managed symbols (launches, synchronisations, captures, allocations, frees, memory queries,
+/// IPC exports and opens) and their wrappers, sorted by name: every `cu*` symbol this library
+/// exports.
+fn wrappers() -> [(&'static str, P); 60] {
     #[rustfmt::skip]
     let table = checked_wrappers! {
         cuArray3DCreate_v2 => memory::cuArray3DCreate_v2,
@@ -412,6 +413,9 @@ fn wrappers() -> [(&'static str, P); 57] {
         cuGraphInstantiate_v2 => cuGraphInstantiate_v2,
         cuGraphLaunch => cuGraphLaunch,
         cuGraphLaunch_ptsz => cuGraphLaunch_ptsz,
+        cuIpcGetMemHandle => memory::cuIpcGetMemHandle,
+        cuIpcOpenMemHandle => memory::cuIpcOpenMemHandle,
+        cuIpcOpenMemHandle_v2 => memory::cuIpcOpenMemHandle_v2,
         cuLaunchCooperativeKernel => cuLaunchCooperativeKernel,
         cuLaunchCooperativeKernelMultiDevice => cuLaunchCooperativeKernelMultiDevice,
         cuLaunchCooperativeKernel_ptsz => cuLaunchCooperativeKernel_ptsz,
@@ -795,6 +799,9 @@ mod tests {
             "cuMipmappedArrayDestroy",
             "cuMemGetInfo_v2",
             "cuDeviceTotalMem_v2",
+            "cuIpcGetMemHandle",
+            "cuIpcOpenMemHandle",
+            "cuIpcOpenMemHandle_v2",
         ];
         for n in names {
             assert!(wrapper(n.as_bytes()).is_some(), "{n} is not managed");

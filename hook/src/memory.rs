@@ -4,7 +4,8 @@
 //! Stream-ordered allocations are charged as their pool's reservation, which outlives their
 //! frees until the pool releases it.
 //! `cuMemGetInfo_v2` and `cuDeviceTotalMem_v2` report the cap and what is left of it, never
-//! more than the device really has.
+//! more than the device really has. Managed allocations and IPC exports and opens are told to
+//! the scheduler first: such memory keeps the process's group from being swapped out.
 
 use crate::books::{Held, Physical, Pooled};
 use crate::charges;
@@ -16,7 +17,7 @@ use gpushare_cuda_abi::result::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
 };
 use gpushare_cuda_abi::types::{
-    CU_MEM_LOCATION_TYPE_DEVICE, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY3D_DESCRIPTOR,
+    CU_MEM_LOCATION_TYPE_DEVICE, CUDA_ARRAY_DESCRIPTOR, CUDA_ARRAY3D_DESCRIPTOR, CUipcMemHandle,
     CUmemAllocationProp, CUresult,
 };
 use std::ffi::c_void;
@@ -209,6 +210,54 @@ pub extern "C" fn cuMemAllocManaged(dptr: *mut u64, size: usize, flags: u32) -> 
         },
         || read(dptr).unwrap_or(0),
     )
+}
+
+/// Exporting memory to another process: the scheduler learns it first (never a swap victim).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuIpcGetMemHandle(handle: *mut CUipcMemHandle, dptr: u64) -> CUresult {
+    let run = || {
+        if let Some(h) = hook() {
+            charges::ipc(h);
+        }
+        real::cuIpcGetMemHandle().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(handle, dptr) })
+    };
+    crate::guarded(run)
+}
+
+/// Opening another process's memory: the scheduler learns it first (never a swap victim).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuIpcOpenMemHandle(
+    dptr: *mut u64,
+    handle: CUipcMemHandle,
+    flags: u32,
+) -> CUresult {
+    let run = || {
+        if let Some(h) = hook() {
+            charges::ipc(h);
+        }
+        real::cuIpcOpenMemHandle().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
+            f(dptr, handle, flags)
+        })
+    };
+    crate::guarded(run)
+}
+
+/// [`cuIpcOpenMemHandle`] by its CUDA 11 name.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuIpcOpenMemHandle_v2(
+    dptr: *mut u64,
+    handle: CUipcMemHandle,
+    flags: u32,
+) -> CUresult {
+    let run = || {
+        if let Some(h) = hook() {
+            charges::ipc(h);
+        }
+        real::cuIpcOpenMemHandle_v2().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
+            f(dptr, handle, flags)
+        })
+    };
+    crate::guarded(run)
 }
 
 #[unsafe(no_mangle)]

@@ -157,6 +157,9 @@ real_fns! {
     cuMemAlloc_v2;
     cuMemAllocPitch_v2;
     cuMemAllocManaged;
+    cuIpcGetMemHandle;
+    cuIpcOpenMemHandle;
+    cuIpcOpenMemHandle_v2;
     cuMemAllocAsync;
     cuMemAllocAsync_ptsz;
     cuMemAllocFromPoolAsync;

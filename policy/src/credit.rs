@@ -149,19 +149,19 @@ impl Policy {
         self.targets_dirty = false;
         let now = self.now;
         // Guarantees of the groups with processes on this GPU (requests scaled down if they
-        // sum to more than 1); a configured group with none here has nothing to bank.
-        let present: Vec<GroupParams> = self
-            .groups
-            .values()
-            .filter(|g| !g.clients.is_empty())
+        // sum to more than 1); a configured group with none here has nothing to bank, and a
+        // suspended one (swapped out of the GPU's memory) is out of the race meanwhile.
+        let present = |g: &Group| !g.clients.is_empty() && !g.suspended;
+        let params: Vec<GroupParams> = (self.groups.values())
+            .filter(|g| present(g))
             .map(|g| g.params)
             .collect();
-        let mut eff = effective_requests(&present).into_iter();
+        let mut eff = effective_requests(&params).into_iter();
         for g in self.groups.values_mut() {
-            g.guarantee = if g.clients.is_empty() {
-                0.0
-            } else {
+            g.guarantee = if present(g) {
                 eff.next().unwrap_or(0.0)
+            } else {
+                0.0
             };
         }
         // A group that goes idle having had less than its guarantee over the window (it needs

@@ -34,6 +34,9 @@ pub(super) struct Group {
     pub credit: f64,
     /// Waiting while its bucket held less than a quota (see `Policy::tick`).
     pub held_back: bool,
+    /// Its processes are swapped out of the GPU's memory (`Policy::suspend`): out of the
+    /// race — no turns, no target, no guarantee, its credit left as it was.
+    pub suspended: bool,
     /// While idle: whether it banks its guarantee (it got less than that over the window when
     /// it went idle). `None` while active.
     pub banks: Option<bool>,
@@ -81,6 +84,7 @@ impl Group {
             guarantee: 0.0,
             credit: 0.0,
             held_back: false,
+            suspended: false,
             banks: None,
             allowance: depth,
             allowance_at: now,
@@ -108,7 +112,7 @@ impl Group {
     /// [`Group::wants`], or yielded a moment ago with work still draining: targets and credit
     /// count it.
     pub fn active_at(&self, now: u64) -> bool {
-        self.wants() || now < self.draining_until
+        !self.suspended && (self.wants() || now < self.draining_until)
     }
 
     pub fn capped(&self) -> bool {
@@ -130,9 +134,14 @@ impl Group {
     }
 
     /// May start a turn at `at`: not capped, or a bucket holding `thr` then (never with
-    /// limit 0).
+    /// limit 0, nor while suspended).
     pub fn eligible(&self, at: u64, depth: f64, thr: f64) -> bool {
-        self.params.limit > 0.0 && self.allowance(at, depth) >= thr - NS_EPS
+        self.may_run() && self.allowance(at, depth) >= thr - NS_EPS
+    }
+
+    /// Neither limited to nothing nor suspended.
+    fn may_run(&self) -> bool {
+        self.params.limit > 0.0 && !self.suspended
     }
 
     /// When its bucket will hold `thr` (`now` if it does; never with limit 0).
@@ -140,7 +149,7 @@ impl Group {
         if self.eligible(now, depth, thr) {
             return Some(now);
         }
-        (self.params.limit > 0.0).then(|| {
+        self.may_run().then(|| {
             let wait = ((thr - self.allowance(now, depth)) / self.params.limit).ceil();
             now.saturating_add(wait.max(0.0) as u64)
         })

@@ -653,6 +653,64 @@ impl Policy {
         at.into_iter().min()
     }
 
+    /// Group `name`'s processes are being swapped out of the GPU's memory (the driver's
+    /// checkpoint locks them: they launch nothing until restored): it is out of the race until
+    /// [`Policy::resume`]. Its running turn ends now and a turn planned for it is withdrawn
+    /// (both revoked), and it is granted none, though its clients may ask (they wait). Its
+    /// credit stays as it was — it neither pays for the time out nor banks it — and its target
+    /// and guarantee go to the others meanwhile: the time out is as if it had no processes
+    /// here, so the others keep their guarantees and it comes back neither owed a burst nor in
+    /// debt (docs/scheduling.md#suspension). Unknown names, and a group suspended already, are
+    /// ignored.
+    pub fn suspend(&mut self, name: &str, now: u64) {
+        let now = self.advance(now);
+        match self.groups.get_mut(name) {
+            Some(g) if !g.suspended => g.suspended = true,
+            _ => return,
+        }
+        self.targets_dirty = true;
+        if let Some(n) = self.next.as_ref().filter(|n| n.group == name) {
+            // Its client waits again, first in its group, for when the group is back.
+            let (client, token) = (n.client, n.token);
+            self.requeue_next(client, token, now);
+        }
+        if let Some(t) = self.current.as_ref().filter(|t| t.group == name) {
+            let (client, token) = (t.client, t.token);
+            self.decisions.push(Decision::Revoke { client, token });
+            self.yield_current(now, now);
+        }
+        self.plan(now);
+        self.mark_held_back(now);
+    }
+
+    /// Group `name`'s processes are back in the GPU's memory: it takes part again, with the
+    /// credit it left with, a waiting client of it served as one returning
+    /// (`docs/scheduling.md#preemption`). Unknown or not suspended: ignored.
+    pub fn resume(&mut self, name: &str, now: u64) {
+        let now = self.advance(now);
+        match self.groups.get_mut(name) {
+            Some(g) if g.suspended => g.suspended = false,
+            _ => return,
+        }
+        self.targets_dirty = true;
+        if self.groups[name].queue.is_empty() {
+            return;
+        }
+        if self.current.is_none() {
+            self.reclaim_gap(now);
+        }
+        self.plan(now);
+        self.preempt_for(name, now);
+        self.end_extension(name, now);
+        self.plan(now);
+        self.mark_held_back(now);
+    }
+
+    /// Whether group `name` is suspended ([`Policy::suspend`]).
+    pub fn suspended(&self, name: &str) -> bool {
+        self.groups.get(name).is_some_and(|g| g.suspended)
+    }
+
     /// The running turn's client and token.
     pub fn holder(&self) -> Option<(ClientId, u64)> {
         self.current.as_ref().map(|t| (t.client, t.token))

@@ -95,7 +95,7 @@ impl Policy {
 
     /// Withdraws the planned turn `token` of `client` (told so) before it starts: its client
     /// waits again, first in its group.
-    fn requeue_next(&mut self, client: ClientId, token: u64, now: u64) {
+    pub(crate) fn requeue_next(&mut self, client: ClientId, token: u64, now: u64) {
         self.withdraw_next(now);
         self.decisions.push(Decision::Revoke { client, token });
         let seq = self.seq;
@@ -506,7 +506,7 @@ impl Policy {
     pub(crate) fn mark_held_back(&mut self, now: u64) {
         let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
         for g in self.groups.values_mut() {
-            g.held_back = !g.queue.is_empty() && !g.eligible(now, depth, thr);
+            g.held_back = !g.queue.is_empty() && !g.suspended && !g.eligible(now, depth, thr);
         }
     }
 }

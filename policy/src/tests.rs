@@ -889,9 +889,144 @@ fn achieved_share_covers_only_the_time_since_the_first_request() {
     assert!((share - 0.01).abs() < 1e-9, "{share}");
 }
 
+#[test]
+fn a_suspended_group_loses_its_turn_gets_none_and_is_served_once_resumed() {
+    let mut p = a_and_b();
+    p.acquire(1, 0).unwrap();
+    assert_eq!(p.take_decisions(), vec![grant_deep(1, 1, 0)]);
+    p.acquire(2, MS).unwrap();
+    p.take_decisions();
+    // a's processes are swapped out at 5 ms: its turn ends there, b's starts there.
+    p.suspend("a", 5 * MS);
+    assert!(p.suspended("a"));
+    let d = p.take_decisions();
+    assert_eq!(
+        d[0],
+        Decision::Revoke {
+            client: 1,
+            token: 1
+        },
+        "{d:?}"
+    );
+    assert!(
+        matches!(d[1], Decision::Grant { client: 2, start_ns, .. } if start_ns == 5 * MS),
+        "{d:?}"
+    );
+    // a asks again, b runs out of work: the GPU idles, and a gets nothing.
+    p.acquire(1, 6 * MS).unwrap();
+    p.yield_turn(2, 2, 10 * MS, 10 * MS).unwrap();
+    p.report(2, 2, used(5 * MS, 10 * MS), false, 10 * MS)
+        .unwrap();
+    let d = run_to(&mut p, 10 * MS, S);
+    assert!(
+        !d.iter()
+            .any(|x| matches!(x, Decision::Grant { client: 1, .. })),
+        "{d:?}"
+    );
+    assert_eq!(p.status(S).holder, None);
+    // Restored: served at once.
+    p.resume("a", S);
+    assert!(!p.suspended("a"));
+    assert!(
+        matches!(p.take_decisions()[..], [Decision::Grant { client: 1, start_ns, .. }] if start_ns == S)
+    );
+}
+
+#[test]
+fn a_turn_planned_for_a_group_as_it_is_suspended_is_withdrawn_and_its_client_waits() {
+    let mut p = a_and_b();
+    p.acquire(2, 0).unwrap();
+    p.acquire(1, MS).unwrap();
+    // a's turn is planned to follow b's at 20 ms.
+    let d = run_to(&mut p, MS, 16 * MS);
+    let token = d
+        .iter()
+        .find_map(|x| match x {
+            Decision::Grant {
+                client: 1,
+                token,
+                start_ns,
+                ..
+            } if *start_ns == 20 * MS => Some(*token),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{d:?}"));
+    p.suspend("a", 16 * MS);
+    assert_eq!(p.take_decisions()[0], Decision::Revoke { client: 1, token });
+    let st = p.status(16 * MS);
+    assert_eq!(st.planned, None);
+    assert!(st.waiting.contains(&1), "still waiting: {st:?}");
+    p.resume("a", 30 * MS);
+    let d = run_to(&mut p, 30 * MS, 60 * MS);
+    assert!(
+        d.iter()
+            .any(|x| matches!(x, Decision::Grant { client: 1, .. })),
+        "{d:?}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scenarios in virtual time
 // ---------------------------------------------------------------------------------------------
+
+/// Group a (request 0.5) swapped out from 20 s to 40 s beside b (0.3) and c (0.2), all always
+/// busy and asking throughout: a runs nothing while out; b and c split its time by the usual
+/// rules (0.55 and 0.45: their requests, the rest by weight); once back a gets a turn within a
+/// quota or two and its 0.5 again, with neither a burst of the time it was out nor a wait
+/// for it, and b and c their 0.3 and 0.2, over every 1 s window from its return on.
+#[test]
+fn a_swapped_out_group_leaves_its_share_to_the_others_and_comes_back_to_it_unstarved() {
+    let groups = [
+        ("a", gp(0.5, 1.0, 1.0)),
+        ("b", gp(0.3, 1.0, 1.0)),
+        ("c", gp(0.2, 1.0, 1.0)),
+    ];
+    let (out, back, end) = (20 * S, 40 * S, 60 * S);
+    let mut sim = Sim::new(PolicyConfig::default(), &groups, busy(3), 3);
+    sim.run_until(out);
+    sim.swap(0, true);
+    sim.run_until(back);
+    sim.swap(0, false);
+    sim.run_until(end);
+    assert_eq!(
+        sim.work_share(0, out, back),
+        0.0,
+        "a runs nothing while out"
+    );
+    assert_eq!(
+        sim.held_share(0, out, back),
+        0.0,
+        "a holds no turn while out"
+    );
+    for (g, want) in [(1, 0.55), (2, 0.45)] {
+        let w = sim.window_shares(g, S, S, out + S, back);
+        let (lo, hi) = (
+            w.iter().cloned().fold(1.0, f64::min),
+            w.iter().cloned().fold(0.0, f64::max),
+        );
+        eprintln!("a out: group {g} 1 s windows {lo:.4}..{hi:.4}");
+        assert!(
+            lo >= want - 0.02 && hi <= want + 0.02,
+            "group {g} while a is out: {lo}..{hi}"
+        );
+    }
+    let first = sim.work_share(0, back, back + 50 * MS);
+    assert!(first > 0.0, "a runs within 50 ms of its return");
+    for (g, want) in [(0, 0.5), (1, 0.3), (2, 0.2)] {
+        let w = sim.window_shares(g, S, S, back, end);
+        let (lo, hi) = (
+            w.iter().cloned().fold(1.0, f64::min),
+            w.iter().cloned().fold(0.0, f64::max),
+        );
+        eprintln!("a back: group {g} 1 s windows {lo:.4}..{hi:.4}");
+        assert!(
+            lo >= want - 0.02 && hi <= want + 0.02,
+            "group {g} after a's return: {lo}..{hi}"
+        );
+    }
+    assert!(sim.utilisation(out, end) >= 0.999);
+    assert_eq!(sim.stats.idle_with_uncapped_waiter_ns, 0);
+}
 
 const WARMUP: u64 = 5 * S;
 

@@ -864,6 +864,21 @@ impl Sim {
         self.wakeup = self.policy.next_wakeup(self.now).map(|w| w.max(self.now));
     }
 
+    /// Group `g`'s processes are swapped out of the GPU's memory (`out`) or restored, as the
+    /// shell would say ([`Policy::suspend`], [`Policy::resume`]). Its tenants go on asking and
+    /// reporting: the policy alone keeps it off the GPU.
+    pub fn swap(&mut self, g: usize, out: bool) {
+        let name = self.groups[g].0.clone();
+        self.stats.calls += 1;
+        if out {
+            self.policy.suspend(&name, self.now);
+        } else {
+            self.policy.resume(&name, self.now);
+        }
+        self.process();
+        self.wakeup = self.policy.next_wakeup(self.now).map(|w| w.max(self.now));
+    }
+
     /// Hot reload of a group's parameters (as the shell would do on a config change).
     pub fn set_group(&mut self, g: usize, p: GroupParams) {
         self.groups[g].1 = p;

@@ -12,7 +12,7 @@ pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
 /// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
@@ -98,6 +98,11 @@ pub enum ClientMsg {
     /// group is never swapped to host memory. Sent before its first managed allocation, and
     /// after each (re)connection once it made one. No answer.
     MemManaged,
+    /// The process exported or opened memory shared with another process (CUDA IPC,
+    /// `cuIpcGetMemHandle`, `cuIpcOpenMemHandle`): swapped to host memory, the other process
+    /// would lose it, so its group is never swapped out. Sent before its first export or open,
+    /// and after each (re)connection once it made one. No answer.
+    MemIpc,
     /// Is the scheduler there? Answered at once with [`ServerMsg::Alive`] for the same GPU: a
     /// process waiting for a turn on `gpu` asks when it has heard nothing for a while.
     Probe { gpu: GpuUuid },
@@ -256,6 +261,7 @@ mod tests {
             active: true,
             memory_used: 1 << 30,
             memory_cap: Some(4 << 30),
+            memory_clamped: None,
             memory_reservations: 5,
             memory_swapped: 1 << 20,
             memory_state: status::MemoryState::SwappingIn,

@@ -157,6 +157,11 @@ pub struct GroupReport {
     /// GPU memory the group's processes hold on this GPU, and its cap (`None`: uncapped).
     pub memory_used: u64,
     pub memory_cap: Option<u64>,
+    /// Set when `memory_cap` is lower than the cap the group asked for (this value): the caps
+    /// of the groups that came before it on this GPU already promise what `memory_overcommit`
+    /// allows, less `memory_cap`.
+    #[serde(default)]
+    pub memory_clamped: Option<u64>,
     /// Memory reservations (round trips) its processes asked for on this GPU since the daemon
     /// started, granted or not.
     pub memory_reservations: u64,

@@ -992,6 +992,7 @@ mod tests {
             active: false,
             memory_used: memory,
             memory_cap: None,
+            memory_clamped: None,
             memory_reservations: 0,
             memory_swapped: 0,
             memory_state: Default::default(),

@@ -248,6 +248,7 @@ mod tests {
             active: true,
             memory_used,
             memory_cap: None,
+            memory_clamped: None,
             memory_reservations: 0,
             memory_swapped: 0,
             memory_state: Default::default(),

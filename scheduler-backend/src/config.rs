@@ -442,6 +442,19 @@ weight = 2
     }
 
     #[test]
+    fn the_kubernetes_daemonsets_configuration_parses() {
+        let yaml = include_str!("../../deploy/kubernetes/scheduler-config.yaml");
+        let (_, file) = yaml
+            .split_once("scheduler.toml: |\n")
+            .expect("the file's key");
+        let toml: Vec<&str> = (file.lines())
+            .map(|l| l.strip_prefix("    ").unwrap_or(l))
+            .collect();
+        let c = Config::parse(&toml.join("\n")).unwrap();
+        assert_eq!(c.memory_overcommit, Some(1.0));
+    }
+
+    #[test]
     fn overcommit_keys_parse_and_bad_ones_are_explained() {
         let c = Config::parse(
             "memory_overcommit = 1.5\n[overcommit]\nwait = \"2s\"\nmax_wait = \"30s\"\nlock_timeout = \"1s\"\nexit_release = \"250ms\"",

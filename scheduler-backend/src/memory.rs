@@ -8,8 +8,9 @@
 //! when the daemon died comes back as a *ghost* holding, counted against the cap until the
 //! process reconnects and states what it holds ([`MemoryBooks::sync`]) or is gone.
 
+use gpushare_policy::overcommit::promise;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 pub type GpuUuid = [u8; 16];
 
@@ -32,8 +33,15 @@ pub struct Holding {
 
 #[derive(Debug, Default)]
 pub struct MemoryBooks {
-    /// Cap per group in bytes (absent: uncapped).
+    /// Cap per group in bytes as asked (absent: uncapped).
     caps: HashMap<String, u64>,
+    /// The capped groups in the order their caps came: on a GPU whose caps may promise only
+    /// so much, the earlier keep theirs ([`promise`]).
+    cap_order: Vec<String>,
+    /// Per group and GPU, the cap it got there when lower than asked ([`Self::promise_caps`]).
+    clamped: HashMap<(String, GpuUuid), u64>,
+    /// A cap changed since [`Self::promise_caps`] last settled them.
+    caps_changed: bool,
     /// What each client holds per GPU, and its group.
     held: HashMap<(u64, GpuUuid), (String, u64)>,
     /// The process behind each client that may hold memory.
@@ -56,15 +64,82 @@ pub struct Usage {
 }
 
 impl MemoryBooks {
+    /// Set (or, `None`, lift) `group`'s cap; a group whose cap changes keeps its place in the
+    /// order caps came. What it gets on each GPU is settled by [`Self::promise_caps`].
     pub fn set_cap(&mut self, group: &str, cap: Option<u64>) {
+        self.caps_changed |= self.asked_cap(group) != cap;
         match cap {
-            Some(c) => self.caps.insert(group.to_string(), c),
-            None => self.caps.remove(group),
+            Some(c) => {
+                if self.caps.insert(group.to_string(), c).is_none() {
+                    self.cap_order.push(group.to_string());
+                }
+            }
+            None => {
+                if self.caps.remove(group).is_some() {
+                    self.cap_order.retain(|g| g != group);
+                }
+            }
         };
     }
 
-    pub fn cap(&self, group: &str) -> Option<u64> {
+    /// Whether a cap changed since the caps were last settled on the GPUs.
+    pub fn caps_changed(&self) -> bool {
+        self.caps_changed
+    }
+
+    /// The cap `group` asked for (`None`: uncapped).
+    pub fn asked_cap(&self, group: &str) -> Option<u64> {
         self.caps.get(group).copied()
+    }
+
+    /// `group`'s cap on `gpu`: as asked, or lower where the caps before it promise the rest.
+    pub fn cap(&self, group: &str, gpu: &GpuUuid) -> Option<u64> {
+        let clamped = self.clamped.get(&(group.to_string(), *gpu)).copied();
+        clamped.or_else(|| self.asked_cap(group))
+    }
+
+    /// `group`'s cap on `gpu` when it is lower than the one asked: `(asked, given)`.
+    pub fn clamped(&self, group: &str, gpu: &GpuUuid) -> Option<(u64, u64)> {
+        let given = *self.clamped.get(&(group.to_string(), *gpu))?;
+        Some((self.asked_cap(group)?, given))
+    }
+
+    /// Settle each capped group's cap on each GPU of `capacity` (its memory) when the caps of
+    /// the groups that may use it (`on_gpu`) may promise at most `ratio` × that memory: the
+    /// earlier groups keep theirs, a later one gets what is left ([`promise`]). Returns the
+    /// clamps that changed (group, GPU, asked, given; given = asked: no longer clamped).
+    pub fn promise_caps(
+        &mut self,
+        capacity: &BTreeMap<GpuUuid, u64>,
+        ratio: f64,
+        on_gpu: impl Fn(&str, &GpuUuid) -> bool,
+    ) -> Vec<(String, GpuUuid, u64, u64)> {
+        let mut clamped = HashMap::new();
+        for (gpu, &bytes) in capacity {
+            let groups: Vec<&String> = (self.cap_order.iter()).filter(|g| on_gpu(g, gpu)).collect();
+            let caps: Vec<u64> = groups.iter().map(|g| self.caps[*g]).collect();
+            for (g, p) in groups.into_iter().zip(promise(&caps, bytes, ratio)) {
+                if p.clamped {
+                    clamped.insert((g.clone(), *gpu), p.cap);
+                }
+            }
+        }
+        let mut changed: Vec<(String, GpuUuid, u64, u64)> = (clamped.iter())
+            .filter(|(k, v)| self.clamped.get(*k) != Some(*v))
+            .map(|((g, gpu), given)| (g.clone(), *gpu, self.caps[g], *given))
+            .chain(
+                (self.clamped.keys())
+                    .filter(|k| !clamped.contains_key(*k))
+                    .filter_map(|(g, gpu)| {
+                        let asked = self.asked_cap(g)?;
+                        Some((g.clone(), *gpu, asked, asked))
+                    }),
+            )
+            .collect();
+        changed.sort();
+        self.clamped = clamped;
+        self.caps_changed = false;
+        changed
     }
 
     /// Bytes the group holds on `gpu`, over all its processes, connected or not yet back.
@@ -89,7 +164,7 @@ impl MemoryBooks {
             .reservations
             .entry((group.to_string(), gpu))
             .or_default() += 1;
-        let cap = self.cap(group);
+        let cap = self.cap(group, &gpu);
         let used = self.used(group, &gpu);
         let granted = cap.is_none_or(|c| used.saturating_add(bytes) <= c);
         if granted && bytes > 0 {
@@ -134,7 +209,7 @@ impl MemoryBooks {
     pub fn query(&self, group: &str, gpu: &GpuUuid) -> Usage {
         Usage {
             granted: true,
-            cap: self.cap(group),
+            cap: self.cap(group, gpu),
             used: self.used(group, gpu),
         }
     }
@@ -342,6 +417,54 @@ mod tests {
             GIB,
             "only the exited process's bytes are free"
         );
+    }
+
+    #[test]
+    fn caps_past_what_a_gpu_may_promise_are_clamped_in_the_order_they_came() {
+        let other: GpuUuid = [2; 16];
+        let capacity = BTreeMap::from([(GPU, 4 * GIB), (other, 4 * GIB)]);
+        let mut m = MemoryBooks::default();
+        m.set_cap("a", Some(3 * GIB));
+        m.set_cap("b", Some(2 * GIB));
+        m.set_cap("c", Some(GIB));
+        // c only on the other GPU.
+        let on_gpu = |g: &str, gpu: &GpuUuid| g != "c" || *gpu == other;
+        assert!(m.caps_changed());
+        let changed = m.promise_caps(&capacity, 1.0, on_gpu);
+        assert_eq!(
+            changed,
+            vec![
+                ("b".into(), GPU, 2 * GIB, GIB),
+                ("b".into(), other, 2 * GIB, GIB),
+                ("c".into(), other, GIB, 0)
+            ]
+        );
+        assert!(!m.caps_changed());
+        assert_eq!(m.cap("b", &GPU), Some(GIB));
+        assert_eq!(m.clamped("b", &GPU), Some((2 * GIB, GIB)));
+        assert_eq!(m.cap("c", &other), Some(0), "nothing left for the last");
+        assert_eq!(m.cap("a", &GPU), Some(3 * GIB));
+        assert!(
+            !m.reserve(1, "b", GPU, GIB + 1).granted,
+            "past the clamped cap"
+        );
+        assert!(m.reserve(1, "b", GPU, GIB).granted);
+        // a's cap raised: it keeps its place, before b.
+        m.set_cap("a", Some(4 * GIB));
+        m.promise_caps(&capacity, 1.0, on_gpu);
+        assert_eq!(m.cap("b", &GPU), Some(0));
+        // a's cap lifted: it no longer counts, and b has its whole cap back.
+        m.set_cap("a", None);
+        let changed = m.promise_caps(&capacity, 1.0, on_gpu);
+        assert!(
+            changed.contains(&("b".into(), GPU, 2 * GIB, 2 * GIB)),
+            "{changed:?}"
+        );
+        assert_eq!(m.clamped("b", &GPU), None);
+        assert_eq!(m.cap("b", &GPU), Some(2 * GIB));
+        assert_eq!(m.cap("c", &other), Some(GIB));
+        // A GPU whose memory is not known clamps nothing.
+        assert_eq!(m.cap("b", &[3; 16]), Some(2 * GIB));
     }
 
     proptest! {

@@ -286,6 +286,7 @@ mod tests {
             active: true,
             memory_used: 10,
             memory_cap: None,
+            memory_clamped: None,
             memory_reservations: 0,
             memory_swapped: 1024,
             memory_state: MemoryState::SwappedOut,

@@ -50,13 +50,14 @@
  *                               synchronisation down to the threshold, trims, maxSize, current
  *                               pools, destruction with live allocations, high watermarks,
  *                               each allocation's pool); prints {"pool_api":"PASS"}
- *   mem_tool keep BYTES SEED [MANAGED]
- *                               with MANAGED: first cuMemAllocManaged(MANAGED), filled with a
- *                               pattern of SEED + 1; then cuMemAlloc_v2(BYTES) (however long it
- *                               blocks), printing {"alloc":RESULT,"wait_ns":…,"pid":…}; on
- *                               success fills it with a pattern of SEED and prints
- *                               {"filled":BYTES}, then waits: SIGUSR1 checks every byte (of
- *                               both), prints {"intact":true|false}, frees and exits
+ *   mem_tool keep BYTES SEED [MANAGED [ipc]]
+ *                               with MANAGED > 0: first cuMemAllocManaged(MANAGED), filled with
+ *                               a pattern of SEED + 1; then cuMemAlloc_v2(BYTES) (however long
+ *                               it blocks), printing {"alloc":RESULT,"wait_ns":…,"pid":…}; on
+ *                               success fills it with a pattern of SEED (with "ipc": exports it,
+ *                               cuIpcGetMemHandle) and prints {"filled":BYTES}, then waits:
+ *                               SIGUSR1 checks every byte (of both), prints
+ *                               {"intact":true|false}, frees and exits
  *   mem_tool fork-hold BYTES    cuMemAlloc_v2(BYTES), then fork a child that never uses CUDA
  *                               (stdio on /dev/null; exits on SIGUSR1, or after 120 s); prints
  *                               {"held":BYTES,"child":PID} and exits without freeing */
@@ -73,6 +74,11 @@
 
 #include "check.h"
 #include "pattern.h"
+
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle;
+CUresult cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr);
 
 static CUdevice dev;
 static volatile sig_atomic_t release_now;
@@ -285,10 +291,11 @@ int main(int argc, char **argv) {
         unsigned long long t1 = now_ns();
         printf("{\"freed\":%zu,\"free_ns\":%llu}\n", bytes, t1 - t0);
         print_info("after_free");
-    } else if (strcmp(cmd, "keep") == 0 && (argc == 4 || argc == 5)) {
+    } else if (strcmp(cmd, "keep") == 0 && argc >= 4 && argc <= 6) {
         size_t bytes = strtoull(argv[2], NULL, 10);
         uint64_t seed = strtoull(argv[3], NULL, 10);
-        size_t managed = argc == 5 ? strtoull(argv[4], NULL, 10) : 0;
+        size_t managed = argc >= 5 ? strtoull(argv[4], NULL, 10) : 0;
+        int ipc = argc == 6 && strcmp(argv[5], "ipc") == 0;
         release_on_usr1();
         setup();
         CUdeviceptr m = 0;
@@ -304,6 +311,10 @@ int main(int argc, char **argv) {
         if (r != CUDA_SUCCESS)
             return 1;
         fill(p, bytes, seed);
+        if (ipc) {
+            CUipcMemHandle h;
+            CK(cuIpcGetMemHandle(&h, p));
+        }
         printf("{\"filled\":%zu}\n", bytes);
         fflush(stdout);
         while (!release_now)

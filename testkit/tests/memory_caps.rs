@@ -1170,6 +1170,16 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
     assert!(status.is_some_and(|s| s.success()), "first: {err}");
     let log = node.scheduler_log();
     assert!(log.contains("restoring from host memory"), "{log}");
+    // No turns for the first while out, and turns again once back (it ran: it read its bytes).
+    for line in [
+        "no GPU turns while its memory is out",
+        "GPU turns again: its memory is back",
+    ] {
+        assert!(
+            log.contains(line),
+            "{line:?} in the scheduler's log:\n{log}"
+        );
+    }
     // The first ran again, so the scheduler heard that the restore was done.
     let swaps = &node.status_json().expect("gpushare status --json")["memory_swaps"];
     assert_eq!(u(swaps, "swap_ins"), 1, "{swaps}");
@@ -1455,46 +1465,35 @@ fn a_scheduler_killed_mid_swap_in_finishes_the_restore_after_its_restart() {
     assert!(status.is_some_and(|s| s.success()), "first: {err}");
 }
 
-/// Group `first` holds 16 MiB of managed (unified) memory besides its 1200 MiB, and the driver
-/// cannot checkpoint managed memory: its hook told the scheduler before allocating it, so when
-/// group `second`'s 1200 MiB needs room that only `first` could make, no checkpoint is even
-/// tried (no swap, no failure): the allocation is refused with the reason, naming the group,
-/// and so is a later one of a third group; `first` runs on with every byte, managed ones too.
-#[test]
-fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes() {
+/// Group `first` holds memory the scheduler may not swap out besides its 1200 MiB (`tail`:
+/// the rest of its `mem_tool keep` arguments), and its hook told the scheduler before it made
+/// it: when group `second`'s 1200 MiB needs room that only `first` could make, no checkpoint is
+/// even tried (no swap, no failure): the allocation is refused with the reason (`why`), naming
+/// the group, and so is a later one of the same group (a third group's cap would be clamped to
+/// the 1096 MiB the first two leave of 2 x 2 GiB); `first` runs on with every byte.
+fn a_group_that_may_not_be_swapped_out_runs_on_with_its_bytes(tail: &[&str], why: &str) {
     let (node, exe) = overcommitted_node(&[]);
-    let keep_with_managed = |group: &str, seed: &str, managed: u64| {
-        let mut cmd = in_group(
-            &node,
-            group,
-            Some("1500MiB"),
-            &exe,
-            &[
-                "keep",
-                &(1200 * MIB).to_string(),
-                seed,
-                &managed.to_string(),
-            ],
-        );
-        cmd.env("GPUSHARE_FAIL", "open");
-        Proc::spawn(cmd)
-    };
-    let mut first = keep_with_managed("first", "1", 16 * MIB);
+    let mut args = vec!["keep".to_string(), (1200 * MIB).to_string(), "1".into()];
+    args.extend(tail.iter().map(|a| a.to_string()));
+    let mut cmd = in_group(&node, "first", Some("1500MiB"), &exe, &args);
+    cmd.env("GPUSHARE_FAIL", "open");
+    let mut first = Proc::spawn(cmd);
     let got = first.expect_json("alloc", RUN);
     assert_eq!(
         i(&got, "alloc"),
         0,
-        "1200 MiB on a GPU with 16 MiB used: {got}"
+        "1200 MiB on a GPU with 16 MiB used at most: {got}"
     );
     first.expect_json("filled", RUN);
 
-    for (n, group) in ["second", "third"].into_iter().enumerate() {
+    for n in 0..2 {
+        let group = "second";
         let mut p = keep(&node, &exe, group, "2");
         let got = p.expect_json("alloc", RUN);
         assert_eq!(
             i(&got, "alloc"),
             OOM,
-            "{group}: 1200 MiB beside 1216 MiB that cannot be swapped out: {got}\n{}",
+            "{group}: 1200 MiB beside 1200 MiB or more that cannot be swapped out: {got}\n{}",
             node.scheduler_log()
         );
         let (exited, _) = p.finish(RUN);
@@ -1516,18 +1515,78 @@ fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes(
     assert!(
         log.contains("within the group's cap refused")
             && log.contains("group \"first\" holds ")
-            && log.contains(" MiB of managed memory"),
+            && log.contains(&format!(" MiB of {why}")),
         "the refusal says why:\n{log}"
     );
     first.signal(libc::SIGUSR1);
     let v = first.expect_json("intact", RUN);
-    assert_eq!(
-        v["intact"], true,
-        "the first group's bytes, managed ones too: {v}"
-    );
+    assert_eq!(v["intact"], true, "the first group's bytes: {v}");
     let (exited, err) = first.finish(RUN);
     assert!(exited.is_some_and(|s| s.success()), "first: {err}");
     assert!(!log.contains("restoring from host memory"), "{log}");
+}
+
+/// Managed (unified) memory, which the driver cannot checkpoint: 16 MiB of it, checked intact
+/// too.
+#[test]
+fn a_group_holding_managed_memory_is_not_swapped_out_and_runs_on_with_its_bytes() {
+    let managed = (16 * MIB).to_string();
+    a_group_that_may_not_be_swapped_out_runs_on_with_its_bytes(&[&managed], "managed memory");
+}
+
+/// Memory exported to other processes (`cuIpcGetMemHandle`): swapped out, they would lose it.
+#[test]
+fn a_group_sharing_memory_over_ipc_is_not_swapped_out_and_runs_on_with_its_bytes() {
+    a_group_that_may_not_be_swapped_out_runs_on_with_its_bytes(
+        &["0", "ipc"],
+        "memory shared with another process (IPC)",
+    );
+}
+
+/// Caps may sum to 2 x the 2 GiB GPU: groups `first` and `second` keep their 1500 MiB caps,
+/// `third`, whose cap came last, gets the 1096 MiB left. Its process sees that cap
+/// (`cuMemGetInfo`), an allocation past it fails at once with `CUDA_ERROR_OUT_OF_MEMORY` and the
+/// reason (its `GPUSHARE_LOG=debug` output), the scheduler's log says so when the cap is set,
+/// and `gpushare status` (text and `--json`: `memory_cap`, `memory_clamped`) shows it.
+#[test]
+fn a_cap_past_what_the_gpu_may_promise_gets_what_is_left_and_says_so() {
+    let (node, exe) = overcommitted_node(&[]);
+    for group in ["first", "second"] {
+        let got = try_alloc(&node, &exe, group, "1500MiB", 1200 * MIB, 0);
+        assert_eq!(i(&got, "result"), 0, "{group}: {got}");
+    }
+    let mut cmd = in_group(
+        &node,
+        "third",
+        Some("1500MiB"),
+        &exe,
+        &["try", &(1200 * MIB).to_string(), "0"],
+    );
+    cmd.env("GPUSHARE_LOG", "debug");
+    let (lines, out) = run_ok(cmd);
+    let before = line_with(&lines, "before", &out);
+    assert_eq!(u(before, "total"), 1096 * MIB, "the clamped cap: {before}");
+    let got = line_with(&lines, "result", &out);
+    assert_eq!(i(got, "result"), OOM, "1200 MiB past a 1096 MiB cap: {got}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    let why = "group \"third\"'s memory cap of 1500 MiB is clamped to 1096 MiB on this GPU: the caps of the groups that came before it already promise 3000 of the 4096 MiB that memory_overcommit = 2 allows";
+    assert!(said.contains(why), "the process is told why:\n{said}");
+    let log = node.scheduler_log();
+    assert!(log.contains(why), "the scheduler's log says so:\n{log}");
+    let status = node.status_json().expect("gpushare status --json");
+    let third = group_in(&status, "third").expect("the third group in the status");
+    assert_eq!(
+        (u(third, "memory_cap"), u(third, "memory_clamped")),
+        (1096 * MIB, 1500 * MIB),
+        "{third}"
+    );
+    let first = group_in(&status, "first").expect("the first group in the status");
+    assert!(first["memory_clamped"].is_null(), "{first}");
+    let text = status_text(&node);
+    assert!(
+        text.contains("  third: memory cap clamped to 1096 MiB of the 1500 asked"),
+        "{text}"
+    );
 }
 
 /// `gpushare status` as a person reads it.

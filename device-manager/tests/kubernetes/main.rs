@@ -504,6 +504,10 @@ fn the_manifests_render_and_validate() {
         "path: /run/gpushare",
         "path: /var/lib/gpushare",
         "image: gpushare:0.1.0",
+        "kind: ConfigMap",
+        "memory_overcommit = 1\n",
+        "- --config=/etc/gpushare/scheduler.toml",
+        "mountPath: /etc/gpushare",
     ] {
         assert!(
             rendered.contains(want),

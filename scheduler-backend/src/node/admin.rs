@@ -41,6 +41,8 @@ impl Node {
 
     /// Apply the pod table's changes to the policies and memory books.
     fn apply_group_changes(&mut self, changes: Vec<GroupChange>, now: u64) {
+        // A container's GPUs may have changed: its cap counts on those.
+        self.overcommit.caps_unsettled = true;
         for c in changes {
             match c {
                 GroupChange::Set {

@@ -355,6 +355,7 @@ impl Node {
                 p.tick(now);
             }
         }
+        self.settle_caps();
         self.tick_overcommit(now);
         self.collect_decisions(now);
         if self.census_at.is_some_and(|at| at <= now) {

@@ -80,6 +80,8 @@ pub(super) struct State {
     gpus: Vec<GpuUuid>,
     /// The memory each GPU has, as its hooks said (absent: not known yet, not checked).
     capacity: BTreeMap<GpuUuid, u64>,
+    /// A GPU's memory or the ratio changed since the caps were last settled on the GPUs.
+    pub caps_unsettled: bool,
     groups: BTreeMap<String, GroupId>,
     asks: BTreeMap<RequestId, Ask>,
     next_req: u64,
@@ -88,6 +90,9 @@ pub(super) struct State {
     /// Why each group's last allocation was refused, for the report.
     pub refusals: BTreeMap<String, String>,
     timings: Timings,
+    /// The groups whose memory is not resident (swapped out, or on its way): the time
+    /// policies give them no turns meanwhile ([`gpushare_policy::Policy::suspend`]).
+    pub suspended: BTreeSet<String>,
     /// Clients whose memory the driver was asked about ([`Effect::Settle`]).
     settled: BTreeSet<ClientId>,
     /// The memory journal's holdings of processes not reconnected yet (the books' ghosts), as
@@ -102,6 +107,7 @@ impl State {
             core: Overcommit::new(settings.params, Vec::new()),
             gpus: Vec::new(),
             capacity: BTreeMap::new(),
+            caps_unsettled: false,
             groups: BTreeMap::new(),
             asks: BTreeMap::new(),
             next_req: 1,
@@ -113,6 +119,7 @@ impl State {
                 swap_in: Histogram::new(&DURATION_BOUNDS_NS),
                 wait: Histogram::new(&DURATION_BOUNDS_NS),
             },
+            suspended: BTreeSet::new(),
             settled: BTreeSet::new(),
             ghosts: BTreeMap::new(),
         }
@@ -154,6 +161,24 @@ impl State {
             .find(|(_, g)| **g == id)
             .map_or("?", |(n, _)| n.as_str())
     }
+}
+
+/// Why `group`'s cap of `asked` bytes is `given` on a GPU of `capacity` bytes whose caps may
+/// sum to `ratio` × that, and what to do about it.
+fn clamp_reason(group: &str, asked: u64, given: u64, capacity: u64, ratio: f64) -> String {
+    let mib = |b: u64| b >> 20;
+    let promised = (capacity as f64 * ratio) as u64;
+    format!(
+        "group {group:?}'s memory cap of {} MiB is clamped to {} MiB on this GPU: the caps of \
+         the groups that came before it already promise {} of the {} MiB that \
+         memory_overcommit = {ratio} allows on its {} MiB; lower their caps, raise \
+         memory_overcommit, or run the group on another GPU",
+        mib(asked),
+        mib(given),
+        mib(promised.saturating_sub(given)),
+        mib(promised),
+        mib(capacity),
+    )
 }
 
 impl State {
@@ -229,9 +254,56 @@ impl Node {
     /// The configuration's overcommit settings (ratio, waits, windows) apply from now.
     pub(super) fn set_overcommit(&mut self, settings: Settings, now: u64) {
         let s = &mut self.overcommit;
+        s.caps_unsettled |= s.settings.ratio != settings.ratio;
         s.settings = settings;
         let effects = s.core.set_params(now, settings.params);
         self.carry_out(effects, now);
+    }
+
+    /// The caps of the groups on each GPU whose memory is known promise at most
+    /// `memory_overcommit` × that memory: a group whose cap does not fit beside those of the
+    /// groups that came before it gets what is left there (maybe nothing), and the log says
+    /// so. Settled after any input that changed a cap, a GPU's memory, the ratio or the pods.
+    pub(super) fn settle_caps(&mut self) {
+        let s = &mut self.overcommit;
+        if !std::mem::take(&mut s.caps_unsettled) && !self.memory.caps_changed() {
+            return;
+        }
+        let (ratio, pods) = (s.settings.ratio, &self.pods);
+        let changed = (self.memory).promise_caps(&s.capacity, ratio, |g, gpu| pods.on_gpu(g, gpu));
+        for (group, uuid, asked, given) in changed {
+            let gpu = uuid_string(&uuid);
+            if given < asked {
+                let capacity = s.capacity.get(&uuid).copied().unwrap_or(0);
+                tracing::warn!(
+                    group = %group,
+                    gpu = %gpu,
+                    "{}",
+                    clamp_reason(&group, asked, given, capacity, ratio)
+                );
+            } else {
+                tracing::info!(group = %group, gpu = %gpu, cap_mib = asked >> 20, "memory cap no longer clamped: the caps before it make room");
+            }
+        }
+    }
+
+    /// The caps on `gpu` were clamped for `group` and it asked past its own: why, for the
+    /// process (`None`: its cap is whole there).
+    pub(super) fn clamped_refusal(&self, group: &str, gpu: &GpuUuid, bytes: u64) -> Option<String> {
+        let (asked, given) = self.memory.clamped(group, gpu)?;
+        let capacity = *self.overcommit.capacity.get(gpu)?;
+        Some(format!(
+            "out of GPU memory on {}: {} MiB past the group's cap refused: {}",
+            uuid_string(gpu),
+            bytes.div_ceil(1 << 20),
+            clamp_reason(
+                group,
+                asked,
+                given,
+                capacity,
+                self.overcommit.settings.ratio
+            )
+        ))
     }
 
     /// A hook says how much memory `gpu` has.
@@ -241,6 +313,7 @@ impl Node {
             return;
         }
         s.capacity.insert(gpu, bytes);
+        s.caps_unsettled = true;
         let i = s.gpu_index(gpu);
         let effects = s.core.set_capacity(now, i, bytes);
         tracing::info!(gpu = %uuid_string(&gpu), mib = bytes >> 20, "GPU memory");
@@ -385,15 +458,22 @@ impl Node {
         self.carry_out(effects, now);
     }
 
-    /// Client `client` of `group` holds managed memory: its group is never a victim.
-    pub(super) fn managed_memory(&mut self, client: ClientId, group: &str, now: u64) {
+    /// Client `client` of `group` holds memory the group cannot be swapped out with (managed
+    /// memory, or memory shared with another process): its group is never a victim.
+    pub(super) fn unswappable_memory(
+        &mut self,
+        client: ClientId,
+        group: &str,
+        why: core::Unswappable,
+        now: u64,
+    ) {
         if self.overcommit.settings.ratio <= 1.0 {
             return;
         }
         let s = &mut self.overcommit;
         let g = s.group_id(group);
         s.core.attach(ProcessId(client), g);
-        let effects = (s.core).mark_unswappable(now, ProcessId(client), core::Unswappable::Managed);
+        let effects = (s.core).mark_unswappable(now, ProcessId(client), why);
         self.carry_out(effects, now);
     }
 
@@ -575,11 +655,39 @@ impl Node {
                 }
             }
         }
+        self.suspend_swapped(now);
         let s = &mut self.overcommit;
         // Swaps the core dropped (every process of theirs exited) will not be timed.
         let current: Vec<SwapId> = s.core.swaps().into_iter().map(|x| x.0).collect();
         s.timings.started.retain(|id, _| current.contains(id));
         s.wake_at = s.core.next_wakeup(now);
+    }
+
+    /// The time policies follow the swaps: a group whose memory leaves the GPU (from the
+    /// moment its swap-out begins: its processes are being locked) gets no turns on any GPU
+    /// until it is all back, or its swap-out failed (it runs on).
+    fn suspend_swapped(&mut self, now: u64) {
+        let s = &self.overcommit;
+        if s.suspended.is_empty() && s.core.swaps().is_empty() {
+            return;
+        }
+        let out: BTreeSet<String> = (s.groups.keys())
+            .filter(|g| s.memory_state(g) != MemoryState::Resident)
+            .cloned()
+            .collect();
+        for g in out.difference(&s.suspended) {
+            tracing::info!(group = %g, "no GPU turns while its memory is out");
+            for p in self.policies.values_mut() {
+                p.suspend(g, now);
+            }
+        }
+        for g in s.suspended.difference(&out) {
+            tracing::info!(group = %g, "GPU turns again: its memory is back");
+            for p in self.policies.values_mut() {
+                p.resume(g, now);
+            }
+        }
+        self.overcommit.suspended = out;
     }
 
     /// What `client`'s group uses on `gpu` (for a reservation's answer).

@@ -111,7 +111,9 @@ impl Node {
                                 .collect(),
                             active: g.active,
                             memory_used: self.memory.used(&g.name, uuid),
-                            memory_cap: self.memory.cap(&g.name),
+                            memory_cap: self.memory.cap(&g.name, uuid),
+                            memory_clamped: (self.memory.clamped(&g.name, uuid))
+                                .map(|(asked, _)| asked),
                             memory_reservations: self.memory.reservations(&g.name, uuid),
                             memory_swapped: self.overcommit.swapped(&g.name, uuid),
                             memory_state: self.overcommit.memory_state(&g.name),

@@ -4,6 +4,7 @@
 
 use super::{ConnId, Node};
 use crate::identity::Peer;
+use gpushare_policy::overcommit::Unswappable;
 use gpushare_policy::{ClientId, Decision, GroupClass, GroupParams, Policy, TurnUse};
 use gpushare_protocol::status::uuid_string;
 use gpushare_protocol::{ClientMsg, GpuUuid, GroupSpec, PROTOCOL_VERSION, ServerMsg};
@@ -243,9 +244,13 @@ impl Node {
                 self.free_physical(id, gpu, bytes, now);
             }
             ClientMsg::MemTotal { gpu, bytes } => self.gpu_memory(gpu, bytes, now),
-            ClientMsg::MemManaged => {
+            ClientMsg::MemManaged | ClientMsg::MemIpc => {
+                let why = match msg {
+                    ClientMsg::MemManaged => Unswappable::Managed,
+                    _ => Unswappable::Ipc,
+                };
                 if let Some(group) = self.group_of(id, now) {
-                    self.managed_memory(id, &group, now);
+                    self.unswappable_memory(id, &group, why, now);
                 }
             }
             ClientMsg::MemSync { gpu, bytes } => {
@@ -323,6 +328,12 @@ impl Node {
                 self.books.after_persist(id, answer);
             }
         } else {
+            if !u.granted
+                && let Some(message) = self.clamped_refusal(&group, &gpu, bytes)
+            {
+                tracing::debug!(client = id, group = %group, "{message}");
+                self.refuse(id, message);
+            }
             self.send(id, answer);
         }
     }
@@ -351,11 +362,15 @@ impl Node {
     fn policy_for(&mut self, gpu: GpuUuid) -> &mut Policy {
         let cfg = self.config.policy.clone();
         let (groups, pods, late) = (&self.groups, &self.pods, self.recent_late.1);
+        let (suspended, now) = (&self.overcommit.suspended, self.now);
         self.policies.entry(gpu).or_insert_with(|| {
             let mut p = Policy::new(cfg);
             p.set_lateness(late);
             for (name, params) in groups.iter().filter(|(n, _)| pods.on_gpu(n, &gpu)) {
                 let _ = p.set_group(name, *params);
+                if suspended.contains(name) {
+                    p.suspend(name, now);
+                }
             }
             p
         })

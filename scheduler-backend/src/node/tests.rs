@@ -934,6 +934,11 @@ fn under_overcommit_a_reservation_that_does_not_fit_waits_then_another_group_is_
     // a's processes are swapped out.
     w.advance(400 * MS);
     assert_eq!(w.swaps, vec![(1, vec![pid_a], true)]);
+    assert!(
+        w.node.policies[&GPU].suspended("a"),
+        "no turns from the swap-out on"
+    );
+    assert!(!w.node.policies[&GPU].suspended("b"));
     let r = report(&mut w, a);
     assert_eq!(group_report(&r, "a").memory_state, MemoryState::SwappingOut);
     assert_eq!(group_report(&r, "b").memory_state, MemoryState::Resident);
@@ -987,7 +992,15 @@ fn under_overcommit_a_reservation_that_does_not_fit_waits_then_another_group_is_
         MemoryState::SwappingIn
     );
     w.advance(200 * MS);
+    assert!(
+        w.node.policies[&GPU].suspended("a"),
+        "none while it comes back"
+    );
     w.input(Input::SwappedIn { swap: 1, ok: true });
+    assert!(
+        !w.node.policies[&GPU].suspended("a"),
+        "turns again once back"
+    );
     let r = report(&mut w, a);
     assert_eq!(group_report(&r, "a").memory_state, MemoryState::Resident);
     assert_eq!(group_report(&r, "a").memory_swapped, 0);
@@ -1009,6 +1022,10 @@ fn under_overcommit_a_wait_is_bounded_and_its_refusal_says_why_and_frees_the_cap
         swap: 1,
         outcome: Err(SwapOutFailure::TimedOut),
     });
+    assert!(
+        !w.node.policies[&GPU].suspended("a"),
+        "a failed swap-out: it runs on"
+    );
     w.advance(1500 * MS);
     assert_eq!(granted(&w, b, req), None, "still within the bound");
     w.advance(100 * MS);
@@ -1029,7 +1046,8 @@ fn under_overcommit_a_wait_is_bounded_and_its_refusal_says_why_and_frees_the_cap
 
 #[test]
 fn without_overcommit_the_gpus_memory_is_not_checked() {
-    let mut w = World::new(CONFIG, false);
+    // Group a uncapped: capped, its cap would be clamped to the GPU.
+    let mut w = World::new("[[group]]\nname = \"a\"\nuids = [1000]\n", false);
     let a = client_a(&mut w);
     w.send(
         a,
@@ -1044,10 +1062,12 @@ fn without_overcommit_the_gpus_memory_is_not_checked() {
     assert!(w.swaps.is_empty());
 }
 
-#[test]
-fn under_overcommit_a_group_that_said_it_holds_managed_memory_is_never_swapped_out() {
+/// Group a says `said` (it holds memory it cannot be swapped out with): b's reservation that
+/// only a's memory could make room for is refused, naming a and `why`, and no checkpoint is
+/// tried.
+fn never_swapped_out_after(said: ClientMsg, why: &str) {
     let (mut w, a, b) = overcommitted("");
-    w.send(a, ClientMsg::MemManaged);
+    w.send(a, said);
     let req = reserve(&mut w, b, 400);
     w.complete_all();
     w.advance(400 * MS);
@@ -1059,9 +1079,109 @@ fn under_overcommit_a_group_that_said_it_holds_managed_memory_is_never_swapped_o
     );
     let said = w.tenants[&b].received.iter().any(|m| {
         matches!(m, ServerMsg::Error { message, fatal: false }
-            if message.contains("group \"a\" holds 900 MiB of managed memory"))
+            if message.contains(&format!("group \"a\" holds 900 MiB of {why}")))
     });
     assert!(said, "{:?}", w.tenants[&b].received);
     let s = report(&mut w, a).memory_swaps;
     assert_eq!((s.swap_outs, s.swap_out_failures), (0, 0));
+}
+
+#[test]
+fn under_overcommit_a_group_that_said_it_holds_managed_memory_is_never_swapped_out() {
+    never_swapped_out_after(ClientMsg::MemManaged, "managed memory");
+}
+
+#[test]
+fn under_overcommit_a_group_that_said_it_shares_memory_over_ipc_is_never_swapped_out() {
+    never_swapped_out_after(
+        ClientMsg::MemIpc,
+        "memory shared with another process (IPC)",
+    );
+}
+
+/// What `c`'s group may hold on the GPU, as a query answers.
+fn cap_of(w: &mut World, c: ConnId) -> Option<u64> {
+    let q = w.req(c);
+    w.send(c, ClientMsg::MemQuery { req: q, gpu: GPU });
+    match last(w, c) {
+        Some(ServerMsg::Memory { cap, .. }) => *cap,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn caps_past_the_overcommit_ratio_leave_the_group_that_came_last_what_is_left() {
+    // a (1 GiB) came before b (512 MiB); caps may sum to 1.5 x 768 MiB = 1152 MiB.
+    let config = format!("memory_overcommit = 1.5\n{CONFIG}");
+    let mut w = World::new(&config, false);
+    let a = client_a(&mut w);
+    let b = w.connect(1001, None);
+    w.complete_all();
+    w.hello(b, None);
+    assert_eq!(
+        cap_of(&mut w, b),
+        Some(512 * MIB),
+        "the GPU's memory not known yet"
+    );
+    w.send(
+        a,
+        ClientMsg::MemTotal {
+            gpu: GPU,
+            bytes: 768 * MIB,
+        },
+    );
+    assert_eq!(
+        cap_of(&mut w, a),
+        Some(1024 * MIB),
+        "the first keeps its cap"
+    );
+    assert_eq!(
+        cap_of(&mut w, b),
+        Some(128 * MIB),
+        "the last gets what is left"
+    );
+    // Past the clamped cap, though within the one asked: refused, and told why.
+    let req = reserve(&mut w, b, 200);
+    w.complete_all();
+    assert_eq!(granted(&w, b, req), Some(false));
+    let r = report(&mut w, a);
+    let (ga, gb) = (group_report(&r, "a"), group_report(&r, "b"));
+    assert_eq!((ga.memory_cap, ga.memory_clamped), (Some(1024 * MIB), None));
+    assert_eq!(
+        (gb.memory_cap, gb.memory_clamped),
+        (Some(128 * MIB), Some(512 * MIB))
+    );
+    let said = w.tenants[&b].received.iter().any(|m| {
+        matches!(m, ServerMsg::Error { message, fatal: false }
+            if message.contains("group \"b\"'s memory cap of 512 MiB is clamped to 128 MiB")
+                && message.contains("already promise 1024 of the 1152 MiB that memory_overcommit = 1.5 allows"))
+    });
+    assert!(said, "{:?}", w.tenants[&b].received);
+    let req = reserve(&mut w, b, 100);
+    w.complete_all();
+    assert_eq!(granted(&w, b, req), Some(true), "within the clamped cap");
+
+    // A cap that changes keeps its place: a lowered to 768 MiB makes room for b's whole cap.
+    w.reload(&config.replace("memory = \"1GiB\"", "memory = \"768MiB\""));
+    assert_eq!(cap_of(&mut w, a), Some(768 * MIB));
+    assert_eq!(
+        cap_of(&mut w, b),
+        Some(384 * MIB),
+        "still clamped, to what a leaves"
+    );
+    // A higher ratio gives b its whole cap back.
+    w.reload(&config.replace("1.5", "2"));
+    assert_eq!(cap_of(&mut w, b), Some(512 * MIB));
+    let r = report(&mut w, a);
+    assert_eq!(group_report(&r, "b").memory_clamped, None);
+    // Without overcommit the caps promise at most the GPU: 1 GiB for a, none left for b.
+    w.reload(CONFIG);
+    assert_eq!(
+        cap_of(&mut w, a),
+        Some(768 * MIB),
+        "clamped to the GPU itself"
+    );
+    assert_eq!(cap_of(&mut w, b), Some(0));
+    w.settle();
+    w.check_settled();
 }
