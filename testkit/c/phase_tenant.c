@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "pattern.h"
 #include "spin.h"
 
 #define PAGE 4096ull
@@ -43,20 +44,6 @@ struct buf {
 
 static struct buf bufs[MAX_BUFS];
 static int nbufs;
-
-static unsigned long long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
-}
-
-static uint64_t word(uint64_t seed, uint64_t i) {
-    uint64_t x = seed ^ (i * 0x9E3779B97F4A7C15ull);
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 27;
-    return x;
-}
 
 /* The sampled pages of a buffer of `bytes`: offsets 0, STRIDE, 2·STRIDE, … and its last page. */
 static size_t sample(size_t bytes, size_t k, int *last) {
