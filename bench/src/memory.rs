@@ -203,7 +203,7 @@ fn start_node(p: &Params, mode: Mode, dir: &Path) -> anyhow::Result<(Node, PathB
     std::fs::write(
         &config,
         format!(
-            "memory_overcommit = {ratio}\n{}",
+            "memory_overcommit = {ratio:?}\n{}",
             p.overcommit_table.as_deref().unwrap_or("")
         ),
     )?;
@@ -215,9 +215,16 @@ fn start_node(p: &Params, mode: Mode, dir: &Path) -> anyhow::Result<(Node, PathB
 
 fn spawn(node: &Node, exe: &Path, p: &Params, i: usize, cap: u64) -> Tenant {
     let group = format!("t{i}");
-    let cap = cap.to_string();
+    let cap = format!("{}MiB", cap >> 20);
     let run_args = [
-        "--group", &group, "--request", "0.25", "--limit", "1", "--memory", &cap,
+        "--group",
+        &group,
+        "--request",
+        "0.25",
+        "--limit",
+        "1",
+        "--memory",
+        &cap,
     ];
     let mut cmd = node.run_command(&run_args, exe, &p.tenant_args(i));
     // Fail-open, as the scheduler's own overcommit tests run.
@@ -243,7 +250,11 @@ fn end_of(group: String, t: Tenant, timeout: Duration) -> TenantEnd {
         progress(format!(
             "{group} failed ({}{}): {}",
             out.status,
-            if killed { ", killed at the timeout" } else { "" },
+            if killed {
+                ", killed at the timeout"
+            } else {
+                ""
+            },
             String::from_utf8_lossy(&out.stderr).trim()
         ));
     }
@@ -498,9 +509,16 @@ impl Summary {
                 "| {} | {} | {} | {} | {} | {} / {} | {} | {} / {} | {} | {} ({}) | {} |\n",
                 mode_name(m),
                 sp(&|r| r.completion_s, 1),
-                sp(&|r| r.tenants.iter().filter(|t| t.finished).count() as f64, 0),
+                sp(
+                    &|r| r.tenants.iter().filter(|t| t.finished).count() as f64,
+                    0
+                ),
                 sp(&|r| r.ooms() as f64, 0),
-                self.of_mode(m).filter(|r| r.all_intact()).count().to_string() + &format!(" of {n}"),
+                self.of_mode(m)
+                    .filter(|r| r.all_intact())
+                    .count()
+                    .to_string()
+                    + &format!(" of {n}"),
                 sp(&|r| r.swap_outs as f64, 0),
                 sp(&|r| r.swap_ins as f64, 0),
                 sp(&|r| r.swapped_bytes as f64 / GIB as f64, 1),

@@ -9,12 +9,15 @@ fn overcommitted_phase_tenants_all_finish_without_oom_and_keep_their_bytes() {
     let dir = tempfile::tempdir().expect("scratch directory");
     let p = Params::small();
     let r = run(&p, Mode::Overcommit, dir.path(), "overcommit").expect("the run");
-    let log = std::fs::read_to_string(dir.path().join("overcommit.scheduler.log"))
-        .unwrap_or_default();
+    let log =
+        std::fs::read_to_string(dir.path().join("overcommit.scheduler.log")).unwrap_or_default();
     assert_eq!(r.ooms(), 0, "{r:#?}\n--- scheduler ---\n{log}");
     assert!(r.all_finished(), "{r:#?}\n--- scheduler ---\n{log}");
     assert!(r.all_intact(), "{r:#?}");
-    assert!(r.swap_outs >= 1, "peaks 1.75x the GPU without a swap: {r:#?}");
+    assert!(
+        r.swap_outs >= 1,
+        "peaks 1.75x the GPU without a swap: {r:#?}"
+    );
     assert_eq!(r.swap_out_failures + r.swap_in_failures, 0, "{r:#?}");
     assert_eq!(r.allocations_refused, 0, "{r:#?}");
     // Swapped groups come back: every swap out was followed by a restore (all finished).
