@@ -117,13 +117,23 @@ pub const CHOSEN_GPU: &str = "gpushare.io/gpu";
 /// The GPU(s) recorded for the container a preferred-allocation request of `size` units is
 /// for. The request does not name its pod, but the kubelet admits one pod at a time, oldest
 /// first: it is the oldest pod of the node with the annotation and a container asking `size`
-/// units that holds none yet.
+/// units that holds none yet. A pod going away is not waiting, nor is one that a newer pod of
+/// the same name replaced (the watch may still show a deleted pod whose name was taken again:
+/// its units are given back and its recorded GPU is not the new pod's).
 pub fn recorded_choice(
     pods: &[PodView],
     assigned: &[Assignment],
     size: usize,
 ) -> Option<Vec<String>> {
+    let replaced = |p: &PodView| {
+        pods.iter().any(|q| {
+            q.namespace == p.namespace
+                && q.name == p.name
+                && (q.created, &q.uid) > (p.created, &p.uid)
+        })
+    };
     pods.iter()
+        .filter(|p| !p.terminating && !replaced(p))
         .filter(|p| {
             p.units.iter().any(|(c, u)| {
                 *u as usize == size
@@ -397,6 +407,7 @@ mod tests {
             units: BTreeMap::from([("main".to_string(), units)]),
             created,
             claims: BTreeMap::new(),
+            terminating: false,
         }
     }
 
@@ -420,6 +431,25 @@ mod tests {
             Some(vec![B.to_string()])
         );
         assert_eq!(recorded_choice(&pods, &[], 70), None);
+    }
+
+    #[test]
+    fn a_deleted_pod_of_the_same_name_does_not_lend_its_gpu_to_the_new_one() {
+        // The old `w` on A, deleted, its units given back; the new `w` chose B.
+        let mut going = view("w", 10, 30, Some(A));
+        going.terminating = true;
+        let new = view("w", 20, 30, Some(B));
+        assert_eq!(
+            recorded_choice(&[going, new.clone()], &[], 30),
+            Some(vec![B.to_string()])
+        );
+        // The watch still shows the old one as it was before its deletion.
+        let mut stale = view("w", 10, 30, Some(A));
+        stale.uid = "uid-old-w".into();
+        assert_eq!(
+            recorded_choice(&[stale, new], &[], 30),
+            Some(vec![B.to_string()])
+        );
     }
 
     #[test]

@@ -96,6 +96,7 @@ pub fn view(p: &Pod) -> Option<PodView> {
         units,
         created: m.creation_timestamp.as_ref().map_or(0, |t| t.0.as_second()),
         claims: claims(p),
+        terminating: m.deletion_timestamp.is_some(),
     })
 }
 

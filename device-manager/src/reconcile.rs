@@ -27,6 +27,8 @@ pub struct PodView {
     /// Container name → the names of the ResourceClaims (of the pod's namespace) it uses,
     /// once known (a claim made from a template is named in the pod's status).
     pub claims: BTreeMap<String, Vec<String>>,
+    /// `metadata.deletionTimestamp` is set: the pod is going away.
+    pub terminating: bool,
 }
 
 /// Units of our resource the kubelet assigned to one container (PodResources).
@@ -274,6 +276,7 @@ mod tests {
             units: BTreeMap::new(),
             created: 0,
             claims: BTreeMap::new(),
+            terminating: false,
         }
     }
 

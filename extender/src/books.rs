@@ -709,13 +709,15 @@ impl Books {
     }
 
     /// Prioritize: 0–10 per node. `requests` and `whole-gpu` leave ranking to kube-scheduler
-    /// (0 everywhere); `seed` ranks at random, as published.
+    /// (0 everywhere); `seed` ranks at random, as published. The books hold no node's CPU or
+    /// memory (kube-scheduler names the nodes, and books those), so the rank has no
+    /// stranding term here: kube-scheduler's own scores weigh CPU and memory beside it.
     pub fn prioritize(&self, pod: &PodInfo, nodes: &[String], now: f64) -> Vec<(String, i64)> {
         nodes
             .iter()
             .map(|n| {
                 let score = match self.choose(pod, n, now) {
-                    Ok(c) if self.policy.ranks_nodes() => (c.score * 10.0).round() as i64,
+                    Ok(c) if self.policy.ranks_nodes() => policy::rank(c.score, None) as i64,
                     Ok(_) if self.policy == Policy::Seed => {
                         (fnv(n.bytes().chain(pod.uid.bytes())) % 11) as i64
                     }

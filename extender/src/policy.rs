@@ -239,6 +239,60 @@ impl Fit {
     }
 }
 
+/// A node's room besides its GPUs' memory: its GPU units, CPU and memory, free of the total
+/// (CPU and memory as kube-scheduler books them: pods' requests against the node's
+/// allocatable; a total of 0: not constrained).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRoom {
+    pub units: u32,
+    pub units_free: u32,
+    pub cpu: u64,
+    pub cpu_free: u64,
+    pub mem: u64,
+    pub mem_free: u64,
+}
+
+impl NodeRoom {
+    /// The room left once a pod asking `units` of GPU, `cpu` and `mem` is placed.
+    pub fn taking(&self, units: u32, cpu: u64, mem: u64) -> NodeRoom {
+        NodeRoom {
+            units_free: self.units_free.saturating_sub(units),
+            cpu_free: self.cpu_free.saturating_sub(cpu),
+            mem_free: self.mem_free.saturating_sub(mem),
+            ..*self
+        }
+    }
+
+    /// GPUs' worth of free units the node lacks CPU or memory for, were later pods to ask
+    /// CPU and memory per GPU as the node offers them: its free share of units beyond its
+    /// free share of CPU (or memory, whichever is less).
+    pub fn stranded(&self) -> f64 {
+        let share = |free: u64, total: u64| {
+            if total == 0 {
+                1.0
+            } else {
+                free as f64 / total as f64
+            }
+        };
+        let units = share(self.units_free.into(), self.units.into());
+        let other = share(self.cpu_free, self.cpu).min(share(self.mem_free, self.mem));
+        (units - other).max(0.0) * f64::from(self.units) / 100.0
+    }
+}
+
+/// The extender's rank of a node, 0–10: how well its best GPU fits the pod (`fit`, a
+/// [`Fit::score`]), less the GPUs the placement would newly strand there for lack of CPU or
+/// memory ([`NodeRoom::stranded`] of the node's room `(before, after)` it; `None`: unknown, not
+/// counted). Ranking by GPU fit alone packs pods onto nodes whatever CPU and memory they take,
+/// and a node whose CPU or memory runs out first keeps GPUs no later pod can use; with the
+/// term, a pod asking much CPU or memory per unit of GPU goes where they are to spare.
+pub fn rank(fit: f64, node: Option<(&NodeRoom, &NodeRoom)>) -> u64 {
+    let strands = node.map_or(0.0, |(before, after)| {
+        (after.stranded() - before.stranded()).max(0.0)
+    });
+    ((fit - strands).max(0.0) * 10.0).round() as u64
+}
+
 /// Inputs of the seed's check besides the books: the GPU's memory in use, one sample a second
 /// over the window since the last placement (at least 20 s).
 pub struct SeedWindow<'a> {
@@ -530,6 +584,36 @@ mod tests {
         );
     }
 
+    fn room(units: u32, units_free: u32, cpu: u64, cpu_free: u64) -> NodeRoom {
+        NodeRoom {
+            units,
+            units_free,
+            cpu,
+            cpu_free,
+            mem: 0,
+            mem_free: 0,
+        }
+    }
+
+    #[test]
+    fn a_node_whose_cpu_runs_out_before_its_gpus_strands_them() {
+        // Eight GPUs, 96 cores: half the GPUs free with a quarter of the CPU strands two.
+        let r = room(800, 400, 96_000, 24_000);
+        assert!((r.stranded() - 2.0).abs() < 1e-9, "{}", r.stranded());
+        // CPU to spare, or nothing constrained: nothing stranded.
+        assert_eq!(room(800, 400, 96_000, 60_000).stranded(), 0.0);
+        assert_eq!(room(800, 400, 0, 0).stranded(), 0.0);
+        // A share of a GPU with 14 of the 15 cores left strands the node's other GPU, and
+        // ranks below the empty GPU of a node with CPU to spare, though it fits better.
+        let lean = room(200, 150, 16_000, 15_000);
+        let rich = room(100, 100, 64_000, 24_000);
+        let closing = rank(1.0, Some((&lean, &lean.taking(50, 14_000, 0))));
+        let spare = rank(0.4, Some((&rich, &rich.taking(50, 14_000, 0))));
+        assert!(spare > closing, "{spare} {closing}");
+        // Unknown room: the fit alone.
+        assert_eq!(rank(1.0, None), 10);
+    }
+
     proptest! {
         /// Whatever was observed, `predicted` never believes a pod needs more than its cap nor
         /// less than its observed peak once settled; and an admitted pod leaves the GPU's
@@ -561,6 +645,31 @@ mod tests {
                     prop_assert!(g.committed(p, now, &l) + ask_cap <= g.memory);
                     prop_assert_eq!(fit.free_units, g.units - g.units_used() - ask_units);
                 }
+            }
+        }
+
+        /// The stranding term only ever lowers a node's rank, and leaves it as the GPU's fit
+        /// alone where the node's CPU and memory are not constrained or the pod strands
+        /// nothing.
+        #[test]
+        fn stranding_only_lowers_a_rank(
+            fit in 0.0f64..=1.0,
+            gpus in 1u32..=8,
+            used in 0u32..=800,
+            units in 0u32..=100,
+            cpu in 1u64..200_000,
+            cpu_used in 0u64..200_000,
+            ask_cpu in 0u64..50_000,
+        ) {
+            let total = 100 * gpus;
+            let before = room(total, total - used.min(total), cpu, cpu.saturating_sub(cpu_used));
+            let after = before.taking(units, ask_cpu, 0);
+            prop_assert!(rank(fit, Some((&before, &after))) <= rank(fit, None));
+            let free = room(total, before.units_free, 0, 0);
+            let free_after = free.taking(units, ask_cpu, 0);
+            prop_assert_eq!(rank(fit, Some((&free, &free_after))), rank(fit, None));
+            if after.stranded() <= before.stranded() {
+                prop_assert_eq!(rank(fit, Some((&before, &after))), rank(fit, None));
             }
         }
     }

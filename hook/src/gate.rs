@@ -538,25 +538,38 @@ impl Gate {
 
     /// The application is about to synchronise: a process that went idle after its last
     /// synchronisations gives its turn back as the work it waits for drains (see
-    /// [`Turns::before_sync`]).
-    pub fn before_sync(&self) {
+    /// [`Turns::before_sync`]). Returns when (for [`Gate::after_sync`]).
+    pub fn before_sync(&self) -> u64 {
         let mut g = self.lock();
         let now = crate::now_ns();
         let a = self.activity(&mut g);
         if g.turns.before_sync(now, a) {
             self.close(g, Some(now), false);
         }
+        now
     }
 
-    /// A synchronisation returned. The fences of the work it waited for have completed: taken in
-    /// now (a query each, no wait), so that the launches after it are not held for work already
-    /// done (a launch-bound loop would otherwise wait on a completed fence every few fences).
-    pub fn after_sync(&self) {
+    /// A synchronisation that began at `began` returned. The fences of the work it waited for
+    /// have completed: taken in now (a query each, no wait), so that the launches after it are
+    /// not held for work already done (a launch-bound loop would otherwise wait on a completed
+    /// fence every few fences). The pacing keeps the work queued within the queue budget: a
+    /// wait of more than twice the budget (margin for a thread woken late, and for the previous
+    /// holder's last kernels at a turn's start) shows the GPU time per launch higher than the
+    /// fences knew.
+    pub fn after_sync(&self, began: u64) {
         let n = self.launches.load(Ordering::Relaxed);
         let mut g = self.lock();
-        g.turns.after_sync(crate::now_ns(), n);
+        let now = crate::now_ns();
+        g.turns.after_sync(now, n);
+        let budget = g.turns.queue_budget();
+        if let Some(budget) = budget
+            && now.saturating_sub(began) as f64 > 2.0 * budget
+        {
+            g.queue.scan(&self.launch_streams, n);
+            g.queue.waited(now.saturating_sub(began) as f64);
+        }
         g.queue.complete_finished(n);
-        if let Some(budget) = g.turns.queue_budget()
+        if let Some(budget) = budget
             && !g.queue.too_much(pacing(budget, 0.0).1)
         {
             self.pace_due.store(false, Ordering::Relaxed);
@@ -598,9 +611,19 @@ impl Gate {
             driver::Recorded::Dead => return,
         }
         let now = crate::now_ns();
+        // Whether the GPU had not reached the previous fence yet (then the time between the two
+        // completions is all GPU work); if it had, that fence is taken in now.
+        let behind = match g.queue.newest_event().map(driver::event_done) {
+            Some(Some(false)) => true,
+            Some(Some(true)) => {
+                g.queue.newest_completed(n, now);
+                false
+            }
+            _ => false,
+        };
         let est = g
             .queue
-            .push_fence(&self.launch_streams, (event, ctx), key, n, now);
+            .push_fence(&self.launch_streams, (event, ctx), key, n, now, behind);
         g.turns.paced(n, now);
         let (k, wait_above) = pacing(budget, est.unwrap_or(0.0));
         // Fences the GPU has passed already are taken in first (a query each, no wait): the

@@ -34,13 +34,13 @@ fn current_gate() -> Option<&'static Gate> {
 /// Run a launch through the gate of the current GPU. Panics never cross into the caller. A
 /// launch into a stream being captured only adds a node to the capture's graph: it is neither
 /// gated nor fenced (the graph's launches are).
-#[inline]
+#[inline(always)]
 fn gated(stream: Option<(P, bool)>, launch: impl FnOnce() -> Option<CUresult>) -> CUresult {
     gated_launches(stream, 1, launch)
 }
 
 /// [`gated`] for a launch of `launches` kernels at once (a graph).
-#[inline]
+#[inline(always)]
 fn gated_launches(
     stream: Option<(P, bool)>,
     launches: u64,
@@ -205,13 +205,10 @@ pub extern "C" fn cuGraphLaunch_ptsz(exec: P, stream: P) -> CUresult {
 /// turn ends with the work being waited for, and telling it when the synchronisation returned.
 fn synced(sync: impl FnOnce() -> Option<CUresult>) -> CUresult {
     let run = || {
-        let gate = current_gate();
-        if let Some(g) = gate {
-            g.before_sync();
-        }
+        let gate = current_gate().map(|g| (g, g.before_sync()));
         let r = sync().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        if let Some(g) = gate {
-            g.after_sync();
+        if let Some((g, began)) = gate {
+            g.after_sync(began);
         }
         r
     };

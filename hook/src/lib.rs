@@ -41,7 +41,9 @@ mod settings;
 mod turn;
 
 /// Run the body of an exported entry point: a panic never crosses into the caller, which gets
-/// `CUDA_ERROR_UNKNOWN` instead.
+/// `CUDA_ERROR_UNKNOWN` instead. Inlined into the entry point: a launch's return from the
+/// driver then goes through one frame of the hook, not two.
+#[inline(always)]
 fn guarded(
     run: impl FnOnce() -> gpushare_cuda_abi::types::CUresult,
 ) -> gpushare_cuda_abi::types::CUresult {

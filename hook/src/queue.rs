@@ -9,6 +9,13 @@
 //! completions per launch they vouched for (on one stream, the launches between consecutive
 //! fences; on several, the GPU's pace through all of them, whether it runs their kernels one at
 //! a time or side by side).
+//!
+//! Only an interval the GPU surely worked through without a break teaches that pace as it is:
+//! one whose later fence was recorded while the earlier was still pending (its launches were
+//! queued before the GPU reached the earlier fence). Any other interval may hold idle time — a
+//! launch-bound loop waiting on the host, a synchronisation, another route's kernels — and
+//! bounds the pace from above only: it may lower the estimate, never raise it. Otherwise idle
+//! time would pass for GPU work, and fences would come more often than the budget needs.
 
 use crate::driver::{self, Handle, Stream as StreamHandle};
 use gpushare_cuda_abi::types::{CU_STREAM_LEGACY, CU_STREAM_PER_THREAD};
@@ -126,6 +133,11 @@ fn stream_key(stream: StreamHandle, per_thread: bool) -> u64 {
 struct Fence {
     event: Handle,
     ctx: Handle,
+    /// Its place in the order fences were recorded in.
+    id: u64,
+    /// The fence recorded just before it was still pending when it was recorded: the GPU
+    /// worked from that one's completion to this one's without a break.
+    behind: bool,
     /// Its stream (index into `Queue::streams`) and the launches on it up to the fence.
     stream: usize,
     seq: u64,
@@ -156,6 +168,8 @@ impl Stream {
 pub struct Queue {
     /// Pending fences, in the order they were recorded.
     fences: VecDeque<Fence>,
+    /// Fences recorded.
+    recorded: u64,
     streams: Vec<Stream>,
     /// The launch count up to which the ring has been read.
     scanned: u64,
@@ -176,7 +190,7 @@ pub struct Queue {
     /// The GPU time between completions and the launches they vouched for, each sum decaying
     /// by 30 % an interval: their ratio is the GPU time per launch. (On several streams a fence
     /// can vouch for launches that ran in earlier intervals: sums, unlike a mean of ratios,
-    /// still add up.)
+    /// still add up.) An interval that may hold idle time adds at most the estimate's time.
     busy: (f64, f64),
 }
 
@@ -246,8 +260,22 @@ impl Queue {
         self.pool.push((ctx, event));
     }
 
+    /// The newest pending fence's event: asked about as the next fence is recorded
+    /// ([`Queue::newest_completed`] if it has completed; else the next one is `behind` it).
+    pub fn newest_event(&self) -> Option<Handle> {
+        self.fences.back().map(|f| f.event)
+    }
+
+    /// The newest pending fence has completed, seen at `now` (`launched`: the launch count then).
+    pub fn newest_completed(&mut self, launched: u64, now: u64) {
+        if let Some(f) = self.fences.pop_back() {
+            self.completed(f, launched, now);
+        }
+    }
+
     /// `event` was recorded on stream `key` at `now`, right after launch `n` (the ring is read
-    /// up to it first). Returns the GPU time per launch, if learnt.
+    /// up to it first); `behind`: the newest pending fence had not completed by then (a query
+    /// after this record said so). Returns the GPU time per launch, if learnt.
     pub fn push_fence(
         &mut self,
         ring: &LaunchStreams,
@@ -255,6 +283,7 @@ impl Queue {
         key: u64,
         n: u64,
         now: u64,
+        behind: bool,
     ) -> Option<f64> {
         self.scan(ring, n);
         let index = if n <= self.settled {
@@ -271,9 +300,12 @@ impl Queue {
         let later = (n + 1..=self.scanned)
             .filter(|&m| ring.get(m) == Some(key))
             .count() as u64;
+        self.recorded += 1;
         self.fences.push_back(Fence {
             event,
             ctx,
+            id: self.recorded,
+            behind,
             stream: i,
             seq: self.streams[i].launched.saturating_sub(later),
             recorded_ns: now,
@@ -351,6 +383,25 @@ impl Queue {
         Some((tail, since.is_some()))
     }
 
+    /// A synchronisation waited `waited_ns` for the work queued when it began (the launches not
+    /// vouched for then, read from the ring first): the GPU worked that long through them
+    /// without a break, so its time per launch is at least that over them. Fences further
+    /// apart than the synchronisations see no interval without a break; this is how an
+    /// estimate left too low by a launch-bound spell is corrected.
+    pub fn waited(&mut self, waited_ns: f64) {
+        let queued = self.queued();
+        if self.untracked || queued == 0 {
+            return;
+        }
+        let at_least = waited_ns / queued as f64;
+        let (ns, launches) = self.busy;
+        if launches == 0.0 {
+            self.busy = (waited_ns, queued as f64);
+        } else if ns < at_least * launches {
+            self.busy.0 = at_least * launches;
+        }
+    }
+
     /// Whether a launcher should wait for its oldest fence: more than `limit_ns` of work is
     /// queued (or launches are queued and nothing is learnt yet), and there is a fence before
     /// the newest to wait for.
@@ -412,25 +463,40 @@ impl Queue {
     /// the time since the reference fence completed is theirs (if it completed after that; on
     /// several streams fences can complete out of the order they were recorded in).
     fn completed(&mut self, f: Fence, launched: u64, now: u64) {
-        let s = &mut self.streams[f.stream];
-        let vouched = f.seq.saturating_sub(s.done);
-        s.done = s.done.max(f.seq);
         let ms = self.last_done.as_ref().and_then(|prev| {
             // Two completed timing events of one context.
             (prev.ctx == f.ctx)
                 .then(|| driver::event_elapsed_ms(prev.event, f.event))?
                 .map(f64::from)
         });
+        self.completed_after(f, ms, launched, now);
+    }
+
+    /// [`Queue::completed`], `ms` after the reference fence completed (`None`: not comparable).
+    fn completed_after(&mut self, f: Fence, ms: Option<f64>, launched: u64, now: u64) {
+        let s = &mut self.streams[f.stream];
+        let vouched = f.seq.saturating_sub(s.done) as f64;
+        s.done = s.done.max(f.seq);
         match ms {
             Some(ms) if ms < 0.0 => {
                 // Completed before the reference: its launches ran in time already counted.
-                self.busy.1 += vouched as f64;
+                self.busy.1 += vouched;
                 self.pool.push((f.ctx, f.event));
                 return;
             }
             Some(ms) => {
-                let (ns, launches) = self.busy;
-                self.busy = (0.7 * ns + ms * 1e6, 0.7 * launches + vouched as f64);
+                let unbroken = f.behind
+                    && self
+                        .last_done
+                        .as_ref()
+                        .is_some_and(|prev| prev.id + 1 == f.id);
+                let mut ns = ms * 1e6;
+                if !unbroken && let Some(est) = self.ns_per_launch() {
+                    // Perhaps idle in part: an upper bound of its launches' GPU time.
+                    ns = ns.min(est * vouched);
+                }
+                let (sum, launches) = self.busy;
+                self.busy = (0.7 * sum + ns, 0.7 * launches + vouched);
             }
             None => {}
         }
@@ -480,6 +546,7 @@ impl Queue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::turn::pacing;
 
     const A: u64 = 0x1000;
     const B: u64 = 0x2000;
@@ -493,7 +560,7 @@ mod tests {
     /// A fence on `key` after launch `n`, recorded at `at`.
     fn fence(q: &mut Queue, ring: &LaunchStreams, key: u64, n: u64, at: u64) {
         let null = Handle::null();
-        q.push_fence(ring, (null, null), key, n, at);
+        q.push_fence(ring, (null, null), key, n, at, false);
     }
 
     /// The oldest fence completed, seen at `now` with `launched` launches made.
@@ -634,6 +701,229 @@ mod tests {
             Some((200, true)),
             "300 less the 100 since A's fence"
         );
+    }
+
+    /// An interval the GPU worked through without a break (its later fence recorded behind the
+    /// earlier) teaches the GPU time per launch as it is; any other only lowers it.
+    #[test]
+    fn only_an_unbroken_interval_raises_the_gpu_time_per_launch() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        let null = Handle::null();
+        let fenced = |q: &mut Queue, n: u64, behind: bool| {
+            launch(&ring, n - 9, n, A);
+            q.push_fence(&ring, (null, null), A, n, 0, behind);
+            q.fences.pop_front().expect("pending")
+        };
+        let f = fenced(&mut q, 10, false);
+        q.completed_after(f, None, 10, 0);
+        // 10 launches in 50 us, perhaps with idle time: the first bound learnt.
+        let f = fenced(&mut q, 20, false);
+        q.completed_after(f, Some(0.05), 20, 0);
+        assert_eq!(q.ns_per_launch(), Some(5_000.0));
+        // 10 in 100 us, perhaps idle: no higher.
+        let f = fenced(&mut q, 30, false);
+        q.completed_after(f, Some(0.1), 30, 0);
+        assert_eq!(q.ns_per_launch(), Some(5_000.0));
+        // 10 in 20 us: lower.
+        let f = fenced(&mut q, 40, false);
+        q.completed_after(f, Some(0.02), 40, 0);
+        let lowered = q.ns_per_launch().unwrap();
+        assert!((2_000.0..5_000.0).contains(&lowered), "{lowered}");
+        // 10 in 100 us without a break: higher.
+        let f = fenced(&mut q, 50, true);
+        q.completed_after(f, Some(0.1), 50, 0);
+        assert!(q.ns_per_launch().unwrap() > lowered + 1_000.0);
+        // Behind a fence other than the reference (one dropped in between): perhaps idle.
+        let est = q.ns_per_launch().unwrap();
+        q.recorded += 1;
+        let f = fenced(&mut q, 60, true);
+        q.completed_after(f, Some(1.0), 60, 0);
+        assert_eq!(q.ns_per_launch(), Some(est));
+    }
+
+    /// A host launching on one stream every `host_ns`, a GPU running each kernel for `gpu_ns`,
+    /// and the gate's pacing between them, in virtual time: fences every K launches, the
+    /// newest pending one asked about as the next is recorded, a launcher waiting for the oldest
+    /// while more than half the budget is queued, and synchronisations.
+    struct Loop {
+        q: Queue,
+        ring: LaunchStreams,
+        host_ns: u64,
+        gpu_ns: u64,
+        budget: f64,
+        /// Host time, when the GPU finishes what is queued, launches made, next fenced launch.
+        now: u64,
+        gpu_free: u64,
+        n: u64,
+        next_pace: u64,
+        /// When each pending or reference fence completes on the GPU (by id).
+        done_at: std::collections::HashMap<u64, u64>,
+        /// Fence spacing (K) and queued work (real, estimated) at each fence.
+        spacing: Vec<u64>,
+        queue: Vec<(u64, u64)>,
+    }
+
+    impl Loop {
+        fn new(host_ns: u64, gpu_ns: u64) -> Loop {
+            Loop {
+                q: Queue::default(),
+                ring: LaunchStreams::new(),
+                host_ns,
+                gpu_ns,
+                budget: 2_500_000.0,
+                now: 0,
+                gpu_free: 0,
+                n: 0,
+                next_pace: 1,
+                done_at: Default::default(),
+                spacing: Vec::new(),
+                queue: Vec::new(),
+            }
+        }
+
+        /// Take in fence `f`, complete at `done` on the GPU.
+        fn take_in(&mut self, f: Fence) {
+            let reference = self.q.last_done.as_ref().map(|r| self.done_at[&r.id]);
+            let ms = reference.map(|r| (self.done_at[&f.id] as f64 - r as f64) / 1e6);
+            self.q.completed_after(f, ms, self.n, self.now);
+        }
+
+        /// Take in the oldest pending fences completed by now.
+        fn take_in_passed(&mut self) {
+            while let Some(f) = self.q.fences.front()
+                && self.done_at[&f.id] <= self.now
+            {
+                let f = self.q.fences.pop_front().unwrap();
+                self.take_in(f);
+            }
+        }
+
+        /// `count` launches, one every `host_ns`, paced as the gate paces them.
+        fn launches(&mut self, count: u64) {
+            for _ in 0..count {
+                self.launch();
+            }
+        }
+
+        fn launch(&mut self) {
+            let wait_above = pacing(self.budget, 0.0).1;
+            self.q.scan(&self.ring, self.n);
+            while self.q.too_much(wait_above) {
+                // Wait for the oldest fence.
+                let f = self.q.fences.pop_front().unwrap();
+                self.now = self.now.max(self.done_at[&f.id]);
+                self.take_in(f);
+            }
+            self.now += self.host_ns;
+            self.n += 1;
+            launch(&self.ring, self.n, self.n, A);
+            self.gpu_free = self.gpu_free.max(self.now) + self.gpu_ns;
+            if self.n < self.next_pace {
+                return;
+            }
+            let behind = match self.q.fences.back() {
+                Some(p) if self.done_at[&p.id] <= self.now => {
+                    let p = self.q.fences.pop_back().unwrap();
+                    self.take_in(p);
+                    false
+                }
+                Some(_) => true,
+                None => false,
+            };
+            self.done_at.insert(self.q.recorded + 1, self.gpu_free);
+            let null = Handle::null();
+            let est = self
+                .q
+                .push_fence(&self.ring, (null, null), A, self.n, self.now, behind);
+            let (k, wait_above) = pacing(self.budget, est.unwrap_or(0.0));
+            if self.q.too_much(wait_above) {
+                self.take_in_passed();
+            }
+            let tail = self.q.queued_ns(self.now, 0).map_or(0, |(t, _)| t);
+            self.queue
+                .push((self.gpu_free.saturating_sub(self.now), tail));
+            self.spacing.push(k);
+            self.next_pace = self.n + k;
+        }
+
+        /// The application synchronises, then the host does something else for `gap_ns`.
+        fn sync(&mut self, gap_ns: u64) {
+            let began = self.now;
+            self.now = self.now.max(self.gpu_free);
+            if (self.now - began) as f64 > 2.0 * self.budget {
+                self.q.scan(&self.ring, self.n);
+                self.q.waited((self.now - began) as f64);
+            }
+            self.take_in_passed();
+            self.now += gap_ns;
+        }
+
+        fn est(&self) -> f64 {
+            self.q.ns_per_launch().expect("learnt")
+        }
+    }
+
+    /// A launch-bound loop (the GPU idles between kernels, and between blocks of launches while
+    /// the host synchronises and does other work, or launches elsewhere) learns no more GPU
+    /// time per launch than the same loop without the gaps, and no less than the GPU's own: its
+    /// fences come no more often than the budget needs.
+    #[test]
+    fn idle_time_does_not_make_fences_more_frequent() {
+        let mut steady = Loop::new(2_000, 1_000);
+        steady.launches(20_000);
+        let mut gaps = Loop::new(2_000, 1_000);
+        let mut pauses = Loop::new(2_000, 1_000);
+        for _ in 0..200 {
+            gaps.launches(100);
+            gaps.sync(300_000);
+            pauses.launches(100);
+            // A pause without a synchronisation: the host is busy elsewhere.
+            pauses.now += 300_000;
+        }
+        let est = steady.est();
+        assert!((1_000.0..=2_000.0).contains(&est), "{est}");
+        for l in [&gaps, &pauses] {
+            assert!(
+                (1_000.0..=est).contains(&l.est()),
+                "{} against {est} without gaps",
+                l.est()
+            );
+            let k = *l.spacing.last().unwrap();
+            assert!(k >= *steady.spacing.last().unwrap(), "fences every {k}");
+        }
+    }
+
+    /// A GPU-bound loop learns its GPU time per launch, keeps its queue within the budget, and
+    /// estimates it within a fence's worth of work; also when, its estimate left low by a
+    /// launch-bound start, it synchronises before a second fence follows the first (no interval
+    /// without a break: its synchronisations' waits correct the estimate).
+    #[test]
+    fn a_gpu_bound_loop_learns_its_gpu_time_and_keeps_its_queue() {
+        for gap in [None, Some(3_000_000)] {
+            let mut l = Loop::new(1_000, 5_000);
+            // A launch-bound start (small kernels) teaches a lower bound first.
+            l.gpu_ns = 500;
+            l.launches(2_000);
+            l.gpu_ns = 5_000;
+            for _ in 0..10 {
+                l.launches(2_000);
+                if let Some(gap) = gap {
+                    l.sync(gap);
+                }
+            }
+            let est = l.est();
+            assert!((4_750.0..=5_250.0).contains(&est), "{est} ({gap:?})");
+            assert_eq!(*l.spacing.last().unwrap(), 250, "half the budget");
+            for &(real, estimate) in &l.queue[l.queue.len() / 2..] {
+                assert!(real as f64 <= l.budget, "{real} ns queued ({gap:?})");
+                let off = (real as f64 - estimate as f64).abs();
+                assert!(
+                    off <= l.budget / 2.0,
+                    "{estimate} ns estimated, {real} ns real"
+                );
+            }
+        }
     }
 
     /// With nothing learnt, any queued launch is too much; and there must be an older fence to

@@ -165,6 +165,8 @@ impl Server {
                 }
                 self.on_time();
             }
+            // What was ready when the poll returned has been read (but what `again` holds).
+            self.node.note_caught_up(polled);
             self.on_time();
             self.flush();
             self.set_timer();

@@ -149,6 +149,7 @@ mod tests {
                     )
                 })
                 .collect(),
+            terminating: false,
         }
     }
 

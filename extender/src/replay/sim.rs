@@ -13,7 +13,7 @@
 //! a random GPU that passes its test, one placement per 6 s.
 
 use crate::policy::{
-    self, Demand, Fit, GpuBook, Kind, Learner, Observed, Policy, SeedWindow, Tenant,
+    self, Demand, Fit, GpuBook, Kind, Learner, NodeRoom, Observed, Policy, SeedWindow, Tenant,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -329,6 +329,10 @@ impl<'a> Sim<'a> {
     }
 
     pub fn run(mut self) -> Outcome {
+        self.run_in_place()
+    }
+
+    fn run_in_place(&mut self) -> Outcome {
         let spec = self.spec;
         let total_memory: u64 = self.gpus.iter().map(|g| g.book.memory).sum();
         let (mut mem_sum, mut busy_sum, mut frag_peak) = (0.0f64, 0.0f64, 0.0f64);
@@ -635,6 +639,24 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// Node `n`'s room as the extender ranks it.
+    fn room(&self, n: usize) -> NodeRoom {
+        let (spec, used) = (&self.spec.nodes[n], &self.nodes[n]);
+        let units_used: u32 = self.node_gpus[n]
+            .clone()
+            .map(|g| self.gpus[g].book.units_used())
+            .sum();
+        let units = 100 * spec.gpus as u32;
+        NodeRoom {
+            units,
+            units_free: units.saturating_sub(units_used),
+            cpu: spec.cpu,
+            cpu_free: spec.cpu.saturating_sub(used.cpu_used),
+            mem: spec.mem,
+            mem_free: spec.mem.saturating_sub(used.mem_used),
+        }
+    }
+
     fn node_fits(&self, n: usize, job: &JobSpec) -> bool {
         let (spec, used) = (&self.spec.nodes[n], &self.nodes[n]);
         (spec.cpu == 0 || used.cpu_used + job.cpu <= spec.cpu)
@@ -737,7 +759,9 @@ impl<'a> Sim<'a> {
                 }
                 pick.map(|(fit, g)| {
                     let rank = if self.policy.ranks_nodes() {
-                        (fit.score() * 10.0).round() as u64
+                        let before = self.room(n);
+                        let after = before.taking(job.units, job.cpu, job.mem);
+                        policy::rank(fit.score(), Some((&before, &after)))
                     } else {
                         0
                     };
@@ -889,6 +913,55 @@ mod tests {
                 o.gpu_busy_frac > 0.9,
                 "{p:?}: only the GPU pod counts: {o:?}"
             );
+        }
+    }
+
+    /// A share asking much CPU arrives when a CPU-lean node has a half-used GPU and a
+    /// CPU-rich node an empty one. Ranked by GPU fit alone it would close the half-used GPU
+    /// and take the lean node's last CPU, stranding its other GPU: the whole-GPU pod next would
+    /// take the rich node's GPU, and the last share find GPU room only where no CPU is left.
+    /// Every policy that ranks must place all four, as `requests` (kube-scheduler's
+    /// least-allocated score) does.
+    #[test]
+    fn ranking_by_gpu_fit_strands_no_gpu_behind_cpu_a_later_pod_needs() {
+        let job = |arrival, cpu, whole, units| JobSpec {
+            arrival,
+            cpu,
+            mem: 0,
+            whole,
+            units,
+            cap: Cap::OfGpu(units),
+            shape: Arc::new(vec![1_000]),
+            peak_of_cap: Some(0.5),
+            util: 0.5,
+            held: Some(1_000),
+            kind: None,
+        };
+        let node = |gpus, cpu| NodeSpec {
+            cpu,
+            mem: 0,
+            gpus,
+            gpu_memory: 16_384,
+        };
+        let spec = Spec {
+            // 0: CPU-lean, two GPUs; 1: CPU-rich, one GPU.
+            nodes: vec![node(2, 16_000), node(1, 64_000)],
+            jobs: vec![
+                // CPU only: it can go to node 1 alone, and leaves 24 cores there.
+                job(0, 40_000, 0, 0),
+                // Half a GPU, one core: node 0 is the least allocated.
+                job(1, 1_000, 0, 50),
+                // Half a GPU, 14 cores: on node 0 it would leave 1 core by a free GPU.
+                job(2, 14_000, 0, 50),
+                job(3, 12_000, 1, 100),
+                job(4, 10_000, 0, 50),
+            ],
+            slowdown: 0.0,
+            end: Some(30),
+        };
+        for p in [Policy::Requests, Policy::Oracle, Policy::Predicted] {
+            let o = Sim::new(&spec, p, 0).run();
+            assert_eq!(o.unplaced, 0.0, "{p:?}: {o:?}");
         }
     }
 

@@ -204,6 +204,8 @@ pub struct Node {
     census_at: Option<u64>,
     /// The time of the latest input.
     now: u64,
+    /// By when the shell has handed every input that arrived ([`Node::note_caught_up`]).
+    caught_up: u64,
     effects: Vec<Effect>,
 }
 
@@ -239,6 +241,7 @@ impl Node {
             warnings: Throttle::default(),
             census_at: Some(now),
             now,
+            caught_up: now,
             effects: Vec::new(),
         };
         node.follow_ghosts(now);
@@ -309,6 +312,14 @@ impl Node {
         self.conns.reads(conn)
     }
 
+    /// The shell has handed every input that arrived by `at`. A connection's deadline passes
+    /// only then: a daemon that was stopped or starved of CPU finds its timers and its sockets
+    /// ready at once, and must read a Hello that waits in its socket before closing that
+    /// connection for having said none.
+    pub fn note_caught_up(&mut self, at: u64) {
+        self.caught_up = self.caught_up.max(at);
+    }
+
     /// The event loop handled something `ns` after it was due (measured by the shell).
     pub fn note_lateness(&mut self, ns: u64) {
         self.latency.record(ns);
@@ -336,7 +347,7 @@ impl Node {
     /// After every input: act on what is due by `now`, deliver what the policies decided, and
     /// write the books or release what waited for them.
     fn settle(&mut self, now: u64) {
-        for c in self.conns.expired(now) {
+        for c in self.conns.expired(now.min(self.caught_up)) {
             self.expire(c, now);
         }
         for p in self.policies.values_mut() {

@@ -134,6 +134,9 @@ pub struct World {
     /// The processes the node asked the driver about ([`Effect::Settle`]): (client, pid); a
     /// test answers them with [`Input::Settled`].
     pub settles: Vec<(u64, u32)>,
+    /// The shell is behind ([`World::stall`]): inputs arrive before it has read what came
+    /// during the stall.
+    behind: bool,
 }
 
 impl World {
@@ -170,6 +173,7 @@ impl World {
             dev,
             swaps: Vec::new(),
             settles: Vec::new(),
+            behind: false,
         };
         w.effects();
         w
@@ -177,6 +181,9 @@ impl World {
 
     /// Hand the node `input` now and carry out its effects.
     pub fn input(&mut self, input: Input) {
+        if !self.behind {
+            self.node.note_caught_up(self.now);
+        }
         self.node.handle(input, self.now);
         self.inputs += 1;
         self.effects();
@@ -184,6 +191,7 @@ impl World {
 
     /// Move the clock by `ns`, ticking the node at each deadline on the way.
     pub fn advance(&mut self, ns: u64) {
+        self.behind = false;
         let until = self.now + ns;
         while let Some(at) = self.node.next_timeout().filter(|&at| at <= until) {
             self.now = self.now.max(at);
@@ -191,6 +199,13 @@ impl World {
         }
         self.now = until;
         self.input(Input::Tick);
+    }
+
+    /// The shell stops for `ns` (stopped, or starved of CPU): time passes without a tick, and
+    /// the inputs that follow come before it has caught up, until the next [`World::advance`].
+    pub fn stall(&mut self, ns: u64) {
+        self.now += ns;
+        self.behind = true;
     }
 
     fn effects(&mut self) {

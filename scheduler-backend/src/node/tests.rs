@@ -313,6 +313,30 @@ fn connections_over_the_limits_are_closed_and_a_silent_one_after_its_hello_timeo
 }
 
 #[test]
+fn a_stalled_daemon_reads_a_waiting_hello_before_closing_its_connection() {
+    let mut w = World::new("[connections]\nhello_timeout = \"500ms\"\n", true);
+    let a = w.connect(1000, None);
+    let b = w.connect(1001, None);
+    w.complete_all();
+    // The daemon stops for 3 s; both peers said Hello meanwhile, and its timer is the first
+    // thing it handles when it runs again.
+    w.stall(3 * S);
+    w.input(Input::Tick);
+    assert!(!w.tenants[&a].closed && !w.tenants[&b].closed);
+    w.hello(a, None);
+    w.hello(b, None);
+    assert!(w.tenants[&a].welcome.is_some() && w.tenants[&b].welcome.is_some());
+    // One that stays silent is closed once the daemon has read what came during the stall.
+    let c = w.connect(1002, None);
+    w.complete_all();
+    w.stall(S);
+    w.input(Input::Tick);
+    assert!(!w.tenants[&c].closed, "its Hello may wait unread");
+    w.advance(0);
+    assert!(w.tenants[&c].closed, "no Hello in time");
+}
+
+#[test]
 fn a_hello_waits_for_its_peer_and_what_follows_it_is_read_in_order() {
     let mut w = World::new(CONFIG, false);
     let c = w.connect(1000, None);
