@@ -485,7 +485,7 @@ impl Summary {
     }
 
     fn spread(&self, m: Mode, f: impl Fn(&RunFigures) -> f64, d: i32) -> String {
-        match Spread::of(self.of_mode(m).map(f), d) {
+        match Spread::of(self.of_mode(m).map(f).filter(|x| !x.is_nan()), d) {
             Some(s) => format!("{} ({}–{})", s.median, s.min, s.max),
             None => "-".into(),
         }
