@@ -12,7 +12,8 @@
 //! - [`run`]: one run of a scenario's tenants on a node; [`alone`]: tenants alone;
 //!   [`overhead`]: launch overhead; [`tail`]: the latency tail table; [`noise`]: the
 //!   noisy-host mode; [`fault`]: a scenario's
-//!   fault of the scheduler (stopped, killed, starved of CPU);
+//!   fault of the scheduler (stopped, killed, starved of CPU); [`memory`]: the
+//!   `memory-overcommit` scenario (memory beyond the card);
 //! - [`analysis`]: figures from kernel records; [`client`]: what the tenants report;
 //! - [`report`]: the typed report; [`markdown`], [`svg`]: its renderings;
 //! - [`suite`]: a whole invocation (repeats, report files); [`settings`]: its options;
@@ -24,6 +25,7 @@ pub mod client;
 pub mod expected;
 pub mod fault;
 pub mod markdown;
+pub mod memory;
 pub mod noise;
 pub mod overhead;
 pub mod real_gpu;

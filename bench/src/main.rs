@@ -5,7 +5,7 @@ use clap::{Parser, Subcommand};
 use gpushare_bench::noise::{self, NoiseParams};
 use gpushare_bench::scenario::Scenario;
 use gpushare_bench::settings::{Settings, Source};
-use gpushare_bench::{progress, real_gpu, suite, tail};
+use gpushare_bench::{memory, progress, real_gpu, suite, tail};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -60,6 +60,19 @@ enum Cmd {
         quick: bool,
         #[command(flatten)]
         common: Common,
+    },
+    /// GPU memory beyond the card: four tenants whose working sets grow and shrink in phases
+    /// (peaks 1.8x an 80 GiB simulated GPU) with caps overcommitted 2x, against the same four one
+    /// after another and under static caps of 20 GiB each (docs/benchmarks.md).
+    MemoryOvercommit {
+        #[arg(long)]
+        out: PathBuf,
+        /// Runs of each of the three.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+        repeat: u32,
+        /// The small version of the tests (a 4 GiB GPU, seconds per run).
+        #[arg(long)]
+        small: bool,
     },
     /// A CPU hog of the noisy-host mode: spins on one core until killed or PARENT dies.
     #[command(hide = true)]
@@ -215,6 +228,14 @@ fn main() -> ExitCode {
         Cmd::Tail { out, quick, common } => common
             .settings(quick, false)
             .and_then(|s| tail::bench(&out, &s)),
+        Cmd::MemoryOvercommit { out, repeat, small } => {
+            let p = if small {
+                memory::Params::small()
+            } else {
+                memory::Params::full()
+            };
+            memory::bench(&p, &out, repeat).map(|s| print!("{}", s.markdown()))
+        }
         Cmd::Hog { parent } => noise::hog(parent),
     };
     match r {

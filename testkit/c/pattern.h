@@ -8,7 +8,7 @@
 #include <stdlib.h>
 
 
-static uint64_t word(uint64_t seed, uint64_t i) {
+static inline uint64_t word(uint64_t seed, uint64_t i) {
     uint64_t x = seed ^ (i * 0x9E3779B97F4A7C15ull);
     x ^= x >> 31;
     x *= 0xBF58476D1CE4E5B9ull;
@@ -18,7 +18,7 @@ static uint64_t word(uint64_t seed, uint64_t i) {
 
 #define CHUNK ((size_t)64 << 20)
 
-static void fill(CUdeviceptr p, size_t bytes, uint64_t seed) {
+static inline void fill(CUdeviceptr p, size_t bytes, uint64_t seed) {
     uint64_t *buf = malloc(CHUNK);
     if (!buf)
         fail("malloc");
@@ -31,7 +31,7 @@ static void fill(CUdeviceptr p, size_t bytes, uint64_t seed) {
     free(buf);
 }
 
-static int intact(CUdeviceptr p, size_t bytes, uint64_t seed) {
+static inline int intact(CUdeviceptr p, size_t bytes, uint64_t seed) {
     uint64_t *buf = malloc(CHUNK);
     if (!buf)
         fail("malloc");
