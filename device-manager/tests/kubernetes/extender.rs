@@ -38,6 +38,8 @@ struct GpuNode {
 
 impl GpuNode {
     /// Everything up, the plugin registered, the node's `gpushare-node` pod in the API server.
+    /// Its caps may sum to twice a GPU's memory, as a node must allow when pods are placed by
+    /// what they use.
     async fn start(name: &str, gpus: u32, api: &FakeApiServer) -> GpuNode {
         let mut node = Node::device_only_with(&["--gpus", &gpus.to_string(), "--memory", "8GiB"]);
         let admin_socket = node.tmp.path().join("admin/admin.sock");
@@ -49,6 +51,8 @@ impl GpuNode {
                 admin_socket.to_str().unwrap(),
                 "--metrics",
                 &format!("127.0.0.1:{scheduler_metrics}"),
+                "--memory-overcommit",
+                "2",
             ],
         );
         let kubeconfig = api.kubeconfig(node.tmp.path());
