@@ -72,7 +72,10 @@ impl Params {
     }
 
     /// A small version for tests: a 4 GiB GPU, caps of 2 GiB, phases of 0.5 and 1.75 GiB,
-    /// 3 phases of 40 kernels of 5 ms, the driver's default bandwidths, and memory turns of 1 s.
+    /// 3 phases of 80 kernels of 5 ms, the driver's bandwidths scaled ×10 as in the benchmark,
+    /// and memory turns of 1 s. An allocation waits for as long as a swap would take before
+    /// one is made: with swaps this cheap, the first peak phases (0.4 s of GPU time each) last
+    /// longer than that wait, so a run always swaps.
     pub fn small() -> Params {
         let mib = 1 << 20;
         let (base, peak) = (512 * mib, 1792 * mib);
@@ -80,14 +83,14 @@ impl Params {
         let high_first = vec![peak, base, peak];
         Params {
             gpu_bytes: 4 * GIB,
-            checkpoint_bandwidth: None,
-            restore_bandwidth: None,
+            checkpoint_bandwidth: Some("15GB/s".into()),
+            restore_bandwidth: Some("44GB/s".into()),
             overcommit: 2.0,
             cap_bytes: 2 * GIB,
             static_cap_bytes: GIB,
             phases: vec![low_first.clone(), high_first.clone(), low_first, high_first],
             kernel_ms: 5.0,
-            kernels_per_phase: 40,
+            kernels_per_phase: 80,
             overcommit_table: Some(
                 "[overcommit]\nwait = \"200ms\"\nmemory_turn = \"1s\"\nwindow = \"10s\"\n".into(),
             ),
