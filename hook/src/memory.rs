@@ -231,15 +231,7 @@ pub extern "C" fn cuIpcOpenMemHandle(
     handle: CUipcMemHandle,
     flags: u32,
 ) -> CUresult {
-    let run = || {
-        if let Some(h) = hook() {
-            charges::ipc(h);
-        }
-        real::cuIpcOpenMemHandle().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
-            f(dptr, handle, flags)
-        })
-    };
-    crate::guarded(run)
+    open_ipc(real::cuIpcOpenMemHandle, dptr, handle, flags)
 }
 
 /// [`cuIpcOpenMemHandle`] by its CUDA 11 name.
@@ -249,11 +241,21 @@ pub extern "C" fn cuIpcOpenMemHandle_v2(
     handle: CUipcMemHandle,
     flags: u32,
 ) -> CUresult {
+    open_ipc(real::cuIpcOpenMemHandle_v2, dptr, handle, flags)
+}
+
+/// Both names of the IPC open through the driver's entry `real`, once the scheduler knows.
+fn open_ipc(
+    real: fn() -> Option<gpushare_cuda_abi::functions::PFN_cuIpcOpenMemHandle>,
+    dptr: *mut u64,
+    handle: CUipcMemHandle,
+    flags: u32,
+) -> CUresult {
     let run = || {
         if let Some(h) = hook() {
             charges::ipc(h);
         }
-        real::cuIpcOpenMemHandle_v2().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
+        real().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
             f(dptr, handle, flags)
         })
     };
