@@ -152,15 +152,25 @@ fn completion(h: Handle, wait: bool) -> CuResult<u64> {
             (None, Some(r)) => (r, ev.slot, ev.generation),
         }
     };
-    let posted = d.client.events.read(slot, generation);
-    let end = match board_answer(posted, gpushare_units::monotonic_ns(), wait) {
-        BoardAnswer::Done(end) => end,
-        BoardAnswer::NotReady => return Err(CUDA_ERROR_NOT_READY),
-        BoardAnswer::Sleep(end, ahead_ns) => {
-            std::thread::sleep(std::time::Duration::from_nanos(ahead_ns));
-            end
+    let end = if let Some(end) = d.client.events.read(slot, generation) {
+        // The device said when: no round trip (wait out a completion still ahead).
+        let now = gpushare_units::monotonic_ns();
+        if end > now {
+            if !wait {
+                return Err(CUDA_ERROR_NOT_READY);
+            }
+            std::thread::sleep(std::time::Duration::from_nanos(end - now));
         }
-        BoardAnswer::AskDevice => d.client.wait(vec![rec])?,
+        end
+    } else if wait {
+        d.client.wait(vec![rec])?
+    } else {
+        d.client
+            .query(vec![rec])?
+            .first()
+            .copied()
+            .flatten()
+            .ok_or(CUDA_ERROR_NOT_READY)?
     };
     let mut st = d.lock();
     if let Some(ev) = st.events.get_mut(&id(h))
@@ -169,28 +179,6 @@ fn completion(h: Handle, wait: bool) -> CuResult<u64> {
         ev.done_ns = Some(end);
     }
     Ok(end)
-}
-
-/// What the event board says of a record: where the device has posted its completion time, that
-/// time (slept out by a wait when it is still ahead); where it has not, the device has not
-/// decided it yet, so the record has not completed: a query answers so from memory, as a real
-/// GPU's query reads the event's memory, and only a wait asks the device (to be told when).
-#[derive(Debug, PartialEq, Eq)]
-enum BoardAnswer {
-    Done(u64),
-    NotReady,
-    /// Complete at this time, this many nanoseconds from now.
-    Sleep(u64, u64),
-    AskDevice,
-}
-
-fn board_answer(posted: Option<u64>, now: u64, wait: bool) -> BoardAnswer {
-    match (posted, wait) {
-        (Some(end), _) if end <= now => BoardAnswer::Done(end),
-        (Some(end), true) => BoardAnswer::Sleep(end, end - now),
-        (Some(_), false) | (None, false) => BoardAnswer::NotReady,
-        (None, true) => BoardAnswer::AskDevice,
-    }
 }
 
 entry!(
@@ -231,28 +219,3 @@ entry!(
         elapsed(ms, start, end)
     }
 );
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A query never waits on the device: a record the device has not posted has not completed.
-    #[test]
-    fn a_query_reads_the_board_only() {
-        assert_eq!(board_answer(None, 100, false), BoardAnswer::NotReady);
-        assert_eq!(board_answer(Some(150), 100, false), BoardAnswer::NotReady);
-        assert_eq!(board_answer(Some(100), 100, false), BoardAnswer::Done(100));
-        assert_eq!(board_answer(Some(40), 100, false), BoardAnswer::Done(40));
-    }
-
-    /// A wait sleeps out a posted time still ahead, and asks the device for one not posted.
-    #[test]
-    fn a_wait_asks_the_device_only_for_an_undecided_record() {
-        assert_eq!(board_answer(None, 100, true), BoardAnswer::AskDevice);
-        assert_eq!(
-            board_answer(Some(150), 100, true),
-            BoardAnswer::Sleep(150, 50)
-        );
-        assert_eq!(board_answer(Some(40), 100, true), BoardAnswer::Done(40));
-    }
-}
