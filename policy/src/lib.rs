@@ -253,14 +253,14 @@ impl Policy {
     }
 
     /// How long before its start a turn is granted: [`PolicyConfig::grant_ahead_ns`], plus
-    /// the recent lateness, up to half a quota (a turn is never decided before its
-    /// predecessor's first half).
+    /// the recent lateness, up to a quota less a minimum quota (a turn is never decided before
+    /// its predecessor has run a minimum quota, which no decision could take from it anyway).
     pub(crate) fn grant_ahead_ns(&self) -> u64 {
         let ahead = self.cfg.grant_ahead_ns;
         ahead.max(
             ahead
                 .saturating_add(self.late_ns)
-                .min(self.cfg.quota_ns / 2),
+                .min(self.cfg.quota_ns - self.cfg.min_quota_ns),
         )
     }
 

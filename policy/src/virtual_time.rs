@@ -216,6 +216,11 @@ pub struct Sim {
     yielded_at: Vec<Option<u64>>,
     /// Until when a latency-class group that gave its turn back may keep the GPU idle.
     lingering_until: u64,
+    /// With probability `.0`, the policy's timer fires late by up to `.1` ns, uniformly (a
+    /// scheduler short of CPU); `None`: on time.
+    pub timer_late: Option<(f64, u64)>,
+    /// The wakeup the policy last asked for and when its tick runs.
+    late_tick: Option<(u64, u64)>,
     pub stats: Stats,
 }
 
@@ -276,6 +281,8 @@ impl Sim {
             excess: vec![(0.0, 0); groups.len()],
             yielded_at: vec![None; groups.len()],
             lingering_until: 0,
+            timer_late: None,
+            late_tick: None,
             stats: Stats {
                 max_wait_ns: vec![0; n],
                 total_wait_ns: vec![0; n],
@@ -372,8 +379,30 @@ impl Sim {
                 self.handle(i, ev);
             }
             self.process();
-            self.wakeup = self.policy.next_wakeup(self.now).map(|w| w.max(t));
+            self.wakeup = (self.policy.next_wakeup(self.now))
+                .map(|w| w.max(t))
+                .map(|w| self.tick_time(w));
         }
+    }
+
+    /// When the tick the policy asks for at `w` runs: at `w`, or late by a draw of
+    /// [`Sim::timer_late`] (one draw per wakeup asked for).
+    fn tick_time(&mut self, w: u64) -> u64 {
+        let Some((prob, max)) = self.timer_late else {
+            return w;
+        };
+        if let Some((asked, at)) = self.late_tick
+            && asked == w
+        {
+            return at;
+        }
+        let late = if self.rng.unit() < prob {
+            self.rng.upto(max)
+        } else {
+            0
+        };
+        self.late_tick = Some((w, w + late));
+        w + late
     }
 
     /// Tenant `i` gave its turn back, its work drained at `drained`.
