@@ -111,7 +111,7 @@ pub fn measure_launch_overhead(pairs: usize, s: &Settings) -> anyhow::Result<Lau
     ));
     drop(node.stop());
     Ok(LaunchOverhead {
-        method: "same process, blocks of 500 launches alternating between the hooked entry and the driver's own; medians".into(),
+        method: "same process, blocks of 100 launches from an idle stream alternating between the hooked entry and the driver's own; medians".into(),
         pairs,
         launches_per_sample: 2 * LAUNCHES,
         hooked_ns: round(hooked_ns, 1),
