@@ -47,14 +47,9 @@ int main(int argc, char **argv) {
     if (atexit(linger) != 0)
         fail("atexit");
 
-    CK(cuInit(0));
-    CUdevice dev;
-    CK(cuDeviceGet(&dev, 0));
-    CUcontext ctx;
-    CK(cuCtxCreate_v2(&ctx, 0, dev));
     CUfunction spin;
     CUstream s;
-    spin_load(&spin, &s);
+    spin_setup(&spin, &s);
     unsigned long long ns = (unsigned long long)(ms * 1e6 + 0.5);
     void *args[] = {&ns};
     for (long i = 0; i < kernels; i++)

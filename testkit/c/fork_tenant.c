@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "context.h"
 #include "gpushare_spin_ptx.h"
 
 
@@ -32,13 +33,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     long kernels = atol(argv[1]);
-    CUdevice dev;
-    CUcontext ctx;
     CUmodule mod;
     CUfunction spin;
-    CK(cuInit(0));
-    CK(cuDeviceGet(&dev, 0));
-    CK(cuCtxCreate_v2(&ctx, 0, dev));
+    context_create(NULL);
     CK(cuModuleLoadData(&mod, GPUSHARE_SPIN_PTX));
     CK(cuModuleGetFunction(&spin, mod, "gpushare_spin"));
     unsigned long long ns = 1000000ULL;

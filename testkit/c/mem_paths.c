@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "context.h"
 #include "gpushare_spin_ptx.h"
 
 #define MIB (1ull << 20)
@@ -327,10 +328,7 @@ static void boundaries(void) {
 }
 
 static void setup(void) {
-    CK(cuInit(0));
-    CK(cuDeviceGet(&dev, 0));
-    CUcontext ctx;
-    CK(cuCtxCreate_v2(&ctx, 0, dev));
+    context_create(&dev);
     CK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
 }
 

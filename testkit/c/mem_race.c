@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "context.h"
 
 #define MAX_HELD 4096
 #define MAX_EVENTS (1 << 20)
@@ -62,11 +63,7 @@ int main(int argc, char **argv) {
     FILE *out = fopen(argv[5], "w");
     EXPECT(out != NULL, "cannot open %s", argv[5]);
 
-    CK(cuInit(0));
-    CUdevice dev;
-    CK(cuDeviceGet(&dev, 0));
-    CUcontext ctx;
-    CK(cuCtxCreate_v2(&ctx, 0, dev));
+    context_create(NULL);
     CUdeviceptr warm;
     CK(cuMemAlloc_v2(&warm, 4096));
     CK(cuMemFree_v2(warm));

@@ -73,6 +73,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "context.h"
 #include "pattern.h"
 
 typedef struct {
@@ -97,10 +98,7 @@ static void release_on_usr1(void) {
 }
 
 static void setup(void) {
-    CK(cuInit(0));
-    CK(cuDeviceGet(&dev, 0));
-    CUcontext ctx;
-    CK(cuCtxCreate_v2(&ctx, 0, dev));
+    context_create(&dev);
 }
 
 static int cmp_ull(const void *a, const void *b) {

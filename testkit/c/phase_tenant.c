@@ -130,14 +130,9 @@ int main(int argc, char **argv) {
     if (!(ms >= 0))
         fail("MS_PER_KERNEL must be non-negative");
 
-    CK(cuInit(0));
-    CUdevice dev;
-    CK(cuDeviceGet(&dev, 0));
-    CUcontext ctx;
-    CK(cuCtxCreate_v2(&ctx, 0, dev));
     CUfunction spin;
     CUstream s;
-    spin_load(&spin, &s);
+    spin_setup(&spin, &s);
     unsigned long long ns = (unsigned long long)(ms * 1e6 + 0.5);
     void *args[] = {&ns};
 

@@ -42,14 +42,9 @@ int main(int argc, char **argv) {
     if (m < 0)
         fail("unknown launch mode %s (launch, ex, coop or graph)", mode);
 
-    CK(cuInit(0));
-    CUdevice dev;
-    CK(cuDeviceGet(&dev, 0));
-    CUcontext ctx;
-    CK(cuCtxCreate_v2(&ctx, 0, dev));
     CUfunction spin;
     CUstream s;
-    spin_load(&spin, &s);
+    CUcontext ctx = spin_setup(&spin, &s);
 
     unsigned long long ns = (unsigned long long)(ms * 1e6 + 0.5);
     void *args[] = {&ns};
