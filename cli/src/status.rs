@@ -46,7 +46,6 @@ pub fn render(r: &Report) -> String {
             "PREEMPTED",
             "MEMORY(MiB)"
         );
-        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         if let Some(m) = &g.physical {
             let _ = writeln!(
                 out,
@@ -123,12 +122,17 @@ pub fn render(r: &Report) -> String {
     out
 }
 
+/// Bytes in MiB.
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
 /// Memory overcommit's swaps and waits since the daemon started, in one line.
 fn render_swaps(out: &mut String, c: &MemorySwaps) {
     let s = |d: &Durations, q: f64| d.quantile(q).map_or("-".into(), |s| format!("{s:.2} s"));
     let _ = writeln!(
         out,
-        "\nmemory swaps: {} out ({} failed; median {}), {} in ({} failed; median {}); {} allocation(s) waited (median {}, worst {:.2} s), {} refused",
+        "\nmemory swaps: {} out ({} failed; median {}), {} in ({} failed; median {}); {} allocation(s) waited (median {}, worst {:.2} s), {} refused; {:.0} MiB moved out, {:.0} MiB back",
         c.swap_outs,
         c.swap_out_failures,
         s(&c.swap_out_seconds, 0.5),
@@ -138,7 +142,9 @@ fn render_swaps(out: &mut String, c: &MemorySwaps) {
         c.allocation_waits,
         s(&c.allocation_wait_seconds, 0.5),
         c.allocation_wait_seconds.max_s,
-        c.allocations_refused
+        c.allocations_refused,
+        mib(c.swap_out_bytes),
+        mib(c.swap_in_bytes)
     );
 }
 
@@ -316,6 +322,7 @@ mod tests {
             event_loop: Durations::default(),
             memory_swaps: MemorySwaps {
                 swap_outs: 1,
+                swap_out_bytes: 1200 << 20,
                 allocation_waits: 1,
                 swap_out_seconds: Durations {
                     bounds_s: vec![0.1, 1.0],
@@ -340,7 +347,7 @@ mod tests {
             "  first: memory swapped out, 1200 MiB in host memory\n",
             "  second: memory resident\n",
             "  second: memory cap clamped to 1500 MiB of the 2000 asked (the caps before it promise the rest that memory_overcommit allows)\n",
-            "memory swaps: 1 out (0 failed; median 0.90 s), 0 in (0 failed; median -); 1 allocation(s) waited (median 1.25 s, worst 1.25 s), 0 refused\n",
+            "memory swaps: 1 out (0 failed; median 0.90 s), 0 in (0 failed; median -); 1 allocation(s) waited (median 1.25 s, worst 1.25 s), 0 refused; 1200 MiB moved out, 0 MiB back\n",
         ] {
             assert!(table.contains(line), "{line:?} in\n{table}");
         }

@@ -30,6 +30,12 @@ pub struct MemorySwaps {
     pub swap_outs: u64,
     /// Restores begun: a swapped group's memory on its way back to its GPU.
     pub swap_ins: u64,
+    /// Device memory the swap-outs begun moved to host memory, in bytes.
+    #[serde(default)]
+    pub swap_out_bytes: u64,
+    /// Host memory the restores begun moved back to the device, in bytes.
+    #[serde(default)]
+    pub swap_in_bytes: u64,
     /// Swap-outs that failed (lock timed out, checkpoint refused): another victim was tried.
     pub swap_out_failures: u64,
     /// Restores that failed: the group's processes lost their device memory.

@@ -194,6 +194,16 @@ fn swaps(out: &mut String, r: &Report) {
             c.swap_ins,
         ),
         (
+            "gpushare_memory_swap_out_bytes_total",
+            "Device memory the swap-outs begun moved to host memory.",
+            c.swap_out_bytes,
+        ),
+        (
+            "gpushare_memory_swap_in_bytes_total",
+            "Host memory the restores begun moved back to the device.",
+            c.swap_in_bytes,
+        ),
+        (
             "gpushare_memory_swap_out_failures_total",
             "Swap-outs that failed (lock timed out, checkpoint refused).",
             c.swap_out_failures,
@@ -343,6 +353,8 @@ mod tests {
             memory_swaps: MemorySwaps {
                 swap_outs: 3,
                 swap_ins: 2,
+                swap_out_bytes: 3072,
+                swap_in_bytes: 2048,
                 swap_out_failures: 1,
                 swap_in_failures: 0,
                 allocation_waits: 5,
@@ -404,6 +416,8 @@ mod tests {
             "# TYPE gpushare_memory_swap_outs_total counter",
             "gpushare_memory_swap_outs_total 3",
             "gpushare_memory_swap_ins_total 2",
+            "gpushare_memory_swap_out_bytes_total 3072",
+            "gpushare_memory_swap_in_bytes_total 2048",
             "gpushare_memory_swap_out_failures_total 1",
             "gpushare_memory_swap_in_failures_total 0",
             "gpushare_memory_allocation_waits_total 5",

@@ -1183,6 +1183,11 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
     // The first ran again, so the scheduler heard that the restore was done.
     let swaps = &node.status_json().expect("gpushare status --json")["memory_swaps"];
     assert_eq!(u(swaps, "swap_ins"), 1, "{swaps}");
+    assert_eq!(
+        u(swaps, "swap_in_bytes"),
+        u(swaps, "swap_out_bytes"),
+        "what came back is what went out: {swaps}"
+    );
     assert_eq!(u(&swaps["swap_in_seconds"], "count"), 1, "{swaps}");
     assert_eq!(u(swaps, "swap_in_failures"), 0, "{swaps}");
 }
@@ -1622,6 +1627,12 @@ fn check_swapped_out(status: &Value, waited_s: f64) {
     assert_eq!(u(swaps, "swap_outs"), 1, "{swaps}");
     assert_eq!(u(swaps, "swap_out_failures"), 0, "{swaps}");
     assert_eq!(u(swaps, "swap_ins"), 0, "the first is still out: {swaps}");
+    assert_eq!(
+        u(swaps, "swap_out_bytes"),
+        u(first, "memory_swapped"),
+        "what went out is what the first holds in host memory: {swaps}"
+    );
+    assert_eq!(u(swaps, "swap_in_bytes"), 0, "{swaps}");
     assert!(u(swaps, "allocation_waits") >= 1, "{swaps}");
     assert_eq!(u(swaps, "allocations_refused"), 0, "{swaps}");
     // The checkpoint took the simulated driver's fixed 0.1 s at least; the scheduler saw the

@@ -413,6 +413,11 @@ struct Wait {
 pub struct Counters {
     pub swap_outs: u64,
     pub swap_ins: u64,
+    /// Device memory the swap-outs begun held when they were decided (all their processes'
+    /// memory: a checkpoint moves a process whole).
+    pub swap_out_bytes: Bytes,
+    /// Host memory the restores begun moved back to the device.
+    pub swap_in_bytes: Bytes,
     pub swap_out_failures: u64,
     pub lost: u64,
     pub waits: u64,
@@ -1065,6 +1070,7 @@ impl Overcommit {
         if !fits {
             return false;
         }
+        let bytes: Bytes = self.swap_bytes(s).values().sum();
         let s = self.swaps.get_mut(&id).expect("present");
         s.state = SwapState::SwappingIn;
         s.started = now;
@@ -1075,6 +1081,7 @@ impl Overcommit {
             }
         }
         self.counters.swap_ins += 1;
+        self.counters.swap_in_bytes += bytes;
         effects.push(Effect::SwapIn {
             swap: id,
             group,
@@ -1336,19 +1343,18 @@ impl Overcommit {
         for p in &processes {
             self.processes.get_mut(p).expect("present").residence = Residence::SwappingOut(id);
         }
-        self.swaps.insert(
-            id,
-            Swap {
-                group,
-                gpu,
-                processes: processes.clone(),
-                state: SwapState::SwappingOut,
-                wanted_since: None,
-                out_since: now,
-                started: now,
-                room_made: false,
-            },
-        );
+        let swap = Swap {
+            group,
+            gpu,
+            processes: processes.clone(),
+            state: SwapState::SwappingOut,
+            wanted_since: None,
+            out_since: now,
+            started: now,
+            room_made: false,
+        };
+        self.counters.swap_out_bytes += self.swap_bytes(&swap).values().sum::<Bytes>();
+        self.swaps.insert(id, swap);
         self.counters.swap_outs += 1;
         effects.push(Effect::SwapOut {
             swap: id,

@@ -292,9 +292,13 @@ fn a_swapped_group_comes_back_as_soon_as_its_memory_fits() {
     o.request(0, RequestId(1), ProcessId(1), 0, 4 * GIB);
     o.tick(100 * MS);
     o.swapped_out(200 * MS, SwapId(1), Ok(()));
+    let c = o.counters();
+    assert_eq!((c.swap_out_bytes, c.swap_in_bytes), (8 * GIB, 0));
     assert!(swap_ins(&o.free(300 * MS, ProcessId(1), 0, GIB)).is_empty());
     let e = o.free(400 * MS, ProcessId(1), 0, 3 * GIB);
     assert_eq!(swap_ins(&e), vec![(SwapId(1), GroupId(0))]);
+    let c = o.counters();
+    assert_eq!((c.swap_out_bytes, c.swap_in_bytes), (8 * GIB, 8 * GIB));
     assert_eq!(
         o.books(0).used,
         8 * GIB,

@@ -205,6 +205,8 @@ impl State {
         MemorySwaps {
             swap_outs: c.swap_outs,
             swap_ins: c.swap_ins,
+            swap_out_bytes: c.swap_out_bytes,
+            swap_in_bytes: c.swap_in_bytes,
             swap_out_failures: c.swap_out_failures,
             swap_in_failures: c.lost,
             allocation_waits: c.waits,
