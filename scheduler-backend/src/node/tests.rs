@@ -2,6 +2,7 @@
 
 use super::sim::{CONFIG, GPUS, MIB, MS, S, Work, World, pod_group, pod_identity};
 use super::*;
+use crate::memory::ProcessId;
 use gpushare_frame::fuzz;
 use gpushare_protocol::admin::{AdminReply, ContainerKey, PodGroup};
 use gpushare_protocol::status::{GroupReport, MemoryState, Report};
@@ -1007,6 +1008,155 @@ fn under_overcommit_a_reservation_that_does_not_fit_waits_then_another_group_is_
     let s = &r.memory_swaps;
     assert_eq!((s.swap_ins, s.swap_in_seconds.count), (1, 1));
     assert!((s.swap_in_seconds.sum_s - 0.2).abs() < 1e-6, "{s:?}");
+    w.settle();
+    w.check_settled();
+}
+
+/// Under [`overcommitted`]: `a` (900 MiB) swapped out for `b`'s 400 MiB, the books on disk;
+/// then `a`'s process is cut off from the node (it runs on, but never reconnects) and the
+/// node restarts: `b` reconnects, restates its 400 MiB and says the GPU's memory, `a` is only
+/// in the journal. The world, `a`'s process, and `b`'s new connection.
+fn restarted_with_a_swapped_out_and_cut_off() -> (World, ProcessId, ConnId) {
+    let (mut w, a, b) = overcommitted("");
+    let req = reserve(&mut w, b, 400);
+    w.advance(400 * MS);
+    let process = w.tenants[&a].peer.process();
+    assert_eq!(w.swaps, vec![(1, vec![process.pid], true)]);
+    w.input(Input::SwappedOut {
+        swap: 1,
+        outcome: Ok(()),
+    });
+    w.complete_all();
+    assert_eq!(granted(&w, b, req), Some(true));
+    w.tenants.get_mut(&a).expect("a").cut_off = true;
+    w.restart();
+    let back: Vec<ConnId> = (w.tenants.iter())
+        .filter(|(_, t)| !t.closed)
+        .map(|(c, _)| *c)
+        .collect();
+    assert_eq!(back.len(), 1, "b reconnected, a did not");
+    let b = back[0];
+    w.send(
+        b,
+        ClientMsg::MemTotal {
+            gpu: GPU,
+            bytes: 1024 * MIB,
+        },
+    );
+    w.complete_all();
+    assert_eq!(w.node.memory.used("a", &GPU), 900 * MIB, "a's ghost counts");
+    (w, process, b)
+}
+
+/// The ids of the settles the node asked for `process` ([`Effect::Settle`]).
+fn settles_of(w: &World, process: ProcessId) -> Vec<u64> {
+    (w.settles.iter())
+        .filter(|(_, p)| *p == process)
+        .map(|(id, _)| *id)
+        .collect()
+}
+
+/// Answer the settles of `b`'s process (asked as a ghost at the start, then as a client once
+/// it restated): its memory is on the GPU.
+fn settle_running(w: &mut World, b: ConnId) {
+    for id in settles_of(w, w.tenants[&b].peer.process()) {
+        w.input(Input::Settled {
+            id,
+            checkpointed: false,
+        });
+    }
+}
+
+/// The one settle the node asked for `a`'s process, which never reconnected: its id.
+fn settle_of_ghost(w: &World, a: ProcessId) -> u64 {
+    let ids = settles_of(w, a);
+    assert_eq!(
+        ids.len(),
+        1,
+        "the driver asked once about {a:?}: {:?}",
+        w.settles
+    );
+    ids[0]
+}
+
+#[test]
+fn a_swapped_out_process_that_never_reconnects_after_a_restart_is_found_in_host_memory_and_restored()
+ {
+    let (mut w, a, b) = restarted_with_a_swapped_out_and_cut_off();
+    settle_running(&mut w, b);
+    // The driver is asked about a's process though it never reconnects (pid and start time).
+    let id = settle_of_ghost(&w, a);
+    assert!(w.swaps.len() == 1, "nothing moves before the driver says");
+    w.input(Input::Settled {
+        id,
+        checkpointed: true,
+    });
+    let r = report(&mut w, b);
+    let ga = group_report(&r, "a");
+    assert_eq!(ga.memory_state, MemoryState::SwappedOut);
+    assert_eq!(ga.memory_swapped, 900 * MIB);
+    let physical = r.gpus[0].physical.as_ref().unwrap();
+    assert_eq!(
+        (physical.used, physical.swapped),
+        (400 * MIB, 900 * MIB),
+        "a's memory booked in host memory"
+    );
+    assert!(w.node.policies[&GPU].suspended("a"), "no turns while out");
+    // b frees its memory: a's fits again and is restored, by its pid.
+    w.send(
+        b,
+        ClientMsg::MemFree {
+            gpu: GPU,
+            bytes: 400 * MIB,
+        },
+    );
+    assert_eq!(w.swaps.len(), 2);
+    let (swap, pids, out) = w.swaps[1].clone();
+    assert_eq!((pids, out), (vec![a.pid], false), "a restored");
+    w.advance(200 * MS);
+    w.input(Input::SwappedIn { swap, ok: true });
+    let r = report(&mut w, b);
+    assert_eq!(group_report(&r, "a").memory_state, MemoryState::Resident);
+    let physical = r.gpus[0].physical.as_ref().unwrap();
+    assert_eq!((physical.used, physical.swapped), (900 * MIB, 0));
+    assert!(!w.node.policies[&GPU].suspended("a"), "turns again");
+    w.settle();
+    w.check_settled();
+}
+
+#[test]
+fn a_process_that_never_reconnects_found_on_the_gpu_after_a_restart_is_a_victim_again() {
+    let (mut w, a, b) = restarted_with_a_swapped_out_and_cut_off();
+    settle_running(&mut w, b);
+    // Its swap was cut short before the checkpoint (undone: unlocked by the shell).
+    let id = settle_of_ghost(&w, a);
+    w.input(Input::Settled {
+        id,
+        checkpointed: false,
+    });
+    let r = report(&mut w, b);
+    assert_eq!(group_report(&r, "a").memory_state, MemoryState::Resident);
+    assert!(!w.node.policies[&GPU].suspended("a"));
+    // b's next 400 MiB do not fit beside a's 900: a is swapped out for it, by its pid.
+    w.send(
+        b,
+        ClientMsg::MemFree {
+            gpu: GPU,
+            bytes: 400 * MIB,
+        },
+    );
+    let req = reserve(&mut w, b, 400);
+    w.complete_all();
+    assert_eq!(granted(&w, b, req), None, "waits");
+    w.advance(400 * MS);
+    let (swap, pids, out) = w.swaps.last().cloned().expect("a swap");
+    assert_eq!((pids, out), (vec![a.pid], true), "a is the victim");
+    w.input(Input::SwappedOut {
+        swap,
+        outcome: Ok(()),
+    });
+    w.complete_all();
+    assert_eq!(granted(&w, b, req), Some(true));
     w.settle();
     w.check_settled();
 }
