@@ -1080,7 +1080,7 @@ fn settle_of_ghost(w: &World, a: ProcessId) -> u64 {
 }
 
 #[test]
-fn a_swapped_out_process_that_never_reconnects_after_a_restart_is_found_in_host_memory_and_restored()
+fn under_overcommit_a_swapped_out_process_that_never_reconnects_after_a_restart_is_found_in_host_memory_and_restored()
  {
     let (mut w, a, b) = restarted_with_a_swapped_out_and_cut_off();
     settle_running(&mut w, b);
@@ -1125,7 +1125,8 @@ fn a_swapped_out_process_that_never_reconnects_after_a_restart_is_found_in_host_
 }
 
 #[test]
-fn a_process_that_never_reconnects_found_on_the_gpu_after_a_restart_is_a_victim_again() {
+fn under_overcommit_a_process_that_never_reconnects_found_on_the_gpu_after_a_restart_is_a_victim_again()
+ {
     let (mut w, a, b) = restarted_with_a_swapped_out_and_cut_off();
     settle_running(&mut w, b);
     // Its swap was cut short before the checkpoint (undone: unlocked by the shell).
