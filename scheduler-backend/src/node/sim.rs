@@ -91,6 +91,13 @@ pub struct Tenant {
     pub received: Vec<ServerMsg>,
 }
 
+impl Tenant {
+    /// Whether it waits for an answer.
+    pub fn asking(&self) -> bool {
+        !self.asked.is_empty()
+    }
+}
+
 /// What happened in a world, to tell that random runs reach every path.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Stats {
@@ -136,6 +143,8 @@ pub struct World {
     /// The processes the node asked the driver about ([`Effect::Settle`]): (id, process); a
     /// test answers them with [`Input::Settled`].
     pub settles: Vec<(u64, ProcessId)>,
+    /// The order of the two above, as the node asked (true: a swap, false: a settle).
+    pub driver_calls: Vec<bool>,
     /// The shell is behind ([`World::stall`]): inputs arrive before it has read what came
     /// during the stall.
     behind: bool,
@@ -175,6 +184,7 @@ impl World {
             dev,
             swaps: Vec::new(),
             settles: Vec::new(),
+            driver_calls: Vec::new(),
             behind: false,
         };
         w.effects();
@@ -243,9 +253,18 @@ impl World {
                     assert!(self.admin_replies.insert(token, reply).is_none());
                 }
                 Effect::Publish(r) => self.published = r,
-                Effect::SwapOut { swap, pids, .. } => self.swaps.push((swap, pids, true)),
-                Effect::SwapIn { swap, pids } => self.swaps.push((swap, pids, false)),
-                Effect::Settle { id, process } => self.settles.push((id, process)),
+                Effect::SwapOut { swap, pids, .. } => {
+                    self.swaps.push((swap, pids, true));
+                    self.driver_calls.push(true);
+                }
+                Effect::SwapIn { swap, pids } => {
+                    self.swaps.push((swap, pids, false));
+                    self.driver_calls.push(true);
+                }
+                Effect::Settle { id, process } => {
+                    self.settles.push((id, process));
+                    self.driver_calls.push(false);
+                }
             }
         }
         for conn in resumed {

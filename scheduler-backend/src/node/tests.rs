@@ -7,6 +7,8 @@ use gpushare_frame::fuzz;
 use gpushare_protocol::admin::{AdminReply, ContainerKey, PodGroup};
 use gpushare_protocol::status::{GroupReport, MemoryState, Report};
 use gpushare_protocol::{GroupSpec, PROTOCOL_VERSION};
+use proptest::prelude::*;
+use std::collections::BTreeMap;
 
 const GPU: GpuUuid = GPUS[0];
 
@@ -1335,4 +1337,268 @@ fn caps_past_the_overcommit_ratio_leave_the_group_that_came_last_what_is_left() 
     assert_eq!(cap_of(&mut w, b), Some(0));
     w.settle();
     w.check_settled();
+}
+
+/// Where the checkpoint API holds a process (the driver, as the random restarts below see it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    Running,
+    Locked,
+    Checkpointed,
+}
+
+/// The driver and the daemon's swap thread, for [`World`]: the node's swaps and settles in the
+/// order it asked, carried out as the shell does ([`crate::checkpoint`]).
+#[derive(Default)]
+struct Driver {
+    held: BTreeMap<u32, Held>,
+    /// How far into the world's swaps, settles and their order the driver has read.
+    swaps: usize,
+    settles: usize,
+    calls: usize,
+}
+
+enum Call {
+    Swap(u64, Vec<u32>, bool),
+    Settle(u64, ProcessId),
+}
+
+impl Driver {
+    fn state(&self, pid: u32) -> Held {
+        self.held.get(&pid).copied().unwrap_or(Held::Running)
+    }
+
+    /// The node's next call not carried out yet.
+    fn next(&mut self, w: &World) -> Option<Call> {
+        let swap = *w.driver_calls.get(self.calls)?;
+        self.calls += 1;
+        Some(if swap {
+            let (id, pids, out) = w.swaps[self.swaps].clone();
+            self.swaps += 1;
+            Call::Swap(id, pids, out)
+        } else {
+            let (id, p) = w.settles[self.settles];
+            self.settles += 1;
+            Call::Settle(id, p)
+        })
+    }
+
+    /// Carry out every call the node made, answering each.
+    fn answer_all(&mut self, w: &mut World) {
+        while let Some(call) = self.next(w) {
+            let input = match call {
+                Call::Swap(swap, pids, true) => {
+                    let ok = pids.iter().all(|p| self.state(*p) == Held::Running);
+                    if ok {
+                        for p in pids {
+                            self.held.insert(p, Held::Checkpointed);
+                        }
+                    }
+                    let outcome = if ok {
+                        Ok(())
+                    } else {
+                        Err(SwapOutFailure::TimedOut)
+                    };
+                    Input::SwappedOut { swap, outcome }
+                }
+                Call::Swap(swap, pids, false) => {
+                    let ok = pids.iter().all(|p| self.state(*p) != Held::Running);
+                    for p in pids {
+                        self.held.insert(p, Held::Running);
+                    }
+                    Input::SwappedIn { swap, ok }
+                }
+                Call::Settle(id, p) => {
+                    let gone = (w.tenants.values()).any(|t| t.peer.process() == p && t.exited);
+                    if !gone && self.state(p.pid) == Held::Locked {
+                        self.held.insert(p.pid, Held::Running);
+                    }
+                    Input::Settled {
+                        id,
+                        checkpointed: !gone && self.state(p.pid) == Held::Checkpointed,
+                    }
+                }
+            };
+            w.input(input);
+            w.complete_all();
+        }
+    }
+
+    /// The daemon is killed: the call it was making is done as far as `how` says (0: not
+    /// begun, 1: its lock or restore done, 2: all of it), the calls after it never begin.
+    fn killed(&mut self, w: &World, how: u8) {
+        if let Some(call) = self.next(w) {
+            match (call, how % 3) {
+                (Call::Swap(_, pids, true), n @ 1..) => {
+                    let to = if n == 1 {
+                        Held::Locked
+                    } else {
+                        Held::Checkpointed
+                    };
+                    for p in pids {
+                        if self.state(p) == Held::Running {
+                            self.held.insert(p, to);
+                        }
+                    }
+                }
+                (Call::Swap(_, pids, false), n @ 1..) => {
+                    let to = if n == 1 { Held::Locked } else { Held::Running };
+                    for p in pids {
+                        if self.state(p) != Held::Running {
+                            self.held.insert(p, to);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.calls = w.driver_calls.len();
+        self.swaps = w.swaps.len();
+        self.settles = w.settles.len();
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Reserve {
+        who: usize,
+        mib: u64,
+    },
+    Free {
+        who: usize,
+        mib: u64,
+    },
+    Advance {
+        ms: u64,
+    },
+    Answer,
+    /// The daemon killed and restarted; `cut`: that tenant cannot reconnect (at most one per
+    /// life is).
+    Restart {
+        how: u8,
+        cut: Option<usize>,
+    },
+}
+
+/// The tenant a step makes a call of.
+fn step_of(s: &Step) -> Option<usize> {
+    match *s {
+        Step::Reserve { who, .. } | Step::Free { who, .. } => Some(who),
+        _ => None,
+    }
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (0..3usize, 1..700u64).prop_map(|(who, mib)| Step::Reserve { who, mib }),
+        2 => (0..3usize, 1..700u64).prop_map(|(who, mib)| Step::Free { who, mib }),
+        3 => (0..1500u64).prop_map(|ms| Step::Advance { ms }),
+        3 => Just(Step::Answer),
+        1 => (any::<u8>(), proptest::option::of(0..3usize))
+            .prop_map(|(how, cut)| Step::Restart { how, cut }),
+    ]
+}
+
+/// One random life under [`overcommitted`] (tenants a, a and b on a 1 GiB GPU whose caps sum to
+/// 1.5 GiB) with swaps, daemons killed mid-call and a tenant cut off: once the others exit, the
+/// driver holds every live process running — none left locked or in host memory. Whether the
+/// tenant cut off was in host memory when its daemon was killed.
+fn random_restarts_life(steps: &[Step]) -> bool {
+    use gpushare_protocol::ServerMsg;
+    let (mut w, a1, b) = overcommitted("");
+    let a2 = client_a(&mut w);
+    let pids: Vec<u32> = [a1, a2, b].iter().map(|c| w.tenants[c].peer.pid).collect();
+    let conn = |w: &World, pid: u32| {
+        (w.tenants.iter())
+            .find(|(_, t)| t.peer.pid == pid && !t.closed)
+            .map(|(c, _)| *c)
+    };
+    let mut d = Driver::default();
+    let mut cut: Option<u32> = None;
+    let mut cut_out = false;
+    for s in steps {
+        match *s {
+            // A process the driver holds locked or checkpointed makes no call (they block).
+            _ if step_of(s).is_some_and(|who| d.state(pids[who]) != Held::Running) => {}
+            Step::Reserve { who, mib } => {
+                // One allocation at a time per process (the replies' order is checked).
+                if let Some(c) = conn(&w, pids[who]).filter(|c| !w.tenants[c].asking()) {
+                    reserve(&mut w, c, mib);
+                }
+            }
+            Step::Free { who, mib } => {
+                if let Some(c) = conn(&w, pids[who]) {
+                    let held = w.tenants[&c].held.get(&GPU).copied().unwrap_or(0);
+                    let bytes = (mib * MIB).min(held);
+                    w.send(c, ClientMsg::MemFree { gpu: GPU, bytes });
+                }
+            }
+            Step::Advance { ms } => w.advance(ms * MS),
+            Step::Answer => d.answer_all(&mut w),
+            Step::Restart { how, cut: c } => {
+                w.complete_all();
+                d.killed(&w, how);
+                if let Some(who) = c.filter(|_| cut.is_none())
+                    && let Some(conn) = conn(&w, pids[who])
+                {
+                    w.tenants.get_mut(&conn).expect("live").cut_off = true;
+                    cut = Some(pids[who]);
+                    cut_out = d.state(pids[who]) == Held::Checkpointed;
+                }
+                w.restart();
+                // The hooks' greeting says the GPU's memory first.
+                let back = pids.iter().find_map(|p| conn(&w, *p));
+                if let Some(c) = back {
+                    let bytes = 1024 * MIB;
+                    w.send(c, ClientMsg::MemTotal { gpu: GPU, bytes });
+                }
+            }
+        }
+        w.complete_all();
+    }
+    // The others exit; the cut-off process, if any, is all that is left.
+    for t in w.tenants.values_mut() {
+        if Some(t.peer.pid) != cut {
+            t.exited = true;
+        }
+    }
+    for _ in 0..5 {
+        d.answer_all(&mut w);
+        w.advance(S);
+        w.complete_all();
+    }
+    d.answer_all(&mut w);
+    for pid in &pids {
+        let alive = Some(*pid) == cut;
+        assert!(
+            !alive || d.state(*pid) == Held::Running,
+            "pid {pid} (cut off: {cut:?}) left {:?}\n{steps:?}",
+            d.state(*pid)
+        );
+    }
+    let lost = (w.tenants.values()).flat_map(|t| &t.received).any(
+        |m| matches!(m, ServerMsg::Error { fatal: true, message } if message.contains("restored")),
+    );
+    assert!(!lost, "a restore failed\n{steps:?}");
+    cut_out
+}
+
+/// Random lives of [`random_restarts_life`]; among them, some whose tenant cut off was in host
+/// memory when the daemon was killed.
+#[test]
+fn under_overcommit_random_restarts_leave_no_process_locked_or_in_host_memory() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    let mut runner = TestRunner::deterministic();
+    let lives = proptest::collection::vec(step(), 1..60);
+    let mut cut_out = 0;
+    for _ in 0..1000 {
+        let steps = lives.new_tree(&mut runner).expect("a life").current();
+        cut_out += u32::from(random_restarts_life(&steps));
+    }
+    eprintln!("{cut_out} of 1000 lives cut off a process in host memory");
+    assert!(
+        cut_out >= 20,
+        "{cut_out} lives cut off a process in host memory"
+    );
 }
