@@ -53,8 +53,9 @@ fn run(rx: Receiver<Job>, inbox: Inbox) {
     let mut driver: Option<Result<Driver, String>> = None;
     for job in rx {
         let job = match job {
-            // Not the process asked about (gone, its pid maybe reused): left alone.
-            Job::Settle { id, process } if crate::journal::alive(&process) != Some(true) => {
+            // Not the process asked about (gone, its pid maybe reused): left alone. (Without a
+            // start time, only a connected client's pid is asked about: its connection vouches.)
+            Job::Settle { id, process } if crate::journal::alive(&process) == Some(false) => {
                 tracing::info!(
                     pid = process.pid,
                     "not asking the driver about a process that is gone"

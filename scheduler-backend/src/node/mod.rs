@@ -152,7 +152,7 @@ pub enum Effect {
     SwapIn { swap: u64, pids: Vec<u32> },
     /// Ask the driver where the memory of `process` is, off the event loop, and unlock it if
     /// a swap left it locked with its memory on the GPU; only if its pid still names that
-    /// process (same start time), else leave it alone. Answer [`Input::Settled`] with `id`
+    /// process (same start time, when known), else leave it alone. Answer [`Input::Settled`] with `id`
     /// (the node's number for it: a client's id, or that of a holding restored from the
     /// journal whose process has not reconnected).
     Settle {
