@@ -25,6 +25,9 @@ const GIB: u64 = 1 << 30;
 const RUN: Duration = Duration::from_secs(30);
 /// CUDA_ERROR_OUT_OF_MEMORY.
 const OOM: i64 = 2;
+/// `CUprocessState` values.
+const RUNNING: i64 = 0;
+const CHECKPOINTED: i64 = 2;
 
 /// `gpushare run --group GROUP [--memory MEMORY] -- PROGRAM ARGS…` on the node, stdout piped.
 fn in_group<S: AsRef<OsStr>>(
@@ -1207,6 +1210,10 @@ fn overcommitted_node(args: &[&str]) -> (Node, PathBuf) {
 
 /// `mem_tool keep 1200MiB SEED` in `group`, capped at 1500 MiB, fail-open.
 fn keep(node: &Node, exe: &Path, group: &str, seed: &str) -> Proc {
+    Proc::spawn(keep_command(node, exe, group, seed))
+}
+
+fn keep_command(node: &Node, exe: &Path, group: &str, seed: &str) -> Command {
     let mut cmd = in_group(
         node,
         group,
@@ -1215,16 +1222,20 @@ fn keep(node: &Node, exe: &Path, group: &str, seed: &str) -> Proc {
         &["keep", &(1200 * MIB).to_string(), seed],
     );
     cmd.env("GPUSHARE_FAIL", "open");
-    Proc::spawn(cmd)
+    cmd
 }
 
 /// Group `first` allocates 1200 MiB of the 2 GiB GPU and fills it; group `second`'s 1200 MiB
 /// then waits until `first` is swapped to host memory, and is granted. Both processes, and how
 /// long the second's allocation took as it measured it (s).
 fn second_swaps_first_out(node: &Node, exe: &Path) -> (Proc, Proc, f64) {
+    second_swaps_out(node, exe, keep(node, exe, "first", "1"))
+}
+
+/// [`second_swaps_first_out`] with `first` started already.
+fn second_swaps_out(node: &Node, exe: &Path, mut first: Proc) -> (Proc, Proc, f64) {
     /// The hook's default liveness bound (the default quota plus grace).
     const LIVENESS_NS: u64 = 40_000_000;
-    let mut first = keep(node, exe, "first", "1");
     let got = first.expect_json("alloc", RUN);
     assert_eq!(i(&got, "alloc"), 0, "1200 MiB on an empty 2 GiB GPU: {got}");
     first.expect_json("filled", RUN);
@@ -1468,6 +1479,84 @@ fn a_scheduler_killed_mid_swap_in_finishes_the_restore_after_its_restart() {
     assert_eq!(u(&status["gpus"][0]["physical"], "swapped"), 0, "{status}");
     let (status, err) = first.finish(RUN);
     assert!(status.is_some_and(|s| s.success()), "first: {err}");
+}
+
+/// Group `first`, swapped out to host memory for group `second`, loses its way to the
+/// scheduler (its hook reaches the socket through a link, which goes away), and the scheduler
+/// is killed (`SIGKILL`) and started again: `first` never reconnects and is only in the
+/// memory journal. The new scheduler asks the driver where its memory is all the same (the
+/// checkpoint API needs nothing of the process), finds it in host memory, and restores and
+/// unlocks it once `second` is gone: the driver holds it running again, its 1200 MiB are
+/// resident in `gpushare status`, and it reads back every byte it wrote. (A process stopped
+/// with `SIGSTOP` would not do here: the simulated driver's checkpoint calls are answered by a
+/// thread of the target process.)
+#[test]
+fn a_swapped_out_process_that_never_reconnects_is_restored_after_a_scheduler_restart() {
+    let (mut node, exe) = overcommitted_node(&[]);
+    let tool = node.compile_c("checkpoint_tool.c", true);
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let link = dir.path().join("gpushare.sock");
+    std::os::unix::fs::symlink(&node.sched_socket, &link).expect("link to the socket");
+    let mut cmd = keep_command(&node, &exe, "first", "1");
+    cmd.env("GPUSHARE_SOCKET", &link);
+    let (mut first, second, _) = second_swaps_out(&node, &exe, Proc::spawn(cmd));
+    wait_status(&node, "the first swapped out", |s| {
+        group_in(s, "first").is_some_and(|g| g["memory_state"] == "swapped_out")
+    });
+    let state = |node: &Node| {
+        let mut cmd = node.command(&tool);
+        cmd.args(["state", &first.pid().to_string()]);
+        let out = output_with_timeout(cmd, RUN);
+        assert!(out.status.success(), "checkpoint_tool\n{}", describe(&out));
+        let v = json_lines(&out.stdout).pop().expect("a line");
+        assert_eq!(i(&v, "result"), 0, "cuCheckpointProcessGetState: {v}");
+        i(&v, "state")
+    };
+    assert_eq!(state(&node), CHECKPOINTED, "the first in host memory");
+    std::fs::remove_file(&link).expect("remove the link");
+    node.kill_scheduler();
+    std::thread::sleep(DOWN);
+    node.start_scheduler(&["--memory-overcommit", "2"]);
+
+    // The second reconnects, checks its bytes and exits; the first fits again.
+    let mut second = second;
+    second.signal(libc::SIGUSR1);
+    let v = second.expect_json("intact", RUN);
+    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
+    let (status, err) = second.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+    // The first's 1200 MiB back on the GPU, the only memory there.
+    let status = wait_status(&node, "the first restored by the new scheduler", |s| {
+        let p = &s["gpus"][0]["physical"];
+        u(&s["memory_swaps"]["swap_in_seconds"], "count") == 1
+            && u(p, "used") == 1200 * MIB
+            && u(p, "swapped") == 0
+    });
+    assert_eq!(
+        u(&status["memory_swaps"], "swap_in_failures"),
+        0,
+        "{status}"
+    );
+    assert_eq!(state(&node), RUNNING, "restored and unlocked");
+    // Meanwhile it is a GPU process with the hook loaded and no connection.
+    let pid = u64::from(first.child.id());
+    wait_status(&node, "the first never reconnected", |s| {
+        (s["unhooked"].as_array().into_iter().flatten())
+            .any(|p| p["pid"] == pid && p["hook_loaded"] == true)
+    });
+    let log = node.scheduler_log();
+    assert!(
+        log.contains("found in host memory after a restart"),
+        "{log}"
+    );
+    // Still without the scheduler, it runs on with its bytes.
+    first_intact_after_restart(&node, &mut first);
+    let (status, err) = first.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "first: {err}");
+    wait_status(&node, "the books empty once both exited", |s| {
+        let p = &s["gpus"][0]["physical"];
+        u(p, "used") == 0 && u(p, "swapped") == 0
+    });
 }
 
 /// Group `first` holds memory the scheduler may not swap out besides its 1200 MiB (`tail`:
