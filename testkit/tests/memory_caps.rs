@@ -1134,7 +1134,7 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
     let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
     let (node, exe) = overcommitted_node(&["--metrics", &metrics]);
-    let (mut first, mut second, waited_s) = second_swaps_first_out(&node, &exe);
+    let (mut first, second, waited_s) = second_swaps_first_out(&node, &exe);
     // While it is out, `gpushare status` says so.
     let status = node.status_json().expect("gpushare status --json");
     check_swapped_out(&status, waited_s);
@@ -1151,11 +1151,7 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
         "{text}"
     );
     check_swap_metrics(port);
-    second.signal(libc::SIGUSR1);
-    let v = second.expect_json("intact", RUN);
-    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (status, err) = second.finish(RUN);
-    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+    second_checks_its_bytes_and_exits(second);
 
     // The second gone, the first comes back and reads what it wrote.
     first.signal(libc::SIGUSR1);
@@ -1225,6 +1221,15 @@ fn keep_command(node: &Node, exe: &Path, group: &str, seed: &str) -> Command {
     cmd
 }
 
+/// The second group, told to (SIGUSR1), finds every byte it wrote and exits cleanly.
+fn second_checks_its_bytes_and_exits(mut second: Proc) {
+    second.signal(libc::SIGUSR1);
+    let v = second.expect_json("intact", RUN);
+    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
+    let (status, err) = second.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+}
+
 /// Group `first` allocates 1200 MiB of the 2 GiB GPU and fills it; group `second`'s 1200 MiB
 /// then waits until `first` is swapped to host memory, and is granted. Both processes, and how
 /// long the second's allocation took as it measured it (s).
@@ -1272,7 +1277,7 @@ fn second_swaps_out(node: &Node, exe: &Path, mut first: Proc) -> (Proc, Proc, f6
 #[test]
 fn a_victim_killed_while_swapped_out_frees_its_books_and_nothing_else_breaks() {
     let (mut node, exe) = overcommitted_node(&[]);
-    let (first, mut second, _) = second_swaps_first_out(&node, &exe);
+    let (first, second, _) = second_swaps_first_out(&node, &exe);
     let status = node.status_json().expect("gpushare status --json");
     let g = group_in(&status, "first").expect("the first group in the status");
     assert_eq!(g["memory_state"], "swapped_out", "{g}");
@@ -1307,11 +1312,7 @@ fn a_victim_killed_while_swapped_out_frees_its_books_and_nothing_else_breaks() {
         "600 MiB for a new process of the killed one's group: {got}\n{}",
         node.scheduler_log()
     );
-    second.signal(libc::SIGUSR1);
-    let v = second.expect_json("intact", RUN);
-    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (exited, err) = second.finish(RUN);
-    assert!(exited.is_some_and(|s| s.success()), "second: {err}");
+    second_checks_its_bytes_and_exits(second);
 
     let status = node.status_json().expect("gpushare status --json");
     let swaps = &status["memory_swaps"];
@@ -1378,12 +1379,8 @@ fn first_intact_after_restart(node: &Node, first: &mut Proc) {
 }
 
 /// Both groups end with every byte and the books empty.
-fn both_finish_intact(node: &Node, first: Proc, mut second: Proc) {
-    second.signal(libc::SIGUSR1);
-    let v = second.expect_json("intact", RUN);
-    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (status, err) = second.finish(RUN);
-    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+fn both_finish_intact(node: &Node, first: Proc, second: Proc) {
+    second_checks_its_bytes_and_exits(second);
     let mut first = first;
     first_intact_after_restart(node, &mut first);
     let (status, err) = first.finish(RUN);
@@ -1459,12 +1456,7 @@ fn a_scheduler_killed_mid_swap_out_finishes_the_swap_after_its_restart() {
 fn a_scheduler_killed_mid_swap_in_finishes_the_restore_after_its_restart() {
     let (mut node, exe) = overcommitted_node(&[]);
     let (first, second, _) = second_swaps_first_out(&node, &exe);
-    let mut second = second;
-    second.signal(libc::SIGUSR1);
-    let v = second.expect_json("intact", RUN);
-    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (status, err) = second.finish(RUN);
-    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+    second_checks_its_bytes_and_exits(second);
     wait_log(&node, "restoring from host memory");
     node.kill_scheduler();
     std::thread::sleep(DOWN);
@@ -1519,12 +1511,7 @@ fn a_swapped_out_process_that_never_reconnects_is_restored_after_a_scheduler_res
     node.start_scheduler(&["--memory-overcommit", "2"]);
 
     // The second reconnects, checks its bytes and exits; the first fits again.
-    let mut second = second;
-    second.signal(libc::SIGUSR1);
-    let v = second.expect_json("intact", RUN);
-    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (status, err) = second.finish(RUN);
-    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+    second_checks_its_bytes_and_exits(second);
     // The first's 1200 MiB back on the GPU, the only memory there.
     let status = wait_status(&node, "the first restored by the new scheduler", |s| {
         let p = &s["gpus"][0]["physical"];
