@@ -171,8 +171,8 @@ fn group_labels(i: usize, gpu: &GpuReport, g: &GroupReport) -> Vec<(&'static str
     labels
 }
 
-/// One sample of a gauge or counter, with `labels`.
-fn sample(
+/// A gauge or counter: its HELP and TYPE, then each of its samples (labels, value).
+fn metric(
     enc: &mut DescriptorEncoder,
     (name, kind, help): (&str, MetricType, &str),
     samples: impl IntoIterator<Item = (Vec<(&'static str, String)>, Value)>,
@@ -215,10 +215,10 @@ impl Collector for Snapshot {
                     .iter()
                     .filter_map(move |g| Some((group_labels(i, gpu, g), value(g)?)))
             });
-            sample(&mut enc, (name, kind, help), samples)?;
+            metric(&mut enc, (name, kind, help), samples)?;
         }
         let missing = r.unhooked.iter().filter(|u| !u.hook_loaded).count() as u64;
-        sample(
+        metric(
             &mut enc,
             (
                 "gpushare_unhooked_processes",
@@ -233,7 +233,7 @@ impl Collector for Snapshot {
                     .as_ref()
                     .map(|m| (gpu_labels(i, gpu), value(m)))
             });
-            sample(&mut enc, (name, MetricType::Gauge, help), samples)?;
+            metric(&mut enc, (name, MetricType::Gauge, help), samples)?;
         }
         let c = &r.memory_swaps;
         for (name, help, v) in [
@@ -278,7 +278,7 @@ impl Collector for Snapshot {
                 c.allocations_refused,
             ),
         ] {
-            sample(
+            metric(
                 &mut enc,
                 (name, MetricType::Counter, help),
                 [(vec![], Value::Count(v))],
