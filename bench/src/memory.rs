@@ -102,7 +102,9 @@ impl Params {
             static_cap_bytes: GIB,
             phases: vec![low_first.clone(), high_first.clone(), low_first, high_first],
             kernel_ms: 5.0,
-            overcommit_keys: Some("wait = \"200ms\"\nmemory_turn = \"1s\"\nwindow = \"10s\"\n".into()),
+            overcommit_keys: Some(
+                "wait = \"200ms\"\nmemory_turn = \"1s\"\nwindow = \"10s\"\n".into(),
+            ),
             resident_gap_ms: 250,
             timeout_s: 240,
         }
@@ -754,9 +756,8 @@ impl Summary {
              | windows after (within 0.02) | worst share error | its share in the windows \
              after (from its return, s) |\n|---|---|---|---|---|---|---|---|\n",
         );
-        let worst = |w: &WindowShares| {
-            (w.worst_share_error).map_or("-".into(), |e| format!("{:.3}", e))
-        };
+        let worst =
+            |w: &WindowShares| (w.worst_share_error).map_or("-".into(), |e| format!("{:.3}", e));
         for (k, r) in self.of_mode(Mode::Overcommit).enumerate() {
             for a in &r.around_swaps {
                 let shares: Vec<String> = (a.restored_shares.iter())
@@ -897,6 +898,56 @@ mod tests {
         let tenants = [out, second_wanting];
         let wanting = share_windows(&trace, &pids, span, |w| wanting_all_along(&tenants, w));
         assert_eq!(wanting.windows, 1);
+    }
+
+    #[test]
+    fn windows_around_each_swap_lie_between_it_and_the_spells_next_to_it() {
+        let s = 1_000_000_000;
+        // Two tenants' shares in the windows all resident and wanting the GPU, 1 s each.
+        let w =
+            |from: u64, shares: [f64; 2]| (Window::new(from * s, (from + 1) * s), shares.to_vec());
+        let windows = vec![
+            w(0, [0.5, 0.5]),
+            w(1, [0.51, 0.49]),
+            w(2, [0.5, 0.5]), // ends after t1's spell out begins
+            w(6, [0.49, 0.51]),
+            w(7, [0.45, 0.55]),
+            w(9, [0.5, 0.5]),
+        ];
+        let groups = ["t0".to_string(), "t1".to_string()];
+        // t1 out from 2.5 s to 5.2 s, then t0 from 8.1 s to 8.9 s (given out of order).
+        let spells = [
+            (0, (8_100_000_000, 8_900_000_000)),
+            (1, (2_500_000_000, 5_200_000_000)),
+        ];
+        let around = around_swaps(&windows, &groups, &spells);
+        assert_eq!(around.len(), 2);
+        let (first, second) = (&around[0], &around[1]);
+        assert_eq!((first.group.as_str(), first.out_s), ("t1", 2.7));
+        assert_eq!(
+            first.before,
+            WindowShares {
+                windows: 2,
+                worst_share_error: Some(0.01),
+                within_0_02: 2
+            }
+        );
+        // After it: until t0's spell begins.
+        assert_eq!(
+            first.after,
+            WindowShares {
+                windows: 2,
+                worst_share_error: Some(0.05),
+                within_0_02: 1
+            }
+        );
+        assert_eq!(first.restored_shares, vec![0.51, 0.55]);
+        assert_eq!(first.restored_window_starts_s, vec![0.8, 1.8]);
+        // Before t0's spell: from the end of t1's.
+        assert_eq!((second.group.as_str(), second.before.windows), ("t0", 2));
+        assert_eq!(second.after.windows, 1);
+        assert_eq!(second.restored_shares, vec![0.5]);
+        assert_eq!(second.restored_window_starts_s, vec![0.1]);
     }
 
     #[test]

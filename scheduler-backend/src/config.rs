@@ -335,16 +335,28 @@ fn parse_overcommit(raw: &RawOvercommit) -> Result<OvercommitConfig, String> {
     dur(&raw.retry_after, "retry_after", &mut p.retry_after_ns)?;
     dur(&raw.exit_release, "exit_release", &mut p.exit_release_ns)?;
     let cost = &mut p.swap_cost;
-    dur(&raw.checkpoint_latency, "checkpoint_latency", &mut cost.latency_ns)?;
+    dur(
+        &raw.checkpoint_latency,
+        "checkpoint_latency",
+        &mut cost.latency_ns,
+    )?;
     let rate = |v: &Option<String>, key: &str, into: &mut f64| -> Result<(), String> {
         if let Some(s) = v {
-            *into = gpushare_units::parse_rate(s).map_err(|e| format!("overcommit.{key}: {e}"))?
-                as f64;
+            *into =
+                gpushare_units::parse_rate(s).map_err(|e| format!("overcommit.{key}: {e}"))? as f64;
         }
         Ok(())
     };
-    rate(&raw.checkpoint_bandwidth, "checkpoint_bandwidth", &mut cost.checkpoint_bytes_per_s)?;
-    rate(&raw.restore_bandwidth, "restore_bandwidth", &mut cost.restore_bytes_per_s)?;
+    rate(
+        &raw.checkpoint_bandwidth,
+        "checkpoint_bandwidth",
+        &mut cost.checkpoint_bytes_per_s,
+    )?;
+    rate(
+        &raw.restore_bandwidth,
+        "restore_bandwidth",
+        &mut cost.restore_bytes_per_s,
+    )?;
     let mut lock = u64::from(c.lock_timeout_ms) * 1_000_000;
     dur(&raw.lock_timeout, "lock_timeout", &mut lock)?;
     c.lock_timeout_ms = u32::try_from(lock / 1_000_000)

@@ -1027,17 +1027,36 @@ fn a_changed_swap_cost_replaces_the_learned_one_and_an_unchanged_one_keeps_it() 
     o.swapped_out(6 * S, SwapId(1), Ok(()));
     let learned = o.swap_cost();
     assert_eq!(learned.checkpoint_bytes_per_s, 2.5 * GIB as f64);
-    o.set_params(7 * S, Params { max_wait_ns: 60 * S, ..p });
-    assert_eq!(o.swap_cost(), learned, "the same link: what was learned stays");
+    o.set_params(
+        7 * S,
+        Params {
+            max_wait_ns: 60 * S,
+            ..p
+        },
+    );
+    assert_eq!(
+        o.swap_cost(),
+        learned,
+        "the same link: what was learned stays"
+    );
     let fast = SwapCost {
         checkpoint_bytes_per_s: 16.0 * GIB as f64,
         ..slow
     };
-    o.set_params(8 * S, Params { swap_cost: fast, ..p });
+    o.set_params(
+        8 * S,
+        Params {
+            swap_cost: fast,
+            ..p
+        },
+    );
     assert_eq!(o.swap_cost(), fast);
     // An allocation now waits as long as its bytes take at the new rate, not the old.
     o.request(9 * S, RequestId(2), ProcessId(1), 0, 8 * GIB);
-    assert_eq!(o.next_wakeup(9 * S), Some(9 * S + params().alloc_wait_ns.max(S / 2)));
+    assert_eq!(
+        o.next_wakeup(9 * S),
+        Some(9 * S + params().alloc_wait_ns.max(S / 2))
+    );
 }
 
 /// Swaps started to make room for the oldest allocation free memory for it, not for the
