@@ -10,8 +10,8 @@
 use crate::books::{Held, Physical, Pooled};
 use crate::charges;
 use crate::driver;
+use crate::intercept::hooked;
 use crate::process::{Hook, hook};
-use crate::real;
 use gpushare_cuda_abi::arrays::mipmapped_bytes;
 use gpushare_cuda_abi::result::{
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
@@ -46,26 +46,23 @@ fn allocate_into(
     alloc: impl FnOnce() -> Option<CUresult>,
     record: impl FnOnce(&mut Held, usize, u64),
 ) -> CUresult {
-    let run = || {
-        let (Some(h), Some(bytes)) = (hook(), bytes) else {
-            return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        };
-        let Some(gpu) = gpu.or_else(|| h.current_index()) else {
-            return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        };
-        let bytes = bytes as u64;
-        if !charges::draw(h, gpu, bytes) {
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-        let r = alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        if r == CUDA_SUCCESS {
-            record(&mut h.memory.lock(), gpu, bytes);
-        } else {
-            charges::release(h, gpu, bytes);
-        }
-        r
+    let (Some(h), Some(bytes)) = (hook(), bytes) else {
+        return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
     };
-    crate::guarded(run)
+    let Some(gpu) = gpu.or_else(|| h.current_index()) else {
+        return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+    };
+    let bytes = bytes as u64;
+    if !charges::draw(h, gpu, bytes) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    let r = alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+    if r == CUDA_SUCCESS {
+        record(&mut h.memory.lock(), gpu, bytes);
+    } else {
+        charges::release(h, gpu, bytes);
+    }
+    r
 }
 
 /// Call the driver; if it succeeded, update the books and give back what `update` says the
@@ -74,19 +71,16 @@ fn then_books(
     call: impl FnOnce() -> Option<CUresult>,
     update: impl FnOnce(&mut Held) -> Vec<(usize, u64)>,
 ) -> CUresult {
-    let run = || {
-        let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        if r == CUDA_SUCCESS
-            && let Some(h) = hook()
-        {
-            let freed = update(&mut h.memory.lock());
-            for (gpu, bytes) in freed {
-                charges::release(h, gpu, bytes);
-            }
+    let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+    if r == CUDA_SUCCESS
+        && let Some(h) = hook()
+    {
+        let freed = update(&mut h.memory.lock());
+        for (gpu, bytes) in freed {
+            charges::release(h, gpu, bytes);
         }
-        r
-    };
-    crate::guarded(run)
+    }
+    r
 }
 
 /// Free through the driver, then give back what the allocation `key` held.
@@ -104,57 +98,51 @@ fn allocate_pooled(
     alloc: impl FnOnce() -> Option<CUresult>,
     key: impl FnOnce() -> u64,
 ) -> CUresult {
-    let run = || {
-        let Some(h) = hook() else {
-            return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        };
-        let Some(gpu) = h.current_index() else {
-            return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        };
-        let pool = pool
-            .map(driver::Handle::from_raw)
-            .or_else(|| driver::device_mem_pool(gpu));
-        let Some(pool) = pool.filter(|&p| driver::pool_memory(p).is_some()) else {
-            return allocate(Some(gpu), Some(size), alloc, key);
-        };
-        let allocated = charges::pool_alloc(h, gpu, pool, size as u64, || {
-            let r = alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-            if r == CUDA_SUCCESS {
-                let p = Pooled {
-                    pool: pool.key(),
-                    bytes: size as u64,
-                };
-                h.memory.lock().pooled.insert(key(), p);
-            }
-            r
-        });
-        allocated.unwrap_or(CUDA_ERROR_OUT_OF_MEMORY)
+    let Some(h) = hook() else {
+        return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
     };
-    crate::guarded(run)
+    let Some(gpu) = h.current_index() else {
+        return alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+    };
+    let pool = pool
+        .map(driver::Handle::from_raw)
+        .or_else(|| driver::device_mem_pool(gpu));
+    let Some(pool) = pool.filter(|&p| driver::pool_memory(p).is_some()) else {
+        return allocate(Some(gpu), Some(size), alloc, key);
+    };
+    let allocated = charges::pool_alloc(h, gpu, pool, size as u64, || {
+        let r = alloc().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        if r == CUDA_SUCCESS {
+            let p = Pooled {
+                pool: pool.key(),
+                bytes: size as u64,
+            };
+            h.memory.lock().pooled.insert(key(), p);
+        }
+        r
+    });
+    allocated.unwrap_or(CUDA_ERROR_OUT_OF_MEMORY)
 }
 
 /// Free device memory through the driver: a plain allocation gives its bytes back; one from a
 /// pool leaves them in the pool, charged until the pool releases them.
 fn release_device(ptr: u64, free: impl FnOnce() -> Option<CUresult>) -> CUresult {
-    let run = || {
-        let r = free().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        if r == CUDA_SUCCESS
-            && let Some(h) = hook()
-        {
-            let (plain, pooled) = {
-                let mut held = h.memory.lock();
-                (held.allocs.remove(&ptr), held.pooled.remove(&ptr))
-            };
-            if let Some((gpu, bytes)) = plain {
-                charges::release(h, gpu, bytes);
-            }
-            if let Some(p) = pooled {
-                charges::pool_freed(h, p.pool);
-            }
+    let r = free().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+    if r == CUDA_SUCCESS
+        && let Some(h) = hook()
+    {
+        let (plain, pooled) = {
+            let mut held = h.memory.lock();
+            (held.allocs.remove(&ptr), held.pooled.remove(&ptr))
+        };
+        if let Some((gpu, bytes)) = plain {
+            charges::release(h, gpu, bytes);
         }
-        r
-    };
-    crate::guarded(run)
+        if let Some(p) = pooled {
+            charges::pool_freed(h, p.pool);
+        }
+    }
+    r
 }
 
 /// Read a caller's struct or an out-pointer the driver has just written (`None` if null).
@@ -164,232 +152,143 @@ fn read<T: Copy>(p: *const T) -> Option<T> {
     (!p.is_null()).then(|| unsafe { p.read_unaligned() })
 }
 
-// SAFETY (all wrappers below): the caller's arguments are forwarded unchanged to the real
-// function of the same name and signature.
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemAlloc_v2(dptr: *mut u64, size: usize) -> CUresult {
-    allocate(
-        None,
-        Some(size),
-        || real::cuMemAlloc_v2().map(|f| unsafe { f(dptr, size) }),
-        || read(dptr).unwrap_or(0),
-    )
+/// Share memory with another process (an IPC export or open) once the scheduler knows: such
+/// memory keeps the process's group from being swapped out.
+fn shared(call: impl FnOnce() -> Option<CUresult>) -> CUresult {
+    if let Some(h) = hook() {
+        charges::ipc(h);
+    }
+    call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED)
 }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemAllocPitch_v2(
-    dptr: *mut u64,
-    pitch: *mut usize,
-    w: usize,
-    h: usize,
-    elem: u32,
-) -> CUresult {
-    let bytes = w
-        .div_ceil(PITCH_ALIGN)
+/// The bytes `cuMemAllocPitch` reserves for rows of `w` bytes, `h` of them (the real pitch is
+/// known after).
+fn pitched_bytes(w: usize, h: usize) -> Option<usize> {
+    w.div_ceil(PITCH_ALIGN)
         .checked_mul(PITCH_ALIGN)
-        .and_then(|p| p.checked_mul(h));
-    allocate(
-        None,
-        bytes,
-        || real::cuMemAllocPitch_v2().map(|f| unsafe { f(dptr, pitch, w, h, elem) }),
-        || read(dptr).unwrap_or(0),
-    )
+        .and_then(|p| p.checked_mul(h))
 }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemAllocManaged(dptr: *mut u64, size: usize, flags: u32) -> CUresult {
-    allocate(
-        None,
-        Some(size),
-        || {
+/// The group's cap on gate `gpu`, if it has one, and what is left of it for this process: the
+/// group's use counts this process's leased spare, which is this process's to allocate. The
+/// pools' charges are brought up to date first (a synchronisation may have released bytes).
+fn cap_of(h: &'static Hook, gpu: usize) -> Option<(u64, u64)> {
+    charges::reconcile_pools(h, gpu);
+    let (cap, used) = charges::query(h, gpu)?;
+    let others = used.saturating_sub(charges::spare(h, gpu));
+    cap.map(|cap| (cap, cap.saturating_sub(others)))
+}
+
+hooked! {
+    fn cuMemAlloc_v2(dptr: *mut u64, size: usize) |real| {
+        allocate(None, Some(size), real, || read(dptr).unwrap_or(0))
+    }
+
+    fn cuMemAllocPitch_v2(dptr: *mut u64, pitch: *mut usize, w: usize, h: usize, elem: u32)
+        |real| {
+        allocate(None, pitched_bytes(w, h), real, || read(dptr).unwrap_or(0))
+    }
+
+    fn cuMemAllocManaged(dptr: *mut u64, size: usize, flags: u32) |real| {
+        let alloc = || {
             if let Some(h) = hook() {
                 charges::managed(h);
             }
-            real::cuMemAllocManaged().map(|f| unsafe { f(dptr, size, flags) })
-        },
-        || read(dptr).unwrap_or(0),
-    )
-}
-
-/// Exporting memory to another process: the scheduler learns it first (never a swap victim).
-#[unsafe(no_mangle)]
-pub extern "C" fn cuIpcGetMemHandle(handle: *mut CUipcMemHandle, dptr: u64) -> CUresult {
-    let run = || {
-        if let Some(h) = hook() {
-            charges::ipc(h);
-        }
-        real::cuIpcGetMemHandle().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(handle, dptr) })
-    };
-    crate::guarded(run)
-}
-
-/// Opening another process's memory: the scheduler learns it first (never a swap victim).
-#[unsafe(no_mangle)]
-pub extern "C" fn cuIpcOpenMemHandle(
-    dptr: *mut u64,
-    handle: CUipcMemHandle,
-    flags: u32,
-) -> CUresult {
-    open_ipc(real::cuIpcOpenMemHandle, dptr, handle, flags)
-}
-
-/// [`cuIpcOpenMemHandle`] by its CUDA 11 name.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuIpcOpenMemHandle_v2(
-    dptr: *mut u64,
-    handle: CUipcMemHandle,
-    flags: u32,
-) -> CUresult {
-    open_ipc(real::cuIpcOpenMemHandle_v2, dptr, handle, flags)
-}
-
-/// Both names of the IPC open through the driver's entry `real`, once the scheduler knows.
-fn open_ipc(
-    real: fn() -> Option<gpushare_cuda_abi::functions::PFN_cuIpcOpenMemHandle>,
-    dptr: *mut u64,
-    handle: CUipcMemHandle,
-    flags: u32,
-) -> CUresult {
-    let run = || {
-        if let Some(h) = hook() {
-            charges::ipc(h);
-        }
-        real().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
-            f(dptr, handle, flags)
-        })
-    };
-    crate::guarded(run)
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemAllocAsync(dptr: *mut u64, size: usize, s: P) -> CUresult {
-    allocate_pooled(
-        None,
-        size,
-        || real::cuMemAllocAsync().map(|f| unsafe { f(dptr, size, s) }),
-        || read(dptr).unwrap_or(0),
-    )
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut u64, size: usize, s: P) -> CUresult {
-    allocate_pooled(
-        None,
-        size,
-        || real::cuMemAllocAsync_ptsz().map(|f| unsafe { f(dptr, size, s) }),
-        || read(dptr).unwrap_or(0),
-    )
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemAllocFromPoolAsync(dptr: *mut u64, size: usize, pool: P, s: P) -> CUresult {
-    allocate_pooled(
-        Some(pool).filter(|p| !p.is_null()),
-        size,
-        || real::cuMemAllocFromPoolAsync().map(|f| unsafe { f(dptr, size, pool, s) }),
-        || read(dptr).unwrap_or(0),
-    )
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemAllocFromPoolAsync_ptsz(
-    dptr: *mut u64,
-    size: usize,
-    pool: P,
-    s: P,
-) -> CUresult {
-    allocate_pooled(
-        Some(pool).filter(|p| !p.is_null()),
-        size,
-        || real::cuMemAllocFromPoolAsync_ptsz().map(|f| unsafe { f(dptr, size, pool, s) }),
-        || read(dptr).unwrap_or(0),
-    )
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemCreate(
-    handle: *mut u64,
-    size: usize,
-    prop: *const CUmemAllocationProp,
-    flags: u64,
-) -> CUresult {
-    let Some(p) = read(prop) else {
-        return CUDA_ERROR_INVALID_VALUE;
-    };
-    let create = || real::cuMemCreate().map(|f| unsafe { f(handle, size, prop, flags) });
-    // Host memory (NCCL's host buffers) is not the GPU's: not charged.
-    if p.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
-        return create().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-    }
-    // The allocation is on the device the properties name, not the current context's.
-    let gpu = (p.location.id >= 0).then_some(p.location.id as usize);
-    let gpu = gpu.filter(|&g| hook().is_some_and(|h| g < h.gates.len()));
-    allocate_into(gpu, Some(size), create, |held, gpu, bytes| {
-        let p = Physical {
-            gpu,
-            bytes,
-            refs: 1,
-            mappings: 0,
+            real()
         };
-        held.physical.insert(read(handle).unwrap_or(0), p);
-    })
-}
+        allocate(None, Some(size), alloc, || read(dptr).unwrap_or(0))
+    }
 
-/// One reference fewer; the memory is given back once no reference or mapping is left.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemRelease(handle: u64) -> CUresult {
-    then_books(
-        || real::cuMemRelease().map(|f| unsafe { f(handle) }),
-        |held| {
+    /// Exporting memory to another process: the scheduler learns it first (never a swap
+    /// victim).
+    fn cuIpcGetMemHandle(handle: *mut CUipcMemHandle, dptr: u64) |real| { shared(real) }
+
+    /// Opening another process's memory: the scheduler learns it first (never a swap victim).
+    fn cuIpcOpenMemHandle(dptr: *mut u64, handle: CUipcMemHandle, flags: u32) |real| {
+        shared(real)
+    }
+
+    /// [`cuIpcOpenMemHandle`] by its CUDA 11 name.
+    fn cuIpcOpenMemHandle_v2(dptr: *mut u64, handle: CUipcMemHandle, flags: u32) |real| {
+        shared(real)
+    }
+
+    fn cuMemAllocAsync(dptr: *mut u64, size: usize, s: P) |real| {
+        allocate_pooled(None, size, real, || read(dptr).unwrap_or(0))
+    }
+
+    fn cuMemAllocAsync_ptsz(dptr: *mut u64, size: usize, s: P) |real| {
+        allocate_pooled(None, size, real, || read(dptr).unwrap_or(0))
+    }
+
+    fn cuMemAllocFromPoolAsync(dptr: *mut u64, size: usize, pool: P, s: P) |real| {
+        let pool = Some(pool).filter(|p| !p.is_null());
+        allocate_pooled(pool, size, real, || read(dptr).unwrap_or(0))
+    }
+
+    fn cuMemAllocFromPoolAsync_ptsz(dptr: *mut u64, size: usize, pool: P, s: P) |real| {
+        let pool = Some(pool).filter(|p| !p.is_null());
+        allocate_pooled(pool, size, real, || read(dptr).unwrap_or(0))
+    }
+
+    fn cuMemCreate(handle: *mut u64, size: usize, prop: *const CUmemAllocationProp, flags: u64)
+        |real| {
+        let Some(p) = read(prop) else {
+            return CUDA_ERROR_INVALID_VALUE;
+        };
+        // Host memory (NCCL's host buffers) is not the GPU's: not charged.
+        if p.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+            return real().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        }
+        // The allocation is on the device the properties name, not the current context's.
+        let gpu = (p.location.id >= 0).then_some(p.location.id as usize);
+        let gpu = gpu.filter(|&g| hook().is_some_and(|h| g < h.gates.len()));
+        allocate_into(gpu, Some(size), real, |held, gpu, bytes| {
+            let p = Physical {
+                gpu,
+                bytes,
+                refs: 1,
+                mappings: 0,
+            };
+            held.physical.insert(read(handle).unwrap_or(0), p);
+        })
+    }
+
+    /// One reference fewer; the memory is given back once no reference or mapping is left.
+    fn cuMemRelease(handle: u64) |real| {
+        then_books(real, |held| {
             if let Some(p) = held.physical.get_mut(&handle) {
                 p.refs = p.refs.saturating_sub(1);
             }
             held.take_unused(handle).into_iter().collect()
-        },
-    )
-}
+        })
+    }
 
-/// The handle of a mapped address, with one more reference (released by its own cuMemRelease).
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemRetainAllocationHandle(handle: *mut u64, addr: P) -> CUresult {
-    then_books(
-        || real::cuMemRetainAllocationHandle().map(|f| unsafe { f(handle, addr) }),
-        |held| {
+    /// The handle of a mapped address, with one more reference (released by its own
+    /// cuMemRelease).
+    fn cuMemRetainAllocationHandle(handle: *mut u64, addr: P) |real| {
+        then_books(real, |held| {
             if let Some(p) = read(handle).and_then(|h| held.physical.get_mut(&h)) {
                 p.refs += 1;
             }
             Vec::new()
-        },
-    )
-}
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemMap(
-    ptr: u64,
-    size: usize,
-    offset: usize,
-    handle: u64,
-    flags: u64,
-) -> CUresult {
-    then_books(
-        || real::cuMemMap().map(|f| unsafe { f(ptr, size, offset, handle, flags) }),
-        |held| {
+    fn cuMemMap(ptr: u64, size: usize, offset: usize, handle: u64, flags: u64) |real| {
+        then_books(real, |held| {
             if let Some(p) = held.physical.get_mut(&handle) {
                 p.mappings += 1;
                 held.mappings.insert(ptr, (size, handle));
             }
             Vec::new()
-        },
-    )
-}
+        })
+    }
 
-/// Unmaps every mapping in the range; those that were the last use of their memory give it back.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CUresult {
-    then_books(
-        || real::cuMemUnmap().map(|f| unsafe { f(ptr, size) }),
-        |held| {
+    /// Unmaps every mapping in the range; those that were the last use of their memory give it
+    /// back.
+    fn cuMemUnmap(ptr: u64, size: usize) |real| {
+        then_books(real, |held| {
             let end = ptr.saturating_add(size as u64);
             let bases: Vec<u64> = held.mappings.range(ptr..end).map(|(&b, _)| b).collect();
             let mut freed = Vec::new();
@@ -403,99 +302,37 @@ pub extern "C" fn cuMemUnmap(ptr: u64, size: usize) -> CUresult {
                 freed.extend(held.take_unused(handle));
             }
             freed
-        },
-    )
-}
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuArrayCreate_v2(arr: *mut P, desc: *const CUDA_ARRAY_DESCRIPTOR) -> CUresult {
-    let d = read(desc);
-    let bytes = d.and_then(|d| d.bytes());
-    allocate(
-        None,
-        bytes,
-        || real::cuArrayCreate_v2().map(|f| unsafe { f(arr, desc) }),
-        || read(arr).map_or(0, |a| a as u64),
-    )
-}
+    fn cuArrayCreate_v2(arr: *mut P, desc: *const CUDA_ARRAY_DESCRIPTOR) |real| {
+        let bytes = read(desc).and_then(|d| d.bytes());
+        allocate(None, bytes, real, || read(arr).map_or(0, |a| a as u64))
+    }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuArray3DCreate_v2(
-    arr: *mut P,
-    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
-) -> CUresult {
-    let d = read(desc);
-    let bytes = d.and_then(|d| d.bytes());
-    allocate(
-        None,
-        bytes,
-        || real::cuArray3DCreate_v2().map(|f| unsafe { f(arr, desc) }),
-        || read(arr).map_or(0, |a| a as u64),
-    )
-}
+    fn cuArray3DCreate_v2(arr: *mut P, desc: *const CUDA_ARRAY3D_DESCRIPTOR) |real| {
+        let bytes = read(desc).and_then(|d| d.bytes());
+        allocate(None, bytes, real, || read(arr).map_or(0, |a| a as u64))
+    }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMipmappedArrayCreate(
-    arr: *mut P,
-    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
-    levels: u32,
-) -> CUresult {
-    let d = read(desc);
-    let bytes = d.and_then(|d| mipmapped_bytes(&d, levels));
-    allocate(
-        None,
-        bytes,
-        || real::cuMipmappedArrayCreate().map(|f| unsafe { f(arr, desc, levels) }),
-        || read(arr).map_or(0, |a| a as u64),
-    )
-}
+    fn cuMipmappedArrayCreate(arr: *mut P, desc: *const CUDA_ARRAY3D_DESCRIPTOR, levels: u32)
+        |real| {
+        let bytes = read(desc).and_then(|d| mipmapped_bytes(&d, levels));
+        allocate(None, bytes, real, || read(arr).map_or(0, |a| a as u64))
+    }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
-    release_device(ptr, || real::cuMemFree_v2().map(|f| unsafe { f(ptr) }))
-}
+    fn cuMemFree_v2(ptr: u64) |real| { release_device(ptr, real) }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemFreeAsync(ptr: u64, s: P) -> CUresult {
-    release_device(ptr, || real::cuMemFreeAsync().map(|f| unsafe { f(ptr, s) }))
-}
+    fn cuMemFreeAsync(ptr: u64, s: P) |real| { release_device(ptr, real) }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemFreeAsync_ptsz(ptr: u64, s: P) -> CUresult {
-    release_device(ptr, || {
-        real::cuMemFreeAsync_ptsz().map(|f| unsafe { f(ptr, s) })
-    })
-}
+    fn cuMemFreeAsync_ptsz(ptr: u64, s: P) |real| { release_device(ptr, real) }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuArrayDestroy(arr: P) -> CUresult {
-    release(arr as u64, || {
-        real::cuArrayDestroy().map(|f| unsafe { f(arr) })
-    })
-}
+    fn cuArrayDestroy(arr: P) |real| { release(arr as u64, real) }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMipmappedArrayDestroy(arr: P) -> CUresult {
-    release(arr as u64, || {
-        real::cuMipmappedArrayDestroy().map(|f| unsafe { f(arr) })
-    })
-}
+    fn cuMipmappedArrayDestroy(arr: P) |real| { release(arr as u64, real) }
 
-/// The group's cap on gate `gpu`, if it has one, and what is left of it for this process: the
-/// group's use counts this process's leased spare, which is this process's to allocate. The
-/// pools' charges are brought up to date first (a synchronisation may have released bytes).
-fn cap_of(h: &'static Hook, gpu: usize) -> Option<(u64, u64)> {
-    charges::reconcile_pools(h, gpu);
-    let (cap, used) = charges::query(h, gpu)?;
-    let others = used.saturating_sub(charges::spare(h, gpu));
-    cap.map(|cap| (cap, cap.saturating_sub(others)))
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
-    let run = || {
-        let r = real::cuMemGetInfo_v2()
-            .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(free, total) });
+    fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) |real| {
+        let r = real().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         if r != CUDA_SUCCESS || free.is_null() || total.is_null() {
             return r;
         }
@@ -512,15 +349,10 @@ pub extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresu
             }
         }
         r
-    };
-    crate::guarded(run)
-}
+    }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) -> CUresult {
-    let run = || {
-        let r = real::cuDeviceTotalMem_v2()
-            .map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(bytes, dev) });
+    fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) |real| {
+        let r = real().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         if r != CUDA_SUCCESS || bytes.is_null() || dev < 0 {
             return r;
         }
@@ -532,6 +364,5 @@ pub extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: i32) -> CUresult {
             unsafe { *bytes = (cap as usize).min(*bytes) };
         }
         r
-    };
-    crate::guarded(run)
+    }
 }
