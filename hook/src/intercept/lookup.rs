@@ -1,8 +1,7 @@
 //! Symbol lookup: the table of managed symbols and their wrappers, answered by our `dlsym` and
 //! swapped into what the driver's `cuGetProcAddress` returns.
 
-use super::{P, capture, contexts, graphs, launch, sync};
-use crate::memory;
+use super::{P, capture, contexts, graphs, launch, memory, sync};
 use crate::real;
 use gpushare_cuda_abi::result::{CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS};
 use gpushare_cuda_abi::types::CUdriverProcAddressQueryResult;

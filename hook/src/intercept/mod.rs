@@ -6,14 +6,14 @@
 //!    pointer it returns is swapped for our wrapper only if it is the driver's own address of the
 //!    exact symbol that wrapper wraps (see `lookup::swap_in_wrapper`).
 //!
-//! Each hooked symbol is declared once, by [`hooked!`], which emits its wrapper, its real
+//! Each hooked symbol is declared once, by `hooked!` (below), which emits its wrapper, its real
 //! accessor and its row in the table behind `dlsym` and `cuGetProcAddress`.
 //!
 //! One module per concern: [`launch`] (kernel launches through the gate), [`graphs`] (a graph
 //! launch gated as all its kernels), [`sync`] (synchronisations hand the turn over),
 //! [`capture`] (stream captures counted so the hook never disturbs one), [`contexts`] (context
-//! lifetimes), [`lookup`] (the symbol table behind `dlsym` and `cuGetProcAddress`); the
-//! allocation symbols are `crate::memory`'s.
+//! lifetimes), [`memory`] (allocations, frees and memory queries held to the group's cap),
+//! [`lookup`] (the symbol table behind `dlsym` and `cuGetProcAddress`).
 
 /// Declare the hooked symbols of one module, each once. For every
 /// `fn cuName(arg: Type, …) |real| { body }` it emits
@@ -28,7 +28,7 @@
 ///   otherwise, or named after no driver function, does not build.
 ///
 /// One invocation per module (a second would define `HOOKED` twice); a module's table that
-/// `lookup` does not list is dead code, which the lints deny.
+/// `lookup` does not list is dead code (a `dead_code` warning, denied in clippy runs).
 macro_rules! hooked {
     ($(
         $(#[$attr:meta])*
@@ -57,13 +57,13 @@ macro_rules! hooked {
         )),*];
     };
 }
-pub(crate) use hooked;
 
 mod capture;
 mod contexts;
 mod graphs;
 mod launch;
 mod lookup;
+mod memory;
 mod sync;
 
 use crate::gate::Gate;

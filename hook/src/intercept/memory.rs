@@ -10,7 +10,6 @@
 use crate::books::{Held, Physical, Pooled};
 use crate::charges;
 use crate::driver;
-use crate::intercept::hooked;
 use crate::process::{Hook, hook};
 use gpushare_cuda_abi::arrays::mipmapped_bytes;
 use gpushare_cuda_abi::result::{
