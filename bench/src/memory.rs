@@ -49,18 +49,21 @@ pub struct Params {
 impl Params {
     /// The benchmark: an 80 GiB GPU, 4 tenants capped at 40 GiB (caps 2x the GPU) whose peaks
     /// (36, 36, 32 and 32 GiB) sum to 136 GiB, 1.7x the GPU, over 6 GiB bases, with kernels of
-    /// 10 ms. Tenants t2 and t3 start at their peaks (76 GiB in all) and drop to their bases
-    /// after 75 kernels; t0 grows to its peak after 150 kernels (60 GiB in all) and holds it
-    /// for 500; t1 grows to its peak after 275 kernels, while t0 holds its own: the two peaks
-    /// and two bases need 84 GiB, so t1's allocation waits, then another group (t0, or a base
-    /// tenant when t0 holds the turn) is swapped out for it; t1 holds its peak for 150 kernels,
-    /// then drops to its base and the group swapped out comes back. Every tenant then runs on
-    /// for several seconds (with all four at a quarter of the GPU, 25 kernels a second each):
+    /// 2 ms, well under a turn (13.3 ms at a quarter of the GPU), so that the device runs one
+    /// tenant's kernels at a time but at the hand-offs and the shares measured are the
+    /// scheduler's turns, not the device's own time-slicing of kernels queued at once. Tenants
+    /// t2 and t3 start at their peaks (76 GiB in all) and drop to their bases after 375
+    /// kernels; t0 grows to its peak after 750 kernels (60 GiB in all) and holds it for 2500;
+    /// t1 grows to its peak after 1375 kernels, while t0 holds its own: the two peaks and two
+    /// bases need 84 GiB, so t1's allocation waits, then another group (t0, or a base tenant
+    /// when t0 holds the turn) is swapped out for it; t1 holds its peak for 750 kernels, then
+    /// drops to its base and the group swapped out comes back. Every tenant then runs on for
+    /// several seconds (with all four at a quarter of the GPU, 125 kernels a second each):
     /// every run swaps, with windows in which all four are resident before the swap and after
     /// the restore. The simulated driver's checkpoint and restore bandwidths are scaled x10
     /// (15 GB/s and 44 GB/s: at the H200's, a 36 GiB swap out takes 26 s and the scheduler
     /// keeps a group in memory four times what its swaps cost, which would make a run last
-    /// minutes); the scheduler's `[overcommit]` defaults.
+    /// minutes), and the scheduler told so; its other `[overcommit]` keys at their defaults.
     pub fn full() -> Params {
         let (base, top, peak) = (6 * GIB, 32 * GIB, 36 * GIB);
         Params {
@@ -71,12 +74,12 @@ impl Params {
             cap_bytes: 40 * GIB,
             static_cap_bytes: 20 * GIB,
             phases: vec![
-                vec![(base, 150), (peak, 500), (base, 250)],
-                vec![(base, 275), (peak, 150), (base, 450)],
-                vec![(top, 75), (base, 875)],
-                vec![(top, 75), (base, 900)],
+                vec![(base, 750), (peak, 2500), (base, 1250)],
+                vec![(base, 1375), (peak, 750), (base, 2250)],
+                vec![(top, 375), (base, 4375)],
+                vec![(top, 375), (base, 4500)],
             ],
-            kernel_ms: 10.0,
+            kernel_ms: 2.0,
             overcommit_keys: None,
             resident_gap_ms: 250,
             timeout_s: 600,
