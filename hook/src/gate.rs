@@ -191,7 +191,7 @@ impl Gate {
     /// this process, and the launch must not run.
     #[inline(always)]
     pub fn enter(&'static self, stream: Option<(Stream, bool)>, kernels: u64) -> Option<Admission> {
-        let key = queue::key_of(stream);
+        let key = queue::key_of(stream, driver::thread_id);
         let kernels = kernels.max(1);
         self.try_enter(key, kernels)
             .or_else(|| self.enter_slow(key, kernels))
@@ -474,7 +474,7 @@ impl Gate {
     /// The GPU work this process has queued now, as far as its fences tell.
     fn queued_now(&self, queue: &mut Queue, now: u64, tolerance_ns: u64) -> Option<u64> {
         let launched = self.launches.load(Ordering::Relaxed);
-        queue.complete_finished(launched);
+        queue.complete_finished(launched, &mut Driver);
         queue.scan(&self.launch_streams, launched);
         // On several streams, launches after a stream's newest fence are vouched for only by a
         // later one: counted as queued (an overestimate, up to a budget), so a turn is closed
@@ -574,12 +574,34 @@ impl Gate {
             g.queue.scan(&self.launch_streams, n);
             g.queue.waited(now.saturating_sub(began) as f64);
         }
-        g.queue.complete_finished(n);
+        g.queue.complete_finished(n, &mut Driver);
         if let Some(budget) = budget
             && !g.queue.too_much(pacing(budget, 0.0).1)
         {
             self.pace_due.store(false, Ordering::Relaxed);
         }
+    }
+}
+
+/// The GPU as this process observes it: the driver's answers about the fence events, and
+/// CLOCK_MONOTONIC (what the queue is fed).
+struct Driver;
+
+impl queue::Gpu for Driver {
+    fn now_ns(&mut self) -> u64 {
+        crate::now_ns()
+    }
+
+    fn passed(&mut self, event: Handle) -> Option<bool> {
+        driver::event_done(event)
+    }
+
+    fn wait(&mut self, event: Handle) -> bool {
+        driver::event_wait(event)
+    }
+
+    fn elapsed_ms(&mut self, start: Handle, end: Handle) -> Option<f32> {
+        driver::event_elapsed_ms(start, end)
     }
 }
 

@@ -2,7 +2,7 @@
 //! half the queue budget is queued, the next launch waits for the oldest fence before it is
 //! submitted.
 
-use super::Gate;
+use super::{Driver, Gate};
 use crate::driver::{self, Stream};
 use crate::turn::{UNLIMITED, pacing};
 use std::sync::atomic::Ordering;
@@ -31,7 +31,8 @@ impl Gate {
         if !g.ctxs.contains(&ctx) {
             g.ctxs.push(ctx);
         }
-        let Some(event) = g.queue.take_event(ctx) else {
+        // A new event is created in the calling thread's current context (`ctx`).
+        let Some(event) = g.queue.take_event(ctx).or_else(driver::event_create) else {
             return;
         };
         match driver::event_record(event, stream, per_thread) {
@@ -46,7 +47,7 @@ impl Gate {
         let behind = match g.queue.newest_event().map(driver::event_done) {
             Some(Some(false)) => true,
             Some(Some(true)) => {
-                g.queue.newest_completed(n, now);
+                g.queue.newest_completed(n, now, &mut Driver);
                 false
             }
             _ => false,
@@ -59,7 +60,7 @@ impl Gate {
         // Fences the GPU has passed already are taken in first (a query each, no wait): the
         // next launch waits only for work still queued, not for the news that it ran.
         if g.queue.too_much(wait_above) {
-            g.queue.complete_passed(n);
+            g.queue.complete_passed(n, &mut Driver);
             if g.queue.too_much(wait_above) {
                 self.pace_due.store(true, Ordering::Relaxed);
             }
@@ -95,7 +96,7 @@ impl Gate {
                 || g.queue.oldest_event() == Some(event)
                     && !g
                         .queue
-                        .complete_oldest(self.launches.load(Ordering::Relaxed))
+                        .complete_oldest(self.launches.load(Ordering::Relaxed), &mut Driver)
             {
                 break;
             }
