@@ -715,6 +715,69 @@ mod tests {
         assert!(p[0].score > 0 && p[1].score == 0, "{body}");
     }
 
+    fn node_pod(name: &str, node: &str, ip: &str, deleting: bool) -> Pod {
+        let mut p: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "gpushare-system", "uid": name,
+                "labels": {"app.kubernetes.io/name": "gpushare-node"}},
+            "spec": {"nodeName": node, "containers": [{"name": "node", "ports": [
+                {"name": "metrics", "containerPort": 9400},
+                {"name": "other", "containerPort": 8080}]}]},
+            "status": {"podIP": ip}
+        }))
+        .unwrap();
+        if deleting {
+            p.metadata.deletion_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                ));
+        }
+        p
+    }
+
+    #[test]
+    fn the_node_pods_in_the_store_give_the_endpoints_a_leaving_one_gives_way() {
+        let (reader, mut writer) = reflector::store();
+        let mut other = node_pod("tenant", "n3", "10.0.0.9", false);
+        other.metadata.labels = None;
+        for p in [
+            node_pod("a-new", "n1", "10.0.0.2", false),
+            node_pod("z-old", "n1", "10.0.0.1", true),
+            node_pod("b", "n2", "10.0.0.3", false),
+            other,
+        ] {
+            writer.apply_watcher_event(&watcher::Event::Apply(p));
+        }
+        let args = ServeArgs {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            policy: Policy::Predicted,
+            prometheus: None,
+            prometheus_node_label: "node".into(),
+            scrape_interval: Duration::from_secs(1),
+            stale_after: Duration::from_secs(10),
+            node_pods: "app.kubernetes.io/name=gpushare-node".into(),
+            metrics_ports: vec!["metrics".into()],
+            kubeconfig: None,
+        };
+        let eps = node_endpoints(&reader, &args);
+        assert_eq!(
+            eps,
+            BTreeMap::from([
+                (
+                    "n1".to_string(),
+                    vec!["http://10.0.0.2:9400/metrics".to_string()]
+                ),
+                (
+                    "n2".to_string(),
+                    vec!["http://10.0.0.3:9400/metrics".to_string()]
+                ),
+            ])
+        );
+        writer.apply_watcher_event(&watcher::Event::Delete(node_pod(
+            "b", "n2", "10.0.0.3", false,
+        )));
+        assert_eq!(node_endpoints(&reader, &args).len(), 1);
+    }
+
     #[tokio::test]
     async fn bad_requests_are_refused_clearly_and_counted() {
         let s = shared();
