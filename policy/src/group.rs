@@ -35,8 +35,12 @@ pub(super) struct Group {
     /// Waiting while its bucket held less than a quota (see `Policy::tick`).
     pub held_back: bool,
     /// Its processes are swapped out of the GPU's memory (`Policy::suspend`): out of the
-    /// race — no turns, no target, no guarantee, its credit left as it was.
+    /// race — no turns, no target, no guarantee, its credit kept at its distance from the
+    /// others' (`credit_ahead`).
     pub suspended: bool,
+    /// While suspended: its credit less the mean credit of the groups still in the race when
+    /// it left (`Policy::suspend`); it comes back at that distance from their mean.
+    pub credit_ahead: Option<f64>,
     /// While idle: whether it banks its guarantee (it got less than that over the window when
     /// it went idle). `None` while active.
     pub banks: Option<bool>,
@@ -85,6 +89,7 @@ impl Group {
             credit: 0.0,
             held_back: false,
             suspended: false,
+            credit_ahead: None,
             banks: None,
             allowance: depth,
             allowance_at: now,

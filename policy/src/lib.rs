@@ -664,8 +664,12 @@ impl Policy {
     /// ignored.
     pub fn suspend(&mut self, name: &str, now: u64) {
         let now = self.advance(now);
+        let ahead = self.credit_ahead_of_race(name);
         match self.groups.get_mut(name) {
-            Some(g) if !g.suspended => g.suspended = true,
+            Some(g) if !g.suspended => {
+                g.suspended = true;
+                g.credit_ahead = ahead;
+            }
             _ => return,
         }
         self.targets_dirty = true;
@@ -683,13 +687,23 @@ impl Policy {
         self.mark_held_back(now);
     }
 
-    /// Group `name`'s processes are back in the GPU's memory: it takes part again, with the
-    /// credit it left with, a waiting client of it served as one returning
+    /// Group `name`'s processes are back in the GPU's memory: it takes part again, its credit
+    /// as far from the others' mean as when it left (`docs/scheduling.md#suspension`), a
+    /// waiting client of it served as one returning
     /// (`docs/scheduling.md#preemption`). Unknown or not suspended: ignored.
     pub fn resume(&mut self, name: &str, now: u64) {
         let now = self.advance(now);
+        // Where the others' credit went meanwhile (their charges move it, and not only their
+        // accrual), its own goes too.
+        let (lo, hi) = self.cfg.credit_bounds();
+        let mean = self.race_mean_credit(name);
         match self.groups.get_mut(name) {
-            Some(g) if g.suspended => g.suspended = false,
+            Some(g) if g.suspended => {
+                g.suspended = false;
+                if let (Some(ahead), Some(mean)) = (g.credit_ahead.take(), mean) {
+                    g.credit = (mean + ahead).clamp(lo, hi);
+                }
+            }
             _ => return,
         }
         self.targets_dirty = true;
@@ -704,6 +718,22 @@ impl Policy {
         self.end_extension(name, now);
         self.plan(now);
         self.mark_held_back(now);
+    }
+
+    /// The mean credit of the groups in the race (with processes here, not suspended) other
+    /// than `name`; `None` if there are none.
+    fn race_mean_credit(&self, name: &str) -> Option<f64> {
+        let credits: Vec<f64> = (self.groups.iter())
+            .filter(|(n, g)| *n != name && !g.suspended && !g.clients.is_empty())
+            .map(|(_, g)| g.credit)
+            .collect();
+        (!credits.is_empty()).then(|| credits.iter().sum::<f64>() / credits.len() as f64)
+    }
+
+    /// Group `name`'s credit less [`Policy::race_mean_credit`].
+    fn credit_ahead_of_race(&self, name: &str) -> Option<f64> {
+        let g = self.groups.get(name)?;
+        Some(g.credit - self.race_mean_credit(name)?)
     }
 
     /// Whether group `name` is suspended ([`Policy::suspend`]).
