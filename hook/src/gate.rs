@@ -25,7 +25,9 @@ use crate::driver::{self, Handle, Stream};
 use crate::log::debug;
 use crate::port::Port;
 use crate::queue::{self, LaunchStreams, Queue};
-use crate::turn::{Activity, Say, Step, Turn, TurnConfig, Turns, UNLIMITED, Waiter, Watch, pacing};
+use crate::turn::{
+    Activity, Plan, Runway, Say, Step, Turn, TurnConfig, Turns, UNLIMITED, Waiter, Watch, pacing,
+};
 use gpushare_protocol::ClientMsg;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, Once};
@@ -38,6 +40,8 @@ struct Inner {
     ctxs: Vec<Handle>,
     /// Every launch call up to this count has returned from the driver.
     returned: u64,
+    /// Where the work launched should end (launching just in time).
+    runway: Runway,
 }
 
 /// An admitted launch (or graph launch): its launch numbers `first..=last`, its stream's key in
@@ -108,6 +112,7 @@ impl Gate {
                 queue: Queue::default(),
                 ctxs: Vec::new(),
                 returned: 0,
+                runway: Runway::default(),
             }),
             changed: Condvar::new(),
             wake: (Mutex::new(false), Condvar::new()),
@@ -146,6 +151,7 @@ impl Gate {
             self.next_pace.store(1, Ordering::Relaxed);
             let n = self.launches.load(Ordering::Relaxed);
             g.queue.drained(&self.launch_streams, n);
+            g.runway.drained(n);
         }
         for say in g.turns.take_said() {
             let msg = match say {
@@ -303,23 +309,10 @@ impl Gate {
 
     // --- the scheduler -------------------------------------------------------------------
 
-    pub fn on_grant(
-        &self,
-        token: u64,
-        start_ns: u64,
-        deadline_ns: u64,
-        queue_budget_ns: u64,
-        open_at_start: bool,
-    ) {
+    pub fn on_grant(&self, token: u64, start_ns: u64, deadline_ns: u64, plan: Plan) {
         let mut g = self.lock();
-        g.turns.grant(
-            token,
-            start_ns,
-            deadline_ns,
-            queue_budget_ns,
-            open_at_start,
-            crate::now_ns(),
-        );
+        g.turns
+            .grant(token, start_ns, deadline_ns, plan, crate::now_ns());
         self.changed(&mut g);
     }
 
@@ -524,6 +517,7 @@ impl Gate {
             // spans another holder's turn.
             let n = self.launches.load(Ordering::Relaxed);
             g.queue.drained(&self.launch_streams, n);
+            g.runway.drained(n);
         } else if turn.opened_ns.is_some() {
             debug!("turn {}: work still running at its drain limit", turn.token);
         }
@@ -562,7 +556,10 @@ impl Gate {
         let now = crate::now_ns();
         g.turns.after_sync(now, n);
         let budget = g.turns.queue_budget();
+        // (Launching just in time, a latency-class group's kernels run between this process's:
+        // a wait holds them too.)
         if let Some(budget) = budget
+            && g.turns.just_in_time().is_none()
             && now.saturating_sub(began) as f64 > 2.0 * budget
         {
             g.queue.scan(&self.launch_streams, n);
@@ -634,6 +631,12 @@ impl Gate {
                 self.pace_due.store(true, Ordering::Relaxed);
             }
         }
+        if let (Some(budget), Some(est)) = (g.turns.just_in_time(), g.queue.kernel_ns()) {
+            g.runway.launched(now, n, est);
+            if g.runway.launch_at(now, budget, est).is_some() {
+                self.pace_due.store(true, Ordering::Relaxed);
+            }
+        }
         self.next_pace.store(n + k, Ordering::Relaxed);
     }
 
@@ -644,8 +647,21 @@ impl Gate {
         while let Some(budget) = g.turns.queue_budget()
             && !self.draining.load(Ordering::Acquire)
         {
-            g.queue
-                .scan(&self.launch_streams, self.launches.load(Ordering::Relaxed));
+            let launched = self.launches.load(Ordering::Relaxed);
+            g.queue.scan(&self.launch_streams, launched);
+            // Launching just in time: not before the work queued runs down to the budget
+            // (woken early by a change; a closing turn ends the wait).
+            if let (Some(budget), Some(est)) = (g.turns.just_in_time(), g.queue.kernel_ns()) {
+                let now = crate::now_ns();
+                if let Some(at) = g.runway.launch_at(now, budget, est) {
+                    self.pacing.fetch_add(1, Ordering::AcqRel);
+                    g = self.wait(g, Duration::from_nanos(at - now));
+                    self.pacing.fetch_sub(1, Ordering::AcqRel);
+                    continue;
+                }
+                // What the GPU has passed meanwhile, without waiting.
+                g.queue.complete_finished(launched);
+            }
             if !g.queue.too_much(pacing(budget, 0.0).1) {
                 break;
             }
@@ -661,13 +677,17 @@ impl Gate {
             self.pacing.fetch_sub(1, Ordering::AcqRel);
             // Completed now (unless a drain or another launcher took it meanwhile, or a drain
             // recycled the event into a newer fence: then this waits under the lock).
+            let launched = self.launches.load(Ordering::Relaxed);
             if !waited
-                || g.queue.oldest_event() == Some(event)
-                    && !g
-                        .queue
-                        .complete_oldest(self.launches.load(Ordering::Relaxed))
+                || g.queue.oldest_event() == Some(event) && !g.queue.complete_oldest(launched)
             {
                 break;
+            }
+            // The GPU was behind where the runway had it: it ends what is queued from now.
+            if g.turns.just_in_time().is_some()
+                && let Some((tail, _)) = g.queue.queued_ns(crate::now_ns(), u64::MAX)
+            {
+                g.runway.reached(crate::now_ns(), tail);
             }
         }
         self.pace_due.store(false, Ordering::Relaxed);

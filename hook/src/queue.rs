@@ -192,6 +192,12 @@ pub struct Queue {
     /// can vouch for launches that ran in earlier intervals: sums, unlike a mean of ratios,
     /// still add up.) An interval that may hold idle time adds at most the estimate's time.
     busy: (f64, f64),
+    /// The GPU time per launch of the recent intervals the GPU worked through without a
+    /// break, kept near the shortest: it falls to a shorter interval at once and rises by a
+    /// tenth of the way to a longer one. On a GPU that time-slices processes, another's kernels
+    /// between two of this process's lengthen an interval without a break in it; its shortest
+    /// is the time one launch takes ([`Queue::kernel_ns`]).
+    fastest: Option<f64>,
 }
 
 impl Queue {
@@ -317,6 +323,13 @@ impl Queue {
     fn ns_per_launch(&self) -> Option<f64> {
         let (ns, launches) = self.busy;
         (launches > 0.0).then(|| ns / launches)
+    }
+
+    /// The GPU time one launch takes when the GPU runs it, once learnt from intervals without
+    /// a break: what launching just in time goes by (the time per launch, averaged over all
+    /// intervals, also holds other processes' kernels run in between).
+    pub fn kernel_ns(&self) -> Option<f64> {
+        self.fastest
     }
 
     /// The oldest pending fence's event.
@@ -491,6 +504,13 @@ impl Queue {
                         .as_ref()
                         .is_some_and(|prev| prev.id + 1 == f.id);
                 let mut ns = ms * 1e6;
+                if unbroken && vouched > 0.0 {
+                    let one = ns / vouched;
+                    self.fastest = Some(match self.fastest {
+                        Some(f) if f < one => f + 0.1 * (one - f),
+                        _ => one,
+                    });
+                }
                 if !unbroken && let Some(est) = self.ns_per_launch() {
                     // Perhaps idle in part: an upper bound of its launches' GPU time.
                     ns = ns.min(est * vouched);
