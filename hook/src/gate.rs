@@ -810,8 +810,11 @@ mod tests {
             let mut w = Waiter::default();
             assert_eq!(g.turns.admit(now, &mut w), Step::Ask);
             g.turns.asked(true, now);
-            g.turns
-                .grant(token, now, now + 3_600_000_000_000, 2_500_000, false, now);
+            let plan = Plan {
+                queue_budget_ns: 2_500_000,
+                ..Plan::default()
+            };
+            g.turns.grant(token, now, now + 3_600_000_000_000, plan, now);
             assert_eq!(g.turns.admit(now, &mut w), Step::Opened);
             gate.apply(&mut g);
         }

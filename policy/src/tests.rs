@@ -792,6 +792,7 @@ fn hot_reload_of_the_config_is_used_for_the_next_turn() {
             quota_ns: 10 * MS,
             queue_budget_ns: 2_500_000,
             open_at_start: false,
+            just_in_time: false,
         })
     );
     // Nonsense is made usable rather than wedging the GPU.
