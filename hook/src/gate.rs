@@ -644,6 +644,8 @@ impl Gate {
     /// until it is not (or a drain empties the queue).
     fn wait_for_queue(&self) {
         let mut g = self.lock();
+        // The runway's launch time waited for last.
+        let mut waited_for = None;
         while let Some(budget) = g.turns.queue_budget()
             && !self.draining.load(Ordering::Acquire)
         {
@@ -657,7 +659,11 @@ impl Gate {
                     self.pacing.fetch_add(1, Ordering::AcqRel);
                     g = self.wait(g, Duration::from_nanos(at - now));
                     self.pacing.fetch_sub(1, Ordering::AcqRel);
+                    waited_for = Some(at);
                     continue;
+                }
+                if let Some(at) = waited_for.take() {
+                    g.runway.woke(at, now);
                 }
                 // What the GPU has passed meanwhile, without waiting.
                 g.queue.complete_finished(launched);
@@ -814,7 +820,8 @@ mod tests {
                 queue_budget_ns: 2_500_000,
                 ..Plan::default()
             };
-            g.turns.grant(token, now, now + 3_600_000_000_000, plan, now);
+            g.turns
+                .grant(token, now, now + 3_600_000_000_000, plan, now);
             assert_eq!(g.turns.admit(now, &mut w), Step::Opened);
             gate.apply(&mut g);
         }

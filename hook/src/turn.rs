@@ -891,14 +891,18 @@ pub fn queue_budget_within(budget_ns: u64) -> u64 {
 /// than half the budget that is more than the budget, and a latency-class request arriving
 /// would wait behind a whole kernel queued. Launched just in time, the next kernel goes only
 /// as the work before it runs down to the budget: most of the time the running kernel is all
-/// that is queued, and the GPU still has the next one before it runs out (a budget's margin
-/// for the launcher's wake-up).
+/// that is queued, and the GPU still has the next one before it runs out: a budget's margin,
+/// and the launcher aims earlier by how late it has been waking up recently (at most another
+/// budget).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Runway {
     /// When the work launched should be done.
     end_ns: u64,
     /// The launch count it accounts for.
     through: u64,
+    /// How late the launcher woke from its recent waits: the latest lateness, or seven eighths
+    /// of the one before if that is more.
+    late_ns: u64,
 }
 
 impl Runway {
@@ -918,20 +922,24 @@ impl Runway {
 
     /// Everything launched up to the count `n` has run (a drain).
     pub fn drained(&mut self, n: u64) {
-        *self = Runway {
-            end_ns: 0,
-            through: n,
-        };
+        self.end_ns = 0;
+        self.through = n;
+    }
+
+    /// The launcher waited for `at` (from [`Runway::launch_at`]) and went on at `now`.
+    pub fn woke(&mut self, at: u64, now: u64) {
+        self.late_ns = now.saturating_sub(at).max(self.late_ns - self.late_ns / 8);
     }
 
     /// When the next launch is to be made at the earliest, if later than `now`: as the work
-    /// before it runs down to `budget_ns`; only for kernels longer than half the budget
+    /// before it runs down to `budget_ns` (and the launcher's recent lateness); only for kernels longer than half the budget
     /// (`est_ns` each: shorter ones the fences keep within it).
     pub fn launch_at(&self, now: u64, budget_ns: f64, est_ns: f64) -> Option<u64> {
         if est_ns <= budget_ns / 2.0 {
             return None;
         }
-        let at = self.end_ns.saturating_sub(budget_ns as u64);
+        let margin = budget_ns as u64 + self.late_ns.min(budget_ns as u64);
+        let at = self.end_ns.saturating_sub(margin);
         (at > now).then_some(at)
     }
 }

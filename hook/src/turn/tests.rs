@@ -688,42 +688,58 @@ fn pacing_keeps_the_queue_within_the_budget() {
 }
 
 /// A trainer launching 1 ms kernels back to back just in time (queue budget 0.25 ms), its
-/// launcher waking up to 0.2 ms late: the GPU never idles, a launch never finds more than the
-/// budget queued before it, and a kernel waits queued behind the running one for at most
-/// (budget + lateness) / kernel of the time (launched as soon as the fences let it, one kernel
-/// behind the running one, a kernel would wait queued all the time).
+/// launcher waking up to 0.2 ms late, or, on a busier host, up to 0.45 ms: the GPU never idles
+/// (up to 0.1 % of the time with the later wake-ups), a launch never finds more than twice the budget queued before it, and a kernel waits queued
+/// behind the running one for at most (budget + lateness) / kernel of the time (launched as
+/// soon as the fences let it, one kernel behind the running one, a kernel would wait queued
+/// all the time).
 #[test]
 fn launching_just_in_time_keeps_the_gpu_busy_with_one_kernel_queued() {
     const KERNEL: u64 = MS;
     const B: u64 = MS / 4;
-    const LATE: u64 = MS / 5;
-    let mut rng = Rng::new(7);
-    let mut runway = Runway::default();
-    // When the GPU's work ends; its idle time; the time kernels waited queued.
-    let (mut gpu_end, mut idle, mut waiting) = (0u64, 0u64, 0u64);
-    let (mut now, mut n) = (0u64, 0u64);
-    while n < 2000 {
-        if let Some(at) = runway.launch_at(now, B as f64, KERNEL as f64) {
-            assert!(at > now);
-            now = at + rng.below(LATE);
-            continue;
+    for late in [MS / 5, 450_000] {
+        let mut rng = Rng::new(7);
+        let mut runway = Runway::default();
+        // When the GPU's work ends; its idle time; the time kernels waited queued.
+        let (mut gpu_end, mut idle, mut waiting) = (0u64, 0u64, 0u64);
+        let (mut now, mut n) = (0u64, 0u64);
+        let mut waited_for = None;
+        while n < 2000 {
+            if let Some(at) = runway.launch_at(now, B as f64, KERNEL as f64) {
+                assert!(at > now);
+                now = at + rng.below(late);
+                waited_for = Some(at);
+                continue;
+            }
+            if let Some(at) = waited_for.take() {
+                runway.woke(at, now);
+            }
+            let queued = gpu_end.saturating_sub(now);
+            assert!(
+                queued <= 2 * B,
+                "launch {n} at {now} behind {queued} ns queued"
+            );
+            if n > 10 {
+                idle += now.saturating_sub(gpu_end);
+            }
+            waiting += queued;
+            gpu_end = gpu_end.max(now) + KERNEL;
+            n += 1;
+            runway.launched(now, n, KERNEL as f64);
+            // The next launch call comes right after.
+            now += 1_000;
         }
-        let queued = gpu_end.saturating_sub(now);
-        assert!(queued <= B, "launch {n} at {now} behind {queued} ns queued");
-        if n > 0 {
-            idle += now.saturating_sub(gpu_end);
-        }
-        waiting += queued;
-        gpu_end = gpu_end.max(now) + KERNEL;
-        n += 1;
-        runway.launched(now, n, KERNEL as f64);
-        // The next launch call comes right after.
-        now += 1_000;
+        // Up to a budget late, never idle; later, hardly ever (when a run of prompt wake-ups
+        // has lowered the margin).
+        let most = if late <= B { 0 } else { gpu_end / 1000 };
+        assert!(
+            idle <= most,
+            "the GPU idled {idle} ns (lateness up to {late} ns)"
+        );
+        let share = waiting as f64 / gpu_end as f64;
+        assert!(share <= (B + late) as f64 / KERNEL as f64, "{share}");
+        assert!(share > 0.0);
     }
-    assert_eq!(idle, 0, "the GPU idled");
-    let share = waiting as f64 / gpu_end as f64;
-    assert!(share <= (B + LATE) as f64 / KERNEL as f64, "{share}");
-    assert!(share > 0.0);
 }
 
 /// Kernels no longer than half the budget are left to the fences (they keep the queue within
