@@ -6,7 +6,9 @@
 
 use crate::progress;
 use crate::report::{Spread, round};
-use gpushare_testkit::node::{Node, Tenant, group_in, longest_without_kernel, shares_in};
+use gpushare_testkit::node::{
+    Node, Tenant, group_in, longest_without_kernel, monotonic_ns, shares_in,
+};
 use gpushare_testkit::trace::{Trace, Window};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -134,6 +136,10 @@ pub struct TenantEnd {
     pub wall_s: f64,
     /// The longest one of its allocations took (s).
     pub longest_alloc_wait_s: f64,
+    /// Its phases' GPU stretches (CLOCK_MONOTONIC ns): from just before its first launch to
+    /// when its synchronisation returned.
+    #[serde(skip)]
+    pub gpu_stretches: Vec<(u64, u64)>,
 }
 
 /// One run's figures.
@@ -162,6 +168,18 @@ pub struct RunFigures {
     pub worst_share_error: Option<f64>,
     /// Those windows in which every share was within 0.02 of an even split.
     pub windows_within_0_02: usize,
+    /// The same over the 1 s windows in which every tenant was resident and wanted the GPU
+    /// throughout ([`wanting_all_along`]).
+    pub wanting: WindowShares,
+}
+
+/// Shares over a set of 1 s windows: how many, the worst deviation of a tenant's share of the
+/// busy time from an even split, and how many windows were within 0.02.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WindowShares {
+    pub windows: usize,
+    pub worst_share_error: Option<f64>,
+    pub within_0_02: usize,
 }
 
 impl RunFigures {
@@ -261,6 +279,11 @@ fn end_of(group: String, t: Tenant, timeout: Duration) -> TenantEnd {
             String::from_utf8_lossy(&out.stderr).trim()
         ));
     }
+    let gpu_stretches = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| Some((v["gpu_from_ns"].as_u64()?, v["gpu_to_ns"].as_u64()?)))
+        .collect();
     TenantEnd {
         group,
         finished: out.status.success() && done.is_some(),
@@ -268,19 +291,30 @@ fn end_of(group: String, t: Tenant, timeout: Duration) -> TenantEnd {
         intact: done.is_some_and(|d| d["intact"] == true),
         wall_s: round(wall_s, 3),
         longest_alloc_wait_s: round(waits as f64 / 1e9, 3),
+        gpu_stretches,
     }
 }
 
 /// Swap bytes seen in `gpushare status`: each group's `memory_swapped`, its largest over each
-/// spell out of memory.
+/// spell out of memory; and when each group may have been out of memory.
 #[derive(Default)]
 struct SwapWatch {
     spell: std::collections::BTreeMap<String, u64>,
     bytes: u64,
+    /// When the poll before the last one was asked (CLOCK_MONOTONIC ns).
+    asked_before_ns: u64,
+    /// Per group, the spell out of memory under way: from when the last poll that saw it
+    /// resident was asked.
+    out_since: std::collections::BTreeMap<String, u64>,
+    /// Per group, the spans that hold each of its spells out of memory, from the asking of the
+    /// last poll that saw it resident to the answer of the first that saw it back.
+    out_spans: std::collections::BTreeMap<String, Vec<(u64, u64)>>,
 }
 
 impl SwapWatch {
-    fn see(&mut self, status: &Value, groups: &[String]) {
+    /// `status` was asked for at `asked_ns` and answered at `answered_ns`.
+    fn see(&mut self, status: &Value, groups: &[String], asked_ns: u64, answered_ns: u64) {
+        let before = std::mem::replace(&mut self.asked_before_ns, asked_ns);
         for g in groups {
             let Some(v) = group_in(status, g) else {
                 continue;
@@ -289,6 +323,11 @@ impl SwapWatch {
                 v["memory_state"].as_str(),
                 Some("swapping_out" | "swapped_out" | "swapping_in")
             );
+            if out {
+                self.out_since.entry(g.clone()).or_insert(before);
+            } else if let Some(from) = self.out_since.remove(g) {
+                (self.out_spans.entry(g.clone()).or_default()).push((from, answered_ns));
+            }
             let b = v["memory_swapped"].as_u64().unwrap_or(0);
             if out {
                 let e = self.spell.entry(g.clone()).or_default();
@@ -299,8 +338,16 @@ impl SwapWatch {
         }
     }
 
-    fn total(self) -> u64 {
+    fn total(&self) -> u64 {
         self.bytes + self.spell.values().sum::<u64>()
+    }
+
+    /// The spans that hold `group`'s spells out of memory (one still under way runs to the
+    /// end of time).
+    fn out_spans(&self, group: &str) -> Vec<(u64, u64)> {
+        let mut v = self.out_spans.get(group).cloned().unwrap_or_default();
+        v.extend(self.out_since.get(group).map(|&from| (from, u64::MAX)));
+        v
     }
 }
 
@@ -334,8 +381,9 @@ pub fn run(p: &Params, mode: Mode, dir: &Path, label: &str) -> anyhow::Result<Ru
             let seen = std::thread::scope(|s| {
                 let poller = s.spawn(|| {
                     while !stop.load(Ordering::Relaxed) {
+                        let asked = monotonic_ns();
                         if let Ok(st) = node.status_json() {
-                            watch.see(&st, &groups);
+                            watch.see(&st, &groups, asked, monotonic_ns());
                         }
                         std::thread::sleep(Duration::from_millis(50));
                     }
@@ -362,11 +410,19 @@ pub fn run(p: &Params, mode: Mode, dir: &Path, label: &str) -> anyhow::Result<Ru
     let swaps = &status["memory_swaps"];
     let count = |k: &str| swaps[k].as_u64().unwrap_or(0);
     let secs = |k: &str| swaps[k]["sum_s"].as_f64().unwrap_or(0.0);
-    let (resident_windows, worst, within) = if mode == Mode::Overcommit {
+    let (resident, wanting) = if mode == Mode::Overcommit {
         let span = trace.span();
-        share_windows(&trace, &pids, span, p.resident_gap_ms * 1_000_000)
+        let gap_ns = p.resident_gap_ms * 1_000_000;
+        let resident = share_windows(&trace, &pids, span, |w| {
+            (pids.iter()).all(|&p| longest_without_kernel(&trace, p, w) <= gap_ns)
+        });
+        let tenants: Vec<Wanting> = (ends.iter().zip(&pids))
+            .map(|(e, &pid)| Wanting::of(&trace, pid, &e.gpu_stretches, watch.out_spans(&e.group)))
+            .collect();
+        let wanting = share_windows(&trace, &pids, span, |w| wanting_all_along(&tenants, w));
+        (resident, wanting)
     } else {
-        (0, None, 0)
+        (WindowShares::default(), WindowShares::default())
     };
     Ok(RunFigures {
         mode,
@@ -381,27 +437,66 @@ pub fn run(p: &Params, mode: Mode, dir: &Path, label: &str) -> anyhow::Result<Ru
         swapped_bytes: watch.total(),
         allocation_waits: count("allocation_waits"),
         allocations_refused: count("allocations_refused"),
-        resident_windows,
-        worst_share_error: worst.map(|w| round(w, 4)),
-        windows_within_0_02: within,
+        resident_windows: resident.windows,
+        worst_share_error: resident.worst_share_error,
+        windows_within_0_02: resident.within_0_02,
+        wanting,
     })
 }
 
-/// Over consecutive 1 s windows of `span`: those in which every tenant ran kernels with no
-/// gap over `gap_ns` (all resident, none waiting for memory), the worst deviation of a share of
-/// the busy time from an even split, and how many windows were within 0.02.
+/// When a tenant wanted the GPU and held its memory there, as its own output, the device
+/// trace and `gpushare status` tell.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Wanting {
+    /// Its GPU stretches (CLOCK_MONOTONIC ns): from just before its first launch of a phase to
+    /// the end of its last kernel there (its last record in the trace that ended before its
+    /// synchronisation returned).
+    pub stretches: Vec<(u64, u64)>,
+    /// Spans that hold its spells out of memory (`gpushare status` polled).
+    pub out: Vec<(u64, u64)>,
+}
+
+impl Wanting {
+    fn of(trace: &Trace, pid: u32, stretches: &[(u64, u64)], out: Vec<(u64, u64)>) -> Wanting {
+        let stretches = (stretches.iter())
+            .map(|&(from, to)| {
+                let last = (trace.records().iter())
+                    .filter(|r| r.pid == pid && r.start_ns >= from && r.end_ns <= to)
+                    .map(|r| r.end_ns)
+                    .max()
+                    .unwrap_or(from);
+                (from, last)
+            })
+            .collect();
+        Wanting { stretches, out }
+    }
+}
+
+/// Every tenant wanted the GPU all through `w` (one of its GPU stretches holds `w`: it was
+/// launching, or its kernels queued, with no phase boundary of its own — checking, freeing,
+/// allocating, writing its buffers — in between) and none was out of memory at any point of
+/// `w`.
+pub fn wanting_all_along(tenants: &[Wanting], w: Window) -> bool {
+    tenants.iter().all(|t| {
+        (t.stretches.iter()).any(|&(from, to)| from <= w.start_ns && w.end_ns <= to)
+            && !(t.out.iter()).any(|&(from, to)| from < w.end_ns && w.start_ns < to)
+    })
+}
+
+/// Over consecutive 1 s windows of `span`, those `counts` keeps: how many, the worst deviation
+/// of a share of the busy time from an even split, and how many were within 0.02.
 pub fn share_windows(
     trace: &Trace,
     pids: &[u32],
     span: Option<Window>,
-    gap_ns: u64,
-) -> (usize, Option<f64>, usize) {
+    counts: impl Fn(Window) -> bool,
+) -> WindowShares {
     let Some(Window {
         start_ns: first,
         end_ns: last,
     }) = span
     else {
-        return (0, None, 0);
+        return WindowShares::default();
     };
     let even = 1.0 / pids.len() as f64;
     let (mut n, mut worst, mut within) = (0, None::<f64>, 0);
@@ -409,10 +504,7 @@ pub fn share_windows(
     while t + 1_000_000_000 <= last {
         let w = Window::new(t, t + 1_000_000_000);
         t += 1_000_000_000;
-        if pids
-            .iter()
-            .any(|&p| longest_without_kernel(trace, p, w) > gap_ns)
-        {
+        if !counts(w) {
             continue;
         }
         let shares = shares_in(trace, pids, w);
@@ -429,7 +521,11 @@ pub fn share_windows(
             within += 1;
         }
     }
-    (n, worst, within)
+    WindowShares {
+        windows: n,
+        worst_share_error: worst.map(|w| round(w, 4)),
+        within_0_02: within,
+    }
 }
 
 /// The whole benchmark: each mode `repeat` times; `summary.json` and `summary.md` in `out`.
@@ -499,8 +595,9 @@ impl Summary {
         let mut s = String::from(
             "| run | completion (s) | finished | OOM | bytes intact | swaps out / in | \
              swapped (GiB) | swap time out / in (s) | allocations waited | 1 s windows all \
-             resident (within 0.02) | worst share error |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|\n",
+             running (within 0.02) | worst share error | 1 s windows all resident and wanting \
+             the GPU (within 0.02) | worst share error |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for m in [Mode::Overcommit, Mode::Sequential, Mode::StaticCaps] {
             let n = self.of_mode(m).count();
@@ -509,7 +606,8 @@ impl Summary {
             }
             let sp = |f: &dyn Fn(&RunFigures) -> f64, d| self.spread(m, f, d);
             s += &format!(
-                "| {} | {} | {} | {} | {} | {} / {} | {} | {} / {} | {} | {} ({}) | {} |\n",
+                "| {} | {} | {} | {} | {} | {} / {} | {} | {} / {} | {} | {} ({}) | {} | {} ({}) \
+                 | {} |\n",
                 mode_name(m),
                 sp(&|r| r.completion_s, 1),
                 sp(
@@ -531,6 +629,9 @@ impl Summary {
                 sp(&|r| r.resident_windows as f64, 0),
                 sp(&|r| r.windows_within_0_02 as f64, 0),
                 sp(&|r| r.worst_share_error.unwrap_or(f64::NAN), 3),
+                sp(&|r| r.wanting.windows as f64, 0),
+                sp(&|r| r.wanting.within_0_02 as f64, 0),
+                sp(&|r| r.wanting.worst_share_error.unwrap_or(f64::NAN), 3),
             );
         }
         s
@@ -540,6 +641,7 @@ impl Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpushare_testkit::trace::Record;
 
     #[test]
     fn swap_bytes_count_each_spell_out_once_at_its_largest() {
@@ -550,17 +652,107 @@ mod tests {
         };
         let g = vec!["a".to_string()];
         let mut w = SwapWatch::default();
-        for (state, b) in [
+        for (k, (state, b)) in [
             ("resident", 0),
             ("swapping_out", 5),
             ("swapped_out", 8),
             ("swapping_in", 8),
             ("resident", 0),
             ("swapped_out", 3),
-        ] {
-            w.see(&st(state, b), &g);
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            // Polls asked every 50 ms, each answered 10 ms later.
+            let asked = 1000 + 50 * k as u64;
+            w.see(&st(state, b), &g, asked, asked + 10);
         }
         assert_eq!(w.total(), 11);
+        // Each spell out lies between the asking of the last poll that saw the group resident
+        // and the answer of the first that saw it back; the last one is not over.
+        assert_eq!(w.out_spans("a"), vec![(1000, 1210), (1200, u64::MAX)]);
+        assert!(w.out_spans("b").is_empty());
+    }
+
+    /// Kernels of `ms` ms from `from` to `to` (ms), taking turns among `pids`, skipping those
+    /// `pause` says are away at that instant.
+    fn turns(pids: &[u32], from: u64, to: u64, pause: impl Fn(u32, u64) -> bool) -> Vec<Record> {
+        let ms = 1_000_000;
+        let mut v = Vec::new();
+        let (mut t, mut k) = (from, 0);
+        while t < to {
+            let pid = pids[k % pids.len()];
+            k += 1;
+            if pause(pid, t) {
+                continue;
+            }
+            v.push(Record {
+                device: 0,
+                pid,
+                ctx: 1,
+                stream: 1,
+                kernel: "k".into(),
+                start_ns: t * ms,
+                end_ns: (t + 10) * ms,
+                preempted: false,
+            });
+            t += 10;
+        }
+        v
+    }
+
+    #[test]
+    fn a_window_counts_only_while_every_tenant_wants_the_gpu_and_holds_its_memory() {
+        let ms = 1_000_000;
+        // Two tenants taking turns for 3.1 s; the second ends a phase at 1.9 s and spends 100 ms
+        // on its own (checking, resizing, writing its buffers) before the next: the first runs
+        // alone meanwhile.
+        let away = |pid: u32, t: u64| pid == 2 && (1900..2000).contains(&t);
+        let trace = Trace::from_records(turns(&[1, 2], 0, 3100, away));
+        let pids = [1, 2];
+        let span = trace.span();
+        let running = share_windows(&trace, &pids, span, |w| {
+            (pids.iter()).all(|&p| longest_without_kernel(&trace, p, w) <= 250 * ms)
+        });
+        // Running with no gap over 250 ms, the window of the phase boundary counts: the first
+        // got 0.55 of it, by no fault of the time policy.
+        assert_eq!(running.windows, 3);
+        assert_eq!(running.within_0_02, 2);
+        assert!((running.worst_share_error.unwrap() - 0.05).abs() < 1e-9);
+        // The second's stretches as it reports them: its synchronisations return a little
+        // after its last kernels end.
+        let first = Wanting::of(&trace, 1, &[(0, 3100 * ms + 300_000)], vec![]);
+        let second = (trace.records().iter())
+            .filter(|r| r.pid == 2)
+            .map(|r| r.end_ns)
+            .filter(|&e| e <= 1900 * ms)
+            .max()
+            .unwrap();
+        let second_wanting = Wanting::of(
+            &trace,
+            2,
+            &[(0, 1900 * ms + 300_000), (2000 * ms, 3100 * ms + 300_000)],
+            vec![],
+        );
+        assert_eq!(second_wanting.stretches[0], (0, second));
+        let tenants = [first.clone(), second_wanting.clone()];
+        let wanting = share_windows(&trace, &pids, span, |w| wanting_all_along(&tenants, w));
+        assert_eq!(
+            wanting,
+            WindowShares {
+                windows: 2,
+                worst_share_error: Some(0.0),
+                within_0_02: 2
+            }
+        );
+        // A tenant out of memory for any part of a window takes the window out too.
+        let out = Wanting {
+            out: vec![(2900 * ms, 3500 * ms)],
+            ..first
+        };
+        let tenants = [out, second_wanting];
+        let wanting = share_windows(&trace, &pids, span, |w| wanting_all_along(&tenants, w));
+        assert_eq!(wanting.windows, 1);
     }
 
     #[test]

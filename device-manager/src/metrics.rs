@@ -1,11 +1,15 @@
 //! The manager's Prometheus metrics (`--metrics ADDR`, any path): allocatable and allocated
 //! units and memory per GPU (DCGM-style `gpu` and `UUID` labels), annotation errors per pod, and kubelet
-//! registrations.
+//! registrations; served by axum, encoded by `prometheus-client`.
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::Arc;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::fmt;
+use std::sync::{Arc, Mutex};
 
 #[derive(Debug, Default, Clone)]
 pub struct Metrics {
@@ -20,108 +24,98 @@ pub struct Metrics {
     pub registrations: u64,
 }
 
-fn family(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-}
-
-fn label(v: &str) -> String {
-    v.replace(['"', '\\', '\n'], "'")
-}
-
 impl Metrics {
+    /// The metrics in the Prometheus text format.
     pub fn render(&self) -> String {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(self.clone()));
         let mut out = String::new();
-        family(
-            &mut out,
-            "gpushare_device_manager_allocatable_units",
-            "gauge",
-            "Healthy gpushare.io/gpu-share units advertised to the kubelet.",
-        );
-        for (uuid, (i, units)) in &self.allocatable {
-            let _ = writeln!(
-                out,
-                "gpushare_device_manager_allocatable_units{{gpu=\"{i}\",UUID=\"{}\"}} {units}",
-                label(uuid)
-            );
-        }
-        family(
-            &mut out,
-            "gpushare_device_manager_allocated_units",
-            "gauge",
-            "gpushare.io/gpu-share units the kubelet assigned to containers.",
-        );
-        for (uuid, (i, _)) in &self.allocatable {
-            let units = self.allocated.get(uuid).copied().unwrap_or(0);
-            let _ = writeln!(
-                out,
-                "gpushare_device_manager_allocated_units{{gpu=\"{i}\",UUID=\"{}\"}} {units}",
-                label(uuid)
-            );
-        }
-        family(
-            &mut out,
-            "gpushare_device_manager_gpu_memory_bytes",
-            "gauge",
-            "Memory of each GPU (for placement by the scheduler extender).",
-        );
-        for (uuid, (i, _)) in &self.allocatable {
-            if let Some(bytes) = self.memory.get(uuid) {
-                let _ = writeln!(
-                    out,
-                    "gpushare_device_manager_gpu_memory_bytes{{gpu=\"{i}\",UUID=\"{}\"}} {bytes}",
-                    label(uuid)
-                );
-            }
-        }
-        family(
-            &mut out,
-            "gpushare_annotation_errors_total",
-            "counter",
-            "gpushare.io annotations that could not be used as written.",
-        );
-        for ((ns, pod, ann), n) in &self.annotation_errors {
-            let _ = writeln!(
-                out,
-                "gpushare_annotation_errors_total{{namespace=\"{}\",pod=\"{}\",annotation=\"{}\"}} {n}",
-                label(ns),
-                label(pod),
-                label(ann)
-            );
-        }
-        family(
-            &mut out,
-            "gpushare_device_manager_registrations_total",
-            "counter",
-            "Registrations with the kubelet (one more after each kubelet restart).",
-        );
-        let _ = writeln!(
-            out,
-            "gpushare_device_manager_registrations_total {}",
-            self.registrations
-        );
+        prometheus_text::encode(&mut out, &registry).expect("writing to a String cannot fail");
         out
+    }
+
+    /// Each GPU's labels with `value(uuid, units)` (`None`: no sample for that GPU).
+    fn per_gpu(
+        &self,
+        value: impl Fn(&str, u32) -> Option<u64>,
+    ) -> Vec<([(&'static str, String); 2], u64)> {
+        (self.allocatable.iter())
+            .filter_map(|(uuid, &(i, units))| {
+                let v = value(uuid, units)?;
+                Some(([("gpu", i.to_string()), ("UUID", uuid.clone())], v))
+            })
+            .collect()
     }
 }
 
-/// Serve `render()` of the current metrics over HTTP on `listener`.
-pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<std::sync::Mutex<Metrics>>) {
-    loop {
-        let Ok((mut conn, _)) = listener.accept().await else {
-            continue;
-        };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let mut req = [0u8; 1024];
-            let _ =
-                tokio::time::timeout(std::time::Duration::from_secs(2), conn.read(&mut req)).await;
-            let body = metrics.lock().unwrap_or_else(|e| e.into_inner()).render();
-            let head = format!(
-                "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n",
-                body.len()
-            );
-            let _ = conn.write_all(head.as_bytes()).await;
-            let _ = conn.write_all(body.as_bytes()).await;
-        });
+impl Collector for Metrics {
+    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
+        for (name, help, samples) in [
+            (
+                "gpushare_device_manager_allocatable_units",
+                "Healthy gpushare.io/gpu-share units advertised to the kubelet.",
+                self.per_gpu(|_, units| Some(u64::from(units))),
+            ),
+            (
+                "gpushare_device_manager_allocated_units",
+                "gpushare.io/gpu-share units the kubelet assigned to containers.",
+                self.per_gpu(|uuid, _| {
+                    Some(u64::from(self.allocated.get(uuid).copied().unwrap_or(0)))
+                }),
+            ),
+            (
+                "gpushare_device_manager_gpu_memory_bytes",
+                "Memory of each GPU (for placement by the scheduler extender).",
+                self.per_gpu(|uuid, _| self.memory.get(uuid).copied()),
+            ),
+        ] {
+            let mut metric = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (labels, v) in samples {
+                metric.encode_family(&labels)?.encode_gauge(&v)?;
+            }
+        }
+        let mut errors = enc.encode_descriptor(
+            "gpushare_annotation_errors",
+            "gpushare.io annotations that could not be used as written.",
+            None,
+            MetricType::Counter,
+        )?;
+        for ((ns, pod, annotation), n) in &self.annotation_errors {
+            let labels = [
+                ("namespace", ns.as_str()),
+                ("pod", pod.as_str()),
+                ("annotation", annotation.as_str()),
+            ];
+            errors
+                .encode_family(&labels)?
+                .encode_counter::<NoLabelSet, _, u64>(n, None)?;
+        }
+        enc.encode_descriptor(
+            "gpushare_device_manager_registrations",
+            "Registrations with the kubelet (one more after each kubelet restart).",
+            None,
+            MetricType::Counter,
+        )?
+        .encode_counter::<NoLabelSet, _, u64>(&self.registrations, None)
+    }
+}
+
+/// Serve `render()` of the current metrics over HTTP on `listener`, whatever the path.
+pub async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Mutex<Metrics>>) {
+    let page = move || {
+        let body = metrics.lock().unwrap_or_else(|e| e.into_inner()).render();
+        async move {
+            (
+                [(
+                    axum::http::header::CONTENT_TYPE,
+                    prometheus_text::CONTENT_TYPE,
+                )],
+                body,
+            )
+        }
+    };
+    if let Err(e) = axum::serve(listener, axum::Router::new().fallback(page)).await {
+        tracing::error!("the metrics endpoint stopped: {e}");
     }
 }
 

@@ -18,7 +18,7 @@
 //!   thread that returns spare the process does not use;
 //! - [`intercept`] and [`memory`] are the FFI surface: the exported `cu*` symbols, `dlsym` and
 //!   `cuGetProcAddress`, which route every launch, synchronisation and allocation; each exported
-//!   symbol is checked at compile time against the type cuda.h gives it (`intercept::wrappers`).
+//!   symbol is checked at compile time against the type cuda.h gives it (`intercept::lookup`).
 //!
 //! Rules for a guest in someone else's process: nothing runs at load time; no panic crosses
 //! `extern "C"`; the fast path is a few atomic operations (no clock read, no lock); no output

@@ -1,13 +1,16 @@
 //! Swapping processes' GPU memory to host memory and back through the driver's checkpoint API
 //! (`cuCheckpointProcessLock / Checkpoint / Restore / Unlock`, CUDA 12.8+), on a thread of its
 //! own: a swap takes seconds, the event loop never waits for one. After a restart it also asks
-//! the driver where a reconnected process's memory is (`cuCheckpointProcessGetState`), since a
-//! previous daemon may have been killed mid-swap, and unlocks a process left locked with its
-//! memory on the GPU. The daemon loads the driver
+//! the driver where the memory of a process that holds some is (`cuCheckpointProcessGetState`),
+//! whether the process reconnected or is only in the memory journal, since a previous daemon
+//! may have been killed mid-swap, and unlocks a process left locked with its memory on the
+//! GPU; a pid that no longer names the process the journal recorded (another start time) is
+//! left alone. The daemon loads the driver
 //! (`libcuda.so.1`) the first time it swaps; it runs with the host's pids (the DaemonSet's
 //! `hostPID`), which are the pids these calls take.
 
 use crate::inbox::Inbox;
+use crate::memory::ProcessId;
 use crate::node::{Input, SwapOutFailure};
 use gpushare_cuda_abi::pfn;
 use gpushare_cuda_abi::result::{CUDA_ERROR_NOT_SUPPORTED, CUDA_SUCCESS};
@@ -30,10 +33,10 @@ pub enum Job {
         swap: u64,
         pids: Vec<u32>,
     },
-    /// Where process `pid`'s memory is; unlocked if it is locked with its memory on the GPU.
+    /// Where `process`'s memory is; unlocked if it is locked with its memory on the GPU.
     Settle {
-        client: u64,
-        pid: u32,
+        id: u64,
+        process: ProcessId,
     },
 }
 
@@ -49,6 +52,25 @@ pub fn spawn(inbox: Inbox) -> std::io::Result<Sender<Job>> {
 fn run(rx: Receiver<Job>, inbox: Inbox) {
     let mut driver: Option<Result<Driver, String>> = None;
     for job in rx {
+        let job = match job {
+            // Not the process asked about (gone, its pid maybe reused): left alone. (Without a
+            // start time, only a connected client's pid is asked about: its connection vouches.)
+            Job::Settle { id, process } if crate::journal::alive(&process) == Some(false) => {
+                tracing::info!(
+                    pid = process.pid,
+                    "not asking the driver about a process that is gone"
+                );
+                let input = Input::Settled {
+                    id,
+                    checkpointed: false,
+                };
+                if !inbox.input(input) {
+                    return;
+                }
+                continue;
+            }
+            job => job,
+        };
         let d = driver.get_or_insert_with(Driver::load);
         let input = match (job, &*d) {
             (Job::Out { swap, .. }, Err(e)) => {
@@ -63,13 +85,13 @@ fn run(rx: Receiver<Job>, inbox: Inbox) {
                 Input::SwappedIn { swap, ok: false }
             }
             // Without the driver nothing was swapped by this node.
-            (Job::Settle { client, .. }, Err(_)) => Input::Settled {
-                client,
+            (Job::Settle { id, .. }, Err(_)) => Input::Settled {
+                id,
                 checkpointed: false,
             },
-            (Job::Settle { client, pid }, Ok(d)) => Input::Settled {
-                client,
-                checkpointed: d.settle(pid),
+            (Job::Settle { id, process }, Ok(d)) => Input::Settled {
+                id,
+                checkpointed: d.settle(process.pid),
             },
             (
                 Job::Out {

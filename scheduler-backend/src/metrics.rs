@@ -84,7 +84,8 @@ fn ends_headers(request: &[u8]) -> bool {
 
 fn response(body: &str) -> Vec<u8> {
     let mut out = format!(
-        "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\n\r\n",
+        "HTTP/1.0 200 OK\r\nContent-Type: {}\r\nContent-Length: {}\r\n\r\n",
+        crate::prometheus::CONTENT_TYPE,
         body.len()
     )
     .into_bytes();

@@ -262,15 +262,15 @@ impl Server {
                         swaps_lost.push(Input::SwappedIn { swap, ok: false });
                     }
                 }
-                Effect::Settle { client, pid } => {
+                Effect::Settle { id, process } => {
                     if self
                         .workers
                         .swaps
-                        .send(Job::Settle { client, pid })
+                        .send(Job::Settle { id, process })
                         .is_err()
                     {
                         swaps_lost.push(Input::Settled {
-                            client,
+                            id,
                             checkpointed: false,
                         });
                     }

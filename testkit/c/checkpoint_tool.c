@@ -23,7 +23,8 @@
  *                                       across a round trip
  *   checkpoint_tool restore-oom BYTES   a restore while the memory is taken, then once it is
  *                                       free again
- *   checkpoint_tool bandwidth BYTES     host<->device copies of BYTES (pinned and pageable) */
+ *   checkpoint_tool bandwidth BYTES     host<->device copies of BYTES (pinned and pageable)
+ *   checkpoint_tool state PID           the state of process PID, another program's */
 #define _GNU_SOURCE
 #include "cuda_min.h"
 
@@ -561,11 +562,20 @@ static void bandwidth(size_t bytes) {
     }
 }
 
+/* The state the driver holds process `pid` in, another program's. */
+static void state(pid_t pid) {
+    setup();
+    CUresult r;
+    int st = state_of(pid, &r);
+    printf("{\"step\":\"state\",\"pid\":%d,\"result\":%d,\"state\":%d}\n", (int)pid, r, st);
+    fflush(stdout);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc < 3)
         fail("usage: checkpoint_tool states|blocks|timeout|managed|ipc|kinds|restore-oom|"
-             "bandwidth ARG...");
+             "bandwidth|state ARG...");
     const char *cmd = argv[1];
     size_t arg = strtoull(argv[2], NULL, 0);
     if (!strcmp(cmd, "states"))
@@ -584,6 +594,8 @@ int main(int argc, char **argv) {
         restore_oom(arg);
     else if (!strcmp(cmd, "bandwidth"))
         bandwidth(arg);
+    else if (!strcmp(cmd, "state"))
+        state((pid_t)arg);
     else
         fail("unknown command %s", cmd);
     return 0;

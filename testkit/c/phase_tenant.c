@@ -13,8 +13,11 @@
  * host running it; pages never written are left alone by the simulated driver, written ones are
  * moved to host memory and back by a checkpoint like the rest.
  *
- * Prints one JSON line per phase {"phase":I,"bytes":…,"alloc_wait_ns":…,"t_ns":…} and at the
- * end {"done":true,"intact":true|false,"phases":N,"start_ns":…,"end_ns":…,"pid":…}. An
+ * Prints one JSON line per phase {"phase":I,"bytes":…,"alloc_wait_ns":…,"gpu_from_ns":…,
+ * "gpu_to_ns":…,"t_ns":…} (gpu_from_ns just before its first launch, gpu_to_ns when its
+ * synchronisation returned, on CLOCK_MONOTONIC as the device trace: in between it wants the
+ * GPU all the time) and at the end {"done":true,"intact":true|false,"phases":N,"start_ns":…,
+ * "end_ns":…,"pid":…}. An
  * allocation that fails prints {"oom":true,"phase":I,"result":…} and exits 3 (a job that runs
  * out of memory ends). Other failed driver calls print "FAIL: …" on stderr and exit 1.
  *
@@ -146,13 +149,16 @@ int main(int argc, char **argv) {
         size_t bytes = strtoull(argv[i], NULL, 10);
         long kernels = atol(colon + 1);
         unsigned long long waited = resize(bytes, seed, phase);
+        unsigned long long gpu_from = now_ns();
         for (long k = 0; k < kernels; k++)
             CK(cuLaunchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s, args, NULL));
         CK(cuStreamSynchronize(s));
+        unsigned long long gpu_to = now_ns();
         for (int b = 0; b < nbufs; b++)
             ok &= samples_intact(&bufs[b]);
-        printf("{\"phase\":%d,\"bytes\":%zu,\"alloc_wait_ns\":%llu,\"intact\":%s,\"t_ns\":%llu}\n",
-               phase, held(), waited, ok ? "true" : "false", now_ns());
+        printf("{\"phase\":%d,\"bytes\":%zu,\"alloc_wait_ns\":%llu,\"gpu_from_ns\":%llu,"
+               "\"gpu_to_ns\":%llu,\"intact\":%s,\"t_ns\":%llu}\n",
+               phase, held(), waited, gpu_from, gpu_to, ok ? "true" : "false", now_ns());
         fflush(stdout);
     }
     while (nbufs > 0)

@@ -25,6 +25,9 @@ const GIB: u64 = 1 << 30;
 const RUN: Duration = Duration::from_secs(30);
 /// CUDA_ERROR_OUT_OF_MEMORY.
 const OOM: i64 = 2;
+/// `CUprocessState` values.
+const RUNNING: i64 = 0;
+const CHECKPOINTED: i64 = 2;
 
 /// `gpushare run --group GROUP [--memory MEMORY] -- PROGRAM ARGS…` on the node, stdout piped.
 fn in_group<S: AsRef<OsStr>>(
@@ -1131,7 +1134,7 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
     let port = free_port();
     let metrics = format!("127.0.0.1:{port}");
     let (node, exe) = overcommitted_node(&["--metrics", &metrics]);
-    let (mut first, mut second, waited_s) = second_swaps_first_out(&node, &exe);
+    let (mut first, second, waited_s) = second_swaps_first_out(&node, &exe);
     // While it is out, `gpushare status` says so.
     let status = node.status_json().expect("gpushare status --json");
     check_swapped_out(&status, waited_s);
@@ -1148,11 +1151,7 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
         "{text}"
     );
     check_swap_metrics(port);
-    second.signal(libc::SIGUSR1);
-    let v = second.expect_json("intact", RUN);
-    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (status, err) = second.finish(RUN);
-    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+    second_checks_its_bytes_and_exits(second);
 
     // The second gone, the first comes back and reads what it wrote.
     first.signal(libc::SIGUSR1);
@@ -1207,6 +1206,10 @@ fn overcommitted_node(args: &[&str]) -> (Node, PathBuf) {
 
 /// `mem_tool keep 1200MiB SEED` in `group`, capped at 1500 MiB, fail-open.
 fn keep(node: &Node, exe: &Path, group: &str, seed: &str) -> Proc {
+    Proc::spawn(keep_command(node, exe, group, seed))
+}
+
+fn keep_command(node: &Node, exe: &Path, group: &str, seed: &str) -> Command {
     let mut cmd = in_group(
         node,
         group,
@@ -1215,16 +1218,29 @@ fn keep(node: &Node, exe: &Path, group: &str, seed: &str) -> Proc {
         &["keep", &(1200 * MIB).to_string(), seed],
     );
     cmd.env("GPUSHARE_FAIL", "open");
-    Proc::spawn(cmd)
+    cmd
+}
+
+/// The second group, told to (SIGUSR1), finds every byte it wrote and exits cleanly.
+fn second_checks_its_bytes_and_exits(mut second: Proc) {
+    second.signal(libc::SIGUSR1);
+    let v = second.expect_json("intact", RUN);
+    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
+    let (status, err) = second.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "second: {err}");
 }
 
 /// Group `first` allocates 1200 MiB of the 2 GiB GPU and fills it; group `second`'s 1200 MiB
 /// then waits until `first` is swapped to host memory, and is granted. Both processes, and how
 /// long the second's allocation took as it measured it (s).
 fn second_swaps_first_out(node: &Node, exe: &Path) -> (Proc, Proc, f64) {
+    second_swaps_out(node, exe, keep(node, exe, "first", "1"))
+}
+
+/// [`second_swaps_first_out`] with `first` started already.
+fn second_swaps_out(node: &Node, exe: &Path, mut first: Proc) -> (Proc, Proc, f64) {
     /// The hook's default liveness bound (the default quota plus grace).
     const LIVENESS_NS: u64 = 40_000_000;
-    let mut first = keep(node, exe, "first", "1");
     let got = first.expect_json("alloc", RUN);
     assert_eq!(i(&got, "alloc"), 0, "1200 MiB on an empty 2 GiB GPU: {got}");
     first.expect_json("filled", RUN);
@@ -1261,7 +1277,7 @@ fn second_swaps_first_out(node: &Node, exe: &Path) -> (Proc, Proc, f64) {
 #[test]
 fn a_victim_killed_while_swapped_out_frees_its_books_and_nothing_else_breaks() {
     let (mut node, exe) = overcommitted_node(&[]);
-    let (first, mut second, _) = second_swaps_first_out(&node, &exe);
+    let (first, second, _) = second_swaps_first_out(&node, &exe);
     let status = node.status_json().expect("gpushare status --json");
     let g = group_in(&status, "first").expect("the first group in the status");
     assert_eq!(g["memory_state"], "swapped_out", "{g}");
@@ -1296,11 +1312,7 @@ fn a_victim_killed_while_swapped_out_frees_its_books_and_nothing_else_breaks() {
         "600 MiB for a new process of the killed one's group: {got}\n{}",
         node.scheduler_log()
     );
-    second.signal(libc::SIGUSR1);
-    let v = second.expect_json("intact", RUN);
-    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (exited, err) = second.finish(RUN);
-    assert!(exited.is_some_and(|s| s.success()), "second: {err}");
+    second_checks_its_bytes_and_exits(second);
 
     let status = node.status_json().expect("gpushare status --json");
     let swaps = &status["memory_swaps"];
@@ -1367,12 +1379,8 @@ fn first_intact_after_restart(node: &Node, first: &mut Proc) {
 }
 
 /// Both groups end with every byte and the books empty.
-fn both_finish_intact(node: &Node, first: Proc, mut second: Proc) {
-    second.signal(libc::SIGUSR1);
-    let v = second.expect_json("intact", RUN);
-    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (status, err) = second.finish(RUN);
-    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+fn both_finish_intact(node: &Node, first: Proc, second: Proc) {
+    second_checks_its_bytes_and_exits(second);
     let mut first = first;
     first_intact_after_restart(node, &mut first);
     let (status, err) = first.finish(RUN);
@@ -1448,12 +1456,7 @@ fn a_scheduler_killed_mid_swap_out_finishes_the_swap_after_its_restart() {
 fn a_scheduler_killed_mid_swap_in_finishes_the_restore_after_its_restart() {
     let (mut node, exe) = overcommitted_node(&[]);
     let (first, second, _) = second_swaps_first_out(&node, &exe);
-    let mut second = second;
-    second.signal(libc::SIGUSR1);
-    let v = second.expect_json("intact", RUN);
-    assert_eq!(v["intact"], true, "the second group's bytes: {v}");
-    let (status, err) = second.finish(RUN);
-    assert!(status.is_some_and(|s| s.success()), "second: {err}");
+    second_checks_its_bytes_and_exits(second);
     wait_log(&node, "restoring from host memory");
     node.kill_scheduler();
     std::thread::sleep(DOWN);
@@ -1468,6 +1471,79 @@ fn a_scheduler_killed_mid_swap_in_finishes_the_restore_after_its_restart() {
     assert_eq!(u(&status["gpus"][0]["physical"], "swapped"), 0, "{status}");
     let (status, err) = first.finish(RUN);
     assert!(status.is_some_and(|s| s.success()), "first: {err}");
+}
+
+/// Group `first`, swapped out to host memory for group `second`, loses its way to the
+/// scheduler (its hook reaches the socket through a link, which goes away), and the scheduler
+/// is killed (`SIGKILL`) and started again: `first` never reconnects and is only in the
+/// memory journal. The new scheduler asks the driver where its memory is all the same (the
+/// checkpoint API needs nothing of the process), finds it in host memory, and restores and
+/// unlocks it once `second` is gone: the driver holds it running again, its 1200 MiB are
+/// resident in `gpushare status`, and it reads back every byte it wrote. (A process stopped
+/// with `SIGSTOP` would not do here: the simulated driver's checkpoint calls are answered by a
+/// thread of the target process.)
+#[test]
+fn a_swapped_out_process_that_never_reconnects_is_restored_after_a_scheduler_restart() {
+    let (mut node, exe) = overcommitted_node(&[]);
+    let tool = node.compile_c("checkpoint_tool.c", true);
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let link = dir.path().join("gpushare.sock");
+    std::os::unix::fs::symlink(&node.sched_socket, &link).expect("link to the socket");
+    let mut cmd = keep_command(&node, &exe, "first", "1");
+    cmd.env("GPUSHARE_SOCKET", &link);
+    let (mut first, second, _) = second_swaps_out(&node, &exe, Proc::spawn(cmd));
+    wait_status(&node, "the first swapped out", |s| {
+        group_in(s, "first").is_some_and(|g| g["memory_state"] == "swapped_out")
+    });
+    let state = |node: &Node| {
+        let mut cmd = node.command(&tool);
+        cmd.args(["state", &first.pid().to_string()]);
+        let out = output_with_timeout(cmd, RUN);
+        assert!(out.status.success(), "checkpoint_tool\n{}", describe(&out));
+        let v = json_lines(&out.stdout).pop().expect("a line");
+        assert_eq!(i(&v, "result"), 0, "cuCheckpointProcessGetState: {v}");
+        i(&v, "state")
+    };
+    assert_eq!(state(&node), CHECKPOINTED, "the first in host memory");
+    std::fs::remove_file(&link).expect("remove the link");
+    node.kill_scheduler();
+    std::thread::sleep(DOWN);
+    node.start_scheduler(&["--memory-overcommit", "2"]);
+
+    // The second reconnects, checks its bytes and exits; the first fits again.
+    second_checks_its_bytes_and_exits(second);
+    // The first's 1200 MiB back on the GPU, the only memory there.
+    let status = wait_status(&node, "the first restored by the new scheduler", |s| {
+        let p = &s["gpus"][0]["physical"];
+        u(&s["memory_swaps"]["swap_in_seconds"], "count") == 1
+            && u(p, "used") == 1200 * MIB
+            && u(p, "swapped") == 0
+    });
+    assert_eq!(
+        u(&status["memory_swaps"], "swap_in_failures"),
+        0,
+        "{status}"
+    );
+    assert_eq!(state(&node), RUNNING, "restored and unlocked");
+    // Meanwhile it is a GPU process with the hook loaded and no connection.
+    let pid = u64::from(first.child.id());
+    wait_status(&node, "the first never reconnected", |s| {
+        (s["unhooked"].as_array().into_iter().flatten())
+            .any(|p| p["pid"] == pid && p["hook_loaded"] == true)
+    });
+    let log = node.scheduler_log();
+    assert!(
+        log.contains("found in host memory after a restart"),
+        "{log}"
+    );
+    // Still without the scheduler, it runs on with its bytes.
+    first_intact_after_restart(&node, &mut first);
+    let (status, err) = first.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "first: {err}");
+    wait_status(&node, "the books empty once both exited", |s| {
+        let p = &s["gpus"][0]["physical"];
+        u(p, "used") == 0 && u(p, "swapped") == 0
+    });
 }
 
 /// Group `first` holds memory the scheduler may not swap out besides its 1200 MiB (`tail`:

@@ -17,6 +17,7 @@ use gpushare_testkit::cgroup::CpuCgroup;
 use gpushare_testkit::cpu;
 use gpushare_testkit::node::{Node, Spin, Tenant, shares_in};
 use gpushare_testkit::trace::Window;
+use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -132,15 +133,33 @@ fn starved(how: Starve) {
 
     let hogs = Hogs::start(&loaders, 2);
     let cudarc: PathBuf = node.programs.path("cudarc-client");
+    // The tenants wait for `go` and start together: beside the loads, the harness may get back
+    // from starting one process into a cgroup seconds after it started, which would start the
+    // second that much later.
+    let go = node.tmp.path().join("go");
+    let wait_then_run = OsString::from(r#"while [ ! -e "$0" ]; do sleep 0.01; done; exec "$@""#);
     let tenants: Vec<Tenant> = tenant_cgs
         .iter()
         .map(|cg| {
-            let mut cmd = node.run_command(&[], &cudarc, &Spin::for_ms(1.0, RUN_MS).args());
+            let mut args: Vec<OsString> = vec![
+                "-c".into(),
+                wait_then_run.clone(),
+                go.clone().into(),
+                cudarc.clone().into(),
+            ];
+            args.extend(
+                Spin::for_ms(1.0, RUN_MS)
+                    .args()
+                    .into_iter()
+                    .map(OsString::from),
+            );
+            let mut cmd = node.run_command(&[], "sh", &args);
             cmd.env("GPUSHARE_FAIL", "open");
             cg.enter(&mut cmd);
             node.spawn(cmd)
         })
         .collect();
+    std::fs::write(&go, "").expect("start the tenants");
     let pids: Vec<u32> = tenants.iter().map(Tenant::pid).collect();
     for t in tenants {
         t.wait_ok(Duration::from_secs(40));

@@ -110,12 +110,10 @@ pub enum Input {
     },
     /// The restore of [`Effect::SwapIn`] `swap` ended (`ok: false`: its memory is gone).
     SwappedIn { swap: u64, ok: bool },
-    /// Where the driver holds the memory of the process of [`Effect::Settle`] `client`:
-    /// `checkpointed`, in host memory; else on the GPU, the process running.
-    Settled {
-        client: gpushare_policy::ClientId,
-        checkpointed: bool,
-    },
+    /// Where the driver holds the memory of the process of [`Effect::Settle`] `id`:
+    /// `checkpointed`, in host memory; else on the GPU, the process running (or it is not
+    /// that process any more, and was left alone).
+    Settled { id: u64, checkpointed: bool },
 }
 
 /// What the shell must do, in order.
@@ -152,12 +150,14 @@ pub enum Effect {
     /// Restore these processes' GPU memory and unlock them, off the event loop: answer
     /// [`Input::SwappedIn`] with `swap`.
     SwapIn { swap: u64, pids: Vec<u32> },
-    /// Ask the driver where the memory of process `pid` (client `client`) is, off the event
-    /// loop, and unlock it if a swap left it locked with its memory on the GPU: answer
-    /// [`Input::Settled`].
+    /// Ask the driver where the memory of `process` is, off the event loop, and unlock it if
+    /// a swap left it locked with its memory on the GPU; only if its pid still names that
+    /// process (same start time, when known), else leave it alone. Answer [`Input::Settled`] with `id`
+    /// (the node's number for it: a client's id, or that of a holding restored from the
+    /// journal whose process has not reconnected).
     Settle {
-        client: gpushare_policy::ClientId,
-        pid: u32,
+        id: u64,
+        process: crate::memory::ProcessId,
     },
 }
 
@@ -276,10 +276,7 @@ impl Node {
             Input::Persisted { seq, written } => self.persisted(seq, written, now),
             Input::SwappedOut { swap, outcome } => self.swapped_out(swap, outcome, now),
             Input::SwappedIn { swap, ok } => self.swapped_in(swap, ok, now),
-            Input::Settled {
-                client,
-                checkpointed,
-            } => self.settled(client, checkpointed, now),
+            Input::Settled { id, checkpointed } => self.settled(id, checkpointed, now),
         }
         self.settle(now);
     }

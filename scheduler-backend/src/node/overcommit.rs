@@ -391,10 +391,17 @@ impl Node {
         s.core.attach(ProcessId(client), g);
         // The memory it holds may be in host memory, or locked, by a swap a previous daemon
         // began: the driver says (rule 7 of the core).
-        let pid = self.clients.get(client).map_or(0, |c| c.pid);
-        if bytes > 0 && pid != 0 && s.settled.insert(client) {
+        let process = self.clients.get(client).map(|c| c.peer.process());
+        if let Some(process) = process
+            && bytes > 0
+            && process.pid != 0
+            && s.settled.insert(client)
+        {
             s.core.await_driver(ProcessId(client));
-            self.effects.push(Effect::Settle { client, pid });
+            self.effects.push(Effect::Settle {
+                id: client,
+                process,
+            });
         }
         let effects = self
             .overcommit
@@ -408,6 +415,13 @@ impl Node {
     /// until their process restates it (forgotten) or is found gone (freed). Without them, an
     /// allocation asked before a swapped process has reconnected would be granted memory that
     /// process still holds, or that a checkpoint under way has not freed yet.
+    ///
+    /// Where a ghost's memory is, the driver says, as for a process that reconnects (rule 7
+    /// of the core): the checkpoint API needs nothing of the process, so one that never
+    /// reconnects is found in host memory and restored, or found locked and unlocked, all the
+    /// same. Only a process the daemon can tell apart from a later one of its pid is asked
+    /// about (pid and start time known); the others are no victim until their process is
+    /// found gone or their grace runs out ([`super::books::UNVERIFIABLE_GHOST_GRACE_NS`]).
     pub(super) fn follow_ghosts(&mut self, now: u64) {
         if self.overcommit.settings.ratio <= 1.0 {
             return;
@@ -430,6 +444,12 @@ impl Node {
             let (g, i) = (s.group_id(group), s.gpu_index(*gpu));
             s.core.attach(id, g);
             s.core.await_driver(id);
+            if p.pid != 0 && p.start != 0 {
+                self.effects.push(Effect::Settle {
+                    id: id.0,
+                    process: *p,
+                });
+            }
             effects.extend(s.core.restate(now, id, i, *bytes));
             s.ghosts.insert((*p, *gpu), id);
         }
@@ -448,15 +468,18 @@ impl Node {
         self.carry_out(effects, now);
     }
 
-    /// The driver said where `client`'s memory is ([`Effect::Settle`]).
-    pub(super) fn settled(&mut self, client: ClientId, checkpointed: bool, now: u64) {
+    /// The driver said where the memory of the process the node numbers `id` is (a client,
+    /// or a ghost: [`Effect::Settle`]).
+    pub(super) fn settled(&mut self, id: u64, checkpointed: bool, now: u64) {
         if checkpointed {
+            let pids = self.pids(&[ProcessId(id)]);
             tracing::info!(
-                client,
+                id,
+                ?pids,
                 "found in host memory after a restart: restored once its memory fits"
             );
         }
-        let effects = (self.overcommit.core).recover(now, ProcessId(client), checkpointed);
+        let effects = (self.overcommit.core).recover(now, ProcessId(id), checkpointed);
         self.carry_out(effects, now);
     }
 
@@ -554,10 +577,25 @@ impl Node {
         self.overcommit.wake_at
     }
 
+    /// The pids of the core's processes: clients', and ghosts' (a process holding memory on
+    /// two GPUs is two ghosts, and one pid).
     fn pids(&self, processes: &[ProcessId]) -> Vec<u32> {
-        (processes.iter())
-            .filter_map(|p| self.clients.get(p.0).map(|c| c.pid))
-            .collect()
+        let ghosts = &self.overcommit.ghosts;
+        let mut pids: Vec<u32> = Vec::new();
+        for p in processes {
+            let pid = (self.clients.get(p.0).map(|c| c.pid)).or_else(|| {
+                ghosts
+                    .iter()
+                    .find(|(_, g)| *g == p)
+                    .map(|((q, _), _)| q.pid)
+            });
+            if let Some(pid) = pid
+                && !pids.contains(&pid)
+            {
+                pids.push(pid);
+            }
+        }
+        pids
     }
 
     /// What the core decided, as replies and work for the shell.

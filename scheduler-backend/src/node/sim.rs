@@ -80,6 +80,8 @@ pub struct Tenant {
     pub closed: bool,
     /// Its process has exited (a forked child keeps its connection).
     pub exited: bool,
+    /// Its process runs on but cannot reach the node: it does not reconnect after a restart.
+    pub cut_off: bool,
     asked: VecDeque<Asked>,
     next_req: u64,
     /// What it was told it holds per GPU (grants, frees, its own restatements).
@@ -87,6 +89,13 @@ pub struct Tenant {
     /// What of that must be on disk: grants it was told of, less its frees.
     durable: BTreeMap<GpuUuid, u64>,
     pub received: Vec<ServerMsg>,
+}
+
+impl Tenant {
+    /// Whether it waits for an answer.
+    pub fn asking(&self) -> bool {
+        !self.asked.is_empty()
+    }
 }
 
 /// What happened in a world, to tell that random runs reach every path.
@@ -131,9 +140,11 @@ pub struct World {
     /// The swaps the node asked for, in order: (swap, pids, out (false: in)); a test answers
     /// them with [`Input::SwappedOut`] and [`Input::SwappedIn`].
     pub swaps: Vec<(u64, Vec<u32>, bool)>,
-    /// The processes the node asked the driver about ([`Effect::Settle`]): (client, pid); a
+    /// The processes the node asked the driver about ([`Effect::Settle`]): (id, process); a
     /// test answers them with [`Input::Settled`].
-    pub settles: Vec<(u64, u32)>,
+    pub settles: Vec<(u64, ProcessId)>,
+    /// The order of the two above, as the node asked (true: a swap, false: a settle).
+    pub driver_calls: Vec<bool>,
     /// The shell is behind ([`World::stall`]): inputs arrive before it has read what came
     /// during the stall.
     behind: bool,
@@ -173,6 +184,7 @@ impl World {
             dev,
             swaps: Vec::new(),
             settles: Vec::new(),
+            driver_calls: Vec::new(),
             behind: false,
         };
         w.effects();
@@ -241,9 +253,18 @@ impl World {
                     assert!(self.admin_replies.insert(token, reply).is_none());
                 }
                 Effect::Publish(r) => self.published = r,
-                Effect::SwapOut { swap, pids, .. } => self.swaps.push((swap, pids, true)),
-                Effect::SwapIn { swap, pids } => self.swaps.push((swap, pids, false)),
-                Effect::Settle { client, pid } => self.settles.push((client, pid)),
+                Effect::SwapOut { swap, pids, .. } => {
+                    self.swaps.push((swap, pids, true));
+                    self.driver_calls.push(true);
+                }
+                Effect::SwapIn { swap, pids } => {
+                    self.swaps.push((swap, pids, false));
+                    self.driver_calls.push(true);
+                }
+                Effect::Settle { id, process } => {
+                    self.settles.push((id, process));
+                    self.driver_calls.push(false);
+                }
             }
         }
         for conn in resumed {
@@ -356,6 +377,7 @@ impl World {
             refused: false,
             closed: false,
             exited: false,
+            cut_off: false,
             asked: VecDeque::new(),
             next_req: 1,
             held: BTreeMap::new(),
@@ -556,7 +578,7 @@ impl World {
     }
 
     /// The daemon is killed and started again: what was written survives, requests in flight
-    /// do not; the tenants reconnect and restate what they hold.
+    /// do not; the tenants reconnect and restate what they hold (but those cut off).
     pub fn restart(&mut self) {
         self.check_journal();
         let restored: Vec<Holding> = (self.journal.iter())
@@ -593,7 +615,7 @@ impl World {
             })
             .collect();
         for t in old {
-            if t.exited || t.refused || t.welcome.is_none() {
+            if t.exited || t.cut_off || t.refused || t.welcome.is_none() {
                 continue;
             }
             let conn = self.connect_as(t.peer.clone());

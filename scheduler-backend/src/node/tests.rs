@@ -2,10 +2,13 @@
 
 use super::sim::{CONFIG, GPUS, MIB, MS, S, Work, World, pod_group, pod_identity};
 use super::*;
+use crate::memory::ProcessId;
 use gpushare_frame::fuzz;
 use gpushare_protocol::admin::{AdminReply, ContainerKey, PodGroup};
 use gpushare_protocol::status::{GroupReport, MemoryState, Report};
 use gpushare_protocol::{GroupSpec, PROTOCOL_VERSION};
+use proptest::prelude::*;
+use std::collections::BTreeMap;
 
 const GPU: GpuUuid = GPUS[0];
 
@@ -1011,6 +1014,156 @@ fn under_overcommit_a_reservation_that_does_not_fit_waits_then_another_group_is_
     w.check_settled();
 }
 
+/// Under [`overcommitted`]: `a` (900 MiB) swapped out for `b`'s 400 MiB, the books on disk;
+/// then `a`'s process is cut off from the node (it runs on, but never reconnects) and the
+/// node restarts: `b` reconnects, restates its 400 MiB and says the GPU's memory, `a` is only
+/// in the journal. The world, `a`'s process, and `b`'s new connection.
+fn restarted_with_a_swapped_out_and_cut_off() -> (World, ProcessId, ConnId) {
+    let (mut w, a, b) = overcommitted("");
+    let req = reserve(&mut w, b, 400);
+    w.advance(400 * MS);
+    let process = w.tenants[&a].peer.process();
+    assert_eq!(w.swaps, vec![(1, vec![process.pid], true)]);
+    w.input(Input::SwappedOut {
+        swap: 1,
+        outcome: Ok(()),
+    });
+    w.complete_all();
+    assert_eq!(granted(&w, b, req), Some(true));
+    w.tenants.get_mut(&a).expect("a").cut_off = true;
+    w.restart();
+    let back: Vec<ConnId> = (w.tenants.iter())
+        .filter(|(_, t)| !t.closed)
+        .map(|(c, _)| *c)
+        .collect();
+    assert_eq!(back.len(), 1, "b reconnected, a did not");
+    let b = back[0];
+    w.send(
+        b,
+        ClientMsg::MemTotal {
+            gpu: GPU,
+            bytes: 1024 * MIB,
+        },
+    );
+    w.complete_all();
+    assert_eq!(w.node.memory.used("a", &GPU), 900 * MIB, "a's ghost counts");
+    (w, process, b)
+}
+
+/// The ids of the settles the node asked for `process` ([`Effect::Settle`]).
+fn settles_of(w: &World, process: ProcessId) -> Vec<u64> {
+    (w.settles.iter())
+        .filter(|(_, p)| *p == process)
+        .map(|(id, _)| *id)
+        .collect()
+}
+
+/// Answer the settles of `b`'s process (asked as a ghost at the start, then as a client once
+/// it restated): its memory is on the GPU.
+fn settle_running(w: &mut World, b: ConnId) {
+    for id in settles_of(w, w.tenants[&b].peer.process()) {
+        w.input(Input::Settled {
+            id,
+            checkpointed: false,
+        });
+    }
+}
+
+/// The one settle the node asked for `a`'s process, which never reconnected: its id.
+fn settle_of_ghost(w: &World, a: ProcessId) -> u64 {
+    let ids = settles_of(w, a);
+    assert_eq!(
+        ids.len(),
+        1,
+        "the driver asked once about {a:?}: {:?}",
+        w.settles
+    );
+    ids[0]
+}
+
+#[test]
+fn under_overcommit_a_swapped_out_process_that_never_reconnects_after_a_restart_is_found_in_host_memory_and_restored()
+ {
+    let (mut w, a, b) = restarted_with_a_swapped_out_and_cut_off();
+    settle_running(&mut w, b);
+    // The driver is asked about a's process though it never reconnects (pid and start time).
+    let id = settle_of_ghost(&w, a);
+    assert!(w.swaps.len() == 1, "nothing moves before the driver says");
+    w.input(Input::Settled {
+        id,
+        checkpointed: true,
+    });
+    let r = report(&mut w, b);
+    let ga = group_report(&r, "a");
+    assert_eq!(ga.memory_state, MemoryState::SwappedOut);
+    assert_eq!(ga.memory_swapped, 900 * MIB);
+    let physical = r.gpus[0].physical.as_ref().unwrap();
+    assert_eq!(
+        (physical.used, physical.swapped),
+        (400 * MIB, 900 * MIB),
+        "a's memory booked in host memory"
+    );
+    assert!(w.node.policies[&GPU].suspended("a"), "no turns while out");
+    // b frees its memory: a's fits again and is restored, by its pid.
+    w.send(
+        b,
+        ClientMsg::MemFree {
+            gpu: GPU,
+            bytes: 400 * MIB,
+        },
+    );
+    assert_eq!(w.swaps.len(), 2);
+    let (swap, pids, out) = w.swaps[1].clone();
+    assert_eq!((pids, out), (vec![a.pid], false), "a restored");
+    w.advance(200 * MS);
+    w.input(Input::SwappedIn { swap, ok: true });
+    let r = report(&mut w, b);
+    assert_eq!(group_report(&r, "a").memory_state, MemoryState::Resident);
+    let physical = r.gpus[0].physical.as_ref().unwrap();
+    assert_eq!((physical.used, physical.swapped), (900 * MIB, 0));
+    assert!(!w.node.policies[&GPU].suspended("a"), "turns again");
+    w.settle();
+    w.check_settled();
+}
+
+#[test]
+fn under_overcommit_a_process_that_never_reconnects_found_on_the_gpu_after_a_restart_is_a_victim_again()
+ {
+    let (mut w, a, b) = restarted_with_a_swapped_out_and_cut_off();
+    settle_running(&mut w, b);
+    // Its swap was cut short before the checkpoint (undone: unlocked by the shell).
+    let id = settle_of_ghost(&w, a);
+    w.input(Input::Settled {
+        id,
+        checkpointed: false,
+    });
+    let r = report(&mut w, b);
+    assert_eq!(group_report(&r, "a").memory_state, MemoryState::Resident);
+    assert!(!w.node.policies[&GPU].suspended("a"));
+    // b's next 400 MiB do not fit beside a's 900: a is swapped out for it, by its pid.
+    w.send(
+        b,
+        ClientMsg::MemFree {
+            gpu: GPU,
+            bytes: 400 * MIB,
+        },
+    );
+    let req = reserve(&mut w, b, 400);
+    w.complete_all();
+    assert_eq!(granted(&w, b, req), None, "waits");
+    w.advance(400 * MS);
+    let (swap, pids, out) = w.swaps.last().cloned().expect("a swap");
+    assert_eq!((pids, out), (vec![a.pid], true), "a is the victim");
+    w.input(Input::SwappedOut {
+        swap,
+        outcome: Ok(()),
+    });
+    w.complete_all();
+    assert_eq!(granted(&w, b, req), Some(true));
+    w.settle();
+    w.check_settled();
+}
+
 #[test]
 fn under_overcommit_a_wait_is_bounded_and_its_refusal_says_why_and_frees_the_cap() {
     let (mut w, _a, b) = overcommitted("max_wait = \"2s\"");
@@ -1184,4 +1337,268 @@ fn caps_past_the_overcommit_ratio_leave_the_group_that_came_last_what_is_left() 
     assert_eq!(cap_of(&mut w, b), Some(0));
     w.settle();
     w.check_settled();
+}
+
+/// Where the checkpoint API holds a process (the driver, as the random restarts below see it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    Running,
+    Locked,
+    Checkpointed,
+}
+
+/// The driver and the daemon's swap thread, for [`World`]: the node's swaps and settles in the
+/// order it asked, carried out as the shell does ([`crate::checkpoint`]).
+#[derive(Default)]
+struct Driver {
+    held: BTreeMap<u32, Held>,
+    /// How far into the world's swaps, settles and their order the driver has read.
+    swaps: usize,
+    settles: usize,
+    calls: usize,
+}
+
+enum Call {
+    Swap(u64, Vec<u32>, bool),
+    Settle(u64, ProcessId),
+}
+
+impl Driver {
+    fn state(&self, pid: u32) -> Held {
+        self.held.get(&pid).copied().unwrap_or(Held::Running)
+    }
+
+    /// The node's next call not carried out yet.
+    fn next(&mut self, w: &World) -> Option<Call> {
+        let swap = *w.driver_calls.get(self.calls)?;
+        self.calls += 1;
+        Some(if swap {
+            let (id, pids, out) = w.swaps[self.swaps].clone();
+            self.swaps += 1;
+            Call::Swap(id, pids, out)
+        } else {
+            let (id, p) = w.settles[self.settles];
+            self.settles += 1;
+            Call::Settle(id, p)
+        })
+    }
+
+    /// Carry out every call the node made, answering each.
+    fn answer_all(&mut self, w: &mut World) {
+        while let Some(call) = self.next(w) {
+            let input = match call {
+                Call::Swap(swap, pids, true) => {
+                    let ok = pids.iter().all(|p| self.state(*p) == Held::Running);
+                    if ok {
+                        for p in pids {
+                            self.held.insert(p, Held::Checkpointed);
+                        }
+                    }
+                    let outcome = if ok {
+                        Ok(())
+                    } else {
+                        Err(SwapOutFailure::TimedOut)
+                    };
+                    Input::SwappedOut { swap, outcome }
+                }
+                Call::Swap(swap, pids, false) => {
+                    let ok = pids.iter().all(|p| self.state(*p) != Held::Running);
+                    for p in pids {
+                        self.held.insert(p, Held::Running);
+                    }
+                    Input::SwappedIn { swap, ok }
+                }
+                Call::Settle(id, p) => {
+                    let gone = (w.tenants.values()).any(|t| t.peer.process() == p && t.exited);
+                    if !gone && self.state(p.pid) == Held::Locked {
+                        self.held.insert(p.pid, Held::Running);
+                    }
+                    Input::Settled {
+                        id,
+                        checkpointed: !gone && self.state(p.pid) == Held::Checkpointed,
+                    }
+                }
+            };
+            w.input(input);
+            w.complete_all();
+        }
+    }
+
+    /// The daemon is killed: the call it was making is done as far as `how` says (0: not
+    /// begun, 1: its lock or restore done, 2: all of it), the calls after it never begin.
+    fn killed(&mut self, w: &World, how: u8) {
+        if let Some(call) = self.next(w) {
+            match (call, how % 3) {
+                (Call::Swap(_, pids, true), n @ 1..) => {
+                    let to = if n == 1 {
+                        Held::Locked
+                    } else {
+                        Held::Checkpointed
+                    };
+                    for p in pids {
+                        if self.state(p) == Held::Running {
+                            self.held.insert(p, to);
+                        }
+                    }
+                }
+                (Call::Swap(_, pids, false), n @ 1..) => {
+                    let to = if n == 1 { Held::Locked } else { Held::Running };
+                    for p in pids {
+                        if self.state(p) != Held::Running {
+                            self.held.insert(p, to);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.calls = w.driver_calls.len();
+        self.swaps = w.swaps.len();
+        self.settles = w.settles.len();
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Reserve {
+        who: usize,
+        mib: u64,
+    },
+    Free {
+        who: usize,
+        mib: u64,
+    },
+    Advance {
+        ms: u64,
+    },
+    Answer,
+    /// The daemon killed and restarted; `cut`: that tenant cannot reconnect (at most one per
+    /// life is).
+    Restart {
+        how: u8,
+        cut: Option<usize>,
+    },
+}
+
+/// The tenant a step makes a call of.
+fn step_of(s: &Step) -> Option<usize> {
+    match *s {
+        Step::Reserve { who, .. } | Step::Free { who, .. } => Some(who),
+        _ => None,
+    }
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (0..3usize, 1..700u64).prop_map(|(who, mib)| Step::Reserve { who, mib }),
+        2 => (0..3usize, 1..700u64).prop_map(|(who, mib)| Step::Free { who, mib }),
+        3 => (0..1500u64).prop_map(|ms| Step::Advance { ms }),
+        3 => Just(Step::Answer),
+        1 => (any::<u8>(), proptest::option::of(0..3usize))
+            .prop_map(|(how, cut)| Step::Restart { how, cut }),
+    ]
+}
+
+/// One random life under [`overcommitted`] (tenants a, a and b on a 1 GiB GPU whose caps sum to
+/// 1.5 GiB) with swaps, daemons killed mid-call and a tenant cut off: once the others exit, the
+/// driver holds every live process running — none left locked or in host memory. Whether the
+/// tenant cut off was in host memory when its daemon was killed.
+fn random_restarts_life(steps: &[Step]) -> bool {
+    use gpushare_protocol::ServerMsg;
+    let (mut w, a1, b) = overcommitted("");
+    let a2 = client_a(&mut w);
+    let pids: Vec<u32> = [a1, a2, b].iter().map(|c| w.tenants[c].peer.pid).collect();
+    let conn = |w: &World, pid: u32| {
+        (w.tenants.iter())
+            .find(|(_, t)| t.peer.pid == pid && !t.closed)
+            .map(|(c, _)| *c)
+    };
+    let mut d = Driver::default();
+    let mut cut: Option<u32> = None;
+    let mut cut_out = false;
+    for s in steps {
+        match *s {
+            // A process the driver holds locked or checkpointed makes no call (they block).
+            _ if step_of(s).is_some_and(|who| d.state(pids[who]) != Held::Running) => {}
+            Step::Reserve { who, mib } => {
+                // One allocation at a time per process (the replies' order is checked).
+                if let Some(c) = conn(&w, pids[who]).filter(|c| !w.tenants[c].asking()) {
+                    reserve(&mut w, c, mib);
+                }
+            }
+            Step::Free { who, mib } => {
+                if let Some(c) = conn(&w, pids[who]) {
+                    let held = w.tenants[&c].held.get(&GPU).copied().unwrap_or(0);
+                    let bytes = (mib * MIB).min(held);
+                    w.send(c, ClientMsg::MemFree { gpu: GPU, bytes });
+                }
+            }
+            Step::Advance { ms } => w.advance(ms * MS),
+            Step::Answer => d.answer_all(&mut w),
+            Step::Restart { how, cut: c } => {
+                w.complete_all();
+                d.killed(&w, how);
+                if let Some(who) = c.filter(|_| cut.is_none())
+                    && let Some(conn) = conn(&w, pids[who])
+                {
+                    w.tenants.get_mut(&conn).expect("live").cut_off = true;
+                    cut = Some(pids[who]);
+                    cut_out = d.state(pids[who]) == Held::Checkpointed;
+                }
+                w.restart();
+                // The hooks' greeting says the GPU's memory first.
+                let back = pids.iter().find_map(|p| conn(&w, *p));
+                if let Some(c) = back {
+                    let bytes = 1024 * MIB;
+                    w.send(c, ClientMsg::MemTotal { gpu: GPU, bytes });
+                }
+            }
+        }
+        w.complete_all();
+    }
+    // The others exit; the cut-off process, if any, is all that is left.
+    for t in w.tenants.values_mut() {
+        if Some(t.peer.pid) != cut {
+            t.exited = true;
+        }
+    }
+    for _ in 0..5 {
+        d.answer_all(&mut w);
+        w.advance(S);
+        w.complete_all();
+    }
+    d.answer_all(&mut w);
+    for pid in &pids {
+        let alive = Some(*pid) == cut;
+        assert!(
+            !alive || d.state(*pid) == Held::Running,
+            "pid {pid} (cut off: {cut:?}) left {:?}\n{steps:?}",
+            d.state(*pid)
+        );
+    }
+    let lost = (w.tenants.values()).flat_map(|t| &t.received).any(
+        |m| matches!(m, ServerMsg::Error { fatal: true, message } if message.contains("restored")),
+    );
+    assert!(!lost, "a restore failed\n{steps:?}");
+    cut_out
+}
+
+/// Random lives of [`random_restarts_life`]; among them, some whose tenant cut off was in host
+/// memory when the daemon was killed.
+#[test]
+fn under_overcommit_random_restarts_leave_no_process_locked_or_in_host_memory() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    let mut runner = TestRunner::deterministic();
+    let lives = proptest::collection::vec(step(), 1..60);
+    let mut cut_out = 0;
+    for _ in 0..1000 {
+        let steps = lives.new_tree(&mut runner).expect("a life").current();
+        cut_out += u32::from(random_restarts_life(&steps));
+    }
+    eprintln!("{cut_out} of 1000 lives cut off a process in host memory");
+    assert!(
+        cut_out >= 20,
+        "{cut_out} lives cut off a process in host memory"
+    );
 }

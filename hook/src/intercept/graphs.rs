@@ -1,0 +1,123 @@
+//! Graphs: a graph launch is gated as the launch of all its kernels.
+
+use super::P;
+use super::launch::gated_launches;
+use crate::real;
+use gpushare_cuda_abi::result::{CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS};
+use gpushare_cuda_abi::types::{
+    CU_GRAPH_NODE_TYPE_KERNEL, CUDA_GRAPH_INSTANTIATE_PARAMS, CUgraphNodeType, CUresult,
+};
+use std::collections::HashMap;
+use std::ffi::c_char;
+use std::sync::{Mutex, OnceLock};
+
+/// Kernels of each executable graph instantiated in this process (exec handle → kernels).
+fn graph_kernels() -> &'static Mutex<HashMap<usize, u64>> {
+    static KERNELS: OnceLock<Mutex<HashMap<usize, u64>>> = OnceLock::new();
+    KERNELS.get_or_init(Default::default)
+}
+
+/// The kernel nodes of `graph` (at least 1: a graph of other nodes counts as one launch).
+fn kernel_nodes(graph: P) -> u64 {
+    let (Some(get_nodes), Some(node_type)) = (real::cuGraphGetNodes(), real::cuGraphNodeGetType())
+    else {
+        return 1;
+    };
+    let mut n = 0usize;
+    // SAFETY: real driver calls; the node array has room for the count the driver reported.
+    unsafe {
+        if get_nodes(graph, std::ptr::null_mut(), &mut n) != CUDA_SUCCESS || n == 0 {
+            return 1;
+        }
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        if get_nodes(graph, nodes.as_mut_ptr(), &mut n) != CUDA_SUCCESS {
+            return 1;
+        }
+        let kernels = nodes[..n.min(nodes.len())]
+            .iter()
+            .filter(|&&node| {
+                let mut t: CUgraphNodeType = CUgraphNodeType::MAX;
+                node_type(node, &mut t) == CUDA_SUCCESS && t == CU_GRAPH_NODE_TYPE_KERNEL
+            })
+            .count();
+        kernels.max(1) as u64
+    }
+}
+
+/// Run an instantiation; on success remember the executable graph's kernel count.
+fn instantiated(exec: *mut P, graph: P, call: impl FnOnce() -> Option<CUresult>) -> CUresult {
+    let run = || {
+        let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+        if r == CUDA_SUCCESS && !exec.is_null() {
+            // SAFETY: the driver just wrote the new executable graph through this out-pointer.
+            let e = unsafe { *exec } as usize;
+            let kernels = kernel_nodes(graph);
+            graph_kernels()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(e, kernels);
+        }
+        r
+    };
+    crate::guarded(run)
+}
+
+macro_rules! instantiate_wrapper {
+    ($name:ident, ($exec:ident: *mut P, $graph:ident: P $(, $arg:ident: $ty:ty)*)) => {
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $name($exec: *mut P, $graph: P $(, $arg: $ty)*) -> CUresult {
+            // SAFETY: forwards the caller's arguments unchanged to the real function of the same
+            // name and signature.
+            instantiated($exec, $graph, || real::$name().map(|f| unsafe { f($exec, $graph $(, $arg)*) }))
+        }
+    };
+}
+
+instantiate_wrapper!(cuGraphInstantiate, (e: *mut P, g: P, err: *mut P, log: *mut c_char, n: usize));
+instantiate_wrapper!(cuGraphInstantiate_v2, (e: *mut P, g: P, err: *mut P, log: *mut c_char, n: usize));
+instantiate_wrapper!(cuGraphInstantiateWithFlags, (e: *mut P, g: P, flags: u64));
+instantiate_wrapper!(cuGraphInstantiateWithParams,
+    (e: *mut P, g: P, params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS));
+instantiate_wrapper!(cuGraphInstantiateWithParams_ptsz,
+    (e: *mut P, g: P, params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS));
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphExecDestroy(exec: P) -> CUresult {
+    let run = || {
+        graph_kernels()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(exec as usize));
+        // SAFETY: forwards the caller's argument unchanged.
+        real::cuGraphExecDestroy().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(exec) })
+    };
+    crate::guarded(run)
+}
+
+fn graph_launch(exec: P, stream: P, per_thread: bool) -> CUresult {
+    let kernels = graph_kernels()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(exec as usize))
+        .copied()
+        .unwrap_or(1);
+    let launch = if per_thread {
+        real::cuGraphLaunch_ptsz()
+    } else {
+        real::cuGraphLaunch()
+    };
+    // SAFETY: forwards the caller's arguments unchanged.
+    gated_launches(Some((stream, per_thread)), kernels, || {
+        launch.map(|f| unsafe { f(exec, stream) })
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphLaunch(exec: P, stream: P) -> CUresult {
+    graph_launch(exec, stream, false)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphLaunch_ptsz(exec: P, stream: P) -> CUresult {
+    graph_launch(exec, stream, true)
+}
