@@ -892,8 +892,9 @@ pub fn queue_budget_within(budget_ns: u64) -> u64 {
 /// would wait behind a whole kernel queued. Launched just in time, the next kernel goes only
 /// as the work before it runs down to the budget: most of the time the running kernel is all
 /// that is queued, and the GPU still has the next one before it runs out: a budget's margin,
-/// and the launcher aims earlier by how late it has been waking up recently (at most another
-/// budget).
+/// and the launcher aims earlier by how late it has been waking up recently, never more than
+/// one kernel ahead (what the fences keep queued anyway): on a busy host the GPU stays busy at
+/// the cost of the tail, on a quiet one a kernel seldom waits queued.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Runway {
     /// When the work launched should be done.
@@ -932,13 +933,14 @@ impl Runway {
     }
 
     /// When the next launch is to be made at the earliest, if later than `now`: as the work
-    /// before it runs down to `budget_ns` (and the launcher's recent lateness); only for kernels longer than half the budget
-    /// (`est_ns` each: shorter ones the fences keep within it).
+    /// before it runs down to `budget_ns` and the launcher's recent lateness, at most one
+    /// kernel; only for kernels longer than half the budget (`est_ns` each: shorter ones the
+    /// fences keep within it).
     pub fn launch_at(&self, now: u64, budget_ns: f64, est_ns: f64) -> Option<u64> {
         if est_ns <= budget_ns / 2.0 {
             return None;
         }
-        let margin = budget_ns as u64 + self.late_ns.min(budget_ns as u64);
+        let margin = (budget_ns + self.late_ns as f64).min(est_ns.max(budget_ns)) as u64;
         let at = self.end_ns.saturating_sub(margin);
         (at > now).then_some(at)
     }
