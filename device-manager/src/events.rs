@@ -1,14 +1,13 @@
-//! Kubernetes `Warning` events on the objects whose gpushare settings could not be used as
-//! written: a pod's annotations (device plugin), a ResourceClaim's allocation or configuration
-//! (DRA). `kubectl describe` and `kubectl get events` show them.
+//! Kubernetes `Warning` events (`events.k8s.io/v1`, through kube-runtime's
+//! [`Recorder`](kube::runtime::events::Recorder)) on the objects whose gpushare settings could
+//! not be used as written: a pod's annotations (device plugin), a ResourceClaim's allocation or
+//! configuration (DRA). `kubectl describe` and `kubectl get events` show them.
 //!
 //! A [`Reporter`] posts each warning once, while it lasts: warnings that went away are
 //! forgotten, so one that comes back is posted again.
 
-use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use kube::Api;
-use kube::api::PostParams;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{self, EventType, Recorder};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,44 +22,38 @@ pub struct Object {
     pub uid: String,
 }
 
+impl Object {
+    fn reference(&self) -> ObjectReference {
+        ObjectReference {
+            api_version: Some(self.api_version.into()),
+            kind: Some(self.kind.into()),
+            name: Some(self.name.clone()),
+            namespace: Some(self.namespace.clone()),
+            uid: Some(self.uid.clone()),
+            ..Default::default()
+        }
+    }
+}
+
 /// One thing wrong with an object, and what was done about it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Warning {
     pub object: Object,
     pub reason: &'static str,
+    /// What the agent was doing when it found the problem (the event's `action`).
+    pub action: &'static str,
     pub message: String,
 }
 
-/// The event telling `w`, from `component` on `node`.
-pub fn event(w: &Warning, component: &str, node: &str, now: Time) -> Event {
-    let o = &w.object;
-    Event {
-        metadata: ObjectMeta {
-            generate_name: Some(format!("{}.", o.name)),
-            namespace: Some(o.namespace.clone()),
-            ..Default::default()
-        },
-        involved_object: ObjectReference {
-            api_version: Some(o.api_version.into()),
-            kind: Some(o.kind.into()),
-            name: Some(o.name.clone()),
-            namespace: Some(o.namespace.clone()),
-            uid: Some(o.uid.clone()),
-            ..Default::default()
-        },
-        reason: Some(w.reason.into()),
-        message: Some(w.message.clone()),
-        type_: Some("Warning".into()),
-        source: Some(EventSource {
-            component: Some(component.into()),
-            host: Some(node.into()),
-        }),
-        reporting_component: Some(format!("gpushare.io/{component}")),
-        reporting_instance: Some(node.into()),
-        first_timestamp: Some(now.clone()),
-        last_timestamp: Some(now),
-        count: Some(1),
-        ..Default::default()
+impl Warning {
+    fn event(&self) -> events::Event {
+        events::Event {
+            type_: EventType::Warning,
+            reason: self.reason.into(),
+            note: Some(self.message.clone()),
+            action: self.action.into(),
+            secondary: None,
+        }
     }
 }
 
@@ -75,8 +68,8 @@ struct Reported {
 #[derive(Clone)]
 pub struct Reporter {
     client: kube::Client,
-    component: &'static str,
-    node: String,
+    /// `gpushare.io/<component>` on `<node>`.
+    reporter: events::Reporter,
     state: Arc<Mutex<Reported>>,
 }
 
@@ -84,8 +77,10 @@ impl Reporter {
     pub fn new(client: kube::Client, component: &'static str, node: &str) -> Reporter {
         Reporter {
             client,
-            component,
-            node: node.to_string(),
+            reporter: events::Reporter {
+                controller: format!("gpushare.io/{component}"),
+                instance: Some(node.to_string()),
+            },
             state: Arc::default(),
         }
     }
@@ -116,14 +111,12 @@ impl Reporter {
         }
     }
 
+    /// Each warning is an event of its own: a recorder folds events of one object, reason and
+    /// action into a series whatever their notes, and two warnings may differ in the note only
+    /// (two bad annotations of one pod).
     async fn post(&self, w: &Warning) -> Result<(), kube::Error> {
-        let api: Api<Event> = Api::namespaced(self.client.clone(), &w.object.namespace);
-        let now = Time(k8s_openapi::jiff::Timestamp::now());
-        api.create(
-            &PostParams::default(),
-            &event(w, self.component, &self.node, now),
-        )
-        .await
-        .map(|_| ())
+        Recorder::new(self.client.clone(), self.reporter.clone())
+            .publish(&w.event(), &w.object.reference())
+            .await
     }
 }

@@ -9,7 +9,7 @@ use crate::events::Reporter;
 use crate::injection::Injection;
 use crate::inventory::{Gpu, device_id};
 use crate::metrics::Metrics;
-use crate::podwatch::PodStore;
+use crate::podwatch::Pods;
 use crate::proto::deviceplugin::{Device, HEALTHY, UNHEALTHY};
 use crate::reconcile::{self, Assignment, PodProblem};
 use std::collections::{BTreeMap, HashSet};
@@ -60,8 +60,8 @@ pub struct Shared {
     /// Something changed that the reconcile loop should look at.
     poke: Notify,
     metrics: Arc<Mutex<Metrics>>,
-    /// The node's pods (the pod watch's store).
-    pods: Arc<Mutex<PodStore>>,
+    /// The node's pods (the pod watch's store), once connected to the API server.
+    pods: std::sync::OnceLock<Pods>,
     /// The last assignments read from PodResources.
     assigned: Mutex<Vec<Assignment>>,
     /// The API server, once connected: read afresh when the pod watch has not shown the pod
@@ -99,7 +99,7 @@ impl Shared {
             Ok(Ok(a)) => a,
             _ => locked(&self.assigned).clone(),
         };
-        let pods: Vec<_> = locked(&self.pods).pods.values().cloned().collect();
+        let pods = self.pods.get().map(Pods::views).unwrap_or_default();
         if let Some(gpus) = crate::allocation::recorded_choice(&pods, &assigned, size) {
             return Some(gpus);
         }
@@ -193,7 +193,6 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let first = crate::agent::first_gpus(&exe, opts.agent.health_interval).await;
     let metrics = Arc::new(Mutex::new(Metrics::default()));
-    let store = Arc::new(Mutex::new(PodStore::default()));
     let shared = Arc::new(Shared {
         admin: Arc::new(Mutex::new(AdminLink::new(
             opts.agent.scheduler_socket.clone(),
@@ -205,7 +204,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         gpus: Mutex::new(Gpus::default()),
         poke: Notify::new(),
         metrics: metrics.clone(),
-        pods: store.clone(),
+        pods: std::sync::OnceLock::new(),
         assigned: Mutex::new(Vec::new()),
         client: std::sync::OnceLock::new(),
     });
@@ -227,12 +226,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         Ok(c) => {
             let _ = shared.client.set(c.clone());
             let changed = Arc::new(Notify::new());
-            tokio::spawn(crate::podwatch::run(
-                c.clone(),
-                shared.opts.agent.node().to_string(),
-                store.clone(),
-                changed.clone(),
-            ));
+            let (pods, watch) =
+                crate::podwatch::watch(c.clone(), shared.opts.agent.node(), changed.clone());
+            let _ = shared.pods.set(pods);
+            tokio::spawn(watch);
             let s = shared.clone();
             tokio::spawn(async move {
                 loop {
@@ -247,17 +244,13 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             None
         }
     };
-    reconcile_loop(shared, store, client).await;
+    reconcile_loop(shared, client).await;
     Ok(())
 }
 
 /// On every change (and every `pod_resources_interval`): read PodResources, compute the
 /// desired groups, push the difference, report new annotation problems.
-async fn reconcile_loop(
-    shared: Arc<Shared>,
-    store: Arc<Mutex<PodStore>>,
-    client: Option<kube::Client>,
-) {
+async fn reconcile_loop(shared: Arc<Shared>, client: Option<kube::Client>) {
     let mut assignments: Option<Vec<Assignment>> = None;
     let mut counted: HashSet<PodProblem> = HashSet::new();
     let reporter =
@@ -283,13 +276,12 @@ async fn reconcile_loop(
                 }
             }
         }
-        let (pods, ready) = {
-            let s = locked(&store);
-            (s.pods.values().cloned().collect::<Vec<_>>(), s.ready)
-        };
         // Push only from complete knowledge: a restarted manager must not wipe the scheduler's
         // table before it has seen the pods and the assignments.
-        let Some(assignments) = assignments.as_ref().filter(|_| ready) else {
+        let Some(pods) = shared.pods.get().filter(|p| p.ready()).map(Pods::views) else {
+            continue;
+        };
+        let Some(assignments) = assignments.as_ref() else {
             continue;
         };
         let gpus = locked(&shared.gpus).all();

@@ -1,61 +1,34 @@
-//! The pods on this node, from a watch of the API server (`spec.nodeName=<node>`), kept as a
-//! local store of [`PodView`]s. A relist (after a 410 Gone, say) replaces the store whole once
-//! it is complete; while the API server is unreachable the store keeps what it last saw, so
-//! the last known policy stays in force.
+//! The pods on this node, from kube-runtime's reflector over a watch of the API server
+//! (`spec.nodeName=<node>`). The reflector swaps in a relist (after a 410 Gone, say) whole once
+//! it is complete; while the API server is unreachable its store keeps what it last saw, so the
+//! last known policy stays in force. The reconcile loops read it as [`PodView`]s.
 
 use crate::reconcile::PodView;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
-use kube::Api;
+use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, ResourceExt};
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tokio::sync::Notify;
 
-/// The pods seen, by UID. `ready` once the first complete list arrived.
-#[derive(Debug, Default)]
-pub struct PodStore {
-    pub pods: BTreeMap<String, PodView>,
-    pub ready: bool,
-    /// Pods of a relist in progress.
-    pending: Option<BTreeMap<String, PodView>>,
-}
+/// The node's pods, as the reflector's store holds them.
+#[derive(Clone)]
+pub struct Pods(Store<Pod>);
 
-impl PodStore {
-    /// Apply one watcher event; `true` if what the store holds changed.
-    pub fn apply(&mut self, ev: watcher::Event<Pod>) -> bool {
-        match ev {
-            watcher::Event::Init => {
-                self.pending = Some(BTreeMap::new());
-                false
-            }
-            watcher::Event::InitApply(p) => {
-                if let (Some(pending), Some(v)) = (self.pending.as_mut(), view(&p)) {
-                    pending.insert(v.uid.clone(), v);
-                }
-                false
-            }
-            watcher::Event::InitDone => {
-                if let Some(p) = self.pending.take() {
-                    self.pods = p;
-                }
-                self.ready = true;
-                true
-            }
-            watcher::Event::Apply(p) => match view(&p) {
-                Some(v) if self.pods.get(&v.uid) != Some(&v) => {
-                    self.pods.insert(v.uid.clone(), v);
-                    true
-                }
-                _ => false,
-            },
-            watcher::Event::Delete(p) => p
-                .metadata
-                .uid
-                .as_ref()
-                .is_some_and(|uid| self.pods.remove(uid).is_some()),
-        }
+impl Pods {
+    /// The first complete list arrived.
+    pub fn ready(&self) -> bool {
+        matches!(self.0.wait_until_ready().now_or_never(), Some(Ok(())))
+    }
+
+    /// What the store holds, by UID.
+    pub fn views(&self) -> Vec<PodView> {
+        let mut v: Vec<PodView> = self.0.state().iter().filter_map(|p| view(p)).collect();
+        v.sort_by(|a, b| a.uid.cmp(&b.uid));
+        v
     }
 }
 
@@ -173,38 +146,49 @@ pub async fn list(client: kube::Client, node: &str) -> Result<Vec<PodView>, kube
     Ok(api.list(&lp).await?.items.iter().filter_map(view).collect())
 }
 
-/// Watch the node's pods for ever (reconnecting with backoff), keeping `store` and poking
-/// `changed` whenever it changes.
-pub async fn run(
+/// The node's pods, and the task that keeps them: it watches for ever (reconnecting with
+/// backoff) and pokes `changed` after each change the store takes in.
+pub fn watch(
     client: kube::Client,
-    node: String,
-    store: Arc<Mutex<PodStore>>,
+    node: &str,
     changed: Arc<Notify>,
-) {
+) -> (Pods, impl Future<Output = ()> + Send + 'static) {
     let api: Api<Pod> = Api::all(client);
     let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-    let mut events = watcher(api, cfg).default_backoff().boxed();
-    let mut failing = false;
-    while let Some(ev) = events.next().await {
-        match ev {
-            Ok(ev) => {
-                if failing {
-                    tracing::info!("API server reachable again");
-                    failing = false;
+    let (reader, writer) = reflector::store();
+    // Managed fields are half of a pod's metadata and nothing here reads them.
+    let events = watcher(api, cfg)
+        .default_backoff()
+        .map(|ev| ev.map(|ev| ev.modify(|p| p.managed_fields_mut().clear())));
+    let task = async move {
+        let mut events = reflector::reflector(writer, events).boxed();
+        let mut failing = false;
+        while let Some(ev) = events.next().await {
+            match ev {
+                Ok(ev) => {
+                    if failing {
+                        tracing::info!("API server reachable again");
+                        failing = false;
+                    }
+                    if matches!(
+                        ev,
+                        watcher::Event::Apply(_)
+                            | watcher::Event::Delete(_)
+                            | watcher::Event::InitDone
+                    ) {
+                        changed.notify_one();
+                    }
                 }
-                let mut s = store.lock().unwrap_or_else(|e| e.into_inner());
-                if s.apply(ev) {
-                    changed.notify_one();
-                }
-            }
-            Err(e) => {
-                if !failing {
-                    tracing::warn!("pod watch failing (keeping the last known pods): {e}");
-                    failing = true;
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!("pod watch failing (keeping the last known pods): {e}");
+                        failing = true;
+                    }
                 }
             }
         }
-    }
+    };
+    (Pods(reader), task)
 }
 
 #[cfg(test)]

@@ -61,6 +61,7 @@ impl PodProblem {
                 uid: self.pod_uid.clone(),
             },
             reason: "InvalidGpushareAnnotation",
+            action: "ApplyPolicy",
             message: format!(
                 "{}={:?}: {}",
                 self.problem.annotation, self.problem.value, self.problem.message

@@ -1,7 +1,7 @@
 //! The books of the GPU memory this process holds: by allocation, with the lifetimes the driver
 //! gives each kind (a physical allocation lives until its last handle reference is released
 //! and its last mapping unmapped), and per GPU the [`Lease`] it holds at the scheduler. Pure
-//! bookkeeping: the allocation wrappers in [`crate::memory`] reserve through
+//! bookkeeping: the allocation wrappers in `intercept::memory` reserve through
 //! [`crate::charges`] and write here.
 
 use crate::lease::Lease;

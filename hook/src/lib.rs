@@ -16,9 +16,10 @@
 //! - [`process`] is the process's hook: gates, port and books, and what happens at `fork`;
 //! - [`charges`] reserves and gives back at the scheduler through the leases, and runs the
 //!   thread that returns spare the process does not use;
-//! - [`intercept`] and [`memory`] are the FFI surface: the exported `cu*` symbols, `dlsym` and
-//!   `cuGetProcAddress`, which route every launch, synchronisation and allocation; each exported
-//!   symbol is checked at compile time against the type cuda.h gives it (`intercept::lookup`).
+//! - [`intercept`] is the FFI surface: the exported `cu*` symbols, `dlsym` and
+//!   `cuGetProcAddress`, which route every launch, synchronisation and allocation; each hooked
+//!   symbol is declared once (`intercept::hooked!`: its wrapper, real accessor and lookup row)
+//!   and checked at compile time against the type cuda.h gives it.
 //!
 //! Rules for a guest in someone else's process: nothing runs at load time; no panic crosses
 //! `extern "C"`; the fast path is a few atomic operations (no clock read, no lock); no output
@@ -32,7 +33,6 @@ mod gate;
 mod intercept;
 mod lease;
 mod log;
-mod memory;
 mod port;
 mod process;
 mod queue;

@@ -91,36 +91,43 @@ impl RealFn {
 /// Declare accessors for real driver functions, typed by cuda.h: `real::cuFoo()` returns
 /// `Option<PFN_cuFoo>` (`gpushare_cuda_abi::pfn::cuFoo`); `raw_cuFoo => cuFoo` names the
 /// accessor of `cuFoo` `raw_cuFoo` (where the plain name is the hook's own, capture-safe, use of
-/// it).
+/// it). These are the hook's own uses; each hooked symbol's wrapper has its own accessor
+/// (`intercept::hooked!`).
 macro_rules! real_fns {
     () => {};
     ($acc:ident => $sym:ident; $($rest:tt)*) => {
-        real_fn!($acc, $sym);
+        real_fn!(pub fn $acc = $sym);
         real_fns!($($rest)*);
     };
     ($sym:ident; $($rest:tt)*) => {
-        real_fn!($sym, $sym);
+        real_fn!(pub fn $sym = $sym);
         real_fns!($($rest)*);
     };
 }
 
+/// Declare `fn acc() -> Option<pfn::sym>`: the real driver's `sym`, resolved once.
 macro_rules! real_fn {
-    ($acc:ident, $sym:ident) => {
+    ($vis:vis fn $acc:ident = $sym:ident) => {
         #[allow(non_snake_case)]
-        pub fn $acc() -> Option<pfn::$sym> {
-            static F: RealFn = RealFn::new(
+        $vis fn $acc() -> Option<gpushare_cuda_abi::pfn::$sym> {
+            static F: $crate::real::RealFn = $crate::real::RealFn::new(
                 // SAFETY: the literal is NUL-terminated by construction.
                 unsafe {
-                    CStr::from_bytes_with_nul_unchecked(concat!(stringify!($sym), "\0").as_bytes())
+                    std::ffi::CStr::from_bytes_with_nul_unchecked(
+                        concat!(stringify!($sym), "\0").as_bytes(),
+                    )
                 },
             );
             let p = F.get();
             // SAFETY: the driver exports the symbol with the C signature cuda.h declares, which
             // is what `pfn::$sym` is generated from.
-            (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, pfn::$sym>(p) })
+            (!p.is_null()).then(|| unsafe {
+                std::mem::transmute::<*mut std::ffi::c_void, gpushare_cuda_abi::pfn::$sym>(p)
+            })
         }
     };
 }
+pub(crate) use real_fn;
 
 type P = *mut c_void;
 
@@ -141,72 +148,15 @@ real_fns! {
     raw_cuEventRecord_ptsz => cuEventRecord_ptsz;
     raw_cuEventSynchronize => cuEventSynchronize;
     raw_cuEventQuery => cuEventQuery;
-    cuStreamSynchronize;
-    cuStreamSynchronize_ptsz;
     raw_cuEventElapsedTime => cuEventElapsedTime;
-    cuLaunchKernel;
-    cuLaunchKernel_ptsz;
-    cuLaunchKernelEx;
-    cuLaunchKernelEx_ptsz;
-    cuLaunchCooperativeKernel;
-    cuLaunchCooperativeKernel_ptsz;
-    cuLaunchCooperativeKernelMultiDevice;
-    cuGraphLaunch;
-    cuGraphLaunch_ptsz;
-    cuGetProcAddress;
-    cuMemAlloc_v2;
-    cuMemAllocPitch_v2;
-    cuMemAllocManaged;
-    cuIpcGetMemHandle;
-    cuIpcOpenMemHandle;
-    cuIpcOpenMemHandle_v2;
-    cuMemAllocAsync;
-    cuMemAllocAsync_ptsz;
-    cuMemAllocFromPoolAsync;
-    cuMemAllocFromPoolAsync_ptsz;
-    cuMemCreate;
-    cuArrayCreate_v2;
-    cuArray3DCreate_v2;
-    cuMipmappedArrayCreate;
-    cuMemFree_v2;
-    cuMemFreeAsync;
-    cuMemFreeAsync_ptsz;
-    cuMemRelease;
-    cuMemRetainAllocationHandle;
-    cuMemMap;
-    cuMemUnmap;
-    cuArrayDestroy;
-    cuMipmappedArrayDestroy;
-    cuMemGetInfo_v2;
     cuMemPoolGetAttribute;
     cuDeviceGetMemPool;
     cuDeviceTotalMem_v2;
-    cuGetProcAddress_v2;
-    cuGraphInstantiate;
-    cuGraphInstantiate_v2;
-    cuGraphInstantiateWithFlags;
-    cuGraphInstantiateWithParams;
-    cuGraphInstantiateWithParams_ptsz;
-    cuGraphExecDestroy;
     cuGraphGetNodes;
     cuGraphNodeGetType;
-    cuStreamBeginCapture;
-    cuStreamBeginCapture_ptsz;
-    cuStreamBeginCapture_v2;
-    cuStreamBeginCapture_v2_ptsz;
-    cuStreamBeginCaptureToGraph;
-    cuStreamBeginCaptureToGraph_ptsz;
-    cuStreamEndCapture;
-    cuStreamEndCapture_ptsz;
     cuStreamIsCapturing;
     cuStreamIsCapturing_ptsz;
     cuThreadExchangeStreamCaptureMode;
-    cuCtxDestroy;
-    cuCtxDestroy_v2;
-    cuDevicePrimaryCtxRelease;
-    cuDevicePrimaryCtxRelease_v2;
-    cuDevicePrimaryCtxReset;
-    cuDevicePrimaryCtxReset_v2;
 }
 
 // --- Stream capture: the hook's own driver calls never disturb an application's capture ------

@@ -12,7 +12,7 @@ use crate::agent::{AgentArgs, Gpus};
 use crate::events::{Object, Reporter, Warning};
 use crate::injection::Injection;
 use crate::inventory::Gpu;
-use crate::podwatch::PodStore;
+use crate::podwatch::Pods;
 use crate::proto::dra::{
     Claim, Device, NodePrepareResourceResponse, NodeUnprepareResourceResponse,
 };
@@ -82,7 +82,7 @@ pub struct Driver {
     snapshot: Mutex<Vec<PreparedClaim>>,
     /// Claims the kubelet asked for that could not be prepared, by UID: why.
     refused: Mutex<BTreeMap<String, Warning>>,
-    pods: Arc<Mutex<PodStore>>,
+    pods: Pods,
     admin: Arc<Mutex<AdminLink>>,
     /// Something changed that the reconcile loop should look at.
     poke: Notify,
@@ -171,6 +171,7 @@ impl Driver {
                     uid: c.uid.clone(),
                 },
                 reason: REASON,
+                action: "PrepareResources",
                 message: e.clone(),
             };
             locked(&self.refused).insert(c.uid.clone(), w);
@@ -277,6 +278,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let first = crate::agent::first_gpus(&exe, opts.agent.health_interval).await;
     let node = opts.agent.node().to_string();
+    let changed = Arc::new(Notify::new());
+    let (pods, watch) = crate::podwatch::watch(client.clone(), &node, changed.clone());
     let driver = Arc::new(Driver {
         admin: Arc::new(Mutex::new(AdminLink::new(
             opts.agent.scheduler_socket.clone(),
@@ -290,7 +293,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         gpus: Mutex::new(Gpus::default()),
         healthy: watch::Sender::new(Vec::new()),
         refused: Mutex::new(BTreeMap::new()),
-        pods: Arc::new(Mutex::new(PodStore::default())),
+        pods,
         poke: Notify::new(),
     });
     driver.set_found(Ok(first));
@@ -306,13 +309,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         driver.opts.agent.units_per_gpu,
         driver.healthy_gpus(),
     ));
-    let changed = Arc::new(Notify::new());
-    tokio::spawn(crate::podwatch::run(
-        client.clone(),
-        node.clone(),
-        driver.pods.clone(),
-        changed.clone(),
-    ));
+    tokio::spawn(watch);
     let d = driver.clone();
     tokio::spawn(async move {
         loop {
@@ -349,15 +346,12 @@ async fn reconcile_loop(driver: Arc<Driver>, reporter: Reporter) {
     let mut logged: HashSet<Warning> = HashSet::new();
     loop {
         let _ = tokio::time::timeout(driver.opts.reconcile_interval, driver.poke.notified()).await;
-        let (pods, ready) = {
-            let s = locked(&driver.pods);
-            (s.pods.values().cloned().collect::<Vec<_>>(), s.ready)
-        };
         // Push only from complete knowledge: a restarted driver must not wipe the scheduler's
         // table before it has seen the pods.
-        if !ready {
+        if !driver.pods.ready() {
             continue;
         }
+        let pods = driver.pods.views();
         let prepared = locked(&driver.snapshot).clone();
         let want = super::reconcile::desired(&pods, &prepared, driver.opts.agent.units_per_gpu);
         crate::admin_client::push(&driver.admin, want.groups).await;

@@ -61,6 +61,7 @@ pub fn desired(pods: &[PodView], prepared: &[PreparedClaim], units_per_gpu: u32)
                     uid: pod.uid.clone(),
                 },
                 reason: REASON,
+                action: "ApplyPolicy",
                 message: format!(
                     "container {container} uses {} gpushare claims ({}): gpushare schedules a container by one claim, so it has no share and its processes are refused; ask for all its GPUs in one claim (a request with count: {})",
                     names.len(),
@@ -84,6 +85,7 @@ pub fn desired(pods: &[PodView], prepared: &[PreparedClaim], units_per_gpu: u32)
                     uid: pod.uid.clone(),
                 },
                 reason: "InvalidGpushareAnnotation",
+                action: "ApplyPolicy",
                 message: format!("{}: {}", p.annotation, p.message),
             });
         }

@@ -1,11 +1,14 @@
 //! A fake Kubernetes API server on loopback, good enough for kube-rs and the real `kubectl`:
-//! discovery (`/api`, `/apis`, `/api/v1`, `/apis/resource.k8s.io/v1`, `/version`); for pods,
-//! events and the `resource.k8s.io/v1` kinds (ResourceSlices, ResourceClaims, DeviceClasses)
-//! get / list / watch (field selectors on any field path, e.g. `spec.nodeName`, resource
+//! discovery (`/api`, `/apis`, `/api/v1`, `/apis/resource.k8s.io/v1`,
+//! `/apis/events.k8s.io/v1`, `/version`); for pods, events and the `resource.k8s.io/v1` kinds
+//! (ResourceSlices, ResourceClaims, DeviceClasses) get / list / watch (field selectors on any field path, e.g. `spec.nodeName`, resource
 //! versions, bookmarks, `410 Gone` for a resource version older than the last compaction),
 //! create, replace (with the resource version checked), JSON merge patch and delete; a pod's
 //! `binding` subresource (as kube-scheduler or its extender binds); and
-//! server-side `Table` output of pods and events for `kubectl get`. The test changes objects
+//! server-side `Table` output of pods and events for `kubectl get`. Events are stored in their
+//! core `v1` form and served in both groups, as a real API server does: one posted as
+//! `events.k8s.io/v1` (`regarding`, `note`, `reportingController`) reads as a core `v1` Event
+//! (`involvedObject`, `message`, `reportingComponent`). The test changes objects
 //! directly ([`FakeApiServer::create`] and friends), compacts the history, or takes the server
 //! down.
 
@@ -72,10 +75,83 @@ impl Kind {
         matches!(self, Kind::Pod | Kind::Event | Kind::ResourceClaim)
     }
 
-    fn of(group_version: &str, plural: &str) -> Option<Kind> {
+    fn of(group_version: &str, plural: &str) -> Option<(Kind, Form)> {
+        if group_version == EVENTS_V1 && plural == "events" {
+            return Some((Kind::Event, Form::EventsV1));
+        }
         KINDS
             .into_iter()
             .find(|k| k.group_version() == group_version && k.plural() == plural)
+            .map(|k| (k, Form::Stored))
+    }
+}
+
+const EVENTS_V1: &str = "events.k8s.io/v1";
+
+/// The fields of an Event named differently in `events.k8s.io/v1` and in core `v1`.
+const EVENT_FIELDS: [(&str, &str); 7] = [
+    ("regarding", "involvedObject"),
+    ("note", "message"),
+    ("reportingController", "reportingComponent"),
+    ("deprecatedSource", "source"),
+    ("deprecatedFirstTimestamp", "firstTimestamp"),
+    ("deprecatedLastTimestamp", "lastTimestamp"),
+    ("deprecatedCount", "count"),
+];
+
+/// The form an object is asked for in: as stored, or (Events) as `events.k8s.io/v1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    Stored,
+    EventsV1,
+}
+
+impl Form {
+    /// A body (object or merge patch) sent in this form, with the stored form's field names.
+    fn to_stored(self, obj: Value) -> Value {
+        self.renamed(obj, false)
+    }
+
+    /// A stored object as served in this form.
+    fn served(self, obj: Value) -> Value {
+        self.renamed(obj, true)
+    }
+
+    /// `obj` with the Event fields renamed (stored names to served ones when `serving`) and
+    /// its `apiVersion`, if it has one, to the other form's.
+    fn renamed(self, mut obj: Value, serving: bool) -> Value {
+        if self == Form::Stored {
+            return obj;
+        }
+        let Some(o) = obj.as_object_mut() else {
+            return obj;
+        };
+        for (theirs, ours) in EVENT_FIELDS {
+            let (from, to) = if serving {
+                (ours, theirs)
+            } else {
+                (theirs, ours)
+            };
+            if let Some(v) = o.remove(from) {
+                o.insert(to.into(), v);
+            }
+        }
+        let version = if serving {
+            EVENTS_V1
+        } else {
+            Kind::Event.group_version()
+        };
+        if serving || o.contains_key("apiVersion") {
+            o.insert("apiVersion".into(), json!(version));
+        }
+        obj
+    }
+
+    fn group_version(self, kind: Kind) -> &'static str {
+        match self {
+            Form::Stored => kind.group_version(),
+            Form::EventsV1 => EVENTS_V1,
+        }
     }
 }
 
@@ -373,12 +449,12 @@ async fn api_groups(State(st): State<Shared>) -> Response {
     if let Some(r) = unavailable(&st) {
         return r;
     }
-    let v = json!({"groupVersion": "resource.k8s.io/v1", "version": "v1"});
-    Json(
-        json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [
-            {"name": "resource.k8s.io", "versions": [v], "preferredVersion": v}
-        ]}),
-    )
+    let group = |name: &str| {
+        let v = json!({"groupVersion": format!("{name}/v1"), "version": "v1"});
+        json!({"name": name, "versions": [v], "preferredVersion": v})
+    };
+    Json(json!({"kind": "APIGroupList", "apiVersion": "v1",
+            "groups": [group("resource.k8s.io"), group("events.k8s.io")]}))
     .into_response()
 }
 
@@ -389,6 +465,7 @@ fn resources(group_version: &str) -> Response {
     let res: Vec<Value> = KINDS
         .into_iter()
         .filter(|k| k.group_version() == group_version)
+        .chain((group_version == EVENTS_V1).then_some(Kind::Event))
         .map(|k| {
             json!({"name": k.plural(), "singularName": k.name().to_lowercase(),
                 "namespaced": k.namespaced(), "kind": k.name(), "verbs": verbs})
@@ -417,13 +494,13 @@ async fn group_resources(
 }
 
 /// Kind, namespace (if in the path) and name (if any) from a request's path parameters.
-fn target(p: &HashMap<String, String>) -> Option<(Kind, Option<String>, Option<String>)> {
+fn target(p: &HashMap<String, String>) -> Option<(Kind, Form, Option<String>, Option<String>)> {
     let gv = match p.get("group") {
         Some(g) => format!("{g}/{}", p.get("version")?),
         None => p.get("version")?.clone(),
     };
-    let kind = Kind::of(&gv, p.get("plural")?)?;
-    Some((kind, p.get("ns").cloned(), p.get("name").cloned()))
+    let (kind, form) = Kind::of(&gv, p.get("plural")?)?;
+    Some((kind, form, p.get("ns").cloned(), p.get("name").cloned()))
 }
 
 fn wants_table(h: &HeaderMap) -> bool {
@@ -532,13 +609,14 @@ async fn collection(
     if let Some(r) = unavailable(&st) {
         return r;
     }
-    let Some((kind, ns, _)) = target(&p) else {
+    let Some((kind, form, ns, _)) = target(&p) else {
         return not_found().await;
     };
     if method == Method::POST {
         let Ok(obj) = serde_json::from_slice::<Value>(&body) else {
             return status(400, "BadRequest", "the body is not JSON");
         };
+        let obj = form.to_stored(obj);
         let ns = ns.unwrap_or_else(|| "default".into());
         let created = {
             let mut s = st.store.lock().unwrap();
@@ -554,7 +632,7 @@ async fn collection(
             s.put(k, obj, "ADDED")
         };
         let _ = st.tx.send(Signal::Changed);
-        return (StatusCode::CREATED, Json(created)).into_response();
+        return (StatusCode::CREATED, Json(form.served(created))).into_response();
     }
     let fields = q.get("fieldSelector").cloned();
     let wanted = move |k: Kind, o: &Value| {
@@ -565,7 +643,7 @@ async fn collection(
             && matches_fields(o, fields.as_ref())
     };
     if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
-        return watch(st, kind, wanted, &q);
+        return watch(st, kind, form, wanted, &q);
     }
     let s = st.store.lock().unwrap();
     let items: Vec<Value> = s
@@ -577,8 +655,9 @@ async fn collection(
     if wants_table(&h) {
         return rows(kind, &items);
     }
+    let items: Vec<Value> = items.into_iter().map(|o| form.served(o)).collect();
     Json(
-        json!({"kind": format!("{}List", kind.name()), "apiVersion": kind.group_version(),
+        json!({"kind": format!("{}List", kind.name()), "apiVersion": form.group_version(kind),
         "metadata": {"resourceVersion": s.rv.to_string()}, "items": items}),
     )
     .into_response()
@@ -595,7 +674,7 @@ async fn object(
     if let Some(r) = unavailable(&st) {
         return r;
     }
-    let Some((kind, ns, Some(name))) = target(&p) else {
+    let Some((kind, form, ns, Some(name))) = target(&p) else {
         return not_found().await;
     };
     let k = key(kind, ns.as_deref().unwrap_or(""), &name);
@@ -611,12 +690,13 @@ async fn object(
         return missing();
     };
     let done = match method {
-        Method::GET => return Json(current).into_response(),
+        Method::GET => return Json(form.served(current)).into_response(),
         Method::DELETE => s.put(k, current, "DELETED"),
         Method::PUT => {
-            let Ok(mut obj) = serde_json::from_slice::<Value>(&body) else {
+            let Ok(obj) = serde_json::from_slice::<Value>(&body) else {
                 return status(400, "BadRequest", "the body is not JSON");
             };
+            let mut obj = form.to_stored(obj);
             let rv = &obj["metadata"]["resourceVersion"];
             if !rv.is_null() && *rv != current["metadata"]["resourceVersion"] {
                 return status(
@@ -648,14 +728,14 @@ async fn object(
                 return status(400, "BadRequest", "the patch is not JSON");
             };
             let mut obj = current;
-            merge_patch(&mut obj, &patch);
+            merge_patch(&mut obj, &form.to_stored(patch));
             s.put(k, obj, "MODIFIED")
         }
         _ => return status(405, "MethodNotAllowed", "method not allowed"),
     };
     drop(s);
     let _ = st.tx.send(Signal::Changed);
-    Json(done).into_response()
+    Json(form.served(done)).into_response()
 }
 
 /// `POST …/pods/NAME/binding`: the pod gets the target's node, once.
@@ -713,6 +793,7 @@ fn line(kind: &str, object: &Value) -> Bytes {
 fn watch(
     st: Shared,
     kind: Kind,
+    form: Form,
     wanted: impl Fn(Kind, &Value) -> bool + Send + 'static,
     q: &HashMap<String, String>,
 ) -> Response {
@@ -744,7 +825,7 @@ fn watch(
                     s.history
                         .iter()
                         .filter(|(r, k, _, o)| *r > rv && wanted(*k, o))
-                        .map(|(_, _, how, o)| line(how, o))
+                        .map(|(_, _, how, o)| line(how, &form.served(o.clone())))
                         .collect(),
                 ),
                 None => (
@@ -752,7 +833,7 @@ fn watch(
                     s.objects
                         .iter()
                         .filter(|((k, _, _), o)| wanted(*k, o))
-                        .map(|(_, o)| line("ADDED", o))
+                        .map(|(_, o)| line("ADDED", &form.served(o.clone())))
                         .collect(),
                 ),
             }
@@ -782,7 +863,7 @@ fn watch(
                         .history
                         .iter()
                         .filter(|(r, k, _, o)| *r > sent_rv && wanted(*k, o))
-                        .map(|(_, _, how, o)| line(how, o))
+                        .map(|(_, _, how, o)| line(how, &form.served(o.clone())))
                         .collect();
                     sent_rv = s.rv;
                     new
@@ -793,7 +874,7 @@ fn watch(
                     sent_rv = sent_rv.max(rv);
                     vec![line(
                         "BOOKMARK",
-                        &json!({"kind": kind.name(), "apiVersion": kind.group_version(),
+                        &json!({"kind": kind.name(), "apiVersion": form.group_version(kind),
                             "metadata": {"resourceVersion": rv.to_string()}}),
                     )]
                 }

@@ -696,7 +696,8 @@ async fn dra_bad_claims_are_refused_with_an_event_and_nothing_prepared() {
                 assert_eq!(e["reason"], "InvalidGpushareClaim", "{e}");
                 assert_eq!(e["type"], "Warning");
                 assert_eq!(e["involvedObject"]["uid"], json!(c.uid));
-                assert_eq!(e["source"]["component"], "gpushare-dra");
+                assert_eq!(e["reportingComponent"], "gpushare.io/gpushare-dra", "{e}");
+                assert_eq!(e["action"], "PrepareResources", "{e}");
                 assert!(e["message"].as_str().unwrap().contains(want), "{e}");
             }
             let on_bad = events

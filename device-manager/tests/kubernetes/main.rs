@@ -396,9 +396,11 @@ async fn pods_get_the_shares_their_units_and_annotations_say() {
     assert_eq!(posted.len(), 1, "one event per problem: {posted:?}");
     assert_eq!(posted[0]["involvedObject"]["uid"], json!(b.uid));
     assert_eq!(
-        posted[0]["source"]["component"],
-        json!("gpushare-device-manager")
+        posted[0]["reportingComponent"],
+        json!("gpushare.io/gpushare-device-manager"),
+        "{posted:?}"
     );
+    assert_eq!(posted[0]["action"], json!("ApplyPolicy"), "{posted:?}");
     let metrics = c.manager_metrics();
     assert!(
         metrics.contains("gpushare_annotation_errors_total{namespace=\"default\",pod=\"train-b\",annotation=\"gpushare.io/gpu-weight\"} 1"),

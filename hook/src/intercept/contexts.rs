@@ -2,7 +2,6 @@
 
 use super::P;
 use crate::process::hook;
-use crate::real;
 use gpushare_cuda_abi::result::CUDA_ERROR_NOT_INITIALIZED;
 use gpushare_cuda_abi::types::{CUdevice, CUresult};
 
@@ -16,38 +15,20 @@ fn destroying(
     dev: Option<CUdevice>,
     call: impl FnOnce() -> Option<CUresult>,
 ) -> CUresult {
-    let run = || {
-        let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        if r == 0
-            && let Some(h) = hook()
-        {
-            h.forget_contexts(ctx.map(crate::driver::Handle::from_raw), dev);
-        }
-        r
-    };
-    crate::guarded(run)
+    let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+    if r == 0
+        && let Some(h) = hook()
+    {
+        h.forget_contexts(ctx.map(crate::driver::Handle::from_raw), dev);
+    }
+    r
 }
 
-macro_rules! context_wrapper {
-    ($name:ident, ctx) => {
-        #[unsafe(no_mangle)]
-        pub extern "C" fn $name(ctx: P) -> CUresult {
-            // SAFETY: forwards the caller's argument unchanged to the real function.
-            destroying(Some(ctx), None, || real::$name().map(|f| unsafe { f(ctx) }))
-        }
-    };
-    ($name:ident, dev) => {
-        #[unsafe(no_mangle)]
-        pub extern "C" fn $name(dev: CUdevice) -> CUresult {
-            // SAFETY: forwards the caller's argument unchanged to the real function.
-            destroying(None, Some(dev), || real::$name().map(|f| unsafe { f(dev) }))
-        }
-    };
+hooked! {
+    fn cuCtxDestroy(ctx: P) |real| { destroying(Some(ctx), None, real) }
+    fn cuCtxDestroy_v2(ctx: P) |real| { destroying(Some(ctx), None, real) }
+    fn cuDevicePrimaryCtxRelease(dev: CUdevice) |real| { destroying(None, Some(dev), real) }
+    fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) |real| { destroying(None, Some(dev), real) }
+    fn cuDevicePrimaryCtxReset(dev: CUdevice) |real| { destroying(None, Some(dev), real) }
+    fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) |real| { destroying(None, Some(dev), real) }
 }
-
-context_wrapper!(cuCtxDestroy, ctx);
-context_wrapper!(cuCtxDestroy_v2, ctx);
-context_wrapper!(cuDevicePrimaryCtxRelease, dev);
-context_wrapper!(cuDevicePrimaryCtxRelease_v2, dev);
-context_wrapper!(cuDevicePrimaryCtxReset, dev);
-context_wrapper!(cuDevicePrimaryCtxReset_v2, dev);

@@ -46,78 +46,61 @@ fn kernel_nodes(graph: P) -> u64 {
 
 /// Run an instantiation; on success remember the executable graph's kernel count.
 fn instantiated(exec: *mut P, graph: P, call: impl FnOnce() -> Option<CUresult>) -> CUresult {
-    let run = || {
-        let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
-        if r == CUDA_SUCCESS && !exec.is_null() {
-            // SAFETY: the driver just wrote the new executable graph through this out-pointer.
-            let e = unsafe { *exec } as usize;
-            let kernels = kernel_nodes(graph);
-            graph_kernels()
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(e, kernels);
-        }
-        r
-    };
-    crate::guarded(run)
-}
-
-macro_rules! instantiate_wrapper {
-    ($name:ident, ($exec:ident: *mut P, $graph:ident: P $(, $arg:ident: $ty:ty)*)) => {
-        #[unsafe(no_mangle)]
-        pub extern "C" fn $name($exec: *mut P, $graph: P $(, $arg: $ty)*) -> CUresult {
-            // SAFETY: forwards the caller's arguments unchanged to the real function of the same
-            // name and signature.
-            instantiated($exec, $graph, || real::$name().map(|f| unsafe { f($exec, $graph $(, $arg)*) }))
-        }
-    };
-}
-
-instantiate_wrapper!(cuGraphInstantiate, (e: *mut P, g: P, err: *mut P, log: *mut c_char, n: usize));
-instantiate_wrapper!(cuGraphInstantiate_v2, (e: *mut P, g: P, err: *mut P, log: *mut c_char, n: usize));
-instantiate_wrapper!(cuGraphInstantiateWithFlags, (e: *mut P, g: P, flags: u64));
-instantiate_wrapper!(cuGraphInstantiateWithParams,
-    (e: *mut P, g: P, params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS));
-instantiate_wrapper!(cuGraphInstantiateWithParams_ptsz,
-    (e: *mut P, g: P, params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS));
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuGraphExecDestroy(exec: P) -> CUresult {
-    let run = || {
+    let r = call().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
+    if r == CUDA_SUCCESS && !exec.is_null() {
+        // SAFETY: the driver just wrote the new executable graph through this out-pointer.
+        let e = unsafe { *exec } as usize;
+        let kernels = kernel_nodes(graph);
         graph_kernels()
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&(exec as usize));
-        // SAFETY: forwards the caller's argument unchanged.
-        real::cuGraphExecDestroy().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe { f(exec) })
-    };
-    crate::guarded(run)
+            .insert(e, kernels);
+    }
+    r
 }
 
-fn graph_launch(exec: P, stream: P, per_thread: bool) -> CUresult {
+/// Launch the executable graph `exec` into `stream` (a `_ptsz` entry point's if `per_thread`)
+/// through the gate, as the launch of its kernels.
+fn graph_launch(
+    exec: P,
+    stream: P,
+    per_thread: bool,
+    launch: impl FnOnce() -> Option<CUresult>,
+) -> CUresult {
     let kernels = graph_kernels()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get(&(exec as usize))
         .copied()
         .unwrap_or(1);
-    let launch = if per_thread {
-        real::cuGraphLaunch_ptsz()
-    } else {
-        real::cuGraphLaunch()
-    };
-    // SAFETY: forwards the caller's arguments unchanged.
-    gated_launches(Some((stream, per_thread)), kernels, || {
-        launch.map(|f| unsafe { f(exec, stream) })
-    })
+    gated_launches(Some((stream, per_thread)), kernels, launch)
 }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuGraphLaunch(exec: P, stream: P) -> CUresult {
-    graph_launch(exec, stream, false)
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuGraphLaunch_ptsz(exec: P, stream: P) -> CUresult {
-    graph_launch(exec, stream, true)
+hooked! {
+    fn cuGraphInstantiate(e: *mut P, g: P, err: *mut P, log: *mut c_char, n: usize) |real| {
+        instantiated(e, g, real)
+    }
+    fn cuGraphInstantiate_v2(e: *mut P, g: P, err: *mut P, log: *mut c_char, n: usize) |real| {
+        instantiated(e, g, real)
+    }
+    fn cuGraphInstantiateWithFlags(e: *mut P, g: P, flags: u64) |real| {
+        instantiated(e, g, real)
+    }
+    fn cuGraphInstantiateWithParams(e: *mut P, g: P, params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS)
+        |real| {
+        instantiated(e, g, real)
+    }
+    fn cuGraphInstantiateWithParams_ptsz(e: *mut P, g: P,
+        params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS) |real| {
+        instantiated(e, g, real)
+    }
+    fn cuGraphExecDestroy(exec: P) |real| {
+        graph_kernels()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(exec as usize));
+        real().unwrap_or(CUDA_ERROR_NOT_INITIALIZED)
+    }
+    fn cuGraphLaunch(exec: P, stream: P) |real| { graph_launch(exec, stream, false, real) }
+    fn cuGraphLaunch_ptsz(exec: P, stream: P) |real| { graph_launch(exec, stream, true, real) }
 }

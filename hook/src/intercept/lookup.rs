@@ -1,102 +1,34 @@
 //! Symbol lookup: the table of managed symbols and their wrappers, answered by our `dlsym` and
 //! swapped into what the driver's `cuGetProcAddress` returns.
 
-use super::{P, capture, contexts, graphs, launch, sync};
-use crate::memory;
+use super::{P, capture, contexts, graphs, launch, memory, sync};
 use crate::real;
-use gpushare_cuda_abi::pfn;
 use gpushare_cuda_abi::result::{CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS};
-use gpushare_cuda_abi::types::{CUdriverProcAddressQueryResult, CUresult};
+use gpushare_cuda_abi::types::CUdriverProcAddressQueryResult;
 use std::ffi::{CStr, CString, c_char, c_int};
 use std::sync::OnceLock;
 
-/// `(symbol, wrapper)` rows, each wrapper checked at compile time against the type cuda.h gives
-/// the symbol (`gpushare_cuda_abi::pfn`): a wrapper typed otherwise does not build.
-macro_rules! checked_wrappers {
-    ($($sym:ident => $wrapper:path,)*) => {
-        [$((stringify!($sym), {
-            const WRAPPER: pfn::$sym = $wrapper;
-            WRAPPER as P
-        })),*]
-    };
+/// Every hooked symbol and its wrapper: the tables each module's `hooked!` declarations emit.
+const SURFACE: [&[(&str, P)]; 7] = [
+    launch::HOOKED,
+    graphs::HOOKED,
+    sync::HOOKED,
+    capture::HOOKED,
+    contexts::HOOKED,
+    memory::HOOKED,
+    HOOKED,
+];
+
+/// The hooked symbols and their wrappers: every `cu*` symbol this library exports.
+fn wrappers() -> impl Iterator<Item = (&'static str, P)> {
+    SURFACE.into_iter().flatten().copied()
 }
 
-/// Managed symbols (launches, synchronisations, captures, allocations, frees, memory queries,
-/// IPC exports and opens) and their wrappers, sorted by name: every `cu*` symbol this library
-/// exports.
-fn wrappers() -> [(&'static str, P); 60] {
-    #[rustfmt::skip]
-    let table = checked_wrappers! {
-        cuArray3DCreate_v2 => memory::cuArray3DCreate_v2,
-        cuArrayCreate_v2 => memory::cuArrayCreate_v2,
-        cuArrayDestroy => memory::cuArrayDestroy,
-        cuCtxDestroy => contexts::cuCtxDestroy,
-        cuCtxDestroy_v2 => contexts::cuCtxDestroy_v2,
-        cuCtxSynchronize => sync::cuCtxSynchronize,
-        cuDevicePrimaryCtxRelease => contexts::cuDevicePrimaryCtxRelease,
-        cuDevicePrimaryCtxRelease_v2 => contexts::cuDevicePrimaryCtxRelease_v2,
-        cuDevicePrimaryCtxReset => contexts::cuDevicePrimaryCtxReset,
-        cuDevicePrimaryCtxReset_v2 => contexts::cuDevicePrimaryCtxReset_v2,
-        cuDeviceTotalMem_v2 => memory::cuDeviceTotalMem_v2,
-        cuEventSynchronize => sync::cuEventSynchronize,
-        cuGetProcAddress => cuGetProcAddress,
-        cuGetProcAddress_v2 => cuGetProcAddress_v2,
-        cuGraphExecDestroy => graphs::cuGraphExecDestroy,
-        cuGraphInstantiate => graphs::cuGraphInstantiate,
-        cuGraphInstantiateWithFlags => graphs::cuGraphInstantiateWithFlags,
-        cuGraphInstantiateWithParams => graphs::cuGraphInstantiateWithParams,
-        cuGraphInstantiateWithParams_ptsz => graphs::cuGraphInstantiateWithParams_ptsz,
-        cuGraphInstantiate_v2 => graphs::cuGraphInstantiate_v2,
-        cuGraphLaunch => graphs::cuGraphLaunch,
-        cuGraphLaunch_ptsz => graphs::cuGraphLaunch_ptsz,
-        cuIpcGetMemHandle => memory::cuIpcGetMemHandle,
-        cuIpcOpenMemHandle => memory::cuIpcOpenMemHandle,
-        cuIpcOpenMemHandle_v2 => memory::cuIpcOpenMemHandle_v2,
-        cuLaunchCooperativeKernel => launch::cuLaunchCooperativeKernel,
-        cuLaunchCooperativeKernelMultiDevice => launch::cuLaunchCooperativeKernelMultiDevice,
-        cuLaunchCooperativeKernel_ptsz => launch::cuLaunchCooperativeKernel_ptsz,
-        cuLaunchKernel => launch::cuLaunchKernel,
-        cuLaunchKernelEx => launch::cuLaunchKernelEx,
-        cuLaunchKernelEx_ptsz => launch::cuLaunchKernelEx_ptsz,
-        cuLaunchKernel_ptsz => launch::cuLaunchKernel_ptsz,
-        cuMemAllocAsync => memory::cuMemAllocAsync,
-        cuMemAllocAsync_ptsz => memory::cuMemAllocAsync_ptsz,
-        cuMemAllocFromPoolAsync => memory::cuMemAllocFromPoolAsync,
-        cuMemAllocFromPoolAsync_ptsz => memory::cuMemAllocFromPoolAsync_ptsz,
-        cuMemAllocManaged => memory::cuMemAllocManaged,
-        cuMemAllocPitch_v2 => memory::cuMemAllocPitch_v2,
-        cuMemAlloc_v2 => memory::cuMemAlloc_v2,
-        cuMemCreate => memory::cuMemCreate,
-        cuMemFreeAsync => memory::cuMemFreeAsync,
-        cuMemFreeAsync_ptsz => memory::cuMemFreeAsync_ptsz,
-        cuMemFree_v2 => memory::cuMemFree_v2,
-        cuMemGetInfo_v2 => memory::cuMemGetInfo_v2,
-        cuMemMap => memory::cuMemMap,
-        cuMemRelease => memory::cuMemRelease,
-        cuMemRetainAllocationHandle => memory::cuMemRetainAllocationHandle,
-        cuMemUnmap => memory::cuMemUnmap,
-        cuMipmappedArrayCreate => memory::cuMipmappedArrayCreate,
-        cuMipmappedArrayDestroy => memory::cuMipmappedArrayDestroy,
-        cuStreamBeginCapture => capture::cuStreamBeginCapture,
-        cuStreamBeginCaptureToGraph => capture::cuStreamBeginCaptureToGraph,
-        cuStreamBeginCaptureToGraph_ptsz => capture::cuStreamBeginCaptureToGraph_ptsz,
-        cuStreamBeginCapture_ptsz => capture::cuStreamBeginCapture_ptsz,
-        cuStreamBeginCapture_v2 => capture::cuStreamBeginCapture_v2,
-        cuStreamBeginCapture_v2_ptsz => capture::cuStreamBeginCapture_v2_ptsz,
-        cuStreamEndCapture => capture::cuStreamEndCapture,
-        cuStreamEndCapture_ptsz => capture::cuStreamEndCapture_ptsz,
-        cuStreamSynchronize => sync::cuStreamSynchronize,
-        cuStreamSynchronize_ptsz => sync::cuStreamSynchronize_ptsz,
-    };
-    table
-}
-
+/// The wrapper of the hooked `symbol`, if it is one.
 fn wrapper(symbol: &[u8]) -> Option<P> {
-    let table = wrappers();
-    table
-        .binary_search_by(|(n, _)| n.as_bytes().cmp(symbol))
-        .ok()
-        .map(|i| table[i].1)
+    wrappers()
+        .find(|(name, _)| name.as_bytes() == symbol)
+        .map(|(_, w)| w)
 }
 
 /// `dlsym` override: managed driver symbols resolve to their wrappers, whatever the handle;
@@ -223,8 +155,7 @@ extern "C" fn dlsym_route(_handle: P, symbol: *const c_char) -> Route {
 /// symbols the driver lacks are left out. `real` finds a symbol's address (0: none).
 fn real_addresses(real: impl Fn(&str) -> usize) -> Vec<(usize, usize)> {
     let mut table: Vec<(usize, usize)> = wrappers()
-        .iter()
-        .map(|&(name, w)| (real(name), w as usize))
+        .map(|(name, w)| (real(name), w as usize))
         .filter(|&(addr, _)| addr != 0)
         .collect();
     table.sort_unstable();
@@ -306,45 +237,22 @@ fn symbol_at(p: P) -> String {
     }
 }
 
-#[unsafe(no_mangle)]
-pub extern "C" fn cuGetProcAddress(
-    symbol: *const c_char,
-    pfn: *mut P,
-    version: c_int,
-    flags: u64,
-) -> CUresult {
-    let run = || {
-        // SAFETY: forwards the caller's arguments unchanged.
-        let r = real::cuGetProcAddress().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
-            f(symbol, pfn, version, flags)
-        });
+hooked! {
+    fn cuGetProcAddress(symbol: *const c_char, pfn: *mut P, version: c_int, flags: u64) |real| {
+        let r = real().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         if r == CUDA_SUCCESS {
             swap_in_wrapper(symbol, pfn, version, flags);
         }
         r
-    };
-    crate::guarded(run)
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuGetProcAddress_v2(
-    symbol: *const c_char,
-    pfn: *mut P,
-    version: c_int,
-    flags: u64,
-    status: *mut CUdriverProcAddressQueryResult,
-) -> CUresult {
-    let run = || {
-        // SAFETY: forwards the caller's arguments unchanged.
-        let r = real::cuGetProcAddress_v2().map_or(CUDA_ERROR_NOT_INITIALIZED, |f| unsafe {
-            f(symbol, pfn, version, flags, status)
-        });
+    }
+    fn cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut P, version: c_int, flags: u64,
+        status: *mut CUdriverProcAddressQueryResult) |real| {
+        let r = real().unwrap_or(CUDA_ERROR_NOT_INITIALIZED);
         if r == CUDA_SUCCESS {
             swap_in_wrapper(symbol, pfn, version, flags);
         }
         r
-    };
-    crate::guarded(run)
+    }
 }
 
 #[cfg(test)]
@@ -352,25 +260,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn wrapper_table_is_sorted_and_names_real_symbols() {
-        let table = wrappers();
-        assert!(table.windows(2).all(|w| w[0].0 < w[1].0));
+    fn every_hooked_symbol_is_a_driver_entry_point_once() {
         let real: Vec<&str> = gpushare_cuda_abi::symbols().collect();
-        for (name, _) in table {
-            assert!(real.contains(&name), "{name}");
+        let mut names: Vec<&str> = wrappers().map(|(name, _)| name).collect();
+        for name in &names {
+            assert!(real.contains(name), "{name}");
         }
+        names.sort_unstable();
+        assert!(names.windows(2).all(|w| w[0] < w[1]), "{names:?}");
     }
 
     /// A made-up driver: each managed symbol at its own address, and `extra` too.
     fn made_up_driver(extra: &'static str) -> impl Fn(&str) -> usize {
-        move |name: &str| {
-            let table = wrappers();
-            let i = table.iter().position(|(n, _)| *n == name);
-            match i {
-                Some(i) => 0x1000 * (i + 1),
-                None if name == extra => 0x99_0000,
-                None => 0,
-            }
+        move |name: &str| match wrappers().position(|(n, _)| n == name) {
+            Some(i) => 0x1000 * (i + 1),
+            None if name == extra => 0x99_0000,
+            None => 0,
         }
     }
 
@@ -378,7 +283,7 @@ mod tests {
     fn the_wrapper_handed_out_is_the_one_of_the_exact_symbol_returned() {
         let addr = made_up_driver("cuMemAlloc");
         let table = real_addresses(&addr);
-        assert_eq!(table.len(), wrappers().len());
+        assert_eq!(table.len(), wrappers().count());
         for (name, w) in wrappers() {
             assert_eq!(wrapper_for(addr(name), &table), Some(w as usize), "{name}");
         }
@@ -410,70 +315,66 @@ mod tests {
         assert_eq!(wrapper_for(0, &table), None);
     }
 
-    #[test]
-    fn every_allocation_path_and_free_is_managed() {
-        let names = [
-            "cuMemAlloc_v2",
-            "cuMemAllocPitch_v2",
-            "cuMemAllocManaged",
-            "cuMemAllocAsync",
-            "cuMemAllocAsync_ptsz",
-            "cuMemAllocFromPoolAsync",
-            "cuMemAllocFromPoolAsync_ptsz",
-            "cuMemCreate",
-            "cuArrayCreate_v2",
-            "cuArray3DCreate_v2",
-            "cuMipmappedArrayCreate",
-            "cuMemFree_v2",
-            "cuMemFreeAsync",
-            "cuMemFreeAsync_ptsz",
-            "cuMemRelease",
-            "cuMemRetainAllocationHandle",
-            "cuMemMap",
-            "cuMemUnmap",
-            "cuArrayDestroy",
-            "cuMipmappedArrayDestroy",
-            "cuMemGetInfo_v2",
-            "cuDeviceTotalMem_v2",
-            "cuIpcGetMemHandle",
-            "cuIpcOpenMemHandle",
-            "cuIpcOpenMemHandle_v2",
-        ];
-        for n in names {
-            assert!(wrapper(n.as_bytes()).is_some(), "{n} is not managed");
-        }
-    }
-
     /// Every ABI variant (`_v2`, `_ptsz`, …) of each function the hook must see is wrapped: a
-    /// variant left out would let an application around the gate, the books or the fences.
+    /// variant left out would let an application around the gate, the books or the fences. Each
+    /// function comes with the CUDA version from which on its variants are wrapped: the 32-bit
+    /// variants of CUDA 2.0 (`cuMemAlloc`, before `cuMemAlloc_v2` of 3.2) are left alone.
     #[test]
     fn every_variant_of_each_managed_function_is_wrapped() {
         let managed = [
             // context lifetimes
-            "cuCtxDestroy",
-            "cuDevicePrimaryCtxRelease",
-            "cuDevicePrimaryCtxReset",
+            ("cuCtxDestroy", 0),
+            ("cuDevicePrimaryCtxRelease", 0),
+            ("cuDevicePrimaryCtxReset", 0),
             // synchronisations
-            "cuCtxSynchronize",
-            "cuStreamSynchronize",
-            "cuEventSynchronize",
+            ("cuCtxSynchronize", 0),
+            ("cuStreamSynchronize", 0),
+            ("cuEventSynchronize", 0),
             // graph instantiations
-            "cuGraphInstantiate",
-            "cuGraphInstantiateWithFlags",
-            "cuGraphInstantiateWithParams",
+            ("cuGraphInstantiate", 0),
+            ("cuGraphInstantiateWithFlags", 0),
+            ("cuGraphInstantiateWithParams", 0),
+            ("cuGraphExecDestroy", 0),
             // captures
-            "cuStreamBeginCapture",
-            "cuStreamBeginCaptureToGraph",
-            "cuStreamEndCapture",
+            ("cuStreamBeginCapture", 0),
+            ("cuStreamBeginCaptureToGraph", 0),
+            ("cuStreamEndCapture", 0),
             // launches
-            "cuLaunchKernel",
-            "cuLaunchKernelEx",
-            "cuLaunchCooperativeKernel",
-            "cuLaunchCooperativeKernelMultiDevice",
-            "cuGraphLaunch",
+            ("cuLaunchKernel", 0),
+            ("cuLaunchKernelEx", 0),
+            ("cuLaunchCooperativeKernel", 0),
+            ("cuLaunchCooperativeKernelMultiDevice", 0),
+            ("cuGraphLaunch", 0),
+            // allocations, frees and memory queries
+            ("cuMemAlloc", 3020),
+            ("cuMemAllocPitch", 3020),
+            ("cuMemAllocManaged", 0),
+            ("cuMemAllocAsync", 0),
+            ("cuMemAllocFromPoolAsync", 0),
+            ("cuMemCreate", 0),
+            ("cuArrayCreate", 3020),
+            ("cuArray3DCreate", 3020),
+            ("cuMipmappedArrayCreate", 0),
+            ("cuMemFree", 3020),
+            ("cuMemFreeAsync", 0),
+            ("cuMemRelease", 0),
+            ("cuMemRetainAllocationHandle", 0),
+            ("cuMemMap", 0),
+            ("cuMemUnmap", 0),
+            ("cuArrayDestroy", 0),
+            ("cuMipmappedArrayDestroy", 0),
+            ("cuMemGetInfo", 3020),
+            ("cuDeviceTotalMem", 3020),
+            // IPC exports and opens
+            ("cuIpcGetMemHandle", 0),
+            ("cuIpcOpenMemHandle", 0),
+            // lookups
+            ("cuGetProcAddress", 0),
         ];
-        for entry in gpushare_cuda_abi::ENTRY_POINTS {
-            if managed.contains(&entry.name) {
+        for (name, since) in managed {
+            let variants = gpushare_cuda_abi::entry_points(name);
+            assert!(!variants.is_empty(), "{name} is no driver function");
+            for entry in variants.iter().filter(|e| e.version >= since) {
                 assert!(
                     wrapper(entry.symbol.as_bytes()).is_some(),
                     "{} is not wrapped",
