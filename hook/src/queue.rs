@@ -194,7 +194,7 @@ pub struct Queue {
     busy: (f64, f64),
     /// The GPU time per launch of the recent intervals the GPU worked through without a
     /// break, kept near the shortest: it falls to a shorter interval at once and rises by a
-    /// tenth of the way to a longer one. On a GPU that time-slices processes, another's kernels
+    /// tenth of the way to a longer one; an interval that may hold idle time only lowers it. On a GPU that time-slices processes, another's kernels
     /// between two of this process's lengthen an interval without a break in it; its shortest
     /// is the time one launch takes ([`Queue::kernel_ns`]).
     fastest: Option<f64>,
@@ -504,12 +504,15 @@ impl Queue {
                         .as_ref()
                         .is_some_and(|prev| prev.id + 1 == f.id);
                 let mut ns = ms * 1e6;
-                if unbroken && vouched > 0.0 {
+                if vouched > 0.0 {
                     let one = ns / vouched;
-                    self.fastest = Some(match self.fastest {
-                        Some(f) if f < one => f + 0.1 * (one - f),
-                        _ => one,
-                    });
+                    self.fastest = match self.fastest {
+                        Some(f) if f < one && unbroken => Some(f + 0.1 * (one - f)),
+                        // Perhaps idle in part: only lowers it (an upper bound).
+                        Some(f) if f < one => Some(f),
+                        None if !unbroken => None,
+                        _ => Some(one),
+                    };
                 }
                 if !unbroken && let Some(est) = self.ns_per_launch() {
                     // Perhaps idle in part: an upper bound of its launches' GPU time.
@@ -760,6 +763,51 @@ mod tests {
         let f = fenced(&mut q, 60, true);
         q.completed_after(f, Some(1.0), 60, 0);
         assert_eq!(q.ns_per_launch(), Some(est));
+    }
+
+    /// The time one launch takes, for launching just in time: learnt from intervals without a
+    /// break, kept near the shortest (another process's kernels run in between lengthen an
+    /// interval without a break in it), where the mean GPU time per launch follows them; lowered
+    /// by any interval shorter.
+    #[test]
+    fn the_time_one_launch_takes_is_kept_near_the_shortest_unbroken_interval() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        let null = Handle::null();
+        let fenced = |q: &mut Queue, n: u64, behind: bool| {
+            launch(&ring, n - 9, n, A);
+            q.push_fence(&ring, (null, null), A, n, 0, behind);
+            q.fences.pop_front().expect("pending")
+        };
+        let f = fenced(&mut q, 10, false);
+        q.completed_after(f, None, 10, 0);
+        // Perhaps idle in part: nothing learnt.
+        let f = fenced(&mut q, 20, false);
+        q.completed_after(f, Some(5.0), 20, 0);
+        assert_eq!(q.kernel_ns(), None);
+        // 10 launches in 10 ms without a break: 1 ms each.
+        let f = fenced(&mut q, 30, true);
+        q.completed_after(f, Some(10.0), 30, 0);
+        assert_eq!(q.kernel_ns(), Some(1e6));
+        // 20 ms without a break (another process's kernels in between): a tenth of the way up.
+        let f = fenced(&mut q, 40, true);
+        q.completed_after(f, Some(20.0), 40, 0);
+        let k = q.kernel_ns().unwrap();
+        assert!((k - 1.1e6).abs() < 1.0, "{k}");
+        let mean = q.ns_per_launch().unwrap();
+        assert!(mean > 1.3e6, "the mean follows: {mean}");
+        // Shorter again: down at once.
+        let f = fenced(&mut q, 50, true);
+        q.completed_after(f, Some(9.0), 50, 0);
+        assert_eq!(q.kernel_ns(), Some(0.9e6));
+        // An interval that may hold idle time (not recorded behind) only lowers it: the
+        // kernels got shorter, and a launcher waiting for the longer ones leaves the GPU idle.
+        let f = fenced(&mut q, 60, false);
+        q.completed_after(f, Some(50.0), 60, 0);
+        assert_eq!(q.kernel_ns(), Some(0.9e6));
+        let f = fenced(&mut q, 70, false);
+        q.completed_after(f, Some(1.0), 70, 0);
+        assert_eq!(q.kernel_ns(), Some(0.1e6));
     }
 
     /// A host launching on one stream every `host_ns`, a GPU running each kernel for `gpu_ns`,
