@@ -20,6 +20,11 @@
 //!   reported anyway and the next one goes on; the drain settles in the background. No lock is
 //!   held across a driver wait, and each GPU has its own watcher and drainer, so a process
 //!   driving several GPUs never has one GPU's drain hold up another's turns.
+//!
+//! The pacing (fences and the waits for them) is [`pace`]'s; the drainer thread [`drain`]'s.
+
+mod drain;
+mod pace;
 
 use crate::driver::{self, Handle, Stream};
 use crate::log::debug;
@@ -28,6 +33,7 @@ use crate::queue::{self, LaunchStreams, Queue};
 use crate::turn::{
     Activity, Plan, Runway, Say, Step, Turn, TurnConfig, Turns, UNLIMITED, Waiter, Watch, pacing,
 };
+use drain::Drainer;
 use gpushare_protocol::ClientMsg;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, Once};
@@ -191,7 +197,7 @@ impl Gate {
     /// this process, and the launch must not run.
     #[inline(always)]
     pub fn enter(&'static self, stream: Option<(Stream, bool)>, kernels: u64) -> Option<Admission> {
-        let key = queue::key_of(stream);
+        let key = queue::key_of(stream, driver::thread_id);
         let kernels = kernels.max(1);
         self.try_enter(key, kernels)
             .or_else(|| self.enter_slow(key, kernels))
@@ -461,7 +467,7 @@ impl Gate {
     /// The GPU work this process has queued now, as far as its fences tell.
     fn queued_now(&self, queue: &mut Queue, now: u64, tolerance_ns: u64) -> Option<u64> {
         let launched = self.launches.load(Ordering::Relaxed);
-        queue.complete_finished(launched);
+        queue.complete_finished(launched, &mut Driver);
         queue.scan(&self.launch_streams, launched);
         // On several streams, launches after a stream's newest fence are vouched for only by a
         // later one: counted as queued (an overestimate, up to a budget), so a turn is closed
@@ -565,138 +571,34 @@ impl Gate {
             g.queue.scan(&self.launch_streams, n);
             g.queue.waited(now.saturating_sub(began) as f64);
         }
-        g.queue.complete_finished(n);
+        g.queue.complete_finished(n, &mut Driver);
         if let Some(budget) = budget
             && !g.queue.too_much(pacing(budget, 0.0).1)
         {
             self.pace_due.store(false, Ordering::Relaxed);
         }
     }
+}
 
-    // --- pacing ----------------------------------------------------------------------------
+/// The GPU as this process observes it: the driver's answers about the fence events, and
+/// CLOCK_MONOTONIC (what the queue is fed).
+struct Driver;
 
-    /// Record a fence after launch `n` (on `stream`, whose key is `key`); when too much work is
-    /// queued, the next launch waits.
-    fn fence(&self, stream: Stream, per_thread: bool, key: u64, n: u64) {
-        // A drain makes a fence pointless: fence the next launch instead of holding this launch
-        // call (already submitted) for the gate's lock.
-        if self.draining.load(Ordering::Acquire) {
-            self.next_pace.store(n + 1, Ordering::Relaxed);
-            return;
-        }
-        let mut g = self.lock();
-        let Some(budget) = g.turns.queue_budget() else {
-            // Without limits: nothing to pace until they apply again (`apply`).
-            let unthrottled = g.turns.gate_deadline() == UNLIMITED;
-            let next = if unthrottled { u64::MAX } else { n + 1 };
-            self.next_pace.store(next, Ordering::Relaxed);
-            return;
-        };
-        let Some(ctx) = driver::current_context() else {
-            return;
-        };
-        if !g.ctxs.contains(&ctx) {
-            g.ctxs.push(ctx);
-        }
-        let Some(event) = g.queue.take_event(ctx) else {
-            return;
-        };
-        match driver::event_record(event, stream, per_thread) {
-            driver::Recorded::Yes => {}
-            driver::Recorded::No => return g.queue.put_event(ctx, event),
-            // Destroyed with its context behind the hook's back: dropped, never used again.
-            driver::Recorded::Dead => return,
-        }
-        let now = crate::now_ns();
-        // Whether the GPU had not reached the previous fence yet (then the time between the two
-        // completions is all GPU work); if it had, that fence is taken in now.
-        let behind = match g.queue.newest_event().map(driver::event_done) {
-            Some(Some(false)) => true,
-            Some(Some(true)) => {
-                g.queue.newest_completed(n, now);
-                false
-            }
-            _ => false,
-        };
-        let est = g
-            .queue
-            .push_fence(&self.launch_streams, (event, ctx), key, n, now, behind);
-        g.turns.paced(n, now);
-        let (k, wait_above) = pacing(budget, est.unwrap_or(0.0));
-        // Fences the GPU has passed already are taken in first (a query each, no wait): the
-        // next launch waits only for work still queued, not for the news that it ran.
-        if g.queue.too_much(wait_above) {
-            g.queue.complete_passed(n);
-            if g.queue.too_much(wait_above) {
-                self.pace_due.store(true, Ordering::Relaxed);
-            }
-        }
-        if let (Some(budget), Some(est)) = (g.turns.just_in_time(), g.queue.kernel_ns()) {
-            g.runway.launched(now, n, est);
-            if g.runway.launch_at(now, budget, est).is_some() {
-                self.pace_due.store(true, Ordering::Relaxed);
-            }
-        }
-        self.next_pace.store(n + k, Ordering::Relaxed);
+impl queue::Gpu for Driver {
+    fn now_ns(&mut self) -> u64 {
+        crate::now_ns()
     }
 
-    /// Before a launch, after a fence found too much work queued: wait for the oldest fences
-    /// until it is not (or a drain empties the queue).
-    fn wait_for_queue(&self) {
-        let mut g = self.lock();
-        // The runway's launch time waited for last.
-        let mut waited_for = None;
-        while let Some(budget) = g.turns.queue_budget()
-            && !self.draining.load(Ordering::Acquire)
-        {
-            let launched = self.launches.load(Ordering::Relaxed);
-            g.queue.scan(&self.launch_streams, launched);
-            // Launching just in time: not before the work queued runs down to the budget
-            // (woken early by a change; a closing turn ends the wait).
-            if let (Some(budget), Some(est)) = (g.turns.just_in_time(), g.queue.kernel_ns()) {
-                let now = crate::now_ns();
-                if let Some(at) = g.runway.launch_at(now, budget, est) {
-                    self.pacing.fetch_add(1, Ordering::AcqRel);
-                    g = self.wait(g, Duration::from_nanos(at - now));
-                    self.pacing.fetch_sub(1, Ordering::AcqRel);
-                    waited_for = Some(at);
-                    continue;
-                }
-                if let Some(at) = waited_for.take() {
-                    g.runway.woke(at, now);
-                }
-                // What the GPU has passed meanwhile, without waiting.
-                g.queue.complete_finished(launched);
-            }
-            if !g.queue.too_much(pacing(budget, 0.0).1) {
-                break;
-            }
-            // Wait without the lock, so grants, cut-short turns and the watcher are not held
-            // up by a launcher waiting for its GPU work.
-            let event = g.queue.oldest_event().expect("two fences");
-            self.pacing.fetch_add(1, Ordering::AcqRel);
-            drop(g);
-            // (If a drain recycled the event meanwhile, this waits for its new record: longer,
-            // never wrong.)
-            let waited = driver::event_wait(event);
-            g = self.lock();
-            self.pacing.fetch_sub(1, Ordering::AcqRel);
-            // Completed now (unless a drain or another launcher took it meanwhile, or a drain
-            // recycled the event into a newer fence: then this waits under the lock).
-            let launched = self.launches.load(Ordering::Relaxed);
-            if !waited
-                || g.queue.oldest_event() == Some(event) && !g.queue.complete_oldest(launched)
-            {
-                break;
-            }
-            // The GPU was behind where the runway had it: it ends what is queued from now.
-            if g.turns.just_in_time().is_some()
-                && let Some((tail, _)) = g.queue.queued_ns(crate::now_ns(), u64::MAX)
-            {
-                g.runway.reached(crate::now_ns(), tail);
-            }
-        }
-        self.pace_due.store(false, Ordering::Relaxed);
+    fn passed(&mut self, event: Handle) -> Option<bool> {
+        driver::event_done(event)
+    }
+
+    fn wait(&mut self, event: Handle) -> bool {
+        driver::event_wait(event)
+    }
+
+    fn elapsed_ms(&mut self, start: Handle, end: Handle) -> Option<f32> {
+        driver::event_elapsed_ms(start, end)
     }
 }
 
@@ -711,79 +613,6 @@ fn ungated_warning(liveness_ns: u64) {
     WARN.call_once(|| {
         eprintln!("gpushare: gpushare-scheduler has not answered for {ms:.0} ms; running WITHOUT GPU sharing limits until it does (fail-open). Set GPUSHARE_FAIL=closed to wait for it, or GPUSHARE_LIVENESS to wait longer.");
     });
-}
-
-/// One GPU's drains, on a thread of their own: `cuCtxSynchronize` cannot be given a time
-/// limit, so the watcher asks this thread to wait and waits for it only until the drain's
-/// limit (which a turn cut short or revoked meanwhile brings forward).
-#[derive(Default)]
-struct Drainer {
-    state: Mutex<DrainState>,
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct DrainState {
-    /// Drains asked for and done (a later one covers the earlier ones' work too).
-    asked: u64,
-    done: u64,
-    ctxs: Vec<Handle>,
-    /// When the drain under way stops being waited for.
-    until_ns: u64,
-}
-
-impl Drainer {
-    fn lock(&self) -> MutexGuard<'_, DrainState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The drain under way (or the next) is waited for until `until_ns`.
-    fn until(&self, until_ns: u64) {
-        self.lock().until_ns = until_ns;
-        self.cv.notify_all();
-    }
-
-    /// Drain `ctxs`; true once their work completed, false if the limit came first (the drain
-    /// goes on, and a later one waits for it).
-    fn drain(&self, ctxs: Vec<Handle>) -> bool {
-        let mut s = self.lock();
-        s.asked += 1;
-        let ticket = s.asked;
-        s.ctxs = ctxs;
-        self.cv.notify_all();
-        loop {
-            if s.done >= ticket {
-                return true;
-            }
-            let now = crate::now_ns();
-            if now >= s.until_ns {
-                return false;
-            }
-            let wait = Duration::from_nanos(s.until_ns - now);
-            s = self
-                .cv
-                .wait_timeout(s, wait)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-    }
-
-    fn run(&self) {
-        loop {
-            let mut s = self.lock();
-            while s.done == s.asked {
-                s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
-            }
-            let ticket = s.asked;
-            let ctxs = std::mem::take(&mut s.ctxs);
-            drop(s);
-            for ctx in ctxs {
-                driver::synchronize_context(ctx);
-            }
-            self.lock().done = ticket;
-            self.cv.notify_all();
-        }
-    }
 }
 
 #[cfg(test)]
@@ -875,34 +704,6 @@ mod tests {
             gate.try_enter(0, 1).is_none(),
             "revoked: the next launch takes the slow path"
         );
-    }
-
-    /// A drain that does not complete by its limit (a kernel waiting for a peer GPU) lets the
-    /// gate go on; the next drain waits for the first.
-    #[test]
-    fn a_drain_is_bounded_and_settles_later() {
-        let d: &'static Drainer = Box::leak(Box::default());
-        // No drainer thread yet: nothing completes.
-        let t0 = crate::now_ns();
-        d.until(t0 + 20_000_000);
-        assert!(!d.drain(Vec::new()));
-        let waited = crate::now_ns() - t0;
-        assert!((20_000_000..1_000_000_000).contains(&waited), "{waited} ns");
-        // A limit brought forward (the turn revoked) ends the wait early.
-        let t0 = crate::now_ns();
-        d.until(t0 + 60_000_000_000);
-        let cut = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(20));
-            d.until(0);
-        });
-        assert!(!d.drain(Vec::new()));
-        let waited = crate::now_ns() - t0;
-        assert!(waited < 10_000_000_000, "{waited} ns");
-        cut.join().unwrap();
-        std::thread::spawn(move || d.run());
-        d.until(crate::now_ns() + 10_000_000_000);
-        assert!(d.drain(Vec::new()));
-        assert_eq!(d.lock().done, 3, "one drain covers the earlier ones");
     }
 
     /// The fast path admits launches while the turn is open and numbers each (a graph's

@@ -8,7 +8,8 @@
 //!   safe, typed functions;
 //! - [`settings`] reads the environment; [`port`] is the connection to the scheduler;
 //! - [`turn`] is the pure turn state machine and pacing arithmetic (tested in virtual time);
-//!   [`queue`] estimates the GPU work this process has queued, from its fence events;
+//!   [`queue`] (pure) estimates the GPU work this process has queued, from its fence events,
+//!   fed the times and the driver's answers by the gate;
 //!   [`books`] keeps the memory this process holds, and [`lease`] (pure) the arithmetic of
 //!   what it holds at the scheduler;
 //! - [`gate`] is one GPU's gate: the launch fast path, and a watcher and a drainer that carry

@@ -16,8 +16,12 @@
 //! launch-bound loop waiting on the host, a synchronisation, another route's kernels — and
 //! bounds the pace from above only: it may lower the estimate, never raise it. Otherwise idle
 //! time would pass for GPU work, and fences would come more often than the budget needs.
+//!
+//! Pure: the queue reads neither the driver nor the clock. Its caller feeds it the launch
+//! counts, the times, and the driver's answers about the fence events ([`Gpu`]: the gate's is
+//! the driver and CLOCK_MONOTONIC; the tests' a GPU in virtual time).
 
-use crate::driver::{self, Handle, Stream as StreamHandle};
+use crate::driver::{Handle, Stream as StreamHandle};
 use gpushare_cuda_abi::types::{CU_STREAM_LEGACY, CU_STREAM_PER_THREAD};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,6 +29,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// The most streams tracked at once; launches on more leave the queue unestimated until the
 /// next drain (no early handover).
 const MAX_STREAMS: usize = 32;
+
+/// What the caller observes of the GPU as the queue takes its fences in: the clock the fences'
+/// times are read by, and the driver's answers about fence events.
+pub trait Gpu {
+    /// The time now (ns).
+    fn now_ns(&mut self) -> u64;
+    /// Whether the GPU has passed `event` (`None`: the driver would not say).
+    fn passed(&mut self, event: Handle) -> Option<bool>;
+    /// Wait until the GPU has passed `event`; false if the driver would not wait.
+    fn wait(&mut self, event: Handle) -> bool;
+    /// The GPU time (ms) from `start`'s completion to `end`'s: two completed events of one
+    /// context (`None`: the driver would not say).
+    fn elapsed_ms(&mut self, start: Handle, end: Handle) -> Option<f32>;
+}
 
 /// The launches whose streams are remembered: more than the launches between two fences.
 const RING: usize = 8192;
@@ -109,20 +127,23 @@ fn tag(n: u64) -> u64 {
 }
 
 /// The ring key of a launch on `stream` (`per_thread`: through a `_ptsz` entry point); `None`:
-/// no stream named.
+/// no stream named. `thread_id`: the launching thread's identity (asked for only for a
+/// per-thread default stream).
 #[inline]
-pub fn key_of(stream: Option<(StreamHandle, bool)>) -> u64 {
-    stream.map_or(NO_STREAM, |(s, per_thread)| stream_key(s, per_thread))
+pub fn key_of(stream: Option<(StreamHandle, bool)>, thread_id: impl FnOnce() -> u64) -> u64 {
+    stream.map_or(NO_STREAM, |(s, per_thread)| {
+        stream_key(s, per_thread, thread_id)
+    })
 }
 
 /// A stream's identity: its handle; 0 for the legacy default stream (null through a plain
 /// entry point, or CU_STREAM_LEGACY); for a per-thread default stream (CU_STREAM_PER_THREAD
 /// through any entry point, or null through a `_ptsz` one) the launching thread's, whose own
-/// stream it is.
+/// stream it is (`thread_id`).
 #[inline]
-fn stream_key(stream: StreamHandle, per_thread: bool) -> u64 {
+fn stream_key(stream: StreamHandle, per_thread: bool, thread_id: impl FnOnce() -> u64) -> u64 {
     if stream == CU_STREAM_PER_THREAD || (stream.is_null() && per_thread) {
-        driver::thread_id()
+        thread_id()
     } else if stream == CU_STREAM_LEGACY {
         0
     } else {
@@ -252,13 +273,10 @@ impl Queue {
         Some(self.streams.len() - 1)
     }
 
-    /// A pooled timing event of `ctx`, or a new one.
+    /// A pooled timing event of `ctx` (`None`: the caller creates one).
     pub fn take_event(&mut self, ctx: Handle) -> Option<Handle> {
-        if let Some(i) = self.pool.iter().position(|(c, _)| *c == ctx) {
-            return Some(self.pool.swap_remove(i).1);
-        }
-        // In the calling thread's current context (`ctx`).
-        driver::event_create()
+        let i = self.pool.iter().position(|(c, _)| *c == ctx)?;
+        Some(self.pool.swap_remove(i).1)
     }
 
     /// An event taken but not recorded.
@@ -273,9 +291,9 @@ impl Queue {
     }
 
     /// The newest pending fence has completed, seen at `now` (`launched`: the launch count then).
-    pub fn newest_completed(&mut self, launched: u64, now: u64) {
+    pub fn newest_completed(&mut self, launched: u64, now: u64, gpu: &mut impl Gpu) {
         if let Some(f) = self.fences.pop_back() {
-            self.completed(f, launched, now);
+            self.completed(f, launched, now, gpu);
         }
     }
 
@@ -430,26 +448,26 @@ impl Queue {
 
     /// Take in the fences that have completed, without waiting (`launched`: the launch count
     /// now); on several streams, in whatever order they completed.
-    pub fn complete_finished(&mut self, launched: u64) {
-        self.complete_finished_of(self.fences.len(), launched);
+    pub fn complete_finished(&mut self, launched: u64, gpu: &mut impl Gpu) {
+        self.complete_finished_of(self.fences.len(), launched, gpu);
     }
 
     /// [`Queue::complete_finished`] for the fences before the newest (just recorded, it has
     /// hardly completed: not asked about).
-    pub fn complete_passed(&mut self, launched: u64) {
-        self.complete_finished_of(self.fences.len().saturating_sub(1), launched);
+    pub fn complete_passed(&mut self, launched: u64, gpu: &mut impl Gpu) {
+        self.complete_finished_of(self.fences.len().saturating_sub(1), launched, gpu);
     }
 
     /// Take in those of the oldest `count` pending fences that have completed.
-    fn complete_finished_of(&mut self, mut count: usize, launched: u64) {
-        let now = crate::now_ns();
+    fn complete_finished_of(&mut self, mut count: usize, launched: u64, gpu: &mut impl Gpu) {
+        let now = gpu.now_ns();
         let mut i = 0;
         while i < count
             && let Some(f) = self.fences.get(i)
         {
-            if driver::event_done(f.event) == Some(true) {
+            if gpu.passed(f.event) == Some(true) {
                 let f = self.fences.remove(i).expect("in range");
-                self.completed(f, launched, now);
+                self.completed(f, launched, now, gpu);
                 count -= 1;
             } else {
                 i += 1;
@@ -460,26 +478,27 @@ impl Queue {
     /// Wait for the oldest fence and learn the GPU time per launch from it (`launched`: the
     /// launch count before the wait); false when the driver would not wait (the fence is
     /// dropped).
-    pub fn complete_oldest(&mut self, launched: u64) -> bool {
+    pub fn complete_oldest(&mut self, launched: u64, gpu: &mut impl Gpu) -> bool {
         let Some(f) = self.fences.pop_front() else {
             return false;
         };
-        if !driver::event_wait(f.event) {
+        if !gpu.wait(f.event) {
             self.pool.push((f.ctx, f.event));
             return false;
         }
-        self.completed(f, launched, crate::now_ns());
+        let now = gpu.now_ns();
+        self.completed(f, launched, now, gpu);
         true
     }
 
     /// Fence `f` has completed, seen at `now`: the launches on its stream up to it have, and
     /// the time since the reference fence completed is theirs (if it completed after that; on
     /// several streams fences can complete out of the order they were recorded in).
-    fn completed(&mut self, f: Fence, launched: u64, now: u64) {
+    fn completed(&mut self, f: Fence, launched: u64, now: u64, gpu: &mut impl Gpu) {
         let ms = self.last_done.as_ref().and_then(|prev| {
             // Two completed timing events of one context.
             (prev.ctx == f.ctx)
-                .then(|| driver::event_elapsed_ms(prev.event, f.event))?
+                .then(|| gpu.elapsed_ms(prev.event, f.event))?
                 .map(f64::from)
         });
         self.completed_after(f, ms, launched, now);
@@ -569,7 +588,9 @@ impl Queue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::driver;
     use crate::turn::pacing;
+    use std::collections::HashMap;
 
     const A: u64 = 0x1000;
     const B: u64 = 0x2000;
@@ -586,10 +607,53 @@ mod tests {
         q.push_fence(ring, (null, null), key, n, at, false);
     }
 
-    /// The oldest fence completed, seen at `now` with `launched` launches made.
+    /// The oldest fence completed, seen at `now` with `launched` launches made (its GPU time
+    /// since the last not known).
     fn complete(q: &mut Queue, launched: u64, now: u64) {
         let f = q.fences.pop_front().expect("a pending fence");
-        q.completed(f, launched, now);
+        q.completed(f, launched, now, &mut VirtualGpu::default());
+    }
+
+    /// A GPU in virtual time, as the driver and the clock answer for it: the time now, and when
+    /// the GPU passes each fence event (by key; one not listed it never passes).
+    #[derive(Default)]
+    struct VirtualGpu {
+        now: u64,
+        passes: HashMap<u64, u64>,
+        /// The driver will not wait (the event was destroyed, say).
+        refuses_waits: bool,
+        /// The elapsed times asked for, by event keys.
+        timed: Vec<(u64, u64)>,
+    }
+
+    impl Gpu for VirtualGpu {
+        fn now_ns(&mut self) -> u64 {
+            self.now
+        }
+
+        fn passed(&mut self, event: Handle) -> Option<bool> {
+            Some(
+                self.passes
+                    .get(&event.key())
+                    .is_some_and(|&t| t <= self.now),
+            )
+        }
+
+        fn wait(&mut self, event: Handle) -> bool {
+            match self.passes.get(&event.key()) {
+                Some(&t) if !self.refuses_waits => {
+                    self.now = self.now.max(t);
+                    true
+                }
+                _ => false,
+            }
+        }
+
+        fn elapsed_ms(&mut self, start: Handle, end: Handle) -> Option<f32> {
+            self.timed.push((start.key(), end.key()));
+            let (s, e) = (self.passes.get(&start.key())?, self.passes.get(&end.key())?);
+            Some(((*e as f64 - *s as f64) / 1e6) as f32)
+        }
     }
 
     #[test]
@@ -603,7 +667,7 @@ mod tests {
             None,
             "the entry of 8192 launches before"
         );
-        ring.admitted(6, 6, key_of(None));
+        ring.admitted(6, 6, key_of(None, driver::thread_id));
         assert_eq!(
             ring.get(6),
             Some(NO_STREAM),
@@ -640,14 +704,26 @@ mod tests {
     #[test]
     fn per_thread_default_streams_are_each_threads_own() {
         let null = std::ptr::null_mut();
-        let here = stream_key(null, true);
-        assert_eq!(stream_key(CU_STREAM_PER_THREAD, false), here);
-        assert_eq!(stream_key(null, false), 0, "the legacy default stream");
-        assert_eq!(stream_key(CU_STREAM_LEGACY, true), 0);
-        assert_eq!(stream_key(A as StreamHandle, true), A, "a created stream");
-        let there = std::thread::spawn(|| stream_key(std::ptr::null_mut(), true))
-            .join()
-            .unwrap();
+        let here = stream_key(null, true, driver::thread_id);
+        assert_eq!(
+            stream_key(CU_STREAM_PER_THREAD, false, driver::thread_id),
+            here
+        );
+        assert_eq!(
+            stream_key(null, false, driver::thread_id),
+            0,
+            "the legacy default stream"
+        );
+        assert_eq!(stream_key(CU_STREAM_LEGACY, true, driver::thread_id), 0);
+        assert_eq!(
+            stream_key(A as StreamHandle, true, driver::thread_id),
+            A,
+            "a created stream"
+        );
+        let there =
+            std::thread::spawn(|| stream_key(std::ptr::null_mut(), true, driver::thread_id))
+                .join()
+                .unwrap();
         assert_ne!(there, here);
     }
 
@@ -1053,5 +1129,120 @@ mod tests {
         assert!(q.fences.is_empty());
         assert_eq!(q.queued(), 0);
         assert_eq!(q.queued_ns(0, 0), Some((0, true)));
+    }
+
+    /// Fence event `event` (of context 1) on `key` after launch `n`, recorded at `at`, which the
+    /// GPU passes at `passes`.
+    fn fence_passing(
+        q: &mut Queue,
+        gpu: &mut VirtualGpu,
+        ring: &LaunchStreams,
+        (event, key, n): (u64, u64, u64),
+        at: u64,
+        passes: u64,
+    ) {
+        gpu.passes.insert(event, passes);
+        let e = (Handle::from_key(event), Handle::from_key(1));
+        q.push_fence(ring, e, key, n, at, false);
+    }
+
+    /// The fences the GPU has passed are taken in, in whatever order it passed them, and none it
+    /// has not; the time between two completions is the GPU time of the launches the later one
+    /// vouches for.
+    #[test]
+    fn the_fences_the_gpu_passed_are_taken_in_in_any_order() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        let mut gpu = VirtualGpu::default();
+        launch(&ring, 1, 4, A);
+        fence_passing(&mut q, &mut gpu, &ring, (10, A, 4), 0, 3_000_000);
+        launch(&ring, 5, 8, B);
+        fence_passing(&mut q, &mut gpu, &ring, (11, B, 8), 0, 1_000_000);
+        gpu.now = 2_000_000;
+        q.complete_finished(8, &mut gpu);
+        assert_eq!(q.queued(), 4, "B's launches done, A's not");
+        assert_eq!(q.oldest_event(), Some(Handle::from_key(10)));
+        assert_eq!(q.ns_per_launch(), None, "one completion: no interval yet");
+        gpu.now = 3_000_000;
+        q.complete_finished(8, &mut gpu);
+        assert_eq!(q.queued(), 0);
+        assert_eq!(gpu.timed, vec![(11, 10)]);
+        assert_eq!(
+            q.ns_per_launch(),
+            Some(500_000.0),
+            "2 ms over A's 4 launches"
+        );
+        assert_eq!(q.last_done_ns, 3_000_000, "seen to complete when asked");
+    }
+
+    /// The fence just recorded is not asked about: it has hardly completed.
+    #[test]
+    fn the_newest_fence_is_left_for_later() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        let mut gpu = VirtualGpu::default();
+        launch(&ring, 1, 2, A);
+        fence_passing(&mut q, &mut gpu, &ring, (10, A, 2), 0, 100);
+        launch(&ring, 3, 4, A);
+        fence_passing(&mut q, &mut gpu, &ring, (11, A, 4), 0, 200);
+        gpu.now = 1_000;
+        q.complete_passed(4, &mut gpu);
+        assert_eq!(q.queued(), 2);
+        assert_eq!(q.oldest_event(), Some(Handle::from_key(11)));
+    }
+
+    /// Waiting for the oldest fence takes it in once the GPU passes it (when the wait
+    /// returned); a fence the driver will not wait for is dropped, its event kept for reuse.
+    #[test]
+    fn the_oldest_fence_is_waited_for_or_dropped() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        let mut gpu = VirtualGpu::default();
+        launch(&ring, 1, 4, A);
+        fence_passing(&mut q, &mut gpu, &ring, (10, A, 4), 0, 5_000);
+        launch(&ring, 5, 8, A);
+        fence_passing(&mut q, &mut gpu, &ring, (11, A, 8), 100, 9_000);
+        assert!(q.complete_oldest(8, &mut gpu));
+        assert_eq!(
+            (gpu.now, q.last_done_ns),
+            (5_000, 5_000),
+            "waited until it passed"
+        );
+        assert_eq!(q.queued(), 4);
+        gpu.refuses_waits = true;
+        assert!(!q.complete_oldest(8, &mut gpu));
+        assert_eq!(gpu.now, 5_000, "no wait");
+        assert_eq!(q.oldest_event(), None, "dropped");
+        assert_eq!(q.queued(), 4, "its launches not vouched for");
+        assert_eq!(
+            q.take_event(Handle::from_key(1)),
+            Some(Handle::from_key(11))
+        );
+        assert_eq!(
+            q.take_event(Handle::from_key(1)),
+            None,
+            "a new one is the caller's"
+        );
+        assert!(!q.complete_oldest(8, &mut gpu), "nothing pending");
+    }
+
+    /// Completions of two contexts' events are not timed against each other (the driver cannot
+    /// compare them): the GPU time per launch is learnt from one context's pairs only.
+    #[test]
+    fn fences_of_two_contexts_are_not_timed_against_each_other() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        let mut gpu = VirtualGpu::default();
+        launch(&ring, 1, 4, A);
+        fence_passing(&mut q, &mut gpu, &ring, (10, A, 4), 0, 1_000);
+        launch(&ring, 5, 8, A);
+        gpu.passes.insert(20, 3_000);
+        let other = (Handle::from_key(20), Handle::from_key(2));
+        q.push_fence(&ring, other, A, 8, 0, false);
+        gpu.now = 3_000;
+        q.complete_finished(8, &mut gpu);
+        assert_eq!(q.queued(), 0);
+        assert!(gpu.timed.is_empty(), "{:?}", gpu.timed);
+        assert_eq!(q.ns_per_launch(), None);
     }
 }

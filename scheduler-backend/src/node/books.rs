@@ -90,6 +90,16 @@ impl Books {
         }
     }
 
+    /// The node closes `conn` and forgets what it holds: the replies to its reservations still
+    /// waiting say they are not journaled (the books no longer hold them), in their order.
+    pub fn unjournal_replies(&mut self, conn: ConnId) {
+        for (_, c, effect, reservation) in self.held.iter_mut() {
+            if *c == conn && *reservation {
+                not_journaled(effect);
+            }
+        }
+    }
+
     /// The write of version `seq` ended (`written`: on disk; else it failed): release what
     /// waited for it, reservations' replies marked not journaled if it failed, and try again
     /// within [`FLUSH_EVERY`].
@@ -108,14 +118,8 @@ impl Books {
                 break;
             }
             let (_, conn, mut effect, reservation) = self.held.pop_front().expect("looked at");
-            if !written
-                && reservation
-                && let Effect::Send {
-                    msg: ServerMsg::Memory { journaled, .. },
-                    ..
-                } = &mut effect
-            {
-                *journaled = false;
+            if !written && reservation {
+                not_journaled(&mut effect);
             }
             if let Some(n) = self.held_for.get_mut(&conn) {
                 *n -= 1;
@@ -130,6 +134,17 @@ impl Books {
     pub fn next_timeout(&self) -> Option<u64> {
         let flush = self.flush_at.filter(|_| self.writing.is_none());
         flush.into_iter().chain(self.check_at).min()
+    }
+}
+
+/// A reservation's reply that the journal does not hold.
+fn not_journaled(effect: &mut Effect) {
+    if let Effect::Send {
+        msg: ServerMsg::Memory { journaled, .. },
+        ..
+    } = effect
+    {
+        *journaled = false;
     }
 }
 

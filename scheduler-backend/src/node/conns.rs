@@ -228,12 +228,14 @@ impl Node {
         }
     }
 
-    /// The node closes `conn`: what it holds is released at once.
+    /// The node closes `conn`: what it holds is released at once, and its reservations'
+    /// replies still waiting for the books say they are not journaled.
     pub(super) fn drop_conn(&mut self, conn: ConnId, now: u64) {
         if let Some(c) = self.conns.remove(conn) {
             if let Phase::Client = c.phase {
                 self.disconnect(conn, now);
             }
+            self.books.unjournal_replies(conn);
             self.close(conn);
         }
     }

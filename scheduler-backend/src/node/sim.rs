@@ -1079,3 +1079,43 @@ fn random_lives_reach_every_path() {
     );
     assert!(total.unjournaled > 0, "{total:?}");
 }
+
+/// A connection the node closes (here: its turn asked on a GPU its pod may not use) while a
+/// grant to it waits for the books: the books forget the grant with the connection, so its
+/// reply, still sent in order before the error, says it is not journaled, and the journal is
+/// never behind what a live process was told.
+#[test]
+fn a_grant_waiting_for_the_books_of_a_connection_the_node_closes_is_not_journaled() {
+    let ops = [
+        Op::Admin { what: 1, which: 0 },
+        Op::Connect { uid: 0, pod: true },
+        Op::Hello {
+            who: 0,
+            declared: false,
+        },
+        Op::Reserve {
+            who: 0,
+            gpu: 0,
+            mib: 1,
+        },
+        Op::Acquire { who: 0, gpu: 1 },
+    ];
+    let mut w = World::new(CONFIG, false);
+    for op in &ops {
+        w.apply(op);
+    }
+    w.settle();
+    w.check_settled();
+    let t = w.tenants.values().next().expect("the tenant");
+    let replies: Vec<_> = (t.received.iter())
+        .filter_map(|m| match m {
+            ServerMsg::Memory {
+                granted, journaled, ..
+            } => Some((*granted, *journaled)),
+            ServerMsg::Error { fatal: true, .. } => Some((false, false)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replies, [(true, false), (false, false)], "{:?}", t.received);
+    assert!(w.journal.is_empty(), "{:?}", w.journal);
+}
