@@ -802,42 +802,39 @@ mod tests {
         );
     }
 
+    /// Ten launches on stream A up to `n`, fenced (recorded `behind` the previous fence or not),
+    /// the fence completing `ms` after the previous one (`None`: not comparable).
+    fn interval(q: &mut Queue, ring: &LaunchStreams, n: u64, behind: bool, ms: Option<f64>) {
+        launch(ring, n - 9, n, A);
+        q.push_fence(ring, (Handle::null(), Handle::null()), A, n, 0, behind);
+        let f = q.fences.pop_front().expect("pending");
+        q.completed_after(f, ms, n, 0);
+    }
+
     /// An interval the GPU worked through without a break (its later fence recorded behind the
     /// earlier) teaches the GPU time per launch as it is; any other only lowers it.
     #[test]
     fn only_an_unbroken_interval_raises_the_gpu_time_per_launch() {
         let ring = LaunchStreams::new();
         let mut q = Queue::default();
-        let null = Handle::null();
-        let fenced = |q: &mut Queue, n: u64, behind: bool| {
-            launch(&ring, n - 9, n, A);
-            q.push_fence(&ring, (null, null), A, n, 0, behind);
-            q.fences.pop_front().expect("pending")
-        };
-        let f = fenced(&mut q, 10, false);
-        q.completed_after(f, None, 10, 0);
+        interval(&mut q, &ring, 10, false, None);
         // 10 launches in 50 us, perhaps with idle time: the first bound learnt.
-        let f = fenced(&mut q, 20, false);
-        q.completed_after(f, Some(0.05), 20, 0);
+        interval(&mut q, &ring, 20, false, Some(0.05));
         assert_eq!(q.ns_per_launch(), Some(5_000.0));
         // 10 in 100 us, perhaps idle: no higher.
-        let f = fenced(&mut q, 30, false);
-        q.completed_after(f, Some(0.1), 30, 0);
+        interval(&mut q, &ring, 30, false, Some(0.1));
         assert_eq!(q.ns_per_launch(), Some(5_000.0));
         // 10 in 20 us: lower.
-        let f = fenced(&mut q, 40, false);
-        q.completed_after(f, Some(0.02), 40, 0);
+        interval(&mut q, &ring, 40, false, Some(0.02));
         let lowered = q.ns_per_launch().unwrap();
         assert!((2_000.0..5_000.0).contains(&lowered), "{lowered}");
         // 10 in 100 us without a break: higher.
-        let f = fenced(&mut q, 50, true);
-        q.completed_after(f, Some(0.1), 50, 0);
+        interval(&mut q, &ring, 50, true, Some(0.1));
         assert!(q.ns_per_launch().unwrap() > lowered + 1_000.0);
         // Behind a fence other than the reference (one dropped in between): perhaps idle.
         let est = q.ns_per_launch().unwrap();
         q.recorded += 1;
-        let f = fenced(&mut q, 60, true);
-        q.completed_after(f, Some(1.0), 60, 0);
+        interval(&mut q, &ring, 60, true, Some(1.0));
         assert_eq!(q.ns_per_launch(), Some(est));
     }
 
@@ -849,40 +846,27 @@ mod tests {
     fn the_time_one_launch_takes_is_kept_near_the_shortest_unbroken_interval() {
         let ring = LaunchStreams::new();
         let mut q = Queue::default();
-        let null = Handle::null();
-        let fenced = |q: &mut Queue, n: u64, behind: bool| {
-            launch(&ring, n - 9, n, A);
-            q.push_fence(&ring, (null, null), A, n, 0, behind);
-            q.fences.pop_front().expect("pending")
-        };
-        let f = fenced(&mut q, 10, false);
-        q.completed_after(f, None, 10, 0);
+        interval(&mut q, &ring, 10, false, None);
         // Perhaps idle in part: nothing learnt.
-        let f = fenced(&mut q, 20, false);
-        q.completed_after(f, Some(5.0), 20, 0);
+        interval(&mut q, &ring, 20, false, Some(5.0));
         assert_eq!(q.kernel_ns(), None);
         // 10 launches in 10 ms without a break: 1 ms each.
-        let f = fenced(&mut q, 30, true);
-        q.completed_after(f, Some(10.0), 30, 0);
+        interval(&mut q, &ring, 30, true, Some(10.0));
         assert_eq!(q.kernel_ns(), Some(1e6));
         // 20 ms without a break (another process's kernels in between): a tenth of the way up.
-        let f = fenced(&mut q, 40, true);
-        q.completed_after(f, Some(20.0), 40, 0);
+        interval(&mut q, &ring, 40, true, Some(20.0));
         let k = q.kernel_ns().unwrap();
         assert!((k - 1.1e6).abs() < 1.0, "{k}");
         let mean = q.ns_per_launch().unwrap();
         assert!(mean > 1.3e6, "the mean follows: {mean}");
         // Shorter again: down at once.
-        let f = fenced(&mut q, 50, true);
-        q.completed_after(f, Some(9.0), 50, 0);
+        interval(&mut q, &ring, 50, true, Some(9.0));
         assert_eq!(q.kernel_ns(), Some(0.9e6));
         // An interval that may hold idle time (not recorded behind) only lowers it: the
         // kernels got shorter, and a launcher waiting for the longer ones leaves the GPU idle.
-        let f = fenced(&mut q, 60, false);
-        q.completed_after(f, Some(50.0), 60, 0);
+        interval(&mut q, &ring, 60, false, Some(50.0));
         assert_eq!(q.kernel_ns(), Some(0.9e6));
-        let f = fenced(&mut q, 70, false);
-        q.completed_after(f, Some(1.0), 70, 0);
+        interval(&mut q, &ring, 70, false, Some(1.0));
         assert_eq!(q.kernel_ns(), Some(0.1e6));
     }
 
