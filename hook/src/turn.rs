@@ -901,8 +901,9 @@ pub struct Runway {
     end_ns: u64,
     /// The launch count it accounts for.
     through: u64,
-    /// How late the launcher woke from its recent waits: the latest lateness, or seven eighths
-    /// of the one before if that is more.
+    /// How late the launcher woke from its recent waits: the latest lateness, or the one before
+    /// less a 256th if that is more (a late wake-up on a busy host is remembered for a few
+    /// hundred launches: the next comes before the margin has shrunk back).
     late_ns: u64,
 }
 
@@ -929,7 +930,9 @@ impl Runway {
 
     /// The launcher waited for `at` (from [`Runway::launch_at`]) and went on at `now`.
     pub fn woke(&mut self, at: u64, now: u64) {
-        self.late_ns = now.saturating_sub(at).max(self.late_ns - self.late_ns / 8);
+        self.late_ns = now
+            .saturating_sub(at)
+            .max(self.late_ns - self.late_ns / 256);
     }
 
     /// When the next launch is to be made at the earliest, if later than `now`: as the work

@@ -747,6 +747,39 @@ fn launching_just_in_time_keeps_the_gpu_busy_with_one_kernel_queued() {
     }
 }
 
+/// A launcher launching 1 ms kernels just in time (queue budget 0.25 ms) that wakes 50 us late,
+/// and 0.6 ms late once every 100 wake-ups (a busy host): the late wake-up is remembered until
+/// the next, so that the GPU does not idle at each (at most 0.05 % of the time).
+#[test]
+fn launching_just_in_time_remembers_a_late_wake_up_until_the_next() {
+    const KERNEL: u64 = MS;
+    const B: u64 = MS / 4;
+    let mut runway = Runway::default();
+    let (mut gpu_end, mut idle) = (0u64, 0u64);
+    let (mut now, mut n, mut wakes) = (0u64, 0u64, 0u64);
+    let mut waited_for = None;
+    while n < 5000 {
+        if let Some(at) = runway.launch_at(now, B as f64, KERNEL as f64) {
+            wakes += 1;
+            now = at + if wakes % 100 == 0 { 600_000 } else { 50_000 };
+            waited_for = Some(at);
+            continue;
+        }
+        if let Some(at) = waited_for.take() {
+            runway.woke(at, now);
+        }
+        if n > 10 {
+            idle += now.saturating_sub(gpu_end);
+        }
+        gpu_end = gpu_end.max(now) + KERNEL;
+        n += 1;
+        runway.launched(now, n, KERNEL as f64);
+        now += 1_000;
+    }
+    assert!(wakes > 4000, "{wakes}");
+    assert!(idle <= gpu_end / 2000, "the GPU idled {idle} ns");
+}
+
 /// Kernels no longer than half the budget are left to the fences (they keep the queue within
 /// it); a GPU found behind the runway (the turn's first kernels queued behind the previous
 /// holder's) moves it; a drain empties it.
