@@ -33,12 +33,12 @@ pub struct Params {
     pub cap_bytes: u64,
     /// Each tenant's cap in the static run (the GPU split evenly).
     pub static_cap_bytes: u64,
-    /// Working set (bytes) of each phase, per tenant.
-    pub phases: Vec<Vec<u64>>,
+    /// Each tenant's phases: the working set (bytes) and how many kernels it launches there.
+    pub phases: Vec<Vec<(u64, u64)>>,
     pub kernel_ms: f64,
-    pub kernels_per_phase: u64,
-    /// The scheduler's `[overcommit]` table, if not its defaults.
-    pub overcommit_table: Option<String>,
+    /// Keys of the scheduler's `[overcommit]` table besides the bandwidths (which are the
+    /// simulated driver's, when set), if not its defaults.
+    pub overcommit_keys: Option<String>,
     /// The longest gap (ms) between a tenant's kernels within a window in which it counts as
     /// resident and running.
     pub resident_gap_ms: u64,
@@ -47,16 +47,25 @@ pub struct Params {
 }
 
 impl Params {
-    /// The benchmark: an 80 GiB GPU, 4 tenants capped at 40 GiB (caps 2× the GPU), each
-    /// alternating 8 GiB and 36 GiB phases (peaks 144 GiB, 1.8× the GPU), two of them starting
-    /// with a peak; 4 phases of 250 kernels of 10 ms (2.5 s of GPU time alone each); the
-    /// simulated driver's checkpoint and restore bandwidths scaled ×10 (15 GB/s and 44 GB/s: at
-    /// the H200's, a 36 GiB swap out takes 26 s and the scheduler keeps a group in memory four
-    /// times what its swaps cost, which would make a run last many minutes).
+    /// The benchmark: an 80 GiB GPU, 4 tenants capped at 40 GiB (caps 2x the GPU) whose peaks
+    /// (36, 36, 32 and 32 GiB) sum to 136 GiB, 1.7x the GPU, over 6 GiB bases, with kernels of
+    /// 2 ms, well under a turn (13.3 ms at a quarter of the GPU), so that the device runs one
+    /// tenant's kernels at a time but at the hand-offs and the shares measured are the
+    /// scheduler's turns, not the device's own time-slicing of kernels queued at once. Tenants
+    /// t2 and t3 start at their peaks (76 GiB in all) and drop to their bases after 375
+    /// kernels; t0 grows to its peak after 750 kernels (60 GiB in all) and holds it for 2500;
+    /// t1 grows to its peak after 1375 kernels, while t0 holds its own: the two peaks and two
+    /// bases need 84 GiB, so t1's allocation waits, then another group (t0, or a base tenant
+    /// when t0 holds the turn) is swapped out for it; t1 holds its peak for 750 kernels, then
+    /// drops to its base and the group swapped out comes back. Every tenant then runs on for
+    /// several seconds (with all four at a quarter of the GPU, 125 kernels a second each):
+    /// every run swaps, with windows in which all four are resident before the swap and after
+    /// the restore. The simulated driver's checkpoint and restore bandwidths are scaled x10
+    /// (15 GB/s and 44 GB/s: at the H200's, a 36 GiB swap out takes 26 s and the scheduler
+    /// keeps a group in memory four times what its swaps cost, which would make a run last
+    /// minutes), and the scheduler told so; its other `[overcommit]` keys at their defaults.
     pub fn full() -> Params {
-        let (base, peak) = (8 * GIB, 36 * GIB);
-        let low_first = vec![base, peak, base, peak];
-        let high_first = vec![peak, base, peak, base];
+        let (base, top, peak) = (6 * GIB, 32 * GIB, 36 * GIB);
         Params {
             gpu_bytes: 80 * GIB,
             checkpoint_bandwidth: Some("15GB/s".into()),
@@ -64,10 +73,14 @@ impl Params {
             overcommit: 2.0,
             cap_bytes: 40 * GIB,
             static_cap_bytes: 20 * GIB,
-            phases: vec![low_first.clone(), high_first.clone(), low_first, high_first],
-            kernel_ms: 10.0,
-            kernels_per_phase: 250,
-            overcommit_table: None,
+            phases: vec![
+                vec![(base, 750), (peak, 2500), (base, 1250)],
+                vec![(base, 1375), (peak, 750), (base, 2250)],
+                vec![(top, 375), (base, 4375)],
+                vec![(top, 375), (base, 4500)],
+            ],
+            kernel_ms: 2.0,
+            overcommit_keys: None,
             resident_gap_ms: 250,
             timeout_s: 600,
         }
@@ -81,8 +94,8 @@ impl Params {
     pub fn small() -> Params {
         let mib = 1 << 20;
         let (base, peak) = (512 * mib, 1792 * mib);
-        let low_first = vec![base, peak, base];
-        let high_first = vec![peak, base, peak];
+        let low_first = vec![(base, 80), (peak, 80), (base, 80)];
+        let high_first = vec![(peak, 80), (base, 80), (peak, 80)];
         Params {
             gpu_bytes: 4 * GIB,
             checkpoint_bandwidth: Some("15GB/s".into()),
@@ -92,9 +105,8 @@ impl Params {
             static_cap_bytes: GIB,
             phases: vec![low_first.clone(), high_first.clone(), low_first, high_first],
             kernel_ms: 5.0,
-            kernels_per_phase: 80,
-            overcommit_table: Some(
-                "[overcommit]\nwait = \"200ms\"\nmemory_turn = \"1s\"\nwindow = \"10s\"\n".into(),
+            overcommit_keys: Some(
+                "wait = \"200ms\"\nmemory_turn = \"1s\"\nwindow = \"10s\"\n".into(),
             ),
             resident_gap_ms: 250,
             timeout_s: 240,
@@ -106,7 +118,7 @@ impl Params {
         a.extend(
             self.phases[i]
                 .iter()
-                .map(|b| format!("{b}:{}", self.kernels_per_phase)),
+                .map(|(bytes, kernels)| format!("{bytes}:{kernels}")),
         );
         a
     }
@@ -140,6 +152,9 @@ pub struct TenantEnd {
     /// when its synchronisation returned.
     #[serde(skip)]
     pub gpu_stretches: Vec<(u64, u64)>,
+    /// What it wrote on stderr (the hook's warnings among it).
+    #[serde(skip)]
+    pub stderr: String,
 }
 
 /// One run's figures.
@@ -171,6 +186,9 @@ pub struct RunFigures {
     /// The same over the 1 s windows in which every tenant was resident and wanted the GPU
     /// throughout ([`wanting_all_along`]).
     pub wanting: WindowShares,
+    /// The `wanting` windows around each spell out of memory: before it, after it (until the
+    /// next), and the restored group's shares there.
+    pub around_swaps: Vec<AroundSwap>,
 }
 
 /// Shares over a set of 1 s windows: how many, the worst deviation of a tenant's share of the
@@ -221,13 +239,16 @@ fn start_node(p: &Params, mode: Mode, dir: &Path) -> anyhow::Result<(Node, PathB
     } else {
         p.overcommit
     };
-    std::fs::write(
-        &config,
-        format!(
-            "memory_overcommit = {ratio:?}\n{}",
-            p.overcommit_table.as_deref().unwrap_or("")
-        ),
-    )?;
+    // The scheduler is told what the simulated link carries, as an operator would set it.
+    let mut table = String::from("[overcommit]\n");
+    if let Some(b) = &p.checkpoint_bandwidth {
+        table += &format!("checkpoint_bandwidth = {b:?}\n");
+    }
+    if let Some(b) = &p.restore_bandwidth {
+        table += &format!("restore_bandwidth = {b:?}\n");
+    }
+    table += p.overcommit_keys.as_deref().unwrap_or("");
+    std::fs::write(&config, format!("memory_overcommit = {ratio:?}\n{table}"))?;
     let config = config.display().to_string();
     node.start_scheduler(&["--config", &config]);
     let exe = node.compile_c("phase_tenant.c", true);
@@ -292,6 +313,7 @@ fn end_of(group: String, t: Tenant, timeout: Duration) -> TenantEnd {
         wall_s: round(wall_s, 3),
         longest_alloc_wait_s: round(waits as f64 / 1e9, 3),
         gpu_stretches,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
 }
 
@@ -407,10 +429,13 @@ pub fn run(p: &Params, mode: Mode, dir: &Path, label: &str) -> anyhow::Result<Ru
     std::fs::write(dir.join(format!("{label}.scheduler.log")), &log)?;
     let trace = node.finish();
     trace.write(dir.join(format!("{label}.trace.jsonl")))?;
+    for e in &ends {
+        std::fs::write(dir.join(format!("{label}.{}.stderr", e.group)), &e.stderr)?;
+    }
     let swaps = &status["memory_swaps"];
     let count = |k: &str| swaps[k].as_u64().unwrap_or(0);
     let secs = |k: &str| swaps[k]["sum_s"].as_f64().unwrap_or(0.0);
-    let (resident, wanting) = if mode == Mode::Overcommit {
+    let (resident, wanting, around) = if mode == Mode::Overcommit {
         let span = trace.span();
         let gap_ns = p.resident_gap_ms * 1_000_000;
         let resident = share_windows(&trace, &pids, span, |w| {
@@ -419,10 +444,14 @@ pub fn run(p: &Params, mode: Mode, dir: &Path, label: &str) -> anyhow::Result<Ru
         let tenants: Vec<Wanting> = (ends.iter().zip(&pids))
             .map(|(e, &pid)| Wanting::of(&trace, pid, &e.gpu_stretches, watch.out_spans(&e.group)))
             .collect();
-        let wanting = share_windows(&trace, &pids, span, |w| wanting_all_along(&tenants, w));
-        (resident, wanting)
+        let windows = window_shares(&trace, &pids, span, |w| wanting_all_along(&tenants, w));
+        let wanting = WindowShares::of(windows.iter().map(|(_, s)| s.as_slice()));
+        let spells: Vec<(usize, (u64, u64))> = (tenants.iter().enumerate())
+            .flat_map(|(i, t)| t.out.iter().map(move |&span| (i, span)))
+            .collect();
+        (resident, wanting, around_swaps(&windows, &groups, &spells))
     } else {
-        (WindowShares::default(), WindowShares::default())
+        Default::default()
     };
     Ok(RunFigures {
         mode,
@@ -441,6 +470,7 @@ pub fn run(p: &Params, mode: Mode, dir: &Path, label: &str) -> anyhow::Result<Ru
         worst_share_error: resident.worst_share_error,
         windows_within_0_02: resident.within_0_02,
         wanting,
+        around_swaps: around,
     })
 }
 
@@ -483,23 +513,22 @@ pub fn wanting_all_along(tenants: &[Wanting], w: Window) -> bool {
     })
 }
 
-/// Over consecutive 1 s windows of `span`, those `counts` keeps: how many, the worst deviation
-/// of a share of the busy time from an even split, and how many were within 0.02.
-pub fn share_windows(
+/// Over consecutive 1 s windows of `span`, those `counts` keeps in which the device was busy:
+/// each window and every tenant's share of its busy time.
+pub fn window_shares(
     trace: &Trace,
     pids: &[u32],
     span: Option<Window>,
     counts: impl Fn(Window) -> bool,
-) -> WindowShares {
+) -> Vec<(Window, Vec<f64>)> {
     let Some(Window {
         start_ns: first,
         end_ns: last,
     }) = span
     else {
-        return WindowShares::default();
+        return Vec::new();
     };
-    let even = 1.0 / pids.len() as f64;
-    let (mut n, mut worst, mut within) = (0, None::<f64>, 0);
+    let mut v = Vec::new();
     let mut t = first;
     while t + 1_000_000_000 <= last {
         let w = Window::new(t, t + 1_000_000_000);
@@ -509,23 +538,108 @@ pub fn share_windows(
         }
         let shares = shares_in(trace, pids, w);
         let busy: f64 = shares.iter().sum();
-        if busy <= 0.0 {
-            continue;
-        }
-        let err = (shares.iter())
-            .map(|s| (s / busy - even).abs())
-            .fold(0.0, f64::max);
-        n += 1;
-        worst = Some(worst.map_or(err, |w: f64| w.max(err)));
-        if err <= 0.02 {
-            within += 1;
+        if busy > 0.0 {
+            v.push((w, shares.iter().map(|s| s / busy).collect()));
         }
     }
-    WindowShares {
-        windows: n,
-        worst_share_error: worst.map(|w| round(w, 4)),
-        within_0_02: within,
+    v
+}
+
+/// Over consecutive 1 s windows of `span`, those `counts` keeps: how many, the worst deviation
+/// of a share of the busy time from an even split, and how many were within 0.02.
+pub fn share_windows(
+    trace: &Trace,
+    pids: &[u32],
+    span: Option<Window>,
+    counts: impl Fn(Window) -> bool,
+) -> WindowShares {
+    let windows = window_shares(trace, pids, span, counts);
+    WindowShares::of(windows.iter().map(|(_, shares)| shares.as_slice()))
+}
+
+impl WindowShares {
+    /// The figures of windows whose shares of the busy time are `windows`.
+    fn of<'a>(windows: impl Iterator<Item = &'a [f64]>) -> WindowShares {
+        let (mut n, mut worst, mut within) = (0, None::<f64>, 0);
+        for shares in windows {
+            let err = share_error(shares);
+            n += 1;
+            worst = Some(worst.map_or(err, |w: f64| w.max(err)));
+            if err <= 0.02 {
+                within += 1;
+            }
+        }
+        WindowShares {
+            windows: n,
+            worst_share_error: worst.map(|w| round(w, 4)),
+            within_0_02: within,
+        }
     }
+}
+
+/// The worst deviation of a share from an even split.
+fn share_error(shares: &[f64]) -> f64 {
+    let even = 1.0 / shares.len() as f64;
+    (shares.iter())
+        .map(|s| (s - even).abs())
+        .fold(0.0, f64::max)
+}
+
+/// The windows around one spell out of memory.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct AroundSwap {
+    pub group: String,
+    /// How long it was out of memory (s), from the last status poll that saw it resident to
+    /// the first that saw it back: an upper bound.
+    pub out_s: f64,
+    /// The windows in which every tenant was resident and wanted the GPU, between the end of
+    /// the spell out before (of any group; else the start) and this one's start.
+    pub before: WindowShares,
+    /// The same between this spell's end and the next one's start (else the end).
+    pub after: WindowShares,
+    /// The group's share of the busy time in each of the `after` windows, in order, and how
+    /// long after its spell's end each began (s).
+    pub restored_shares: Vec<f64>,
+    pub restored_window_starts_s: Vec<f64>,
+}
+
+/// For each spell out of memory (`spells`: the group's index and its span), the windows `counts`
+/// keeps that lie between it and the spells before and after it, of any group.
+pub fn around_swaps(
+    windows: &[(Window, Vec<f64>)],
+    groups: &[String],
+    spells: &[(usize, (u64, u64))],
+) -> Vec<AroundSwap> {
+    let mut spells = spells.to_vec();
+    spells.sort_by_key(|&(_, (from, _))| from);
+    (spells.iter())
+        .map(|&(g, (from, to))| {
+            let since = (spells.iter())
+                .map(|&(_, (_, end))| end)
+                .filter(|&end| end <= from)
+                .max()
+                .unwrap_or(0);
+            let until = (spells.iter())
+                .map(|&(_, (start, _))| start)
+                .filter(|&start| start >= to)
+                .min()
+                .unwrap_or(u64::MAX);
+            let within = |a: u64, b: u64| {
+                (windows.iter()).filter(move |(w, _)| a <= w.start_ns && w.end_ns <= b)
+            };
+            let after: Vec<&(Window, Vec<f64>)> = within(to, until).collect();
+            AroundSwap {
+                group: groups[g].clone(),
+                out_s: round(to.saturating_sub(from) as f64 / 1e9, 2),
+                before: WindowShares::of(within(since, from).map(|(_, s)| s.as_slice())),
+                after: WindowShares::of(after.iter().map(|(_, s)| s.as_slice())),
+                restored_shares: after.iter().map(|(_, s)| round(s[g], 4)).collect(),
+                restored_window_starts_s: (after.iter())
+                    .map(|(w, _)| round((w.start_ns - to) as f64 / 1e9, 2))
+                    .collect(),
+            }
+        })
+        .collect()
 }
 
 /// The whole benchmark: each mode `repeat` times; `summary.json` and `summary.md` in `out`.
@@ -633,6 +747,40 @@ impl Summary {
                 sp(&|r| r.wanting.within_0_02 as f64, 0),
                 sp(&|r| r.wanting.worst_share_error.unwrap_or(f64::NAN), 3),
             );
+        }
+        s + &self.around_swaps_markdown()
+    }
+
+    /// Each spell out of memory of the overcommitted runs, with the windows all resident and
+    /// wanting the GPU before and after it.
+    fn around_swaps_markdown(&self) -> String {
+        let mut s = String::from(
+            "\n| run | group out | out (s) | windows before (within 0.02) | worst share error \
+             | windows after (within 0.02) | worst share error | its share in the windows \
+             after (from its return, s) |\n|---|---|---|---|---|---|---|---|\n",
+        );
+        let worst =
+            |w: &WindowShares| (w.worst_share_error).map_or("-".into(), |e| format!("{:.3}", e));
+        for (k, r) in self.of_mode(Mode::Overcommit).enumerate() {
+            for a in &r.around_swaps {
+                let shares: Vec<String> = (a.restored_shares.iter())
+                    .zip(&a.restored_window_starts_s)
+                    .map(|(sh, t)| format!("{sh:.3} ({t:.1})"))
+                    .collect();
+                s += &format!(
+                    "| {} | {} | {:.1} | {} ({}) | {} | {} ({}) | {} | {} |\n",
+                    k + 1,
+                    a.group,
+                    a.out_s,
+                    a.before.windows,
+                    a.before.within_0_02,
+                    worst(&a.before),
+                    a.after.windows,
+                    a.after.within_0_02,
+                    worst(&a.after),
+                    shares.join(", "),
+                );
+            }
         }
         s
     }
@@ -756,9 +904,61 @@ mod tests {
     }
 
     #[test]
+    fn windows_around_each_swap_lie_between_it_and_the_spells_next_to_it() {
+        let s = 1_000_000_000;
+        // Two tenants' shares in the windows all resident and wanting the GPU, 1 s each.
+        let w =
+            |from: u64, shares: [f64; 2]| (Window::new(from * s, (from + 1) * s), shares.to_vec());
+        let windows = vec![
+            w(0, [0.5, 0.5]),
+            w(1, [0.51, 0.49]),
+            w(2, [0.5, 0.5]), // ends after t1's spell out begins
+            w(6, [0.49, 0.51]),
+            w(7, [0.45, 0.55]),
+            w(9, [0.5, 0.5]),
+        ];
+        let groups = ["t0".to_string(), "t1".to_string()];
+        // t1 out from 2.5 s to 5.2 s, then t0 from 8.1 s to 8.9 s (given out of order).
+        let spells = [
+            (0, (8_100_000_000, 8_900_000_000)),
+            (1, (2_500_000_000, 5_200_000_000)),
+        ];
+        let around = around_swaps(&windows, &groups, &spells);
+        assert_eq!(around.len(), 2);
+        let (first, second) = (&around[0], &around[1]);
+        assert_eq!((first.group.as_str(), first.out_s), ("t1", 2.7));
+        assert_eq!(
+            first.before,
+            WindowShares {
+                windows: 2,
+                worst_share_error: Some(0.01),
+                within_0_02: 2
+            }
+        );
+        // After it: until t0's spell begins.
+        assert_eq!(
+            first.after,
+            WindowShares {
+                windows: 2,
+                worst_share_error: Some(0.05),
+                within_0_02: 1
+            }
+        );
+        assert_eq!(first.restored_shares, vec![0.51, 0.55]);
+        assert_eq!(first.restored_window_starts_s, vec![0.8, 1.8]);
+        // Before t0's spell: from the end of t1's.
+        assert_eq!((second.group.as_str(), second.before.windows), ("t0", 2));
+        assert_eq!(second.after.windows, 1);
+        assert_eq!(second.restored_shares, vec![0.5]);
+        assert_eq!(second.restored_window_starts_s, vec![0.1]);
+    }
+
+    #[test]
     fn the_benchmark_peaks_sum_to_1_5_to_2_times_the_gpu() {
         for p in [Params::full(), Params::small()] {
-            let peaks: u64 = p.phases.iter().map(|t| t.iter().max().unwrap()).sum();
+            let peaks: u64 = (p.phases.iter())
+                .map(|t| t.iter().map(|&(bytes, _)| bytes).max().unwrap())
+                .sum();
             let r = peaks as f64 / p.gpu_bytes as f64;
             assert!((1.5..=2.0).contains(&r), "{r}");
             let caps = p.cap_bytes as f64 * p.phases.len() as f64 / p.gpu_bytes as f64;

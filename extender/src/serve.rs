@@ -1,8 +1,10 @@
-//! `gpushare-extender serve`: the I/O shell around [`Books`]. A watch of the API server's pods
-//! (the pods asking for `gpushare.io/gpu-share`, and the `gpushare-node` pods whose metrics
-//! ports are scraped), a loop reading every node's metrics (directly, or from Prometheus), and
-//! the extender's HTTP API as kube-scheduler calls it: `POST /filter`, `/prioritize`, `/bind`
-//! under the configured prefix, plus `GET /metrics` and `/healthz`.
+//! `gpushare-extender serve`: the I/O shell around [`Books`]. kube-runtime's reflector over a
+//! watch of the API server's pods (the books follow the pods asking for `gpushare.io/gpu-share`;
+//! the scrape loop reads the `gpushare-node` pods' metrics ports from its store), a loop reading
+//! every node's metrics (directly, or from Prometheus), the extender's HTTP API as
+//! kube-scheduler calls it: `POST /filter`, `/prioritize`, `/bind` under the configured prefix,
+//! plus `GET /metrics` and `/healthz`, and `Warning` events (`events.k8s.io/v1`, through
+//! kube-runtime's [`Recorder`]) on the pods whose annotation a binding replaced.
 
 use crate::api::{BindingArgs, BindingResult, ExtenderArgs, FilterResult, HostPriority};
 use crate::books::{self, Books, GPU_ANNOTATION, PodInfo};
@@ -16,11 +18,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use http_body_util::BodyExt;
-use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::Api;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Resource, ResourceExt};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -74,8 +77,6 @@ fn duration(s: &str) -> Result<Duration, String> {
 /// What the handlers and loops share.
 pub struct Shared {
     pub books: Mutex<Books>,
-    /// Per node: its metrics endpoints (from the node pods).
-    endpoints: Mutex<BTreeMap<String, Vec<String>>>,
     start: Instant,
     client: Option<kube::Client>,
 }
@@ -84,7 +85,6 @@ impl Shared {
     pub fn new(books: Books, client: Option<kube::Client>) -> Shared {
         Shared {
             books: Mutex::new(books),
-            endpoints: Mutex::new(BTreeMap::new()),
             start: Instant::now(),
             client,
         }
@@ -312,51 +312,32 @@ async fn do_bind(shared: &Shared, a: &BindingArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Post a `Warning` event on `pod` (`kubectl describe pod` shows it), without waiting: the
-/// binding is made whether or not the API server takes it.
-fn warn_event(client: kube::Client, pod: &Pod, reason: &'static str, message: String) {
-    let m = &pod.metadata;
-    let ns = m.namespace.clone().unwrap_or_else(|| "default".into());
-    let now =
-        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now());
+/// Publish a `Warning` event on `pod` (`kubectl describe pod` shows it), without waiting: the
+/// binding is made whether or not the API server takes it. Each warning gets a recorder of its
+/// own: a recorder folds events of one object, reason and action into a series that keeps the
+/// first note.
+fn warn_event(client: kube::Client, pod: &Pod, reason: &'static str, note: String) {
+    let regarding = pod.object_ref(&());
     let event = Event {
-        metadata: ObjectMeta {
-            generate_name: Some(format!("{}.", m.name.clone().unwrap_or_default())),
-            namespace: Some(ns.clone()),
-            ..Default::default()
-        },
-        involved_object: ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            name: m.name.clone(),
-            namespace: Some(ns.clone()),
-            uid: m.uid.clone(),
-            ..Default::default()
-        },
-        reason: Some(reason.into()),
-        message: Some(message),
-        type_: Some("Warning".into()),
-        source: Some(EventSource {
-            component: Some("gpushare-extender".into()),
-            host: None,
-        }),
-        reporting_component: Some("gpushare.io/extender".into()),
-        first_timestamp: Some(now.clone()),
-        last_timestamp: Some(now),
-        count: Some(1),
-        ..Default::default()
+        type_: EventType::Warning,
+        reason: reason.into(),
+        note: Some(note),
+        action: "Bind".into(),
+        secondary: None,
     };
     tokio::spawn(async move {
-        let api: Api<Event> = Api::namespaced(client, &ns);
+        // The instance is the host's name: the extender's pod.
+        let recorder = Recorder::new(client, Reporter::from("gpushare.io/extender"));
         let posted = tokio::time::timeout(
             Duration::from_secs(10),
-            api.create(&PostParams::default(), &event),
+            recorder.publish(&event, &regarding),
         )
         .await;
         if !matches!(posted, Ok(Ok(_))) {
             tracing::warn!(
-                "cannot post the {reason} event on pod {ns}/{:?}",
-                event.involved_object.name
+                "cannot post the {reason} event on pod {:?}/{:?}",
+                regarding.namespace,
+                regarding.name
             );
         }
     });
@@ -479,23 +460,36 @@ fn matches_selector(p: &Pod, selector: &str) -> bool {
         })
 }
 
-/// Follow the API server's pods into the books (relisting when the watch breaks).
-async fn watch_pods(shared: Arc<Shared>, client: kube::Client, args: ServeArgs) {
+/// Per node: the metrics endpoints of its gpushare node pod, from the reflector's store (a
+/// node pod being deleted gives way to its successor on the node).
+fn node_endpoints(pods: &Store<Pod>, args: &ServeArgs) -> BTreeMap<String, Vec<String>> {
+    let mut node_pods: Vec<Arc<Pod>> = pods
+        .state()
+        .into_iter()
+        .filter(|p| matches_selector(p, &args.node_pods))
+        .collect();
+    node_pods.sort_by_key(|p| p.metadata.deletion_timestamp.is_none());
+    node_pods
+        .iter()
+        .filter_map(|p| endpoints_of(p, &args.metrics_ports))
+        .collect()
+}
+
+/// The pods of the API server, and the task that keeps them: kube-runtime's reflector over a
+/// watch of every pod (relisting when the watch breaks; managed fields dropped, as nothing here
+/// reads them). The books take each change the store takes in, and the store whole once a
+/// relist is complete.
+fn watch_pods(
+    shared: Arc<Shared>,
+    client: kube::Client,
+) -> (Store<Pod>, impl Future<Output = ()> + Send + 'static) {
     let api: Api<Pod> = Api::all(client);
-    // A relist in progress: the pods asking for units, and the nodes' metrics endpoints.
-    type Relist = (Vec<PodInfo>, BTreeMap<String, Vec<String>>);
-    let mut pending: Option<Relist> = None;
-    let mut stream = watcher(api, watcher::Config::default())
+    let (reader, writer) = reflector::store();
+    let store = reader.clone();
+    let events = watcher(api, watcher::Config::default())
         .default_backoff()
-        .boxed();
-    while let Some(ev) = stream.next().await {
-        let ev = match ev {
-            Ok(ev) => ev,
-            Err(e) => {
-                tracing::warn!("pod watch: {e}");
-                continue;
-            }
-        };
+        .map(|ev| ev.map(|ev| ev.modify(|p| p.managed_fields_mut().clear())));
+    let task = async move {
         let info = |p: &Pod| match books::pod_info(p) {
             Ok(i) => i,
             Err(e) => {
@@ -503,63 +497,36 @@ async fn watch_pods(shared: Arc<Shared>, client: kube::Client, args: ServeArgs) 
                 None
             }
         };
-        match ev {
-            watcher::Event::Init => pending = Some((Vec::new(), BTreeMap::new())),
-            watcher::Event::InitApply(p) => {
-                if let Some((pods, eps)) = pending.as_mut() {
-                    pods.extend(info(&p));
-                    if matches_selector(&p, &args.node_pods)
-                        && let Some((n, e)) = endpoints_of(&p, &args.metrics_ports)
-                    {
-                        eps.insert(n, e);
-                    }
-                }
-            }
-            watcher::Event::InitDone => {
-                if let Some((pods, eps)) = pending.take() {
+        let mut events = reflector::reflector(writer, events).boxed();
+        while let Some(ev) = events.next().await {
+            match ev {
+                Err(e) => tracing::warn!("pod watch: {e}"),
+                Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+                Ok(watcher::Event::InitDone) => {
+                    let pods = store.state().iter().filter_map(|p| info(p)).collect();
                     shared.books().set_pods(pods, shared.now());
-                    *shared.endpoints.lock().unwrap_or_else(|e| e.into_inner()) = eps;
                 }
-            }
-            watcher::Event::Apply(p) => {
-                match info(&p) {
+                Ok(watcher::Event::Apply(p)) => match info(&p) {
                     Some(i) => shared.books().upsert_pod(i),
                     None => {
                         if let Some(uid) = &p.metadata.uid {
                             shared.books().remove_pod(uid, shared.now());
                         }
                     }
-                }
-                if matches_selector(&p, &args.node_pods)
-                    && let Some((n, e)) = endpoints_of(&p, &args.metrics_ports)
-                {
-                    shared
-                        .endpoints
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(n, e);
-                }
-            }
-            watcher::Event::Delete(p) => {
-                if let Some(uid) = &p.metadata.uid {
-                    shared.books().remove_pod(uid, shared.now());
-                }
-                if matches_selector(&p, &args.node_pods)
-                    && let Some(n) = p.spec.as_ref().and_then(|s| s.node_name.as_ref())
-                {
-                    shared
-                        .endpoints
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(n);
+                },
+                Ok(watcher::Event::Delete(p)) => {
+                    if let Some(uid) = &p.metadata.uid {
+                        shared.books().remove_pod(uid, shared.now());
+                    }
                 }
             }
         }
-    }
+    };
+    (reader, task)
 }
 
 /// Read every node's metrics every `scrape_interval`.
-async fn scrape_loop(shared: Arc<Shared>, args: ServeArgs) {
+async fn scrape_loop(shared: Arc<Shared>, pods: Store<Pod>, args: ServeArgs) {
     let client = http();
     let timeout = args.scrape_interval.max(Duration::from_millis(500));
     let mut tick = tokio::time::interval(args.scrape_interval);
@@ -571,27 +538,24 @@ async fn scrape_loop(shared: Arc<Shared>, args: ServeArgs) {
                 from_prometheus(&client, url, &args.prometheus_node_label, &shared, timeout).await
             }
             None => {
-                let eps = shared
-                    .endpoints
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone();
-                let reads = eps.into_iter().map(|(node, urls)| {
-                    let client = client.clone();
-                    async move {
-                        let mut r = NodeReport::default();
-                        for u in &urls {
-                            match get_text(&client, u, timeout)
-                                .await
-                                .and_then(|t| report::parse_text(&t))
-                            {
-                                Ok(x) => r.merge(x),
-                                Err(e) => return (node, Err(e)),
+                let reads = node_endpoints(&pods, &args)
+                    .into_iter()
+                    .map(|(node, urls)| {
+                        let client = client.clone();
+                        async move {
+                            let mut r = NodeReport::default();
+                            for u in &urls {
+                                match get_text(&client, u, timeout)
+                                    .await
+                                    .and_then(|t| report::parse_text(&t))
+                                {
+                                    Ok(x) => r.merge(x),
+                                    Err(e) => return (node, Err(e)),
+                                }
                             }
+                            (node, Ok(r))
                         }
-                        (node, Ok(r))
-                    }
-                });
+                    });
                 futures::future::join_all(reads).await
             }
         };
@@ -665,8 +629,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let client = kube::Client::try_from(config)?;
     let books = Books::new(args.policy, args.stale_after.as_secs_f64());
     let shared = Arc::new(Shared::new(books, Some(client.clone())));
-    tokio::spawn(watch_pods(shared.clone(), client, args.clone()));
-    tokio::spawn(scrape_loop(shared.clone(), args.clone()));
+    let (pods, watch) = watch_pods(shared.clone(), client);
+    tokio::spawn(watch);
+    tokio::spawn(scrape_loop(shared.clone(), pods, args.clone()));
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| {
@@ -748,6 +713,69 @@ mod tests {
         let (_, body) = call(&s, "/prioritize", &args("30", &["n1", "n2"])).await;
         let p: Vec<HostPriority> = serde_json::from_str(&body).unwrap();
         assert!(p[0].score > 0 && p[1].score == 0, "{body}");
+    }
+
+    fn node_pod(name: &str, node: &str, ip: &str, deleting: bool) -> Pod {
+        let mut p: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "gpushare-system", "uid": name,
+                "labels": {"app.kubernetes.io/name": "gpushare-node"}},
+            "spec": {"nodeName": node, "containers": [{"name": "node", "ports": [
+                {"name": "metrics", "containerPort": 9400},
+                {"name": "other", "containerPort": 8080}]}]},
+            "status": {"podIP": ip}
+        }))
+        .unwrap();
+        if deleting {
+            p.metadata.deletion_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                ));
+        }
+        p
+    }
+
+    #[test]
+    fn the_node_pods_in_the_store_give_the_endpoints_a_leaving_one_gives_way() {
+        let (reader, mut writer) = reflector::store();
+        let mut other = node_pod("tenant", "n3", "10.0.0.9", false);
+        other.metadata.labels = None;
+        for p in [
+            node_pod("a-new", "n1", "10.0.0.2", false),
+            node_pod("z-old", "n1", "10.0.0.1", true),
+            node_pod("b", "n2", "10.0.0.3", false),
+            other,
+        ] {
+            writer.apply_watcher_event(&watcher::Event::Apply(p));
+        }
+        let args = ServeArgs {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            policy: Policy::Predicted,
+            prometheus: None,
+            prometheus_node_label: "node".into(),
+            scrape_interval: Duration::from_secs(1),
+            stale_after: Duration::from_secs(10),
+            node_pods: "app.kubernetes.io/name=gpushare-node".into(),
+            metrics_ports: vec!["metrics".into()],
+            kubeconfig: None,
+        };
+        let eps = node_endpoints(&reader, &args);
+        assert_eq!(
+            eps,
+            BTreeMap::from([
+                (
+                    "n1".to_string(),
+                    vec!["http://10.0.0.2:9400/metrics".to_string()]
+                ),
+                (
+                    "n2".to_string(),
+                    vec!["http://10.0.0.3:9400/metrics".to_string()]
+                ),
+            ])
+        );
+        writer.apply_watcher_event(&watcher::Event::Delete(node_pod(
+            "b", "n2", "10.0.0.3", false,
+        )));
+        assert_eq!(node_endpoints(&reader, &args).len(), 1);
     }
 
     #[tokio::test]

@@ -22,6 +22,9 @@
 //! lock_timeout = "5s" # a checkpoint's lock waits this long for the group's submitted work
 //! exit_release = "1s" # an exited process's memory counts as used this long (the driver
 //!                     # releases it some time after the exit)
+//! checkpoint_bandwidth = "1.5GB/s" # what a swap is first taken to cost (then learned from
+//! restore_bandwidth = "4.4GB/s"    # the swaps seen): the latency, then the bytes at the
+//! checkpoint_latency = "100ms"     # bandwidth of the direction
 //!
 //! [connections]       # the tenant socket's bounds (a flood costs memory, never fairness)
 //! max = 4096          # connections in total; more are closed at once
@@ -85,6 +88,9 @@ struct RawOvercommit {
     retry_after: Option<String>,
     lock_timeout: Option<String>,
     exit_release: Option<String>,
+    checkpoint_bandwidth: Option<String>,
+    restore_bandwidth: Option<String>,
+    checkpoint_latency: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -328,6 +334,29 @@ fn parse_overcommit(raw: &RawOvercommit) -> Result<OvercommitConfig, String> {
     dur(&raw.memory_turn, "memory_turn", &mut p.memory_turn_ns)?;
     dur(&raw.retry_after, "retry_after", &mut p.retry_after_ns)?;
     dur(&raw.exit_release, "exit_release", &mut p.exit_release_ns)?;
+    let cost = &mut p.swap_cost;
+    dur(
+        &raw.checkpoint_latency,
+        "checkpoint_latency",
+        &mut cost.latency_ns,
+    )?;
+    let rate = |v: &Option<String>, key: &str, into: &mut f64| -> Result<(), String> {
+        if let Some(s) = v {
+            *into =
+                gpushare_units::parse_rate(s).map_err(|e| format!("overcommit.{key}: {e}"))? as f64;
+        }
+        Ok(())
+    };
+    rate(
+        &raw.checkpoint_bandwidth,
+        "checkpoint_bandwidth",
+        &mut cost.checkpoint_bytes_per_s,
+    )?;
+    rate(
+        &raw.restore_bandwidth,
+        "restore_bandwidth",
+        &mut cost.restore_bytes_per_s,
+    )?;
     let mut lock = u64::from(c.lock_timeout_ms) * 1_000_000;
     dur(&raw.lock_timeout, "lock_timeout", &mut lock)?;
     c.lock_timeout_ms = u32::try_from(lock / 1_000_000)
@@ -457,9 +486,21 @@ weight = 2
     #[test]
     fn overcommit_keys_parse_and_bad_ones_are_explained() {
         let c = Config::parse(
-            "memory_overcommit = 1.5\n[overcommit]\nwait = \"2s\"\nmax_wait = \"30s\"\nlock_timeout = \"1s\"\nexit_release = \"250ms\"",
+            "memory_overcommit = 1.5\n[overcommit]\nwait = \"2s\"\nmax_wait = \"30s\"\nlock_timeout = \"1s\"\nexit_release = \"250ms\"\ncheckpoint_bandwidth = \"15GB/s\"\nrestore_bandwidth = \"44GB/s\"\ncheckpoint_latency = \"20ms\"",
         )
         .unwrap();
+        assert_eq!(
+            c.overcommit.params.swap_cost,
+            gpushare_policy::overcommit::SwapCost {
+                latency_ns: 20_000_000,
+                checkpoint_bytes_per_s: 15e9,
+                restore_bytes_per_s: 44e9,
+            }
+        );
+        assert_eq!(
+            Config::parse("").unwrap().overcommit.params.swap_cost,
+            gpushare_policy::overcommit::SwapCost::MEASURED
+        );
         assert_eq!(c.memory_overcommit, Some(1.5));
         assert_eq!(c.overcommit.params.alloc_wait_ns, 2_000_000_000);
         assert_eq!(c.overcommit.params.max_wait_ns, 30_000_000_000);
@@ -470,6 +511,8 @@ weight = 2
         assert!(e.contains("at least 1"), "{e}");
         let e = Config::parse("[overcommit]\nmax_wait = \"1h\"").unwrap_err();
         assert!(e.contains("max_wait"), "{e}");
+        let e = Config::parse("[overcommit]\nrestore_bandwidth = \"44GB\"").unwrap_err();
+        assert!(e.contains("restore_bandwidth") && e.contains("rate"), "{e}");
     }
 
     #[test]

@@ -775,6 +775,11 @@ async fn the_extender_tells_recreated_pods_apart_follows_the_node_and_forgets_po
     assert_eq!(event["involvedObject"]["name"], "y", "{event}");
     assert_eq!(event["type"], "Warning", "{event}");
     assert!(event["message"].as_str().unwrap().contains(&g_x), "{event}");
+    assert_eq!(
+        event["reportingComponent"], "gpushare.io/extender",
+        "{event}"
+    );
+    assert_eq!(event["action"], "Bind", "{event}");
     let py = a.admit(&api, "y", 45).await;
     assert_eq!(gpu_of(&py), g_x, "{}", a.manager_log());
     // Then y's annotation is edited to name w's GPU: the node reports y's memory on x's GPU,

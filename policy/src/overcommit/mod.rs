@@ -472,7 +472,12 @@ impl Overcommit {
         self.params
     }
 
+    /// New parameters apply from `now`. A changed [`Params::swap_cost`] (what the link is said
+    /// to carry) replaces what the swaps seen so far taught; an unchanged one keeps it.
     pub fn set_params(&mut self, now: Nanos, params: Params) -> Vec<Effect> {
+        if params.swap_cost != self.params.swap_cost {
+            self.cost = params.swap_cost;
+        }
         self.params = params;
         self.step(now)
     }

@@ -1003,6 +1003,62 @@ fn waits_and_memory_turns_follow_what_swaps_cost() {
     assert_eq!(swap_outs(&o.tick(28 * S)), vec![(SwapId(2), GroupId(1))]);
 }
 
+/// What the link is said to carry (the configuration's bandwidths) replaces what swaps taught
+/// when it changes, and only then: a reload that leaves it alone keeps what was learned.
+#[test]
+fn a_changed_swap_cost_replaces_the_learned_one_and_an_unchanged_one_keeps_it() {
+    let slow = SwapCost {
+        latency_ns: 0,
+        checkpoint_bytes_per_s: GIB as f64,
+        restore_bytes_per_s: 2.0 * GIB as f64,
+    };
+    let p = Params {
+        swap_cost: slow,
+        ..params()
+    };
+    let mut o = Overcommit::new(p, vec![10 * GIB]);
+    for i in 0..2 {
+        o.attach(ProcessId(i), GroupId(i));
+    }
+    grant(&mut o, 0, 0, 8 * GIB);
+    o.request(0, RequestId(1), ProcessId(1), 0, 4 * GIB);
+    assert_eq!(swap_outs(&o.tick(4 * S)), vec![(SwapId(1), GroupId(0))]);
+    // 8 GiB out in 2 s: halfway from 1 to 4 GiB/s.
+    o.swapped_out(6 * S, SwapId(1), Ok(()));
+    let learned = o.swap_cost();
+    assert_eq!(learned.checkpoint_bytes_per_s, 2.5 * GIB as f64);
+    o.set_params(
+        7 * S,
+        Params {
+            max_wait_ns: 60 * S,
+            ..p
+        },
+    );
+    assert_eq!(
+        o.swap_cost(),
+        learned,
+        "the same link: what was learned stays"
+    );
+    let fast = SwapCost {
+        checkpoint_bytes_per_s: 16.0 * GIB as f64,
+        ..slow
+    };
+    o.set_params(
+        8 * S,
+        Params {
+            swap_cost: fast,
+            ..p
+        },
+    );
+    assert_eq!(o.swap_cost(), fast);
+    // An allocation now waits as long as its bytes take at the new rate, not the old.
+    o.request(9 * S, RequestId(2), ProcessId(1), 0, 8 * GIB);
+    assert_eq!(
+        o.next_wakeup(9 * S),
+        Some(9 * S + params().alloc_wait_ns.max(S / 2))
+    );
+}
+
 /// Swaps started to make room for the oldest allocation free memory for it, not for the
 /// victims to come straight back into: three groups that each hold a part of the GPU and each
 /// ask for half of it finish, one after the other (swaps cost nothing here, so a victim's
