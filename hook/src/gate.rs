@@ -30,7 +30,9 @@ use crate::driver::{self, Handle, Stream};
 use crate::log::debug;
 use crate::port::Port;
 use crate::queue::{self, LaunchStreams, Queue};
-use crate::turn::{Activity, Say, Step, Turn, TurnConfig, Turns, UNLIMITED, Waiter, Watch, pacing};
+use crate::turn::{
+    Activity, Plan, Runway, Say, Step, Turn, TurnConfig, Turns, UNLIMITED, Waiter, Watch, pacing,
+};
 use drain::Drainer;
 use gpushare_protocol::ClientMsg;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -44,6 +46,8 @@ struct Inner {
     ctxs: Vec<Handle>,
     /// Every launch call up to this count has returned from the driver.
     returned: u64,
+    /// Where the work launched should end (launching just in time).
+    runway: Runway,
 }
 
 /// An admitted launch (or graph launch): its launch numbers `first..=last`, its stream's key in
@@ -114,6 +118,7 @@ impl Gate {
                 queue: Queue::default(),
                 ctxs: Vec::new(),
                 returned: 0,
+                runway: Runway::default(),
             }),
             changed: Condvar::new(),
             wake: (Mutex::new(false), Condvar::new()),
@@ -152,6 +157,7 @@ impl Gate {
             self.next_pace.store(1, Ordering::Relaxed);
             let n = self.launches.load(Ordering::Relaxed);
             g.queue.drained(&self.launch_streams, n);
+            g.runway.drained(n);
         }
         for say in g.turns.take_said() {
             let msg = match say {
@@ -309,23 +315,10 @@ impl Gate {
 
     // --- the scheduler -------------------------------------------------------------------
 
-    pub fn on_grant(
-        &self,
-        token: u64,
-        start_ns: u64,
-        deadline_ns: u64,
-        queue_budget_ns: u64,
-        open_at_start: bool,
-    ) {
+    pub fn on_grant(&self, token: u64, start_ns: u64, deadline_ns: u64, plan: Plan) {
         let mut g = self.lock();
-        g.turns.grant(
-            token,
-            start_ns,
-            deadline_ns,
-            queue_budget_ns,
-            open_at_start,
-            crate::now_ns(),
-        );
+        g.turns
+            .grant(token, start_ns, deadline_ns, plan, crate::now_ns());
         self.changed(&mut g);
     }
 
@@ -530,6 +523,7 @@ impl Gate {
             // spans another holder's turn.
             let n = self.launches.load(Ordering::Relaxed);
             g.queue.drained(&self.launch_streams, n);
+            g.runway.drained(n);
         } else if turn.opened_ns.is_some() {
             debug!("turn {}: work still running at its drain limit", turn.token);
         }
@@ -568,7 +562,10 @@ impl Gate {
         let now = crate::now_ns();
         g.turns.after_sync(now, n);
         let budget = g.turns.queue_budget();
+        // (Launching just in time, a latency-class group's kernels run between this process's:
+        // a wait holds them too.)
         if let Some(budget) = budget
+            && g.turns.just_in_time().is_none()
             && now.saturating_sub(began) as f64 > 2.0 * budget
         {
             g.queue.scan(&self.launch_streams, n);
@@ -648,8 +645,12 @@ mod tests {
             let mut w = Waiter::default();
             assert_eq!(g.turns.admit(now, &mut w), Step::Ask);
             g.turns.asked(true, now);
+            let plan = Plan {
+                queue_budget_ns: 2_500_000,
+                ..Plan::default()
+            };
             g.turns
-                .grant(token, now, now + 3_600_000_000_000, 2_500_000, false, now);
+                .grant(token, now, now + 3_600_000_000_000, plan, now);
             assert_eq!(g.turns.admit(now, &mut w), Step::Opened);
             gate.apply(&mut g);
         }

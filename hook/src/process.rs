@@ -8,6 +8,7 @@ use crate::gate::Gate;
 use crate::log::debug;
 use crate::port::{Inbox, Port};
 use crate::settings::{DEFAULT_LIVENESS_NS, FailPolicy, Settings};
+use crate::turn::Plan;
 use gpushare_protocol::{ClientMsg, ServerMsg};
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Mutex, Once};
@@ -181,9 +182,15 @@ impl Inbox for Hook {
                 deadline_ns,
                 queue_budget_ns,
                 open_at_start,
+                just_in_time,
             } => {
                 if let Some(g) = self.gate(&gpu) {
-                    g.on_grant(token, start_ns, deadline_ns, queue_budget_ns, open_at_start);
+                    let plan = Plan {
+                        queue_budget_ns,
+                        open_at_start,
+                        just_in_time,
+                    };
+                    g.on_grant(token, start_ns, deadline_ns, plan);
                 }
             }
             ServerMsg::Revoke { gpu, token } => {

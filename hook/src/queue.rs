@@ -213,6 +213,12 @@ pub struct Queue {
     /// can vouch for launches that ran in earlier intervals: sums, unlike a mean of ratios,
     /// still add up.) An interval that may hold idle time adds at most the estimate's time.
     busy: (f64, f64),
+    /// The GPU time per launch of the recent intervals the GPU worked through without a
+    /// break, kept near the shortest: it falls to a shorter interval at once and rises by a
+    /// tenth of the way to a longer one; an interval that may hold idle time only lowers it. On a GPU that time-slices processes, another's kernels
+    /// between two of this process's lengthen an interval without a break in it; its shortest
+    /// is the time one launch takes ([`Queue::kernel_ns`]).
+    fastest: Option<f64>,
 }
 
 impl Queue {
@@ -335,6 +341,13 @@ impl Queue {
     fn ns_per_launch(&self) -> Option<f64> {
         let (ns, launches) = self.busy;
         (launches > 0.0).then(|| ns / launches)
+    }
+
+    /// The GPU time one launch takes when the GPU runs it, once learnt from intervals without
+    /// a break: what launching just in time goes by (the time per launch, averaged over all
+    /// intervals, also holds other processes' kernels run in between).
+    pub fn kernel_ns(&self) -> Option<f64> {
+        self.fastest
     }
 
     /// The oldest pending fence's event.
@@ -510,6 +523,16 @@ impl Queue {
                         .as_ref()
                         .is_some_and(|prev| prev.id + 1 == f.id);
                 let mut ns = ms * 1e6;
+                if vouched > 0.0 {
+                    let one = ns / vouched;
+                    self.fastest = match self.fastest {
+                        Some(f) if f < one && unbroken => Some(f + 0.1 * (one - f)),
+                        // Perhaps idle in part: only lowers it (an upper bound).
+                        Some(f) if f < one => Some(f),
+                        None if !unbroken => None,
+                        _ => Some(one),
+                    };
+                }
                 if !unbroken && let Some(est) = self.ns_per_launch() {
                     // Perhaps idle in part: an upper bound of its launches' GPU time.
                     ns = ns.min(est * vouched);
@@ -779,43 +802,72 @@ mod tests {
         );
     }
 
+    /// Ten launches on stream A up to `n`, fenced (recorded `behind` the previous fence or not),
+    /// the fence completing `ms` after the previous one (`None`: not comparable).
+    fn interval(q: &mut Queue, ring: &LaunchStreams, n: u64, behind: bool, ms: Option<f64>) {
+        launch(ring, n - 9, n, A);
+        q.push_fence(ring, (Handle::null(), Handle::null()), A, n, 0, behind);
+        let f = q.fences.pop_front().expect("pending");
+        q.completed_after(f, ms, n, 0);
+    }
+
     /// An interval the GPU worked through without a break (its later fence recorded behind the
     /// earlier) teaches the GPU time per launch as it is; any other only lowers it.
     #[test]
     fn only_an_unbroken_interval_raises_the_gpu_time_per_launch() {
         let ring = LaunchStreams::new();
         let mut q = Queue::default();
-        let null = Handle::null();
-        let fenced = |q: &mut Queue, n: u64, behind: bool| {
-            launch(&ring, n - 9, n, A);
-            q.push_fence(&ring, (null, null), A, n, 0, behind);
-            q.fences.pop_front().expect("pending")
-        };
-        let f = fenced(&mut q, 10, false);
-        q.completed_after(f, None, 10, 0);
+        interval(&mut q, &ring, 10, false, None);
         // 10 launches in 50 us, perhaps with idle time: the first bound learnt.
-        let f = fenced(&mut q, 20, false);
-        q.completed_after(f, Some(0.05), 20, 0);
+        interval(&mut q, &ring, 20, false, Some(0.05));
         assert_eq!(q.ns_per_launch(), Some(5_000.0));
         // 10 in 100 us, perhaps idle: no higher.
-        let f = fenced(&mut q, 30, false);
-        q.completed_after(f, Some(0.1), 30, 0);
+        interval(&mut q, &ring, 30, false, Some(0.1));
         assert_eq!(q.ns_per_launch(), Some(5_000.0));
         // 10 in 20 us: lower.
-        let f = fenced(&mut q, 40, false);
-        q.completed_after(f, Some(0.02), 40, 0);
+        interval(&mut q, &ring, 40, false, Some(0.02));
         let lowered = q.ns_per_launch().unwrap();
         assert!((2_000.0..5_000.0).contains(&lowered), "{lowered}");
         // 10 in 100 us without a break: higher.
-        let f = fenced(&mut q, 50, true);
-        q.completed_after(f, Some(0.1), 50, 0);
+        interval(&mut q, &ring, 50, true, Some(0.1));
         assert!(q.ns_per_launch().unwrap() > lowered + 1_000.0);
         // Behind a fence other than the reference (one dropped in between): perhaps idle.
         let est = q.ns_per_launch().unwrap();
         q.recorded += 1;
-        let f = fenced(&mut q, 60, true);
-        q.completed_after(f, Some(1.0), 60, 0);
+        interval(&mut q, &ring, 60, true, Some(1.0));
         assert_eq!(q.ns_per_launch(), Some(est));
+    }
+
+    /// The time one launch takes, for launching just in time: learnt from intervals without a
+    /// break, kept near the shortest (another process's kernels run in between lengthen an
+    /// interval without a break in it), where the mean GPU time per launch follows them; lowered
+    /// by any interval shorter.
+    #[test]
+    fn the_time_one_launch_takes_is_kept_near_the_shortest_unbroken_interval() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        interval(&mut q, &ring, 10, false, None);
+        // Perhaps idle in part: nothing learnt.
+        interval(&mut q, &ring, 20, false, Some(5.0));
+        assert_eq!(q.kernel_ns(), None);
+        // 10 launches in 10 ms without a break: 1 ms each.
+        interval(&mut q, &ring, 30, true, Some(10.0));
+        assert_eq!(q.kernel_ns(), Some(1e6));
+        // 20 ms without a break (another process's kernels in between): a tenth of the way up.
+        interval(&mut q, &ring, 40, true, Some(20.0));
+        let k = q.kernel_ns().unwrap();
+        assert!((k - 1.1e6).abs() < 1.0, "{k}");
+        let mean = q.ns_per_launch().unwrap();
+        assert!(mean > 1.3e6, "the mean follows: {mean}");
+        // Shorter again: down at once.
+        interval(&mut q, &ring, 50, true, Some(9.0));
+        assert_eq!(q.kernel_ns(), Some(0.9e6));
+        // An interval that may hold idle time (not recorded behind) only lowers it: the
+        // kernels got shorter, and a launcher waiting for the longer ones leaves the GPU idle.
+        interval(&mut q, &ring, 60, false, Some(50.0));
+        assert_eq!(q.kernel_ns(), Some(0.9e6));
+        interval(&mut q, &ring, 70, false, Some(1.0));
+        assert_eq!(q.kernel_ns(), Some(0.1e6));
     }
 
     /// A host launching on one stream every `host_ns`, a GPU running each kernel for `gpu_ns`,

@@ -61,6 +61,10 @@ pub struct Turn {
     /// A latency-class group keeps the GPU until its start and may take it back (the
     /// scheduler then withdraws this turn): the gate opens at its start, not a lead before.
     pub open_at_start: bool,
+    /// A latency-class group may ask at any moment and would wait behind this process's
+    /// queued work: a kernel longer than half the queue budget is launched only as the work
+    /// before it runs down to the budget ([`Runway`]).
+    pub just_in_time: bool,
     /// The gate closed for it: its work drains and is reported.
     pub closed: bool,
 }
@@ -75,6 +79,7 @@ impl Turn {
             opened_ns: None,
             stopped: false,
             open_at_start: false,
+            just_in_time: false,
             closed: false,
         }
     }
@@ -84,6 +89,7 @@ impl Turn {
         self.deadline_ns = moved.deadline_ns;
         self.queue_budget_ns = moved.queue_budget_ns;
         self.open_at_start = moved.open_at_start;
+        self.just_in_time = moved.just_in_time;
         self.stopped = false;
     }
 
@@ -123,6 +129,17 @@ pub enum Say {
     },
     /// Is the scheduler there? (The liveness contract.)
     Probe,
+}
+
+/// How a granted turn is to be used, as the scheduler said.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// GPU work to keep queued at most.
+    pub queue_budget_ns: u64,
+    /// Open the gate at the turn's start, not a lead before.
+    pub open_at_start: bool,
+    /// Launch kernels longer than half the budget just in time ([`Runway`]).
+    pub just_in_time: bool,
 }
 
 /// The hook's settings that shape turns.
@@ -315,6 +332,14 @@ impl Turns {
         }
     }
 
+    /// The queue budget of the turn held if its long kernels are launched just in time.
+    pub fn just_in_time(&self) -> Option<f64> {
+        match self.token {
+            Token::Held(t) if t.just_in_time => Some(t.queue_budget_ns as f64),
+            _ => None,
+        }
+    }
+
     // --- launchers -----------------------------------------------------------------------
 
     /// A launcher takes the slow path at `now`, the launch count being `launches`: the first
@@ -480,18 +505,10 @@ impl Turns {
     // --- the scheduler -------------------------------------------------------------------
 
     /// A turn from `start_ns` to `deadline_ns`, usually ahead of its start, during which at
-    /// most `queue_budget_ns` of GPU work is kept queued, opening at its start if
-    /// `open_at_start` (else a lead before); or a planned one moved (same token). One nobody
-    /// here wants is given straight back.
-    pub fn grant(
-        &mut self,
-        token: u64,
-        start_ns: u64,
-        deadline_ns: u64,
-        queue_budget_ns: u64,
-        open_at_start: bool,
-        now: u64,
-    ) {
+    /// most `queue_budget_ns` of GPU work is kept queued (long kernels launched `just_in_time`
+    /// if so), opening at its start if `open_at_start` (else a lead before); or a planned one
+    /// moved (same token). One nobody here wants is given straight back.
+    pub fn grant(&mut self, token: u64, start_ns: u64, deadline_ns: u64, plan: Plan, now: u64) {
         let current = matches!(self.token, Token::Held(t) if t.token == token)
             || self.next.is_some_and(|n| n.token == token);
         self.liveness.heard_at = self.liveness.heard_at.max(now);
@@ -499,8 +516,9 @@ impl Turns {
             return;
         }
         let turn = Turn {
-            open_at_start,
-            ..Turn::new(token, start_ns, deadline_ns, queue_budget_ns)
+            open_at_start: plan.open_at_start,
+            just_in_time: plan.just_in_time,
+            ..Turn::new(token, start_ns, deadline_ns, plan.queue_budget_ns)
         };
         match (&mut self.token, &mut self.next) {
             (Token::Held(t), _) if t.token == token => t.retime(turn),
@@ -864,6 +882,71 @@ impl Turns {
 /// wait for the one before) and 10 ms (beyond, a turn cut short would wait that long).
 pub fn queue_budget_within(budget_ns: u64) -> u64 {
     budget_ns.clamp(100_000, 10_000_000)
+}
+
+/// Where the GPU should finish the work this process has launched on one GPU, as far as the
+/// GPU time per launch tells: what launching just in time goes by. The fences keep the work
+/// queued within a turn's budget only down to one kernel behind the running one (a launcher
+/// waits for a fence before the newest, never for the launch just made); with kernels longer
+/// than half the budget that is more than the budget, and a latency-class request arriving
+/// would wait behind a whole kernel queued. Launched just in time, the next kernel goes only
+/// as the work before it runs down to the budget: most of the time the running kernel is all
+/// that is queued, and the GPU still has the next one before it runs out: a budget's margin,
+/// and the launcher aims earlier by how late it has been waking up recently, never more than
+/// one kernel ahead (what the fences keep queued anyway): on a busy host the GPU stays busy at
+/// the cost of the tail, on a quiet one a kernel seldom waits queued.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Runway {
+    /// When the work launched should be done.
+    end_ns: u64,
+    /// The launch count it accounts for.
+    through: u64,
+    /// How late the launcher woke from its recent waits: the latest lateness, or the one before
+    /// less a 256th if that is more (a late wake-up on a busy host is remembered for a few
+    /// hundred launches: the next comes before the margin has shrunk back).
+    late_ns: u64,
+}
+
+impl Runway {
+    /// Launches up to the count `n` were made by `now`, each `est_ns` of GPU time: the GPU
+    /// runs them after the work before them, or from `now` if that should be done.
+    pub fn launched(&mut self, now: u64, n: u64, est_ns: f64) {
+        let new = n.saturating_sub(self.through);
+        self.through = self.through.max(n);
+        self.end_ns = self.end_ns.max(now) + (new as f64 * est_ns) as u64;
+    }
+
+    /// The GPU was seen at `now` to have just finished a fence with `queued_ns` of work after
+    /// it (a launcher waited for it): the work ends then, whatever was expected.
+    pub fn reached(&mut self, now: u64, queued_ns: u64) {
+        self.end_ns = now + queued_ns;
+    }
+
+    /// Everything launched up to the count `n` has run (a drain).
+    pub fn drained(&mut self, n: u64) {
+        self.end_ns = 0;
+        self.through = n;
+    }
+
+    /// The launcher waited for `at` (from [`Runway::launch_at`]) and went on at `now`.
+    pub fn woke(&mut self, at: u64, now: u64) {
+        self.late_ns = now
+            .saturating_sub(at)
+            .max(self.late_ns - self.late_ns / 256);
+    }
+
+    /// When the next launch is to be made at the earliest, if later than `now`: as the work
+    /// before it runs down to `budget_ns` and the launcher's recent lateness, at most one
+    /// kernel; only for kernels longer than half the budget (`est_ns` each: shorter ones the
+    /// fences keep within it).
+    pub fn launch_at(&self, now: u64, budget_ns: f64, est_ns: f64) -> Option<u64> {
+        if est_ns <= budget_ns / 2.0 {
+            return None;
+        }
+        let margin = (budget_ns + self.late_ns as f64).min(est_ns.max(budget_ns)) as u64;
+        let at = self.end_ns.saturating_sub(margin);
+        (at > now).then_some(at)
+    }
 }
 
 /// For a queue budget and the GPU time per launch: launches between fences (K, half the budget

@@ -147,6 +147,11 @@ pub enum Decision {
         /// is then withdrawn): its client launches nothing before, where it would otherwise
         /// launch a little ahead (docs/latency.md).
         open_at_start: bool,
+        /// A latency-class group of another client is connected to the GPU: its client launches
+        /// a kernel longer than half its queue budget only as the work queued before runs down
+        /// to the budget, so that none waits queued behind a running one for a request
+        /// (docs/latency.md).
+        just_in_time: bool,
     },
     /// Stop at once: the turn ended without a report by its end + grace, or a planned turn was
     /// withdrawn (its client has no more work).

@@ -49,6 +49,7 @@ impl Policy {
                 quota_ns: n.quota_ns,
                 queue_budget_ns: n.queue_budget_ns,
                 open_at_start: n.open_at_start,
+                just_in_time: n.just_in_time,
             };
             let token = n.token;
             self.move_handoff(token, at);
@@ -326,7 +327,8 @@ impl Policy {
         let start_ns = p.at.max(now);
         let mut queue_budget_ns =
             (self.cfg).queue_budget_ns(p.quota_ns, self.may_be_cut(&name, now));
-        if self.latency_group_besides(&name) {
+        let just_in_time = self.latency_group_besides(&name);
+        if just_in_time {
             queue_budget_ns = queue_budget_ns.min(self.cfg.latency_queue_budget_ns());
         }
         // The turn after a latency-class group's linger opens at its start (docs/latency.md).
@@ -350,6 +352,7 @@ impl Policy {
             recorded: 0,
             queue_budget_ns,
             open_at_start,
+            just_in_time,
         };
         self.decisions.push(Decision::Grant {
             client: p.client,
@@ -359,6 +362,7 @@ impl Policy {
             quota_ns: p.quota_ns,
             queue_budget_ns,
             open_at_start,
+            just_in_time,
         });
         turn
     }

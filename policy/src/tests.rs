@@ -34,6 +34,7 @@ fn grant_queueing(client: ClientId, token: u64, at: u64, queue_budget_ns: u64) -
         quota_ns: 20 * MS,
         queue_budget_ns,
         open_at_start: false,
+        just_in_time: false,
     }
 }
 
@@ -791,6 +792,7 @@ fn hot_reload_of_the_config_is_used_for_the_next_turn() {
             quota_ns: 10 * MS,
             queue_budget_ns: 2_500_000,
             open_at_start: false,
+            just_in_time: false,
         })
     );
     // Nonsense is made usable rather than wedging the GPU.
@@ -2002,6 +2004,10 @@ fn the_holder_keeps_little_work_queued_while_a_latency_group_is_connected() {
         "{}",
         sim.stats.max_queue_budget_ns[1]
     );
+    // Every turn of the trainer launches its long kernels just in time; the server's own
+    // turns, with no latency-class group besides, do not.
+    assert!(sim.stats.just_in_time[1] > 0, "{:?}", sim.stats);
+    assert_eq!(sim.stats.just_in_time[0], 0);
 }
 
 #[test]
@@ -2009,6 +2015,7 @@ fn a_standard_server_keeps_the_usual_queue_budgets() {
     let (sim, s, _) = server_beside_trainers(GroupClass::Standard, 1.0, 1, 5);
     let cfg = sim.policy.config().clone();
     assert!(sim.stats.max_queue_budget_ns[1] > cfg.latency_queue_budget_ns());
+    assert_eq!(sim.stats.just_in_time, vec![0, 0]);
     assert!((s - 0.16).abs() <= 0.01, "{s}");
 }
 

@@ -49,6 +49,9 @@ pub(super) struct Turn {
     /// It starts where a latency-class group's linger ends: its client launches nothing before
     /// its start.
     pub open_at_start: bool,
+    /// A latency-class group of another client was connected when it was granted: its client
+    /// launches each long kernel just in time ([`crate::Decision::Grant`]).
+    pub just_in_time: bool,
 }
 
 impl Turn {
@@ -116,6 +119,7 @@ mod tests {
             recorded: 0,
             queue_budget_ns: 2_500_000,
             open_at_start: false,
+            just_in_time: false,
         }
     }
 

@@ -177,6 +177,9 @@ pub struct Stats {
     /// Per tenant, grants (and moves) of turns that open no earlier than their start, where a
     /// latency-class group's work drains.
     pub opening_at_start: Vec<u64>,
+    /// Per tenant, grants (and moves) of turns whose long kernels are launched just in time,
+    /// beside a latency-class group.
+    pub just_in_time: Vec<u64>,
     /// Policy calls made.
     pub calls: u64,
 }
@@ -289,6 +292,7 @@ impl Sim {
                 waits_of: vec![0; n],
                 max_queue_budget_ns: vec![0; n],
                 opening_at_start: vec![0; n],
+                just_in_time: vec![0; n],
                 ..Stats::default()
             },
         };
@@ -752,8 +756,20 @@ impl Sim {
                     quota_ns,
                     queue_budget_ns,
                     open_at_start,
+                    just_in_time,
                 } => {
                     let i = (client - 1) as usize;
+                    // Just in time only beside a latency-class group.
+                    let g = self.tenants[i].group;
+                    let latency_besides = (self.groups.iter().enumerate())
+                        .any(|(o, (_, p))| o != g && p.class == GroupClass::Latency);
+                    assert!(
+                        !just_in_time || latency_besides,
+                        "a just-in-time turn without a latency-class group besides"
+                    );
+                    if just_in_time {
+                        self.stats.just_in_time[i] += 1;
+                    }
                     if open_at_start {
                         assert!(
                             (self.groups.iter()).any(|(_, p)| p.class == GroupClass::Latency),

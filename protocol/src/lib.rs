@@ -12,7 +12,7 @@ pub mod admin;
 pub mod status;
 use serde::{Deserialize, Serialize};
 
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// The longest the scheduler makes a [`ClientMsg::MemReserve`] wait for memory under
 /// overcommit before it answers (its `overcommit.max_wait` is at most this); the hook waits
@@ -126,6 +126,10 @@ pub enum ServerMsg {
     /// how much GPU work the process may keep queued during it (its launches are paced to it).
     /// `open_at_start`: a latency-class group keeps the GPU until `start_ns` for its next
     /// request, and may take it back: the process launches nothing before.
+    /// `just_in_time`: a latency-class group may ask at any moment and would wait behind what
+    /// this process has queued: a kernel longer than half the budget is launched only as the
+    /// work queued before it runs down to `queue_budget_ns`, not as soon as the one before it
+    /// starts.
     Grant {
         gpu: GpuUuid,
         token: u64,
@@ -133,6 +137,7 @@ pub enum ServerMsg {
         deadline_ns: u64,
         queue_budget_ns: u64,
         open_at_start: bool,
+        just_in_time: bool,
     },
     /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
     /// or forget it if it has not started (withdrawn).
@@ -350,6 +355,7 @@ mod tests {
                 deadline_ns: 20_000_001,
                 queue_budget_ns: 2_500_000,
                 open_at_start: true,
+                just_in_time: true,
             },
             ServerMsg::Revoke { gpu: GPU, token: 9 },
             ServerMsg::Status {

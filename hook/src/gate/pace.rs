@@ -6,6 +6,7 @@ use super::{Driver, Gate};
 use crate::driver::{self, Stream};
 use crate::turn::{UNLIMITED, pacing};
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 impl Gate {
     /// Record a fence after launch `n` (on `stream`, whose key is `key`); when too much work is
@@ -65,6 +66,12 @@ impl Gate {
                 self.pace_due.store(true, Ordering::Relaxed);
             }
         }
+        if let (Some(budget), Some(est)) = (g.turns.just_in_time(), g.queue.kernel_ns()) {
+            g.runway.launched(now, n, est);
+            if g.runway.launch_at(now, budget, est).is_some() {
+                self.pace_due.store(true, Ordering::Relaxed);
+            }
+        }
         self.next_pace.store(n + k, Ordering::Relaxed);
     }
 
@@ -72,11 +79,30 @@ impl Gate {
     /// until it is not (or a drain empties the queue).
     pub(super) fn wait_for_queue(&self) {
         let mut g = self.lock();
+        // The runway's launch time waited for last.
+        let mut waited_for = None;
         while let Some(budget) = g.turns.queue_budget()
             && !self.draining.load(Ordering::Acquire)
         {
-            g.queue
-                .scan(&self.launch_streams, self.launches.load(Ordering::Relaxed));
+            let launched = self.launches.load(Ordering::Relaxed);
+            g.queue.scan(&self.launch_streams, launched);
+            // Launching just in time: not before the work queued runs down to the budget
+            // (woken early by a change; a closing turn ends the wait).
+            if let (Some(budget), Some(est)) = (g.turns.just_in_time(), g.queue.kernel_ns()) {
+                let now = crate::now_ns();
+                if let Some(at) = g.runway.launch_at(now, budget, est) {
+                    self.pacing.fetch_add(1, Ordering::AcqRel);
+                    g = self.wait(g, Duration::from_nanos(at - now));
+                    self.pacing.fetch_sub(1, Ordering::AcqRel);
+                    waited_for = Some(at);
+                    continue;
+                }
+                if let Some(at) = waited_for.take() {
+                    g.runway.woke(at, now);
+                }
+                // What the GPU has passed meanwhile, without waiting.
+                g.queue.complete_finished(launched, &mut Driver);
+            }
             if !g.queue.too_much(pacing(budget, 0.0).1) {
                 break;
             }
@@ -92,13 +118,18 @@ impl Gate {
             self.pacing.fetch_sub(1, Ordering::AcqRel);
             // Completed now (unless a drain or another launcher took it meanwhile, or a drain
             // recycled the event into a newer fence: then this waits under the lock).
+            let launched = self.launches.load(Ordering::Relaxed);
             if !waited
                 || g.queue.oldest_event() == Some(event)
-                    && !g
-                        .queue
-                        .complete_oldest(self.launches.load(Ordering::Relaxed), &mut Driver)
+                    && !g.queue.complete_oldest(launched, &mut Driver)
             {
                 break;
+            }
+            // The GPU was behind where the runway had it: it ends what is queued from now.
+            if g.turns.just_in_time().is_some()
+                && let Some((tail, _)) = g.queue.queued_ns(crate::now_ns(), u64::MAX)
+            {
+                g.runway.reached(crate::now_ns(), tail);
             }
         }
         self.pace_due.store(false, Ordering::Relaxed);

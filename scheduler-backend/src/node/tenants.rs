@@ -421,6 +421,7 @@ fn message_of(gpu: GpuUuid, d: Decision) -> (ClientId, ServerMsg) {
             quota_ns: _,
             queue_budget_ns,
             open_at_start,
+            just_in_time,
         } => (
             client,
             ServerMsg::Grant {
@@ -430,6 +431,7 @@ fn message_of(gpu: GpuUuid, d: Decision) -> (ClientId, ServerMsg) {
                 deadline_ns,
                 queue_budget_ns,
                 open_at_start,
+                just_in_time,
             },
         ),
         Decision::Revoke { client, token } => {
