@@ -224,11 +224,16 @@ const TOKEN_FORM: &str = r##"<form id="token-form">
 
 const TOKEN_SCRIPT: &str = r##"
 const COOKIE = "gpushare_token";
+// Answers may come back out of order (the page's first question, then one after "forget"):
+// only the latest question's answer is shown.
+let asked = 0;
 async function whoami() {
+  const mine = ++asked;
   const me = document.getElementById("me");
   const r = await fetch("api/me").catch(() => null);
-  if (r && r.ok) {
-    const v = await r.json();
+  const v = r && r.ok ? await r.json().catch(() => null) : null;
+  if (mine !== asked) return;
+  if (v) {
     me.textContent = "saved: output links open as " + (v.user ?? "uid " + v.uid) + ".";
   } else if (document.cookie.split("; ").some((c) => c.startsWith(COOKIE + "="))) {
     me.textContent = "this token is unknown: `gpushare token` prints yours.";
