@@ -8,7 +8,7 @@
 //! may fail.
 
 use gpushare_testkit::harness::{describe, json_lines, output_with_timeout, target_dir};
-use gpushare_testkit::node::{Node, free_port, group_in, metrics_page, monotonic_ns};
+use gpushare_testkit::node::{Node, Spin, free_port, group_in, metrics_page, monotonic_ns};
 use serde_json::Value;
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
@@ -1201,17 +1201,7 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
 #[test]
 fn a_busy_group_is_swapped_out_and_back_and_keeps_hearing_the_scheduler() {
     let (node, exe) = overcommitted_node(&[]);
-    let args = [
-        "spin",
-        "--ms-per-kernel",
-        "1",
-        "--sync-every",
-        "20",
-        "--duration-ms",
-        "7000",
-        "--alloc-mib",
-        "1200",
-    ];
+    let args = Spin::for_ms(1.0, 7_000.0).alloc_mib(1200).args();
     let mut cmd = in_group(
         &node,
         "first",
