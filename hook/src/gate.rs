@@ -17,9 +17,15 @@
 //!   run to the deadline (or gives an idle turn back), lets the launch calls admitted return, and
 //!   has this GPU's drainer thread wait for the process's work. The wait is bounded: past the
 //!   deadline plus `GPUSHARE_DRAIN_GRACE` (a kernel waiting for a peer GPU, say) the turn is
-//!   reported anyway and the next one goes on; the drain settles in the background. No lock is
-//!   held across a driver wait, and each GPU has its own watcher and drainer, so a process
-//!   driving several GPUs never has one GPU's drain hold up another's turns.
+//!   reported anyway and the next one goes on; the drain settles in the background. Each GPU
+//!   has its own watcher and drainer, so a process driving several GPUs never has one GPU's
+//!   drain hold up another's turns.
+//!
+//! No driver call is made under the gate's mutex, waits or not: the fence events are asked
+//! about without it and the answers taken in after ([`Gate::ask`]). A process the driver holds
+//! locked (`cuCheckpointProcessLock`, as a swap to host memory begins) blocks in every CUDA
+//! call until it is unlocked; the thread that made one must not keep the connection thread
+//! (the scheduler's grants, revocations, answers), the launchers and the watcher waiting.
 //!
 //! The pacing (fences and the waits for them) is [`pace`]'s; the drainer thread [`drain`]'s.
 
