@@ -269,7 +269,7 @@ fn replay_memory(a: ReplayArgs) -> anyhow::Result<()> {
         ),
     }
     println!(
-        "{:>34} {:>14} {:>12} {:>10} {:>10} {:>10} {:>10} {:>6}",
+        "{:>44} {:>14} {:>12} {:>10} {:>10} {:>10} {:>10} {:>6}",
         "caps", "completion_s", "memory_util", "gpu_util", "swap_outs", "swap_GiB", "swap_s", "OOM"
     );
     let one = &r.one_at_a_time;
@@ -279,7 +279,7 @@ fn replay_memory(a: ReplayArgs) -> anyhow::Result<()> {
         ("1 job at a time, ", one),
     ] {
         println!(
-            "{:>34} {:>14.1} {:>12.3} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>6}",
+            "{:>44} {:>14.1} {:>12.3} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>6}",
             format!(
                 "{name}{} x GPU (caps {:.2}x, peaks {:.2}x)",
                 m.memory_overcommit, m.max_caps_over_memory, m.max_peaks_over_memory

@@ -875,4 +875,21 @@ mod tests {
             assert!(m.gpu_utilisation > 0.0 && m.gpu_utilisation < 0.5, "{m:?}");
         }
     }
+
+    /// Engines asking for more than they use finish sooner with overcommitted caps: the
+    /// caps held to the GPU leave its memory and its time idle.
+    #[test]
+    fn overprovisioned_engines_finish_sooner_with_overcommitted_caps() {
+        for r in [1.5, 2.0] {
+            let p = MemoryReplayParams {
+                seeds: 5,
+                ..MemoryReplayParams::seed002(Policy::Aging, r, 100)
+            };
+            let res = replay(&p);
+            assert!(res.completion_reduction >= 0.15, "{res:#?}");
+            assert!(res.memory_utilisation_gain >= 0.10, "{res:#?}");
+            assert_eq!(res.overcommitted.out_of_memory, 0);
+            assert_eq!(res.overcommitted.swap_outs, 0.0, "their use fits: {res:#?}");
+        }
+    }
 }
