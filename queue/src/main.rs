@@ -1,7 +1,7 @@
 //! `gpushare-queue`: the node job queue daemon, and its policies replayed in virtual time.
 
 use clap::{Parser, Subcommand};
-use gpushare_queue::core::{Policy, QueueConfig};
+use gpushare_queue::core::{OvercommitAdmission, Policy, QueueConfig};
 use gpushare_queue::daemon::{ServeOptions, serve};
 use gpushare_queue::memory_replay::{MemoryReplayParams, Mix, SwapCost, replay as memory_replay};
 use gpushare_queue::replay::{ReplayParams, parse_range, replay};
@@ -100,6 +100,11 @@ enum Cmd {
         /// them when they use it all at once).
         #[arg(long, value_name = "R", default_value = "1", value_parser = overcommit)]
         memory_overcommit: f64,
+        /// With --memory-overcommit above 1, which jobs start on caps past a GPU's own memory:
+        /// `caps` (any whose cap fits in R times it) or `gpu-time` (only while the GPU time
+        /// measured in use there plus the job's --limit is at most the whole GPU).
+        #[arg(long, value_name = "A", default_value = "caps", value_parser = str::parse::<OvercommitAdmission>)]
+        overcommit_admission: OvercommitAdmission,
         /// α of P = α·p − β·T − γ·t (aging, shares).
         #[arg(long, default_value = "10000", value_parser = weight)]
         alpha: f64,
@@ -190,6 +195,10 @@ struct ReplayArgs {
     /// PCT percent [default: 100].
     #[arg(long, value_name = "PCT")]
     overprov: Option<u32>,
+    /// Memory jobs, overcommitted: which jobs start on caps past the GPU's memory, `caps` or
+    /// `gpu-time` (as `serve --overcommit-admission`) [default: caps].
+    #[arg(long, value_name = "A", value_parser = str::parse::<OvercommitAdmission>)]
+    overcommit_admission: Option<OvercommitAdmission>,
     /// Memory jobs: their caps may sum to R times each GPU's memory [default: 2].
     #[arg(long, value_name = "R", value_parser = overcommit)]
     memory_overcommit: Option<f64>,
@@ -235,6 +244,7 @@ fn replay_memory(a: ReplayArgs) -> anyhow::Result<()> {
         _ => MemoryReplayParams::new(a.policy, r),
     };
     let p = MemoryReplayParams {
+        admission: a.overcommit_admission.unwrap_or(d.admission),
         gpus: a.gpus,
         jobs: a.jobs.unwrap_or(d.jobs),
         mean_interarrival_s: a.mean_interarrival.unwrap_or(d.mean_interarrival_s),
@@ -312,6 +322,7 @@ fn replay_memory(a: ReplayArgs) -> anyhow::Result<()> {
 /// `replay --workload short-tasks`.
 fn replay_short_tasks(a: ReplayArgs) -> anyhow::Result<()> {
     let memory_flags = a.memory_overcommit.is_some()
+        || a.overcommit_admission.is_some()
         || a.gpu_demand.is_some()
         || a.mix.is_some()
         || a.overprov.is_some()
@@ -378,6 +389,7 @@ fn main() -> ExitCode {
             max_jobs_per_gpu,
             memory_threshold,
             memory_overcommit,
+            overcommit_admission,
             alpha,
             beta,
             gamma,
@@ -409,6 +421,7 @@ fn main() -> ExitCode {
                     beta,
                     gamma,
                     memory_overcommit,
+                    overcommit_admission,
                 },
             };
             serve(opts, gpus)

@@ -33,7 +33,9 @@
 //! their capacity, averaged from the first arrival to the last end; GPU utilisation likewise
 //! for GPU time; swaps, bytes and seconds moved; allocations refused (out of memory).
 
-use crate::core::{Action, Core, Demand, Exit, Gpu, GpuLoad, JobId, Policy, QueueConfig};
+use crate::core::{
+    Action, Core, Demand, Exit, Gpu, GpuLoad, JobId, OvercommitAdmission, Policy, QueueConfig,
+};
 use gpushare_policy::overcommit::{
     Effect, GroupId, Overcommit, Params, ProcessId, RequestId, SwapId,
 };
@@ -175,6 +177,8 @@ pub struct MemoryReplayParams {
     /// The fraction of a GPU's time a job can use alone, uniform on `[a, b]`.
     pub gpu_demand: (f64, f64),
     pub memory_overcommit: f64,
+    /// Which jobs the queue starts on caps past the GPU's memory, overcommitted.
+    pub admission: OvercommitAdmission,
     pub seeds: u32,
     pub swap: SwapCost,
     /// The overcommit core's waits, windows and memory turns.
@@ -194,6 +198,7 @@ impl MemoryReplayParams {
             runtime_log10: (2.0, 3.0),
             gpu_demand: (0.3, 0.7),
             memory_overcommit,
+            admission: OvercommitAdmission::Caps,
             seeds: 20,
             swap: SwapCost::measured(),
             // Jobs wait for memory as long as the scheduler lets an allocation wait at most
@@ -481,6 +486,7 @@ fn run_seed(p: &MemoryReplayParams, seed: u32, ratio: f64, max_jobs: Option<u32>
             policy: p.policy,
             memory_overcommit: ratio,
             max_jobs_per_gpu: max_jobs,
+            overcommit_admission: p.admission,
             ..QueueConfig::default()
         },
         vec![Gpu { memory }; p.gpus as usize],
@@ -654,12 +660,14 @@ fn run_seed(p: &MemoryReplayParams, seed: u32, ratio: f64, max_jobs: Option<u32>
     }
 }
 
-/// What the scheduler's books tell the queue: each job's memory (held, on the GPU or swapped).
+/// What the scheduler's books tell the queue: each job's memory (held, on the GPU or swapped)
+/// and the GPU time it was measured using, its demand (what it uses running uncontended).
 fn loads(jobs: &[Job], gpus: u32) -> Vec<GpuLoad> {
     let mut l = vec![GpuLoad::default(); gpus as usize];
     for j in jobs {
         if let (Some(id), Some(g), None) = (j.id, j.gpu, j.ended) {
             l[g as usize].job_memory.insert(id, j.held);
+            l[g as usize].job_busy.insert(id, j.demand);
         }
     }
     l
@@ -890,6 +898,40 @@ mod tests {
             assert!(res.memory_utilisation_gain >= 0.10, "{res:#?}");
             assert_eq!(res.overcommitted.out_of_memory, 0);
             assert_eq!(res.overcommitted.swap_outs, 0.0, "their use fits: {res:#?}");
+        }
+    }
+
+    /// Admitting past the GPU's memory only into the GPU time the running jobs leave: the
+    /// default mix (GPU time already taken) comes out no later than with caps held to the GPU
+    /// in any draw, and GPU-light jobs keep their gain.
+    #[test]
+    fn gpu_time_admission_never_makes_the_default_mix_later() {
+        for r in [1.5, 2.0] {
+            let p = MemoryReplayParams {
+                seeds: 10,
+                admission: OvercommitAdmission::GpuTime,
+                ..MemoryReplayParams::new(Policy::Aging, r)
+            };
+            let res = replay(&p);
+            for &(seed, s, o) in &res.per_seed {
+                assert!(o <= s * 1.001, "draw {seed}: {o} s against {s} s");
+            }
+            assert_eq!(res.overcommitted.out_of_memory, 0);
+            let caps = replay(&MemoryReplayParams {
+                admission: OvercommitAdmission::Caps,
+                ..p.clone()
+            });
+            assert!(
+                caps.completion_reduction < 0.0,
+                "caps alone: later {caps:#?}"
+            );
+            let light = replay(&MemoryReplayParams {
+                gpu_demand: (0.1, 0.3),
+                mean_interarrival_s: 98.0,
+                ..p
+            });
+            assert!(light.completion_reduction >= 0.15, "{light:#?}");
+            assert!(light.memory_utilisation_gain >= 0.10, "{light:#?}");
         }
     }
 }
