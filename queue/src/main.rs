@@ -331,7 +331,7 @@ fn replay_short_tasks(a: ReplayArgs) -> anyhow::Result<()> {
         || a.checkpoint_latency.is_some();
     if memory_flags {
         anyhow::bail!(
-            "--memory-overcommit, --mix, --overprov, --gpu-demand and the checkpoint flags are for --workload memory"
+            "--memory-overcommit, --overcommit-admission, --mix, --overprov, --gpu-demand and the checkpoint flags are for --workload memory"
         );
     }
     let d = ReplayParams::paper(a.policy, a.gpus, 100);
