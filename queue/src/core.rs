@@ -114,7 +114,7 @@ pub enum OvercommitAdmission {
     #[default]
     Caps,
     /// Only while the GPU's time is not taken: the GPU time measured in use there (the
-    /// scheduler's achieved shares; a job not measured yet counts at its limit) plus the
+    /// scheduler's achieved shares; a job not in its books yet counts at its limit) plus the
     /// newcomer's limit is at most the whole GPU. Within the GPU's own memory, as `caps`.
     GpuTime,
 }
@@ -779,7 +779,7 @@ impl Core {
     }
 
     /// The fraction of GPU `g`'s time measured in use: the scheduler's other groups and the
-    /// queue's jobs (one not measured yet at its limit).
+    /// queue's jobs (one not in the books yet at its limit).
     fn busy(&self, g: u32) -> f64 {
         let load = &self.loads[g as usize];
         let jobs = self
