@@ -279,8 +279,16 @@ fn replay_memory(a: ReplayArgs) -> anyhow::Result<()> {
         ),
     }
     println!(
-        "{:>44} {:>14} {:>12} {:>10} {:>10} {:>10} {:>10} {:>6}",
-        "caps", "completion_s", "memory_util", "gpu_util", "swap_outs", "swap_GiB", "swap_s", "OOM"
+        "{:>44} {:>14} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>6}",
+        "caps",
+        "completion_s",
+        "wait_s",
+        "memory_util",
+        "gpu_util",
+        "swap_outs",
+        "swap_GiB",
+        "swap_s",
+        "OOM"
     );
     let one = &r.one_at_a_time;
     for (name, m) in [
@@ -289,12 +297,13 @@ fn replay_memory(a: ReplayArgs) -> anyhow::Result<()> {
         ("1 job at a time, ", one),
     ] {
         println!(
-            "{:>44} {:>14.1} {:>12.3} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>6}",
+            "{:>44} {:>14.1} {:>8.1} {:>12.3} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>6}",
             format!(
                 "{name}{} x GPU (caps {:.2}x, peaks {:.2}x)",
                 m.memory_overcommit, m.max_caps_over_memory, m.max_peaks_over_memory
             ),
             m.mean_completion_s,
+            m.mean_wait_s,
             m.memory_utilisation,
             m.gpu_utilisation,
             m.swap_outs,

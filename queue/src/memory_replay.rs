@@ -248,6 +248,8 @@ impl MemoryReplayParams {
 pub struct ModeResult {
     pub memory_overcommit: f64,
     pub mean_completion_s: f64,
+    /// Mean time from a job's arrival to its start.
+    pub mean_wait_s: f64,
     pub memory_utilisation: f64,
     pub gpu_utilisation: f64,
     pub swap_outs: f64,
@@ -338,6 +340,7 @@ fn mean(rs: &[ModeResult], r: f64) -> ModeResult {
     ModeResult {
         memory_overcommit: r,
         mean_completion_s: m(|x| x.mean_completion_s),
+        mean_wait_s: m(|x| x.mean_wait_s),
         memory_utilisation: m(|x| x.memory_utilisation),
         gpu_utilisation: m(|x| x.gpu_utilisation),
         swap_outs: m(|x| x.swap_outs),
@@ -652,6 +655,11 @@ fn run_seed(p: &MemoryReplayParams, seed: u32, ratio: f64, max_jobs: Option<u32>
             .map(|j| (j.ended.unwrap_or(now) - j.arrival) as f64 / 1e9)
             .sum::<f64>()
             / n,
+        mean_wait_s: jobs
+            .iter()
+            .map(|j| (j.started.unwrap_or(now) - j.arrival) as f64 / 1e9)
+            .sum::<f64>()
+            / n,
         memory_utilisation: mem_ns / (span * memory as f64),
         gpu_utilisation: gpu_ns / span,
         swap_outs: c.swap_outs as f64,
@@ -749,7 +757,7 @@ mod tests {
                 (m.mean_completion_s - alone).abs() < 1e-3,
                 "{m:?} vs {alone}"
             );
-            assert_eq!(m.swap_outs, 0.0);
+            assert_eq!((m.swap_outs, m.mean_wait_s), (0.0, 0.0));
         }
     }
 
