@@ -1,10 +1,12 @@
 //! `gpushare-queue replay --workload memory`: jobs whose memory grows and shrinks in phases, on
 //! GPUs whose memory caps may promise `R` times what they hold, in virtual time — through the
 //! queue's own [`Core`] (placement by caps) and the scheduler's overcommit core ([`Overcommit`]:
-//! waits and swaps to host memory, with their cost). Each draw runs twice, with the same jobs:
-//! caps held to the GPU (`R` = 1, memory partitioned statically by caps) and overcommitted.
+//! waits and swaps to host memory, with their cost). Each draw runs three times, with the same
+//! jobs: caps held to the GPU (`R` = 1, memory partitioned statically by caps), overcommitted
+//! (the queue admitting past the GPU's memory as `admission` says, reading each running job's
+//! demand as its measured GPU time), and one job per GPU at a time.
 //!
-//! The workload. `jobs` jobs arrive as a Poisson process (mean gap `mean_interarrival_s`). A job
+//! The synthetic mix ([`Mix::Synthetic`]). `jobs` jobs arrive as a Poisson process (mean gap `mean_interarrival_s`). A job
 //! runs `runtime` seconds alone (`log10` uniform on `runtime_log10`), using a fraction `u` of the
 //! GPU's time (uniform on `gpu_demand`: the rest of the time it waits for its input, its host
 //! code); shared, it gets its water-filled share of the GPU, at most `u`, and progresses at
@@ -28,8 +30,8 @@
 //! job per GPU at a time (the whole GPU per job: the default Kubernetes scheduler's placement,
 //! the resource-aware scheduling work's first baseline).
 //!
-//! The figures, per mode, are means over the draws: completion = end − arrival (mean over
-//! jobs), memory utilisation = memory in use on the GPUs (resident jobs' allocations) over
+//! The figures, per mode, are means over the draws: completion = end − arrival and wait =
+//! start − arrival (means over jobs), memory utilisation = memory in use on the GPUs (resident jobs' allocations) over
 //! their capacity, averaged from the first arrival to the last end; GPU utilisation likewise
 //! for GPU time; swaps, bytes and seconds moved; allocations refused (out of memory).
 
