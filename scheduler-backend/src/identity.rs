@@ -17,7 +17,7 @@ pub struct Peer {
 }
 
 /// A connected peer's credentials as the kernel gave them (`SO_PEERCRED`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Credentials {
     pub pid: u32,
     pub uid: u32,

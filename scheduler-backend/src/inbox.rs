@@ -43,12 +43,16 @@ impl Inbox {
 
     /// Hand `post` to the event loop; `false` if the loop is gone.
     pub fn post(&self, post: Post) -> bool {
-        if self
-            .tx
-            .send((gpushare_units::monotonic_ns(), post))
-            .is_err()
-        {
-            return false;
+        self.post_all([post])
+    }
+
+    /// Hand `posts` to the event loop, in order, waking it once; `false` if the loop is gone.
+    pub fn post_all(&self, posts: impl IntoIterator<Item = Post>) -> bool {
+        let at = gpushare_units::monotonic_ns();
+        for post in posts {
+            if self.tx.send((at, post)).is_err() {
+                return false;
+            }
         }
         if let Err(e) = self.waker.wake() {
             tracing::error!("cannot wake the event loop: {e}");
@@ -59,6 +63,11 @@ impl Inbox {
     /// Hand `input` to the node.
     pub fn input(&self, input: Input) -> bool {
         self.post(Post::Input(input))
+    }
+
+    /// Hand `inputs` to the node, in order, waking the loop once.
+    pub fn inputs(&self, inputs: Vec<Input>) -> bool {
+        self.post_all(inputs.into_iter().map(Post::Input))
     }
 }
 

@@ -75,6 +75,9 @@ pub struct Server {
     again: Vec<usize>,
     /// Connections with output to write.
     dirty: Vec<ConnId>,
+    /// Peers to look up ([`Effect::Resolve`]), sent to the `/proc` reader together once the
+    /// loop has acted on its events.
+    resolve: Vec<(ConnId, Credentials)>,
     scratch: Vec<u8>,
     warnings: Throttle,
 }
@@ -116,6 +119,7 @@ impl Server {
             accept_retry: None,
             again: Vec::new(),
             dirty: Vec::new(),
+            resolve: Vec::new(),
             scratch: vec![0; 16 << 10],
             warnings: Throttle::default(),
         };
@@ -169,6 +173,7 @@ impl Server {
             self.node.note_caught_up(polled);
             self.on_time();
             self.flush();
+            self.look_up();
             self.set_timer();
         }
     }
@@ -217,9 +222,7 @@ impl Server {
                     self.conns.remove(&conn);
                 }
                 Effect::Resume { conn } => self.again.push(conn as usize),
-                Effect::Resolve { conn, cred } => {
-                    let _ = self.workers.lookups.send(Lookup::Peer { conn, cred });
-                }
+                Effect::Resolve { conn, cred } => self.resolve.push((conn, cred)),
                 Effect::Persist { seq, holdings } => {
                     if self.workers.journal.send((seq, holdings)).is_err() {
                         tracing::error!(
@@ -289,6 +292,14 @@ impl Server {
         }
     }
 
+    /// Send the `/proc` reader the peers to look up, in one request.
+    fn look_up(&mut self) {
+        if !self.resolve.is_empty() {
+            let peers = std::mem::take(&mut self.resolve);
+            let _ = self.workers.lookups.send(Lookup::Peers(peers));
+        }
+    }
+
     /// What the other threads posted.
     fn read_inbox(&mut self) {
         loop {
@@ -307,6 +318,8 @@ impl Server {
                 }
                 Post::Listener(listener) => self.listen_anew(listener),
             }
+            // A batch of posts (a thread's lookups) must not delay a turn either.
+            self.on_time();
         }
     }
 

@@ -11,6 +11,7 @@ use crate::inbox::{Inbox, Post};
 use crate::journal::{self, Journal};
 use crate::memory::{Holding, ProcessId};
 use crate::node::{ConnId, Input};
+use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -18,8 +19,8 @@ use std::time::{Duration, SystemTime};
 
 /// A request for the `/proc` reader.
 pub enum Lookup {
-    /// Who the peer of `conn` is.
-    Peer { conn: ConnId, cred: Credentials },
+    /// Who the peers of these connections are (those the event loop accepted in one turn).
+    Peers(Vec<(ConnId, Credentials)>),
     /// Whether these processes still run.
     Liveness(Vec<ProcessId>),
 }
@@ -77,24 +78,41 @@ fn write_journal(mut journal: Journal, rx: Receiver<(u64, Vec<Holding>)>, inbox:
     }
 }
 
+/// Answer the lookups, all that are queued at once: each batch is posted with one wake of
+/// the event loop, and the connections of one process in a batch (a flood comes from few) are
+/// looked up once — the same reads, at the same moment, as one per connection.
 fn look_up(rx: Receiver<Lookup>, inbox: Inbox) {
-    for lookup in rx {
-        let input = match lookup {
-            Lookup::Peer { conn, cred } => {
-                let (peer, pid_ns) = identity::resolve(cred);
-                Input::Resolved { conn, peer, pid_ns }
-            }
-            Lookup::Liveness(processes) => Input::Liveness(
-                processes
-                    .into_iter()
-                    .map(|p| (p, journal::alive(&p)))
-                    .collect(),
-            ),
-        };
-        if !inbox.input(input) {
+    while let Ok(first) = rx.recv() {
+        let batch: Vec<Lookup> = std::iter::once(first).chain(rx.try_iter()).collect();
+        if !inbox.inputs(answer(batch, identity::resolve, journal::alive)) {
             return;
         }
     }
+}
+
+/// The inputs answering `batch`, in order: peers found by `resolve` (once per credentials),
+/// processes checked by `alive`.
+fn answer(
+    batch: Vec<Lookup>,
+    resolve: impl Fn(Credentials) -> (identity::Peer, Option<u64>),
+    alive: impl Fn(&ProcessId) -> Option<bool>,
+) -> Vec<Input> {
+    let mut peers: HashMap<Credentials, (identity::Peer, Option<u64>)> = HashMap::new();
+    let mut inputs = Vec::new();
+    for lookup in batch {
+        match lookup {
+            Lookup::Peers(conns) => {
+                for (conn, cred) in conns {
+                    let (peer, pid_ns) = peers.entry(cred).or_insert_with(|| resolve(cred)).clone();
+                    inputs.push(Input::Resolved { conn, peer, pid_ns });
+                }
+            }
+            Lookup::Liveness(processes) => inputs.push(Input::Liveness(
+                processes.into_iter().map(|p| (p, alive(&p))).collect(),
+            )),
+        }
+    }
+    inputs
 }
 
 fn take_census(rx: Receiver<Vec<u32>>, inbox: Inbox) {
@@ -256,4 +274,62 @@ fn identity(path: &std::path::Path) -> Option<(u64, u64)> {
     std::fs::symlink_metadata(path)
         .ok()
         .map(|m| (m.dev(), m.ino()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::identity::Peer;
+    use std::cell::RefCell;
+
+    fn cred(pid: u32) -> Credentials {
+        Credentials {
+            pid,
+            uid: 1000,
+            gid: 1000,
+        }
+    }
+
+    fn peer(cred: Credentials) -> Peer {
+        Peer {
+            pid: cred.pid,
+            start: u64::from(cred.pid) * 10,
+            uid: cred.uid,
+            gid: cred.gid,
+            cgroup: format!("/user/{}", cred.pid),
+            pod: None,
+        }
+    }
+
+    #[test]
+    fn a_batch_is_answered_in_order_each_process_looked_up_once() {
+        let looked_up = RefCell::new(Vec::new());
+        let resolve = |c: Credentials| {
+            looked_up.borrow_mut().push(c.pid);
+            (peer(c), Some(u64::from(c.pid) + 1))
+        };
+        let process = ProcessId { pid: 9, start: 90 };
+        let batch = vec![
+            Lookup::Peers(vec![(3, cred(7)), (4, cred(8)), (5, cred(7))]),
+            Lookup::Liveness(vec![process]),
+            Lookup::Peers(vec![(6, cred(8))]),
+        ];
+        let inputs = answer(batch, resolve, |p| Some(p.pid == 9));
+        let resolved = |conn, pid| Input::Resolved {
+            conn,
+            peer: peer(cred(pid)),
+            pid_ns: Some(u64::from(pid) + 1),
+        };
+        assert_eq!(
+            inputs,
+            vec![
+                resolved(3, 7),
+                resolved(4, 8),
+                resolved(5, 7),
+                Input::Liveness(vec![(process, Some(true))]),
+                resolved(6, 8),
+            ]
+        );
+        assert_eq!(*looked_up.borrow(), vec![7, 8], "once per process");
+    }
 }
