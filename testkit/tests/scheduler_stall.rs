@@ -151,6 +151,84 @@ fn a_stopped_scheduler_leaves_fail_open_tenants_running_and_shares_return() {
     );
 }
 
+/// The requests of a small tenant that queues far ahead and a big one.
+const QUEUEING_REQUESTS: [f64; 2] = [0.2, 0.8];
+/// How soon after `SIGCONT` the small tenant is back to its request: a couple of the schedule's
+/// rounds (its turn, then the other's, about 60 ms together), and the recovery margin.
+const REJOINED_NS: u64 = 200 * MS;
+/// The most of the GPU the small tenant may have in a 100 ms window once it is back: a window
+/// holds one or two of its turns (about 0.12 or 0.24 of it, as before the stop), and a margin.
+const WINDOW_SHARE_MAX: f64 = QUEUEING_REQUESTS[0] + 2.0 * margins::SHARE;
+
+/// The share of `pid` in each 100 ms window of `w`.
+fn shares_per_100_ms(trace: &Trace, pid: u32, w: Window) -> Vec<f64> {
+    (w.start_ns..w.end_ns.saturating_sub(100 * MS - 1))
+        .step_by(100 * MS as usize)
+        .map(|at| shares_in(trace, &[pid], Window::new(at, at + 100 * MS))[0])
+        .collect()
+}
+
+/// `SIGSTOP` of the scheduler for 80 ms beside two busy fail-open tenants (1 ms kernels,
+/// requests 0.2 / 0.8), the 0.2 one synchronising only every 1,000 kernels (a second of GPU
+/// work) and stopped early in its first 1,000. During the stop it runs without a turn, but its
+/// launches are still paced to a queue budget: once the scheduler answers, little of its work is
+/// queued, and from [`REJOINED_NS`] after `SIGCONT` its share over the next second is within
+/// [`margins::SHARE`] of its request, and no 100 ms window gives it more than
+/// [`WINDOW_SHARE_MAX`]. (Unpaced, it queues the rest of its 1,000 kernels, which the device's
+/// time-slicing runs beside the other's turns: about half the GPU in every window for a second
+/// and more.)
+#[test]
+fn a_fail_open_tenant_rejoins_the_schedule_within_a_turn_of_the_scheduler_answering() {
+    let node = Node::start(&[]);
+    let ts: Vec<Tenant> = (["small", "big"].iter().zip(QUEUEING_REQUESTS))
+        .map(|(group, request)| {
+            let sync_every = if request < 0.5 { 1_000 } else { 20 };
+            let spin = Spin::for_ms(1.0, 2_700.0).sync_every(Some(sync_every));
+            let mut cmd = node.tenant_command(group, request, 1.0, 1.0, cudarc(), &spin.args());
+            cmd.env("GPUSHARE_FAIL", "open");
+            node.spawn(cmd)
+        })
+        .collect();
+    let small = ts[0].pid();
+    std::thread::sleep(Duration::from_millis(1_000));
+    let stopped = stall(&node, 80);
+    let outs = wait_all(ts);
+    let trace = node.finish();
+    assert!(trace.overlaps().is_empty(), "overlapping kernels");
+    assert!(
+        String::from_utf8_lossy(&outs[0].stderr).contains("WITHOUT GPU sharing limits"),
+        "the 0.2 tenant ran without a turn while the scheduler was stopped\n{}",
+        describe(&outs[0])
+    );
+    let before = Window::new(stopped.start_ns - 600 * MS, stopped.start_ns);
+    let back = Window::new(
+        stopped.end_ns + REJOINED_NS,
+        stopped.end_ns + REJOINED_NS + 1_000 * MS,
+    );
+    let windows = shares_per_100_ms(&trace, small, back);
+    let share = shares_in(&trace, &[small], back)[0];
+    eprintln!(
+        "scheduler stopped {:.0} ms: the 0.2 tenant's share per 100 ms before {:.3?}, from SIGCONT {:.3?} then {windows:.3?}; over the second from {:.0} ms after SIGCONT {share:.3}",
+        stopped.len_ns() as f64 / 1e6,
+        shares_per_100_ms(&trace, small, before),
+        shares_per_100_ms(&trace, small, Window::new(stopped.end_ns, back.start_ns)),
+        REJOINED_NS as f64 / 1e6,
+    );
+    assert_eq!(windows.len(), 10, "the tenants ran on after SIGCONT");
+    for (i, got) in windows.iter().enumerate() {
+        assert!(
+            *got <= WINDOW_SHARE_MAX,
+            "{} ms after SIGCONT the 0.2 tenant had {got:.3} of the GPU for 100 ms (at most {WINDOW_SHARE_MAX:.2}; all {windows:.3?})",
+            (REJOINED_NS + i as u64 * 100 * MS) / MS
+        );
+    }
+    assert!(
+        (share - QUEUEING_REQUESTS[0]).abs() <= margins::SHARE,
+        "the 0.2 tenant had {share:.3} of the GPU over the second from {} ms after SIGCONT (windows {windows:.3?})",
+        REJOINED_NS / MS
+    );
+}
+
 /// Stops of 0.1 s and 1 s: neither blocks a fail-open tenant past the bound.
 #[test]
 fn short_scheduler_stalls_block_no_fail_open_tenant_past_the_bound() {
