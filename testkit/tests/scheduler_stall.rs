@@ -4,10 +4,11 @@
 //! The hook's liveness contract (docs/robustness.md): a process waiting for a turn probes the
 //! scheduler after half the liveness bound of silence (the scheduler's quota plus its grace:
 //! 20 ms + 20 ms here) and, left unanswered for the other half, follows `GPUSHARE_FAIL`:
-//! `open` launches without limits (the device's own time-slicing among the tenants) until the
-//! scheduler speaks again, `closed` waits for it. So under `open` the GPU keeps working through
-//! the stall, and no tenant is blocked for much longer than the bound; after `SIGCONT` the
-//! tenants rejoin the schedule and get their requests again.
+//! `open` launches without a turn (the device's own time-slicing among the tenants), its queue
+//! still paced to a budget, until the scheduler speaks again, `closed` waits for it. So under
+//! `open` the GPU keeps working through the stall, and no tenant is blocked for much longer than
+//! the bound; after `SIGCONT` the tenants rejoin the schedule within a turn (little of their work
+//! is queued) and get their requests again.
 //!
 //! Margins ([`margins`]): a tenant blocked for the whole stall (a hook that waits for a frozen
 //! scheduler) would show a gap of the stall's length, many times [`BLOCKED_NS`].
