@@ -56,6 +56,9 @@ struct Inner {
     runway: Runway,
     /// Buffers for questions about the fences, reused ([`Gate::ask`]).
     asked: Vec<Asked>,
+    /// Launches have run without limits and unpaced (no scheduler) since the pacing last
+    /// started from an empty queue.
+    unpaced: bool,
 }
 
 /// An admitted launch (or graph launch): its launch numbers `first..=last`, its stream's key in
@@ -128,6 +131,7 @@ impl Gate {
                 returned: 0,
                 runway: Runway::default(),
                 asked: Vec::new(),
+                unpaced: false,
             }),
             changed: Condvar::new(),
             wake: (Mutex::new(false), Condvar::new()),
@@ -157,12 +161,15 @@ impl Gate {
     }
 
     /// Carry out what the machine decided: the fast path's deadline, and what to tell the
-    /// scheduler (in order). Limits that apply again after a spell without them restart the
-    /// pacing from an empty queue (what the fences knew spans the spell).
+    /// scheduler (in order). Limits that apply again after a spell without them and without
+    /// pacing (no scheduler) restart the pacing from an empty queue (what the fences knew spans
+    /// the spell); after a fail-open spell, paced, the queue is known as it is.
     fn apply(&self, g: &mut Inner) {
         let deadline = g.turns.gate_deadline();
-        let was = self.deadline.swap(deadline, Ordering::SeqCst);
-        if was == UNLIMITED && deadline != UNLIMITED {
+        self.deadline.store(deadline, Ordering::SeqCst);
+        if deadline == UNLIMITED {
+            g.unpaced |= g.turns.queue_budget().is_none();
+        } else if std::mem::take(&mut g.unpaced) {
             self.next_pace.store(1, Ordering::Relaxed);
             let n = self.launches.load(Ordering::Relaxed);
             g.queue.drained(&self.launch_streams, n);
@@ -284,6 +291,9 @@ impl Gate {
                     break true;
                 }
                 Step::Ungated => {
+                    // Paced from its first launch, as a turn is.
+                    self.next_pace
+                        .store(self.launches.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
                     ungated_warning(g.turns.liveness_ns());
                     self.port.mark_owed();
                     self.wake();
@@ -735,6 +745,59 @@ mod tests {
         gate.wait_for_queue();
         let a = gate.try_enter(0, 1).expect("the wait is over");
         gate.leave(a, None);
+    }
+
+    /// A fail-open spell (the scheduler left a probe unanswered past the bound): the fast path
+    /// admits without a turn, but fences are recorded from the spell's first launch and a
+    /// pacing wait still holds the next launch. Without a scheduler at all, nothing is paced,
+    /// and limits that apply again after that start the pacing from an empty queue.
+    #[test]
+    fn a_fail_open_spell_is_paced_and_no_scheduler_is_not() {
+        let gate: &'static Gate = Box::leak(Box::new(Gate::new(
+            [0; 16],
+            CFG,
+            LIVENESS,
+            10_000_000,
+            port(),
+        )));
+        gate.next_pace.store(u64::MAX, Ordering::Relaxed);
+        let asked = crate::now_ns();
+        {
+            let mut g = gate.lock();
+            assert_eq!(g.turns.admit(asked, &mut Waiter::default()), Step::Ask);
+            g.turns.asked(true, asked);
+        }
+        // A launcher waits for the turn; the scheduler (none here) leaves its probe unanswered.
+        let a = gate.enter(None, 1).expect("ungated: admitted");
+        assert!(
+            crate::now_ns() >= asked + LIVENESS,
+            "ungated within the bound, not before"
+        );
+        assert!(a.fence, "the spell's first launch is fenced");
+        gate.leave(a, None);
+        assert!(gate.fences_apply(&gate.lock(), 1), "a budget applies");
+        let a = gate
+            .try_enter(0, 1)
+            .expect("no turn gate: the fast path admits");
+        gate.leave(a, None);
+        gate.pace_due.store(true, Ordering::Relaxed);
+        assert!(gate.try_enter(0, 1).is_none(), "a pacing wait is due");
+        gate.wait_for_queue();
+        let a = gate.try_enter(0, 1).expect("the wait is over");
+        gate.leave(a, None);
+
+        // The connection closes: no scheduler, no limits, no pacing.
+        gate.on_disconnected();
+        gate.set_unthrottled();
+        assert!(!gate.fences_apply(&gate.lock(), 4));
+        assert_eq!(gate.next_pace.load(Ordering::Relaxed), u64::MAX);
+        let a = gate.try_enter(0, 1).expect("unthrottled");
+        assert!(!a.fence);
+        gate.leave(a, None);
+        // Connected again: the pacing starts afresh at the next turn's first launch.
+        gate.on_connected(LIVENESS);
+        assert_eq!(gate.next_pace.load(Ordering::Relaxed), 1);
+        assert!(gate.try_enter(0, 1).is_none(), "no turn: the slow path");
     }
 
     #[test]

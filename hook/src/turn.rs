@@ -18,16 +18,23 @@
 //! bound (the scheduler's quota plus its grace, 40 ms by default, or `GPUSHARE_LIVENESS`),
 //! and a scheduler that is well answers at once. Unanswered for the other half — the daemon
 //! stopped, starved or swapped out — it is taken to be unresponsive, and `GPUSHARE_FAIL`
-//! decides: `open` launches without limits ([`Token::Ungated`]: the device's own time-slicing
+//! decides: `open` launches without a turn ([`Token::Ungated`]: the device's own time-slicing
 //! among the processes that do the same), probing every bound; `closed` goes on waiting. The
 //! first word from the scheduler after that (an answer, a grant, a new deadline) ends it: the
 //! process still waits for the turn it asked for and is granted it in the schedule's order, and
-//! no turn held while it was ungated is ever reported (it held none).
+//! no turn held while it was ungated is ever reported (it held none). Its launches are still
+//! paced to a queue budget meanwhile (that of its latest turn, [`Turns::queue_budget`]): what
+//! it queued during the spell is at most a budget of work when the scheduler speaks, not
+//! everything up to its next synchronisation running on beside the others' turns.
 
 use gpushare_protocol::TurnUse;
 
 /// The fast path's deadline meaning "no limits" (fail-open).
 pub const UNLIMITED: u64 = u64::MAX;
+
+/// The queue budget of a fail-open spell before any turn was granted: the scheduler's for a
+/// turn of its default quota that another group may cut short (an eighth of 20 ms).
+const SPELL_BUDGET_NS: u64 = 2_500_000;
 
 /// The idle-after-synchronisation score just after idleness, and the score above which the
 /// next synchronisation is expected to be followed by idleness too (1000 · 0.85⁸ ≈ 272 > 250).
@@ -108,7 +115,8 @@ pub enum Token {
     /// No scheduler to ask (disconnected, fail-open): no limits.
     Unthrottled,
     /// Asked, and the scheduler left this process's probe unanswered past the liveness bound
-    /// (fail-open): no limits until it is heard from again. It still owes the turn asked for.
+    /// (fail-open): no turn gate until it is heard from again, but the queue kept within a
+    /// budget. It still owes the turn asked for.
     Ungated,
     /// The scheduler refused this process (e.g. no group matches it): launches fail.
     Refused,
@@ -229,6 +237,8 @@ pub struct Turns {
     /// The latest launch that was paced (fenced), and when it returned.
     paced_launch: u64,
     paced_at: u64,
+    /// The queue budget of the latest turn granted: a fail-open spell keeps to it.
+    spell_budget_ns: u64,
     sync: SyncHistory,
     /// What to tell the scheduler, in order ([`Turns::take_said`]).
     said: Vec<Say>,
@@ -299,6 +309,7 @@ impl Turns {
             seen_at: 0,
             paced_launch: 0,
             paced_at: 0,
+            spell_budget_ns: SPELL_BUDGET_NS,
             sync: SyncHistory::default(),
             said: Vec::new(),
         }
@@ -324,10 +335,14 @@ impl Turns {
         }
     }
 
-    /// The queue budget of the turn held, if one is.
+    /// The queue budget of the turn held, if one is; during a fail-open spell, that of the
+    /// latest turn granted (the scheduler answers again to at most that much queued: the
+    /// process rejoins the schedule within a turn). None without a scheduler at all
+    /// (unthrottled: no schedule to rejoin, nothing to pace for).
     pub fn queue_budget(&self) -> Option<f64> {
         match self.token {
             Token::Held(t) => Some(t.queue_budget_ns as f64),
+            Token::Ungated => Some(self.spell_budget_ns as f64),
             _ => None,
         }
     }
@@ -520,6 +535,7 @@ impl Turns {
             just_in_time: plan.just_in_time,
             ..Turn::new(token, start_ns, deadline_ns, plan.queue_budget_ns)
         };
+        self.spell_budget_ns = turn.queue_budget_ns;
         match (&mut self.token, &mut self.next) {
             (Token::Held(t), _) if t.token == token => t.retime(turn),
             (_, Some(n)) if n.token == token => n.retime(turn),

@@ -4,10 +4,11 @@
 //! The hook's liveness contract (docs/robustness.md): a process waiting for a turn probes the
 //! scheduler after half the liveness bound of silence (the scheduler's quota plus its grace:
 //! 20 ms + 20 ms here) and, left unanswered for the other half, follows `GPUSHARE_FAIL`:
-//! `open` launches without limits (the device's own time-slicing among the tenants) until the
-//! scheduler speaks again, `closed` waits for it. So under `open` the GPU keeps working through
-//! the stall, and no tenant is blocked for much longer than the bound; after `SIGCONT` the
-//! tenants rejoin the schedule and get their requests again.
+//! `open` launches without a turn (the device's own time-slicing among the tenants), its queue
+//! still paced to a budget, until the scheduler speaks again, `closed` waits for it. So under
+//! `open` the GPU keeps working through the stall, and no tenant is blocked for much longer than
+//! the bound; after `SIGCONT` the tenants rejoin the schedule within a turn (little of their work
+//! is queued) and get their requests again.
 //!
 //! Margins ([`margins`]): a tenant blocked for the whole stall (a hook that waits for a frozen
 //! scheduler) would show a gap of the stall's length, many times [`BLOCKED_NS`].
@@ -148,6 +149,89 @@ fn a_stopped_scheduler_leaves_fail_open_tenants_running_and_shares_return() {
         &trace,
         &pids,
         stopped.end_ns + 1_000 * MS,
+    );
+}
+
+/// The requests of a small tenant that queues far ahead and a big one.
+const QUEUEING_REQUESTS: [f64; 2] = [0.2, 0.8];
+/// How soon after `SIGCONT` the small tenant is back to its request: a couple of the schedule's
+/// rounds (its turn, then the other's, about 60 ms together), and the recovery margin.
+const REJOINED_NS: u64 = 200 * MS;
+/// The most of the GPU the small tenant may have in a 100 ms window once it is back: a window
+/// holds one or two of its turns (about 0.12 or 0.24 of it, as before the stop), and a margin.
+/// One window of the second observed may hold more: the other tenant's host thread, late on a
+/// busy machine, leaves the GPU to the one with work (a turn given back, or extended). Work
+/// left queued from the stop holds the small tenant near half the GPU in every window.
+const WINDOW_SHARE_MAX: f64 = QUEUEING_REQUESTS[0] + 2.0 * margins::SHARE;
+
+/// The share of `pid` in each 100 ms window of `w`.
+fn shares_per_100_ms(trace: &Trace, pid: u32, w: Window) -> Vec<f64> {
+    (w.start_ns..w.end_ns.saturating_sub(100 * MS - 1))
+        .step_by(100 * MS as usize)
+        .map(|at| shares_in(trace, &[pid], Window::new(at, at + 100 * MS))[0])
+        .collect()
+}
+
+/// `SIGSTOP` of the scheduler for 80 ms beside two busy fail-open tenants (1 ms kernels,
+/// requests 0.2 / 0.8), the 0.2 one synchronising only every 1,000 kernels (a second of GPU
+/// work) and stopped early in its first 1,000. During the stop it runs without a turn, but its
+/// launches are still paced to a queue budget: once the scheduler answers, little of its work is
+/// queued, and from [`REJOINED_NS`] after `SIGCONT`, in the ten 100 ms windows of the next
+/// second, its share is at most [`WINDOW_SHARE_MAX`] in all but one, and within
+/// [`margins::SHARE`] of its request over those nine. (Unpaced, it queues the rest of its 1,000
+/// kernels, which the device's time-slicing runs beside the other's turns: about half the GPU
+/// in every window for a second and more.)
+#[test]
+fn a_fail_open_tenant_rejoins_the_schedule_within_a_turn_of_the_scheduler_answering() {
+    let node = Node::start(&[]);
+    let ts: Vec<Tenant> = (["small", "big"].iter().zip(QUEUEING_REQUESTS))
+        .map(|(group, request)| {
+            let sync_every = if request < 0.5 { 1_000 } else { 20 };
+            let spin = Spin::for_ms(1.0, 3_500.0).sync_every(Some(sync_every));
+            let mut cmd = node.tenant_command(group, request, 1.0, 1.0, cudarc(), &spin.args());
+            cmd.env("GPUSHARE_FAIL", "open");
+            node.spawn(cmd)
+        })
+        .collect();
+    let (small, big) = (ts[0].pid(), ts[1].pid());
+    std::thread::sleep(Duration::from_millis(1_000));
+    let stopped = stall(&node, 80);
+    let outs = wait_all(ts);
+    let trace = node.finish();
+    assert!(trace.overlaps().is_empty(), "overlapping kernels");
+    assert!(
+        String::from_utf8_lossy(&outs[0].stderr).contains("WITHOUT GPU sharing limits"),
+        "the 0.2 tenant ran without a turn while the scheduler was stopped\n{}",
+        describe(&outs[0])
+    );
+    let before = Window::new(stopped.start_ns - 600 * MS, stopped.start_ns);
+    let back = Window::new(
+        stopped.end_ns + REJOINED_NS,
+        stopped.end_ns + REJOINED_NS + 1_000 * MS,
+    );
+    let windows = shares_per_100_ms(&trace, small, back);
+    eprintln!(
+        "scheduler stopped {:.0} ms: the 0.2 tenant's share per 100 ms before {:.3?}, from SIGCONT {:.3?} then {windows:.3?} (the 0.8 tenant's then {:.3?})",
+        stopped.len_ns() as f64 / 1e6,
+        shares_per_100_ms(&trace, small, before),
+        shares_per_100_ms(&trace, small, Window::new(stopped.end_ns, back.start_ns)),
+        shares_per_100_ms(&trace, big, back),
+    );
+    assert_eq!(windows.len(), 10, "the tenants ran on after SIGCONT");
+    let mut sorted = windows.clone();
+    sorted.sort_by(f64::total_cmp);
+    let nine = &sorted[..9];
+    assert!(
+        nine[8] <= WINDOW_SHARE_MAX,
+        "from {} ms after SIGCONT the 0.2 tenant had more than {WINDOW_SHARE_MAX:.2} of the GPU in {} of ten 100 ms windows: {windows:.3?}",
+        REJOINED_NS / MS,
+        windows.iter().filter(|w| **w > WINDOW_SHARE_MAX).count()
+    );
+    let share = nine.iter().sum::<f64>() / 9.0;
+    assert!(
+        (share - QUEUEING_REQUESTS[0]).abs() <= margins::SHARE,
+        "from {} ms after SIGCONT the 0.2 tenant had {share:.3} of the GPU over the nine 100 ms windows of the lowest shares of ten: {windows:.3?}",
+        REJOINED_NS / MS
     );
 }
 

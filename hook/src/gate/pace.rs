@@ -1,6 +1,7 @@
 //! Pacing: every K launches a fence event is recorded on the launching stream; while more than
 //! half the queue budget is queued, the next launch waits for the oldest fence before it is
-//! submitted.
+//! submitted. It applies while a turn is held and through a fail-open spell (the scheduler
+//! unresponsive, no turn gate), not while no scheduler can be reached.
 
 use super::{Driver, Gate, Inner};
 use crate::driver::{self, Stream};
@@ -83,10 +84,11 @@ impl Gate {
         self.next_pace.store(n + k, Ordering::Relaxed);
     }
 
-    /// Whether fences are recorded now: only while a queue budget applies. Without one, the
+    /// Whether fences are recorded now: only while a queue budget applies (a turn held, or a
+    /// fail-open spell: [`crate::turn::Turns::queue_budget`]). Without one, the
     /// next fence is due at the next launch, or never while without limits (until they apply
     /// again: `apply`).
-    fn fences_apply(&self, g: &Inner, n: u64) -> bool {
+    pub(super) fn fences_apply(&self, g: &Inner, n: u64) -> bool {
         if g.turns.queue_budget().is_some() {
             return true;
         }

@@ -591,6 +591,96 @@ fn a_grant_ends_an_ungated_spell() {
     assert_eq!(t.admit(S, &mut Waiter::default()), Step::Opened);
 }
 
+/// A fail-open spell has no turn gate but keeps its queue within the budget of the latest turn
+/// granted (the scheduler's default before any): once the scheduler answers, at most that much
+/// of its work runs on beside the others' turns. The answer drops the budget with the spell
+/// (the process waits for its turn, launching nothing), a grant replaces it with the turn's.
+#[test]
+fn a_fail_open_spell_keeps_the_latest_turns_queue_budget() {
+    // Before any grant: the scheduler's default budget.
+    let mut t = waiting(CFG, 0);
+    assert_eq!(t.queue_budget(), None, "waiting: no launches to pace");
+    wait_for_turn(&mut t, 0, S, |_| false, None);
+    assert_eq!(t.token(), Token::Ungated);
+    assert_eq!(t.gate_deadline(), UNLIMITED, "no turn gate");
+    assert_eq!(t.queue_budget(), Some(SPELL_BUDGET_NS as f64));
+    assert_eq!(t.just_in_time(), None);
+
+    // After a turn of a 0.4 ms budget (a latency-class group about): that budget.
+    let mut t = holding(1, 100 * MS);
+    t.grant(
+        1,
+        100 * MS,
+        120 * MS,
+        Plan {
+            queue_budget_ns: 400_000,
+            ..plan(false)
+        },
+        100 * MS,
+    );
+    close(&mut t, 120 * MS, true);
+    t.take_said();
+    assert_eq!(t.queue_budget(), None);
+    let (admitted, _) = wait_for_turn(&mut t, 120 * MS, S, |_| false, None);
+    assert_eq!(admitted, Some(120 * MS + LIVENESS));
+    assert_eq!(t.queue_budget(), Some(400_000.0));
+    // Every launch of the spell sees it: the watcher probing changes nothing.
+    let mut w = Waiter::default();
+    for at in [200 * MS, 300 * MS, 500 * MS] {
+        assert_eq!(t.admit(at, &mut w), Step::Admit);
+        t.watch(at, busy(), &mut || None);
+        assert_eq!(t.queue_budget(), Some(400_000.0));
+    }
+
+    // The scheduler answers: no turn, nothing to pace (launches wait for the grant).
+    t.alive(600 * MS);
+    assert_eq!(t.token(), Token::Requested);
+    assert_eq!(t.queue_budget(), None);
+    assert_eq!(t.gate_deadline(), 0);
+    // A grant ends a spell with its own budget.
+    wait_for_turn(&mut t, 600 * MS, 2 * S, |_| false, None);
+    assert_eq!(t.queue_budget(), Some(400_000.0));
+    t.grant(7, S, S + 20 * MS, plan(false), S - MS);
+    assert_eq!(t.queue_budget(), Some(BUDGET as f64));
+    assert_eq!(t.admit(S, &mut w), Step::Opened);
+}
+
+/// A fail-open spell ended by the connection closing runs without a scheduler: no limits and no
+/// pacing (no schedule to rejoin); the next connection starts without a budget until a turn.
+#[test]
+fn a_closed_connection_ends_a_spell_and_its_pacing() {
+    for unthrottled_at_once in [false, true] {
+        let mut t = waiting(CFG, 0);
+        wait_for_turn(&mut t, 0, S, |_| false, None);
+        assert_eq!(t.queue_budget(), Some(SPELL_BUDGET_NS as f64));
+        if !unthrottled_at_once {
+            assert!(t.disconnected(), "the gate forgets its queue");
+            assert_eq!(t.token(), Token::None);
+            assert_eq!(t.queue_budget(), None);
+        }
+        t.unthrottled();
+        assert_eq!(t.gate_deadline(), UNLIMITED);
+        assert_eq!(t.queue_budget(), None, "no scheduler: unpaced");
+        t.connected(2 * S);
+        assert_eq!(t.token(), Token::None);
+        assert_eq!(t.queue_budget(), None);
+        assert_eq!(t.gate_deadline(), 0);
+    }
+}
+
+/// Fail-closed, a process the scheduler owes an answer launches nothing: no budget either.
+#[test]
+fn fail_closed_overdue_has_no_budget() {
+    let cfg = TurnConfig {
+        fail_open: false,
+        ..CFG
+    };
+    let mut t = waiting(cfg, 0);
+    wait_for_turn(&mut t, 0, 2 * LIVENESS, |_| false, None);
+    assert!(t.overdue(2 * LIVENESS));
+    assert_eq!((t.gate_deadline(), t.queue_budget()), (0, None));
+}
+
 /// Fail-closed: the launcher waits on past the bound, for the scheduler, and goes on with the
 /// grant when it comes.
 #[test]
@@ -836,8 +926,10 @@ impl Rng {
 
 /// Random interleavings, thousands of turns each: a scheduler that grants ahead, moves, cuts
 /// short, extends, revokes and withdraws turns at random; launchers, a watcher, drains that
-/// end before or after other events, synchronisations and disconnections. Invariants:
+/// end before or after other events, synchronisations and disconnections; and a scheduler that
+/// stops for a while now and then (its waiters ungated). Invariants:
 /// - the fast path's deadline is non-zero only while a turn is open (or without limits);
+/// - launches are paced while a turn is held or through a fail-open spell, not otherwise;
 /// - nothing is admitted in a turn stopped, closed or not yet opened;
 /// - a turn that opens at its start (after a latency-class group's linger) never opens
 ///   before it;
@@ -860,9 +952,13 @@ fn random_interleavings_keep_every_invariant() {
         let mut turns_opened = 0u32;
         let mut lost: Vec<u64> = Vec::new();
         let mut epoch = 1u64;
+        let mut spells = 0u32;
         for _ in 0..20_000 {
             now += rng.below(2 * MS);
+            // The scheduler stops for the last quarter of every 2 s: it says nothing.
+            let stopped = now % (2 * S) >= 3 * S / 2;
             match rng.below(13) {
+                0..=4 if stopped => {}
                 0 | 1 => {
                     let start = now + rng.below(8 * MS);
                     t.grant(
@@ -921,7 +1017,10 @@ fn random_interleavings_keep_every_invariant() {
                             launches += 1;
                         }
                         Step::Ask => t.asked(rng.below(10) != 0, now),
-                        Step::Ungated => assert_eq!(t.gate_deadline(), UNLIMITED),
+                        Step::Ungated => {
+                            assert_eq!(t.gate_deadline(), UNLIMITED);
+                            spells += 1;
+                        }
                         Step::Refuse | Step::Wait { .. } => {}
                     }
                 }
@@ -983,7 +1082,7 @@ fn random_interleavings_keep_every_invariant() {
                         t.connected(now);
                         epoch = next_token;
                     }
-                    3..=5 => t.alive(now),
+                    3..=5 if !stopped => t.alive(now),
                     _ => {}
                 },
             }
@@ -992,6 +1091,14 @@ fn random_interleavings_keep_every_invariant() {
                 Token::Held(h) if h.is_open() => assert_eq!(d, h.deadline_ns.max(1)),
                 Token::Unthrottled | Token::Ungated => assert_eq!(d, UNLIMITED),
                 other => assert_eq!(d, 0, "seed {seed}: {other:?}"),
+            }
+            // Paced while a turn is held or through a fail-open spell (the latest budget
+            // granted), never without a scheduler or while waiting.
+            let budget = t.queue_budget();
+            match t.token() {
+                Token::Held(h) => assert_eq!(budget, Some(h.queue_budget_ns as f64)),
+                Token::Ungated => assert_eq!(budget, Some(t.spell_budget_ns as f64)),
+                other => assert_eq!(budget, None, "seed {seed}: {other:?}"),
             }
             for say in t.take_said() {
                 if let Say::Report { token, used, .. } = say {
@@ -1022,5 +1129,6 @@ fn random_interleavings_keep_every_invariant() {
             );
         }
         assert!(turns_opened > 200, "seed {seed}: only {turns_opened} turns");
+        assert!(spells > 5, "seed {seed}: only {spells} fail-open spells");
     }
 }
