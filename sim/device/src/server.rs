@@ -1,6 +1,8 @@
 //! The device process's I/O shell around [`Model`]: a Unix socket that every simulated driver
 //! connects to, one reader thread per client, and a clock thread that advances the timeline in
-//! real time, answers waits when their work completes and writes the device trace.
+//! real time, answers waits when their work completes and hands the device trace to a writer
+//! thread (the device never waits for the disk: a write held up by the host's writeback would
+//! stop the GPU for every process).
 
 use crate::model::{ConnId, Key, Model, ModelConfig, SubmitError};
 use crate::trace::Record;
@@ -13,6 +15,7 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -58,7 +61,8 @@ struct State {
     relays: HashMap<u64, Relay>,
     next_relay: u64,
     waiters: Vec<Waiter>,
-    trace: Option<BufWriter<File>>,
+    /// To the trace writer thread (`None`: no trace, or it could not be written).
+    trace: Option<Sender<Vec<Record>>>,
     next_conn: ConnId,
     stopping: bool,
     /// When the clock thread will next look at the model on its own (`u64::MAX`: not until
@@ -81,6 +85,7 @@ pub struct Server {
     shared: Arc<Shared>,
     socket: PathBuf,
     clock: Option<JoinHandle<()>>,
+    trace_writer: Option<JoinHandle<std::io::Result<()>>>,
 }
 
 type Outbox = Vec<(ConnId, Reply)>;
@@ -90,11 +95,18 @@ impl Server {
         // Every user may use the simulated GPUs, as every user may open /dev/nvidia*.
         let listener = gpushare_frame::listen_at(&cfg.socket, 0o666)
             .map_err(|e| anyhow::anyhow!("{e}; pick another --socket path"))?;
-        let trace = match &cfg.trace {
-            Some(p) => Some(BufWriter::new(File::create(p).map_err(|e| {
-                anyhow::anyhow!("cannot create trace file {}: {e}", p.display())
-            })?)),
-            None => None,
+        let (trace, trace_writer) = match &cfg.trace {
+            Some(p) => {
+                let file = File::create(p).map_err(|e| {
+                    anyhow::anyhow!("cannot create trace file {}: {e}", p.display())
+                })?;
+                let (tx, rx) = channel();
+                let writer = std::thread::Builder::new()
+                    .name("sim-trace".into())
+                    .spawn(move || trace_loop(rx, BufWriter::new(file)))?;
+                (Some(tx), Some(writer))
+            }
+            None => (None, None),
         };
         let devices = device_infos(&cfg.model.device_memory, cfg.swap);
         let shared = Arc::new(Shared {
@@ -128,6 +140,7 @@ impl Server {
             shared,
             socket: cfg.socket,
             clock: Some(clock),
+            trace_writer,
         })
     }
 
@@ -149,13 +162,17 @@ impl Server {
         let now = now_ns();
         st.model.advance(now);
         write_trace(&mut st);
-        if let Some(t) = st.trace.as_mut() {
-            t.flush()?;
-        }
+        // The writer ends once it has written what it was sent.
+        st.trace = None;
         for (_, (_, path)) in st.boards.drain() {
             let _ = std::fs::remove_file(path);
         }
+        drop(st);
         let _ = std::fs::remove_file(&self.socket);
+        if let Some(w) = self.trace_writer.take() {
+            w.join()
+                .map_err(|_| anyhow::anyhow!("the trace writer panicked"))??;
+        }
         Ok(())
     }
 }
@@ -497,16 +514,34 @@ fn waiter_end(model: &Model, w: &Waiter) -> Option<u64> {
         .try_fold(0, |acc, &(s, q)| Some(acc.max(model.completion(s, q)?)))
 }
 
+/// Hand the records the model made since the last call to the trace writer.
 fn write_trace(st: &mut State) {
     let records: Vec<Record> = st.model.take_trace();
-    let Some(out) = st.trace.as_mut() else { return };
-    for r in records {
-        if serde_json::to_writer(&mut *out, &r).is_err() || out.write_all(b"\n").is_err() {
-            tracing::error!("cannot write the device trace; further records are lost");
-            st.trace = None;
-            return;
+    if records.is_empty() {
+        return;
+    }
+    if let Some(tx) = &st.trace
+        && tx.send(records).is_err()
+    {
+        // The writer gave up (and said why).
+        st.trace = None;
+    }
+}
+
+/// The trace writer thread: one JSON line per record, flushed once every sender is gone.
+fn trace_loop(rx: Receiver<Vec<Record>>, mut out: BufWriter<File>) -> std::io::Result<()> {
+    for records in rx {
+        for r in records {
+            let line = serde_json::to_writer(&mut out, &r)
+                .map_err(std::io::Error::other)
+                .and_then(|()| out.write_all(b"\n"));
+            if let Err(e) = line {
+                tracing::error!("cannot write the device trace ({e}); further records are lost");
+                return Err(e);
+            }
         }
     }
+    out.flush()
 }
 
 fn deliver(shared: &Shared, out: Outbox) {
