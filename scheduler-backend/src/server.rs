@@ -53,6 +53,10 @@ struct Conn {
     output: Vec<u8>,
     /// Bytes at the front of `output` already written.
     sent: usize,
+    /// Registered for writability: only while its socket held back part of `output`. The
+    /// poll is edge-triggered, and a socket always polled for it would wake the loop for
+    /// nothing each time the peer read a reply.
+    awaits_room: bool,
 }
 
 pub struct Server {
@@ -361,11 +365,10 @@ impl Server {
                 continue;
             };
             let c = self.next_conn;
-            let interest = Interest::READABLE | Interest::WRITABLE;
             if let Err(e) = self
                 .poll
                 .registry()
-                .register(&mut stream, Token(c), interest)
+                .register(&mut stream, Token(c), Interest::READABLE)
             {
                 tracing::error!("cannot poll a new connection: {e}");
                 continue;
@@ -376,6 +379,7 @@ impl Server {
                 input: FrameBuf::new(MAX_CLIENT_FRAME),
                 output: Vec::new(),
                 sent: 0,
+                awaits_room: false,
             };
             let c = c as ConnId;
             self.conns.insert(c, conn);
@@ -502,13 +506,33 @@ impl Server {
                 }
             }
         }
-        if conn.sent == conn.output.len() {
+        let done = conn.sent == conn.output.len();
+        if done {
             // An idle connection keeps no buffer.
             conn.output = Vec::new();
             conn.sent = 0;
         } else if conn.sent > conn.output.len() / 2 {
             conn.output.drain(..conn.sent);
             conn.sent = 0;
+        }
+        // Polled for room only while output waits for it: re-registering reports the socket's
+        // state then, so room made meanwhile is not missed.
+        if conn.awaits_room == done {
+            let interest = if done {
+                Interest::READABLE
+            } else {
+                Interest::READABLE | Interest::WRITABLE
+            };
+            let token = Token(c as usize);
+            if let Err(e) = self
+                .poll
+                .registry()
+                .reregister(&mut conn.stream, token, interest)
+            {
+                tracing::debug!(conn = c, "closing a connection: cannot poll it: {e}");
+                return false;
+            }
+            conn.awaits_room = !done;
         }
         true
     }

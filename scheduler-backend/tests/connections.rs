@@ -186,3 +186,79 @@ fn a_peer_that_does_not_read_is_dropped_and_blocks_no_one() {
     );
     assert!(dropped || closed_within(&mut hog, Duration::from_secs(5)));
 }
+
+/// Replies that the socket cannot take at once wait in the daemon and follow as the peer reads
+/// them: a burst whose answers overflow the socket's buffer (but not the bound on unread
+/// replies) is answered in full.
+#[test]
+fn replies_beyond_the_socket_buffer_follow_as_the_peer_reads() {
+    let d = Daemon::start("");
+    let mut s = client(&d.socket);
+    let gpu = *b"gpushare-sim-gpu";
+    let mut alive = Vec::new();
+    gpushare_protocol::encode(&ServerMsg::Alive { gpu }, &mut alive).unwrap();
+    // The socket holds at most its buffer's size of them (less as the daemon writes them in
+    // small pieces); the daemon holds the rest, fewer than it lets a peer leave unread.
+    let socket_buffer: usize = std::fs::read_to_string("/proc/sys/net/core/wmem_default")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let answers = socket_buffer + (24 << 10);
+    assert!(
+        answers < gpushare_scheduler::server::MAX_OUTPUT,
+        "a socket buffer of {socket_buffer} bytes holds what this test would leave unread"
+    );
+    let n = answers / alive.len();
+    let mut probe = Vec::new();
+    gpushare_protocol::encode(&ClientMsg::Probe { gpu }, &mut probe).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&probe.repeat(n)).unwrap();
+    // Read once the daemon has read the whole burst and answered what its socket takes.
+    std::thread::sleep(Duration::from_millis(200));
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = Vec::new();
+    for i in 0..n {
+        let reply = gpushare_protocol::recv::<ServerMsg>(&mut s, &mut buf);
+        assert!(
+            matches!(reply, Ok(Some(ServerMsg::Alive { .. }))),
+            "reply {i} of {n}: {reply:?}"
+        );
+    }
+}
+
+/// The events the daemon's event loop handled so far, from its report.
+fn loop_events(s: &mut UnixStream) -> u64 {
+    send(s, &ClientMsg::Status).unwrap();
+    match gpushare_protocol::recv::<ServerMsg>(s, &mut Vec::new()) {
+        Ok(Some(ServerMsg::Status { report })) => report.event_loop.count,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A question answered costs the event loop one wake-up: the peer reading the answer does not
+/// wake it again.
+#[test]
+fn an_answer_read_does_not_wake_the_event_loop() {
+    let d = Daemon::start("");
+    let mut s = client(&d.socket);
+    let gpu = *b"gpushare-sim-gpu";
+    let n = 60;
+    let before = loop_events(&mut s);
+    let mut buf = Vec::new();
+    for _ in 0..n {
+        send(&mut s, &ClientMsg::Probe { gpu }).unwrap();
+        let reply = gpushare_protocol::recv::<ServerMsg>(&mut s, &mut buf);
+        assert!(
+            matches!(reply, Ok(Some(ServerMsg::Alive { .. }))),
+            "{reply:?}"
+        );
+        // The next question comes later than the loop's reaction to this answer being read.
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let events = loop_events(&mut s) - before;
+    assert!(
+        events < n + n / 2,
+        "{events} events for {n} questions and a status"
+    );
+}
