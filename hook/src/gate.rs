@@ -599,10 +599,14 @@ impl Gate {
         let mut g = self.lock();
         let now = crate::now_ns();
         let a = self.activity(&mut g);
-        if g.turns.before_sync(now, a) {
-            // What is queued, for when the turn's work drains.
-            let (g, _) = self.ask(g, Ask::All, false);
-            self.close(g, Some(crate::now_ns()), false);
+        if let Some(token) = g.turns.before_sync(now, a) {
+            // What is queued, for when the turn's work drains. The lock is let go meanwhile:
+            // closed only if it is still that turn, and no launcher has come since.
+            let (mut g, _) = self.ask(g, Ask::All, false);
+            let a = self.activity(&mut g);
+            if g.turns.still_gives_back(token, a) {
+                self.close(g, Some(crate::now_ns()), false);
+            }
         }
         now
     }

@@ -855,11 +855,31 @@ impl Turns {
     /// The application is about to synchronise at `now`. If it went idle after one of its last
     /// synchronisations (a request server, a bursty job: learnt), the turn is best given back as
     /// the work it waits for drains, rather than leave the next holder an idle GPU until the
-    /// idle release: true when the gate should close now (and yield). Not while the turn is
-    /// extended, or while another thread launches or paces.
-    pub fn before_sync(&mut self, now: u64, a: Activity) -> bool {
+    /// idle release: the token of the turn the gate should close now (and yield), if one. Not
+    /// while the turn is extended, or while another thread launches or paces.
+    pub fn before_sync(&mut self, now: u64, a: Activity) -> Option<u64> {
         let idle_next = self.learn_after_sync(now, a.launches) > IDLE_RECENTLY && !self.alone;
-        idle_next && a.quiet && matches!(self.token, Token::Held(t) if t.is_open())
+        if idle_next && a.quiet {
+            self.open_turn()
+        } else {
+            None
+        }
+    }
+
+    /// Whether turn `token`, found to be given back at a synchronisation
+    /// ([`Turns::before_sync`]), still is as activity `a` is seen later (the gate lets its lock
+    /// go between the two to ask the driver what is queued): the same turn still held and
+    /// open, and no launch or pacing since.
+    pub fn still_gives_back(&self, token: u64, a: Activity) -> bool {
+        a.quiet && self.open_turn() == Some(token)
+    }
+
+    /// The token of the turn held, if it is open.
+    fn open_turn(&self) -> Option<u64> {
+        match self.token {
+            Token::Held(t) if t.is_open() => Some(t.token),
+            _ => None,
+        }
     }
 
     /// A synchronisation returned at `now`.
