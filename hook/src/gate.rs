@@ -617,7 +617,8 @@ impl Gate {
     /// fence every few fences). The pacing keeps the work queued within the queue budget: a
     /// wait of more than twice the budget (margin for a thread woken late, and for the previous
     /// holder's last kernels at a turn's start) shows the GPU time per launch higher than the
-    /// fences knew.
+    /// fences knew. Only while a turn is held: during a fail-open spell the device time-slices
+    /// among the processes, and a wait holds their kernels too.
     pub fn after_sync(&self, began: u64) {
         let n = self.launches.load(Ordering::Relaxed);
         let mut g = self.lock();
@@ -626,7 +627,7 @@ impl Gate {
         let budget = g.turns.queue_budget();
         // (Launching just in time, a latency-class group's kernels run between this process's:
         // a wait holds them too.)
-        if let Some(budget) = budget
+        if let Some(budget) = g.turns.held_budget()
             && g.turns.just_in_time().is_none()
             && now.saturating_sub(began) as f64 > 2.0 * budget
         {
@@ -749,6 +750,47 @@ mod tests {
         gate.wait_for_queue();
         let a = gate.try_enter(0, 1).expect("the wait is over");
         gate.leave(a, None);
+    }
+
+    /// A synchronisation's wait during a fail-open spell holds other processes' kernels too
+    /// (the device time-slices among them): it does not set the GPU time per launch; while a
+    /// turn is held it does.
+    #[test]
+    fn a_wait_during_a_fail_open_spell_is_not_taken_for_this_process_work() {
+        let gate: &'static Gate = Box::leak(Box::new(Gate::new(
+            [0; 16],
+            CFG,
+            LIVENESS,
+            10_000_000,
+            port(),
+        )));
+        let asked = crate::now_ns();
+        {
+            let mut g = gate.lock();
+            assert_eq!(g.turns.admit(asked, &mut Waiter::default()), Step::Ask);
+            g.turns.asked(true, asked);
+        }
+        let a = gate.enter(None, 1).expect("ungated: admitted");
+        gate.leave(a, None);
+        assert_eq!(gate.lock().turns.token(), crate::turn::Token::Ungated);
+        let began = crate::now_ns() - 100_000_000;
+        gate.after_sync(began);
+        assert_eq!(
+            gate.queued_now(&mut gate.lock().queue, crate::now_ns(), u64::MAX),
+            None,
+            "nothing learnt from the spell's wait"
+        );
+
+        let gate = holding(7);
+        let a = gate.try_enter(0, 1).expect("open");
+        gate.leave(a, None);
+        let began = crate::now_ns() - 100_000_000;
+        gate.after_sync(began);
+        assert!(
+            gate.queued_now(&mut gate.lock().queue, crate::now_ns(), u64::MAX)
+                .is_some(),
+            "a turn's wait is learnt from"
+        );
     }
 
     /// A fail-open spell (the scheduler left a probe unanswered past the bound): the fast path

@@ -341,8 +341,15 @@ impl Turns {
     /// (unthrottled: no schedule to rejoin, nothing to pace for).
     pub fn queue_budget(&self) -> Option<f64> {
         match self.token {
-            Token::Held(t) => Some(t.queue_budget_ns as f64),
             Token::Ungated => Some(self.spell_budget_ns as f64),
+            _ => self.held_budget(),
+        }
+    }
+
+    /// The queue budget of the turn held, if one is (not during a fail-open spell).
+    pub fn held_budget(&self) -> Option<f64> {
+        match self.token {
+            Token::Held(t) => Some(t.queue_budget_ns as f64),
             _ => None,
         }
     }
