@@ -733,6 +733,16 @@ mod tests {
         drop(drain);
     }
 
+    /// A launch whose fence could not be recorded (here: no current context) leaves the next
+    /// fence due at the next launch, not at every one after it.
+    #[test]
+    fn a_fence_not_recorded_is_tried_at_the_next_launch_only() {
+        let gate = holding(7);
+        gate.next_pace.store(1, Ordering::Relaxed);
+        gate.fence(std::ptr::null_mut(), false, 0, 41);
+        assert_eq!(gate.next_pace.load(Ordering::Relaxed), 42);
+    }
+
     /// A fence that finds more than half the queue budget queued makes the next launch wait
     /// before it is submitted (the slow path), not the launch call just submitted; the wait is
     /// over once the queue is within the budget (here it already is).
