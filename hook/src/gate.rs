@@ -671,10 +671,10 @@ fn ungated_warning(liveness_ns: u64) {
     static WARN: Once = Once::new();
     let ms = liveness_ns as f64 / 1e6;
     debug!(
-        "gpushare-scheduler left a probe unanswered ({ms:.0} ms): launching without limits until it answers"
+        "gpushare-scheduler left a probe unanswered ({ms:.0} ms): launching without turns (queued work still paced) until it answers"
     );
     WARN.call_once(|| {
-        eprintln!("gpushare: gpushare-scheduler has not answered for {ms:.0} ms; running WITHOUT GPU sharing limits until it does (fail-open). Set GPUSHARE_FAIL=closed to wait for it, or GPUSHARE_LIVENESS to wait longer.");
+        eprintln!("gpushare: gpushare-scheduler has not answered for {ms:.0} ms; running without turns (its queued work still paced) until it does (fail-open). Set GPUSHARE_FAIL=closed to wait for it, or GPUSHARE_LIVENESS to wait longer.");
     });
 }
 

@@ -194,8 +194,9 @@ pub enum Step {
     Ask,
     /// Wait until this time, or until woken by a change, and ask again.
     Wait { until_ns: u64 },
-    /// The launch runs without limits, and so do the next ones: the scheduler left a probe
-    /// unanswered past the liveness bound (fail-open). The watcher must look (it probes on).
+    /// The launch runs without a turn, and so do the next ones (their queued work still
+    /// paced): the scheduler left a probe unanswered past the liveness bound (fail-open). The
+    /// watcher must look (it probes on).
     Ungated,
 }
 

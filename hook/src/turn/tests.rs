@@ -574,7 +574,7 @@ fn a_live_scheduler_is_probed_and_waited_for() {
 }
 
 /// A probe left unanswered for half the bound (the scheduler stopped): a fail-open launcher
-/// runs without limits once the bound has passed since it last heard of the scheduler, and
+/// runs without a turn once the bound has passed since it last heard of the scheduler, and
 /// probes on; the scheduler's next word puts it back in the queue for its turn.
 #[test]
 fn an_unanswered_probe_ungates_a_fail_open_waiter_within_the_bound() {
