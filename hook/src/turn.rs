@@ -33,7 +33,9 @@ use gpushare_protocol::TurnUse;
 pub const UNLIMITED: u64 = u64::MAX;
 
 /// The queue budget of a fail-open spell before any turn was granted: the scheduler's for a
-/// turn of its default quota that another group may cut short (an eighth of 20 ms).
+/// turn of its default quota that another group may cut short (an eighth of 20 ms:
+/// `PolicyConfig::queue_budget_ns` of the default `PolicyConfig`, in the policy crate, which the
+/// hook does not depend on; kept equal by hand).
 const SPELL_BUDGET_NS: u64 = 2_500_000;
 
 /// The idle-after-synchronisation score just after idleness, and the score above which the
