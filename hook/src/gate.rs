@@ -599,10 +599,14 @@ impl Gate {
         let mut g = self.lock();
         let now = crate::now_ns();
         let a = self.activity(&mut g);
-        if g.turns.before_sync(now, a) {
-            // What is queued, for when the turn's work drains.
-            let (g, _) = self.ask(g, Ask::All, false);
-            self.close(g, Some(crate::now_ns()), false);
+        if let Some(token) = g.turns.before_sync(now, a) {
+            // What is queued, for when the turn's work drains. The lock is let go meanwhile:
+            // closed only if it is still that turn, and no launcher has come since.
+            let (mut g, _) = self.ask(g, Ask::All, false);
+            let a = self.activity(&mut g);
+            if g.turns.still_gives_back(token, a) {
+                self.close(g, Some(crate::now_ns()), false);
+            }
         }
         now
     }
@@ -613,7 +617,8 @@ impl Gate {
     /// fence every few fences). The pacing keeps the work queued within the queue budget: a
     /// wait of more than twice the budget (margin for a thread woken late, and for the previous
     /// holder's last kernels at a turn's start) shows the GPU time per launch higher than the
-    /// fences knew.
+    /// fences knew. Only while a turn is held: during a fail-open spell the device time-slices
+    /// among the processes, and a wait holds their kernels too.
     pub fn after_sync(&self, began: u64) {
         let n = self.launches.load(Ordering::Relaxed);
         let mut g = self.lock();
@@ -622,7 +627,7 @@ impl Gate {
         let budget = g.turns.queue_budget();
         // (Launching just in time, a latency-class group's kernels run between this process's:
         // a wait holds them too.)
-        if let Some(budget) = budget
+        if let Some(budget) = g.turns.held_budget()
             && g.turns.just_in_time().is_none()
             && now.saturating_sub(began) as f64 > 2.0 * budget
         {
@@ -666,10 +671,10 @@ fn ungated_warning(liveness_ns: u64) {
     static WARN: Once = Once::new();
     let ms = liveness_ns as f64 / 1e6;
     debug!(
-        "gpushare-scheduler left a probe unanswered ({ms:.0} ms): launching without limits until it answers"
+        "gpushare-scheduler left a probe unanswered ({ms:.0} ms): launching without turns (queued work still paced) until it answers"
     );
     WARN.call_once(|| {
-        eprintln!("gpushare: gpushare-scheduler has not answered for {ms:.0} ms; running WITHOUT GPU sharing limits until it does (fail-open). Set GPUSHARE_FAIL=closed to wait for it, or GPUSHARE_LIVENESS to wait longer.");
+        eprintln!("gpushare: gpushare-scheduler has not answered for {ms:.0} ms; running without turns (its queued work still paced) until it does (fail-open). Set GPUSHARE_FAIL=closed to wait for it, or GPUSHARE_LIVENESS to wait longer.");
     });
 }
 
@@ -728,6 +733,16 @@ mod tests {
         drop(drain);
     }
 
+    /// A launch whose fence could not be recorded (here: no current context) leaves the next
+    /// fence due at the next launch, not at every one after it.
+    #[test]
+    fn a_fence_not_recorded_is_tried_at_the_next_launch_only() {
+        let gate = holding(7);
+        gate.next_pace.store(1, Ordering::Relaxed);
+        gate.fence(std::ptr::null_mut(), false, 0, 41);
+        assert_eq!(gate.next_pace.load(Ordering::Relaxed), 42);
+    }
+
     /// A fence that finds more than half the queue budget queued makes the next launch wait
     /// before it is submitted (the slow path), not the launch call just submitted; the wait is
     /// over once the queue is within the budget (here it already is).
@@ -745,6 +760,47 @@ mod tests {
         gate.wait_for_queue();
         let a = gate.try_enter(0, 1).expect("the wait is over");
         gate.leave(a, None);
+    }
+
+    /// A synchronisation's wait during a fail-open spell holds other processes' kernels too
+    /// (the device time-slices among them): it does not set the GPU time per launch; while a
+    /// turn is held it does.
+    #[test]
+    fn a_wait_during_a_fail_open_spell_is_not_taken_for_this_process_work() {
+        let gate: &'static Gate = Box::leak(Box::new(Gate::new(
+            [0; 16],
+            CFG,
+            LIVENESS,
+            10_000_000,
+            port(),
+        )));
+        let asked = crate::now_ns();
+        {
+            let mut g = gate.lock();
+            assert_eq!(g.turns.admit(asked, &mut Waiter::default()), Step::Ask);
+            g.turns.asked(true, asked);
+        }
+        let a = gate.enter(None, 1).expect("ungated: admitted");
+        gate.leave(a, None);
+        assert_eq!(gate.lock().turns.token(), crate::turn::Token::Ungated);
+        let began = crate::now_ns() - 100_000_000;
+        gate.after_sync(began);
+        assert_eq!(
+            gate.queued_now(&mut gate.lock().queue, crate::now_ns(), u64::MAX),
+            None,
+            "nothing learnt from the spell's wait"
+        );
+
+        let gate = holding(7);
+        let a = gate.try_enter(0, 1).expect("open");
+        gate.leave(a, None);
+        let began = crate::now_ns() - 100_000_000;
+        gate.after_sync(began);
+        assert!(
+            gate.queued_now(&mut gate.lock().queue, crate::now_ns(), u64::MAX)
+                .is_some(),
+            "a turn's wait is learnt from"
+        );
     }
 
     /// A fail-open spell (the scheduler left a probe unanswered past the bound): the fast path

@@ -33,7 +33,9 @@ use gpushare_protocol::TurnUse;
 pub const UNLIMITED: u64 = u64::MAX;
 
 /// The queue budget of a fail-open spell before any turn was granted: the scheduler's for a
-/// turn of its default quota that another group may cut short (an eighth of 20 ms).
+/// turn of its default quota that another group may cut short (an eighth of 20 ms:
+/// `PolicyConfig::queue_budget_ns` of the default `PolicyConfig`, in the policy crate, which the
+/// hook does not depend on; kept equal by hand).
 const SPELL_BUDGET_NS: u64 = 2_500_000;
 
 /// The idle-after-synchronisation score just after idleness, and the score above which the
@@ -194,8 +196,9 @@ pub enum Step {
     Ask,
     /// Wait until this time, or until woken by a change, and ask again.
     Wait { until_ns: u64 },
-    /// The launch runs without limits, and so do the next ones: the scheduler left a probe
-    /// unanswered past the liveness bound (fail-open). The watcher must look (it probes on).
+    /// The launch runs without a turn, and so do the next ones (their queued work still
+    /// paced): the scheduler left a probe unanswered past the liveness bound (fail-open). The
+    /// watcher must look (it probes on).
     Ungated,
 }
 
@@ -341,8 +344,15 @@ impl Turns {
     /// (unthrottled: no schedule to rejoin, nothing to pace for).
     pub fn queue_budget(&self) -> Option<f64> {
         match self.token {
-            Token::Held(t) => Some(t.queue_budget_ns as f64),
             Token::Ungated => Some(self.spell_budget_ns as f64),
+            _ => self.held_budget(),
+        }
+    }
+
+    /// The queue budget of the turn held, if one is (not during a fail-open spell).
+    pub fn held_budget(&self) -> Option<f64> {
+        match self.token {
+            Token::Held(t) => Some(t.queue_budget_ns as f64),
             _ => None,
         }
     }
@@ -855,11 +865,31 @@ impl Turns {
     /// The application is about to synchronise at `now`. If it went idle after one of its last
     /// synchronisations (a request server, a bursty job: learnt), the turn is best given back as
     /// the work it waits for drains, rather than leave the next holder an idle GPU until the
-    /// idle release: true when the gate should close now (and yield). Not while the turn is
-    /// extended, or while another thread launches or paces.
-    pub fn before_sync(&mut self, now: u64, a: Activity) -> bool {
+    /// idle release: the token of the turn the gate should close now (and yield), if one. Not
+    /// while the turn is extended, or while another thread launches or paces.
+    pub fn before_sync(&mut self, now: u64, a: Activity) -> Option<u64> {
         let idle_next = self.learn_after_sync(now, a.launches) > IDLE_RECENTLY && !self.alone;
-        idle_next && a.quiet && matches!(self.token, Token::Held(t) if t.is_open())
+        if idle_next && a.quiet {
+            self.open_turn()
+        } else {
+            None
+        }
+    }
+
+    /// Whether turn `token`, found to be given back at a synchronisation
+    /// ([`Turns::before_sync`]), still is as activity `a` is seen later (the gate lets its lock
+    /// go between the two to ask the driver what is queued): the same turn still held and
+    /// open, and no launch or pacing since.
+    pub fn still_gives_back(&self, token: u64, a: Activity) -> bool {
+        a.quiet && self.open_turn() == Some(token)
+    }
+
+    /// The token of the turn held, if it is open.
+    fn open_turn(&self) -> Option<u64> {
+        match self.token {
+            Token::Held(t) if t.is_open() => Some(t.token),
+            _ => None,
+        }
     }
 
     /// A synchronisation returned at `now`.

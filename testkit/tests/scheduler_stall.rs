@@ -101,7 +101,7 @@ fn assert_requests_met(what: &str, trace: &Trace, pids: &[u32], from_ns: u64) {
 
 /// `SIGSTOP` of the scheduler for 3 s beside two busy fail-open tenants: the GPU stays busy
 /// through the stall, no tenant goes without a kernel for much longer than the liveness bound,
-/// each says once on stderr that it runs without limits, and a second after `SIGCONT` the
+/// each says once on stderr that it runs without turns, and a second after `SIGCONT` the
 /// shares are their requests again.
 #[test]
 fn a_stopped_scheduler_leaves_fail_open_tenants_running_and_shares_return() {
@@ -139,8 +139,8 @@ fn a_stopped_scheduler_leaves_fail_open_tenants_running_and_shares_return() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         let said: Vec<&str> = stderr.lines().filter(|l| l.contains("gpushare")).collect();
         assert!(
-            said.len() == 1 && said[0].contains("WITHOUT GPU sharing limits"),
-            "a fail-open tenant says once that it runs without limits\n{}",
+            said.len() == 1 && said[0].contains("running without turns"),
+            "a fail-open tenant says once that it runs without turns\n{}",
             describe(out)
         );
     }
@@ -161,7 +161,8 @@ const REJOINED_NS: u64 = 200 * MS;
 /// holds one or two of its turns (about 0.12 or 0.24 of it, as before the stop), and a margin.
 /// One window of the second observed may hold more: the other tenant's host thread, late on a
 /// busy machine, leaves the GPU to the one with work (a turn given back, or extended). Work
-/// left queued from the stop holds the small tenant near half the GPU in every window.
+/// left queued from the stop, were it not paced, would hold the small tenant near half the GPU
+/// in every window.
 const WINDOW_SHARE_MAX: f64 = QUEUEING_REQUESTS[0] + 2.0 * margins::SHARE;
 
 /// The share of `pid` in each 100 ms window of `w`.
@@ -178,9 +179,9 @@ fn shares_per_100_ms(trace: &Trace, pid: u32, w: Window) -> Vec<f64> {
 /// launches are still paced to a queue budget: once the scheduler answers, little of its work is
 /// queued, and from [`REJOINED_NS`] after `SIGCONT`, in the ten 100 ms windows of the next
 /// second, its share is at most [`WINDOW_SHARE_MAX`] in all but one, and within
-/// [`margins::SHARE`] of its request over those nine. (Unpaced, it queues the rest of its 1,000
-/// kernels, which the device's time-slicing runs beside the other's turns: about half the GPU
-/// in every window for a second and more.)
+/// [`margins::SHARE`] of its request over those nine. (Without pacing it would queue the rest of
+/// its 1,000 kernels, which the device's time-slicing would run beside the other's turns: about
+/// half the GPU in every window for a second and more.)
 #[test]
 fn a_fail_open_tenant_rejoins_the_schedule_within_a_turn_of_the_scheduler_answering() {
     let node = Node::start(&[]);
@@ -200,7 +201,7 @@ fn a_fail_open_tenant_rejoins_the_schedule_within_a_turn_of_the_scheduler_answer
     let trace = node.finish();
     assert!(trace.overlaps().is_empty(), "overlapping kernels");
     assert!(
-        String::from_utf8_lossy(&outs[0].stderr).contains("WITHOUT GPU sharing limits"),
+        String::from_utf8_lossy(&outs[0].stderr).contains("running without turns"),
         "the 0.2 tenant ran without a turn while the scheduler was stopped\n{}",
         describe(&outs[0])
     );

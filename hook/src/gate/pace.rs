@@ -21,7 +21,10 @@ impl Gate {
             self.next_pace.store(n + 1, Ordering::Relaxed);
             return;
         }
+        // Without a fence this time (no context, a record refused, e.g. during a stream
+        // capture; no event), the next launch tries again.
         let Some(ctx) = driver::current_context() else {
+            self.next_pace.store(n + 1, Ordering::Relaxed);
             return;
         };
         let mut g = self.lock();
@@ -50,16 +53,25 @@ impl Gate {
         let behind = asked.pending_newest();
         g.asked.push(asked);
         let Some(event) = event else {
+            self.next_pace.store(n + 1, Ordering::Relaxed);
             return;
         };
         match recorded {
             Some(driver::Recorded::Yes) => {}
-            Some(driver::Recorded::No) | None => return g.queue.put_event(ctx, event),
+            Some(driver::Recorded::No) | None => {
+                self.next_pace.store(n + 1, Ordering::Relaxed);
+                return g.queue.put_event(ctx, event);
+            }
             // Destroyed with its context behind the hook's back: dropped, never used again.
-            Some(driver::Recorded::Dead) => return,
+            Some(driver::Recorded::Dead) => {
+                self.next_pace.store(n + 1, Ordering::Relaxed);
+                return;
+            }
         }
-        // (The turn may have ended meanwhile: the fence is kept for the next.)
+        // The turn may have ended meanwhile, and no budget applies any more: the event goes back
+        // to the pool, and the next fence is due as `fences_apply` says.
         let Some(budget) = g.turns.queue_budget() else {
+            self.fences_apply(&g, n);
             return g.queue.put_event(ctx, event);
         };
         let est = g

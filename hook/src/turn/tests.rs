@@ -331,7 +331,11 @@ fn a_turn_nobody_wants_is_given_straight_back() {
 fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
     let mut t = holding(1, 100 * MS);
     // Launched 10 times, synchronised at 103 ms, nothing since; the work drained.
-    assert!(!t.before_sync(103 * MS, quiet(10)), "nothing learnt yet");
+    assert_eq!(
+        t.before_sync(103 * MS, quiet(10)),
+        None,
+        "nothing learnt yet"
+    );
     t.after_sync(104 * MS, 10);
     assert_eq!(
         t.watch(104 * MS, quiet(10), &mut || Some(0)),
@@ -358,10 +362,40 @@ fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
     t.asked(true, 110 * MS);
     t.grant(2, 111 * MS, 131 * MS, plan(false), 110 * MS);
     assert_eq!(t.admit(111 * MS, &mut w), Step::Opened);
-    assert!(t.before_sync(112 * MS, quiet(20)));
-    assert!(
-        !t.before_sync(112 * MS, busy()),
+    assert_eq!(t.before_sync(112 * MS, quiet(20)), Some(2));
+    assert_eq!(
+        t.before_sync(112 * MS, busy()),
+        None,
         "not while another thread launches"
+    );
+}
+
+/// The gate lets its lock go between deciding at a synchronisation to give the turn back and
+/// closing it (to ask the driver what is queued): the decision holds only for the same turn,
+/// still open, with no launcher come since.
+#[test]
+fn a_turn_given_back_at_a_synchronisation_is_the_one_decided_on() {
+    let mut t = holding(1, 100 * MS);
+    assert_eq!(t.before_sync(103 * MS, quiet(10)), None);
+    t.after_sync(104 * MS, 10);
+    given_back_idle(&mut t, 106 * MS, 10);
+    t.take_said();
+    let mut w = Waiter::default();
+    t.launcher_arrives(110 * MS, 10);
+    assert_eq!(t.admit(110 * MS, &mut w), Step::Ask);
+    t.asked(true, 110 * MS);
+    t.grant(2, 111 * MS, 131 * MS, plan(false), 110 * MS);
+    assert_eq!(t.admit(111 * MS, &mut w), Step::Opened);
+    assert_eq!(t.before_sync(112 * MS, quiet(20)), Some(2));
+    assert!(t.still_gives_back(2, quiet(20)));
+    assert!(!t.still_gives_back(2, busy()), "a launcher came meanwhile");
+    // Meanwhile turn 2 ended and turn 3 followed it without closing.
+    t.grant(3, 131 * MS, 151 * MS, plan(false), 112 * MS);
+    assert_eq!(t.watch(131 * MS, busy(), &mut || Some(MS)), Watch::RollOver);
+    t.roll_over();
+    assert!(
+        !t.still_gives_back(2, quiet(20)),
+        "turn 3 was never found idle"
     );
 }
 
@@ -421,7 +455,7 @@ fn idleness_counts_from_a_synchronisation_not_the_launches_before_it() {
 #[test]
 fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
     let mut t = holding(1, 100 * MS);
-    assert!(!t.before_sync(103 * MS, quiet(10)));
+    assert_eq!(t.before_sync(103 * MS, quiet(10)), None);
     // Its work drains at 104 ms; the thread is not run again until 109 ms.
     assert_eq!(
         t.watch(104 * MS, quiet(10), &mut || Some(0)),
@@ -435,8 +469,9 @@ fn a_loop_woken_late_from_a_synchronisation_is_not_learnt_idle() {
     t.asked(true, 109 * MS);
     t.grant(2, 110 * MS, 130 * MS, plan(false), 109 * MS);
     assert_eq!(t.admit(110 * MS, &mut w), Step::Opened);
-    assert!(
-        !t.before_sync(112 * MS, quiet(20)),
+    assert_eq!(
+        t.before_sync(112 * MS, quiet(20)),
+        None,
         "not idle after the last synchronisation: keeps its turn"
     );
 }
@@ -539,7 +574,7 @@ fn a_live_scheduler_is_probed_and_waited_for() {
 }
 
 /// A probe left unanswered for half the bound (the scheduler stopped): a fail-open launcher
-/// runs without limits once the bound has passed since it last heard of the scheduler, and
+/// runs without a turn once the bound has passed since it last heard of the scheduler, and
 /// probes on; the scheduler's next word puts it back in the queue for its turn.
 #[test]
 fn an_unanswered_probe_ungates_a_fail_open_waiter_within_the_bound() {
@@ -1057,7 +1092,7 @@ fn random_interleavings_keep_every_invariant() {
                     }
                 }
                 11 => {
-                    if t.before_sync(now, quiet(launches)) && draining.is_none() {
+                    if t.before_sync(now, quiet(launches)).is_some() && draining.is_none() {
                         draining = t.begin_close();
                         t.yield_turn(draining.as_ref().expect("open"), now, now);
                     }
