@@ -699,6 +699,25 @@ mod tests {
         )))
     }
 
+    /// A gate whose process has just asked the scheduler for a turn (no answer will come): the
+    /// state a fail-open spell starts from. Returns when it asked.
+    fn asking() -> (&'static Gate, u64) {
+        let gate: &'static Gate = Box::leak(Box::new(Gate::new(
+            [0; 16],
+            CFG,
+            LIVENESS,
+            10_000_000,
+            port(),
+        )));
+        let asked = crate::now_ns();
+        {
+            let mut g = gate.lock();
+            assert_eq!(g.turns.admit(asked, &mut Waiter::default()), Step::Ask);
+            g.turns.asked(true, asked);
+        }
+        (gate, asked)
+    }
+
     /// A gate whose turn `token`, an hour long, is open.
     fn holding(token: u64) -> Gate {
         let gate = Gate::new([0; 16], CFG, LIVENESS, 10_000_000, port());
@@ -767,19 +786,7 @@ mod tests {
     /// turn is held it does.
     #[test]
     fn a_wait_during_a_fail_open_spell_is_not_taken_for_this_process_work() {
-        let gate: &'static Gate = Box::leak(Box::new(Gate::new(
-            [0; 16],
-            CFG,
-            LIVENESS,
-            10_000_000,
-            port(),
-        )));
-        let asked = crate::now_ns();
-        {
-            let mut g = gate.lock();
-            assert_eq!(g.turns.admit(asked, &mut Waiter::default()), Step::Ask);
-            g.turns.asked(true, asked);
-        }
+        let (gate, _) = asking();
         let a = gate.enter(None, 1).expect("ungated: admitted");
         gate.leave(a, None);
         assert_eq!(gate.lock().turns.token(), crate::turn::Token::Ungated);
@@ -809,20 +816,8 @@ mod tests {
     /// and limits that apply again after that start the pacing from an empty queue.
     #[test]
     fn a_fail_open_spell_is_paced_and_no_scheduler_is_not() {
-        let gate: &'static Gate = Box::leak(Box::new(Gate::new(
-            [0; 16],
-            CFG,
-            LIVENESS,
-            10_000_000,
-            port(),
-        )));
+        let (gate, asked) = asking();
         gate.next_pace.store(u64::MAX, Ordering::Relaxed);
-        let asked = crate::now_ns();
-        {
-            let mut g = gate.lock();
-            assert_eq!(g.turns.admit(asked, &mut Waiter::default()), Step::Ask);
-            g.turns.asked(true, asked);
-        }
         // A launcher waits for the turn; the scheduler (none here) leaves its probe unanswered.
         let a = gate.enter(None, 1).expect("ungated: admitted");
         assert!(
