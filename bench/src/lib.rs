@@ -19,6 +19,10 @@
 //! - [`suite`]: a whole invocation (repeats, report files); [`settings`]: its options;
 //!   [`real_gpu`]: is there a GPU on this machine.
 
+// The documentation is read with the private items (`--document-private-items`), where
+// links to them resolve.
+#![allow(rustdoc::private_intra_doc_links)]
+
 pub mod alone;
 pub mod analysis;
 pub mod client;

@@ -47,14 +47,14 @@ pub struct AgentArgs {
         default_value = "/usr/lib/gpushare/libgpushare.so"
     )]
     pub hook_library: PathBuf,
-    /// Host directory of the versioned hook copies (<DIR>/<version>/libgpushare.so).
+    /// Host directory of the versioned hook copies (`<DIR>/<version>/libgpushare.so`).
     #[arg(long, value_name = "DIR", default_value = "/var/lib/gpushare/lib")]
     pub hook_dir: PathBuf,
     /// How the hook is injected: ld-preload (LD_PRELOAD variable) or ld-so-preload (a
     /// read-only /etc/ld.so.preload mount).
     #[arg(long, value_enum, default_value = "ld-preload")]
     pub preload: Preload,
-    /// Also hand out each GPU as the CDI device KIND=<UUID> (e.g. nvidia.com/gpu).
+    /// Also hand out each GPU as the CDI device `KIND=<UUID>` (e.g. nvidia.com/gpu).
     #[arg(long, value_name = "KIND")]
     pub cdi_kind: Option<String>,
     /// How often GPUs are looked for (a GPU that disappears is no longer offered).

@@ -1,5 +1,5 @@
 //! Kubernetes `Warning` events (`events.k8s.io/v1`, through kube-runtime's
-//! [`Recorder`](kube::runtime::events::Recorder)) on the objects whose gpushare settings could
+//! [`Recorder`]) on the objects whose gpushare settings could
 //! not be used as written: a pod's annotations (device plugin), a ResourceClaim's allocation or
 //! configuration (DRA). `kubectl describe` and `kubectl get events` show them.
 //!

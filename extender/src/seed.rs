@@ -31,7 +31,7 @@ pub fn admits(request: f64, capacity: f64, used: &[f64]) -> bool {
     autocorrelation(&free, LAG) > AUTOCORRELATION_MIN && request <= ar1_forecast(&free, LAG)
 }
 
-/// σ/μ, with the population variance (E[x²] − μ²) as the seed computes it.
+/// σ/μ, with the population variance (E\[x²\] − μ²) as the seed computes it.
 fn cov(x: &[f64]) -> f64 {
     let n = x.len() as f64;
     let mean = x.iter().sum::<f64>() / n;

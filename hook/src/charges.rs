@@ -1,5 +1,5 @@
 //! What this process reserves at the scheduler: every allocation draws its bytes from the
-//! GPU's [`Lease`](crate::lease::Lease) (a round trip only when the lease must grow), every
+//! GPU's [`Lease`] (a round trip only when the lease must grow), every
 //! free puts them back, and a thread of its own (`gpushare-mem`, started on first need) gives
 //! back, once per [`LEASE_WINDOW`], the spare no allocation needed in the window.
 //!

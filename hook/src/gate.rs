@@ -17,9 +17,15 @@
 //!   run to the deadline (or gives an idle turn back), lets the launch calls admitted return, and
 //!   has this GPU's drainer thread wait for the process's work. The wait is bounded: past the
 //!   deadline plus `GPUSHARE_DRAIN_GRACE` (a kernel waiting for a peer GPU, say) the turn is
-//!   reported anyway and the next one goes on; the drain settles in the background. No lock is
-//!   held across a driver wait, and each GPU has its own watcher and drainer, so a process
-//!   driving several GPUs never has one GPU's drain hold up another's turns.
+//!   reported anyway and the next one goes on; the drain settles in the background. Each GPU
+//!   has its own watcher and drainer, so a process driving several GPUs never has one GPU's
+//!   drain hold up another's turns.
+//!
+//! No driver call is made under the gate's mutex, waits or not: the fence events are asked
+//! about without it and the answers taken in after ([`Gate::ask`]). A process the driver holds
+//! locked (`cuCheckpointProcessLock`, as a swap to host memory begins) blocks in every CUDA
+//! call until it is unlocked; the thread that made one must not keep the connection thread
+//! (the scheduler's grants, revocations, answers), the launchers and the watcher waiting.
 //!
 //! The pacing (fences and the waits for them) is [`pace`]'s; the drainer thread [`drain`]'s.
 
@@ -29,7 +35,7 @@ mod pace;
 use crate::driver::{self, Handle, Stream};
 use crate::log::debug;
 use crate::port::Port;
-use crate::queue::{self, LaunchStreams, Queue};
+use crate::queue::{self, Ask, Asked, LaunchStreams, Queue};
 use crate::turn::{
     Activity, Plan, Runway, Say, Step, Turn, TurnConfig, Turns, UNLIMITED, Waiter, Watch, pacing,
 };
@@ -48,6 +54,8 @@ struct Inner {
     returned: u64,
     /// Where the work launched should end (launching just in time).
     runway: Runway,
+    /// Buffers for questions about the fences, reused ([`Gate::ask`]).
+    asked: Vec<Asked>,
 }
 
 /// An admitted launch (or graph launch): its launch numbers `first..=last`, its stream's key in
@@ -119,6 +127,7 @@ impl Gate {
                 ctxs: Vec::new(),
                 returned: 0,
                 runway: Runway::default(),
+                asked: Vec::new(),
             }),
             changed: Condvar::new(),
             wake: (Mutex::new(false), Condvar::new()),
@@ -323,6 +332,7 @@ impl Gate {
     }
 
     pub fn on_revoke(&self, token: u64) {
+        debug!("turn {token} revoked by the scheduler");
         let mut g = self.lock();
         g.turns.revoke(token, crate::now_ns());
         self.bound_drain(&g);
@@ -433,10 +443,12 @@ impl Gate {
         }
     }
 
-    /// One look: returns when to look again (`None`: when woken).
+    /// One look: returns when to look again (`None`: when woken). What the GPU has passed is
+    /// asked first, without the lock ([`Gate::ask`]).
     fn watch(&self) -> Option<u64> {
-        let mut g = self.lock();
-        // The clock is read under the lock: a launcher pacing may have held it a while.
+        let (mut g, _) = self.ask(self.lock(), Ask::All, false);
+        // The clock is read under the lock: a launcher pacing may have held it a while, the
+        // driver's answers taken a while (a process locked by a checkpoint).
         let now = crate::now_ns();
         let a = self.activity(&mut g);
         let Inner { turns, queue, .. } = &mut *g;
@@ -464,15 +476,49 @@ impl Gate {
         }
     }
 
-    /// The GPU work this process has queued now, as far as its fences tell.
+    /// The GPU work this process has queued now, as far as its fences tell (as last asked:
+    /// no driver call).
     fn queued_now(&self, queue: &mut Queue, now: u64, tolerance_ns: u64) -> Option<u64> {
         let launched = self.launches.load(Ordering::Relaxed);
-        queue.complete_finished(launched, &mut Driver);
         queue.scan(&self.launch_streams, launched);
         // On several streams, launches after a stream's newest fence are vouched for only by a
         // later one: counted as queued (an overestimate, up to a budget), so a turn is closed
         // early rather than late.
         queue.queued_ns(now, tolerance_ns).map(|(tail, _)| tail)
+    }
+
+    /// Ask the driver about the pending fences `which` (`wait`: wait for the oldest of them
+    /// first) without the lock `g`, and take the answers in under it again, tolerating what
+    /// changed meanwhile ([`Queue::take_in`]). No driver call is made under the gate's lock: a
+    /// process the driver holds locked (a checkpoint, for a swap to host memory) blocks in its
+    /// calls until it is let go, and the connection thread (the scheduler's grants,
+    /// revocations and answers), the launchers and the watcher must not wait behind it.
+    /// Returns the lock, and false if `wait` found nothing to wait for or the driver would not
+    /// wait.
+    fn ask<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, Inner>,
+        which: Ask,
+        wait: bool,
+    ) -> (MutexGuard<'a, Inner>, bool) {
+        let mut asked = g.asked.pop().unwrap_or_default();
+        g.queue.to_ask(which, &mut asked);
+        if asked.is_empty() {
+            g.asked.push(asked);
+            return (g, false);
+        }
+        let launched = self.launches.load(Ordering::Relaxed);
+        drop(g);
+        let waited = if wait {
+            asked.wait_oldest(&mut Driver)
+        } else {
+            asked.ask(&mut Driver);
+            true
+        };
+        let mut g = self.lock();
+        g.queue.take_in(&asked, launched);
+        g.asked.push(asked);
+        (g, waited)
     }
 
     /// Close the gate for the held turn, let the launch calls admitted return, have this
@@ -544,7 +590,9 @@ impl Gate {
         let now = crate::now_ns();
         let a = self.activity(&mut g);
         if g.turns.before_sync(now, a) {
-            self.close(g, Some(now), false);
+            // What is queued, for when the turn's work drains.
+            let (g, _) = self.ask(g, Ask::All, false);
+            self.close(g, Some(crate::now_ns()), false);
         }
         now
     }
@@ -571,7 +619,7 @@ impl Gate {
             g.queue.scan(&self.launch_streams, n);
             g.queue.waited(now.saturating_sub(began) as f64);
         }
-        g.queue.complete_finished(n, &mut Driver);
+        let (g, _) = self.ask(g, Ask::All, false);
         if let Some(budget) = budget
             && !g.queue.too_much(pacing(budget, 0.0).1)
         {

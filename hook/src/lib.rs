@@ -27,6 +27,10 @@
 //! unless `GPUSHARE_LOG` is set (or the scheduler is unreachable in fail-open mode, which warns
 //! once).
 
+// The documentation is read with the private items (`--document-private-items`), where
+// links to them resolve.
+#![allow(rustdoc::private_intra_doc_links)]
+
 mod books;
 mod charges;
 mod driver;

@@ -284,22 +284,11 @@ impl Queue {
         self.pool.push((ctx, event));
     }
 
-    /// The newest pending fence's event: asked about as the next fence is recorded
-    /// ([`Queue::newest_completed`] if it has completed; else the next one is `behind` it).
-    pub fn newest_event(&self) -> Option<Handle> {
-        self.fences.back().map(|f| f.event)
-    }
-
-    /// The newest pending fence has completed, seen at `now` (`launched`: the launch count then).
-    pub fn newest_completed(&mut self, launched: u64, now: u64, gpu: &mut impl Gpu) {
-        if let Some(f) = self.fences.pop_back() {
-            self.completed(f, launched, now, gpu);
-        }
-    }
-
     /// `event` was recorded on stream `key` at `now`, right after launch `n` (the ring is read
-    /// up to it first); `behind`: the newest pending fence had not completed by then (a query
-    /// after this record said so). Returns the GPU time per launch, if learnt.
+    /// up to it first); `behind`: the fence the driver said, after this record, had not
+    /// completed yet (asked as the newest pending one, [`Ask::Newest`]): if no other fence was
+    /// recorded since, the GPU works from its completion to this one's without a break. Returns the GPU
+    /// time per launch, if learnt.
     pub fn push_fence(
         &mut self,
         ring: &LaunchStreams,
@@ -307,7 +296,7 @@ impl Queue {
         key: u64,
         n: u64,
         now: u64,
-        behind: bool,
+        behind: Option<u64>,
     ) -> Option<f64> {
         self.scan(ring, n);
         let index = if n <= self.settled {
@@ -324,6 +313,8 @@ impl Queue {
         let later = (n + 1..=self.scanned)
             .filter(|&m| ring.get(m) == Some(key))
             .count() as u64;
+        // (Unless another fence was recorded since.)
+        let behind = behind == Some(self.recorded);
         self.recorded += 1;
         self.fences.push_back(Fence {
             event,
@@ -351,6 +342,7 @@ impl Queue {
     }
 
     /// The oldest pending fence's event.
+    #[cfg(test)]
     pub fn oldest_event(&self) -> Option<Handle> {
         self.fences.front().map(|f| f.event)
     }
@@ -447,64 +439,72 @@ impl Queue {
     }
 
     /// Take in the fences that have completed, without waiting (`launched`: the launch count
-    /// now); on several streams, in whatever order they completed.
+    /// now); on several streams, in whatever order they completed. (The gate asks in three
+    /// steps, [`Queue::to_ask`], [`Asked::ask`], [`Queue::take_in`], so as not to hold its lock
+    /// across the driver's answers.)
+    #[cfg(test)]
     pub fn complete_finished(&mut self, launched: u64, gpu: &mut impl Gpu) {
-        self.complete_finished_of(self.fences.len(), launched, gpu);
+        let mut asked = Asked::default();
+        self.to_ask(Ask::All, &mut asked);
+        asked.ask(gpu);
+        self.take_in(&asked, launched);
     }
 
-    /// [`Queue::complete_finished`] for the fences before the newest (just recorded, it has
-    /// hardly completed: not asked about).
-    pub fn complete_passed(&mut self, launched: u64, gpu: &mut impl Gpu) {
-        self.complete_finished_of(self.fences.len().saturating_sub(1), launched, gpu);
-    }
-
-    /// Take in those of the oldest `count` pending fences that have completed.
-    fn complete_finished_of(&mut self, mut count: usize, launched: u64, gpu: &mut impl Gpu) {
-        let now = gpu.now_ns();
-        let mut i = 0;
-        while i < count
-            && let Some(f) = self.fences.get(i)
-        {
-            if gpu.passed(f.event) == Some(true) {
-                let f = self.fences.remove(i).expect("in range");
-                self.completed(f, launched, now, gpu);
-                count -= 1;
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    /// Wait for the oldest fence and learn the GPU time per launch from it (`launched`: the
-    /// launch count before the wait); false when the driver would not wait (the fence is
-    /// dropped).
-    pub fn complete_oldest(&mut self, launched: u64, gpu: &mut impl Gpu) -> bool {
-        let Some(f) = self.fences.pop_front() else {
-            return false;
+    /// The pending fences `which` to ask the driver about, into `asked` (its buffer reused),
+    /// with the completed fence the GPU time of the next completion is measured from.
+    pub fn to_ask(&self, which: Ask, asked: &mut Asked) {
+        asked.fences.clear();
+        asked.now_ns = 0;
+        asked.reference = self.last_done.as_ref().map(Fence::known);
+        let n = self.fences.len();
+        let (from, to) = match which {
+            Ask::All => (0, n),
+            Ask::AllButNewest => (0, n.saturating_sub(1)),
+            Ask::Oldest => (0, n.min(1)),
+            Ask::Newest => (n.saturating_sub(1), n),
         };
-        if !gpu.wait(f.event) {
-            self.pool.push((f.ctx, f.event));
-            return false;
+        asked
+            .fences
+            .extend(self.fences.range(from..to).map(|f| Asking {
+                fence: f.known(),
+                passed: None,
+                since: None,
+                refused: false,
+            }));
+    }
+
+    /// Take in what `asked` learnt (`launched`: the launch count when it was asked): the fences
+    /// it found completed that are still pending, as found then. The queue may have changed
+    /// since it was asked (a drain, another thread's answers, new fences): an answer is about
+    /// one record of a fence (its id), never an event reused since; a completion is timed only
+    /// against the completed fence it was measured from, if that is still the reference. A
+    /// fence the driver would not wait for is dropped (its event kept for reuse).
+    pub fn take_in(&mut self, asked: &Asked, launched: u64) {
+        for a in &asked.fences {
+            if a.passed != Some(true) && !a.refused {
+                continue;
+            }
+            let Some(i) = self.fences.iter().position(|f| f.id == a.fence.id) else {
+                continue;
+            };
+            let f = self.fences.remove(i).expect("in range");
+            if a.refused {
+                self.pool.push((f.ctx, f.event));
+                continue;
+            }
+            let reference = self.last_done.as_ref().map(|f| f.id);
+            let ms = match a.since {
+                Some((from, ms)) if Some(from) == reference => ms.map(f64::from),
+                _ => None,
+            };
+            self.completed_after(f, ms, launched, asked.now_ns);
         }
-        let now = gpu.now_ns();
-        self.completed(f, launched, now, gpu);
-        true
     }
 
-    /// Fence `f` has completed, seen at `now`: the launches on its stream up to it have, and
-    /// the time since the reference fence completed is theirs (if it completed after that; on
+    /// Fence `f` has completed, seen at `now` (`launched`: the launch count then), `ms` after
+    /// the reference fence completed (`None`: not comparable): the launches on its stream up to
+    /// it have, and the time since the reference is theirs (if it completed after that; on
     /// several streams fences can complete out of the order they were recorded in).
-    fn completed(&mut self, f: Fence, launched: u64, now: u64, gpu: &mut impl Gpu) {
-        let ms = self.last_done.as_ref().and_then(|prev| {
-            // Two completed timing events of one context.
-            (prev.ctx == f.ctx)
-                .then(|| gpu.elapsed_ms(prev.event, f.event))?
-                .map(f64::from)
-        });
-        self.completed_after(f, ms, launched, now);
-    }
-
-    /// [`Queue::completed`], `ms` after the reference fence completed (`None`: not comparable).
     fn completed_after(&mut self, f: Fence, ms: Option<f64>, launched: u64, now: u64) {
         let s = &mut self.streams[f.stream];
         let vouched = f.seq.saturating_sub(s.done) as f64;
@@ -585,6 +585,117 @@ impl Queue {
     }
 }
 
+impl Fence {
+    fn known(&self) -> Known {
+        Known {
+            id: self.id,
+            event: self.event,
+            ctx: self.ctx,
+        }
+    }
+}
+
+/// Which pending fences to ask the driver about ([`Queue::to_ask`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ask {
+    All,
+    /// All but the one just recorded (it has hardly completed).
+    AllButNewest,
+    /// The oldest, to wait for.
+    Oldest,
+    /// The newest, as the next is recorded: whether the GPU is behind it.
+    Newest,
+}
+
+/// A fence as asked about: its record (`id`), event and context.
+#[derive(Debug, Clone, Copy)]
+struct Known {
+    id: u64,
+    event: Handle,
+    ctx: Handle,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Asking {
+    fence: Known,
+    /// Whether the GPU has passed it (`None`: not asked, or the driver would not say).
+    passed: Option<bool>,
+    /// Completed: the completed fence its time was measured from (by id) and the GPU time
+    /// since that one's completion (ms; `None`: not comparable).
+    since: Option<(u64, Option<f32>)>,
+    /// The driver would not wait for it.
+    refused: bool,
+}
+
+/// Questions about pending fences and the driver's answers, asked without the gate's lock:
+/// taken from the queue under the lock ([`Queue::to_ask`]), asked of the driver without it
+/// ([`Asked::ask`], [`Asked::wait_oldest`]: a process the driver holds locked, by a
+/// checkpoint say, blocks in these calls until it is let go), taken in under the lock again
+/// ([`Queue::take_in`]). The buffer is kept and reused: no allocation once it has grown.
+#[derive(Debug, Default)]
+pub struct Asked {
+    fences: Vec<Asking>,
+    /// The completed fence the first completion is measured from.
+    reference: Option<Known>,
+    /// When the driver was asked (what the completions found are seen at).
+    now_ns: u64,
+}
+
+impl Asked {
+    /// Nothing to ask about.
+    pub fn is_empty(&self) -> bool {
+        self.fences.is_empty()
+    }
+
+    /// Ask whether the GPU has passed each fence, and for each it has, the GPU time since the
+    /// previous completion (the reference, then each completed fence in turn, as
+    /// [`Queue::take_in`] will take them in).
+    pub fn ask(&mut self, gpu: &mut impl Gpu) {
+        self.now_ns = gpu.now_ns();
+        let mut reference = self.reference;
+        for a in &mut self.fences {
+            a.passed = gpu.passed(a.fence.event);
+            if a.passed != Some(true) {
+                continue;
+            }
+            let f = a.fence;
+            let ms = reference
+                .filter(|r| r.ctx == f.ctx)
+                .map(|r| (r.id, gpu.elapsed_ms(r.event, f.event)));
+            a.since = ms;
+            // (A completion found before the reference's leaves the reference in place.)
+            if ms.is_none_or(|(_, ms)| ms.is_none_or(|ms| ms >= 0.0)) {
+                reference = Some(f);
+            }
+        }
+    }
+
+    /// Wait until the GPU has passed the oldest fence asked about, then [`Asked::ask`];
+    /// false if there is none or the driver would not wait (it is then dropped when taken in).
+    pub fn wait_oldest(&mut self, gpu: &mut impl Gpu) -> bool {
+        let Some(first) = self.fences.first_mut() else {
+            return false;
+        };
+        if !gpu.wait(first.fence.event) {
+            first.refused = true;
+            self.fences.truncate(1);
+            self.now_ns = gpu.now_ns();
+            return false;
+        }
+        self.ask(gpu);
+        true
+    }
+
+    /// The newest fence asked about, if the GPU had not passed it when asked: what the fence
+    /// recorded next is `behind` ([`Queue::push_fence`]).
+    pub fn pending_newest(&self) -> Option<u64> {
+        self.fences
+            .last()
+            .filter(|a| a.passed == Some(false))
+            .map(|a| a.fence.id)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -604,14 +715,14 @@ mod tests {
     /// A fence on `key` after launch `n`, recorded at `at`.
     fn fence(q: &mut Queue, ring: &LaunchStreams, key: u64, n: u64, at: u64) {
         let null = Handle::null();
-        q.push_fence(ring, (null, null), key, n, at, false);
+        q.push_fence(ring, (null, null), key, n, at, None);
     }
 
     /// The oldest fence completed, seen at `now` with `launched` launches made (its GPU time
     /// since the last not known).
     fn complete(q: &mut Queue, launched: u64, now: u64) {
         let f = q.fences.pop_front().expect("a pending fence");
-        q.completed(f, launched, now, &mut VirtualGpu::default());
+        q.completed_after(f, None, launched, now);
     }
 
     /// A GPU in virtual time, as the driver and the clock answer for it: the time now, and when
@@ -806,6 +917,7 @@ mod tests {
     /// the fence completing `ms` after the previous one (`None`: not comparable).
     fn interval(q: &mut Queue, ring: &LaunchStreams, n: u64, behind: bool, ms: Option<f64>) {
         launch(ring, n - 9, n, A);
+        let behind = behind.then_some(q.recorded);
         q.push_fence(ring, (Handle::null(), Handle::null()), A, n, 0, behind);
         let f = q.fences.pop_front().expect("pending");
         q.completed_after(f, ms, n, 0);
@@ -954,10 +1066,10 @@ mod tests {
                 Some(p) if self.done_at[&p.id] <= self.now => {
                     let p = self.q.fences.pop_back().unwrap();
                     self.take_in(p);
-                    false
+                    None
                 }
-                Some(_) => true,
-                None => false,
+                Some(p) => Some(p.id),
+                None => None,
             };
             self.done_at.insert(self.q.recorded + 1, self.gpu_free);
             let null = Handle::null();
@@ -1127,7 +1239,7 @@ mod tests {
     ) {
         gpu.passes.insert(event, passes);
         let e = (Handle::from_key(event), Handle::from_key(1));
-        q.push_fence(ring, e, key, n, at, false);
+        q.push_fence(ring, e, key, n, at, None);
     }
 
     /// The fences the GPU has passed are taken in, in whatever order it passed them, and none it
@@ -1170,7 +1282,10 @@ mod tests {
         launch(&ring, 3, 4, A);
         fence_passing(&mut q, &mut gpu, &ring, (11, A, 4), 0, 200);
         gpu.now = 1_000;
-        q.complete_passed(4, &mut gpu);
+        let mut asked = Asked::default();
+        q.to_ask(Ask::AllButNewest, &mut asked);
+        asked.ask(&mut gpu);
+        q.take_in(&asked, 4);
         assert_eq!(q.queued(), 2);
         assert_eq!(q.oldest_event(), Some(Handle::from_key(11)));
     }
@@ -1186,7 +1301,10 @@ mod tests {
         fence_passing(&mut q, &mut gpu, &ring, (10, A, 4), 0, 5_000);
         launch(&ring, 5, 8, A);
         fence_passing(&mut q, &mut gpu, &ring, (11, A, 8), 100, 9_000);
-        assert!(q.complete_oldest(8, &mut gpu));
+        let mut asked = Asked::default();
+        q.to_ask(Ask::Oldest, &mut asked);
+        assert!(asked.wait_oldest(&mut gpu));
+        q.take_in(&asked, 8);
         assert_eq!(
             (gpu.now, q.last_done_ns),
             (5_000, 5_000),
@@ -1194,7 +1312,9 @@ mod tests {
         );
         assert_eq!(q.queued(), 4);
         gpu.refuses_waits = true;
-        assert!(!q.complete_oldest(8, &mut gpu));
+        q.to_ask(Ask::Oldest, &mut asked);
+        assert!(!asked.wait_oldest(&mut gpu));
+        q.take_in(&asked, 8);
         assert_eq!(gpu.now, 5_000, "no wait");
         assert_eq!(q.oldest_event(), None, "dropped");
         assert_eq!(q.queued(), 4, "its launches not vouched for");
@@ -1207,7 +1327,119 @@ mod tests {
             None,
             "a new one is the caller's"
         );
-        assert!(!q.complete_oldest(8, &mut gpu), "nothing pending");
+        q.to_ask(Ask::Oldest, &mut asked);
+        assert!(!asked.wait_oldest(&mut gpu), "nothing pending");
+    }
+
+    /// Answers asked without the lock and taken in after the queue changed: a drain recycled
+    /// the fences' events into new fences meanwhile. An answer is about the record it asked
+    /// about: the new fences, on the same events, are not taken for completed.
+    #[test]
+    fn answers_about_recycled_events_do_not_complete_the_new_fences() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        let mut gpu = VirtualGpu::default();
+        launch(&ring, 1, 4, A);
+        fence_passing(&mut q, &mut gpu, &ring, (10, A, 4), 0, 1_000);
+        let mut asked = Asked::default();
+        q.to_ask(Ask::All, &mut asked);
+        gpu.now = 2_000;
+        asked.ask(&mut gpu);
+        // Meanwhile: a drain, and the event reused for a fence of later launches.
+        q.drained(&ring, 4);
+        launch(&ring, 5, 8, A);
+        let event = q.take_event(Handle::from_key(1)).expect("recycled");
+        assert_eq!(event, Handle::from_key(10));
+        q.push_fence(&ring, (event, Handle::from_key(1)), A, 8, 2_500, None);
+        q.take_in(&asked, 8);
+        assert_eq!(q.queued(), 4, "launches 5 to 8 are still queued");
+        assert_eq!(q.oldest_event(), Some(event), "the new fence is pending");
+    }
+
+    /// A fence recorded between the questions and their answers' taking in is left pending;
+    /// one completed meanwhile by another thread (a launcher's wait) is not taken in twice, and
+    /// a completion measured from a reference that changed since teaches no GPU time.
+    #[test]
+    fn answers_taken_in_late_tolerate_what_happened_meanwhile() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        let mut gpu = VirtualGpu::default();
+        launch(&ring, 1, 4, A);
+        fence_passing(&mut q, &mut gpu, &ring, (10, A, 4), 0, 1_000_000);
+        launch(&ring, 5, 8, A);
+        fence_passing(&mut q, &mut gpu, &ring, (11, A, 8), 0, 3_000_000);
+        gpu.now = 3_000_000;
+        let mut asked = Asked::default();
+        q.to_ask(Ask::All, &mut asked);
+        asked.ask(&mut gpu);
+        assert_eq!(gpu.timed, vec![(10, 11)], "11 timed against 10, as found");
+        // Meanwhile another thread took the oldest in, and a fence was recorded.
+        let mut oldest = Asked::default();
+        q.to_ask(Ask::Oldest, &mut oldest);
+        assert!(oldest.wait_oldest(&mut gpu));
+        q.take_in(&oldest, 8);
+        launch(&ring, 9, 12, A);
+        fence_passing(&mut q, &mut gpu, &ring, (12, A, 12), 0, 4_000_000);
+        q.take_in(&asked, 8);
+        assert_eq!(
+            q.queued(),
+            4,
+            "launches 9 to 12: their fence was not asked about"
+        );
+        assert_eq!(q.oldest_event(), Some(Handle::from_key(12)));
+        assert_eq!(
+            q.ns_per_launch(),
+            Some(500_000.0),
+            "10 to 11: 2 ms over 4 launches, taken in once"
+        );
+
+        // The reference changes between the questions and the answers (another thread took
+        // a fence of another stream in): the completion is not timed against it.
+        let mut q = Queue::default();
+        launch(&ring, 13, 16, A);
+        fence_passing(&mut q, &mut gpu, &ring, (20, A, 16), 0, 5_000_000);
+        gpu.now = 5_000_000;
+        q.complete_finished(16, &mut gpu);
+        launch(&ring, 17, 20, A);
+        fence_passing(&mut q, &mut gpu, &ring, (21, A, 20), 0, 6_000_000);
+        launch(&ring, 21, 24, B);
+        fence_passing(&mut q, &mut gpu, &ring, (22, B, 24), 0, 7_000_000);
+        gpu.now = 6_500_000;
+        q.to_ask(Ask::All, &mut asked);
+        asked.ask(&mut gpu);
+        gpu.now = 7_000_000;
+        let mut other = Asked::default();
+        q.to_ask(Ask::Newest, &mut other);
+        other.ask(&mut gpu);
+        q.take_in(&other, 24);
+        assert_eq!(
+            q.ns_per_launch(),
+            Some(500_000.0),
+            "2 ms over B's 4 launches"
+        );
+        q.take_in(&asked, 24);
+        assert_eq!(q.queued(), 0, "A's launches vouched for");
+        assert_eq!(
+            q.ns_per_launch(),
+            Some(500_000.0),
+            "A's completion, measured from a reference gone, is not timed"
+        );
+    }
+
+    /// A fence is recorded `behind` the one the driver said was pending only if no other fence
+    /// was recorded in between (another thread's): then the interval may hold idle time.
+    #[test]
+    fn behind_holds_only_for_the_fence_recorded_just_before() {
+        let ring = LaunchStreams::new();
+        let mut q = Queue::default();
+        let null = (Handle::null(), Handle::null());
+        launch(&ring, 1, 12, A);
+        q.push_fence(&ring, null, A, 4, 0, None);
+        let first = q.recorded;
+        q.push_fence(&ring, null, A, 8, 0, Some(first));
+        assert!(q.fences[1].behind);
+        q.push_fence(&ring, null, A, 12, 0, Some(first));
+        assert!(!q.fences[2].behind, "another fence was recorded since");
     }
 
     /// Completions of two contexts' events are not timed against each other (the driver cannot
@@ -1222,7 +1454,7 @@ mod tests {
         launch(&ring, 5, 8, A);
         gpu.passes.insert(20, 3_000);
         let other = (Handle::from_key(20), Handle::from_key(2));
-        q.push_fence(&ring, other, A, 8, 0, false);
+        q.push_fence(&ring, other, A, 8, 0, None);
         gpu.now = 3_000;
         q.complete_finished(8, &mut gpu);
         assert_eq!(q.queued(), 0);

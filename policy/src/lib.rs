@@ -27,7 +27,7 @@
 //! anchor there (`docs/scheduling.md#charges`), never by number.
 //!
 //! 1. **Targets.** (`docs/scheduling.md#targets`) The active groups' target shares come from
-//!    [`water_fill`]: effective requests first (scaled down if they sum to more than 1), the rest
+//!    [`water_fill()`]: effective requests first (scaled down if they sum to more than 1), the rest
 //!    split by weight among groups below their limit, limits capping and their excess
 //!    redistributed. Recomputed lazily whenever the active set or the parameters change. A group is
 //!    *active* while it has a turn, waits for one, or yielded one a moment ago with work still
@@ -99,6 +99,10 @@
 //! [`overcommit`] is the node's memory counterpart, as pure: which allocation is granted, which
 //! waits, which group is swapped to host memory and when it comes back, when the groups' memory
 //! caps on a GPU promise more than it holds.
+
+// The documentation is read with the private items (`--document-private-items`), where
+// links to them resolve.
+#![allow(rustdoc::private_intra_doc_links)]
 
 mod credit;
 mod group;

@@ -973,62 +973,29 @@ fn a_turn_planned_for_a_group_as_it_is_suspended_is_withdrawn_and_its_client_wai
 /// charges cost them (a burst) nor in debt.
 #[test]
 fn a_suspended_group_keeps_its_distance_from_the_others_credit() {
-    let mut p = policy(&[
+    let groups = [
         ("a", gp(1.0 / 3.0, 1.0, 1.0)),
         ("b", gp(1.0 / 3.0, 1.0, 1.0)),
         ("c", gp(1.0 / 3.0, 1.0, 1.0)),
-    ]);
-    for (client, g) in [(1, "a"), (2, "b"), (3, "c")] {
-        p.connect(client, g).unwrap();
-        p.acquire(client, 0).unwrap();
-    }
-    let mut turns: std::collections::BTreeMap<u64, (ClientId, u64, u64)> =
-        std::collections::BTreeMap::new();
-    let mut drive = |p: &mut Policy, from: u64, to: u64| {
-        let mut now = from;
-        while now < to {
-            p.tick(now);
-            for d in p.take_decisions() {
-                match d {
-                    Decision::Grant {
-                        client,
-                        token,
-                        start_ns,
-                        deadline_ns,
-                        ..
-                    } => {
-                        turns.insert(token, (client, start_ns, deadline_ns));
-                    }
-                    Decision::Revoke { token, .. } => {
-                        turns.remove(&token);
-                    }
-                    _ => {}
-                }
-            }
-            let done: Vec<u64> = (turns.iter())
-                .filter(|(_, t)| t.2 <= now)
-                .map(|(&k, _)| k)
-                .collect();
-            for token in done {
-                let (client, start, end) = turns.remove(&token).expect("listed");
-                let early = start.saturating_sub(2 * MS);
-                p.report(client, token, used(early, end), true, now)
-                    .unwrap();
-            }
-            now += MS;
-        }
-    };
-    let distance = |p: &Policy, now: u64| {
-        let st = p.status(now);
+    ];
+    let tenants = (busy(3).into_iter())
+        .map(|t| Tenant {
+            early_ns: 2 * MS,
+            ..t
+        })
+        .collect();
+    let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 1);
+    let distance = |sim: &Sim| {
+        let st = sim.policy.status(sim.now);
         let credit = |n: &str| (st.groups.iter().find(|g| g.name == n)).unwrap().credit_ns;
         credit("a") - (credit("b") + credit("c")) / 2.0
     };
-    drive(&mut p, 0, S);
-    let left = distance(&p, S);
-    p.suspend("a", S);
-    drive(&mut p, S, 3 * S);
-    p.resume("a", 3 * S);
-    let back = distance(&p, 3 * S);
+    sim.run_until(S);
+    let left = distance(&sim);
+    sim.swap(0, true);
+    sim.run_until(3 * S);
+    sim.swap(0, false);
+    let back = distance(&sim);
     assert!(
         (back - left).abs() <= 2.0 * MS as f64,
         "a left {left} ns ahead of the others' credit, came back {back} ns ahead"

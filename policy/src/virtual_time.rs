@@ -2,7 +2,8 @@
 //! only).
 //!
 //! Simulated tenants (one client each) follow a demand pattern. As the hook does, a tenant
-//! runs its planned turn from its start (its first kernel a configurable lateness after it),
+//! runs its planned turn from its start (its first kernel a configurable lateness after it, or
+//! queued a configurable time before it),
 //! stops at its deadline on its own (its last kernels running up to a configurable overrun
 //! beyond it), reports what it measured a little later, and yields its turn when its work runs
 //! out. The GPU is serial: a tenant's work runs only within its turns (an overrun aside). The
@@ -85,6 +86,9 @@ pub struct Tenant {
     pub late_ns: u64,
     /// Its report arrives this long after its turn's work ended.
     pub report_after_ns: u64,
+    /// Its first kernel of a turn is queued this long before the turn's start, behind the
+    /// previous holder's work, and reported so: the turn is charged from there.
+    pub early_ns: u64,
 }
 
 impl Tenant {
@@ -95,6 +99,7 @@ impl Tenant {
             overrun: None,
             late_ns: 0,
             report_after_ns: 300_000,
+            early_ns: 0,
         }
     }
 }
@@ -719,7 +724,7 @@ impl Sim {
             i,
             Ev::Report {
                 token: r.token,
-                first: r.work_from,
+                first: r.work_from.saturating_sub(self.tenants[i].early_ns),
                 last,
                 again,
             },

@@ -102,6 +102,43 @@ pub struct QueueConfig {
     /// The jobs' memory caps on a GPU may sum to this many times its capacity (1: no more
     /// than it holds).
     pub memory_overcommit: f64,
+    /// Which jobs may start on caps past the GPU's own memory (`memory_overcommit` above 1).
+    pub overcommit_admission: OvercommitAdmission,
+}
+
+/// Which jobs may start on a GPU whose memory their cap would promise past its capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OvercommitAdmission {
+    /// Any job whose cap fits in `memory_overcommit` times the GPU's memory.
+    #[default]
+    Caps,
+    /// Only while the GPU's time is not taken: the GPU time measured in use there (the
+    /// scheduler's achieved shares; a job not in its books yet counts at its limit) plus the
+    /// newcomer's limit is at most the whole GPU. Within the GPU's own memory, as `caps`.
+    GpuTime,
+}
+
+impl fmt::Display for OvercommitAdmission {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OvercommitAdmission::Caps => "caps",
+            OvercommitAdmission::GpuTime => "gpu-time",
+        })
+    }
+}
+
+impl FromStr for OvercommitAdmission {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "caps" => Ok(OvercommitAdmission::Caps),
+            "gpu-time" => Ok(OvercommitAdmission::GpuTime),
+            _ => Err(format!(
+                "unknown overcommit admission {s:?}; use caps or gpu-time"
+            )),
+        }
+    }
 }
 
 impl Default for QueueConfig {
@@ -116,6 +153,7 @@ impl Default for QueueConfig {
             beta: 1.0,
             gamma: 1.0,
             memory_overcommit: 1.0,
+            overcommit_admission: OvercommitAdmission::Caps,
         }
     }
 }
@@ -160,6 +198,12 @@ pub struct GpuLoad {
     pub foreign_memory: u64,
     /// Memory held by each of the queue's jobs on this GPU, bytes.
     pub job_memory: BTreeMap<JobId, u64>,
+    /// The fraction of the GPU's time those groups were measured using (their achieved shares).
+    #[serde(default)]
+    pub foreign_busy: f64,
+    /// The fraction of the GPU's time each of the queue's jobs was measured using.
+    #[serde(default)]
+    pub job_busy: BTreeMap<JobId, f64>,
 }
 
 impl GpuLoad {
@@ -723,8 +767,25 @@ impl Core {
             if used + promised + m > total {
                 return false;
             }
+            let capacity = self.gpus[g as usize].memory;
+            if self.cfg.overcommit_admission == OvercommitAdmission::GpuTime
+                && used + promised + m > capacity
+                && self.busy(g) + d.limit > 1.0 + SHARE_EPS
+            {
+                return false;
+            }
         }
         true
+    }
+
+    /// The fraction of GPU `g`'s time measured in use: the scheduler's other groups and the
+    /// queue's jobs (one not in the books yet at its limit).
+    fn busy(&self, g: u32) -> f64 {
+        let load = &self.loads[g as usize];
+        let jobs = self
+            .on_gpu(g)
+            .map(|j| (load.job_busy.get(&j.id).copied()).unwrap_or(j.demand.limit));
+        load.foreign_busy + jobs.sum::<f64>()
     }
 
     /// The GPUs to start a job of demand `d` on now, if any.

@@ -1,9 +1,9 @@
 //! `gpushare-queue`: the node job queue daemon, and its policies replayed in virtual time.
 
 use clap::{Parser, Subcommand};
-use gpushare_queue::core::{Policy, QueueConfig};
+use gpushare_queue::core::{OvercommitAdmission, Policy, QueueConfig};
 use gpushare_queue::daemon::{ServeOptions, serve};
-use gpushare_queue::memory_replay::{MemoryReplayParams, SwapCost, replay as memory_replay};
+use gpushare_queue::memory_replay::{MemoryReplayParams, Mix, SwapCost, replay as memory_replay};
 use gpushare_queue::replay::{ReplayParams, parse_range, replay};
 use gpushare_queue::shim::{ShimArgs, shim};
 use std::net::SocketAddr;
@@ -100,6 +100,11 @@ enum Cmd {
         /// them when they use it all at once).
         #[arg(long, value_name = "R", default_value = "1", value_parser = overcommit)]
         memory_overcommit: f64,
+        /// With --memory-overcommit above 1, which jobs start on caps past a GPU's own memory:
+        /// `caps` (any whose cap fits in R times it) or `gpu-time` (only while the GPU time
+        /// measured in use there plus the job's --limit is at most the whole GPU).
+        #[arg(long, value_name = "A", default_value = "caps", value_parser = str::parse::<OvercommitAdmission>)]
+        overcommit_admission: OvercommitAdmission,
         /// α of P = α·p − β·T − γ·t (aging, shares).
         #[arg(long, default_value = "10000", value_parser = weight)]
         alpha: f64,
@@ -180,6 +185,20 @@ struct ReplayArgs {
     /// As `serve --max-jobs-per-gpu`.
     #[arg(long)]
     max_jobs_per_gpu: Option<u32>,
+    /// Memory jobs: which jobs. `synthetic`: Poisson arrivals, phases at a peak or a base, on
+    /// 80 GiB GPUs (--gpu-demand, --mean-interarrival, --runtime-log10 shape it). `seed002`:
+    /// the resource-aware scheduling work's measured engines and arrivals on its V100, memory
+    /// requests over-provisioned by --overprov.
+    #[arg(long, value_parser = ["synthetic", "seed002"])]
+    mix: Option<String>,
+    /// Memory jobs, `--mix seed002`: each engine asks for its measured peak over-provisioned by
+    /// PCT percent [default: 100].
+    #[arg(long, value_name = "PCT")]
+    overprov: Option<u32>,
+    /// Memory jobs, overcommitted: which jobs start on caps past the GPU's memory, `caps` or
+    /// `gpu-time` (as `serve --overcommit-admission`) [default: caps].
+    #[arg(long, value_name = "A", value_parser = str::parse::<OvercommitAdmission>)]
+    overcommit_admission: Option<OvercommitAdmission>,
     /// Memory jobs: their caps may sum to R times each GPU's memory [default: 2].
     #[arg(long, value_name = "R", value_parser = overcommit)]
     memory_overcommit: Option<f64>,
@@ -209,8 +228,23 @@ fn replay_memory(a: ReplayArgs) -> anyhow::Result<()> {
             "--max-jobs-per-gpu is for --workload short-tasks; memory jobs are limited by their caps"
         );
     }
-    let d = MemoryReplayParams::new(a.policy, a.memory_overcommit.unwrap_or(2.0));
+    let r = a.memory_overcommit.unwrap_or(2.0);
+    let d = match a.mix.as_deref() {
+        Some("seed002") => {
+            if a.gpu_demand.is_some() || a.mean_interarrival.is_some() || a.runtime_log10.is_some()
+            {
+                anyhow::bail!(
+                    "--gpu-demand, --mean-interarrival and --runtime-log10 are for --mix synthetic; \
+                     seed002's engines bring their own"
+                );
+            }
+            MemoryReplayParams::seed002(a.policy, r, a.overprov.unwrap_or(100))
+        }
+        _ if a.overprov.is_some() => anyhow::bail!("--overprov is for --mix seed002"),
+        _ => MemoryReplayParams::new(a.policy, r),
+    };
     let p = MemoryReplayParams {
+        admission: a.overcommit_admission.unwrap_or(d.admission),
         gpus: a.gpus,
         jobs: a.jobs.unwrap_or(d.jobs),
         mean_interarrival_s: a.mean_interarrival.unwrap_or(d.mean_interarrival_s),
@@ -234,22 +268,42 @@ fn replay_memory(a: ReplayArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&r)?);
         return Ok(());
     }
+    match r.mix {
+        Mix::Synthetic => println!(
+            "mix synthetic  policy {}  gpus {}  jobs {}  seeds {}  gpu demand {}:{}",
+            r.policy, r.gpus, r.jobs, r.seeds, r.gpu_demand.0, r.gpu_demand.1
+        ),
+        Mix::Seed002 { overprov_pct } => println!(
+            "mix seed002 (requests +{overprov_pct} %)  policy {}  gpus {}  jobs {}  seeds {}",
+            r.policy, r.gpus, r.jobs, r.seeds
+        ),
+    }
     println!(
-        "policy {}  gpus {}  jobs {}  seeds {}  gpu demand {}:{}",
-        r.policy, r.gpus, r.jobs, r.seeds, r.gpu_demand.0, r.gpu_demand.1
+        "{:>44} {:>14} {:>8} {:>12} {:>10} {:>10} {:>10} {:>10} {:>6}",
+        "caps",
+        "completion_s",
+        "wait_s",
+        "memory_util",
+        "gpu_util",
+        "swap_outs",
+        "swap_GiB",
+        "swap_s",
+        "OOM"
     );
-    println!(
-        "{:>22} {:>14} {:>12} {:>10} {:>10} {:>10} {:>10} {:>6}",
-        "caps", "completion_s", "memory_util", "gpu_util", "swap_outs", "swap_GiB", "swap_s", "OOM"
-    );
-    for m in [&r.static_caps, &r.overcommitted] {
+    let one = &r.one_at_a_time;
+    for (name, m) in [
+        ("", &r.static_caps),
+        ("", &r.overcommitted),
+        ("1 job at a time, ", one),
+    ] {
         println!(
-            "{:>22} {:>14.1} {:>12.3} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>6}",
+            "{:>44} {:>14.1} {:>8.1} {:>12.3} {:>10.3} {:>10.1} {:>10.1} {:>10.1} {:>6}",
             format!(
-                "{} x GPU (peaks {:.2}x)",
-                m.memory_overcommit, m.max_peaks_over_memory
+                "{name}{} x GPU (caps {:.2}x, peaks {:.2}x)",
+                m.memory_overcommit, m.max_caps_over_memory, m.max_peaks_over_memory
             ),
             m.mean_completion_s,
+            m.mean_wait_s,
             m.memory_utilisation,
             m.gpu_utilisation,
             m.swap_outs,
@@ -266,19 +320,27 @@ fn replay_memory(a: ReplayArgs) -> anyhow::Result<()> {
         -100.0 * lo,
         100.0 * r.memory_utilisation_gain
     );
+    println!(
+        "against one job at a time: completion {:+.1} %, memory utilisation {:+.1} %",
+        -100.0 * r.completion_reduction_vs_one_at_a_time,
+        100.0 * r.memory_utilisation_gain_vs_one_at_a_time
+    );
     Ok(())
 }
 
 /// `replay --workload short-tasks`.
 fn replay_short_tasks(a: ReplayArgs) -> anyhow::Result<()> {
     let memory_flags = a.memory_overcommit.is_some()
+        || a.overcommit_admission.is_some()
         || a.gpu_demand.is_some()
+        || a.mix.is_some()
+        || a.overprov.is_some()
         || a.checkpoint_bandwidth.is_some()
         || a.restore_bandwidth.is_some()
         || a.checkpoint_latency.is_some();
     if memory_flags {
         anyhow::bail!(
-            "--memory-overcommit, --gpu-demand and the checkpoint flags are for --workload memory"
+            "--memory-overcommit, --overcommit-admission, --mix, --overprov, --gpu-demand and the checkpoint flags are for --workload memory"
         );
     }
     let d = ReplayParams::paper(a.policy, a.gpus, 100);
@@ -336,6 +398,7 @@ fn main() -> ExitCode {
             max_jobs_per_gpu,
             memory_threshold,
             memory_overcommit,
+            overcommit_admission,
             alpha,
             beta,
             gamma,
@@ -367,6 +430,7 @@ fn main() -> ExitCode {
                     beta,
                     gamma,
                     memory_overcommit,
+                    overcommit_admission,
                 },
             };
             serve(opts, gpus)

@@ -7,6 +7,10 @@
 //! swaps to host memory through the driver's [`checkpoint`] API, the [`config`] file), the admin socket ([`admin`]) and the Prometheus endpoint ([`metrics`],
 //! [`prometheus`]), wired by [`daemon`]. Other threads reach the loop through its [`inbox`].
 
+// The documentation is read with the private items (`--document-private-items`), where
+// links to them resolve.
+#![allow(rustdoc::private_intra_doc_links)]
+
 pub mod admin;
 pub mod census;
 pub mod checkpoint;

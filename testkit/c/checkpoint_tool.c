@@ -24,7 +24,9 @@
  *   checkpoint_tool restore-oom BYTES   a restore while the memory is taken, then once it is
  *                                       free again
  *   checkpoint_tool bandwidth BYTES     host<->device copies of BYTES (pinned and pageable)
- *   checkpoint_tool state PID           the state of process PID, another program's */
+ *   checkpoint_tool state PID           the state of process PID, another program's
+ *   checkpoint_tool hold PID MS         lock process PID (another program's, without a
+ *                                       timeout), keep it locked MS ms, unlock it */
 #define _GNU_SOURCE
 #include "cuda_min.h"
 
@@ -571,11 +573,26 @@ static void state(pid_t pid) {
     fflush(stdout);
 }
 
+/* Lock process `pid`, another program's, for `ms` ms: the "lock" step once it is locked, the
+ * "unlock" step once it runs again. */
+static void hold(pid_t pid, unsigned ms) {
+    setup();
+    CUcheckpointLockArgs a;
+    memset(&a, 0, sizeof a);
+    unsigned long long t0 = now_ns();
+    CUresult r = ckLock(pid, &a);
+    report("lock", pid, r, t0);
+    if (r != CUDA_SUCCESS)
+        return;
+    usleep(ms * 1000);
+    args_step("unlock", pid, ckUnlock);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc < 3)
         fail("usage: checkpoint_tool states|blocks|timeout|managed|ipc|kinds|restore-oom|"
-             "bandwidth|state ARG...");
+             "bandwidth|state|hold ARG...");
     const char *cmd = argv[1];
     size_t arg = strtoull(argv[2], NULL, 0);
     if (!strcmp(cmd, "states"))
@@ -596,6 +613,8 @@ int main(int argc, char **argv) {
         bandwidth(arg);
     else if (!strcmp(cmd, "state"))
         state((pid_t)arg);
+    else if (!strcmp(cmd, "hold") && argc > 3)
+        hold((pid_t)arg, (unsigned)strtoul(argv[3], NULL, 0));
     else
         fail("unknown command %s", cmd);
     return 0;

@@ -8,7 +8,7 @@
 //! may fail.
 
 use gpushare_testkit::harness::{describe, json_lines, output_with_timeout, target_dir};
-use gpushare_testkit::node::{Node, free_port, group_in, metrics_page, monotonic_ns};
+use gpushare_testkit::node::{Node, Spin, free_port, group_in, metrics_page, monotonic_ns};
 use serde_json::Value;
 use std::ffi::OsStr;
 use std::io::{BufRead, BufReader, Read};
@@ -1189,6 +1189,59 @@ fn an_allocation_within_its_cap_waits_for_a_swap_instead_of_failing_when_the_gpu
     );
     assert_eq!(u(&swaps["swap_in_seconds"], "count"), 1, "{swaps}");
     assert_eq!(u(swaps, "swap_in_failures"), 0, "{swaps}");
+}
+
+/// A busy group swapped out: the first group launches 1 ms kernels (synchronising every 20)
+/// with 1200 MiB of the 2 GiB GPU, fail-open, when the second's 1200 MiB makes the scheduler
+/// swap it out. Its turn is revoked as the swap begins and its process locked while its
+/// launches and the hook's questions about its fence events are under way; it is restored once
+/// the second is gone, runs its kernels again and finishes cleanly, and it never takes the
+/// scheduler for unresponsive (no fail-open warning on its stderr): its hook heard the
+/// scheduler throughout the swap.
+#[test]
+fn a_busy_group_is_swapped_out_and_back_and_keeps_hearing_the_scheduler() {
+    let (node, exe) = overcommitted_node(&[]);
+    let args = Spin::for_ms(1.0, 7_000.0).alloc_mib(1200).args();
+    let mut cmd = in_group(
+        &node,
+        "first",
+        Some("1500MiB"),
+        target_dir().join("cudarc-client"),
+        &args,
+    );
+    cmd.env("GPUSHARE_FAIL", "open");
+    let first = Proc::spawn(cmd);
+    let first_pid = first.pid() as u32;
+    std::thread::sleep(Duration::from_millis(1_500));
+    let mut second = keep(&node, &exe, "second", "2");
+    let got = second.expect_json("alloc", RUN);
+    assert_eq!(
+        i(&got, "alloc"),
+        0,
+        "1200 MiB within the second's cap, the busy first swapped out: {got}\n{}",
+        node.scheduler_log()
+    );
+    second.expect_json("filled", RUN);
+    second_checks_its_bytes_and_exits(second);
+    let second_gone = monotonic_ns();
+    let (status, err) = first.finish(RUN);
+    assert!(status.is_some_and(|s| s.success()), "first: {err}");
+    assert!(
+        !err.contains("WITHOUT GPU sharing limits"),
+        "the first took the scheduler for unresponsive during its swap:\n{err}"
+    );
+    let log = node.scheduler_log();
+    for line in ["swapping out to host memory", "restoring from host memory"] {
+        assert!(
+            log.contains(line),
+            "{line:?} in the scheduler's log:\n{log}"
+        );
+    }
+    let trace = node.finish();
+    assert!(
+        (trace.records().iter()).any(|r| r.pid == first_pid && r.start_ns > second_gone),
+        "the first ran no kernel once restored"
+    );
 }
 
 /// A 2 GiB simulated GPU, `gpushare-scheduler --memory-overcommit 2 ARGS…` logging its swaps,

@@ -2,7 +2,7 @@
 //!
 //! Each GPU of the node is one device of the node's ResourceSlice with two consumable
 //! capacities, `share` (units of GPU time, 100 by default) and `memory` (bytes), that many
-//! claims may take parts of ([`slice`]); the kube-scheduler places a claim's share and memory
+//! claims may take parts of ([`slice`](mod@slice)); the kube-scheduler places a claim's share and memory
 //! on one GPU. When the kubelet prepares a claim on this node, the claim's allocation and its
 //! opaque configuration (limit, weight: [`config`]) are checked against the node's GPUs and
 //! the claims already prepared ([`claim`]); the container gets the GPU, the scheduler's socket

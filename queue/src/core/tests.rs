@@ -241,6 +241,81 @@ fn with_memory_overcommit_the_caps_may_sum_past_the_gpu() {
     );
 }
 
+/// Under `gpu-time` admission a job whose cap fits only past the GPU's memory starts only while
+/// the GPU time measured in use there (a job not measured yet at its limit) leaves room for its
+/// limit; within the GPU's memory, caps alone decide.
+#[test]
+fn gpu_time_admission_starts_past_the_memory_only_where_the_gpu_has_time() {
+    let mk = |admission| {
+        Core::new(
+            QueueConfig {
+                policy: Policy::Fifo,
+                memory_overcommit: 2.0,
+                overcommit_admission: admission,
+                ..QueueConfig::default()
+            },
+            vec![Gpu { memory: 80 * GIB }],
+        )
+    };
+    let d = |limit| Demand {
+        share: 0.0,
+        limit,
+        memory: Some(40 * GIB),
+        ..Demand::default()
+    };
+    let mut caps = mk(OvercommitAdmission::Caps);
+    let mut time = mk(OvercommitAdmission::GpuTime);
+    for c in [&mut caps, &mut time] {
+        for _ in 0..3 {
+            c.submit(d(0.4), 0).unwrap();
+        }
+        c.tick(0);
+    }
+    assert_eq!(
+        started(&mut caps),
+        vec![1, 2, 3],
+        "4 × 40 GiB caps fit in 2 × 80 GiB"
+    );
+    assert_eq!(
+        started(&mut time),
+        vec![1, 2],
+        "past the memory, not measured yet: 0.4 + 0.4 counted, + 0.4 is more than the GPU"
+    );
+    let load = |busy: &[f64], foreign| GpuLoad {
+        job_busy: (1..).zip(busy.iter().copied()).collect(),
+        foreign_busy: foreign,
+        ..GpuLoad::default()
+    };
+    time.gpu_state(vec![load(&[0.3, 0.35], 0.0)], S);
+    time.tick(S);
+    assert!(started(&mut time).is_empty(), "0.65 measured + 0.4 > 1");
+    time.gpu_state(vec![load(&[0.3, 0.3], 0.1)], 2 * S);
+    time.tick(2 * S);
+    assert!(
+        started(&mut time).is_empty(),
+        "other tenants' time counts: 0.7 + 0.4 > 1"
+    );
+    time.gpu_state(vec![load(&[0.3, 0.3], 0.0)], 3 * S);
+    time.tick(3 * S);
+    assert_eq!(started(&mut time), vec![3], "0.6 measured + 0.4 fits");
+    // Within the GPU's memory the GPU's time does not matter.
+    time.job_exited(1, Exit::Code(0), 4 * S).unwrap();
+    time.job_exited(2, Exit::Code(0), 4 * S).unwrap();
+    time.gpu_state(vec![load(&[0.0, 0.0, 1.0], 0.0)], 4 * S);
+    time.submit(d(1.0), 4 * S).unwrap();
+    time.tick(4 * S);
+    assert_eq!(
+        started(&mut time),
+        vec![4],
+        "40 + 40 GiB fit in 80: caps decide"
+    );
+    assert_eq!(
+        "gpu-time".parse::<OvercommitAdmission>(),
+        Ok(OvercommitAdmission::GpuTime)
+    );
+    assert!("time".parse::<OvercommitAdmission>().is_err());
+}
+
 #[test]
 fn max_jobs_per_gpu() {
     let mut c = Core::new(
@@ -701,6 +776,68 @@ proptest! {
         }
         prop_assert!(c.jobs().all(|j| matches!(j.state, JobState::Finished { .. })), "queue drained");
     }
+
+    /// Under `gpu-time` admission, in any sequence of submissions, measurements and exits,
+    /// every job started on caps past its GPU's memory found the GPU time measured in use there
+    /// plus its limit within the whole GPU; and the queue drains.
+    #[test]
+    fn gpu_time_admission_starts_past_the_memory_only_into_idle_time(
+        subs in proptest::collection::vec((10u64..60, 1u32..=10), 1..20),
+        busy in proptest::collection::vec(0u32..=10, 1..40),
+        exits in proptest::collection::vec(any::<bool>(), 1..40),
+    ) {
+        let cap = 80 * GIB;
+        let mut c = Core::new(
+            QueueConfig {
+                policy: Policy::Fifo,
+                memory_overcommit: 2.0,
+                overcommit_admission: OvercommitAdmission::GpuTime,
+                ..QueueConfig::default()
+            },
+            vec![Gpu { memory: cap }],
+        );
+        for &(gib, tenths) in &subs {
+            c.submit(Demand { share: 0.0, limit: f64::from(tenths) / 10.0, memory: Some(gib * GIB), ..Demand::default() }, 0).unwrap();
+        }
+        let mut load = GpuLoad::default();
+        let mut now = 0;
+        for step in 0..200usize {
+            // What the placement sees: caps promised (nothing held yet) and time measured.
+            let running: Vec<&Job> = c.jobs().filter(|j| j.running().is_some()).collect();
+            let mut promised: u64 = running.iter().map(|j| j.demand.memory.unwrap()).sum();
+            let mut used: f64 = load.foreign_busy + running.iter()
+                .map(|j| load.job_busy.get(&j.id).copied().unwrap_or(j.demand.limit)).sum::<f64>();
+            c.tick(now);
+            for job in started(&mut c) {
+                let d = &c.job(job).unwrap().demand;
+                let m = d.memory.unwrap();
+                if promised + m > cap {
+                    prop_assert!(used + d.limit <= 1.0 + 1e-9, "job {} started past the memory into {} of the GPU's time", job, used);
+                }
+                promised += m;
+                used += d.limit;
+            }
+            if c.jobs().all(|j| matches!(j.state, JobState::Finished { .. })) {
+                break;
+            }
+            now += S;
+            // The scheduler measures the running jobs; some of them end.
+            let running: Vec<JobId> = c.jobs().filter(|j| j.running().is_some()).map(|j| j.id).collect();
+            load = GpuLoad::default();
+            for (k, &id) in running.iter().enumerate() {
+                let limit = c.job(id).unwrap().demand.limit;
+                let b = f64::from(busy[(step + k) % busy.len()]) / 10.0;
+                load.job_busy.insert(id, b.min(limit));
+                if exits[(step + k) % exits.len()] || step > 100 {
+                    c.job_exited(id, Exit::Code(0), now).unwrap();
+                    load.job_busy.remove(&id);
+                }
+            }
+            c.gpu_state(vec![load.clone()], now);
+        }
+        prop_assert!(c.jobs().all(|j| matches!(j.state, JobState::Finished { .. })), "queue drained");
+    }
+
 }
 
 // ---- the daemon's admission of submissions, fed hostile requests ----

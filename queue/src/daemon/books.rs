@@ -44,7 +44,8 @@ pub(super) fn apply_books(st: &mut State, report: Result<Report, StatusError>, n
     }
 }
 
-/// Per GPU (by UUID): other tenants' guaranteed shares and memory, and each job's memory.
+/// Per GPU (by UUID): other tenants' guaranteed shares, memory and measured GPU time, and
+/// each job's memory and measured GPU time (the scheduler's achieved shares).
 pub fn loads_from(gpus: &[GpuInfo], r: &Report) -> Vec<GpuLoad> {
     gpus.iter()
         .map(|g| {
@@ -60,12 +61,14 @@ pub fn loads_from(gpus: &[GpuInfo], r: &Report) -> Vec<GpuLoad> {
                 {
                     Some(id) => {
                         load.job_memory.insert(id, group.memory_used);
+                        load.job_busy.insert(id, group.achieved_share);
                     }
                     None => {
                         if !group.pids.is_empty() {
                             load.foreign_request += group.request;
                         }
                         load.foreign_memory += group.memory_used;
+                        load.foreign_busy += group.achieved_share;
                     }
                 }
             }
@@ -81,6 +84,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn group(name: &str, request: f64, memory: u64, pids: Vec<u32>) -> GroupReport {
+        let achieved_share = memory as f64 / 100.0;
         GroupReport {
             name: name.into(),
             request,
@@ -89,7 +93,7 @@ mod tests {
             latency: false,
             effective_request: request,
             target_share: 0.0,
-            achieved_share: 0.0,
+            achieved_share,
             busy_seconds: 0.0,
             tokens: 0,
             waits: 0,
@@ -152,5 +156,10 @@ mod tests {
         assert_eq!(loads[1].foreign_memory, 20);
         assert_eq!(loads[1].job_memory, BTreeMap::from([(7, 30)]));
         assert_eq!(loads[1].memory_used(), 50);
+        assert_eq!(loads[1].job_busy, BTreeMap::from([(7, 0.3)]));
+        assert_eq!(
+            loads[1].foreign_busy, 0.2,
+            "what the groups were measured using"
+        );
     }
 }

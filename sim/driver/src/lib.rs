@@ -9,6 +9,10 @@
 //! calls; [`image`] reads module images ([`ptx`] text, [`elf`] cubins,
 //! [`fatbin`] containers).
 
+// The documentation is read with the private items (`--document-private-items`), where
+// links to them resolve.
+#![allow(rustdoc::private_intra_doc_links)]
+
 #[macro_use]
 mod ffi;
 mod api_checkpoint;
