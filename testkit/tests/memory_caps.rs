@@ -1210,6 +1210,9 @@ fn a_busy_group_is_swapped_out_and_back_and_keeps_hearing_the_scheduler() {
         &args,
     );
     cmd.env("GPUSHARE_FAIL", "open");
+    // Wide enough that a daemon slowed by a busy host does not trip it, narrower than the
+    // checkpoint of 1200 MiB (≈ 0.9 s), so a hook deaf for the swap does.
+    cmd.env("GPUSHARE_LIVENESS", "500ms");
     let first = Proc::spawn(cmd);
     let first_pid = first.pid() as u32;
     std::thread::sleep(Duration::from_millis(1_500));
