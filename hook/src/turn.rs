@@ -389,7 +389,9 @@ impl Turns {
             Token::Held(t) if t.is_open() => Step::Admit,
             Token::Held(t) if t.opened_ns.is_none() && !t.closed => {
                 let open_at = if t.open_at_start {
-                    t.start_ns
+                    // As early as this process's timed waits typically wake late: its first
+                    // kernel reaches the GPU about at the start.
+                    t.start_ns.saturating_sub(self.typical_lateness_ns())
                 } else {
                     t.start_ns.saturating_sub(self.lead_ns())
                 };
@@ -520,6 +522,14 @@ impl Turns {
             .handoff_lead_ns
             .max(late + 200_000)
             .min(MAX_LEAD_NS)
+    }
+
+    /// How late this process's recent timed waits for a turn's opening woke, typically: the
+    /// median of the samples kept, at most [`MAX_LEAD_NS`].
+    fn typical_lateness_ns(&self) -> u64 {
+        let mut l = self.lateness;
+        l.sort_unstable();
+        l[LATENESS_SAMPLES / 2].min(MAX_LEAD_NS)
     }
 
     fn note_lateness(&mut self, late_ns: u64) {

@@ -61,11 +61,6 @@ pub(super) struct Group {
     /// gave the GPU to, which it may take back at once if it returns
     /// (`docs/scheduling.md#preemption`).
     pub gave_back_at: u64,
-    /// A latency-class group that came back within a minimum quota of its last given-back
-    /// turn's end (requests back to back): its next turn given back keeps the GPU a little
-    /// past its drain, so that a request queued behind the one that ends is served without a
-    /// handoff (docs/latency.md).
-    pub back_to_back: bool,
     /// When it last asked for a turn after an absence (no turn, none asked for) of at least
     /// [`away_ns`](super::PolicyConfig::away_ns): it comes and goes, like a request server.
     pub returned_at: u64,
@@ -98,7 +93,6 @@ impl Group {
             last_active: 0,
             draining_until: 0,
             gave_back_at: 0,
-            back_to_back: false,
             returned_at: 0,
             busy_ns: 0,
             tokens: 0,

@@ -87,11 +87,12 @@
 //!     [`PolicyConfig::latency_queue_budget_ns`] of work queued. When it comes back with work it is
 //!     served unless it is ahead of the holder by a minimum quota, and the holder's turn ends an
 //!     eighth of a minimum quota after its start at the earliest: its client stops at its next
-//!     kernel. A group whose requests come back to back (it asked again within a minimum quota
-//!     of giving its turn back) keeps the GPU a linger ([`PolicyConfig::latency_linger_ns`])
-//!     past its drain when it gives a turn back, charged to it; the turn after opens at its
-//!     start ([`Decision::Grant`]'s `open_at_start`), not ahead of it, and asking again within
-//!     the linger the group is served at once, the turn planned after it withdrawn. What it uses is charged and capped like any other group's time.
+//!     kernel. It keeps the GPU a linger ([`PolicyConfig::latency_linger_ns`]) past its drain
+//!     whenever it gives a turn back (unless its cap would not let it take the GPU back),
+//!     charged to it; the turn after opens at its start ([`Decision::Grant`]'s
+//!     `open_at_start`), not ahead of it, and asking again within the linger (a request queued
+//!     behind the one that ended) the group is served at once, the turn planned after it
+//!     withdrawn. What it uses is charged and capped like any other group's time.
 //!
 //! # Memory
 //!
@@ -404,7 +405,6 @@ impl Policy {
             return Ok(());
         }
         if returning {
-            self.note_return(&group, now);
             self.take_back_linger(&group, now);
         }
         if self.current.is_none() {
@@ -458,10 +458,12 @@ impl Policy {
                 .map_or((now, String::new()), |t| (t.deadline_ns, t.group.clone()));
             let drained =
                 drained_ns.clamp(now, (now + self.cfg.min_quota_ns).min(deadline).max(now));
-            // Not for a group whose cap would not let it take the GPU back.
+            // A latency-class group lingers past its drain, unless its cap would not let it take
+            // the GPU back.
             let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
-            let linger = (self.groups.get(&group))
-                .is_some_and(|g| g.back_to_back && g.eligible(now, depth, thr));
+            let linger = (self.groups.get(&group)).is_some_and(|g| {
+                g.params.class == GroupClass::Latency && g.eligible(now, depth, thr)
+            });
             let at = if linger {
                 let at = (drained + self.cfg.latency_linger_ns())
                     .min(deadline)

@@ -182,11 +182,11 @@ impl PolicyConfig {
         (self.min_quota_ns / 8).clamp(100_000, 500_000)
     }
 
-    /// How long past its work's drain a latency-class group whose requests come back to back
-    /// keeps the GPU when it gives its turn back (docs/latency.md): a quarter of the minimum
-    /// quota (0.5 ms by default), enough for its next request to be asked for on a busy host.
+    /// How long past its work's drain a latency-class group keeps the GPU when it gives its
+    /// turn back (docs/latency.md): three fortieths of the minimum quota (0.15 ms by default),
+    /// for a request queued behind the one that ended to be asked for.
     pub(super) fn latency_linger_ns(&self) -> u64 {
-        self.min_quota_ns / 4
+        self.min_quota_ns * 3 / 40
     }
 
     /// Bucket depth of a capped group: two quotas.

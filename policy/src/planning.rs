@@ -111,18 +111,6 @@ impl Policy {
         }
     }
 
-    /// A latency-class group `group` is back with work at `now`: back to back if within a
-    /// minimum quota of where its last given-back turn ended (its next request was queued
-    /// behind the one that ended).
-    pub(crate) fn note_return(&mut self, group: &str, now: u64) {
-        let min_quota = self.cfg.min_quota_ns;
-        if let Some(g) = self.groups.get_mut(group)
-            && g.params.class == GroupClass::Latency
-        {
-            g.back_to_back = g.gave_back_at > 0 && now <= g.gave_back_at.saturating_add(min_quota);
-        }
-    }
-
     /// A latency-class group `group` asks again before the turn planned after its given-back
     /// one has started (docs/latency.md: it kept the GPU a moment past its drain for this): that
     /// turn is withdrawn, its client waits again first in its group, and `group` is served at
