@@ -1305,10 +1305,9 @@ mod tests {
         assert_eq!(q.oldest_event(), Some(Handle::from_key(11)));
     }
 
-    /// Waiting for the oldest fence takes it in once the GPU passes it (when the wait
-    /// returned); a fence the driver will not wait for is dropped, its event kept for reuse.
-    #[test]
-    fn the_oldest_fence_is_waited_for_or_dropped() {
+    /// Two fences on one stream: after launches 1–4 (the GPU passes it at 5 µs) and 5–8
+    /// (recorded at 0.1 µs, passed at 9 µs).
+    fn two_fences() -> (Queue, VirtualGpu) {
         let ring = LaunchStreams::new();
         let mut q = Queue::default();
         let mut gpu = VirtualGpu::default();
@@ -1316,6 +1315,14 @@ mod tests {
         fence_passing(&mut q, &mut gpu, &ring, (10, A, 4), 0, 5_000);
         launch(&ring, 5, 8, A);
         fence_passing(&mut q, &mut gpu, &ring, (11, A, 8), 100, 9_000);
+        (q, gpu)
+    }
+
+    /// Waiting for the oldest fence takes it in once the GPU passes it (when the wait
+    /// returned); a fence the driver will not wait for is dropped, its event kept for reuse.
+    #[test]
+    fn the_oldest_fence_is_waited_for_or_dropped() {
+        let (mut q, mut gpu) = two_fences();
         let mut asked = Asked::default();
         q.to_ask(Ask::Oldest, &mut asked);
         assert!(asked.wait_oldest(&mut gpu));
@@ -1351,13 +1358,7 @@ mod tests {
     /// for it again and again).
     #[test]
     fn a_fence_waited_for_is_taken_in_though_a_query_errs() {
-        let ring = LaunchStreams::new();
-        let mut q = Queue::default();
-        let mut gpu = VirtualGpu::default();
-        launch(&ring, 1, 4, A);
-        fence_passing(&mut q, &mut gpu, &ring, (10, A, 4), 0, 5_000);
-        launch(&ring, 5, 8, A);
-        fence_passing(&mut q, &mut gpu, &ring, (11, A, 8), 100, 9_000);
+        let (mut q, mut gpu) = two_fences();
         gpu.queries_fail = true;
         let mut asked = Asked::default();
         q.to_ask(Ask::Oldest, &mut asked);
