@@ -389,18 +389,23 @@ fn an_idle_holder_yields_and_a_bursty_one_is_learnt() {
     ));
     // Next request: it went idle after synchronising last time, so its next synchronisation
     // hands the turn over at once.
-    let mut w = Waiter::default();
-    t.launcher_arrives(110 * MS, 10);
-    assert_eq!(t.admit(110 * MS, &mut w), Step::Ask);
-    t.asked(true, 110 * MS);
-    t.grant(2, 111 * MS, 131 * MS, plan(false), 110 * MS);
-    assert_eq!(t.admit(111 * MS, &mut w), Step::Opened);
+    next_request_opens_turn_2(&mut t);
     assert_eq!(t.before_sync(112 * MS, quiet(20)), Some(2));
     assert_eq!(
         t.before_sync(112 * MS, busy()),
         None,
         "not while another thread launches"
     );
+}
+
+/// The next request at 110 ms: asked, granted turn 2 (111–131 ms), opened at 111 ms.
+fn next_request_opens_turn_2(t: &mut Turns) {
+    let mut w = Waiter::default();
+    t.launcher_arrives(110 * MS, 10);
+    assert_eq!(t.admit(110 * MS, &mut w), Step::Ask);
+    t.asked(true, 110 * MS);
+    t.grant(2, 111 * MS, 131 * MS, plan(false), 110 * MS);
+    assert_eq!(t.admit(111 * MS, &mut w), Step::Opened);
 }
 
 /// The gate lets its lock go between deciding at a synchronisation to give the turn back and
@@ -413,12 +418,7 @@ fn a_turn_given_back_at_a_synchronisation_is_the_one_decided_on() {
     t.after_sync(104 * MS, 10);
     given_back_idle(&mut t, 106 * MS, 10);
     t.take_said();
-    let mut w = Waiter::default();
-    t.launcher_arrives(110 * MS, 10);
-    assert_eq!(t.admit(110 * MS, &mut w), Step::Ask);
-    t.asked(true, 110 * MS);
-    t.grant(2, 111 * MS, 131 * MS, plan(false), 110 * MS);
-    assert_eq!(t.admit(111 * MS, &mut w), Step::Opened);
+    next_request_opens_turn_2(&mut t);
     assert_eq!(t.before_sync(112 * MS, quiet(20)), Some(2));
     assert!(t.still_gives_back(2, quiet(20)));
     assert!(!t.still_gives_back(2, busy()), "a launcher came meanwhile");
