@@ -464,6 +464,17 @@ impl Policy {
             let linger = (self.groups.get(&group)).is_some_and(|g| {
                 g.params.class == GroupClass::Latency && g.eligible(now, depth, thr)
             });
+            let latency =
+                (self.groups.get(&group)).is_some_and(|g| g.params.class == GroupClass::Latency);
+            if latency && let Some(n) = self.next.as_ref().filter(|n| n.client == client) {
+                // A turn planned for it after this one, presuming it would want another (a
+                // holder that has not given its turn back counts as waiting): it has said it has
+                // no more work, and would hold that turn idle until it gave it back too. Its
+                // linger keeps the GPU for its next request instead.
+                let token = n.token;
+                self.withdraw_next(now);
+                self.decisions.push(Decision::Revoke { client, token });
+            }
             let at = if linger {
                 let at = (drained + self.cfg.latency_linger_ns())
                     .min(deadline)
