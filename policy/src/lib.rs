@@ -92,7 +92,9 @@
 //!     charged to it; the turn after opens at its start ([`Decision::Grant`]'s
 //!     `open_at_start`), not ahead of it, and asking again within the linger (a request queued
 //!     behind the one that ended) the group is served at once, the turn planned after it
-//!     withdrawn. What it uses is charged and capped like any other group's time.
+//!     withdrawn; a turn planned for its process after the one it gives back is withdrawn with
+//!     it. Returning, it does not wait behind a running turn for one planned after it: that one
+//!     is withdrawn. What it uses is charged and capped like any other group's time.
 //!
 //! # Memory
 //!

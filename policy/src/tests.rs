@@ -2179,6 +2179,8 @@ fn a_latency_group_giving_its_turn_back_gives_back_the_one_planned_after_it() {
     ];
     let mut sim = Sim::new(PolicyConfig::default(), &groups, tenants, 31);
     sim.policy.set_lateness(16 * MS);
+    sim.run_until(WARMUP);
+    sim.stats.max_wait_ns = vec![0; 4];
     sim.run_until(end);
     let servers = sim.work_share(0, WARMUP, end) + sim.work_share(1, WARMUP, end);
     let trainers = sim.work_share(2, WARMUP, end) + sim.work_share(3, WARMUP, end);
@@ -2196,6 +2198,17 @@ fn a_latency_group_giving_its_turn_back_gives_back_the_one_planned_after_it() {
         servers + trainers + lingered >= 0.995,
         "{servers} + {trainers} + {lingered}"
     );
+    // A request waits at most for one of the other server's and its linger, and for a
+    // trainer's kernel: never behind a trainer's planned turn, nor a whole turn of one.
+    let cfg = sim.policy.config();
+    let bound = 4 * MS + cfg.latency_linger_ns() + cfg.take_back_ns();
+    assert!(
+        sim.stats.max_wait_ns[..2].iter().all(|&w| w <= bound),
+        "{:?}",
+        sim.stats
+    );
+    // So they get what they use, 4 ms every 25 and 27 ms.
+    assert!(servers >= 0.30, "{servers}");
 }
 
 proptest! {
