@@ -344,7 +344,8 @@ impl Gate {
     pub fn on_revoke(&self, token: u64) {
         debug!("turn {token} revoked by the scheduler");
         let mut g = self.lock();
-        g.turns.revoke(token, crate::now_ns());
+        let waiting = self.waiters.load(Ordering::Acquire) > 0;
+        g.turns.revoke(token, waiting, crate::now_ns());
         self.bound_drain(&g);
         self.changed(&mut g);
     }

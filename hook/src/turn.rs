@@ -577,8 +577,12 @@ impl Turns {
     }
 
     /// Stop launching in turn `token` at once (it ended without a report by its end + grace),
-    /// or forget it if it has not started (withdrawn: a launcher asks again).
-    pub fn revoke(&mut self, token: u64, now: u64) {
+    /// or forget it if it has not opened (withdrawn). A withdrawn turn that a launcher
+    /// (`waiting`) still waits for is asked for again at once: the scheduler may grant it again
+    /// before the launcher would have asked (it keeps the process waiting, first in its
+    /// group, when it withdraws a turn to serve another group first), and that grant must find
+    /// the process waiting for it, not be given straight back as unwanted.
+    pub fn revoke(&mut self, token: u64, waiting: bool, now: u64) {
         self.heard(now);
         if self.next.is_some_and(|n| n.token == token) {
             self.next = None;
@@ -591,6 +595,10 @@ impl Turns {
         {
             self.retire(token);
             self.token = self.next.take().map_or(Token::None, Token::Held);
+            if waiting && self.token == Token::None {
+                self.requested(now);
+                self.said.push(Say::Acquire);
+            }
             return;
         }
         self.deadline(token, 1, now);

@@ -92,7 +92,9 @@
 //!     charged to it; the turn after opens at its start ([`Decision::Grant`]'s
 //!     `open_at_start`), not ahead of it, and asking again within the linger (a request queued
 //!     behind the one that ended) the group is served at once, the turn planned after it
-//!     withdrawn. What it uses is charged and capped like any other group's time.
+//!     withdrawn; a turn planned for its process after the one it gives back is withdrawn with
+//!     it. Returning, it does not wait behind a running turn for one planned after it: that one
+//!     is withdrawn. What it uses is charged and capped like any other group's time.
 //!
 //! # Memory
 //!
@@ -464,6 +466,17 @@ impl Policy {
             let linger = (self.groups.get(&group)).is_some_and(|g| {
                 g.params.class == GroupClass::Latency && g.eligible(now, depth, thr)
             });
+            let latency =
+                (self.groups.get(&group)).is_some_and(|g| g.params.class == GroupClass::Latency);
+            if latency && let Some(n) = self.next.as_ref().filter(|n| n.client == client) {
+                // A turn planned for it after this one, presuming it would want another (a
+                // holder that has not given its turn back counts as waiting): it has said it has
+                // no more work, and would hold that turn idle until it gave it back too. Its
+                // linger keeps the GPU for its next request instead.
+                let token = n.token;
+                self.withdraw_next(now);
+                self.decisions.push(Decision::Revoke { client, token });
+            }
             let at = if linger {
                 let at = (drained + self.cfg.latency_linger_ns())
                     .min(deadline)

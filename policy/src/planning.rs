@@ -3,8 +3,10 @@
 //! `docs/scheduling.md#yield`, `docs/scheduling.md#preemption` and
 //! `docs/scheduling.md#extension`).
 
+use crate::group::Group;
 use crate::turn::Turn;
 use crate::{ClientId, Decision, GroupClass, Policy};
+use std::collections::BTreeMap;
 
 /// A group that came back from an absence, or went idle, this recently is taken to come back
 /// and cut turns short (the others' turns get the shorter queue budget).
@@ -441,6 +443,34 @@ impl Policy {
             g.gave_back_at,
             g.params.class == GroupClass::Latency,
         );
+        // Owed more than the holder of `turn` will be once it is settled, by a minimum quota at
+        // least (not for a tie: a handoff costs both a little). A latency-class group is served
+        // unless it is ahead of the holder by a minimum quota: its requests wait for no turn,
+        // and what it takes is charged, so once ahead it waits like any other group.
+        let margin = if latency {
+            -(min_quota as f64)
+        } else {
+            min_quota as f64
+        };
+        let owed_more = |turn: &Turn, groups: &BTreeMap<String, Group>| {
+            groups.get(&turn.group).is_some_and(|hg| {
+                let held = now.saturating_sub(turn.start_ns);
+                credit - (hg.credit + turn.applied as f64 - held as f64) > margin
+            })
+        };
+        // A latency-class group is not kept waiting behind the running turn for one planned
+        // after it (a scheduler granting a quota ahead plans the next turn as the running one
+        // starts): that turn is withdrawn, its client first in line again, and the running one
+        // ends at its next kernel.
+        if latency
+            && let (Some(c), Some(n)) = (self.current.as_ref(), self.next.as_ref())
+            && c.group != group
+            && n.group != group
+            && owed_more(c, &self.groups)
+        {
+            let (client, token) = (n.client, n.token);
+            self.requeue_next(client, token, now);
+        }
         let turn = match self.next.as_mut() {
             Some(n) => n,
             None => match self.current.as_mut() {
@@ -448,24 +478,7 @@ impl Policy {
                 None => return,
             },
         };
-        if turn.group == group {
-            return;
-        }
-        let Some(hg) = self.groups.get(&turn.group) else {
-            return;
-        };
-        let held = now.saturating_sub(turn.start_ns);
-        let settled = hg.credit + turn.applied as f64 - held as f64;
-        // Owed more than the holder by a minimum quota at least (not for a tie: a handoff
-        // costs both a little). A latency-class group is served unless it is ahead of the
-        // holder by a minimum quota: its requests wait for no turn, and what it takes is
-        // charged, so once ahead it waits like any other group.
-        let margin = if latency {
-            -(min_quota as f64)
-        } else {
-            min_quota as f64
-        };
-        if credit - settled <= margin {
+        if turn.group == group || !owed_more(turn, &self.groups) {
             return;
         }
         // A turn the group gave its own turn back to is taken back sooner: a request server

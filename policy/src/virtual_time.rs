@@ -185,6 +185,9 @@ pub struct Stats {
     /// Per tenant, grants (and moves) of turns whose long kernels are launched just in time,
     /// beside a latency-class group.
     pub just_in_time: Vec<u64>,
+    /// Per tenant, turns planned for it that it no longer wanted when they started (given
+    /// straight back: its hook would hold such a turn an idle release before giving it back).
+    pub unwanted: Vec<u64>,
     /// Policy calls made.
     pub calls: u64,
 }
@@ -298,6 +301,7 @@ impl Sim {
                 max_queue_budget_ns: vec![0; n],
                 opening_at_start: vec![0; n],
                 just_in_time: vec![0; n],
+                unwanted: vec![0; n],
                 ..Stats::default()
             },
         };
@@ -516,6 +520,7 @@ impl Sim {
                         self.start(i, p);
                     } else {
                         // Planned while it still had work; it has none now: given back at once.
+                        self.stats.unwanted[i] += 1;
                         self.stats.calls += 1;
                         self.policy
                             .yield_turn(client_of(i), token, self.now, self.now)
@@ -751,127 +756,141 @@ impl Sim {
 
     /// Executes the policy's decisions, checking them.
     fn process(&mut self) {
-        for d in self.policy.take_decisions() {
-            match d {
-                Decision::Grant {
-                    client,
-                    token,
-                    start_ns,
-                    deadline_ns,
-                    quota_ns,
-                    queue_budget_ns,
-                    open_at_start,
-                    just_in_time,
-                } => {
-                    let i = (client - 1) as usize;
-                    // Just in time only beside a latency-class group.
-                    let g = self.tenants[i].group;
-                    let latency_besides = (self.groups.iter().enumerate())
-                        .any(|(o, (_, p))| o != g && p.class == GroupClass::Latency);
-                    assert!(
-                        !just_in_time || latency_besides,
-                        "a just-in-time turn without a latency-class group besides"
-                    );
-                    if just_in_time {
-                        self.stats.just_in_time[i] += 1;
-                    }
-                    if open_at_start {
-                        assert!(
-                            (self.groups.iter()).any(|(_, p)| p.class == GroupClass::Latency),
-                            "a turn opening at its start without a latency-class group"
-                        );
-                        self.stats.opening_at_start[i] += 1;
-                    }
-                    assert!(!self.gone[i], "granted a client that is gone");
-                    assert!((100_000..=5_000_000).contains(&queue_budget_ns));
-                    let budget = &mut self.stats.max_queue_budget_ns[i];
-                    *budget = (*budget).max(queue_budget_ns);
-                    assert!(quota_ns >= self.policy.config().min_quota_ns);
-                    assert_eq!(deadline_ns, start_ns + quota_ns);
-                    assert!(start_ns >= self.now, "a turn granted in the past");
-                    if let Some(p) = self.planned[i].filter(|p| p.token == token) {
-                        // A planned turn moved earlier.
-                        assert!(start_ns <= p.start, "a planned turn moved later");
-                    } else {
-                        assert!(
-                            self.wants[i] || self.running[i].is_some() || self.unreported[i] > 0,
-                            "granted a client that does not want the GPU"
-                        );
-                        assert!(
-                            self.planned[i].is_none(),
-                            "two turns planned for one client"
-                        );
-                        self.stats.grants += 1;
-                        self.note_granted(self.tenants[i].group, quota_ns);
-                    }
-                    let p = Planned {
+        // Until none is left: a turn started here may decide more.
+        loop {
+            let decisions = self.policy.take_decisions();
+            if decisions.is_empty() {
+                return;
+            }
+            for d in decisions {
+                match d {
+                    Decision::Grant {
+                        client,
                         token,
-                        start: start_ns,
-                        deadline: deadline_ns,
-                    };
-                    self.planned[i] = Some(p);
-                    self.push(start_ns, i, Ev::Start { token });
-                }
-                Decision::Shorten {
-                    client,
-                    token,
-                    deadline_ns,
-                } => {
-                    let i = (client - 1) as usize;
-                    // Never below a minimum quota after its start, but for a turn that
-                    // another group's yield started (docs/scheduling.md#preemption).
-                    let cfg = self.policy.config().clone();
-                    let g = self.tenants[i].group;
-                    let yields: Vec<u64> = (self.yielded_at.iter().enumerate())
-                        .filter(|&(o, _)| o != g)
-                        .filter_map(|(_, y)| *y)
-                        .collect();
-                    // A latency-class group takes any turn back as soon.
-                    let latency_besides = (self.groups.iter().enumerate())
-                        .any(|(o, (_, p))| o != g && p.class == GroupClass::Latency);
-                    self.stats.shortened += 1;
-                    self.set_deadline(i, token, deadline_ns, |start| {
-                        let at_a_yield =
-                            (yields.iter()).any(|&y| y <= start && start <= y + cfg.min_quota_ns);
-                        let floor = if at_a_yield || latency_besides {
-                            cfg.take_back_ns()
+                        start_ns,
+                        deadline_ns,
+                        quota_ns,
+                        queue_budget_ns,
+                        open_at_start,
+                        just_in_time,
+                    } => {
+                        let i = (client - 1) as usize;
+                        // Just in time only beside a latency-class group.
+                        let g = self.tenants[i].group;
+                        let latency_besides = (self.groups.iter().enumerate())
+                            .any(|(o, (_, p))| o != g && p.class == GroupClass::Latency);
+                        assert!(
+                            !just_in_time || latency_besides,
+                            "a just-in-time turn without a latency-class group besides"
+                        );
+                        if just_in_time {
+                            self.stats.just_in_time[i] += 1;
+                        }
+                        if open_at_start {
+                            assert!(
+                                (self.groups.iter()).any(|(_, p)| p.class == GroupClass::Latency),
+                                "a turn opening at its start without a latency-class group"
+                            );
+                            self.stats.opening_at_start[i] += 1;
+                        }
+                        assert!(!self.gone[i], "granted a client that is gone");
+                        assert!((100_000..=5_000_000).contains(&queue_budget_ns));
+                        let budget = &mut self.stats.max_queue_budget_ns[i];
+                        *budget = (*budget).max(queue_budget_ns);
+                        assert!(quota_ns >= self.policy.config().min_quota_ns);
+                        assert_eq!(deadline_ns, start_ns + quota_ns);
+                        assert!(start_ns >= self.now, "a turn granted in the past");
+                        if let Some(p) = self.planned[i].filter(|p| p.token == token) {
+                            // A planned turn moved earlier.
+                            assert!(start_ns <= p.start, "a planned turn moved later");
                         } else {
-                            cfg.min_quota_ns
+                            if let Some(p) = self.planned[i].filter(|p| p.start <= self.now) {
+                                // The turn before starts now, and this one was decided as it
+                                // started (a scheduler granting a quota ahead): it starts first.
+                                self.handle(i, Ev::Start { token: p.token });
+                            }
+                            assert!(
+                                self.wants[i]
+                                    || self.running[i].is_some()
+                                    || self.unreported[i] > 0,
+                                "granted a client that does not want the GPU"
+                            );
+                            assert!(
+                                self.planned[i].is_none(),
+                                "two turns planned for one client"
+                            );
+                            self.stats.grants += 1;
+                            self.note_granted(self.tenants[i].group, quota_ns);
+                        }
+                        let p = Planned {
+                            token,
+                            start: start_ns,
+                            deadline: deadline_ns,
                         };
-                        assert!(deadline_ns >= start + floor, "shortened below min");
-                    });
-                }
-                Decision::Extend {
-                    client,
-                    token,
-                    deadline_ns,
-                } => {
-                    let i = (client - 1) as usize;
-                    assert!(deadline_ns > self.now, "extended into the past");
-                    self.stats.extended += 1;
-                    let g = self.tenants[i].group;
-                    let old = self.running[i]
-                        .filter(|r| r.token == token)
-                        .map(|r| r.deadline)
-                        .or(self.planned[i]
-                            .filter(|p| p.token == token)
-                            .map(|p| p.deadline));
-                    if let Some(old) = old {
-                        self.note_granted(g, deadline_ns.saturating_sub(old));
+                        self.planned[i] = Some(p);
+                        self.push(start_ns, i, Ev::Start { token });
                     }
-                    self.set_deadline(i, token, deadline_ns, |_| {});
-                }
-                Decision::Revoke { client, token } => {
-                    let i = (client - 1) as usize;
-                    if self.planned[i].is_some_and(|p| p.token == token) {
-                        self.planned[i] = None;
-                        continue;
+                    Decision::Shorten {
+                        client,
+                        token,
+                        deadline_ns,
+                    } => {
+                        let i = (client - 1) as usize;
+                        // Never below a minimum quota after its start, but for a turn that
+                        // another group's yield started (docs/scheduling.md#preemption).
+                        let cfg = self.policy.config().clone();
+                        let g = self.tenants[i].group;
+                        let yields: Vec<u64> = (self.yielded_at.iter().enumerate())
+                            .filter(|&(o, _)| o != g)
+                            .filter_map(|(_, y)| *y)
+                            .collect();
+                        // A latency-class group takes any turn back as soon.
+                        let latency_besides = (self.groups.iter().enumerate())
+                            .any(|(o, (_, p))| o != g && p.class == GroupClass::Latency);
+                        self.stats.shortened += 1;
+                        self.set_deadline(i, token, deadline_ns, |start| {
+                            let at_a_yield = (yields.iter())
+                                .any(|&y| y <= start && start <= y + cfg.min_quota_ns);
+                            let floor = if at_a_yield || latency_besides {
+                                cfg.take_back_ns()
+                            } else {
+                                cfg.min_quota_ns
+                            };
+                            assert!(deadline_ns >= start + floor, "shortened below min");
+                        });
                     }
-                    self.stats.revocations += 1;
-                    if let Some(r) = self.running[i].filter(|r| r.token == token) {
-                        // A stuck tenant cannot act on it; others stop at once.
-                        if r.stuck_until.is_none() {
-                            self.stop(i, r);
+                    Decision::Extend {
+                        client,
+                        token,
+                        deadline_ns,
+                    } => {
+                        let i = (client - 1) as usize;
+                        assert!(deadline_ns > self.now, "extended into the past");
+                        self.stats.extended += 1;
+                        let g = self.tenants[i].group;
+                        let old = self.running[i]
+                            .filter(|r| r.token == token)
+                            .map(|r| r.deadline)
+                            .or(self.planned[i]
+                                .filter(|p| p.token == token)
+                                .map(|p| p.deadline));
+                        if let Some(old) = old {
+                            self.note_granted(g, deadline_ns.saturating_sub(old));
+                        }
+                        self.set_deadline(i, token, deadline_ns, |_| {});
+                    }
+                    Decision::Revoke { client, token } => {
+                        let i = (client - 1) as usize;
+                        if self.planned[i].is_some_and(|p| p.token == token) {
+                            self.planned[i] = None;
+                            continue;
+                        }
+                        self.stats.revocations += 1;
+                        if let Some(r) = self.running[i].filter(|r| r.token == token) {
+                            // A stuck tenant cannot act on it; others stop at once.
+                            if r.stuck_until.is_none() {
+                                self.stop(i, r);
+                            }
                         }
                     }
                 }

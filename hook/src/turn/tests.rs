@@ -216,7 +216,7 @@ fn late_wake_ups_raise_the_lead_up_to_its_bound() {
 #[test]
 fn a_revoked_open_turn_admits_nothing_until_closed_and_reported() {
     let mut t = holding(7, 100 * MS);
-    t.revoke(7, 105 * MS);
+    t.revoke(7, true, 105 * MS);
     assert_eq!(t.gate_deadline(), 0, "the fast path stops at once");
     let mut w = Waiter::default();
     assert!(
@@ -248,7 +248,8 @@ fn a_turn_withdrawn_before_it_opened_is_asked_for_again() {
     assert_eq!(t.admit(0, &mut w), Step::Ask);
     t.asked(true, 0);
     t.grant(3, 10 * MS, 30 * MS, plan(false), 0);
-    t.revoke(3, MS);
+    // No launcher waits for it any more: forgotten, the next launcher asks.
+    t.revoke(3, false, MS);
     assert_eq!(t.token(), Token::None);
     assert_eq!(t.admit(MS, &mut w), Step::Ask);
     assert!(
@@ -257,6 +258,30 @@ fn a_turn_withdrawn_before_it_opened_is_asked_for_again() {
             .any(|s| matches!(s, Say::Report { .. })),
         "an unstarted turn is not reported"
     );
+}
+
+/// The scheduler withdraws a planned turn to serve a latency-class group first and keeps its
+/// process waiting, first in its group: it may grant it a turn again before the launcher that
+/// waited would have asked. That grant is taken, not given straight back as unwanted (which
+/// would have the scheduler take the process out of its queue, a turn lost each time).
+#[test]
+fn a_turn_withdrawn_while_a_launcher_waits_is_asked_for_again_and_the_next_grant_taken() {
+    let mut t = Turns::new(CFG, LIVENESS);
+    let mut w = Waiter::default();
+    assert_eq!(t.admit(0, &mut w), Step::Ask);
+    t.asked(true, 0);
+    t.grant(3, 10 * MS, 30 * MS, plan(false), 0);
+    assert!(matches!(t.admit(MS, &mut w), Step::Wait { .. }));
+    t.revoke(3, true, 2 * MS);
+    assert_eq!(t.token(), Token::Requested);
+    assert_eq!(t.take_said(), vec![Say::Acquire], "asked for again at once");
+    t.grant(4, 12 * MS, 32 * MS, plan(false), 2 * MS);
+    assert!(t.take_said().is_empty(), "neither given back nor reported");
+    let Step::Wait { until_ns } = t.admit(2 * MS, &mut w) else {
+        panic!("waits for the new turn's opening")
+    };
+    assert_eq!(t.admit(until_ns, &mut w), Step::Opened);
+    assert!(matches!(t.token(), Token::Held(h) if h.token == 4));
 }
 
 #[test]
@@ -276,7 +301,7 @@ fn a_revocation_or_new_deadline_during_the_drain_only_shortens_it() {
         Some(115 * MS),
         "cut short: so is the drain"
     );
-    t.revoke(4, 121 * MS);
+    t.revoke(4, false, 121 * MS);
     assert_eq!(t.closing_deadline(), Some(1), "revoked: report at once");
     assert_eq!(t.gate_deadline(), 0);
     t.end_close(turn, 122 * MS, false);
@@ -1050,7 +1075,11 @@ fn random_interleavings_keep_every_invariant() {
                         t.grant(token, start, end, plan(rng.below(2) == 0), now);
                     }
                 }
-                3 => t.revoke(next_token.saturating_sub(1 + rng.below(3)), now),
+                3 => {
+                    let token = next_token.saturating_sub(1 + rng.below(3));
+                    // A launcher waits for it if the last one was told to wait for its opening.
+                    t.revoke(token, waiter.waited_for.is_some(), now);
+                }
                 4 => {
                     let token = next_token.saturating_sub(1 + rng.below(3));
                     let d = if rng.below(2) == 0 {
