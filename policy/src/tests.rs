@@ -442,6 +442,13 @@ fn a_silent_client_is_not_given_turns() {
             .any(|d| matches!(d, Decision::Grant { client: 1, .. })),
         "{ds:?}"
     );
+    // Turn 3, unreported, was revoked once, as it ended: not again a grace later.
+    let revoked_again = Decision::Revoke {
+        client: 1,
+        token: 3,
+    };
+    assert!(!ds.contains(&revoked_again), "{ds:?}");
+    assert_eq!(group(&p.status(200 * MS), "a").revocations, 1, "turn 1's");
 }
 
 #[test]
@@ -931,6 +938,14 @@ fn a_suspended_group_loses_its_turn_gets_none_and_is_served_once_resumed() {
             .any(|x| matches!(x, Decision::Grant { client: 1, .. })),
         "{d:?}"
     );
+    // Its turn, revoked as it was suspended, is not revoked again a grace after it ended
+    // without a report (its processes are locked), nor counted as a revocation.
+    assert!(
+        !d.iter()
+            .any(|x| matches!(x, Decision::Revoke { client: 1, .. })),
+        "{d:?}"
+    );
+    assert_eq!(group(&p.status(S), "a").revocations, 0);
     assert_eq!(p.status(S).holder, None);
     // Restored: served at once.
     p.resume("a", S);
