@@ -27,16 +27,10 @@
 //! it queued during the spell is at most a budget of work when the scheduler speaks, not
 //! everything up to its next synchronisation running on beside the others' turns.
 
-use gpushare_protocol::TurnUse;
+use gpushare_protocol::{CUT_TURN_QUEUE_BUDGET_NS, TurnUse};
 
 /// The fast path's deadline meaning "no limits" (fail-open).
 pub const UNLIMITED: u64 = u64::MAX;
-
-/// The queue budget of a fail-open spell before any turn was granted: the scheduler's for a
-/// turn of its default quota that another group may cut short (an eighth of 20 ms:
-/// `PolicyConfig::queue_budget_ns` of the default `PolicyConfig`, in the policy crate, which the
-/// hook does not depend on; kept equal by hand).
-const SPELL_BUDGET_NS: u64 = 2_500_000;
 
 /// The idle-after-synchronisation score just after idleness, and the score above which the
 /// next synchronisation is expected to be followed by idleness too (1000 · 0.85⁸ ≈ 272 > 250).
@@ -312,7 +306,9 @@ impl Turns {
             seen_at: 0,
             paced_launch: 0,
             paced_at: 0,
-            spell_budget_ns: SPELL_BUDGET_NS,
+            // Before any turn was granted: the scheduler's budget for a turn of its default
+            // quota that another group may cut short.
+            spell_budget_ns: CUT_TURN_QUEUE_BUDGET_NS,
             sync: SyncHistory::default(),
             said: Vec::new(),
         }

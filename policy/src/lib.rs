@@ -555,16 +555,19 @@ impl Policy {
         for token in overdue {
             let mut t = self.ended.remove(&token).expect("listed above");
             t.revoked = true;
-            if let Some(g) = self.groups.get_mut(&t.group) {
-                g.revocations += 1;
-                g.overruns += 1;
+            // A turn ended early with its client told to stop was revoked then.
+            if !t.stopped {
+                if let Some(g) = self.groups.get_mut(&t.group) {
+                    g.revocations += 1;
+                    g.overruns += 1;
+                }
+                self.decisions.push(Decision::Revoke {
+                    client: t.client,
+                    token,
+                });
             }
             // Charged as held until a late report says otherwise.
             self.charge_turn(&mut t, None, now);
-            self.decisions.push(Decision::Revoke {
-                client: t.client,
-                token,
-            });
             self.ended.insert(token, t);
         }
         // A client whose turn ended a grace ago without a report may be stopped: it is
@@ -582,14 +585,9 @@ impl Policy {
             .collect();
         for (client, ended_at) in silent {
             self.dequeue(client, now);
-            if let Some(t) = self
-                .current
-                .as_ref()
-                .filter(|t| t.client == client && t.start_ns >= ended_at)
+            if (self.current.as_ref()).is_some_and(|t| t.client == client && t.start_ns >= ended_at)
             {
-                let token = t.token;
-                self.yield_current(now, now);
-                self.decisions.push(Decision::Revoke { client, token });
+                self.stop_current(now);
             }
             if let Some(t) = self.next.as_ref().filter(|t| t.client == client) {
                 let token = t.token;
@@ -702,10 +700,8 @@ impl Policy {
             let (client, token) = (n.client, n.token);
             self.requeue_next(client, token, now);
         }
-        if let Some(t) = self.current.as_ref().filter(|t| t.group == name) {
-            let (client, token) = (t.client, t.token);
-            self.decisions.push(Decision::Revoke { client, token });
-            self.yield_current(now, now);
+        if self.current.as_ref().is_some_and(|t| t.group == name) {
+            self.stop_current(now);
         }
         self.plan(now);
         self.mark_held_back(now);
@@ -822,6 +818,18 @@ impl Policy {
                 self.targets_dirty = true;
             }
         }
+    }
+
+    /// Ends the running turn now and tells its client to stop at once (revoked once: not again
+    /// at its end + grace if it has not reported by then).
+    fn stop_current(&mut self, now: u64) {
+        let Some(t) = self.current.as_mut() else {
+            return;
+        };
+        t.stopped = true;
+        let (client, token) = (t.client, t.token);
+        self.decisions.push(Decision::Revoke { client, token });
+        self.yield_current(now, now);
     }
 
     /// Ends turn `t` at `at` (its deadline, a yield, a disconnect): it awaits its client's

@@ -1,5 +1,6 @@
 //! A group's share parameters and the policy's timing parameters, validated in one place.
 
+use gpushare_protocol::CUT_TURN_QUEUE_BUDGET_NS;
 use serde::{Deserialize, Serialize};
 
 /// A group's share parameters on one GPU (docs/scheduling.md#targets).
@@ -164,12 +165,14 @@ impl PolicyConfig {
     }
 
     /// How much GPU work the holder of a turn of `quota_ns` may keep queued (its hook paces its
-    /// launches to it): an eighth of the quota, 0.1 to 2.5 ms, when another group may come back
-    /// and cut the turn short (it then waits behind that work); else a quarter, 0.1 to 5 ms,
-    /// so that a launcher its host wakes late finds work still queued.
+    /// launches to it): an eighth of the quota, 0.1 to 2.5 ms
+    /// ([`CUT_TURN_QUEUE_BUDGET_NS`], what a process paces to before its first turn), when
+    /// another group may come back and cut the turn short (it then waits behind that work);
+    /// else a quarter, 0.1 to 5 ms, so that a launcher its host wakes late finds work still
+    /// queued.
     pub(super) fn queue_budget_ns(&self, quota_ns: u64, may_be_cut: bool) -> u64 {
         if may_be_cut {
-            (quota_ns / 8).clamp(100_000, 2_500_000)
+            (quota_ns / 8).clamp(100_000, CUT_TURN_QUEUE_BUDGET_NS)
         } else {
             (quota_ns / 4).clamp(100_000, 5_000_000)
         }

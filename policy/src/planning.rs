@@ -337,6 +337,7 @@ impl Policy {
             followed: false,
             yielded: false,
             revoked: false,
+            stopped: false,
             silenced: false,
             applied: p.quota_ns,
             recorded: 0,

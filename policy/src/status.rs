@@ -43,7 +43,8 @@ pub struct GroupStatus {
     pub waits: u64,
     /// Turns charged beyond their quota (including revoked ones).
     pub overruns: u64,
-    /// Turns revoked at end + grace.
+    /// Turns revoked at end + grace (not those ended early and revoked then: the group
+    /// suspended, its client silent).
     pub revocations: u64,
     /// Turns cut short for a group owed more that came back (preemption).
     pub preempted: u64,

@@ -3,6 +3,7 @@
 
 use super::virtual_time::{Demand, MS, Rng, S, Sim, Tenant};
 use super::*;
+use gpushare_protocol::CUT_TURN_QUEUE_BUDGET_NS;
 use proptest::prelude::*;
 
 fn gp(request: f64, limit: f64, weight: f64) -> GroupParams {
@@ -17,7 +18,7 @@ fn gp(request: f64, limit: f64, weight: f64) -> GroupParams {
 /// A default-quota turn of `client` from `at`, while another group may come back and cut it
 /// short (so its queue budget is the shorter one).
 fn grant(client: ClientId, token: u64, at: u64) -> Decision {
-    grant_queueing(client, token, at, 2_500_000)
+    grant_queueing(client, token, at, CUT_TURN_QUEUE_BUDGET_NS)
 }
 
 /// [`grant`], while every other group waits its turn (the longer queue budget).
@@ -273,9 +274,13 @@ fn turns_queue_shallow_while_another_group_may_come_back() {
     assert_eq!(budgets_of(run_to(&mut p, MS, 20 * MS), 2), [5_000_000]);
     p.report(1, 1, used(0, 20 * MS), true, 20 * MS).unwrap();
     p.take_decisions();
-    // b gives its turn back early at 22 ms: while it is idle, a's turn is the shorter kind.
+    // b gives its turn back early at 22 ms: while it is idle, a's turn is the shorter kind, of
+    // the default quota: the budget a process paces to before its first turn.
     p.yield_turn(2, 2, 22 * MS, 22 * MS).unwrap();
-    assert_eq!(budgets_of(p.take_decisions(), 1), [2_500_000]);
+    assert_eq!(
+        budgets_of(p.take_decisions(), 1),
+        [CUT_TURN_QUEUE_BUDGET_NS]
+    );
     p.report(2, 2, used(20 * MS, 22 * MS), false, 22 * MS)
         .unwrap();
     // b asks again at once, as a trainer does after synchronising, and takes the GPU back:
@@ -300,8 +305,9 @@ fn turns_queue_shallow_while_another_group_may_come_back() {
         .unwrap();
     ds.extend(run_to(&mut p, 49 * MS, 70 * MS));
     let (a, b) = (budgets_of(ds.clone(), 1), budgets_of(ds, 2));
-    assert!(!a.is_empty() && a.iter().all(|&q| q == 2_500_000), "{a:?}");
-    assert!(!b.is_empty() && b.iter().all(|&q| q == 2_500_000), "{b:?}");
+    let cut = CUT_TURN_QUEUE_BUDGET_NS;
+    assert!(!a.is_empty() && a.iter().all(|&q| q == cut), "{a:?}");
+    assert!(!b.is_empty() && b.iter().all(|&q| q == cut), "{b:?}");
 }
 
 #[test]
@@ -436,6 +442,13 @@ fn a_silent_client_is_not_given_turns() {
             .any(|d| matches!(d, Decision::Grant { client: 1, .. })),
         "{ds:?}"
     );
+    // Turn 3, unreported, was revoked once, as it ended: not again a grace later.
+    let revoked_again = Decision::Revoke {
+        client: 1,
+        token: 3,
+    };
+    assert!(!ds.contains(&revoked_again), "{ds:?}");
+    assert_eq!(group(&p.status(200 * MS), "a").revocations, 1, "turn 1's");
 }
 
 #[test]
@@ -925,6 +938,14 @@ fn a_suspended_group_loses_its_turn_gets_none_and_is_served_once_resumed() {
             .any(|x| matches!(x, Decision::Grant { client: 1, .. })),
         "{d:?}"
     );
+    // Its turn, revoked as it was suspended, is not revoked again a grace after it ended
+    // without a report (its processes are locked), nor counted as a revocation.
+    assert!(
+        !d.iter()
+            .any(|x| matches!(x, Decision::Revoke { client: 1, .. })),
+        "{d:?}"
+    );
+    assert_eq!(group(&p.status(S), "a").revocations, 0);
     assert_eq!(p.status(S).holder, None);
     // Restored: served at once.
     p.resume("a", S);

@@ -38,6 +38,9 @@ pub(super) struct Turn {
     pub yielded: bool,
     /// Its client was told to stop (no report by its end + grace).
     pub revoked: bool,
+    /// Its client was told to stop as the turn was ended early (its group suspended, or the
+    /// client silent): not told again, nor counted as revoked, at its end + grace.
+    pub stopped: bool,
     /// Its client was taken to be stopped (no report long after its end).
     pub silenced: bool,
     /// Debited from credit and bucket so far (the reservation, then the charge).
@@ -114,6 +117,7 @@ mod tests {
             followed: false,
             yielded: false,
             revoked: false,
+            stopped: false,
             silenced: false,
             applied: 0,
             recorded: 0,

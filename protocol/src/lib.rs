@@ -19,6 +19,13 @@ pub const PROTOCOL_VERSION: u32 = 13;
 /// for that answer a little longer.
 pub const MAX_MEMORY_WAIT_NS: u64 = 600_000_000_000;
 
+/// The most GPU work a process keeps queued in a turn that another group may cut short: a
+/// [`ServerMsg::Grant`]'s `queue_budget_ns` is then an eighth of the turn's quota, at most
+/// this (what a turn of the scheduler's default 20 ms quota gets). Before it was ever granted
+/// a turn, a process that launches without one (the scheduler unresponsive, `GPUSHARE_FAIL=open`)
+/// paces its launches to this budget.
+pub const CUT_TURN_QUEUE_BUDGET_NS: u64 = 2_500_000;
+
 /// Environment variable naming the scheduler socket.
 pub const SOCKET_ENV: &str = "GPUSHARE_SOCKET";
 /// Where the scheduler listens when `GPUSHARE_SOCKET` is not set.

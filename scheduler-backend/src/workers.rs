@@ -11,7 +11,7 @@ use crate::inbox::{Inbox, Post};
 use crate::journal::{self, Journal};
 use crate::memory::{Holding, ProcessId};
 use crate::node::{ConnId, Input};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -78,16 +78,61 @@ fn write_journal(mut journal: Journal, rx: Receiver<(u64, Vec<Holding>)>, inbox:
     }
 }
 
-/// Answer the lookups, all that are queued at once: each batch is posted with one wake of
-/// the event loop, and the connections of one process in a batch (a flood comes from few) are
-/// looked up once — the same reads, at the same moment, as one per connection.
+/// The most lookups (a connection's peer, a process's liveness) one batch answers: a few
+/// milliseconds of `/proc` reads (three files a process), so that the first connections of a
+/// flood of accepts are answered that soon, not once every connection queued behind them is.
+const MAX_BATCH: usize = 64;
+
+/// Answer the lookups, those queued in batches of at most [`MAX_BATCH`]: each batch is posted
+/// with one wake of the event loop, and the connections of one process in a batch (a flood
+/// comes from few) are looked up once — the same reads, at the same moment, as one per
+/// connection.
 fn look_up(rx: Receiver<Lookup>, inbox: Inbox) {
+    let mut queued = VecDeque::new();
     while let Ok(first) = rx.recv() {
-        let batch: Vec<Lookup> = std::iter::once(first).chain(rx.try_iter()).collect();
-        if !inbox.inputs(answer(batch, identity::resolve, journal::alive)) {
-            return;
+        queued.push_back(first);
+        while !queued.is_empty() {
+            queued.extend(rx.try_iter());
+            let batch = next_batch(&mut queued);
+            if !inbox.inputs(answer(batch, identity::resolve, journal::alive)) {
+                return;
+            }
         }
     }
+}
+
+/// The next batch of `queued`, in order: at most [`MAX_BATCH`] lookups, a request for peers
+/// split where the batch is full. A liveness check is one answer ([`Input::Liveness`]): whole,
+/// in a batch of its own if it has more processes than fit.
+fn next_batch(queued: &mut VecDeque<Lookup>) -> Vec<Lookup> {
+    let mut batch = Vec::new();
+    let mut room = MAX_BATCH;
+    while let Some(lookup) = queued.pop_front() {
+        match lookup {
+            Lookup::Peers(mut conns) if conns.len() > room => {
+                let rest = conns.split_off(room);
+                batch.push(Lookup::Peers(conns));
+                queued.push_front(Lookup::Peers(rest));
+                break;
+            }
+            Lookup::Liveness(processes) if processes.len() > room && !batch.is_empty() => {
+                queued.push_front(Lookup::Liveness(processes));
+                break;
+            }
+            Lookup::Peers(conns) => {
+                room -= conns.len();
+                batch.push(Lookup::Peers(conns));
+            }
+            Lookup::Liveness(processes) => {
+                room = room.saturating_sub(processes.len());
+                batch.push(Lookup::Liveness(processes));
+            }
+        }
+        if room == 0 {
+            break;
+        }
+    }
+    batch
 }
 
 /// The inputs answering `batch`, in order: peers found by `resolve` (once per credentials),
@@ -331,5 +376,66 @@ mod tests {
             ]
         );
         assert_eq!(*looked_up.borrow(), vec![7, 8], "once per process");
+    }
+
+    /// A batch's shape: per lookup, `(true, n)` for n connections' peers, `(false, n)` for a
+    /// liveness check of n processes.
+    fn shape(batch: &[Lookup]) -> Vec<(bool, usize)> {
+        (batch.iter())
+            .map(|l| match l {
+                Lookup::Peers(conns) => (true, conns.len()),
+                Lookup::Liveness(processes) => (false, processes.len()),
+            })
+            .collect()
+    }
+
+    fn peers(conns: std::ops::Range<u64>) -> Lookup {
+        Lookup::Peers(conns.map(|c| (c, cred(c as u32))).collect())
+    }
+
+    fn liveness(n: u32) -> Lookup {
+        Lookup::Liveness((0..n).map(|pid| ProcessId { pid, start: 0 }).collect())
+    }
+
+    /// A flood of accepts queued behind one another is answered in batches of at most
+    /// MAX_BATCH lookups, in order, each request for peers split where a batch is full; a
+    /// liveness check stays one answer, alone in a batch if larger.
+    #[test]
+    fn a_flood_is_answered_in_bounded_batches_in_order() {
+        let n = MAX_BATCH as u64;
+        let mut queued = VecDeque::from([
+            peers(0..n + 10),
+            liveness(3),
+            peers(n + 10..2 * n + 30),
+            liveness(MAX_BATCH as u32 + 5),
+            peers(2 * n + 30..2 * n + 31),
+        ]);
+        let mut batches = Vec::new();
+        let mut conns = Vec::new();
+        while !queued.is_empty() {
+            let batch = next_batch(&mut queued);
+            for l in &batch {
+                if let Lookup::Peers(c) = l {
+                    conns.extend(c.iter().map(|&(conn, _)| conn));
+                }
+            }
+            batches.push(shape(&batch));
+        }
+        let m = MAX_BATCH;
+        assert_eq!(
+            batches,
+            vec![
+                vec![(true, m)],
+                vec![(true, 10), (false, 3), (true, m - 13)],
+                vec![(true, 33)],
+                vec![(false, m + 5)],
+                vec![(true, 1)],
+            ]
+        );
+        assert_eq!(
+            conns,
+            (0..2 * n + 31).collect::<Vec<_>>(),
+            "in order, each once"
+        );
     }
 }

@@ -11,13 +11,24 @@ import platform
 import sys
 import time
 
-# Largest |share - target| a check accepts (the end-to-end tests' margin). PyTorch's two trainers
-# are judged by their split of the GPU's busy time (each one's share over the sum of both), which
-# a loaded host (CI's) does not move; and, except with --short, by the GPU's utilisation.
+# Largest |share - target| a check accepts (the end-to-end tests' margin). Two tenants at requests
+# 0.7 / 0.3 (the bench's, PyTorch's trainers) are judged by their split of the GPU's busy time
+# (each one's share over the sum of both), and, except with --short, by the GPU's utilisation.
+# A loaded host (CI's, the simulator's) wakes a tenant late now and then: the GPU idles in the
+# turn it holds, and since the scheduler charges a turn as held, the time comes out of that
+# tenant's share (mostly the larger one's: 0.6 / 0.3 with the GPU idle a tenth of the time)
+# while the split moves by less than a third of the idle fraction (0.667 / 0.333): the split is
+# what gpushare decides, the utilisation what the host allowed.
 SHARE = 0.05
 UTILISATION = 0.90
-# Least rate of a lone PyTorch trainer under gpushare, as a fraction of its rate natively.
+# Least rate of a lone PyTorch trainer under gpushare, as a fraction of its rate natively; with
+# --short (the simulator on a CI host), RATE_SHORT. Natively the trainer queues far ahead and
+# keeps the GPU busy however late its host wakes it; under gpushare its hook keeps at most a
+# queue budget (5 ms alone) of work queued, so a wake-up later than the half of it still queued
+# leaves the GPU idle, and on the simulator the completion that wakes it comes from another
+# process, itself woken by the host: 0.98-0.99 of native on a quiet host, 0.84-0.89 at load 7-10.
 RATE = 0.90
+RATE_SHORT = 0.80
 # The PyTorch case's memory cap.
 CAP = 1 << 30
 
@@ -60,7 +71,18 @@ def shares_text(values):
     return " / ".join("%.3f" % v for v in values)
 
 
-def bench(rep):
+def split_check(shares, targets, short):
+    """Whether `shares` split the GPU's busy time as `targets` (and, without --short, use it):
+    the text of the split and utilisation, and the verdict."""
+    used = sum(shares)
+    split = [x / used for x in shares] if used > 0 else [0.0 for _ in shares]
+    want = [w / sum(targets) for w in targets]
+    text = "split %s of its busy time, utilisation %.3f" % (shares_text(split), used)
+    ok = all(abs(s - w) <= SHARE for s, w in zip(split, want)) and (short or used >= UTILISATION)
+    return text, ok
+
+
+def bench(rep, short):
     path = os.path.join(rep.out, "bench", "summary.json")
     summary = None
     if os.path.exists(path):
@@ -86,7 +108,11 @@ def bench(rep):
         if all(native):
             text += "; natively %s" % shares_text(n["median"] for n in native)
         text += ")"
-        ok = all(abs(g - w) <= SHARE for g, w in zip(got, targets))
+        if len(tenants) > 1:
+            split, ok = split_check(got, targets, short)
+            text += ": " + split
+        else:
+            ok = all(abs(g - w) <= SHARE for g, w in zip(got, targets))
         label = "requests" if name == "shares-70-30" else "limit"
         rep.row(check, "%s %s" % (label, " / ".join("%.1f" % w for w in targets)), text, ok)
     lo = summary.get("launch_overhead")
@@ -138,12 +164,13 @@ def pytorch(rep, python, short):
         rep.row("PyTorch training rate, alone", "", "failed: see %s/native.log, alone.log" % out, False)
     else:
         (ns, nf), (gs, gf) = rate(native), rate(alone)
+        least = RATE_SHORT if short else RATE
         rep.row(
             "PyTorch training rate, alone",
-            ">= %.2f of native" % RATE,
+            ">= %.2f of native" % least,
             "natively %.1f steps/s (%.3g TFLOP/s), under gpushare %.1f steps/s: %.3f of native"
             % (ns, nf, gs, gs / ns),
-            gs / ns >= RATE,
+            gs / ns >= least,
         )
     shares = None
     a, b = load(os.path.join(out, "a.json")), load(os.path.join(out, "b.json"))
@@ -154,14 +181,11 @@ def pytorch(rep, python, short):
     if shares is None:
         rep.row("PyTorch shares, two trainers", "requests 0.7 / 0.3", "failed: see %s/a.log, b.log" % out, False)
     else:
-        used = sum(shares)
-        split = [x / used for x in shares]
-        text = "%s of the GPU (CUDA events): split %s of its busy time, utilisation %.3f" % (
-            shares_text(shares), shares_text(split), used)
+        split, ok = split_check(shares, [0.7, 0.3], short)
+        text = "%s of the GPU (CUDA events): %s" % (shares_text(shares), split)
         na, nb = load(os.path.join(out, "na.json")), load(os.path.join(out, "nb.json"))
         if na and nb and rep.status("native_pair") == 0:
             text += "; natively %s" % shares_text(tenant_shares([na, nb], native["median_gap_ns"]))
-        ok = abs(split[0] - 0.7) <= SHARE and abs(split[1] - 0.3) <= SHARE and (short or used >= UTILISATION)
         rep.row("PyTorch shares, two trainers", "requests 0.7 / 0.3", text, ok)
     oom = load(os.path.join(out, "oom.json"))
     ok = (rep.status("oom") == 0 and oom is not None and oom.get("total") == CAP
@@ -197,7 +221,7 @@ def main():
     p.add_argument("--short", action="store_true")
     args = p.parse_args()
     rep = Report(args.out)
-    bench(rep)
+    bench(rep, args.short)
     mem_paths(rep)
     pytorch(rep, args.python, args.short)
     try:
@@ -209,7 +233,7 @@ def main():
                                                     time.strftime("%Y-%m-%d %H:%M:%S"), args.seconds))
     print("GPU %s; driver %s; set %s; PyTorch %s" % (args.gpu, args.driver, args.set, torch_version))
     print("shares: each tenant's part of the GPU's time while all ran, within %.2f of the target to pass;"
-          " PyTorch's split of the busy time%s" % (SHARE, "" if args.short else ", utilisation >= %.2f" % UTILISATION))
+          " two tenants' split of the busy time%s" % (SHARE, "" if args.short else ", utilisation >= %.2f" % UTILISATION))
     print()
     rep.render()
     print()

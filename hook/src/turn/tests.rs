@@ -696,7 +696,7 @@ fn a_fail_open_spell_keeps_the_latest_turns_queue_budget() {
     wait_for_turn(&mut t, 0, S, |_| false, None);
     assert_eq!(t.token(), Token::Ungated);
     assert_eq!(t.gate_deadline(), UNLIMITED, "no turn gate");
-    assert_eq!(t.queue_budget(), Some(SPELL_BUDGET_NS as f64));
+    assert_eq!(t.queue_budget(), Some(CUT_TURN_QUEUE_BUDGET_NS as f64));
     assert_eq!(t.just_in_time(), None);
 
     // After a turn of a 0.4 ms budget (a latency-class group about): that budget.
@@ -745,7 +745,7 @@ fn a_closed_connection_ends_a_spell_and_its_pacing() {
     for unthrottled_at_once in [false, true] {
         let mut t = waiting(CFG, 0);
         wait_for_turn(&mut t, 0, S, |_| false, None);
-        assert_eq!(t.queue_budget(), Some(SPELL_BUDGET_NS as f64));
+        assert_eq!(t.queue_budget(), Some(CUT_TURN_QUEUE_BUDGET_NS as f64));
         if !unthrottled_at_once {
             assert!(t.disconnected(), "the gate forgets its queue");
             assert_eq!(t.token(), Token::None);

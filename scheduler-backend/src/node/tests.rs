@@ -919,6 +919,32 @@ fn group_report<'r>(r: &'r Report, name: &str) -> &'r GroupReport {
         .unwrap_or_else(|| panic!("no group {name} in {r:?}"))
 }
 
+/// A group swapped out while it holds a turn: its process, locked, hears the turn revoked once,
+/// not again when the turn's grace passes without its report (it cannot report while locked).
+#[test]
+fn a_turn_held_as_its_group_is_swapped_out_is_revoked_once() {
+    let (mut w, a, b) = overcommitted("");
+    w.send(a, ClientMsg::Acquire { gpu: GPU });
+    let Some(&ServerMsg::Grant { token, .. }) = last(&w, a) else {
+        panic!("a holds a turn: {:?}", last(&w, a));
+    };
+    // b's reservation does not fit: a is swapped out after the wait (0.1 s + 400 MiB at
+    // 1.5 GB/s), its turn revoked then.
+    reserve(&mut w, b, 400);
+    w.complete_all();
+    w.advance(400 * MS);
+    assert!(w.node.policies[&GPU].suspended("a"));
+    // Well past the turn's end and grace, a locked all along.
+    w.advance(S);
+    let revoked: Vec<u64> = (w.tenants[&a].received.iter())
+        .filter_map(|m| match m {
+            ServerMsg::Revoke { token, .. } => Some(*token),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(revoked, vec![token]);
+}
+
 #[test]
 fn under_overcommit_a_reservation_that_does_not_fit_waits_then_another_group_is_swapped_out() {
     let (mut w, a, b) = overcommitted("");
