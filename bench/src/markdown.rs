@@ -49,7 +49,7 @@ pub fn render(r: &Report) -> String {
         "# gpushare benchmark{}{}\n\nGPU: {}. Every scenario ran {} time(s) with gpushare{}; each figure is the median over \
          the runs with [min–max]. Shares are busy time per {} s window after {} s warm-up, from the {}. \
          Targets are the benchmark's own water-filling of the shares (not the scheduler's code), each \
-         tenant's demand as a cap (a latency tenant's: the work of the requests that arrived in the window). \
+         tenant's demand as a cap (a latency tenant's: the work its requests would run in the window alone). \
          \"native\" = same tenants without gpushare (the device's own time-slicing).\n",
         if r.quick { " (--quick)" } else { "" },
         if r.noise.is_some() { " (--noisy)" } else { "" },

@@ -322,8 +322,8 @@ pub fn run(spec: &RunSpec, s: &Settings) -> anyhow::Result<RunOutcome> {
             None,
         ),
     };
-    // Targets per window: a latency tenant demands the work of the requests that arrived in it
-    // (it reports their times); the others their nominal demand.
+    // Targets per window: a latency tenant demands the work its requests would run in it alone
+    // (it reports their arrival times); the others their nominal demand.
     let targets = |w: Window| -> Vec<f64> {
         let all = expected::targets(sc, |i| {
             let t = &sc.tenants[i];

@@ -278,14 +278,24 @@ impl TenantSpec {
     }
 
     /// Share of `w` this tenant would use alone, given when its latency requests arrived
-    /// (CLOCK_MONOTONIC ns, as `cudarc-client latency` reports them): a Poisson tenant's demand
-    /// in a one-second window varies by a few hundredths around its mean.
+    /// (CLOCK_MONOTONIC ns, in order, as `cudarc-client latency` reports them): a Poisson
+    /// tenant's demand in a one-second window varies by a few hundredths around its mean. Alone,
+    /// each request's work runs from its arrival, or from the end of the one before it if that
+    /// is later (the server takes them in turn), and what of it falls inside `w` counts: a
+    /// request that arrived shortly before the window still has work in it, one that arrived
+    /// shortly before its end has some after it.
     pub fn demand_in(&self, arrivals_ns: &[u64], w: Window) -> f64 {
-        let n = arrivals_ns
-            .iter()
-            .filter(|&&t| t >= w.start_ns && t < w.end_ns)
-            .count();
-        (n as f64 * self.kernels as f64 * self.kernel_ms * 1e6 / w.len_ns().max(1) as f64).min(1.0)
+        let work = (self.kernels as f64 * self.kernel_ms * 1e6).round() as u64;
+        let (mut free, mut used) = (0u64, 0u64);
+        for &a in arrivals_ns {
+            let start = a.max(free);
+            if start >= w.end_ns {
+                break;
+            }
+            free = start + work;
+            used += free.min(w.end_ns).saturating_sub(start.max(w.start_ns));
+        }
+        (used as f64 / w.len_ns().max(1) as f64).min(1.0)
     }
 
     /// `cudarc-client` arguments running this workload for `duration_ms`.
@@ -375,6 +385,32 @@ mod tests {
         assert!(sc("request = 0.5\nlimit = 0.3").is_err());
         assert!(sc("weight = 0").is_err());
         assert!(sc("limit = 1.5").is_err());
+    }
+
+    /// A latency tenant's demand in a window is the work it would run in that window alone:
+    /// a request's work straddling an edge counts for its part inside, and a request that
+    /// arrives while the one before runs waits for it.
+    #[test]
+    fn a_latency_tenant_demands_the_work_it_would_run_in_the_window_alone() {
+        let sc = Scenario::parse(
+            "name = \"x\"\nduration = \"1s\"\n[[tenant]]\nname = \"a\"\nworkload = \"latency\"\n\
+             rate_hz = 40.0\nkernels = 4\nkernel_ms = 1.0\nexpect = 0.16\n",
+        )
+        .unwrap();
+        let t = &sc.tenants[0];
+        let ms = 1_000_000u64;
+        let w = Window::new(100 * ms, 200 * ms);
+        let demand = |arrivals: &[u64]| t.demand_in(arrivals, w);
+        // Inside, whole: 4 ms of 100.
+        assert!((demand(&[150 * ms]) - 0.04).abs() < 1e-9);
+        // Arrived 1 ms before the window: 3 ms of it inside; 1 ms before its end: 1 ms inside.
+        assert!((demand(&[99 * ms]) - 0.03).abs() < 1e-9);
+        assert!((demand(&[199 * ms]) - 0.01).abs() < 1e-9);
+        // Queued behind one that arrived 3 ms before the window: it runs 1–5 ms into it.
+        assert!((demand(&[97 * ms, 98 * ms]) - 0.05).abs() < 1e-9);
+        // Queued behind one near the end: it starts past the end.
+        assert!((demand(&[196 * ms, 198 * ms]) - 0.04).abs() < 1e-9);
+        assert!((demand(&[10 * ms, 300 * ms]) - 0.0).abs() < 1e-9);
     }
 
     #[test]
