@@ -1089,7 +1089,8 @@ impl Rng {
 /// Random interleavings, thousands of turns each: a scheduler that grants ahead, moves, cuts
 /// short, extends, revokes and withdraws turns at random; launchers, a watcher, drains that
 /// end before or after other events, synchronisations and disconnections; and a scheduler that
-/// stops for a while now and then (its waiters ungated). Invariants:
+/// beats and answers probes, and stops for a while now and then (its heartbeat with it; its
+/// waiters ungated). Invariants:
 /// - the fast path's deadline is non-zero only while a turn is open (or without limits);
 /// - launches are paced while a turn is held or through a fail-open spell, not otherwise;
 /// - nothing is admitted in a turn stopped, closed or not yet opened;
@@ -1248,6 +1249,10 @@ fn random_interleavings_keep_every_invariant() {
                         epoch = next_token;
                     }
                     3..=5 if !stopped => t.alive(now),
+                    // Its heartbeat, read a while after the beat.
+                    6..=9 if !stopped => {
+                        t.heartbeat(now.saturating_sub(rng.below(LIVENESS / 4)), now)
+                    }
                     _ => {}
                 },
             }
