@@ -1,10 +1,12 @@
 //! Framing shared by gpushare's socket protocols (hook ↔ scheduler, simulated driver ↔ device):
 //! a little-endian `u32` length, then a `postcard` body. Decoders reject oversized or
 //! undecodable frames with an error, never a panic. [`listen_at`] publishes the sockets these
-//! protocols are served on; [`peer_credentials`] says who connected to one.
+//! protocols are served on; [`peer_credentials`] says who connected to one; [`heartbeat`] is
+//! the page a daemon publishes its heartbeat in, passed to its clients over their sockets.
 
 #[cfg(any(test, feature = "fuzz"))]
 pub mod fuzz;
+pub mod heartbeat;
 mod listen;
 
 pub use listen::{listen_at, peer_credentials};

@@ -178,7 +178,10 @@ impl Gate {
         for say in g.turns.take_said() {
             let msg = match say {
                 Say::Acquire => ClientMsg::Acquire { gpu: self.uuid },
-                Say::Probe => ClientMsg::Probe { gpu: self.uuid },
+                Say::Probe => {
+                    debug!("probing the scheduler: nothing heard for half the liveness bound");
+                    ClientMsg::Probe { gpu: self.uuid }
+                }
                 Say::Yield { token, drained_ns } => ClientMsg::Yield {
                     gpu: self.uuid,
                     token,
@@ -278,6 +281,9 @@ impl Gate {
         let mut waiter = Waiter::default();
         let admitted = loop {
             let now = crate::now_ns();
+            if let Some(beat) = self.port.heartbeat() {
+                g.turns.heartbeat(beat, now);
+            }
             let step = g.turns.admit(now, &mut waiter);
             self.apply(&mut g);
             match step {

@@ -12,12 +12,13 @@
 //! and tells the inbox when the scheduler speaks again.
 
 use crate::log::debug;
+use gpushare_protocol::heartbeat::{Beats, FdReader};
 use gpushare_protocol::{ClientMsg, GroupSpec, PROTOCOL_VERSION, ServerMsg};
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
@@ -129,6 +130,50 @@ impl Writer {
     }
 }
 
+/// The heartbeat page of the scheduler connected to, if it passed one: read by launchers
+/// waiting for a turn (no lock, no allocation), replaced on each connection by the reader
+/// thread, which unmaps the last one once no launcher is reading it.
+struct Heartbeat {
+    page: AtomicPtr<Beats>,
+    /// Launchers reading `page` now.
+    readers: AtomicU32,
+}
+
+impl Heartbeat {
+    /// The latest beat, if a page is mapped.
+    fn read(&self) -> Option<u64> {
+        self.readers.fetch_add(1, Ordering::SeqCst);
+        let page = self.page.load(Ordering::SeqCst);
+        // SAFETY: a non-null pointer is a leaked `Beats`, freed by `replace` only once no
+        // reader counted before its swap is left (this one is counted).
+        let beat = unsafe { page.as_ref() }.map(Beats::read);
+        self.readers.fetch_sub(1, Ordering::Release);
+        beat
+    }
+
+    /// The page of a new connection (`None`: none, or none that could be mapped); the last
+    /// one is unmapped.
+    fn replace(&self, fd: Option<OwnedFd>) {
+        let new = fd.and_then(|fd| match Beats::map(&fd) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                debug!("the scheduler's heartbeat cannot be read ({e}): probing it instead");
+                None
+            }
+        });
+        let new = new.map_or(std::ptr::null_mut(), |b| Box::into_raw(Box::new(b)));
+        let old = self.page.swap(new, Ordering::SeqCst);
+        if !old.is_null() {
+            while self.readers.load(Ordering::SeqCst) != 0 {
+                std::thread::yield_now();
+            }
+            // SAFETY: `old` was leaked by an earlier `replace`, is no longer reachable from
+            // `page`, and no reader that loaded it is left.
+            drop(unsafe { Box::from_raw(old) });
+        }
+    }
+}
+
 /// A request sent, waiting for its answer.
 pub struct Pending<'a> {
     port: &'a Port,
@@ -178,6 +223,7 @@ pub struct Port {
     liveness_fixed: bool,
     /// A question went unanswered past the liveness bound since the scheduler last spoke.
     owed: AtomicBool,
+    heartbeat: Heartbeat,
     /// Requests waiting for their answer, by request id.
     pending: Mutex<HashMap<u64, SyncSender<ServerMsg>>>,
     next_req: AtomicU64,
@@ -205,6 +251,10 @@ impl Port {
             liveness_ns: AtomicU64::new(liveness.unwrap_or(default_liveness_ns)),
             liveness_fixed: liveness.is_some(),
             owed: AtomicBool::new(false),
+            heartbeat: Heartbeat {
+                page: AtomicPtr::new(std::ptr::null_mut()),
+                readers: AtomicU32::new(0),
+            },
             pending: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
             greeted: (Mutex::new(false), Condvar::new()),
@@ -258,6 +308,12 @@ impl Port {
         self.owed.load(Ordering::Acquire)
     }
 
+    /// When the scheduler's event loop last ran, as its heartbeat says (`None`: it passed no
+    /// heartbeat on this connection, or there is none).
+    pub fn heartbeat(&self) -> Option<u64> {
+        self.heartbeat.read()
+    }
+
     /// A question went unanswered past the liveness bound.
     pub fn mark_owed(&self) {
         self.owed.store(true, Ordering::Release);
@@ -286,7 +342,7 @@ impl Port {
     /// when nobody listens at the socket (no such file, or refused).
     fn connect(&self, absent: &mut bool) -> Option<UnixStream> {
         // Err((message, refused)): unreachable, or reachable but refusing this process.
-        let mut attempt = || -> Result<(UnixStream, u64), (String, bool)> {
+        let mut attempt = || -> Result<(UnixStream, Welcomed), (String, bool)> {
             let mut s = UnixStream::connect(&self.socket).map_err(|e| {
                 use std::io::ErrorKind::{ConnectionRefused, NotFound};
                 *absent = matches!(e.kind(), NotFound | ConnectionRefused);
@@ -298,15 +354,15 @@ impl Port {
             })?;
             self.conn_fds[0].store(s.as_raw_fd(), Ordering::Release);
             match self.handshake(&mut s) {
-                Ok(liveness) => Ok((s, liveness)),
+                Ok(welcomed) => Ok((s, welcomed)),
                 Err(e) => {
                     self.conn_fds[0].store(-1, Ordering::Release);
                     Err(e)
                 }
             }
         };
-        let outcome = attempt().and_then(|(s, liveness)| match s.try_clone() {
-            Ok(reader) => Ok((s, reader, liveness)),
+        let outcome = attempt().and_then(|(s, welcomed)| match s.try_clone() {
+            Ok(reader) => Ok((s, reader, welcomed)),
             Err(e) => {
                 self.conn_fds[0].store(-1, Ordering::Release);
                 Err((format!("cannot read from the scheduler: {e}"), false))
@@ -316,11 +372,13 @@ impl Port {
         let (lock, cv) = &self.greeted;
         let mut greeted = lock.lock().unwrap_or_else(|e| e.into_inner());
         let reader = match outcome {
-            Ok((s, reader, liveness)) => {
+            Ok((s, reader, welcomed)) => {
                 self.conn_fds[1].store(reader.as_raw_fd(), Ordering::Release);
                 if !self.liveness_fixed {
-                    self.liveness_ns.store(liveness, Ordering::Relaxed);
+                    self.liveness_ns
+                        .store(welcomed.liveness_ns, Ordering::Relaxed);
                 }
+                self.heartbeat.replace(welcomed.heartbeat);
                 self.install(s);
                 self.connected.store(true, Ordering::Release);
                 self.inbox().connected(self.liveness().as_nanos() as u64);
@@ -360,8 +418,8 @@ impl Port {
         self.owed.store(false, Ordering::Release);
     }
 
-    /// The handshake; the scheduler's liveness bound.
-    fn handshake(&self, s: &mut UnixStream) -> Result<u64, (String, bool)> {
+    /// The handshake; the scheduler's liveness bound and heartbeat page.
+    fn handshake(&self, s: &mut UnixStream) -> Result<Welcomed, (String, bool)> {
         let io = |e: std::io::Error| (e.to_string(), false);
         let hello = ClientMsg::Hello {
             version: PROTOCOL_VERSION,
@@ -369,7 +427,9 @@ impl Port {
         };
         gpushare_protocol::send(s, &hello).map_err(|e| (e.to_string(), false))?;
         s.set_read_timeout(Some(WELCOME_TIMEOUT)).map_err(io)?;
-        let liveness = match gpushare_protocol::recv::<ServerMsg>(s, &mut Vec::new()) {
+        // The scheduler's heartbeat page comes with its Welcome, if it has one.
+        let mut r = FdReader::new(&*s);
+        let liveness_ns = match gpushare_protocol::recv::<ServerMsg>(&mut r, &mut Vec::new()) {
             Ok(Some(ServerMsg::Welcome { group, liveness_ns })) => {
                 debug!("connected as group {group}");
                 liveness_ns
@@ -382,8 +442,12 @@ impl Port {
                 ));
             }
         };
+        let heartbeat = r.fd.take();
         s.set_read_timeout(None).map_err(io)?;
-        Ok(liveness)
+        Ok(Welcomed {
+            liveness_ns,
+            heartbeat,
+        })
     }
 
     fn refuse(&self, msg: &str) {
@@ -475,6 +539,7 @@ impl Port {
         }
         self.conn_fds[1].store(-1, Ordering::Release);
         drop(s);
+        self.heartbeat.replace(None);
         self.connected.store(false, Ordering::Release);
         self.pending().clear();
         if !self.is_refused() {
@@ -485,7 +550,8 @@ impl Port {
 
     /// In a forked child: close the parent's connection (its reader thread did not survive the
     /// fork). Only atomics and close(2), async-signal-safe: another thread may have held any
-    /// lock at the fork.
+    /// lock at the fork. The parent's heartbeat page stays mapped, unread: the child's hook is
+    /// a new one, with a port of its own that reads only the page of its own connection.
     pub fn close_in_child(&self) {
         for fd in &self.conn_fds {
             let n = fd.swap(-1, Ordering::AcqRel);
@@ -495,6 +561,13 @@ impl Port {
             }
         }
     }
+}
+
+/// What the scheduler's `Welcome` brought.
+struct Welcomed {
+    liveness_ns: u64,
+    /// Its heartbeat page's descriptor.
+    heartbeat: Option<OwnedFd>,
 }
 
 #[cfg(test)]

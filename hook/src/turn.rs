@@ -16,7 +16,9 @@
 //! **The liveness contract.** A process waiting for a turn is owed an answer: it probes the
 //! scheduler ([`Say::Probe`]) once it has heard nothing about this GPU for half the liveness
 //! bound (the scheduler's quota plus its grace, 40 ms by default, or `GPUSHARE_LIVENESS`),
-//! and a scheduler that is well answers at once. Unanswered for the other half — the daemon
+//! and a scheduler that is well answers at once. A beat of the scheduler's heartbeat (its event
+//! loop ran, [`Turns::heartbeat`]) since then stands in for the answer: no probe until half the
+//! bound after the latest beat. Unanswered for the other half — the daemon
 //! stopped, starved or swapped out — it is taken to be unresponsive, and `GPUSHARE_FAIL`
 //! decides: `open` launches without a turn ([`Token::Ungated`]: the device's own time-slicing
 //! among the processes that do the same), probing every bound; `closed` goes on waiting. The
@@ -254,6 +256,9 @@ struct Liveness {
     asked_at: u64,
     /// When the latest probe was sent.
     probed_at: Option<u64>,
+    /// When the scheduler's event loop last ran, as its heartbeat said ([`Turns::heartbeat`]):
+    /// a heartbeat after the last word stands in for an answer (no probe is sent).
+    beat_at: u64,
 }
 
 impl Liveness {
@@ -297,6 +302,7 @@ impl Turns {
                 heard_at: 0,
                 asked_at: 0,
                 probed_at: None,
+                beat_at: 0,
             },
             retired: 0,
             lateness: [0; LATENESS_SAMPLES],
@@ -439,7 +445,9 @@ impl Turns {
             }
             Some(p) => p.saturating_add(half),
             None => {
-                let quiet = l.heard_at.max(l.asked_at);
+                // The scheduler's heartbeat since the last word vouches for it: no probe
+                // until half the bound after the latest beat.
+                let quiet = l.heard_at.max(l.asked_at).max(l.beat_at);
                 if now >= quiet.saturating_add(half) {
                     l.probed_at = Some(now);
                     self.said.push(Say::Probe);
@@ -480,6 +488,18 @@ impl Turns {
     /// The scheduler answered a probe at `now`.
     pub fn alive(&mut self, now: u64) {
         self.heard(now);
+    }
+
+    /// The scheduler's heartbeat, read at `now`, says its event loop last ran at `at`. A
+    /// waiter that has heard nothing for half the bound probes only if that too is half the
+    /// bound old; a beat is no answer to a probe already out (the answer, or the bound, ends
+    /// that). A beat further ahead of `now` than the bound is from a clock this process does
+    /// not share, and is not trusted.
+    pub fn heartbeat(&mut self, at: u64, now: u64) {
+        if at <= now.saturating_add(self.liveness.bound_ns) {
+            let l = &mut self.liveness;
+            l.beat_at = l.beat_at.max(at.min(now));
+        }
     }
 
     /// The liveness bound (the scheduler's promise in its `Welcome`, unless the settings fix
@@ -632,6 +652,7 @@ impl Turns {
     pub fn connected(&mut self, now: u64) {
         self.retired = 0;
         self.liveness.heard_at = now;
+        self.liveness.beat_at = 0;
         if matches!(self.token, Token::Unthrottled | Token::Ungated) {
             self.token = Token::None;
         }

@@ -766,6 +766,11 @@ impl Policy {
         self.current.as_ref().map(|t| (t.client, t.token))
     }
 
+    /// Whether a client waits for a turn (asked, and not granted one yet).
+    pub fn has_waiters(&self) -> bool {
+        self.groups.values().any(|g| !g.queue.is_empty())
+    }
+
     /// The group `client` is connected to.
     pub fn client_group(&self, client: ClientId) -> Option<&str> {
         self.clients.get(&client).map(|c| c.group.as_str())

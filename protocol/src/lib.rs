@@ -6,7 +6,7 @@
 //! Identity is not in these messages: the scheduler takes it from the socket (`SO_PEERCRED`,
 //! `/proc/<pid>/cgroup`). A declared group is honoured only when the daemon runs with `--dev`.
 
-pub use gpushare_frame::{FrameBuf, MAX_FRAME, WireError, append, encode, recv, send};
+pub use gpushare_frame::{FrameBuf, MAX_FRAME, WireError, append, encode, heartbeat, recv, send};
 
 pub mod admin;
 pub mod status;
@@ -118,6 +118,9 @@ pub enum ClientMsg {
 /// Scheduler → client.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ServerMsg {
+    /// On the tenant socket, the scheduler passes its heartbeat page with it (`SCM_RIGHTS`,
+    /// [`heartbeat`]) when it has one: the time its event loop last ran, which a process
+    /// waiting for a turn reads before it would send a [`ClientMsg::Probe`].
     Welcome {
         group: String,
         /// The scheduler answers a question (a [`ClientMsg::Probe`], a reservation) within

@@ -10,6 +10,11 @@
 //! replies a peer leaves unread. It measures how late it handles what is due — a timer
 //! against its deadline, a ready socket against the poll that reported it, a post against when
 //! it was posted — and tells the node, which reports it.
+//!
+//! Each time it runs it writes the time into its heartbeat page, passed to every tenant with
+//! its `Welcome`, and while a process waits for a turn it runs at least every quarter of the
+//! liveness bound ([`Node::heartbeat_every`]): a waiting process reads the page instead of
+//! probing (docs/liveness.md#the-heartbeat).
 
 use crate::checkpoint::Job;
 use crate::identity::Credentials;
@@ -18,7 +23,8 @@ use crate::node::{ConnId, Effect, Input, Node, SwapOutFailure};
 use crate::throttle::Throttle;
 use crate::workers::{Lookup, Workers};
 use gpushare_protocol::admin::AdminReply;
-use gpushare_protocol::{ClientMsg, FrameBuf};
+use gpushare_protocol::heartbeat::{self, Publisher};
+use gpushare_protocol::{ClientMsg, FrameBuf, ServerMsg};
 use gpushare_units::monotonic_ns as now_ns;
 use mio::net::{UnixListener, UnixStream};
 use mio::unix::SourceFd;
@@ -84,6 +90,10 @@ pub struct Server {
     resolve: Vec<(ConnId, Credentials)>,
     scratch: Vec<u8>,
     warnings: Throttle,
+    /// The heartbeat page passed to every client with its `Welcome` (`None`: none could be
+    /// made; the clients probe), and when the loop last ran, as it says.
+    heartbeat: Option<Publisher>,
+    beat_at: u64,
 }
 
 impl Server {
@@ -108,6 +118,13 @@ impl Server {
             Interest::READABLE,
         )?;
         raise_open_files_limit(node.limits().max);
+        let heartbeat = Publisher::new()
+            .inspect_err(|e| {
+                tracing::warn!(
+                    "cannot make the heartbeat page ({e}): processes waiting for a turn probe the scheduler instead"
+                )
+            })
+            .ok();
         let mut server = Server {
             poll,
             listener,
@@ -126,6 +143,8 @@ impl Server {
             resolve: Vec::new(),
             scratch: vec![0; 16 << 10],
             warnings: Throttle::default(),
+            heartbeat,
+            beat_at: 0,
         };
         server.apply();
         Ok(server)
@@ -143,6 +162,7 @@ impl Server {
                 Err(e) => return Err(e),
             }
             let polled = now_ns();
+            self.beat(polled);
             for ev in events.iter() {
                 match ev.token() {
                     LISTENER => {
@@ -202,13 +222,26 @@ impl Server {
         }
     }
 
-    /// Arm the timer for the node's next deadline or the accept retry.
+    /// The loop runs at `now`: its heartbeat says so.
+    fn beat(&mut self, now: u64) {
+        if let Some(h) = &self.heartbeat {
+            h.beat(now);
+            self.beat_at = now;
+        }
+    }
+
+    /// Arm the timer for the node's next deadline, the accept retry, or the next heartbeat
+    /// while a process waits for a turn.
     fn set_timer(&mut self) {
+        let beat = (self.heartbeat.as_ref())
+            .and(self.node.heartbeat_every())
+            .map(|every| self.beat_at.saturating_add(every));
         let at = self
             .node
             .next_timeout()
             .into_iter()
-            .chain(self.accept_retry);
+            .chain(self.accept_retry)
+            .chain(beat);
         self.timer.set(at.min());
     }
 
@@ -449,8 +482,10 @@ impl Server {
         }
     }
 
-    /// Queue `msg` for `c`; it is written when the loop has acted on its events.
-    fn send(&mut self, c: ConnId, msg: &gpushare_protocol::ServerMsg) {
+    /// Queue `msg` for `c`; it is written when the loop has acted on its events. A `Welcome`,
+    /// the first message on a connection, is written at once with the heartbeat page passed
+    /// along (if the socket does not take it now, it is queued without: that client probes).
+    fn send(&mut self, c: ConnId, msg: &ServerMsg) {
         let Some(conn) = self.conns.get_mut(&c) else {
             return;
         };
@@ -458,6 +493,17 @@ impl Server {
         if let Err(e) = gpushare_protocol::encode(msg, &mut frame) {
             tracing::error!("cannot encode a reply: {e}");
             return;
+        }
+        if let (ServerMsg::Welcome { .. }, Some(h)) = (msg, &self.heartbeat)
+            && conn.output.is_empty()
+        {
+            match heartbeat::send_with_fd(&conn.stream, &frame, h.fd()) {
+                Ok(n) => drop(frame.drain(..n)),
+                Err(e) => tracing::debug!(conn = c, "the heartbeat page not passed: {e}"),
+            }
+            if frame.is_empty() {
+                return;
+            }
         }
         conn.output.extend_from_slice(&frame);
         self.dirty.push(c);

@@ -272,3 +272,34 @@ fn a_removed_socket_is_bound_again_and_connections_live_on() {
     gpushare_protocol::send(&mut before, &ClientMsg::Probe { gpu }).unwrap();
     assert_eq!(next(&mut before), ServerMsg::Alive { gpu });
 }
+
+/// Every client gets the daemon's heartbeat page with its `Welcome`: the same sealed page,
+/// mapped read-only, whose beat is when the event loop last ran (it ran to answer a probe).
+#[test]
+fn the_welcome_brings_the_heartbeat_page() {
+    use gpushare_protocol::heartbeat::{Beats, FdReader};
+    use gpushare_units::monotonic_ns;
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!("[[group]]\nname = \"me\"\nuids = [{}]\n", uid());
+    let (_d, sock) = start(dir.path(), &config, false);
+    let welcome = |s: &UnixStream| {
+        let mut r = FdReader::new(s);
+        let msg = gpushare_protocol::recv::<ServerMsg>(&mut r, &mut Vec::new()).unwrap();
+        assert!(matches!(msg, Some(ServerMsg::Welcome { .. })), "{msg:?}");
+        Beats::map(&r.fd.expect("the heartbeat page")).expect("a sealed page")
+    };
+    let mut a = connect(&sock);
+    let beats = welcome(&a);
+    let b = connect(&sock);
+    let also = welcome(&b);
+    let asked = monotonic_ns();
+    let gpu = [7u8; 16];
+    gpushare_protocol::send(&mut a, &ClientMsg::Probe { gpu }).unwrap();
+    assert_eq!(next(&mut a), ServerMsg::Alive { gpu });
+    let beat = beats.read();
+    assert!(
+        beat >= asked && beat <= monotonic_ns(),
+        "the loop ran to answer: beat {beat}, probe sent at {asked}"
+    );
+    assert_eq!(also.read(), beat, "one page for all clients");
+}

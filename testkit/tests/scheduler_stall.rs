@@ -15,7 +15,9 @@
 
 use gpushare_testkit::harness::describe;
 use gpushare_testkit::margins;
-use gpushare_testkit::node::{Node, Spin, Tenant, longest_without_kernel, monotonic_ns, shares_in};
+use gpushare_testkit::node::{
+    Node, Spin, Tenant, common_active_window, longest_without_kernel, monotonic_ns, shares_in,
+};
 use gpushare_testkit::trace::{Trace, Window};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -267,6 +269,57 @@ fn short_scheduler_stalls_block_no_fail_open_tenant_past_the_bound() {
             );
         }
     }
+}
+
+/// Probes a tenant sent, as its log says (`GPUSHARE_LOG`).
+fn probes_sent(out: &std::process::Output) -> usize {
+    (String::from_utf8_lossy(&out.stderr).lines())
+        .filter(|l| l.contains("probing the scheduler"))
+        .count()
+}
+
+/// Four busy tenants (requests 0.25 each), three of them waiting for a turn at any moment:
+/// while the scheduler runs, they read its heartbeat instead of probing it (each would
+/// otherwise probe every 20 ms of its waits, some 25 times a second). (Its heartbeat stopped,
+/// they probe: the stops above.)
+#[test]
+fn waiting_tenants_read_a_running_schedulers_heartbeat_instead_of_probing() {
+    let node = Node::start(&[]);
+    let ts: Vec<Tenant> = (["a", "b", "c", "d"].iter())
+        .map(|group| {
+            let mut cmd = node.tenant_command(
+                group,
+                0.25,
+                1.0,
+                1.0,
+                cudarc(),
+                &Spin::for_ms(1.0, 3_000.0).args(),
+            );
+            cmd.env("GPUSHARE_FAIL", "open").env("GPUSHARE_LOG", "1");
+            node.spawn(cmd)
+        })
+        .collect();
+    let pids: Vec<u32> = ts.iter().map(Tenant::pid).collect();
+    let outs = wait_all(ts);
+    let probes: Vec<usize> = outs.iter().map(probes_sent).collect();
+    let trace = node.finish();
+    assert!(trace.overlaps().is_empty(), "overlapping kernels");
+    let shares = shares_in(&trace, &pids, common_active_window(&trace, &pids, 500 * MS));
+    eprintln!("4 tenants for 3 s: shares {shares:.3?}, probes sent {probes:?}");
+    // Each waited for the others' turns: about three quarters of the time (a share near a
+    // quarter of the GPU, less what a loaded host leaves idle).
+    for s in &shares {
+        assert!(
+            *s <= 0.25 + margins::SHARE,
+            "a tenant ran beyond its turns: shares {shares:.3?}"
+        );
+    }
+    // A host that delays the scheduler's loop past half the bound now and then costs a probe
+    // each time; probing, the four send about 180.
+    assert!(
+        probes.iter().sum::<usize>() <= 40,
+        "probes sent while the scheduler ran: {probes:?}"
+    );
 }
 
 /// `SIGSTOP` of the scheduler for 1 s beside two busy fail-closed tenants: once the turns

@@ -577,8 +577,21 @@ fn an_extended_turn_is_not_given_back_for_idleness() {
 /// scheduler's grant, if any, at `grant_at`. When it was admitted, and the probes sent.
 fn wait_for_turn(
     t: &mut Turns,
+    now: u64,
+    until: u64,
+    answer: impl Fn(u64) -> bool,
+    grant_at: Option<u64>,
+) -> (Option<u64>, u32) {
+    wait_with_heartbeat(t, now, until, |_| None, answer, grant_at)
+}
+
+/// [`wait_for_turn`] with the scheduler's heartbeat: `beat(now)`, the latest beat the launcher
+/// reads at `now` (`None`: no heartbeat), before each step.
+fn wait_with_heartbeat(
+    t: &mut Turns,
     mut now: u64,
     until: u64,
+    beat: impl Fn(u64) -> Option<u64>,
     answer: impl Fn(u64) -> bool,
     grant_at: Option<u64>,
 ) -> (Option<u64>, u32) {
@@ -587,6 +600,9 @@ fn wait_for_turn(
     while now <= until {
         if grant_at.is_some_and(|g| now >= g) && t.token() == Token::Requested {
             t.grant(99, now, now + 20 * MS, plan(false), now);
+        }
+        if let Some(at) = beat(now) {
+            t.heartbeat(at, now);
         }
         match t.admit(now, &mut w) {
             Step::Ungated | Step::Admit | Step::Opened => return (Some(now), probes),
@@ -829,6 +845,84 @@ fn a_slow_answer_within_the_bound_keeps_the_waiter_waiting() {
     assert_eq!(t.token(), Token::Requested);
 }
 
+/// The heartbeat of a scheduler whose loop runs every quarter of the bound (or more often):
+/// the beat at `now`, `late` after its due time.
+fn beating(now: u64, late: u64) -> u64 {
+    let quarter = LIVENESS / 4;
+    (now.saturating_sub(late) / quarter * quarter + late).min(now)
+}
+
+/// A scheduler whose heartbeat runs needs no probe: the launcher waits as long as the
+/// schedule says without one, and is never ungated, however late in its quarter each beat is.
+#[test]
+fn a_running_heartbeat_stands_in_for_probes() {
+    for late in [0, MS, LIVENESS / 4 - 1] {
+        let mut t = waiting(CFG, 3 * MS);
+        let (admitted, probes) = wait_with_heartbeat(
+            &mut t,
+            3 * MS,
+            2 * S,
+            |now| Some(beating(now, late)),
+            |_| panic!("a probe while the heartbeat runs"),
+            Some(2 * S),
+        );
+        assert_eq!((admitted, probes), (Some(2 * S), 0), "late {late}");
+        assert!(matches!(t.token(), Token::Held(_)));
+    }
+}
+
+/// A heartbeat that stops (the scheduler frozen, or starved of CPU): the launcher probes half
+/// the bound after the last beat and, unanswered, is ungated (fail-open) once the bound has
+/// passed since the last sign of the scheduler, wherever the stop falls: the bound as without
+/// a heartbeat. A probe out is ended by its answer, not by a beat.
+#[test]
+fn a_stopped_heartbeat_is_probed_and_ungates_within_the_bound() {
+    let mut rng = Rng::new(11);
+    for _ in 0..2_000 {
+        let asked = rng.below(100 * MS);
+        let frozen = rng.below(400 * MS);
+        let late = rng.below(LIVENESS / 4);
+        let mut t = waiting(CFG, asked);
+        let beat = |now: u64| Some(beating(now.min(frozen), late));
+        let (admitted, probes) =
+            wait_with_heartbeat(&mut t, asked, 10 * S, beat, |at| at < frozen, None);
+        let admitted = admitted.expect("admitted");
+        let last_sign = asked.max(beating(frozen, late));
+        assert!(
+            admitted <= last_sign + LIVENESS,
+            "asked at {asked}, frozen at {frozen}: admitted at {admitted}"
+        );
+        assert!(admitted >= frozen, "ungated while the scheduler ran");
+        assert_eq!(probes, 1, "one probe, after the heartbeat stopped");
+        assert_eq!(t.token(), Token::Ungated);
+    }
+    // A beat after a probe went out does not answer it: ungated at the bound all the same.
+    let mut t = waiting(CFG, 0);
+    let (admitted, probes) = wait_with_heartbeat(
+        &mut t,
+        0,
+        S,
+        |now| (now > LIVENESS / 2).then_some(now),
+        |_| false,
+        None,
+    );
+    assert_eq!((admitted, probes), (Some(LIVENESS), 1));
+}
+
+/// Without a heartbeat (none published, or a page that could not be mapped) the waiter probes
+/// as before; a beat from a clock it does not share (far ahead of its own) is not trusted.
+#[test]
+fn without_a_trusted_heartbeat_the_waiter_probes() {
+    let mut t = waiting(CFG, 0);
+    let (_, probes) = wait_with_heartbeat(&mut t, 0, 300 * MS, |_| None, |_| true, Some(300 * MS));
+    assert_eq!(probes, 14, "one per half bound of silence");
+
+    let mut t = waiting(CFG, 0);
+    let ahead = |now: u64| Some(now + LIVENESS + MS);
+    let (admitted, probes) = wait_with_heartbeat(&mut t, 0, S, ahead, |_| false, None);
+    assert_eq!((admitted, probes), (Some(LIVENESS), 1));
+}
+
 /// A request left without a grant (its probes answered) is sent again after a while: the
 /// scheduler may have taken this process for a stopped one.
 #[test]
@@ -1020,7 +1114,8 @@ impl Rng {
 /// Random interleavings, thousands of turns each: a scheduler that grants ahead, moves, cuts
 /// short, extends, revokes and withdraws turns at random; launchers, a watcher, drains that
 /// end before or after other events, synchronisations and disconnections; and a scheduler that
-/// stops for a while now and then (its waiters ungated). Invariants:
+/// beats and answers probes, and stops for a while now and then (its heartbeat with it; its
+/// waiters ungated). Invariants:
 /// - the fast path's deadline is non-zero only while a turn is open (or without limits);
 /// - launches are paced while a turn is held or through a fail-open spell, not otherwise;
 /// - nothing is admitted in a turn stopped, closed or not yet opened;
@@ -1183,6 +1278,10 @@ fn random_interleavings_keep_every_invariant() {
                         epoch = next_token;
                     }
                     3..=5 if !stopped => t.alive(now),
+                    // Its heartbeat, read a while after the beat.
+                    6..=9 if !stopped => {
+                        t.heartbeat(now.saturating_sub(rng.below(LIVENESS / 4)), now)
+                    }
                     _ => {}
                 },
             }

@@ -302,6 +302,14 @@ impl Node {
             .min()
     }
 
+    /// How often at least the shell publishes its heartbeat (the time its event loop last ran,
+    /// which a process waiting for a turn reads instead of probing): a quarter of the liveness
+    /// bound, while a process waits for a turn on some GPU; `None` while none does (nobody
+    /// would read it).
+    pub fn heartbeat_every(&self) -> Option<u64> {
+        (self.policies.values().any(Policy::has_waiters)).then(|| (self.liveness_ns() / 4).max(1))
+    }
+
     /// Whether the shell should hand over the messages `conn` sent: not while the node waits
     /// for who its peer is or for its pod (its input stays unread, and the node says
     /// [`Effect::Resume`] when it may be read again).

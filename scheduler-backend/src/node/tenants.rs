@@ -107,7 +107,7 @@ impl Node {
     /// How soon this scheduler answers a question while it is well, as promised to each hook
     /// in its `Welcome`: a quota plus the grace, as long as it waits itself for a holder's
     /// report past a turn's end (the hook probes when it has heard nothing for half of it).
-    fn liveness_ns(&self) -> u64 {
+    pub(super) fn liveness_ns(&self) -> u64 {
         let p = &self.config.policy;
         p.quota_ns.saturating_add(p.grace_ns)
     }

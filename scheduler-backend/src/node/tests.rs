@@ -466,6 +466,28 @@ fn turns_are_granted_and_a_departure_hands_the_gpu_on() {
     );
 }
 
+/// The shell's heartbeat is due every quarter of the liveness bound while a process waits for
+/// a turn (it reads the heartbeat instead of probing), and not while none does.
+#[test]
+fn the_heartbeat_is_due_every_quarter_bound_while_a_process_waits_for_a_turn() {
+    let mut w = World::new(CONFIG, false);
+    let a = client_a(&mut w);
+    let b = w.connect(1001, None);
+    w.complete_all();
+    w.hello(b, None);
+    assert_eq!(w.node.heartbeat_every(), None, "nobody waits");
+    w.send(a, ClientMsg::Acquire { gpu: GPU });
+    assert!(matches!(last(&w, a), Some(ServerMsg::Grant { .. })));
+    assert_eq!(w.node.heartbeat_every(), None, "the holder does not wait");
+    w.send(b, ClientMsg::Acquire { gpu: GPU });
+    assert_eq!(w.node.liveness_ns(), 40 * MS);
+    assert_eq!(w.node.heartbeat_every(), Some(10 * MS));
+    w.hang_up(a);
+    w.advance(MS);
+    assert!(matches!(last(&w, b), Some(ServerMsg::Grant { .. })));
+    assert_eq!(w.node.heartbeat_every(), None, "granted, nobody waits");
+}
+
 #[test]
 fn status_reports_are_reused_for_a_moment_and_published_every_second() {
     let mut w = World::new(CONFIG, true);
