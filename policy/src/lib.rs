@@ -88,7 +88,8 @@
 //!     served unless it is ahead of the holder by a minimum quota, and the holder's turn ends an
 //!     eighth of a minimum quota after its start at the earliest: its client stops at its next
 //!     kernel. It keeps the GPU a linger ([`PolicyConfig::latency_linger_ns`]) past its drain
-//!     whenever it gives a turn back (unless its cap would not let it take the GPU back),
+//!     whenever it gives a turn back (unless its cap would not let it take the GPU back; the
+//!     drain its client estimated, or the one it measured if its report comes earlier),
 //!     charged to it; the turn after opens at its start ([`Decision::Grant`]'s
 //!     `open_at_start`), not ahead of it, and asking again within the linger (a request queued
 //!     behind the one that ended) the group is served at once, the turn planned after it
@@ -524,6 +525,7 @@ impl Policy {
             self.yield_current(now, now);
         }
         if self.ended.get(&token).is_some_and(|t| t.client == client) {
+            self.reanchor_linger(token, used, now);
             let t = self.ended.remove(&token).expect("checked");
             self.settle(t, used, now);
             self.note_handoffs(token, used, now);
