@@ -43,16 +43,7 @@ impl Policy {
             n.deadline_ns = at + n.quota_ns;
             n.start_ns = at;
             n.open_at_start = after_linger;
-            let moved = Decision::Grant {
-                client: n.client,
-                token: n.token,
-                start_ns: n.start_ns,
-                deadline_ns: n.deadline_ns,
-                quota_ns: n.quota_ns,
-                queue_budget_ns: n.queue_budget_ns,
-                open_at_start: n.open_at_start,
-                just_in_time: n.just_in_time,
-            };
+            let moved = n.grant();
             let token = n.token;
             self.move_handoff(token, at);
             self.decisions.push(moved);
@@ -203,16 +194,7 @@ impl Policy {
         if let Some(n) = self.next.as_mut() {
             n.start_ns = at;
             n.deadline_ns = at + n.quota_ns;
-            let moved = Decision::Grant {
-                client: n.client,
-                token: n.token,
-                start_ns: n.start_ns,
-                deadline_ns: n.deadline_ns,
-                quota_ns: n.quota_ns,
-                queue_budget_ns: n.queue_budget_ns,
-                open_at_start: n.open_at_start,
-                just_in_time: n.just_in_time,
-            };
+            let moved = n.grant();
             let next = n.token;
             self.move_handoff(next, at);
             self.hold_handoff(next, at);
@@ -407,16 +389,7 @@ impl Policy {
             open_at_start,
             just_in_time,
         };
-        self.decisions.push(Decision::Grant {
-            client: p.client,
-            token,
-            start_ns: turn.start_ns,
-            deadline_ns: turn.deadline_ns,
-            quota_ns: p.quota_ns,
-            queue_budget_ns,
-            open_at_start,
-            just_in_time,
-        });
+        self.decisions.push(turn.grant());
         turn
     }
 

@@ -2024,6 +2024,23 @@ fn granted(ds: &[Decision], client: ClientId) -> (u64, u64) {
         .unwrap_or_else(|| panic!("no grant to {client}: {ds:?}"))
 }
 
+/// Server 1 asks at `now`, within its linger: served at once, the trainer's (2) planned turn
+/// `planned` withdrawn. Returns the server's turn.
+fn taken_back(p: &mut Policy, now: u64, planned: u64) -> u64 {
+    p.acquire(1, now).unwrap();
+    let ds = p.take_decisions();
+    assert!(
+        ds.contains(&Decision::Revoke {
+            client: 2,
+            token: planned
+        }),
+        "{ds:?}"
+    );
+    let (token, start) = granted(&ds, 1);
+    assert_eq!(start, now);
+    token
+}
+
 /// A latency-class server keeps the GPU a linger past its drain whenever it gives its turn
 /// back: asking again within it (its next request was queued behind the one that ended), it is
 /// served at once, the trainer's planned turn withdrawn before it starts; asking later, the
@@ -2071,17 +2088,7 @@ fn a_latency_group_keeps_the_gpu_a_linger_past_its_drain() {
     // The second request was queued behind the first: asked for within the linger, served at
     // once, the trainer's turn withdrawn and the trainer first in line after it.
     let now = d1 + linger / 2;
-    p.acquire(1, now).unwrap();
-    let ds = p.take_decisions();
-    assert!(
-        ds.contains(&Decision::Revoke {
-            client: 2,
-            token: t1
-        }),
-        "{ds:?}"
-    );
-    let (s2, st2) = granted(&ds, 1);
-    assert_eq!(st2, now);
+    let s2 = taken_back(&mut p, now, t1);
     assert_eq!(p.holder(), Some((1, s2)));
     let d2 = now + 4 * MS;
     p.yield_turn(1, s2, d2, d2 - MS).unwrap();
@@ -2151,17 +2158,7 @@ fn a_latency_linger_runs_from_the_measured_drain() {
     );
     // Asking within the moved linger, the server is served at once.
     let now = drained + linger / 2;
-    p.acquire(1, now).unwrap();
-    let ds = p.take_decisions();
-    assert!(
-        ds.contains(&Decision::Revoke {
-            client: 2,
-            token: t1
-        }),
-        "{ds:?}"
-    );
-    let (s2, st2) = granted(&ds, 1);
-    assert_eq!(st2, now);
+    let s2 = taken_back(&mut p, now, t1);
     // A report arriving late in the linger moves the trainer's turn to the report.
     let estimate = now + 4 * MS;
     p.yield_turn(1, s2, estimate, now + 3 * MS).unwrap();
