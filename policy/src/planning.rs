@@ -126,6 +126,8 @@ impl Policy {
             .next
             .as_ref()
             .filter(|n| n.group != group && n.start_ns > now && n.start_ns == g.gave_back_at)
+            // It lingered: it gave the turn back a linger past its drain.
+            .filter(|n| n.start_ns == self.linger_until)
         else {
             return;
         };
@@ -421,7 +423,7 @@ impl Policy {
 
     /// The waiting group to serve at `start`, and when it may start (≥ `start`): the one with
     /// the most credit among those that may start then; if none may, the one that may soonest.
-    fn best_candidate(&self, start: u64) -> Option<(String, u64)> {
+    pub(crate) fn best_candidate(&self, start: u64) -> Option<(String, u64)> {
         let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
         let waiting = || self.groups.iter().filter(|(_, g)| !g.queue.is_empty());
         let eligible = waiting()

@@ -2202,6 +2202,67 @@ fn a_latency_linger_runs_from_the_measured_drain() {
     );
 }
 
+/// A latency-class server whose turn another latency-class server's follows does not linger:
+/// that one starts at the drain, its process launching ahead as after any turn, and the first
+/// server asking again before it starts does not take it back (it returns as any group does:
+/// the turn ends a take-back after its start at the earliest).
+#[test]
+fn a_latency_group_hands_over_to_another_at_once() {
+    let server = GroupParams {
+        class: GroupClass::Latency,
+        ..gp(0.5, 1.0, 1.0)
+    };
+    let mut p = policy(&[("server1", server), ("server2", server)]);
+    p.connect(1, "server1").unwrap();
+    p.connect(2, "server2").unwrap();
+    let take_back = p.config().take_back_ns();
+    // Server 2 alone for 20 ms, then server 1 asks: server 2 stops at once, and waits for the
+    // rest of its work, ahead of server 1.
+    p.acquire(2, 0).unwrap();
+    let (s0, _) = granted(&p.take_decisions(), 2);
+    run_to(&mut p, 0, 20 * MS);
+    p.acquire(1, 20 * MS).unwrap();
+    let (s1, st1) = granted(&p.take_decisions(), 1);
+    assert_eq!(st1, 20 * MS);
+    p.tick(st1);
+    p.report(2, s0, used(0, st1), true, st1).unwrap();
+    p.take_decisions();
+    // Server 1 gives its turn back: server 2's turn starts at the drain, not opening at its
+    // start.
+    let drained = st1 + 4 * MS;
+    p.yield_turn(1, s1, drained, st1 + 3 * MS).unwrap();
+    let ds = p.take_decisions();
+    assert!(
+        ds.iter().any(|d| matches!(
+            d,
+            Decision::Grant {
+                client: 2,
+                start_ns,
+                open_at_start: false,
+                ..
+            } if *start_ns == drained
+        )),
+        "{ds:?}"
+    );
+    let (s2, _) = granted(&ds, 2);
+    // Server 1 asks again before that start: server 2's turn stays, cut a take-back after its
+    // start.
+    p.acquire(1, drained - MS / 2).unwrap();
+    let ds = p.take_decisions();
+    assert!(
+        !ds.iter().any(|d| matches!(d, Decision::Revoke { .. })),
+        "{ds:?}"
+    );
+    assert!(
+        ds.contains(&Decision::Shorten {
+            client: 2,
+            token: s2,
+            deadline_ns: drained + take_back
+        }),
+        "{ds:?}"
+    );
+}
+
 /// With requests far apart, the server lingers after each (the GPU idle a linger a request,
 /// the trainers' turns after opening at their start) and the trainers still get all the rest.
 #[test]
