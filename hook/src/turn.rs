@@ -272,7 +272,8 @@ struct Liveness {
     /// When the latest probe was sent.
     probed_at: Option<u64>,
     /// When the scheduler's event loop last ran, as its heartbeat said ([`Turns::heartbeat`]):
-    /// a heartbeat after the last word stands in for an answer (no probe is sent).
+    /// a heartbeat after the last word stands in for an answer (no probe is sent) until the
+    /// last word is [`SPARSE_PROBE_NS`] old.
     beat_at: u64,
 }
 
