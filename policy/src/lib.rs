@@ -88,12 +88,16 @@
 //!     served unless it is ahead of the holder by a minimum quota, and the holder's turn ends an
 //!     eighth of a minimum quota after its start at the earliest: its client stops at its next
 //!     kernel. It keeps the GPU a linger ([`PolicyConfig::latency_linger_ns`]) past its drain
-//!     whenever it gives a turn back (unless its cap would not let it take the GPU back),
+//!     whenever it gives a turn back (unless its cap would not let it take the GPU back; the
+//!     drain its client estimated, or the one it measured if its report comes earlier),
 //!     charged to it; the turn after opens at its start ([`Decision::Grant`]'s
 //!     `open_at_start`), not ahead of it, and asking again within the linger (a request queued
 //!     behind the one that ended) the group is served at once, the turn planned after it
 //!     withdrawn; a turn planned for its process after the one it gives back is withdrawn with
-//!     it. Returning, it does not wait behind a running turn for one planned after it: that one
+//!     it. It does not linger when the turn after it goes to another latency-class group that
+//!     waits (that one starts at the drain), nor does it take back a turn it did not linger
+//!     before; a turn planned for its client is withdrawn when the client reports it has no more
+//!     work. Returning, it does not wait behind a running turn for one planned after it: that one
 //!     is withdrawn. What it uses is charged and capped like any other group's time.
 //!
 //! # Memory
@@ -460,12 +464,6 @@ impl Policy {
                 .map_or((now, String::new()), |t| (t.deadline_ns, t.group.clone()));
             let drained =
                 drained_ns.clamp(now, (now + self.cfg.min_quota_ns).min(deadline).max(now));
-            // A latency-class group lingers past its drain, unless its cap would not let it take
-            // the GPU back.
-            let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
-            let linger = (self.groups.get(&group)).is_some_and(|g| {
-                g.params.class == GroupClass::Latency && g.eligible(now, depth, thr)
-            });
             let latency =
                 (self.groups.get(&group)).is_some_and(|g| g.params.class == GroupClass::Latency);
             if latency && let Some(n) = self.next.as_ref().filter(|n| n.client == client) {
@@ -477,6 +475,23 @@ impl Policy {
                 self.withdraw_next(now);
                 self.decisions.push(Decision::Revoke { client, token });
             }
+            // A latency-class group lingers past its drain, unless its cap would not let it take
+            // the GPU back, or the turn after it goes to another latency-class group that waits
+            // now: that one is latency-sensitive too, and starts at the drain. (A turn planned
+            // already may be one its client no longer wants: it was planned as it held the GPU,
+            // presumed to want another.)
+            let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
+            let follower = match self.next.as_ref() {
+                Some(_) => None,
+                None => self.best_candidate(drained).map(|(name, _)| name),
+            };
+            let to_latency = follower.is_some_and(|f| {
+                f != group
+                    && (self.groups.get(&f)).is_some_and(|g| g.params.class == GroupClass::Latency)
+            });
+            let linger = latency
+                && !to_latency
+                && (self.groups.get(&group)).is_some_and(|g| g.eligible(now, depth, thr));
             let at = if linger {
                 let at = (drained + self.cfg.latency_linger_ns())
                     .min(deadline)
@@ -524,6 +539,7 @@ impl Policy {
             self.yield_current(now, now);
         }
         if self.ended.get(&token).is_some_and(|t| t.client == client) {
+            self.reanchor_linger(token, used, now);
             let t = self.ended.remove(&token).expect("checked");
             self.settle(t, used, now);
             self.note_handoffs(token, used, now);
@@ -532,8 +548,19 @@ impl Policy {
             self.enqueue(client, now);
         } else {
             // A turn already planned for it stays: it yields that if it still has nothing to do
-            // when it comes (a bursty client often has again by then).
+            // when it comes (a bursty client often has again by then). A latency-class client's
+            // is withdrawn: planned as it held the GPU, presumed to want another, it would only
+            // be given straight back (the client asks with its next request, and is served
+            // then).
             self.dequeue(client, now);
+            let latency = (self.clients.get(&client))
+                .and_then(|c| self.groups.get(&c.group))
+                .is_some_and(|g| g.params.class == GroupClass::Latency);
+            if latency && let Some(n) = self.next.as_ref().filter(|n| n.client == client) {
+                let token = n.token;
+                self.withdraw_next(now);
+                self.decisions.push(Decision::Revoke { client, token });
+            }
         }
         self.plan(now);
         self.mark_held_back(now);

@@ -5,7 +5,7 @@
 
 use crate::group::Group;
 use crate::turn::Turn;
-use crate::{ClientId, Decision, GroupClass, Policy};
+use crate::{ClientId, Decision, GroupClass, Policy, TurnUse};
 use std::collections::BTreeMap;
 
 /// A group that came back from an absence, or went idle, this recently is taken to come back
@@ -43,16 +43,7 @@ impl Policy {
             n.deadline_ns = at + n.quota_ns;
             n.start_ns = at;
             n.open_at_start = after_linger;
-            let moved = Decision::Grant {
-                client: n.client,
-                token: n.token,
-                start_ns: n.start_ns,
-                deadline_ns: n.deadline_ns,
-                quota_ns: n.quota_ns,
-                queue_budget_ns: n.queue_budget_ns,
-                open_at_start: n.open_at_start,
-                just_in_time: n.just_in_time,
-            };
+            let moved = n.grant();
             let token = n.token;
             self.move_handoff(token, at);
             self.decisions.push(moved);
@@ -135,6 +126,8 @@ impl Policy {
             .next
             .as_ref()
             .filter(|n| n.group != group && n.start_ns > now && n.start_ns == g.gave_back_at)
+            // It lingered: it gave the turn back a linger past its drain.
+            .filter(|n| n.start_ns == self.linger_until)
         else {
             return;
         };
@@ -157,6 +150,59 @@ impl Policy {
             g.gave_back_at = 0;
         }
         self.plan_group(group.to_string(), now, now, true, now);
+    }
+
+    /// A latency-class group that lingers reports the turn it gave back (`token`): its work
+    /// drained at `used.last_ns`, measured, where its linger was set to run from the drain it
+    /// estimated when it gave the turn back (docs/latency.md). Measured earlier, the linger runs
+    /// from there instead, to now at the earliest: it ends earlier, and the turn planned at its
+    /// end starts there (its client told so). A queue estimate that runs late would otherwise
+    /// leave the GPU idle that long on top of the linger, the turn after opening at its start.
+    pub(crate) fn reanchor_linger(&mut self, token: u64, used: Option<TurnUse>, now: u64) {
+        let until = self.linger_until;
+        let Some(u) = used else {
+            return;
+        };
+        if until <= now || self.current.is_some() {
+            return;
+        }
+        let Some(group) = (self.ended.get(&token))
+            .filter(|t| t.yielded && t.end_ns == Some(until))
+            .map(|t| t.group.clone())
+        else {
+            return;
+        };
+        let at = u
+            .last_ns
+            .saturating_add(self.cfg.latency_linger_ns())
+            .max(now);
+        if at >= until || self.next.as_ref().is_some_and(|n| n.start_ns != until) {
+            return;
+        }
+        if let Some(t) = self.ended.get_mut(&token) {
+            t.end_ns = Some(at);
+        }
+        self.linger_until = at;
+        if self.busy_until == until {
+            self.busy_until = at;
+        }
+        if let Some(g) = self
+            .groups
+            .get_mut(&group)
+            .filter(|g| g.gave_back_at == until)
+        {
+            g.gave_back_at = at;
+        }
+        if let Some(n) = self.next.as_mut() {
+            n.start_ns = at;
+            n.deadline_ns = at + n.quota_ns;
+            let moved = n.grant();
+            let next = n.token;
+            self.move_handoff(next, at);
+            self.hold_handoff(next, at);
+            self.decisions.push(moved);
+            self.promote(now);
+        }
     }
 
     /// Drops the planned turn (its client no longer wants it, or is gone): its reservation is
@@ -345,16 +391,7 @@ impl Policy {
             open_at_start,
             just_in_time,
         };
-        self.decisions.push(Decision::Grant {
-            client: p.client,
-            token,
-            start_ns: turn.start_ns,
-            deadline_ns: turn.deadline_ns,
-            quota_ns: p.quota_ns,
-            queue_budget_ns,
-            open_at_start,
-            just_in_time,
-        });
+        self.decisions.push(turn.grant());
         turn
     }
 
@@ -386,7 +423,7 @@ impl Policy {
 
     /// The waiting group to serve at `start`, and when it may start (≥ `start`): the one with
     /// the most credit among those that may start then; if none may, the one that may soonest.
-    fn best_candidate(&self, start: u64) -> Option<(String, u64)> {
+    pub(crate) fn best_candidate(&self, start: u64) -> Option<(String, u64)> {
         let (depth, thr) = (self.cfg.bucket_depth(), self.cfg.cap_threshold());
         let waiting = || self.groups.iter().filter(|(_, g)| !g.queue.is_empty());
         let eligible = waiting()

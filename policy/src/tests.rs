@@ -2024,6 +2024,23 @@ fn granted(ds: &[Decision], client: ClientId) -> (u64, u64) {
         .unwrap_or_else(|| panic!("no grant to {client}: {ds:?}"))
 }
 
+/// Server 1 asks at `now`, within its linger: served at once, the trainer's (2) planned turn
+/// `planned` withdrawn. Returns the server's turn.
+fn taken_back(p: &mut Policy, now: u64, planned: u64) -> u64 {
+    p.acquire(1, now).unwrap();
+    let ds = p.take_decisions();
+    assert!(
+        ds.contains(&Decision::Revoke {
+            client: 2,
+            token: planned
+        }),
+        "{ds:?}"
+    );
+    let (token, start) = granted(&ds, 1);
+    assert_eq!(start, now);
+    token
+}
+
 /// A latency-class server keeps the GPU a linger past its drain whenever it gives its turn
 /// back: asking again within it (its next request was queued behind the one that ended), it is
 /// served at once, the trainer's planned turn withdrawn before it starts; asking later, the
@@ -2071,17 +2088,7 @@ fn a_latency_group_keeps_the_gpu_a_linger_past_its_drain() {
     // The second request was queued behind the first: asked for within the linger, served at
     // once, the trainer's turn withdrawn and the trainer first in line after it.
     let now = d1 + linger / 2;
-    p.acquire(1, now).unwrap();
-    let ds = p.take_decisions();
-    assert!(
-        ds.contains(&Decision::Revoke {
-            client: 2,
-            token: t1
-        }),
-        "{ds:?}"
-    );
-    let (s2, st2) = granted(&ds, 1);
-    assert_eq!(st2, now);
+    let s2 = taken_back(&mut p, now, t1);
     assert_eq!(p.holder(), Some((1, s2)));
     let d2 = now + 4 * MS;
     p.yield_turn(1, s2, d2, d2 - MS).unwrap();
@@ -2102,6 +2109,158 @@ fn a_latency_group_keeps_the_gpu_a_linger_past_its_drain() {
     p.tick(st3);
     p.report(2, t2, used(tst2, st3), true, st3).unwrap();
     p.take_decisions();
+}
+
+/// The linger runs from the drain the server measured, not the one it estimated when it gave its
+/// turn back: its report, arriving before the linger ends with its work drained earlier, moves
+/// the linger's end and the trainer's turn after it earlier (to the report at the earliest);
+/// a drain measured later than the estimate leaves them as they are.
+#[test]
+fn a_latency_linger_runs_from_the_measured_drain() {
+    let server = GroupParams {
+        class: GroupClass::Latency,
+        ..gp(0.5, 1.0, 1.0)
+    };
+    let mut p = policy(&[("server", server), ("train", gp(0.5, 1.0, 1.0))]);
+    p.connect(1, "server").unwrap();
+    p.connect(2, "train").unwrap();
+    let linger = p.config().latency_linger_ns();
+    p.acquire(2, 0).unwrap();
+    run_to(&mut p, 0, 100 * MS);
+    p.acquire(1, 100 * MS).unwrap();
+    let (s1, st1) = granted(&p.take_decisions(), 1);
+    p.tick(st1);
+    p.take_decisions();
+    // Given back with a drain estimate 0.4 ms late: the trainer's turn is planned a linger
+    // past the estimate.
+    let estimate = st1 + 4 * MS;
+    let drained = estimate - 400_000;
+    p.yield_turn(1, s1, estimate, st1 + 3 * MS).unwrap();
+    let (t1, tst1) = granted(&p.take_decisions(), 2);
+    assert_eq!(tst1, estimate + linger);
+    // The report tells the real drain: the trainer's turn moves to a linger past it, still
+    // opening at its start.
+    p.report(1, s1, used(st1, drained), false, drained + 50_000)
+        .unwrap();
+    let ds = p.take_decisions();
+    assert!(
+        ds.iter().any(|d| matches!(
+            d,
+            Decision::Grant {
+                client: 2,
+                token,
+                start_ns,
+                open_at_start: true,
+                ..
+            } if *token == t1 && *start_ns == drained + linger
+        )),
+        "{ds:?}"
+    );
+    // Asking within the moved linger, the server is served at once.
+    let now = drained + linger / 2;
+    let s2 = taken_back(&mut p, now, t1);
+    // A report arriving late in the linger moves the trainer's turn to the report.
+    let estimate = now + 4 * MS;
+    p.yield_turn(1, s2, estimate, now + 3 * MS).unwrap();
+    let (t2, tst2) = granted(&p.take_decisions(), 2);
+    assert_eq!(tst2, estimate + linger);
+    let at = estimate + linger / 2;
+    p.report(1, s2, used(now, estimate - MS), false, at)
+        .unwrap();
+    let ds = p.take_decisions();
+    assert!(
+        ds.iter().any(|d| matches!(
+            d,
+            Decision::Grant { client: 2, token, start_ns, .. } if *token == t2 && *start_ns == at
+        )),
+        "{ds:?}"
+    );
+    assert_eq!(p.holder(), Some((2, t2)));
+    // Drained later than estimated: the linger stays where it was.
+    run_to(&mut p, at, at + 30 * MS);
+    p.acquire(1, at + 30 * MS).unwrap();
+    let (s3, st3) = granted(&p.take_decisions(), 1);
+    p.tick(st3);
+    p.report(2, t2, used(at, st3), true, st3).unwrap();
+    p.take_decisions();
+    let estimate = st3 + 4 * MS;
+    p.yield_turn(1, s3, estimate, st3 + 3 * MS).unwrap();
+    let (_, tst3) = granted(&p.take_decisions(), 2);
+    assert_eq!(tst3, estimate + linger);
+    p.report(
+        1,
+        s3,
+        used(st3, estimate + 20_000),
+        false,
+        estimate + 60_000,
+    )
+    .unwrap();
+    let ds = p.take_decisions();
+    assert!(
+        !ds.iter().any(|d| matches!(d, Decision::Grant { .. })),
+        "{ds:?}"
+    );
+}
+
+/// A latency-class server whose turn another latency-class server's follows does not linger:
+/// that one starts at the drain, its process launching ahead as after any turn, and the first
+/// server asking again before it starts does not take it back (it returns as any group does:
+/// the turn ends a take-back after its start at the earliest).
+#[test]
+fn a_latency_group_hands_over_to_another_at_once() {
+    let server = GroupParams {
+        class: GroupClass::Latency,
+        ..gp(0.5, 1.0, 1.0)
+    };
+    let mut p = policy(&[("server1", server), ("server2", server)]);
+    p.connect(1, "server1").unwrap();
+    p.connect(2, "server2").unwrap();
+    let take_back = p.config().take_back_ns();
+    // Server 2 alone for 20 ms, then server 1 asks: server 2 stops at once, and waits for the
+    // rest of its work, ahead of server 1.
+    p.acquire(2, 0).unwrap();
+    let (s0, _) = granted(&p.take_decisions(), 2);
+    run_to(&mut p, 0, 20 * MS);
+    p.acquire(1, 20 * MS).unwrap();
+    let (s1, st1) = granted(&p.take_decisions(), 1);
+    assert_eq!(st1, 20 * MS);
+    p.tick(st1);
+    p.report(2, s0, used(0, st1), true, st1).unwrap();
+    p.take_decisions();
+    // Server 1 gives its turn back: server 2's turn starts at the drain, not opening at its
+    // start.
+    let drained = st1 + 4 * MS;
+    p.yield_turn(1, s1, drained, st1 + 3 * MS).unwrap();
+    let ds = p.take_decisions();
+    assert!(
+        ds.iter().any(|d| matches!(
+            d,
+            Decision::Grant {
+                client: 2,
+                start_ns,
+                open_at_start: false,
+                ..
+            } if *start_ns == drained
+        )),
+        "{ds:?}"
+    );
+    let (s2, _) = granted(&ds, 2);
+    // Server 1 asks again before that start: server 2's turn stays, cut a take-back after its
+    // start.
+    p.acquire(1, drained - MS / 2).unwrap();
+    let ds = p.take_decisions();
+    assert!(
+        !ds.iter().any(|d| matches!(d, Decision::Revoke { .. })),
+        "{ds:?}"
+    );
+    assert!(
+        ds.contains(&Decision::Shorten {
+            client: 2,
+            token: s2,
+            deadline_ns: drained + take_back
+        }),
+        "{ds:?}"
+    );
 }
 
 /// With requests far apart, the server lingers after each (the GPU idle a linger a request,

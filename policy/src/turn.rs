@@ -58,6 +58,20 @@ pub(super) struct Turn {
 }
 
 impl Turn {
+    /// The grant that tells its client of it (again, once it moved).
+    pub fn grant(&self) -> crate::Decision {
+        crate::Decision::Grant {
+            client: self.client,
+            token: self.token,
+            start_ns: self.start_ns,
+            deadline_ns: self.deadline_ns,
+            quota_ns: self.quota_ns,
+            queue_budget_ns: self.queue_budget_ns,
+            open_at_start: self.open_at_start,
+            just_in_time: self.just_in_time,
+        }
+    }
+
     /// When it ends (or ended).
     pub fn end(&self) -> u64 {
         self.end_ns.unwrap_or(self.deadline_ns)
