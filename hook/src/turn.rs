@@ -55,8 +55,8 @@ const ASK_AGAIN_NS: u64 = 500_000_000;
 /// connection, this process's reader thread), which only an answer proves. Half a second: a
 /// waiting process costs the scheduler at most two probes a second (15 waiters, 30 a second,
 /// where probing every half bound costs 750), and a round trip broken while the loop runs is
-/// found within half a second and the bound, as soon as a request left without a grant is
-/// sent again ([`ASK_AGAIN_NS`]).
+/// found within half a second and the bound of the last word (or the bound of a request made
+/// later than that).
 const SPARSE_PROBE_NS: u64 = 500_000_000;
 /// How far ahead of this process's clock a beat may be and still be trusted: the two read the
 /// same `CLOCK_MONOTONIC` (a beat is read after it was written), so only rounding puts one
