@@ -1,13 +1,15 @@
 //! A daemon's heartbeat, published once for all its clients: a page of shared memory (a memfd)
 //! holding one `u64`, the `CLOCK_MONOTONIC` time (ns) the daemon's event loop last ran. The
-//! daemon writes it through its own mapping ([`Publisher`]) and passes the page's descriptor
-//! to each client with the first message on its connection ([`send_with_fd`]); a client reads
-//! that descriptor ([`FdReader`]) and maps the page read-only ([`Beats`]).
+//! daemon writes it through its own mapping ([`Publisher`]) and passes a read-only descriptor of
+//! the page to each client with the first message on its connection ([`send_with_fd`]); a
+//! client reads that descriptor ([`FdReader`]) and maps the page read-only ([`Beats`]).
 //!
 //! The page is sealed before it is passed: it cannot shrink (a read past its end would kill the
 //! reader with `SIGBUS`), grow, or be written through any other descriptor or any new mapping
 //! (a client cannot forge the daemon's heartbeat for the others), and the seals cannot change.
-//! A client maps only a page that carries those seals.
+//! A client maps only a page that carries those seals. The descriptor a client gets is opened
+//! read-only besides, so that no client can write the page, map it writable or punch a hole in
+//! it whatever the seals allow.
 
 use std::io::{self, Read};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
@@ -20,10 +22,13 @@ const LEN: usize = std::mem::size_of::<u64>();
 const SEALS: libc::c_int =
     libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
 
-/// The daemon's side: the page, mapped writable, and its descriptor for the clients.
+/// The daemon's side: the page, mapped writable, and a read-only descriptor of it for the
+/// clients.
 #[derive(Debug)]
 pub struct Publisher {
     fd: OwnedFd,
+    /// The page opened again read-only: what is passed to clients.
+    shared: OwnedFd,
     beat: NonNull<AtomicU64>,
 }
 
@@ -49,6 +54,7 @@ impl Publisher {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
             return Err(io::Error::last_os_error());
         }
+        let shared = reopen_read_only(&fd)?;
         // SAFETY: a new shared mapping of `size` bytes of our memfd (as long as the file);
         // checked for failure below, unmapped on drop.
         let at = unsafe {
@@ -66,7 +72,7 @@ impl Publisher {
         }
         let beat = NonNull::new(at.cast::<AtomicU64>())
             .ok_or_else(|| io::Error::other("mapped at null"))?;
-        let publisher = Publisher { fd, beat };
+        let publisher = Publisher { fd, shared, beat };
         // After the writable mapping: the future-write seal keeps it, and forbids any other.
         // SAFETY: fcntl(F_ADD_SEALS) on our own memfd, no pointers.
         if unsafe { libc::fcntl(publisher.fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
@@ -81,10 +87,23 @@ impl Publisher {
         unsafe { self.beat.as_ref() }.store(now_ns, Ordering::Release);
     }
 
-    /// The page's descriptor, to pass to clients.
+    /// The page's read-only descriptor, to pass to clients.
     pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.fd.as_fd()
+        self.shared.as_fd()
     }
+}
+
+/// `fd` opened again, read-only (a new open file description of the same memfd, through
+/// `/proc/self/fd`).
+fn reopen_read_only(fd: &OwnedFd) -> io::Result<OwnedFd> {
+    let path = format!("/proc/self/fd/{}\0", fd.as_raw_fd());
+    // SAFETY: open with a NUL-terminated path; the descriptor is owned from here.
+    let ro = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if ro < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `ro` is a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(ro) })
 }
 
 impl Drop for Publisher {
@@ -163,7 +182,8 @@ fn page_size() -> usize {
     usize::try_from(n).unwrap_or(4096).max(LEN)
 }
 
-/// Room for the control message of up to four descriptors.
+/// Room for one control message: 64 bytes, up to twelve descriptors on 64-bit Linux
+/// (`CMSG_SPACE(12 · 4)`); a message with more is cut short (`MSG_CTRUNC`).
 type Control = [u64; 8];
 
 /// Write what `socket` takes of `bytes` now, without blocking, passing `fd` with them
@@ -206,6 +226,8 @@ pub fn send_with_fd(
 
 /// Reads a Unix stream socket, keeping the first descriptor passed with what it reads (others
 /// are closed): for the first message on a connection, which may bring the daemon's heartbeat.
+/// Descriptors whose control message was cut short (`MSG_CTRUNC`: out of descriptors, or more
+/// than [`Control`] holds) are all closed: no page.
 #[derive(Debug)]
 pub struct FdReader<'a, S: AsRawFd> {
     socket: &'a S,
@@ -240,6 +262,7 @@ impl<S: AsRawFd> Read for FdReader<'_, S> {
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
+        let truncated = msg.msg_flags & libc::MSG_CTRUNC != 0;
         // SAFETY: walking the control messages the kernel wrote into `control` (msg points at
         // it, msg_controllen says how much) with the CMSG macros; each SCM_RIGHTS message's
         // data holds (cmsg_len - CMSG_LEN(0)) / 4 descriptors, now ours.
@@ -248,10 +271,11 @@ impl<S: AsRawFd> Read for FdReader<'_, S> {
             while !cmsg.is_null() {
                 if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
                     let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
-                    let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    let bytes =
+                        ((*cmsg).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
                     for i in 0..bytes / size_of::<libc::c_int>() {
                         let fd = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i)));
-                        if self.fd.is_none() {
+                        if self.fd.is_none() && !truncated {
                             self.fd = Some(fd);
                         }
                     }
@@ -295,17 +319,38 @@ mod tests {
         assert_eq!(&one, b"x");
     }
 
-    /// A client cannot write the page (through its descriptor, or by mapping it writable),
-    /// shrink it, or lift the seals; an unsealed memfd is not mapped.
+    /// A client cannot write the page (through its descriptor, by mapping it writable, or by
+    /// making a read-only mapping writable), shrink it, punch a hole in it, or lift the seals;
+    /// its descriptor is read-only; an unsealed memfd is not mapped.
     #[test]
     fn the_page_is_sealed_against_clients() {
         let p = Publisher::new().unwrap();
         let fd = p.fd().try_clone_to_owned().unwrap();
         let raw = fd.as_raw_fd();
-        // SAFETY: system calls on a descriptor we own, with live local buffers.
+        // SAFETY: system calls on a descriptor we own, with live local buffers; the read-only
+        // mapping made here is unmapped before the block ends.
         unsafe {
+            assert_eq!(
+                libc::fcntl(raw, libc::F_GETFL) & libc::O_ACCMODE,
+                libc::O_RDONLY
+            );
             assert_eq!(libc::pwrite(raw, [1u8; 8].as_ptr().cast(), 8, 0), -1);
             assert_eq!(libc::ftruncate(raw, 0), -1);
+            let hole = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+            assert_eq!(libc::fallocate(raw, hole, 0, 8), -1, "a hole punched");
+            let r = libc::mmap(
+                std::ptr::null_mut(),
+                8,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                raw,
+                0,
+            );
+            assert_ne!(r, libc::MAP_FAILED);
+            let page = page_size();
+            let rw = libc::PROT_READ | libc::PROT_WRITE;
+            assert_eq!(libc::mprotect(r, page, rw), -1, "made writable");
+            libc::munmap(r, page);
             let w = libc::mmap(
                 std::ptr::null_mut(),
                 8,
@@ -319,11 +364,57 @@ mod tests {
         }
         assert!(Beats::map(&fd).is_ok());
 
-        // SAFETY: memfd_create with a NUL-terminated name; owned at once.
-        let plain =
-            unsafe { OwnedFd::from_raw_fd(libc::memfd_create(c"x".as_ptr(), libc::MFD_CLOEXEC)) };
+        // SAFETY: memfd_create with a NUL-terminated name, no pointers kept.
+        let raw = unsafe { libc::memfd_create(c"x".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0, "memfd_create: {}", io::Error::last_os_error());
+        // SAFETY: a new descriptor nothing else owns.
+        let plain = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: ftruncate on our own memfd.
         assert_eq!(unsafe { libc::ftruncate(plain.as_raw_fd(), 4096) }, 0);
         assert!(Beats::map(&plain).is_err(), "an unsealed page");
+    }
+
+    /// A control message cut short (more descriptors than [`Control`] holds) brings no page:
+    /// the bytes are read, the descriptors that came are closed.
+    #[test]
+    fn a_control_message_cut_short_brings_no_page() {
+        // SAFETY: CMSG_SPACE takes no pointers.
+        let space = |n: usize| unsafe { libc::CMSG_SPACE((n * size_of::<libc::c_int>()) as u32) };
+        assert!(space(12) as usize <= size_of::<Control>());
+        let too_many = (1..)
+            .find(|&n| space(n) as usize > size_of::<Control>())
+            .unwrap();
+        let p = Publisher::new().unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        let fds = vec![p.fd().as_raw_fd(); too_many];
+        let mut control = vec![0u64; 64];
+        let mut iov = libc::iovec {
+            iov_base: b"w".as_ptr() as *mut libc::c_void,
+            iov_len: 1,
+        };
+        // SAFETY: as in `send_with_fd`, with a control buffer of 512 bytes, room for the
+        // message of `too_many` descriptors.
+        let n = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = space(too_many) as _;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN((too_many * size_of::<libc::c_int>()) as u32) as _;
+            let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+            for (i, fd) in fds.iter().enumerate() {
+                std::ptr::write_unaligned(data.add(i), *fd);
+            }
+            libc::sendmsg(a.as_raw_fd(), &msg, 0)
+        };
+        assert_eq!(n, 1, "sendmsg: {}", io::Error::last_os_error());
+        let mut r = FdReader::new(&b);
+        let mut got = [0u8; 1];
+        r.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"w");
+        assert!(r.fd.is_none(), "a page from a control message cut short");
     }
 }

@@ -94,7 +94,8 @@ pub struct Gate {
     drain_grace_ns: u64,
     /// Launchers waiting in `wait_for_queue` for their queued work: busy, not idle.
     pacing: AtomicU32,
-    /// Launchers waiting for a turn: this process has work.
+    /// Launchers waiting for a turn: this process has work. Changed only under `inner`'s
+    /// lock, so that a read under it is exact.
     waiters: AtomicU32,
     inner: Mutex<Inner>,
     changed: Condvar,

@@ -18,7 +18,8 @@
 //! bound (the scheduler's quota plus its grace, 40 ms by default, or `GPUSHARE_LIVENESS`),
 //! and a scheduler that is well answers at once. A beat of the scheduler's heartbeat (its event
 //! loop ran, [`Turns::heartbeat`]) since then stands in for the answer: no probe until half the
-//! bound after the latest beat. Unanswered for the other half — the daemon
+//! bound after the latest beat, and at least one every [`SPARSE_PROBE_NS`] without a word (a
+//! beat does not prove this connection's round trip). Unanswered for the other half — the daemon
 //! stopped, starved or swapped out — it is taken to be unresponsive, and `GPUSHARE_FAIL`
 //! decides: `open` launches without a turn ([`Token::Ungated`]: the device's own time-slicing
 //! among the processes that do the same), probing every bound; `closed` goes on waiting. The
@@ -48,6 +49,20 @@ const GRANT_WAIT_NS: u64 = 100_000_000;
 /// A request for a turn left without a grant this long is sent again (the scheduler may have
 /// taken this process for a stopped one).
 const ASK_AGAIN_NS: u64 = 500_000_000;
+/// A waiter that has heard nothing about its GPU for this long probes even while the
+/// scheduler's heartbeat is fresh: a beat proves only that the scheduler's event loop runs,
+/// not this connection's round trip (this process's writer, the scheduler reading this
+/// connection, this process's reader thread), which only an answer proves. Half a second: a
+/// waiting process costs the scheduler at most two probes a second (15 waiters, 30 a second,
+/// where probing every half bound costs 750), and a round trip broken while the loop runs is
+/// found within half a second and the bound of the last word (or the bound of a request made
+/// later than that).
+const SPARSE_PROBE_NS: u64 = 500_000_000;
+/// How far ahead of this process's clock a beat may be and still be trusted: the two read the
+/// same `CLOCK_MONOTONIC` (a beat is read after it was written), so only rounding puts one
+/// ahead; one further ahead is from a clock this process does not share (another time
+/// namespace), and the waiter probes.
+const BEAT_SLACK_NS: u64 = 1_000_000;
 
 /// A turn granted by the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,15 +272,16 @@ struct Liveness {
     /// When the latest probe was sent.
     probed_at: Option<u64>,
     /// When the scheduler's event loop last ran, as its heartbeat said ([`Turns::heartbeat`]):
-    /// a heartbeat after the last word stands in for an answer (no probe is sent).
+    /// a heartbeat after the last word stands in for an answer (no probe is sent) until the
+    /// last word is [`SPARSE_PROBE_NS`] old.
     beat_at: u64,
 }
 
 impl Liveness {
-    /// A probe is out: sent after the last word from the scheduler (and the last request).
+    /// A probe is out: sent after the last word from the scheduler (a request sent again
+    /// meanwhile does not answer it).
     fn probe_out(&self) -> Option<u64> {
-        self.probed_at
-            .filter(|&p| p > self.heard_at && p >= self.asked_at)
+        self.probed_at.filter(|&p| p > self.heard_at)
     }
 }
 
@@ -445,15 +461,21 @@ impl Turns {
             }
             Some(p) => p.saturating_add(half),
             None => {
-                // The scheduler's heartbeat since the last word vouches for it: no probe
-                // until half the bound after the latest beat.
-                let quiet = l.heard_at.max(l.asked_at).max(l.beat_at);
-                if now >= quiet.saturating_add(half) {
+                // The scheduler's heartbeat since the last word vouches for its event loop:
+                // no probe until half the bound after the latest beat, for as long as the last
+                // word is less than SPARSE_PROBE_NS old (only an answer proves the round trip).
+                let heard = l.heard_at.max(l.asked_at);
+                let sparse_at = l.heard_at.saturating_add(SPARSE_PROBE_NS);
+                let mut due = heard.saturating_add(half);
+                if now < sparse_at {
+                    due = due.max(l.beat_at.saturating_add(half).min(sparse_at));
+                }
+                if now >= due {
                     l.probed_at = Some(now);
                     self.said.push(Say::Probe);
                     now.saturating_add(half)
                 } else {
-                    quiet.saturating_add(half)
+                    due
                 }
             }
         };
@@ -492,11 +514,12 @@ impl Turns {
 
     /// The scheduler's heartbeat, read at `now`, says its event loop last ran at `at`. A
     /// waiter that has heard nothing for half the bound probes only if that too is half the
-    /// bound old; a beat is no answer to a probe already out (the answer, or the bound, ends
-    /// that). A beat further ahead of `now` than the bound is from a clock this process does
-    /// not share, and is not trusted.
+    /// bound old, or if it has heard nothing for [`SPARSE_PROBE_NS`]; a beat is no answer to a
+    /// probe already out (the answer, or the bound, ends that). A beat more than
+    /// [`BEAT_SLACK_NS`] ahead of `now` is from a clock this process does not share, and is
+    /// not trusted.
     pub fn heartbeat(&mut self, at: u64, now: u64) {
-        if at <= now.saturating_add(self.liveness.bound_ns) {
+        if at <= now.saturating_add(BEAT_SLACK_NS) {
             let l = &mut self.liveness;
             l.beat_at = l.beat_at.max(at.min(now));
         }

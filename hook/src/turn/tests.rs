@@ -852,8 +852,9 @@ fn beating(now: u64, late: u64) -> u64 {
     (now.saturating_sub(late) / quarter * quarter + late).min(now)
 }
 
-/// A scheduler whose heartbeat runs needs no probe: the launcher waits as long as the
-/// schedule says without one, and is never ungated, however late in its quarter each beat is.
+/// A scheduler whose heartbeat runs stands in for all but one probe every
+/// [`SPARSE_PROBE_NS`] without a word: the launcher waits as long as the schedule says, and
+/// is never ungated, however late in its quarter each beat is.
 #[test]
 fn a_running_heartbeat_stands_in_for_probes() {
     for late in [0, MS, LIVENESS / 4 - 1] {
@@ -863,12 +864,55 @@ fn a_running_heartbeat_stands_in_for_probes() {
             3 * MS,
             2 * S,
             |now| Some(beating(now, late)),
-            |_| panic!("a probe while the heartbeat runs"),
+            |at| {
+                assert_eq!(at % SPARSE_PROBE_NS, 0, "a probe at {at} while beats come");
+                true
+            },
             Some(2 * S),
         );
-        assert_eq!((admitted, probes), (Some(2 * S), 0), "late {late}");
+        assert_eq!((admitted, probes), (Some(2 * S), 3), "late {late}");
         assert!(matches!(t.token(), Token::Held(_)));
     }
+}
+
+/// A fresh heartbeat with the connection's round trip broken (the scheduler's loop runs, but
+/// this process's probes are never answered: its writer or reader stuck, or the loop
+/// neglecting this connection): the sparse probe goes unanswered, and the waiter is ungated
+/// (fail-open) within [`SPARSE_PROBE_NS`] and the bound of the last word, wherever the
+/// request and the last word fall; fail-closed, it is overdue as soon.
+#[test]
+fn a_fresh_heartbeat_without_answers_ungates_within_the_sparse_interval_and_the_bound() {
+    let mut rng = Rng::new(31);
+    for _ in 0..2_000 {
+        let heard = rng.below(S);
+        let asked = heard + rng.below(SPARSE_PROBE_NS + LIVENESS);
+        let mut t = Turns::new(CFG, LIVENESS);
+        t.connected(heard);
+        assert_eq!(t.admit(asked, &mut Waiter::default()), Step::Ask);
+        t.asked(true, asked);
+        let (admitted, probes) = wait_with_heartbeat(&mut t, asked, 10 * S, Some, |_| false, None);
+        let admitted = admitted.expect("admitted");
+        // The sparse probe, or half the bound after a request sent that late.
+        let probed = (heard + SPARSE_PROBE_NS).max(asked + LIVENESS / 2);
+        assert!(
+            admitted <= probed + LIVENESS / 2,
+            "heard at {heard}, asked at {asked}: admitted at {admitted}"
+        );
+        assert!(
+            admitted >= heard + SPARSE_PROBE_NS,
+            "ungated at {admitted} while beats came"
+        );
+        assert_eq!(probes, 1);
+        assert_eq!(t.token(), Token::Ungated);
+    }
+    let closed = TurnConfig {
+        fail_open: false,
+        ..CFG
+    };
+    let mut t = waiting(closed, 0);
+    let (admitted, _) = wait_with_heartbeat(&mut t, 0, 2 * S, Some, |_| false, None);
+    assert_eq!(admitted, None, "fail-closed waits on");
+    assert!(t.overdue(SPARSE_PROBE_NS + LIVENESS));
 }
 
 /// A heartbeat that stops (the scheduler frozen, or starved of CPU): the launcher probes half
@@ -910,7 +954,8 @@ fn a_stopped_heartbeat_is_probed_and_ungates_within_the_bound() {
 }
 
 /// Without a heartbeat (none published, or a page that could not be mapped) the waiter probes
-/// as before; a beat from a clock it does not share (far ahead of its own) is not trusted.
+/// every half bound of silence; a beat more than [`BEAT_SLACK_NS`] ahead of its own clock
+/// (from a clock it does not share) is not trusted, one within it is.
 #[test]
 fn without_a_trusted_heartbeat_the_waiter_probes() {
     let mut t = waiting(CFG, 0);
@@ -918,9 +963,16 @@ fn without_a_trusted_heartbeat_the_waiter_probes() {
     assert_eq!(probes, 14, "one per half bound of silence");
 
     let mut t = waiting(CFG, 0);
-    let ahead = |now: u64| Some(now + LIVENESS + MS);
+    let ahead = |now: u64| Some(now + BEAT_SLACK_NS + 1);
     let (admitted, probes) = wait_with_heartbeat(&mut t, 0, S, ahead, |_| false, None);
     assert_eq!((admitted, probes), (Some(LIVENESS), 1));
+
+    let mut t = waiting(CFG, 0);
+    let slack = |now: u64| Some(now + BEAT_SLACK_NS);
+    let (admitted, probes) = wait_with_heartbeat(&mut t, 0, S, slack, |_| false, None);
+    // Its sparse probe half a bound after the request sent again at 0.5 s, ungated half a
+    // bound later.
+    assert_eq!((admitted, probes), (Some(SPARSE_PROBE_NS + LIVENESS), 1));
 }
 
 /// A request left without a grant (its probes answered) is sent again after a while: the
