@@ -55,23 +55,8 @@ impl Publisher {
             return Err(io::Error::last_os_error());
         }
         let shared = reopen_read_only(&fd)?;
-        // SAFETY: a new shared mapping of `size` bytes of our memfd (as long as the file);
-        // checked for failure below, unmapped on drop.
-        let at = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if at == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let beat = NonNull::new(at.cast::<AtomicU64>())
-            .ok_or_else(|| io::Error::other("mapped at null"))?;
+        // Our memfd is `size` bytes long; unmapped on drop.
+        let beat = map_shared(&fd, size, libc::PROT_READ | libc::PROT_WRITE)?;
         let publisher = Publisher { fd, shared, beat };
         // After the writable mapping: the future-write seal keeps it, and forbids any other.
         // SAFETY: fcntl(F_ADD_SEALS) on our own memfd, no pointers.
@@ -91,6 +76,27 @@ impl Publisher {
     pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.shared.as_fd()
     }
+}
+
+/// A new shared mapping of the first `len` bytes of `fd`, which the caller has made sure the
+/// file holds for as long as the mapping lives; the caller unmaps it.
+fn map_shared(fd: &OwnedFd, len: usize, prot: libc::c_int) -> io::Result<NonNull<AtomicU64>> {
+    // SAFETY: a new mapping at an address the kernel chooses, of a descriptor we hold; checked
+    // for failure below.
+    let at = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            prot,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if at == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    NonNull::new(at.cast::<AtomicU64>()).ok_or_else(|| io::Error::other("mapped at null"))
 }
 
 /// `fd` opened again, read-only (a new open file description of the same memfd, through
@@ -141,23 +147,8 @@ impl Beats {
         if size < LEN as libc::off_t {
             return Err(io::Error::other("a heartbeat page too small"));
         }
-        // SAFETY: a new read-only shared mapping of the first LEN bytes of a file that cannot
-        // shrink; checked for failure below, unmapped on drop.
-        let at = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                LEN,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if at == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let beat = NonNull::new(at.cast::<AtomicU64>())
-            .ok_or_else(|| io::Error::other("mapped at null"))?;
+        // The first LEN bytes of a file that cannot shrink, read-only; unmapped on drop.
+        let beat = map_shared(fd, LEN, libc::PROT_READ)?;
         Ok(Beats { beat })
     }
 
