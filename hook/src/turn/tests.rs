@@ -79,12 +79,18 @@ fn given_back_idle(t: &mut Turns, at: u64, launches: u64) {
     t.end_close(turn, at, false);
 }
 
-#[test]
-fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
+/// A process whose first launch asked for a turn at time 0, the request sent.
+fn asked_at_zero() -> (Turns, Waiter) {
     let mut t = Turns::new(CFG, LIVENESS);
     let mut w = Waiter::default();
     assert_eq!(t.admit(0, &mut w), Step::Ask);
     t.asked(true, 0);
+    (t, w)
+}
+
+#[test]
+fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
+    let (mut t, mut w) = asked_at_zero();
     assert_eq!(
         t.admit(0, &mut w),
         Step::Wait {
@@ -138,10 +144,7 @@ fn a_turn_opens_a_lead_before_its_start_and_closes_before_its_deadline() {
 /// start.
 #[test]
 fn a_turn_after_a_latency_linger_opens_at_its_start() {
-    let mut t = Turns::new(CFG, LIVENESS);
-    let mut w = Waiter::default();
-    assert_eq!(t.admit(0, &mut w), Step::Ask);
-    t.asked(true, 0);
+    let (mut t, mut w) = asked_at_zero();
     t.grant(1, 30 * MS, 50 * MS, plan(true), MS);
     assert_eq!(t.admit(MS, &mut w), Step::Wait { until_ns: 30 * MS });
     t.grant(1, 10 * MS, 30 * MS, plan(true), 2 * MS);
@@ -243,10 +246,7 @@ fn a_revoked_open_turn_admits_nothing_until_closed_and_reported() {
 
 #[test]
 fn a_turn_withdrawn_before_it_opened_is_asked_for_again() {
-    let mut t = Turns::new(CFG, LIVENESS);
-    let mut w = Waiter::default();
-    assert_eq!(t.admit(0, &mut w), Step::Ask);
-    t.asked(true, 0);
+    let (mut t, mut w) = asked_at_zero();
     t.grant(3, 10 * MS, 30 * MS, plan(false), 0);
     // No launcher waits for it any more: forgotten, the next launcher asks.
     t.revoke(3, false, MS);
@@ -266,10 +266,7 @@ fn a_turn_withdrawn_before_it_opened_is_asked_for_again() {
 /// would have the scheduler take the process out of its queue, a turn lost each time).
 #[test]
 fn a_turn_withdrawn_while_a_launcher_waits_is_asked_for_again_and_the_next_grant_taken() {
-    let mut t = Turns::new(CFG, LIVENESS);
-    let mut w = Waiter::default();
-    assert_eq!(t.admit(0, &mut w), Step::Ask);
-    t.asked(true, 0);
+    let (mut t, mut w) = asked_at_zero();
     t.grant(3, 10 * MS, 30 * MS, plan(false), 0);
     assert!(matches!(t.admit(MS, &mut w), Step::Wait { .. }));
     t.revoke(3, true, 2 * MS);

@@ -21,6 +21,15 @@ fn client_a(w: &mut World) -> ConnId {
     c
 }
 
+/// Client a, then a second process (uid 1001) greeted after it.
+fn clients_a_and_b(w: &mut World) -> (ConnId, ConnId) {
+    let a = client_a(w);
+    let b = w.connect(1001, None);
+    w.complete_all();
+    w.hello(b, None);
+    (a, b)
+}
+
 fn reserve(w: &mut World, c: ConnId, mib: u64) -> u64 {
     let req = w.req(c);
     w.send(
@@ -451,10 +460,7 @@ fn a_reload_changes_caps_and_removes_the_groups_it_drops() {
 #[test]
 fn turns_are_granted_and_a_departure_hands_the_gpu_on() {
     let mut w = World::new(CONFIG, false);
-    let a = client_a(&mut w);
-    let b = w.connect(1001, None);
-    w.complete_all();
-    w.hello(b, None);
+    let (a, b) = clients_a_and_b(&mut w);
     w.send(a, ClientMsg::Acquire { gpu: GPU });
     w.send(b, ClientMsg::Acquire { gpu: GPU });
     assert!(matches!(last(&w, a), Some(ServerMsg::Grant { .. })));
@@ -471,10 +477,7 @@ fn turns_are_granted_and_a_departure_hands_the_gpu_on() {
 #[test]
 fn the_heartbeat_is_due_every_quarter_bound_while_a_process_waits_for_a_turn() {
     let mut w = World::new(CONFIG, false);
-    let a = client_a(&mut w);
-    let b = w.connect(1001, None);
-    w.complete_all();
-    w.hello(b, None);
+    let (a, b) = clients_a_and_b(&mut w);
     assert_eq!(w.node.heartbeat_every(), None, "nobody waits");
     w.send(a, ClientMsg::Acquire { gpu: GPU });
     assert!(matches!(last(&w, a), Some(ServerMsg::Grant { .. })));
@@ -593,10 +596,7 @@ fn a_late_loop_grants_the_next_turn_earlier_by_its_lateness() {
     // timer fired that late just before.
     let granted_after = |late: u64, forgotten: bool| {
         let mut w = World::new(CONFIG, false);
-        let a = client_a(&mut w);
-        let b = w.connect(1001, None);
-        w.complete_all();
-        w.hello(b, None);
+        let (a, b) = clients_a_and_b(&mut w);
         let now = w.now;
         w.node.note_timer_lateness(late, now);
         if forgotten {
@@ -897,10 +897,7 @@ fn overcommitted(extra: &str) -> (World, ConnId, ConnId) {
     let config =
         format!("memory_overcommit = 2\n[overcommit]\nwait = \"100ms\"\n{extra}\n{CONFIG}");
     let mut w = World::new(&config, false);
-    let a = client_a(&mut w);
-    let b = w.connect(1001, None);
-    w.complete_all();
-    w.hello(b, None);
+    let (a, b) = clients_a_and_b(&mut w);
     w.send(
         a,
         ClientMsg::MemTotal {
@@ -1315,10 +1312,7 @@ fn caps_past_the_overcommit_ratio_leave_the_group_that_came_last_what_is_left() 
     // a (1 GiB) came before b (512 MiB); caps may sum to 1.5 x 768 MiB = 1152 MiB.
     let config = format!("memory_overcommit = 1.5\n{CONFIG}");
     let mut w = World::new(&config, false);
-    let a = client_a(&mut w);
-    let b = w.connect(1001, None);
-    w.complete_all();
-    w.hello(b, None);
+    let (a, b) = clients_a_and_b(&mut w);
     assert_eq!(
         cap_of(&mut w, b),
         Some(512 * MIB),
